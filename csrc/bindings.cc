@@ -1,0 +1,138 @@
+// The one file that knows about Python: converts arrays to (pointer, count, dtype),
+// releases the GIL around the core, and maps C++ exceptions to Python ones. It
+// decides nothing; validation lives in ringreduce/ and the algorithm in the core.
+#include <mpi.h>
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstdint>
+
+#include "errors.h"
+#include "reduce.h"
+#include "ring_communicator.h"
+#include "ring_schedule.h"
+
+namespace py = pybind11;
+using namespace ringreduce;
+
+namespace {
+
+MPI_Comm comm_from_address(uintptr_t address) {
+  // MPI._addressof(comm) is the address of the handle inside the mpi4py object: an
+  // int for MPICH, a pointer for Open MPI; dereferencing as MPI_Comm is right for both.
+  return *reinterpret_cast<MPI_Comm*>(address);
+}
+
+std::string mpi_library_version() {
+  char text[MPI_MAX_LIBRARY_VERSION_STRING] = {0};
+  int len = 0;
+  MPI_Get_library_version(text, &len);
+  return std::string(text, len);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_core, m) {
+  m.doc() = "ringreduce's C++ core: ring collectives over MPI (use the ringreduce package)";
+  py::register_exception<MismatchError>(m, "MismatchError", PyExc_RuntimeError);
+  py::register_exception<MpiError>(m, "MPIError", PyExc_RuntimeError);
+
+  py::list dtypes, ops;
+  for (int d = 0; d < kNumDTypes; ++d) dtypes.append(dtype_name(static_cast<DType>(d)));
+  for (int o = 0; o < kNumOps; ++o) ops.append(op_name(static_cast<Op>(o)));
+  m.attr("DTYPES") = dtypes;  // index = the core's dtype code
+  m.attr("OPS") = ops;        // index = the core's op code
+  py::dict collectives;
+  for (Collective c : {Collective::AllReduce, Collective::ReduceScatter, Collective::AllGather,
+                       Collective::Broadcast})
+    collectives[collective_name(c)] = static_cast<int>(c);
+  m.attr("COLLECTIVES") = collectives;
+  m.attr("DEFAULT_CHUNK_BYTES") = RingCommunicator::kDefaultChunkBytes;
+  m.attr("MAX_CHUNK_BYTES") = Transport::kMaxMessageBytes;
+  m.def("mpi_library_version", &mpi_library_version,
+        "MPI_Get_library_version() of the MPI this extension was linked against");
+  m.def("op_supported", [](int dtype, int op) { return op_supported(DType(dtype), Op(op)); });
+
+  m.def(
+      "reduce",
+      [](py::array out, py::array a, py::array b, int dtype, int op) {
+        void* dst = out.mutable_data();
+        const void* pa = a.data();
+        const void* pb = b.data();
+        const int64_t n = out.size();
+        py::gil_scoped_release nogil;
+        reduce(DType(dtype), Op(op), dst, pa, pb, n);
+      },
+      "out = a OP b with the core's kernels (contiguous arrays of one dtype, checked by the caller)");
+  m.def(
+      "divide",
+      [](py::array data, int dtype, int64_t divisor) {
+        void* p = data.mutable_data();
+        const int64_t n = data.size();
+        py::gil_scoped_release nogil;
+        divide(DType(dtype), p, n, divisor);
+      },
+      "data /= divisor in place with the core's kernels");
+  m.def("segment_of", [](int rank, int size, int64_t count) {
+    const Span s = RingCommunicator::segment_of(rank, size, count);
+    return py::make_tuple(s.offset, s.count);
+  });
+
+  py::class_<RingCommunicator>(m, "RingCommunicator")
+      .def(py::init([](uintptr_t comm_address) {
+             return new RingCommunicator(comm_from_address(comm_address));
+           }),
+           py::arg("comm_address"))
+      .def_property_readonly("rank", &RingCommunicator::rank)
+      .def_property_readonly("size", &RingCommunicator::size)
+      .def_property_readonly("closed", &RingCommunicator::closed)
+      .def("allreduce",
+           [](RingCommunicator& self, py::array x, py::array out, int dtype, int op,
+              int64_t chunk_bytes) {
+             const void* in = x.data();
+             void* dst = out.mutable_data();
+             const int64_t n = x.size();
+             py::gil_scoped_release nogil;
+             self.allreduce(in, dst, n, DType(dtype), Op(op), chunk_bytes);
+           })
+      .def("reduce_scatter",
+           [](RingCommunicator& self, py::array x, py::array work, int dtype, int op,
+              int64_t chunk_bytes) {
+             const void* in = x.data();
+             void* dst = work.mutable_data();
+             const int64_t n = x.size();
+             py::gil_scoped_release nogil;
+             self.reduce_scatter(in, dst, n, DType(dtype), Op(op), chunk_bytes);
+           })
+      .def("allgather_counts",
+           [](RingCommunicator& self, int64_t rows, int64_t row_elems, int64_t shape_tag,
+              int dtype, int64_t chunk_bytes) {
+             py::gil_scoped_release nogil;
+             return self.allgather_counts(rows, row_elems, shape_tag, DType(dtype), chunk_bytes);
+           })
+      .def("allgather",
+           [](RingCommunicator& self, py::array x, py::array out,
+              const std::vector<int64_t>& row_counts, int64_t row_elems, int dtype) {
+             const void* in = x.data();
+             void* dst = out.mutable_data();
+             py::gil_scoped_release nogil;
+             self.allgather(in, dst, row_counts, row_elems, DType(dtype));
+           })
+      .def("broadcast",
+           [](RingCommunicator& self, py::array buf, int dtype, int root, int64_t chunk_bytes) {
+             void* p = buf.mutable_data();
+             const int64_t n = buf.size();
+             py::gil_scoped_release nogil;
+             self.broadcast(p, n, DType(dtype), root, chunk_bytes);
+           })
+      .def("announce_invalid",
+           [](RingCommunicator& self, int collective, int64_t chunk_bytes) {
+             py::gil_scoped_release nogil;
+             self.announce_invalid(Collective(collective), chunk_bytes);
+           })
+      .def("close", [](RingCommunicator& self) {
+        py::gil_scoped_release nogil;
+        self.close();
+      });
+}

@@ -1,0 +1,50 @@
+// The MPI wire under the ring: non-blocking point-to-point messages to the right
+// neighbour and from the left one, on a private duplicate of the user's communicator
+// so that our messages can never match the user's receives or theirs ours.
+#pragma once
+
+#include <mpi.h>
+
+#include <vector>
+
+#include "transport.h"
+
+namespace ringreduce {
+
+// Throws MpiError naming the call, the rank and MPI's error string unless rc is
+// MPI_SUCCESS.
+void check_mpi(int rc, const char* call, int rank);
+
+class MpiTransport final : public Transport {
+ public:
+  // Collective over user_comm (MPI_Comm_dup). MPI must already be initialised:
+  // mpi4py owns MPI_Init and MPI_Finalize, never us.
+  explicit MpiTransport(MPI_Comm user_comm);
+  ~MpiTransport() override;
+  MpiTransport(const MpiTransport&) = delete;
+  MpiTransport& operator=(const MpiTransport&) = delete;
+
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  Request send_right(const void* buf, int64_t bytes, int tag) override;
+  Request recv_left(void* buf, int64_t bytes, int tag) override;
+  void wait(Request request) override;
+  void wait_all() override;
+
+  // Every rank's `bytes` bytes, in rank order, on every rank.
+  void allgather_bytes(const void* mine, void* all, int bytes);
+  // Frees the duplicate communicator now (collective); later use throws.
+  void free();
+
+ private:
+  void check(int rc, const char* call) const { check_mpi(rc, call, rank_); }
+  int wrap_tag(int tag) const { return tag % (tag_ub_ + 1); }
+
+  MPI_Comm comm_ = MPI_COMM_NULL;
+  int rank_ = 0;
+  int size_ = 1;
+  int tag_ub_ = 32767;  // the least MPI guarantees; replaced by the real bound
+  std::vector<MPI_Request> requests_;  // Request = index; reset by wait_all()
+};
+
+}  // namespace ringreduce

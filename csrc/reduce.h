@@ -1,0 +1,32 @@
+// Element-wise reduction kernels, one per dtype x op.
+//
+// Every kernel computes dst[i] = a[i] OP b[i] with numpy's semantics, so that the
+// C++ ring and the numpy reference (ringreduce/reference.py) agree bit for bit:
+//   - integers wrap on overflow (computed in unsigned arithmetic: no C++ UB);
+//   - float16 and bfloat16 are widened to float32, combined, and rounded once
+//     (round to nearest even), exactly what numpy and ml_dtypes do per operation;
+//   - min/max propagate NaN like np.minimum/np.maximum (a NaN in a wins first);
+//   - complex products are (ar*br - ai*bi, ar*bi + ai*br), with no FMA contraction.
+// dst may alias a (in-place reduction); b never aliases either.
+#pragma once
+
+#include <cstdint>
+
+#include "dtype.h"
+
+namespace ringreduce {
+
+// dst = a OP b over n elements. Op::Avg reduces as Op::Sum (see divide()).
+void reduce(DType dtype, Op op, void* dst, const void* a, const void* b, int64_t n);
+
+// data /= divisor, element-wise; complex numbers divide each component. Used once,
+// on the rank's own fully reduced segment, to turn a sum into an average.
+void divide(DType dtype, void* data, int64_t n, int64_t divisor);
+
+// The rounding rules above, exposed for tests.
+float half_to_float(uint16_t h);
+uint16_t float_to_half(float f);
+float bfloat16_to_float(uint16_t h);
+uint16_t float_to_bfloat16(float f);
+
+}  // namespace ringreduce

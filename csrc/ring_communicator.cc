@@ -1,0 +1,280 @@
+#include "ring_communicator.h"
+
+#include <algorithm>
+#include <cstring>
+#include <functional>
+#include <map>
+#include <sstream>
+
+#include "errors.h"
+#include "reduce.h"
+
+namespace ringreduce {
+
+const char* collective_name(Collective c) {
+  switch (c) {
+    case Collective::AllReduce: return "allreduce";
+    case Collective::ReduceScatter: return "reduce_scatter";
+    case Collective::AllGather: return "allgather";
+    case Collective::Broadcast: return "broadcast";
+  }
+  return "<unknown collective>";
+}
+
+namespace {
+
+// "rank 3", "ranks 0-2, 5"
+std::string describe_ranks(const std::vector<int>& ranks) {
+  std::ostringstream out;
+  out << (ranks.size() == 1 ? "rank " : "ranks ");
+  for (size_t i = 0; i < ranks.size();) {
+    size_t j = i;
+    while (j + 1 < ranks.size() && ranks[j + 1] == ranks[j] + 1) ++j;
+    if (i > 0) out << ", ";
+    out << ranks[i];
+    if (j > i) out << (j == i + 1 ? ", " : "-") << ranks[j];
+    i = j + 1;
+  }
+  return out.str();
+}
+
+// Groups ranks by the value `field` gives; empty if all agree. Otherwise
+// "<name>: <value> on ranks 0-1; <value> on rank 2".
+std::string describe_disagreement(const std::vector<CallHeader>& headers, const char* name,
+                                  const std::function<std::string(const CallHeader&)>& field) {
+  std::map<std::string, std::vector<int>> groups;
+  std::vector<std::string> order;
+  for (int r = 0; r < static_cast<int>(headers.size()); ++r) {
+    std::string value = field(headers[r]);
+    if (groups.find(value) == groups.end()) order.push_back(value);
+    groups[value].push_back(r);
+  }
+  if (groups.size() <= 1) return "";
+  std::string text = std::string(name) + ": ";
+  for (size_t i = 0; i < order.size(); ++i) {
+    if (i > 0) text += "; ";
+    text += order[i] + " on " + describe_ranks(groups[order[i]]);
+  }
+  return text;
+}
+
+std::string dtype_text(const CallHeader& h) {
+  return is_valid_dtype(h.dtype) ? dtype_name(static_cast<DType>(h.dtype)) : "<invalid dtype>";
+}
+std::string op_text(const CallHeader& h) {
+  return is_valid_op(h.op) ? std::string("'") + op_name(static_cast<Op>(h.op)) + "'" : "<invalid op>";
+}
+
+}  // namespace
+
+RingCommunicator::RingCommunicator(MPI_Comm user_comm)
+    : transport_(std::make_unique<MpiTransport>(user_comm)) {}
+
+Span RingCommunicator::segment_of(int rank, int size, int64_t count) {
+  const int64_t base = count / size, extra = count % size;
+  const int64_t offset = rank * base + std::min<int64_t>(rank, extra);
+  return {offset, base + (rank < extra ? 1 : 0)};
+}
+
+void RingCommunicator::check_usable() const {
+  if (closed_) throw std::invalid_argument("this ringreduce Communicator has been closed");
+  if (!broken_.empty())
+    throw MpiError("this ringreduce Communicator is unusable after an earlier MPI error: " +
+                   broken_);
+}
+
+int64_t RingCommunicator::chunk_elems(int64_t chunk_bytes, size_t elem_size) const {
+  const int64_t bytes = std::min(chunk_bytes, Transport::kMaxMessageBytes);
+  return std::max<int64_t>(1, bytes / static_cast<int64_t>(elem_size));
+}
+
+RecvSlots RingCommunicator::recv_slots(int64_t slot_bytes) {
+  const size_t needed = static_cast<size_t>(slot_bytes) * kWindow;
+  if (scratch_.size() < needed) scratch_.resize(needed);
+  return RecvSlots{scratch_.data(), slot_bytes, kWindow};
+}
+
+int64_t RingCommunicator::agree(const CallHeader& mine, std::vector<CallHeader>* all) {
+  check_usable();
+  const int p = size();
+  headers_.resize(p);
+  if (p == 1) {
+    headers_[0] = mine;
+  } else {
+    transport_->allgather_bytes(&mine, headers_.data(), static_cast<int>(sizeof(CallHeader)));
+  }
+  if (all) *all = headers_;
+  if (mine.invalid) return 0;  // the caller raises its own, more precise error
+
+  std::vector<std::string> problems;
+  auto add = [&](std::string text) {
+    if (!text.empty()) problems.push_back(std::move(text));
+  };
+  std::vector<int> invalid_ranks;
+  for (int r = 0; r < p; ++r)
+    if (headers_[r].magic != CallHeader::kMagic)
+      throw MpiError("rank " + std::to_string(r) + " sent a malformed call header; is every "
+                     "rank running the same ringreduce version?");
+    else if (headers_[r].invalid)
+      invalid_ranks.push_back(r);
+  if (!invalid_ranks.empty())
+    add(describe_ranks(invalid_ranks) + " rejected " +
+        (invalid_ranks.size() == 1 ? "its" : "their") + " arguments (see the error raised there)");
+  const std::string kinds = describe_disagreement(headers_, "collective", [](const CallHeader& h) {
+    return std::string(collective_name(static_cast<Collective>(h.collective)));
+  });
+  add(kinds);
+  if (invalid_ranks.empty() && kinds.empty()) {
+    const auto kind = static_cast<Collective>(mine.collective);
+    add(describe_disagreement(headers_, "dtype", dtype_text));
+    if (kind == Collective::AllReduce || kind == Collective::ReduceScatter) {
+      add(describe_disagreement(headers_, "op", op_text));
+      add(describe_disagreement(headers_, "count (x.size)",
+                                [](const CallHeader& h) { return std::to_string(h.count); }));
+    } else if (kind == Collective::Broadcast) {
+      add(describe_disagreement(headers_, "count (x.size)",
+                                [](const CallHeader& h) { return std::to_string(h.count); }));
+      add(describe_disagreement(headers_, "root",
+                                [](const CallHeader& h) { return std::to_string(h.extra); }));
+    } else if (kind == Collective::AllGather) {
+      add(describe_disagreement(headers_, "x.shape[1:] (elements per row, shape tag)",
+                                [](const CallHeader& h) {
+                                  return std::to_string(h.extra) + " elements (tag " +
+                                         std::to_string(h.shape_tag & 0xffff) + ")";
+                                }));
+    }
+  }
+  if (!problems.empty()) {
+    std::string text = std::string("ringreduce.") +
+                       collective_name(static_cast<Collective>(mine.collective)) +
+                       ": ranks disagree (raised on rank " + std::to_string(rank()) + " of " +
+                       std::to_string(p) + "): ";
+    for (size_t i = 0; i < problems.size(); ++i) text += (i ? ". " : "") + problems[i];
+    throw MismatchError(text);
+  }
+  return headers_[0].chunk_bytes;
+}
+
+void RingCommunicator::announce_invalid(Collective collective, int64_t chunk_bytes) {
+  CallHeader h;
+  h.collective = static_cast<int64_t>(collective);
+  h.chunk_bytes = chunk_bytes;
+  h.invalid = 1;
+  agree(h);
+}
+
+namespace {
+// Runs a phase that moves data; an MPI error there leaves requests in flight, after
+// which this communicator cannot be trusted again.
+template <typename F>
+void guarded(std::string* broken, F&& body) {
+  try {
+    body();
+  } catch (const MpiError& e) {
+    *broken = e.what();
+    throw;
+  }
+}
+}  // namespace
+
+void RingCommunicator::allreduce(const void* input, void* out, int64_t count, DType dtype, Op op,
+                                 int64_t chunk_bytes) {
+  CallHeader h;
+  h.collective = static_cast<int64_t>(Collective::AllReduce);
+  h.dtype = static_cast<int64_t>(dtype);
+  h.op = static_cast<int64_t>(op);
+  h.count = count;
+  h.chunk_bytes = chunk_bytes;
+  const size_t es = dtype_size(dtype);
+  const int64_t elems = chunk_elems(agree(h), es);
+  const RingSchedule sched = RingSchedule::split_evenly(rank(), size(), count, elems);
+  guarded(&broken_, [&] {
+    ring_reduce_scatter(sched, *transport_, dtype, op, input, out,
+                        recv_slots(elems * static_cast<int64_t>(es)));
+    const Span mine = sched.segment(rank());
+    if (op == Op::Avg) divide(dtype, static_cast<char*>(out) + mine.offset * es, mine.count, size());
+    ring_allgather(sched, *transport_, es, out, kWindow);
+  });
+}
+
+void RingCommunicator::reduce_scatter(const void* input, void* work, int64_t count, DType dtype,
+                                      Op op, int64_t chunk_bytes) {
+  CallHeader h;
+  h.collective = static_cast<int64_t>(Collective::ReduceScatter);
+  h.dtype = static_cast<int64_t>(dtype);
+  h.op = static_cast<int64_t>(op);
+  h.count = count;
+  h.chunk_bytes = chunk_bytes;
+  const size_t es = dtype_size(dtype);
+  const int64_t elems = chunk_elems(agree(h), es);
+  const RingSchedule sched = RingSchedule::split_evenly(rank(), size(), count, elems);
+  guarded(&broken_, [&] {
+    ring_reduce_scatter(sched, *transport_, dtype, op, input, work,
+                        recv_slots(elems * static_cast<int64_t>(es)));
+    const Span mine = sched.segment(rank());
+    if (op == Op::Avg)
+      divide(dtype, static_cast<char*>(work) + mine.offset * es, mine.count, size());
+  });
+}
+
+std::vector<int64_t> RingCommunicator::allgather_counts(int64_t rows, int64_t row_elems,
+                                                        int64_t shape_tag, DType dtype,
+                                                        int64_t chunk_bytes) {
+  CallHeader h;
+  h.collective = static_cast<int64_t>(Collective::AllGather);
+  h.dtype = static_cast<int64_t>(dtype);
+  h.count = rows;
+  h.extra = row_elems;
+  h.shape_tag = shape_tag;
+  h.chunk_bytes = chunk_bytes;
+  std::vector<CallHeader> all;
+  const int64_t agreed_chunk = agree(h, &all);
+  std::vector<int64_t> rows_per_rank(size());
+  for (int r = 0; r < size(); ++r) rows_per_rank[r] = all[r].count;
+  pending_allgather_chunk_bytes_ = agreed_chunk;
+  return rows_per_rank;
+}
+
+void RingCommunicator::allgather(const void* input, void* out,
+                                 const std::vector<int64_t>& row_counts, int64_t row_elems,
+                                 DType dtype) {
+  check_usable();
+  if (static_cast<int>(row_counts.size()) != size())
+    throw std::invalid_argument("allgather: need one row count per rank");
+  const size_t es = dtype_size(dtype);
+  std::vector<int64_t> counts(size());
+  for (int r = 0; r < size(); ++r) counts[r] = row_counts[r] * row_elems;
+  const RingSchedule sched(rank(), size(), counts,
+                           chunk_elems(pending_allgather_chunk_bytes_, es));
+  const Span mine = sched.segment(rank());
+  char* dst = static_cast<char*>(out) + mine.offset * es;
+  if (mine.count > 0 && dst != input) std::memcpy(dst, input, mine.count * es);
+  guarded(&broken_, [&] { ring_allgather(sched, *transport_, es, out, kWindow); });
+}
+
+void RingCommunicator::broadcast(void* buf, int64_t count, DType dtype, int root,
+                                 int64_t chunk_bytes) {
+  if (root < 0 || root >= size())
+    throw std::invalid_argument("broadcast: root " + std::to_string(root) + " is not in [0, " +
+                                std::to_string(size()) + ")");
+  CallHeader h;
+  h.collective = static_cast<int64_t>(Collective::Broadcast);
+  h.dtype = static_cast<int64_t>(dtype);
+  h.count = count;
+  h.extra = root;
+  h.chunk_bytes = chunk_bytes;
+  const size_t es = dtype_size(dtype);
+  const int64_t elems = chunk_elems(agree(h), es);
+  guarded(&broken_, [&] {
+    ring_broadcast(rank(), size(), root, *transport_, buf, count * static_cast<int64_t>(es),
+                   elems * static_cast<int64_t>(es), kWindow);
+  });
+}
+
+void RingCommunicator::close() {
+  if (closed_) return;
+  closed_ = true;
+  transport_->free();
+}
+
+}  // namespace ringreduce

@@ -1,0 +1,97 @@
+// The collectives users call: allreduce, reduce_scatter, allgather, broadcast over a
+// ring of MPI ranks. Owns the MPI transport and the scratch buffers, which live as
+// long as the communicator so that no call allocates on the hot path.
+//
+// Before moving any data, every call exchanges a small header (what collective,
+// dtype, op, count, ...) with all ranks. Ranks whose calls don't fit together all
+// throw MismatchError after that exchange and nothing else is sent, so a mistake on
+// one rank can neither hang the job nor leave stray messages behind. Not
+// thread-safe: one call at a time per communicator (the Python layer serialises).
+#pragma once
+
+#include <mpi.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "dtype.h"
+#include "mpi_transport.h"
+#include "ring_schedule.h"
+
+namespace ringreduce {
+
+enum class Collective : int64_t { AllReduce = 1, ReduceScatter = 2, AllGather = 3, Broadcast = 4 };
+const char* collective_name(Collective c);
+
+// Exchanged before every call; all fields are int64 so the layout is the same on
+// every rank.
+struct CallHeader {
+  int64_t magic = kMagic;
+  int64_t collective = 0;
+  int64_t dtype = 0;
+  int64_t op = 0;
+  int64_t count = 0;        // elements; rows for allgather
+  int64_t extra = 0;        // root for broadcast; elements per row for allgather
+  int64_t shape_tag = 0;    // hash of the row shape for allgather
+  int64_t chunk_bytes = 0;  // the pipeline chunk size asked for; rank 0's wins
+  int64_t invalid = 0;      // 1: this rank rejected its own arguments and will raise
+  int64_t reserved = 0;
+  static constexpr int64_t kMagic = 0x52494e4752454431;  // "RINGRED1"
+};
+
+class RingCommunicator {
+ public:
+  static constexpr int64_t kDefaultChunkBytes = 256 * 1024;
+  static constexpr int kWindow = 4;  // chunks in flight per link
+
+  explicit RingCommunicator(MPI_Comm user_comm);
+
+  int rank() const { return transport_->rank(); }
+  int size() const { return transport_->size(); }
+
+  // out = OP over ranks of input; out may equal input. count elements on every rank.
+  void allreduce(const void* input, void* out, int64_t count, DType dtype, Op op,
+                 int64_t chunk_bytes);
+  // work (count elements) gets this rank's segment reduced in place, at the offset
+  // segment_of(rank, count) gives; the rest of work is scratch.
+  void reduce_scatter(const void* input, void* work, int64_t count, DType dtype, Op op,
+                      int64_t chunk_bytes);
+  // First half of allgather: agree on the call and learn every rank's row count.
+  std::vector<int64_t> allgather_counts(int64_t rows, int64_t row_elems, int64_t shape_tag,
+                                        DType dtype, int64_t chunk_bytes);
+  // Second half: out holds sum(row_counts) rows; this rank's rows go in its place.
+  void allgather(const void* input, void* out, const std::vector<int64_t>& row_counts,
+                 int64_t row_elems, DType dtype);
+  // In place: every rank's buf ends up equal to root's.
+  void broadcast(void* buf, int64_t count, DType dtype, int root, int64_t chunk_bytes);
+
+  // Takes part in the header exchange of a call this rank has rejected, so that the
+  // other ranks raise MismatchError instead of waiting for us forever.
+  void announce_invalid(Collective collective, int64_t chunk_bytes);
+
+  // Frees the duplicate communicator (collective). Later calls raise.
+  void close();
+  bool closed() const { return closed_; }
+
+  // The segment np.array_split would give `rank` of `count` elements.
+  static Span segment_of(int rank, int size, int64_t count);
+
+ private:
+  // Exchanges headers; throws MismatchError on every rank if they don't fit.
+  // Returns rank 0's chunk size, which every rank then uses.
+  int64_t agree(const CallHeader& mine, std::vector<CallHeader>* all = nullptr);
+  RecvSlots recv_slots(int64_t chunk_bytes);
+  void check_usable() const;
+  int64_t chunk_elems(int64_t chunk_bytes, size_t elem_size) const;
+
+  std::unique_ptr<MpiTransport> transport_;
+  std::vector<char> scratch_;
+  std::vector<CallHeader> headers_;
+  bool closed_ = false;
+  std::string broken_;  // set when an MPI error left messages in flight
+  int64_t pending_allgather_chunk_bytes_ = kDefaultChunkBytes;  // from allgather_counts()
+};
+
+}  // namespace ringreduce

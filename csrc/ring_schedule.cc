@@ -1,0 +1,189 @@
+#include "ring_schedule.h"
+
+#include <algorithm>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+
+#include "reduce.h"
+
+namespace ringreduce {
+
+RingSchedule::RingSchedule(int rank, int size, std::vector<int64_t> segment_counts,
+                           int64_t chunk_elems)
+    : rank_(rank), size_(size), chunk_elems_(chunk_elems) {
+  if (size < 1 || rank < 0 || rank >= size)
+    throw std::invalid_argument("RingSchedule: rank " + std::to_string(rank) +
+                                " is not in [0, size=" + std::to_string(size) + ")");
+  if (static_cast<int>(segment_counts.size()) != size)
+    throw std::invalid_argument("RingSchedule: need one segment count per rank");
+  if (chunk_elems < 1) throw std::invalid_argument("RingSchedule: chunk_elems must be >= 1");
+  offsets_.resize(size + 1);
+  offsets_[0] = 0;
+  for (int s = 0; s < size; ++s) {
+    if (segment_counts[s] < 0) throw std::invalid_argument("RingSchedule: negative segment");
+    offsets_[s + 1] = offsets_[s] + segment_counts[s];
+  }
+}
+
+RingSchedule RingSchedule::split_evenly(int rank, int size, int64_t count, int64_t chunk_elems) {
+  // np.array_split: the first count % size segments get one element more.
+  std::vector<int64_t> counts(size, count / size);
+  for (int s = 0; s < count % size; ++s) counts[s] += 1;
+  return RingSchedule(rank, size, std::move(counts), chunk_elems);
+}
+
+int64_t RingSchedule::num_chunks(int s) const {
+  return (segment(s).count + chunk_elems_ - 1) / chunk_elems_;
+}
+
+Span RingSchedule::chunk(int s, int64_t c) const {
+  const Span seg = segment(s);
+  const int64_t begin = c * chunk_elems_;
+  return {seg.offset + begin, std::min(chunk_elems_, seg.count - begin)};
+}
+
+namespace {
+
+struct ChunkRef {
+  int step;
+  int segment;
+  int64_t chunk;
+};
+
+// The engine shared by reduce-scatter and all-gather. Each step sends segment
+// send_segment(k) and receives segment recv_segment(k) == send_segment(k+1), chunk by
+// chunk. Receives are posted `window` chunks ahead. The chunk received at step k is
+// forwarded at step k+1 as soon as `on_received` has finished with it, which
+// pipelines the steps; step 0's chunks (our own data) are sent `window` chunks ahead
+// of the receives. Every step has its own tag, so interleaving chunks of different
+// steps on one link is safe. Each rank waits only on the left neighbour's chunk with
+// the same sequence number it has itself already sent, so the ring cannot deadlock.
+template <typename SendSeg, typename RecvSeg, typename FirstSendPtr, typename RecvPtr,
+          typename OnReceived, typename ForwardPtr>
+void run_ring_phase(const RingSchedule& sched, Transport& transport, int tag_base, int window,
+                    size_t elem_size, SendSeg send_segment, RecvSeg recv_segment,
+                    FirstSendPtr first_send_ptr, RecvPtr recv_ptr, OnReceived on_received,
+                    ForwardPtr forward_ptr) {
+  const int steps = sched.steps_per_phase();
+  if (steps == 0) return;
+
+  std::vector<ChunkRef> recvs;
+  for (int k = 0; k < steps; ++k) {
+    const int s = recv_segment(k);
+    for (int64_t c = 0; c < sched.num_chunks(s); ++c) recvs.push_back({k, s, c});
+  }
+  const int64_t num_recvs = static_cast<int64_t>(recvs.size());
+  const int first_segment = send_segment(0);
+  const int64_t num_first_sends = sched.num_chunks(first_segment);
+
+  std::vector<Transport::Request> recv_requests(window);
+  auto post_recv = [&](int64_t i) {
+    if (i >= num_recvs) return;
+    const ChunkRef& ref = recvs[i];
+    const Span ch = sched.chunk(ref.segment, ref.chunk);
+    recv_requests[i % window] = transport.recv_left(
+        recv_ptr(i, ch), ch.count * static_cast<int64_t>(elem_size), tag_base + ref.step);
+  };
+  int64_t first_sends_posted = 0;
+  auto post_first_sends_until = [&](int64_t end) {
+    end = std::min(end, num_first_sends);
+    for (; first_sends_posted < end; ++first_sends_posted) {
+      const Span ch = sched.chunk(first_segment, first_sends_posted);
+      transport.send_right(first_send_ptr(ch), ch.count * static_cast<int64_t>(elem_size),
+                           tag_base);
+    }
+  };
+
+  for (int64_t i = 0; i < window; ++i) post_recv(i);
+  post_first_sends_until(window);
+  for (int64_t i = 0; i < num_recvs; ++i) {
+    const ChunkRef ref = recvs[i];
+    // Our step-0 chunks must be on their way before we wait on later steps, or a
+    // right neighbour with more step-0 chunks than we receive would wait forever.
+    post_first_sends_until(ref.step == 0 ? ref.chunk + window + 1 : num_first_sends);
+    transport.wait(recv_requests[i % window]);
+    const Span ch = sched.chunk(ref.segment, ref.chunk);
+    on_received(i, ch);
+    post_recv(i + window);
+    if (ref.step + 1 < steps)
+      transport.send_right(forward_ptr(ch), ch.count * static_cast<int64_t>(elem_size),
+                           tag_base + ref.step + 1);
+  }
+  post_first_sends_until(num_first_sends);
+  // Sends read from buffers the next phase overwrites: all must be complete first.
+  transport.wait_all();
+}
+
+}  // namespace
+
+void ring_reduce_scatter(const RingSchedule& sched, Transport& transport, DType dtype, Op op,
+                         const void* input, void* out, const RecvSlots& slots) {
+  const size_t es = dtype_size(dtype);
+  const char* in = static_cast<const char*>(input);
+  char* dst = static_cast<char*>(out);
+  if (sched.size() == 1) {
+    if (out != input) std::memcpy(out, input, sched.total_count() * es);
+    return;
+  }
+  // Each rank receives every segment but one exactly once, and reduces it with its
+  // own input: out = input OP received. So out never needs a copy of input first.
+  run_ring_phase(
+      sched, transport, /*tag_base=*/0, slots.slots, es,
+      [&](int k) { return sched.reduce_scatter_send_segment(k); },
+      [&](int k) { return sched.reduce_scatter_recv_segment(k); },
+      [&](Span ch) { return in + ch.offset * es; },
+      [&](int64_t i, Span) { return slots.slot(i); },
+      [&](int64_t i, Span ch) {
+        reduce(dtype, op, dst + ch.offset * es, in + ch.offset * es, slots.slot(i), ch.count);
+      },
+      [&](Span ch) { return dst + ch.offset * es; });
+  // The segment we only sent (r-1) is not ours and holds input's bytes in out only
+  // when out == input; all-gather overwrites it either way.
+}
+
+void ring_allgather(const RingSchedule& sched, Transport& transport, size_t elem_size, void* buf,
+                    int window) {
+  char* data = static_cast<char*>(buf);
+  const int tag_base = sched.steps_per_phase();  // distinct from reduce-scatter's tags
+  run_ring_phase(
+      sched, transport, tag_base, window, elem_size,
+      [&](int k) { return sched.allgather_send_segment(k); },
+      [&](int k) { return sched.allgather_recv_segment(k); },
+      [&](Span ch) { return data + ch.offset * elem_size; },
+      [&](int64_t, Span ch) { return data + ch.offset * elem_size; },
+      [&](int64_t, Span) {},
+      [&](Span ch) { return data + ch.offset * elem_size; });
+}
+
+void ring_broadcast(int rank, int size, int root, Transport& transport, void* buf, int64_t bytes,
+                    int64_t chunk_bytes, int window) {
+  if (size == 1 || bytes == 0) return;
+  char* data = static_cast<char*>(buf);
+  const int position = ((rank - root) % size + size) % size;  // 0 is the root
+  const bool receives = position != 0;
+  const bool forwards = position != size - 1;
+  const int64_t num_chunks = (bytes + chunk_bytes - 1) / chunk_bytes;
+  auto chunk_len = [&](int64_t c) { return std::min(chunk_bytes, bytes - c * chunk_bytes); };
+
+  if (!receives) {
+    for (int64_t c = 0; c < num_chunks; ++c)
+      transport.send_right(data + c * chunk_bytes, chunk_len(c), 0);
+    transport.wait_all();
+    return;
+  }
+  std::vector<Transport::Request> recv_requests(window);
+  auto post_recv = [&](int64_t c) {
+    if (c < num_chunks)
+      recv_requests[c % window] = transport.recv_left(data + c * chunk_bytes, chunk_len(c), 0);
+  };
+  for (int64_t c = 0; c < window; ++c) post_recv(c);
+  for (int64_t c = 0; c < num_chunks; ++c) {
+    transport.wait(recv_requests[c % window]);
+    post_recv(c + window);
+    if (forwards) transport.send_right(data + c * chunk_bytes, chunk_len(c), 0);
+  }
+  transport.wait_all();
+}
+
+}  // namespace ringreduce

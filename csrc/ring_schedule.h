@@ -1,0 +1,104 @@
+// The ring schedule: which segment and chunk every rank sends, receives and reduces
+// at every step. It knows nothing of MPI; it talks to its neighbours only through a
+// Transport, so a test transport (or another wire) plugs in without touching it.
+//
+// Words (the same in docs/): the buffer is cut into `size` *segments* laid out like
+// np.array_split(buffer, size); each segment is cut into *chunks* of at most
+// chunk_elems elements, the unit of pipelining. Each rank receives from its *left*
+// neighbour (rank - 1) and sends to its *right* neighbour (rank + 1).
+//
+// Reduce-scatter takes size-1 *steps*. At step k rank r sends segment (r-1-k) and
+// receives segment (r-2-k), reducing it into its own copy, so that after the last
+// step rank r holds segment r fully reduced. With size = 4 (S = segment):
+//
+//            step 0        step 1        step 2         after reduce-scatter
+//   rank 0   send S3 ->    send S2 ->    send S1 ->     owns S0 = x0+x1+x2+x3
+//            recv S2 <-    recv S1 <-    recv S0 <-
+//   rank 1   send S0 ->    send S3 ->    send S2 ->     owns S1
+//   rank 2   send S1 ->    send S0 ->    send S3 ->     owns S2
+//   rank 3   send S2 ->    send S1 ->    send S0 ->     owns S3
+//
+// The chunk sent at step k+1 is the chunk reduced at step k, so chunk c can travel
+// on while chunk c+1 is still arriving: that is the pipeline. Segment s always
+// starts as rank s+1's data and picks up the other ranks' data in ring order, its
+// owner's last: x[s] + (x[s-1] + (... + (x[s+2] + x[s+1]))), ranks mod size. The
+// order is fixed by the ring, not by the chunk size, so neither is the result.
+//
+// All-gather then takes size-1 steps: at step k rank r sends segment (r-k) and
+// receives segment (r-1-k), a copy, no arithmetic. Every rank ends with the bytes
+// that the segment's owner computed, so the result is bitwise identical everywhere.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "dtype.h"
+#include "transport.h"
+
+namespace ringreduce {
+
+struct Span {
+  int64_t offset;  // in elements
+  int64_t count;   // in elements
+};
+
+class RingSchedule {
+ public:
+  // Segments of the given element counts, one per rank, laid out back to back.
+  RingSchedule(int rank, int size, std::vector<int64_t> segment_counts, int64_t chunk_elems);
+  // Segments laid out like np.array_split(range(count), size).
+  static RingSchedule split_evenly(int rank, int size, int64_t count, int64_t chunk_elems);
+
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  int left() const { return wrap(rank_ - 1); }
+  int right() const { return wrap(rank_ + 1); }
+  int steps_per_phase() const { return size_ - 1; }
+  int64_t chunk_elems() const { return chunk_elems_; }
+  int64_t total_count() const { return offsets_.back(); }
+
+  Span segment(int s) const { return {offsets_[s], offsets_[s + 1] - offsets_[s]}; }
+  int64_t num_chunks(int s) const;
+  Span chunk(int s, int64_t c) const;  // offsets relative to the whole buffer
+
+  int reduce_scatter_send_segment(int step) const { return wrap(rank_ - 1 - step); }
+  int reduce_scatter_recv_segment(int step) const { return wrap(rank_ - 2 - step); }
+  int allgather_send_segment(int step) const { return wrap(rank_ - step); }
+  int allgather_recv_segment(int step) const { return wrap(rank_ - 1 - step); }
+
+ private:
+  int wrap(int s) const { return ((s % size_) + size_) % size_; }
+
+  int rank_;
+  int size_;
+  int64_t chunk_elems_;
+  std::vector<int64_t> offsets_;  // size + 1 entries; segment s is [offsets_[s], offsets_[s+1])
+};
+
+// Scratch space for received chunks: `slots` buffers of chunk_bytes each. Owned by
+// the caller and reused across calls, so the hot path never allocates.
+struct RecvSlots {
+  void* base;
+  int64_t slot_bytes;
+  int slots;
+  void* slot(int64_t i) const {
+    return static_cast<char*>(base) + (i % slots) * slot_bytes;
+  }
+};
+
+// Reduce-scatter: out[segment r] = OP over all ranks of input[segment r]. Other
+// segments of out are overwritten with partial results. out may equal input.
+void ring_reduce_scatter(const RingSchedule& schedule, Transport& transport, DType dtype, Op op,
+                         const void* input, void* out, const RecvSlots& slots);
+
+// All-gather: every rank's segment r of buf is sent around the ring so that all of
+// buf ends up equal on every rank.
+void ring_allgather(const RingSchedule& schedule, Transport& transport, size_t elem_size,
+                    void* buf, int window);
+
+// Broadcast from root: a pipelined chain root -> root+1 -> ... -> root-1, chunk by
+// chunk over the whole buffer.
+void ring_broadcast(int rank, int size, int root, Transport& transport, void* buf,
+                    int64_t bytes, int64_t chunk_bytes, int window);
+
+}  // namespace ringreduce

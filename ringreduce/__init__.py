@@ -1,0 +1,34 @@
+"""ringreduce: ring all-reduce for numpy arrays over MPI communicators from mpi4py.
+
+    import ringreduce as rr
+    comm = rr.Communicator()            # over MPI.COMM_WORLD
+    y = comm.allreduce(x, op="sum")     # or rr.allreduce(x)
+"""
+from mpi4py import MPI as _MPI  # mpi4py owns MPI_Init; the core never calls it
+
+from . import _core
+
+if _core.mpi_library_version().strip() != _MPI.Get_library_version().strip():
+    raise ImportError(
+        "ringreduce._core was built against a different MPI than the one mpi4py loaded:\n"
+        f"  ringreduce: {_core.mpi_library_version().splitlines()[0].strip()}\n"
+        f"  mpi4py:     {_MPI.Get_library_version().splitlines()[0].strip()}\n"
+        "Rebuild ringreduce with the mpicc of mpi4py's MPI (set MPICC), "
+        "e.g. `MPICC=/path/to/mpicc pip install --no-build-isolation .`")
+
+from ._shortcuts import allgather, allreduce, allreduce_async, broadcast, reduce_scatter
+from ._types import OPS, UnsupportedOpError, supported_dtypes
+from .communicator import Communicator, Handle
+
+MismatchError = _core.MismatchError
+MismatchError.__doc__ = ("Ranks called a collective with arguments that do not fit together "
+                         "(count, dtype, op, root, ...); raised on every rank.")
+MPIError = _core.MPIError
+MPIError.__doc__ = "An MPI call failed; the message carries MPI's own error string."
+
+__version__ = "0.1.0"
+__all__ = [
+    "Communicator", "Handle", "MismatchError", "MPIError", "UnsupportedOpError", "OPS",
+    "allreduce", "allreduce_async", "reduce_scatter", "allgather", "broadcast",
+    "supported_dtypes",
+]

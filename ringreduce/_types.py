@@ -1,0 +1,120 @@
+"""The one table that maps numpy dtypes and op names to the core's codes, and the
+checks on arrays that every collective shares. Error messages name the argument,
+the value and the rank."""
+from __future__ import annotations
+
+import numpy as np
+
+from . import _core
+
+OPS = tuple(_core.OPS)  # ("sum", "prod", "min", "max", "avg"); index = core code
+_OP_CODES = {name: code for code, name in enumerate(OPS)}
+_DTYPE_CODES = {name: code for code, name in enumerate(_core.DTYPES)}
+_COMPLEX = {"complex64", "complex128"}
+_INTEGER = {"int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64"}
+
+try:  # bfloat16 comes from ml_dtypes, where installed
+    import ml_dtypes as _ml_dtypes
+
+    _BFLOAT16 = np.dtype(_ml_dtypes.bfloat16)
+except ImportError:  # pragma: no cover - depends on the environment
+    _BFLOAT16 = None
+
+
+class UnsupportedOpError(TypeError, ValueError):
+    """An op the dtype has no meaning for (min/max of complex, avg of integers).
+
+    It is both a TypeError (the dtype does not support it) and a ValueError (the op
+    value is wrong for this call), so either ``except`` catches it.
+    """
+
+
+def supported_dtypes() -> list[str]:
+    """Names of the dtypes the collectives accept here (bfloat16 needs ml_dtypes)."""
+    return [name for name in _core.DTYPES if name != "bfloat16" or _BFLOAT16 is not None]
+
+
+def where(rank: int, size: int, call: str) -> str:
+    return f"ringreduce.{call} (rank {rank} of {size})"
+
+
+def op_code(op, context: str) -> int:
+    key = op.lower() if isinstance(op, str) else _mpi_op_name(op)
+    if key not in _OP_CODES:
+        raise ValueError(f"{context}: op {op!r} is not one of "
+                         + ", ".join(repr(name) for name in OPS))
+    return _OP_CODES[key]
+
+
+def _mpi_op_name(op):
+    """Also accept mpi4py's MPI.SUM, MPI.PROD, MPI.MIN and MPI.MAX."""
+    try:
+        from mpi4py import MPI
+    except ImportError:  # pragma: no cover
+        return None
+    if not isinstance(op, MPI.Op):
+        return None
+    for name, mpi_op in (("sum", MPI.SUM), ("prod", MPI.PROD), ("min", MPI.MIN), ("max", MPI.MAX)):
+        if op == mpi_op:
+            return name
+    return None
+
+
+def dtype_code(dtype: np.dtype, argument: str, context: str) -> int:
+    name = dtype.name
+    if dtype == _BFLOAT16 and _BFLOAT16 is not None:
+        name = "bfloat16"
+    elif dtype.kind not in "fiuc" or name == "bfloat16":
+        name = None
+    if name not in _DTYPE_CODES:
+        raise TypeError(f"{context}: {argument} has dtype {dtype}, which is not supported; "
+                        f"supported dtypes: {', '.join(supported_dtypes())}")
+    return _DTYPE_CODES[name]
+
+
+def check_op_for_dtype(op: int, dtype: np.dtype, context: str) -> None:
+    name = "bfloat16" if dtype == _BFLOAT16 else dtype.name
+    if not _core.op_supported(_DTYPE_CODES[name], op):
+        why = ("complex numbers have no order" if name in _COMPLEX
+               else "an integer average would have to round; use op='sum' and divide")
+        raise UnsupportedOpError(f"{context}: op {OPS[op]!r} is not supported for dtype "
+                                 f"{name} ({why})")
+
+
+def as_input_array(x, argument: str, context: str) -> np.ndarray:
+    """x as a numpy array of native byte order (a copy only where needed)."""
+    if hasattr(x, "__cuda_array_interface__") and not isinstance(x, np.ndarray):
+        raise TypeError(f"{context}: {argument} is a GPU array ({type(x).__name__}); this "
+                        "build of ringreduce handles numpy arrays only")
+    try:
+        array = np.asarray(x)
+    except Exception as error:  # e.g. ragged nested lists
+        raise TypeError(f"{context}: {argument} cannot be read as an array: {error}") from None
+    if not array.dtype.isnative:
+        array = array.astype(array.dtype.newbyteorder("="))
+    return array
+
+
+def contiguous(array: np.ndarray) -> np.ndarray:
+    return array if array.flags.c_contiguous else np.ascontiguousarray(array).reshape(array.shape)
+
+
+def check_out(out, shape: tuple, dtype: np.dtype, context: str) -> np.ndarray:
+    if not isinstance(out, np.ndarray):
+        raise TypeError(f"{context}: out must be a numpy.ndarray, got {type(out).__name__}")
+    if out.dtype != dtype:
+        raise TypeError(f"{context}: out has dtype {out.dtype}, expected {dtype} (the dtype of x)")
+    if out.shape != tuple(shape):
+        raise ValueError(f"{context}: out has shape {out.shape}, expected {tuple(shape)}")
+    if not out.flags.c_contiguous:
+        raise ValueError(f"{context}: out is not C-contiguous (strides {out.strides}); "
+                         "pass a contiguous array or out=None")
+    if not out.flags.writeable:
+        raise ValueError(f"{context}: out is read-only")
+    return out
+
+
+def same_buffer(a: np.ndarray, b: np.ndarray) -> bool:
+    """True if a and b are exactly the same bytes (in-place use)."""
+    return (a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
+            and a.nbytes == b.nbytes)

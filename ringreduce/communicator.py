@@ -1,0 +1,381 @@
+"""The Python face of the ring: a Communicator over an mpi4py communicator.
+
+Every call validates its arguments here, then hands (pointer, count, dtype) to the
+C++ core, which releases the GIL while it runs. Asynchronous calls go to one worker
+thread per communicator and run in the order they were made, so every rank runs its
+collectives in the same order, as MPI requires; a blocking call made while
+asynchronous ones are in flight queues behind them.
+"""
+from __future__ import annotations
+
+import atexit
+import collections
+import threading
+import weakref
+
+import numpy as np
+from mpi4py import MPI
+
+from . import _core
+from . import _types as t
+
+_COLLECTIVES = dict(_core.COLLECTIVES)
+
+
+class Handle:
+    """A collective in flight. ``wait()`` returns its result (or raises its error)."""
+
+    __slots__ = ("_work",)
+
+    def __init__(self, work: "_Work"):
+        self._work = work
+
+    def done(self) -> bool:
+        """True once the collective has finished (successfully or not)."""
+        return self._work.finished.is_set()
+
+    def wait(self, timeout: float | None = None):
+        """Block until the collective finishes; return its result array.
+
+        With a timeout (seconds), raise TimeoutError if it has not finished by then;
+        the collective keeps running and can be waited on again.
+        """
+        if not self._work.finished.wait(timeout):
+            raise TimeoutError(f"ringreduce: collective still running after {timeout} s")
+        if self._work.error is not None:
+            raise self._work.error
+        return self._work.result
+
+
+class _Work:
+    __slots__ = ("run", "result", "error", "finished")
+
+    def __init__(self, run):
+        self.run = run  # returns the collective's result
+        self.result = None
+        self.error = None
+        self.finished = threading.Event()
+
+    def execute(self):
+        try:
+            self.result = self.run()
+        except BaseException as error:  # handed to whoever waits
+            self.error = error
+        self.finished.set()
+
+
+class _Executor:
+    """Runs work items one at a time, in order: inline when idle, else on a thread.
+
+    Kept apart from Communicator so that the worker thread does not keep the
+    communicator alive.
+    """
+
+    def __init__(self, threaded: bool):
+        self.threaded = threaded  # False: MPI lacks THREAD_MULTIPLE, run everything inline
+        self.queue: collections.deque[_Work | None] = collections.deque()
+        self.changed = threading.Condition()
+        self.running = threading.Lock()  # held while the core runs a collective
+        self.thread: threading.Thread | None = None
+
+    def run_now(self, run):
+        """Run `run` in this thread if nothing is queued: (True, its result), else
+        (False, None) and the caller must queue it."""
+        with self.running:
+            if self.queue:
+                return False, None
+            return True, run()
+
+    def submit(self, work: _Work) -> None:
+        if not self.threaded:
+            with self.running:
+                work.execute()
+            return
+        with self.changed:
+            self.queue.append(work)
+            if self.thread is None:
+                self.thread = threading.Thread(target=self._loop, name="ringreduce-worker",
+                                               daemon=True)
+                self.thread.start()
+            self.changed.notify_all()
+
+    def drain(self) -> None:
+        with self.changed:
+            while self.queue:
+                self.changed.wait()
+
+    def stop(self) -> None:
+        if self.thread is not None:
+            with self.changed:
+                self.queue.append(None)
+                self.changed.notify_all()
+            self.thread.join()
+            self.thread = None
+
+    def _loop(self):
+        while True:
+            with self.changed:
+                while not self.queue:
+                    self.changed.wait()
+                work = self.queue[0]
+            if work is None:
+                with self.changed:
+                    self.queue.popleft()
+                    self.changed.notify_all()
+                return
+            with self.running:
+                work.execute()
+            with self.changed:
+                self.queue.popleft()
+                self.changed.notify_all()
+
+
+_live: "weakref.WeakSet[Communicator]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all():
+    # Before mpi4py finalises MPI: let queued collectives finish and free our
+    # duplicate communicators, so no thread is inside MPI when MPI goes away.
+    for comm in list(_live):
+        comm.close()
+
+
+class Communicator:
+    """Ring collectives over the ranks of an mpi4py intracommunicator.
+
+    ``Communicator()`` uses ``MPI.COMM_WORLD``. Creating one is collective: every
+    rank of ``comm`` must create it, because it duplicates ``comm`` so that the
+    ring's messages never mix with the caller's.
+    """
+
+    def __init__(self, comm=None, *, chunk_bytes: int | None = None):
+        if comm is None:
+            comm = MPI.COMM_WORLD
+        if isinstance(comm, Communicator):
+            comm = comm.mpi_comm
+        if not isinstance(comm, MPI.Comm):
+            raise TypeError(f"ringreduce.Communicator: comm must be an mpi4py communicator, "
+                            f"got {type(comm).__name__}")
+        if comm == MPI.COMM_NULL:
+            raise ValueError("ringreduce.Communicator: comm is MPI.COMM_NULL")
+        if not isinstance(comm, MPI.Intracomm):
+            raise TypeError(f"ringreduce.Communicator: comm must be an intracommunicator, "
+                            f"got {type(comm).__name__}")
+        self._mpi_comm = comm
+        self._core = _core.RingCommunicator(MPI._addressof(comm))
+        self.rank: int = self._core.rank
+        self.size: int = self._core.size
+        self._chunk_bytes = _core.DEFAULT_CHUNK_BYTES
+        if chunk_bytes is not None:
+            self.chunk_bytes = chunk_bytes
+        self._executor = _Executor(threaded=MPI.Query_thread() == MPI.THREAD_MULTIPLE)
+        self._closed = False
+        _live.add(self)
+
+    # -- properties ---------------------------------------------------------------
+
+    @property
+    def mpi_comm(self):
+        """The mpi4py communicator this one was made from (not our private duplicate)."""
+        return self._mpi_comm
+
+    @property
+    def chunk_bytes(self) -> int:
+        """Pipeline chunk size in bytes. Ranks use rank 0's value, so they always agree."""
+        return self._chunk_bytes
+
+    @chunk_bytes.setter
+    def chunk_bytes(self, value: int) -> None:
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise TypeError(f"chunk_bytes must be an int, got {type(value).__name__}")
+        if not 1 <= value <= _core.MAX_CHUNK_BYTES:
+            raise ValueError(f"chunk_bytes must be in [1, {_core.MAX_CHUNK_BYTES}], got {value}")
+        self._chunk_bytes = int(value)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __repr__(self):
+        state = "closed" if self._closed else f"chunk_bytes={self._chunk_bytes}"
+        return f"<ringreduce.Communicator rank {self.rank} of {self.size}, {state}>"
+
+    # -- collectives ----------------------------------------------------------------
+
+    def allreduce(self, x, op="sum", out=None):
+        """Reduce x element-wise over all ranks; every rank gets the result.
+
+        Returns a new array shaped like x, or ``out`` (which may be x itself, for an
+        in-place reduction). x is never modified unless it is ``out``.
+        """
+        return self._call("allreduce", self._prepare_allreduce, x, op, out, wait=True)
+
+    def allreduce_async(self, x, op="sum", out=None) -> Handle:
+        """Start allreduce and return a Handle; ``handle.wait()`` gives the result.
+
+        Neither x nor out may be touched until then. Any number may be in flight;
+        they complete in the order they were started.
+        """
+        return self._call("allreduce", self._prepare_allreduce, x, op, out, wait=False)
+
+    def reduce_scatter(self, x, op="sum", out=None):
+        """Reduce x.ravel() over all ranks; return this rank's block of the result.
+
+        Blocks are laid out as ``np.array_split(result, size)``: block r goes to rank r.
+        """
+        return self._call("reduce_scatter", self._prepare_reduce_scatter, x, op, out, wait=True)
+
+    def allgather(self, x):
+        """Every rank's x concatenated along axis 0, in rank order.
+
+        Ranks may differ in ``x.shape[0]`` but not in ``x.shape[1:]`` or dtype. A 0-d
+        x counts as one row.
+        """
+        return self._call("allgather", self._prepare_allgather, x, wait=True)
+
+    def broadcast(self, x, root: int = 0):
+        """Overwrite x on every rank with root's x, in place; return x."""
+        return self._call("broadcast", self._prepare_broadcast, x, root, wait=True)
+
+    def close(self) -> None:
+        """Finish collectives in flight and free the private MPI communicator.
+
+        Collective, like creation. Also done at exit; calls after it raise ValueError.
+        """
+        if self._closed:
+            return
+        self._executor.drain()
+        self._executor.stop()
+        self._closed = True
+        _live.discard(self)
+        if not MPI.Is_finalized():
+            self._core.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info):
+        self.close()
+
+    def __del__(self):
+        executor = getattr(self, "_executor", None)
+        if executor is not None and executor.thread is not None:
+            executor.stop()
+
+    # -- plumbing -------------------------------------------------------------------
+
+    def _call(self, name, prepare, *args, wait):
+        context = t.where(self.rank, self.size, name)
+        if self._closed:
+            raise ValueError(f"{context}: this Communicator has been closed")
+        try:
+            run = prepare(context, *args)
+        except (TypeError, ValueError):
+            # Still take part in the header exchange, so that the other ranks raise
+            # MismatchError naming this rank instead of waiting for it forever.
+            self._run(lambda: self._core.announce_invalid(_COLLECTIVES[name], self._chunk_bytes),
+                      wait=True)
+            raise
+        return self._run(run, wait)
+
+    def _run(self, run, wait):
+        if wait:
+            ran, result = self._executor.run_now(run)
+            if ran:
+                return result
+        work = _Work(run)
+        self._executor.submit(work)
+        handle = Handle(work)
+        return handle.wait() if wait else handle
+
+    def _prepare_allreduce(self, context, x, op, out):
+        x = t.as_input_array(x, "x", context)
+        dtype = t.dtype_code(x.dtype, "x", context)
+        op = t.op_code(op, context)
+        t.check_op_for_dtype(op, x.dtype, context)
+        if out is None:
+            out = np.empty(x.shape, x.dtype)
+        else:
+            t.check_out(out, x.shape, x.dtype, context)
+        source = t.contiguous(x)
+        if source is not out and not t.same_buffer(source, out) and np.may_share_memory(source, out):
+            source = source.copy()  # overlapping but not identical: the ring would read its own writes
+        chunk = self._chunk_bytes
+        core = self._core
+
+        def run():
+            core.allreduce(source, out, dtype, op, chunk)
+            return out
+
+        return run
+
+    def _prepare_reduce_scatter(self, context, x, op, out):
+        x = t.as_input_array(x, "x", context)
+        dtype = t.dtype_code(x.dtype, "x", context)
+        op = t.op_code(op, context)
+        t.check_op_for_dtype(op, x.dtype, context)
+        offset, count = _core.segment_of(self.rank, self.size, x.size)
+        if out is None:
+            out = np.empty(count, x.dtype)
+        else:
+            t.check_out(out, (count,), x.dtype, context)
+        source = t.contiguous(x)
+        work = np.empty(x.size, x.dtype)
+        chunk = self._chunk_bytes
+        core = self._core
+
+        def run():
+            core.reduce_scatter(source, work, dtype, op, chunk)
+            out[...] = work[offset:offset + count]
+            return out
+
+        return run
+
+    def _prepare_allgather(self, context, x):
+        x = t.as_input_array(x, "x", context)
+        dtype = t.dtype_code(x.dtype, "x", context)
+        source = t.contiguous(x)
+        rows = 1 if x.ndim == 0 else x.shape[0]
+        row_shape = tuple(x.shape[1:])
+        row_elems = int(np.prod(row_shape, dtype=np.int64))
+        shape_tag = hash(row_shape) & 0x7FFFFFFFFFFFFFFF
+        chunk = self._chunk_bytes
+        core = self._core
+
+        def run():
+            # The result's size is known only once every rank has said its row count.
+            counts = core.allgather_counts(rows, row_elems, shape_tag, dtype, chunk)
+            out = np.empty((sum(counts),) + row_shape, x.dtype)
+            core.allgather(source, out, counts, row_elems, dtype)
+            return out
+
+        return run
+
+    def _prepare_broadcast(self, context, x, root):
+        if not isinstance(x, np.ndarray):
+            raise TypeError(f"{context}: x must be a numpy.ndarray (broadcast works in place), "
+                            f"got {type(x).__name__}")
+        dtype = t.dtype_code(x.dtype, "x", context)
+        if not x.dtype.isnative:
+            raise TypeError(f"{context}: x has non-native byte order ({x.dtype}); "
+                            "broadcast works in place and cannot convert it")
+        if isinstance(root, bool) or not isinstance(root, (int, np.integer)):
+            raise TypeError(f"{context}: root must be an int, got {type(root).__name__}")
+        if not 0 <= root < self.size:
+            raise ValueError(f"{context}: root {root} is not a rank of this communicator "
+                             f"(0..{self.size - 1})")
+        if self.rank != root and not x.flags.writeable:
+            raise ValueError(f"{context}: x is read-only, but broadcast writes root's data into it")
+        buffer = x if x.flags.c_contiguous else np.ascontiguousarray(x)
+        chunk = self._chunk_bytes
+        core = self._core
+        root = int(root)
+
+        def run():
+            core.broadcast(buffer, dtype, root, chunk)
+            if buffer is not x:
+                x[...] = buffer.reshape(x.shape)
+            return x
+
+        return run
