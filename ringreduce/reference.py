@@ -1,0 +1,129 @@
+"""Ring all-reduce in plain numpy over mpi4py point-to-point calls: the algorithm of
+ringreduce's C++ core, written to be read. The tests hold the core to the same answers
+bit for bit, so this file is also the core's specification.
+
+Each of p ranks holds an array x. Cut it into p segments (like np.array_split). Every
+rank sends only to its right neighbour and receives only from its left one.
+
+Reduce-scatter, p-1 steps. At step k rank r sends segment r-1-k and receives segment
+r-2-k (mod p), which it reduces into its own copy. With p = 4, the segment each rank
+sends at each step (it receives what its left neighbour sends):
+
+                 step 0   step 1   step 2   owns afterwards
+        rank 0     S3       S2       S1     S0 = x0+x1+x2+x3
+        rank 1     S0       S3       S2     S1
+        rank 2     S1       S0       S3     S2
+        rank 3     S2       S1       S0     S3
+
+Segment S0 starts on rank 1 as x1[S0]; rank 2 adds x2, rank 3 adds x3, rank 0 adds x0.
+Every segment travels p-1 hops, and ends on the rank whose number it bears.
+
+All-gather, p-1 more steps. At step k rank r sends segment r-k and receives segment
+r-1-k, this time only copying it. Each finished segment travels p-1 hops again, so
+every rank ends with the same bytes, computed once by the segment's owner.
+
+Cost: each step moves one segment (N/p bytes) per rank, for 2(p-1) steps: every rank
+sends and receives 2(p-1)/p * N bytes, which is optimal. The C++ core adds one thing
+this file leaves out: it cuts each segment into chunks, so that a chunk can be sent on
+while the next one is still arriving.
+"""
+from __future__ import annotations
+
+import numpy as np
+from mpi4py import MPI
+
+
+
+def _multiply(a, b, out):
+    if np.iscomplexobj(a):
+        # Spelled out: numpy's own complex multiply fuses multiply-adds on some CPUs,
+        # and the ring must round the same way on every machine.
+        real = a.real * b.real - a.imag * b.imag
+        imag = a.real * b.imag + a.imag * b.real
+        out.real, out.imag = real, imag
+    else:
+        np.multiply(a, b, out=out)
+
+
+# The per-step operation for each op; "avg" sums and divides once at the end.
+REDUCE = {"sum": np.add, "prod": _multiply, "min": np.minimum, "max": np.maximum,
+          "avg": np.add}
+
+
+def segment_bounds(count: int, size: int) -> list[tuple[int, int]]:
+    """[start, stop) of each rank's segment, laid out like np.array_split."""
+    base, extra = divmod(count, size)
+    bounds, start = [], 0
+    for s in range(size):
+        stop = start + base + (1 if s < extra else 0)
+        bounds.append((start, stop))
+        start = stop
+    return bounds
+
+
+def _ring_reduce_scatter(work: np.ndarray, op: str, comm) -> None:
+    """Leave segment `rank` of `work` (a flat array) reduced over all ranks."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    left, right = (rank - 1) % size, (rank + 1) % size
+    seg = segment_bounds(work.size, size)
+    for step in range(size - 1):
+        send, recv = (rank - 1 - step) % size, (rank - 2 - step) % size
+        received = np.empty(seg[recv][1] - seg[recv][0], work.dtype)
+        comm.Sendrecv(_raw(work[slice(*seg[send])]), dest=right, recvbuf=_raw(received),
+                      source=left)
+        mine = work[slice(*seg[recv])]
+        REDUCE[op](mine, received, out=mine)  # my data first, then what came around
+    if op == "avg":
+        _divide(work[slice(*seg[rank])], size)
+
+
+def _raw(segment: np.ndarray) -> np.ndarray:
+    """The segment's bytes: every dtype (bfloat16 too) travels the same way."""
+    return segment.view(np.uint8)
+
+
+def _divide(segment: np.ndarray, size: int) -> None:
+    # Complex numbers divide each component (numpy's complex division would
+    # multiply by 1/size instead, rounding differently).
+    parts = segment.view(segment.real.dtype) if np.iscomplexobj(segment) else segment
+    np.true_divide(parts, size, out=parts)
+
+
+def _ring_allgather(work: np.ndarray, bounds: list[tuple[int, int]], comm) -> None:
+    """Fill every segment of `work` from its owner; rank r starts with segment r."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    left, right = (rank - 1) % size, (rank + 1) % size
+    for step in range(size - 1):
+        send, recv = (rank - step) % size, (rank - 1 - step) % size
+        comm.Sendrecv(_raw(work[slice(*bounds[send])]), dest=right,
+                      recvbuf=_raw(work[slice(*bounds[recv])]), source=left)
+
+
+def allreduce(x, op: str = "sum", comm=MPI.COMM_WORLD) -> np.ndarray:
+    """The element-wise reduction of x over all ranks, on every rank."""
+    x = np.asarray(x)
+    work = np.array(x, copy=True).reshape(-1)
+    _ring_reduce_scatter(work, op, comm)
+    _ring_allgather(work, segment_bounds(work.size, comm.Get_size()), comm)
+    return work.reshape(x.shape)
+
+
+def reduce_scatter(x, op: str = "sum", comm=MPI.COMM_WORLD) -> np.ndarray:
+    """This rank's block (np.array_split layout) of the reduction of x.ravel()."""
+    work = np.array(x, copy=True).reshape(-1)
+    _ring_reduce_scatter(work, op, comm)
+    start, stop = segment_bounds(work.size, comm.Get_size())[comm.Get_rank()]
+    return work[start:stop].copy()
+
+
+def allgather(x, comm=MPI.COMM_WORLD) -> np.ndarray:
+    """Every rank's x concatenated along axis 0 (ranks may differ in len(x))."""
+    x = np.atleast_1d(np.asarray(x))
+    rows = comm.allgather(x.shape[0])
+    row_size = int(np.prod(x.shape[1:], dtype=np.int64))
+    starts = np.concatenate([[0], np.cumsum(rows)]) * row_size
+    bounds = [(int(starts[r]), int(starts[r + 1])) for r in range(len(rows))]
+    work = np.empty(int(starts[-1]), x.dtype)
+    work[slice(*bounds[comm.Get_rank()])] = x.reshape(-1)
+    _ring_allgather(work, bounds, comm)
+    return work.reshape((sum(rows),) + x.shape[1:])

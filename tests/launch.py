@@ -1,0 +1,60 @@
+"""Runs a pytest module on several MPI ranks at once, under mpiexec, with a timeout.
+
+Each rank runs the same tests in the same order (`python -m mpi4py -m pytest`, so an
+uncaught error on one rank aborts the whole job) and writes a one-line JSON summary;
+a failing test aborts the job at once (see tests/mpi/conftest.py) instead of leaving
+the other ranks waiting in a collective.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def mpiexec() -> str:
+    beside_python = Path(sys.executable).parent / "mpiexec"
+    found = str(beside_python) if beside_python.exists() else shutil.which("mpiexec")
+    if not found:
+        raise RuntimeError("mpiexec not found: install the mpich wheel or a system MPI")
+    return found
+
+
+def run_on_ranks(ranks: int, module: str, tmp_path: Path, timeout: float, extra=()) -> dict:
+    """Runs tests/mpi/<module> on `ranks` ranks; returns the per-rank summaries."""
+    report_dir = tmp_path / "reports"
+    report_dir.mkdir(exist_ok=True)
+    env = dict(os.environ, RINGREDUCE_TEST_REPORT_DIR=str(report_dir),
+               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    command = [mpiexec(), "-n", str(ranks), sys.executable, "-m", "mpi4py", "-m", "pytest",
+               "-q", "-p", "no:cacheprovider", "--rootdir", str(ROOT),
+               str(ROOT / "tests" / "mpi" / module), *extra]
+    # A session of its own, so that on a timeout the whole job (mpiexec, its proxies,
+    # every rank) can be killed at once and nothing is left spinning.
+    proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        raise AssertionError(f"{module} on {ranks} ranks did not finish within {timeout} s "
+                             f"(a hang?). Output:\n{output[-6000:]}") from None
+    summaries = {}
+    for path in report_dir.glob("rank*.json"):
+        summary = json.loads(path.read_text())
+        summaries[summary["rank"]] = summary
+    if proc.returncode != 0:
+        raise AssertionError(f"{module} on {ranks} ranks failed (exit {proc.returncode}):\n"
+                             f"{output[-12000:]}")
+    if sorted(summaries) != list(range(ranks)):
+        raise AssertionError(f"{module} on {ranks} ranks: summaries from ranks "
+                             f"{sorted(summaries)} only:\n{output[-6000:]}")
+    return summaries
+

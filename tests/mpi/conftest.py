@@ -1,0 +1,57 @@
+"""Runs inside every rank. A failing test aborts the whole MPI job at once: the other
+ranks would otherwise wait forever in the collective the failed rank never reached.
+At the end each rank writes how many tests passed, failed and were skipped."""
+import json
+import os
+import sys
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import ringreduce as rr
+
+_counts = {"passed": 0, "failed": 0, "skipped": 0}
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if report.when == "call" or report.outcome != "passed":
+        if report.outcome == "passed" and report.when == "call":
+            _counts["passed"] += 1
+        elif report.outcome == "skipped":
+            _counts["skipped"] += 1
+        elif report.outcome == "failed":
+            _counts["failed"] += 1
+    if report.failed and MPI.COMM_WORLD.Get_size() > 1:
+        sys.stderr.write(f"\n[rank {MPI.COMM_WORLD.Get_rank()}] FAILED {item.nodeid}\n"
+                         f"{report.longreprtext}\n")
+        sys.stderr.flush()
+        MPI.COMM_WORLD.Abort(1)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    report_dir = os.environ.get("RINGREDUCE_TEST_REPORT_DIR")
+    if report_dir:
+        rank = MPI.COMM_WORLD.Get_rank()
+        with open(os.path.join(report_dir, f"rank{rank}.json"), "w") as f:
+            json.dump(dict(_counts, rank=rank, size=MPI.COMM_WORLD.Get_size()), f)
+
+
+@pytest.fixture(scope="session")
+def world():
+    return MPI.COMM_WORLD
+
+
+@pytest.fixture(scope="session")
+def comm():
+    """Default chunk size."""
+    return rr.Communicator()
+
+
+@pytest.fixture(scope="session")
+def small_chunks():
+    """A test-only chunk of 64 bytes, so small arrays already run many pipeline chunks."""
+    return rr.Communicator(chunk_bytes=64)

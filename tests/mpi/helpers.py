@@ -1,0 +1,95 @@
+"""Data and expectations shared by the tests that run on every rank."""
+import functools
+
+import numpy as np
+from mpi4py import MPI
+
+import ringreduce as rr
+
+try:
+    import ml_dtypes
+
+    BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+except ImportError:  # bfloat16 tests are skipped without ml_dtypes
+    BFLOAT16 = None
+
+DTYPES = [BFLOAT16 if name == "bfloat16" else np.dtype(name) for name in rr.supported_dtypes()]
+OPS = list(rr.OPS)
+
+
+def supported(dtype, op):
+    if dtype.kind == "c" and op in ("min", "max"):
+        return False
+    if dtype.kind in "iu" and op == "avg":
+        return False
+    return True
+
+
+COMBOS = [(d, op) for d in DTYPES for op in OPS if supported(d, op)]
+
+
+def combo_id(combo):
+    return f"{combo[0].name}-{combo[1]}"
+
+
+def rank_data(dtype, n, op="sum", salt=0, comm=MPI.COMM_WORLD):
+    """Rank-dependent random data, never all ones (ones hide chunk-index bugs)."""
+    rng = np.random.default_rng([comm.Get_rank(), n, salt, 12345])
+    if dtype.kind in "iu":
+        info = np.iinfo(dtype)
+        return rng.integers(info.min, info.max, size=n, dtype=dtype, endpoint=True)
+    if op == "prod":  # stay near magnitude 1 so products neither overflow nor vanish
+        real = rng.uniform(0.5, 1.5, n) * rng.choice([-1.0, 1.0], n)
+    else:
+        real = rng.standard_normal(n) * 10.0
+    if dtype.kind == "c":
+        imag = rng.uniform(0.5, 1.5, n) if op == "prod" else rng.standard_normal(n) * 10.0
+        return (real + 1j * imag).astype(dtype)
+    return real.astype(dtype)
+
+
+def wide(a):
+    """float64/complex128 copy of a float array (bfloat16 included)."""
+    return a.astype(np.complex128 if a.dtype.kind == "c" else np.float64)
+
+
+def exact_integer_reduce(arrays, op):
+    fn = {"sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum}[op]
+    with np.errstate(over="ignore"):
+        return functools.reduce(lambda a, b: fn(a, b), arrays)  # wraps like the ring
+
+
+def check_against_float64(result, arrays, op):
+    """The result is within rounding of the float64 reduction of every rank's data."""
+    size = len(arrays)
+    w = [wide(a) for a in arrays]
+    eps = float(np.finfo(np.float32 if result.dtype == BFLOAT16 else
+                         (result.real.dtype if result.dtype.kind == "c" else result.dtype)).eps)
+    if result.dtype == BFLOAT16:
+        eps = 2.0 ** -8
+    if op in ("min", "max"):
+        expected = functools.reduce(np.minimum if op == "min" else np.maximum, w)
+        np.testing.assert_array_equal(wide(result), expected)
+        return
+    if op == "prod":
+        expected = functools.reduce(np.multiply, w)
+        bound = 4 * size * eps * np.abs(expected) + 1e-300
+    else:
+        expected = functools.reduce(np.add, w)
+        bound = 4 * size * eps * functools.reduce(np.add, [np.abs(a) for a in w]) + 1e-300
+        if op == "avg":
+            expected, bound = expected / size, bound / size
+    error = np.abs(wide(result) - expected)
+    assert np.all(error <= bound), (
+        f"{op} {result.dtype}: worst error {error.max()} over bound "
+        f"{bound.ravel()[np.argmax(error)]}")
+
+
+def same_on_every_rank(array, comm=MPI.COMM_WORLD):
+    """The bytes (and shape) of array are identical on every rank."""
+    blobs = comm.allgather((array.shape, array.tobytes()))
+    return all(b == blobs[0] for b in blobs)
+
+
+def bitwise_equal(a, b):
+    return a.shape == b.shape and a.dtype == b.dtype and a.tobytes() == b.tobytes()

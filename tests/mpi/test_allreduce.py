@@ -1,0 +1,196 @@
+"""allreduce on every dtype x op, every awkward size, in place and out of place."""
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import ringreduce as rr
+from ringreduce import reference
+
+from helpers import (BFLOAT16, COMBOS, DTYPES, bitwise_equal, check_against_float64, combo_id,
+                     exact_integer_reduce, rank_data, same_on_every_rank, supported)
+
+SIZE = MPI.COMM_WORLD.Get_size()
+SIZES = sorted({0, 1, max(SIZE - 1, 1), SIZE, 3 * SIZE + 1, 1000})
+
+
+@pytest.mark.parametrize("combo", COMBOS, ids=combo_id)
+def test_every_dtype_and_op_matches_reference_and_float64(combo, small_chunks, world):
+    dtype, op = combo
+    for n in SIZES:
+        x = rank_data(dtype, n, op)
+        before = x.copy()
+        y = small_chunks.allreduce(x, op=op)
+        assert bitwise_equal(x, before), "x was modified"
+        assert y.shape == x.shape and y.dtype == x.dtype
+        # The core and the numpy reference agree bit for bit.
+        assert bitwise_equal(y, reference.allreduce(x, op, world)), f"n={n}"
+        assert same_on_every_rank(y)
+        everyone = world.allgather(x)
+        if dtype.kind in "iu":
+            np.testing.assert_array_equal(y, exact_integer_reduce(everyone, op))
+        else:
+            check_against_float64(y, everyone, op)
+
+
+@pytest.mark.parametrize("dtype", [np.dtype(np.float32), np.dtype(np.float16), np.dtype(np.int64)],
+                         ids=str)
+def test_result_does_not_depend_on_chunk_size(dtype, comm):
+    x = rank_data(dtype, 10_007)
+    results = []
+    for chunk_bytes in (1, 8, 100, 4096, rr.Communicator().chunk_bytes):
+        with rr.Communicator(chunk_bytes=chunk_bytes) as ring:
+            results.append(ring.allreduce(x))
+    assert all(bitwise_equal(r, results[0]) for r in results)
+
+
+def test_a_few_mib_default_and_small_chunks(comm, world):
+    x = rank_data(np.dtype(np.float32), 3 * 1024 * 1024 // 4 + 3)  # 3 MiB and change
+    y = comm.allreduce(x)
+    assert bitwise_equal(y, reference.allreduce(x, "sum", world))
+    with rr.Communicator(chunk_bytes=4096) as ring:  # ~200 chunks per segment
+        assert bitwise_equal(ring.allreduce(x), y)
+    check_against_float64(y, world.allgather(x), "sum")
+
+
+@pytest.mark.parametrize("shape", [(), (0,), (0, 3), (1,), (3, 4, 5), (2, 1, 7)], ids=str)
+def test_any_shape_keeps_shape(shape, small_chunks, world):
+    x = rank_data(np.dtype(np.float64), int(np.prod(shape))).reshape(shape)
+    y = small_chunks.allreduce(x)
+    assert y.shape == shape
+    np.testing.assert_allclose(y, sum(world.allgather(x)), rtol=1e-12, atol=1e-12)
+
+
+def test_in_place_equals_out_of_place(small_chunks):
+    x = rank_data(np.dtype(np.float32), 777)
+    expected = small_chunks.allreduce(x, op="avg")
+    buf = x.copy()
+    returned = small_chunks.allreduce(buf, op="avg", out=buf)
+    assert returned is buf
+    assert bitwise_equal(buf, expected)
+
+
+def test_out_is_filled_and_returned(small_chunks):
+    x = rank_data(np.dtype(np.int32), 501).reshape(3, 167)
+    out = np.full_like(x, 7)
+    returned = small_chunks.allreduce(x, op="max", out=out)
+    assert returned is out
+    np.testing.assert_array_equal(out, small_chunks.allreduce(x, op="max"))
+
+
+def test_non_contiguous_input_is_copied_not_modified(small_chunks, world):
+    base = rank_data(np.dtype(np.float64), 600).reshape(20, 30)
+    for x in (base[::2], base.T, base[:, 3], base[::-1, ::3]):
+        before = base.copy()
+        y = small_chunks.allreduce(x)
+        assert y.shape == x.shape and y.flags.c_contiguous
+        np.testing.assert_allclose(y, sum(world.allgather(np.ascontiguousarray(x))), rtol=1e-12,
+                                   atol=1e-12)
+        assert bitwise_equal(base, before)
+
+
+def test_out_overlapping_input_gives_the_right_answer(small_chunks, world):
+    buf = rank_data(np.dtype(np.float64), 101)
+    x, out = buf[:100], buf[1:]  # same shape, overlapping by all but one element
+    expected = sum(world.allgather(x.copy()))
+    small_chunks.allreduce(x, out=out)
+    np.testing.assert_allclose(out, expected, rtol=1e-12, atol=1e-12)
+
+
+def test_integer_sum_and_prod_wrap_like_numpy(small_chunks, world):
+    x = np.array([127, -128, 100, 3], dtype=np.int8) + np.int8(world.Get_rank())
+    with np.errstate(over="ignore"):
+        np.testing.assert_array_equal(small_chunks.allreduce(x), exact_integer_reduce(
+            world.allgather(x), "sum"))
+        np.testing.assert_array_equal(small_chunks.allreduce(x, op="prod"), exact_integer_reduce(
+            world.allgather(x), "prod"))
+    u = np.array([2**64 - 1, 2**63], dtype=np.uint64)
+    np.testing.assert_array_equal(small_chunks.allreduce(u),
+                                  u * np.uint64(SIZE))  # wraps modulo 2**64
+
+
+@pytest.mark.parametrize("op", ["min", "max", "sum"])
+def test_nan_propagates(op, small_chunks, world):
+    x = rank_data(np.dtype(np.float32), 50)
+    if world.Get_rank() == SIZE - 1:
+        x[[0, 17, 49]] = np.nan
+    y = small_chunks.allreduce(x, op=op)
+    assert np.isnan(y[[0, 17, 49]]).all()
+    assert not np.isnan(np.delete(y, [0, 17, 49])).any()
+
+
+def test_float16_rounds_once_per_step_like_the_reference(small_chunks, world):
+    # Values whose float16 sums round at every step: a float32 accumulator would differ.
+    x = (np.full(64, 1.0 + world.Get_rank() * 2.0 ** -10) * 1000).astype(np.float16)
+    y = small_chunks.allreduce(x)
+    assert bitwise_equal(y, reference.allreduce(x, "sum", world))
+
+
+def test_array_likes_are_accepted(comm):
+    assert comm.allreduce([1.0, 2.0]).tolist() == [1.0 * SIZE, 2.0 * SIZE]
+    y = comm.allreduce(3)
+    assert y.shape == () and int(y) == 3 * SIZE
+
+
+def test_big_endian_input(comm, world):
+    x = rank_data(np.dtype(np.float64), 33).astype(">f8")
+    np.testing.assert_allclose(comm.allreduce(x), sum(world.allgather(x.astype("<f8"))),
+                               rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.skipif(BFLOAT16 is None, reason="ml_dtypes not installed")
+def test_bfloat16_is_supported(small_chunks, world):
+    x = rank_data(BFLOAT16, 300)
+    y = small_chunks.allreduce(x)
+    assert y.dtype == BFLOAT16
+    assert bitwise_equal(y, reference.allreduce(x, "sum", world))
+
+
+def test_module_level_shortcuts(world):
+    x = rank_data(np.dtype(np.float64), 40)
+    expected = sum(world.allgather(x))
+    np.testing.assert_allclose(rr.allreduce(x), expected, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(rr.allreduce(x, comm=MPI.COMM_WORLD), expected, rtol=1e-12,
+                               atol=1e-12)
+    np.testing.assert_allclose(rr.allreduce_async(x, op="avg").wait(), expected / SIZE,
+                               rtol=1e-12, atol=1e-12)
+    out = np.empty_like(x)
+    assert rr.allreduce(x, out=out) is out
+
+
+def test_sub_communicators(world):
+    # Two independent rings (even and odd ranks) at the same time.
+    color = world.Get_rank() % 2
+    sub = world.Split(color, key=world.Get_rank())
+    try:
+        x = rank_data(np.dtype(np.float64), 99)
+        y = rr.allreduce(x, comm=sub)
+        members = world.allgather(color)
+        expected = sum(a for a, c in zip(world.allgather(x), members) if c == color)
+        np.testing.assert_allclose(y, expected, rtol=1e-12, atol=1e-12)
+        with rr.Communicator(sub) as ring:
+            assert (ring.rank, ring.size) == (sub.Get_rank(), sub.Get_size())
+    finally:
+        sub.Free()
+
+
+def test_ring_traffic_never_mixes_with_the_users(comm, world):
+    # A receive the user posted for any source and any tag on the communicator we were
+    # given must not catch the ring's messages: they travel on a private duplicate.
+    if SIZE == 1:
+        pytest.skip("needs a neighbour")
+    rank = world.Get_rank()
+    incoming = np.zeros(1, np.int64)
+    request = world.Irecv(incoming, source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG)
+    x = rank_data(np.dtype(np.float64), 5000)
+    y = comm.allreduce(x)
+    np.testing.assert_allclose(y, sum(world.allgather(x)), rtol=1e-12, atol=1e-12)
+    world.Send(np.array([1000 + rank], np.int64), dest=(rank + 1) % SIZE, tag=5)
+    request.Wait()
+    assert incoming[0] == 1000 + (rank - 1) % SIZE
+
+
+def test_every_supported_dtype_is_listed():
+    names = {d.name for d in DTYPES}
+    assert {"float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8",
+            "uint16", "uint32", "uint64", "complex64", "complex128"} <= names
+    assert all(supported(d, "sum") for d in DTYPES)

@@ -1,0 +1,94 @@
+"""allreduce_async: many in flight, results in order, errors at wait()."""
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import ringreduce as rr
+
+from helpers import bitwise_equal, rank_data
+
+SIZE = MPI.COMM_WORLD.Get_size()
+RANK = MPI.COMM_WORLD.Get_rank()
+
+
+def test_many_in_flight_waited_in_any_order(small_chunks, comm):
+    inputs = [rank_data(np.dtype(dt), n, salt=i)
+              for i, (dt, n) in enumerate([(np.float32, 1000), (np.int64, 3), (np.float64, 0),
+                                           (np.float16, 4097), (np.complex64, 50)] * 4)]
+    expected = [comm.allreduce(x) for x in inputs]
+    handles = [small_chunks.allreduce_async(x) for x in inputs]
+    for handle, want in reversed(list(zip(handles, expected))):
+        assert bitwise_equal(handle.wait(), want)
+        assert handle.done()
+        assert bitwise_equal(handle.wait(), want)  # waiting twice gives the same array
+
+
+def test_async_in_place_and_out(comm):
+    x = rank_data(np.dtype(np.float64), 300)
+    expected = comm.allreduce(x, op="avg")
+    out = np.empty_like(x)
+    h1 = comm.allreduce_async(x, op="avg", out=out)
+    buf = x.copy()
+    h2 = comm.allreduce_async(buf, op="avg", out=buf)
+    assert h1.wait() is out and h2.wait() is buf
+    assert bitwise_equal(out, expected) and bitwise_equal(buf, expected)
+
+
+def test_blocking_calls_queue_behind_async_ones(comm):
+    a = rank_data(np.dtype(np.float32), 100_000)
+    b = rank_data(np.dtype(np.float32), 10, salt=1)
+    ha = comm.allreduce_async(a)
+    yb = comm.allreduce(b)  # must not overtake ha on any rank
+    hc = comm.allreduce_async(b, op="max")
+    g = comm.allgather(np.array([RANK]))
+    assert bitwise_equal(ha.wait(), comm.allreduce(a))
+    assert bitwise_equal(yb, comm.allreduce(b))
+    assert bitwise_equal(hc.wait(), comm.allreduce(b, op="max"))
+    np.testing.assert_array_equal(g, np.arange(SIZE))
+
+
+def test_mismatch_surfaces_at_wait_and_the_queue_goes_on(comm):
+    if SIZE < 2:
+        pytest.skip("needs two ranks to disagree")
+    first = comm.allreduce_async(rank_data(np.dtype(np.float32), 20))
+    bad = comm.allreduce_async(np.ones(5 + RANK))
+    after = comm.allreduce_async(np.ones(5))
+    assert first.wait().shape == (20,)
+    with pytest.raises(rr.MismatchError, match="count"):
+        bad.wait()
+    np.testing.assert_array_equal(after.wait(), np.full(5, float(SIZE)))
+
+
+def test_bad_arguments_raise_at_the_call(comm):
+    pending = comm.allreduce_async(np.ones(1000))
+    with pytest.raises(ValueError, match="op"):
+        comm.allreduce_async(np.ones(3), op="nope")
+    np.testing.assert_array_equal(pending.wait(), np.full(1000, float(SIZE)))
+
+
+def test_wait_with_timeout_and_done(comm):
+    h = comm.allreduce_async(np.ones(10))
+    np.testing.assert_array_equal(h.wait(timeout=60), np.full(10, float(SIZE)))
+    assert h.done()
+
+
+def test_python_keeps_running_while_the_ring_works(comm):
+    # The core releases the GIL: a Python loop on this thread runs while a large
+    # allreduce is in flight on the worker thread.
+    x = rank_data(np.dtype(np.float64), 4_000_000)
+    h = comm.allreduce_async(x)
+    spins = 0
+    while not h.done():
+        spins += 1
+    assert h.wait().shape == x.shape
+    if MPI.Query_thread() == MPI.THREAD_MULTIPLE and SIZE > 1:
+        assert spins > 0
+
+
+def test_close_finishes_work_in_flight(world):
+    ring = rr.Communicator()
+    handles = [ring.allreduce_async(np.full(1000, float(i))) for i in range(5)]
+    ring.close()
+    for i, h in enumerate(handles):
+        assert h.done()
+        np.testing.assert_array_equal(h.wait(), np.full(1000, float(i * SIZE)))

@@ -1,0 +1,114 @@
+"""reduce_scatter, allgather and broadcast."""
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import ringreduce as rr
+from ringreduce import reference
+
+from helpers import (BFLOAT16, COMBOS, bitwise_equal, check_against_float64, combo_id,
+                     exact_integer_reduce, rank_data, same_on_every_rank)
+
+SIZE = MPI.COMM_WORLD.Get_size()
+RANK = MPI.COMM_WORLD.Get_rank()
+SIZES = sorted({0, 1, max(SIZE - 1, 1), SIZE, 2 * SIZE + 1, 517})
+
+
+@pytest.mark.parametrize("combo", COMBOS, ids=combo_id)
+def test_reduce_scatter_gives_this_ranks_array_split_block(combo, small_chunks, world):
+    dtype, op = combo
+    for n in SIZES:
+        x = rank_data(dtype, n, op, salt=1)
+        part = small_chunks.reduce_scatter(x, op=op)
+        full = small_chunks.allreduce(x, op=op)
+        block = np.array_split(full, SIZE)[RANK]
+        assert bitwise_equal(part, block), f"n={n}"
+        assert bitwise_equal(part, reference.reduce_scatter(x, op, world))
+        everyone = world.allgather(x)
+        expected_full = (exact_integer_reduce(everyone, op) if dtype.kind in "iu" else None)
+        if expected_full is not None:
+            np.testing.assert_array_equal(part, np.array_split(expected_full, SIZE)[RANK])
+        else:
+            check_against_float64(part, [np.array_split(a, SIZE)[RANK] for a in everyone], op)
+
+
+def test_reduce_scatter_ravels_any_shape_and_fills_out(comm, world):
+    x = rank_data(np.dtype(np.float64), 60).reshape(3, 4, 5)
+    expected = np.array_split(sum(world.allgather(x)).ravel(), SIZE)[RANK]
+    part = comm.reduce_scatter(x)
+    assert part.ndim == 1
+    np.testing.assert_allclose(part, expected, rtol=1e-12, atol=1e-12)
+    out = np.empty(len(expected))
+    assert comm.reduce_scatter(x, out=out) is out
+    np.testing.assert_array_equal(out, part)
+    np.testing.assert_allclose(rr.reduce_scatter(x, op="avg"), expected / SIZE, rtol=1e-12)
+
+
+def test_reduce_scatter_out_of_the_wrong_length_is_rejected(comm):
+    x = np.arange(10.0)
+    wrong = np.empty(len(np.array_split(x, SIZE)[RANK]) + 1)
+    with pytest.raises(ValueError, match="shape"):
+        comm.reduce_scatter(x, out=wrong)
+
+
+@pytest.mark.parametrize("dtype", [np.dtype(np.float32), np.dtype(np.int16),
+                                   np.dtype(np.complex128)] + ([BFLOAT16] if BFLOAT16 else []),
+                         ids=str)
+def test_allgather_concatenates_along_axis_0(dtype, small_chunks, world):
+    for rows in (0, 1, 5):
+        x = rank_data(dtype, rows * 6, salt=2).reshape(rows, 2, 3)
+        g = small_chunks.allgather(x)
+        expected = np.concatenate(world.allgather(x), axis=0)
+        assert bitwise_equal(g, expected)
+        assert bitwise_equal(g, reference.allgather(x, world))
+
+
+def test_allgather_ranks_may_differ_in_rows(small_chunks, world):
+    x = rank_data(np.dtype(np.float64), 3 * RANK + 1, salt=3)  # 1, 4, 7, 10 rows
+    g = small_chunks.allgather(x)
+    assert bitwise_equal(g, np.concatenate(world.allgather(x)))
+    assert same_on_every_rank(g)
+    with rr.Communicator(chunk_bytes=1 << 20) as ring:  # one chunk per segment
+        assert bitwise_equal(ring.allgather(x), g)
+
+
+def test_allgather_of_scalars_and_module_level(comm, world):
+    g = comm.allgather(np.float32(RANK + 0.5))
+    assert g.shape == (SIZE,)
+    np.testing.assert_array_equal(g, np.arange(SIZE, dtype=np.float32) + 0.5)
+    np.testing.assert_array_equal(rr.allgather(np.array([RANK])), np.arange(SIZE))
+
+
+@pytest.mark.parametrize("root", range(SIZE))
+def test_broadcast_from_every_root(root, small_chunks, world):
+    for n in SIZES:
+        x = rank_data(np.dtype(np.float64), n, salt=4)
+        roots_data = world.bcast(x.copy(), root=root)
+        returned = small_chunks.broadcast(x, root=root)
+        assert returned is x
+        assert bitwise_equal(x, roots_data)
+
+
+def test_broadcast_non_contiguous_and_shapes(comm, world):
+    base = rank_data(np.dtype(np.int32), 200, salt=5).reshape(10, 20)
+    view = base[:, ::3]
+    expected = world.bcast(view.copy(), root=0)
+    untouched = base[:, 1::3].copy()
+    assert comm.broadcast(view, root=0) is view
+    np.testing.assert_array_equal(view, expected)
+    np.testing.assert_array_equal(base[:, 1::3], untouched)  # only the view was written
+    scalar = np.array(float(RANK))
+    comm.broadcast(scalar, root=SIZE - 1)
+    assert scalar == SIZE - 1
+    y = rank_data(np.dtype(np.float32), 1000, salt=6)
+    expected = world.bcast(y.copy(), root=0)
+    rr.broadcast(y)
+    assert bitwise_equal(y, expected)
+
+
+def test_broadcast_many_chunks_large(world):
+    x = rank_data(np.dtype(np.float32), 1 << 20, salt=7)
+    expected = world.bcast(x.copy(), root=SIZE // 2)
+    with rr.Communicator(chunk_bytes=8192) as ring:
+        ring.broadcast(x, root=SIZE // 2)
+    assert bitwise_equal(x, expected)

@@ -1,0 +1,192 @@
+"""Bad input gets a clear error naming the argument, the value and the rank; ranks
+that disagree all raise MismatchError; and the communicator stays usable after."""
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import ringreduce as rr
+
+SIZE = MPI.COMM_WORLD.Get_size()
+RANK = MPI.COMM_WORLD.Get_rank()
+needs_two = pytest.mark.skipif(SIZE < 2, reason="needs at least two ranks to disagree")
+
+
+def still_works(comm):
+    x = np.arange(7.0) + RANK
+    np.testing.assert_allclose(comm.allreduce(x), SIZE * np.arange(7.0) + SIZE * (SIZE - 1) / 2)
+
+
+def test_unknown_op_names_it_and_the_valid_ones(comm):
+    with pytest.raises(ValueError) as info:
+        comm.allreduce(np.ones(3), op="mean")
+    message = str(info.value)
+    assert "'mean'" in message and f"rank {RANK} of {SIZE}" in message
+    for name in ("'sum'", "'prod'", "'min'", "'max'", "'avg'"):
+        assert name in message
+    for bad in (None, 3, "su"):
+        with pytest.raises(ValueError):
+            comm.allreduce(np.ones(3), op=bad)
+    still_works(comm)
+
+
+def test_op_names_are_case_insensitive_and_mpi_ops_work(comm):
+    x = np.arange(4.0)
+    np.testing.assert_array_equal(comm.allreduce(x, op="MAX"), x)
+    np.testing.assert_array_equal(comm.allreduce(x, op=MPI.MIN), x)
+
+
+@pytest.mark.parametrize("x", [np.ones(3, bool), np.array(["a", "b"]), np.array([object()]),
+                               np.ones(2, np.longdouble), np.array([1, 2], "datetime64[s]")],
+                         ids=["bool", "str", "object", "longdouble", "datetime"])
+def test_unsupported_dtype_names_it_and_the_supported_ones(x, comm):
+    with pytest.raises(TypeError) as info:
+        comm.allreduce(x)
+    message = str(info.value)
+    assert str(x.dtype) in message and "float32" in message and "int8" in message
+    assert f"rank {RANK}" in message
+    still_works(comm)
+
+
+@pytest.mark.parametrize("dtype,op", [(np.complex64, "min"), (np.complex128, "max"),
+                                      (np.int32, "avg"), (np.uint8, "avg")])
+def test_op_without_meaning_for_the_dtype(dtype, op, comm):
+    with pytest.raises(TypeError, match=op) as info:
+        comm.allreduce(np.ones(3, dtype), op=op)
+    assert isinstance(info.value, ValueError) and isinstance(info.value, rr.UnsupportedOpError)
+    assert np.dtype(dtype).name in str(info.value)
+    with pytest.raises(ValueError):
+        comm.reduce_scatter(np.ones(3, dtype), op=op)
+    still_works(comm)
+
+
+def test_bad_out_says_what_is_wrong(comm):
+    x = np.ones((4, 5), np.float32)
+    cases = [
+        (np.empty((5, 4), np.float32), ValueError, "shape"),
+        (np.empty((4, 5), np.float64), TypeError, "dtype"),
+        (np.empty((5, 8), np.float32)[:4, :5], ValueError, "contiguous"),
+        (np.empty((4, 5), np.float32, order="F"), ValueError, "contiguous"),
+        ([[0.0] * 5] * 4, TypeError, "ndarray"),
+    ]
+    readonly = np.empty((4, 5), np.float32)
+    readonly.flags.writeable = False
+    cases.append((readonly, ValueError, "read-only"))
+    for out, error, word in cases:
+        with pytest.raises(error, match=word) as info:
+            comm.allreduce(x, out=out)
+        assert f"rank {RANK}" in str(info.value) and "out" in str(info.value)
+    still_works(comm)
+
+
+def test_gpu_like_arrays_get_a_clear_error(comm):
+    class FakeDeviceArray:
+        __cuda_array_interface__ = {"shape": (3,), "typestr": "<f4", "data": (0, False),
+                                    "version": 3}
+
+    with pytest.raises(TypeError, match="GPU"):
+        comm.allreduce(FakeDeviceArray())
+    still_works(comm)
+
+
+@needs_two
+@pytest.mark.parametrize("what", ["count", "dtype", "op"])
+def test_ranks_that_disagree_all_raise_mismatch(what, comm):
+    count = 10 + (RANK if what == "count" else 0)
+    dtype = np.float64 if (what == "dtype" and RANK == SIZE - 1) else np.float32
+    op = "max" if (what == "op" and RANK == 0) else "sum"
+    with pytest.raises(rr.MismatchError) as info:
+        comm.allreduce(np.ones(count, dtype), op=op)
+    message = str(info.value)
+    assert what in message and f"rank {RANK} of {SIZE}" in message
+    if what == "count":
+        assert "10 on rank 0" in message and f"{10 + SIZE - 1} on rank {SIZE - 1}" in message
+    if what == "dtype":
+        assert "float64 on rank" in message and "float32 on rank" in message
+    if what == "op":
+        assert "'max' on rank 0" in message and "'sum' on rank" in message
+    still_works(comm)
+
+
+@needs_two
+def test_different_collectives_are_a_mismatch(comm):
+    with pytest.raises(rr.MismatchError, match="collective"):
+        if RANK == 0:
+            comm.allreduce(np.ones(3))
+        else:
+            comm.broadcast(np.ones(3))
+    still_works(comm)
+
+
+@needs_two
+def test_broadcast_root_and_allgather_shape_mismatch(comm):
+    with pytest.raises(rr.MismatchError, match="root"):
+        comm.broadcast(np.ones(3), root=RANK)
+    with pytest.raises(rr.MismatchError, match="shape"):
+        comm.allgather(np.ones((2, 3 if RANK == 0 else 2)))
+    with pytest.raises(rr.MismatchError, match="count"):
+        comm.reduce_scatter(np.ones(4 + RANK))
+    still_works(comm)
+
+
+@needs_two
+def test_one_rank_with_bad_arguments_does_not_hang_the_others(comm):
+    # Rank 1 passes an unknown op; it raises ValueError, every other rank raises
+    # MismatchError naming rank 1, and the next call works everywhere.
+    if RANK == 1:
+        with pytest.raises(ValueError, match="'bogus'"):
+            comm.allreduce(np.ones(3), op="bogus")
+    else:
+        with pytest.raises(rr.MismatchError, match="rank 1 rejected its arguments"):
+            comm.allreduce(np.ones(3))
+    if RANK == 0:
+        with pytest.raises(TypeError):
+            comm.allgather(np.ones(2, bool))
+    else:
+        with pytest.raises(rr.MismatchError, match="rank 0 rejected"):
+            comm.allgather(np.ones(2))
+    still_works(comm)
+
+
+def test_bad_broadcast_arguments(comm):
+    for root, error in ((SIZE, ValueError), (-1, ValueError), ("0", TypeError), (True, TypeError)):
+        with pytest.raises(error, match="root"):
+            comm.broadcast(np.ones(3), root=root)
+    with pytest.raises(TypeError, match="ndarray"):
+        comm.broadcast([1.0, 2.0])
+    readonly = np.ones(3)
+    readonly.flags.writeable = False
+    if SIZE > 1:
+        if RANK != 0:
+            with pytest.raises(ValueError, match="read-only"):
+                comm.broadcast(readonly, root=0)
+        else:
+            with pytest.raises(rr.MismatchError):
+                comm.broadcast(readonly.copy(), root=0)
+    still_works(comm)
+
+
+def test_bad_communicators_and_settings():
+    with pytest.raises(TypeError, match="mpi4py communicator"):
+        rr.Communicator("world")
+    with pytest.raises(ValueError, match="COMM_NULL"):
+        rr.Communicator(MPI.COMM_NULL)
+    with pytest.raises(ValueError, match="chunk_bytes"):
+        rr.Communicator(chunk_bytes=0)
+    with pytest.raises(TypeError, match="chunk_bytes"):
+        rr.Communicator(chunk_bytes=1.5)
+
+
+def test_closed_communicator_says_so():
+    ring = rr.Communicator()
+    ring.close()
+    ring.close()  # twice is fine
+    assert ring.closed
+    with pytest.raises(ValueError, match="closed"):
+        ring.allreduce(np.ones(2))
+
+
+def test_chunk_size_of_rank_0_wins(world):
+    # Ranks asking for different chunk sizes still agree (rank 0's is used).
+    with rr.Communicator(chunk_bytes=64 + 8 * RANK) as ring:
+        x = np.arange(1000.0) * (RANK + 1)
+        np.testing.assert_allclose(ring.allreduce(x), np.arange(1000.0) * SIZE * (SIZE + 1) / 2)

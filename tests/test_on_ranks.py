@@ -1,0 +1,26 @@
+"""The collectives, run for real on 1, 2, 3 and 4 MPI ranks (3 catches power-of-two
+assumptions). Each case launches `mpiexec -n RANKS` on one module of tests/mpi/ with a
+timeout; every rank must pass the same tests."""
+import pytest
+
+from launch import run_on_ranks
+
+MODULES = {  # module -> timeout in seconds at 4 oversubscribed ranks on 2 cores
+    "test_allreduce.py": 600,
+    "test_collectives.py": 300,
+    "test_errors.py": 300,
+    "test_async.py": 300,
+}
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 3, 4])
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_module_on_ranks(module, ranks, tmp_path, capsys):
+    summaries = run_on_ranks(ranks, module, tmp_path, timeout=MODULES[module])
+    counts = {(s["passed"], s["failed"], s["skipped"]) for s in summaries.values()}
+    assert len(counts) == 1, f"ranks disagree on what ran: {summaries}"
+    passed, failed, skipped = counts.pop()
+    assert failed == 0 and passed > 0
+    with capsys.disabled():
+        print(f"\n  {module} on {ranks} rank(s): {passed} passed, {skipped} skipped on each rank",
+              end="")
