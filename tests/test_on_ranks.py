@@ -24,3 +24,8 @@ def test_module_on_ranks(module, ranks, tmp_path, capsys):
     with capsys.disabled():
         print(f"\n  {module} on {ranks} rank(s): {passed} passed, {skipped} skipped on each rank",
               end="")
+
+
+def test_counts_past_2_to_the_31_on_two_ranks(tmp_path):
+    summaries = run_on_ranks(2, "test_big_count.py", tmp_path, timeout=600)
+    assert all(s["passed"] == 1 and s["failed"] == 0 for s in summaries.values())

@@ -1,0 +1,109 @@
+"""The core's reduction kernels against numpy, one process, every dtype x op, with
+the special values (NaN, inf, signed zeros, subnormals, overflow) that break them."""
+import numpy as np
+import pytest
+
+from ringreduce import _core, reference
+
+try:
+    import ml_dtypes
+
+    BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+except ImportError:
+    BFLOAT16 = None
+
+NAMES = [n for n in _core.DTYPES if n != "bfloat16" or BFLOAT16 is not None]
+
+
+def dtype_of(name):
+    return BFLOAT16 if name == "bfloat16" else np.dtype(name)
+
+
+def core_reduce(a, b, op):
+    out = np.empty_like(a)
+    _core.reduce(out, a, b, _core.DTYPES.index(a.dtype.name), _core.OPS.index(op))
+    return out
+
+
+def numpy_reduce(a, b, op):
+    if op == "prod" and a.dtype.kind == "c":
+        out = np.empty_like(a)
+        reference._multiply(a, b, out)
+        return out
+    with np.errstate(all="ignore"):
+        return {"sum": np.add, "avg": np.add, "prod": np.multiply, "min": np.minimum,
+                "max": np.maximum}[op](a, b)
+
+
+def samples(dtype, n, rng):
+    if dtype.kind in "iu":
+        info = np.iinfo(dtype)
+        return rng.integers(info.min, info.max, n, dtype=dtype, endpoint=True)
+    real = rng.standard_normal(n) * rng.choice([1e-6, 1e-3, 1.0, 1e3, 1e5], n)
+    if dtype.kind == "c":
+        return (real + 1j * rng.standard_normal(n)).astype(dtype)
+    special = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 6e-8, -6e-8, 65504.0, 1e-40])
+    with np.errstate(over="ignore"):
+        return np.concatenate([real, special]).astype(dtype)
+
+
+COMBOS = [(name, op) for name in NAMES for code, op in enumerate(_core.OPS)
+          if _core.op_supported(_core.DTYPES.index(name), code)]
+
+
+@pytest.mark.parametrize("name,op", COMBOS)
+def test_kernel_matches_numpy_bit_for_bit(name, op):
+    dtype = dtype_of(name)
+    rng = np.random.default_rng(7)
+    a, b = samples(dtype, 5000, rng), samples(dtype, 5000, rng)
+    if dtype.kind == "f" or dtype == BFLOAT16:
+        b = np.concatenate([b[: len(b) - 9], rng.permutation(b[len(b) - 9:])])
+    got = core_reduce(a, b, op)
+    want = numpy_reduce(a, b, op)
+    nan = np.isnan(want.astype(np.complex128)) if dtype.kind in "fcV" else np.zeros(len(a), bool)
+    # NaN payloads may differ; everything else must be the same bytes.
+    assert np.array_equal(np.isnan(got.astype(np.complex128)) if dtype.kind in "fcV" else nan, nan)
+    assert got[~nan].tobytes() == want[~nan].tobytes()
+
+
+def test_in_place_kernel():
+    a = np.arange(100, dtype=np.float32)
+    b = np.full(100, 0.5, np.float32)
+    expected = a + b
+    _core.reduce(a, a, b, _core.DTYPES.index("float32"), _core.OPS.index("sum"))
+    np.testing.assert_array_equal(a, expected)
+
+
+def test_every_float16_survives_a_round_trip():
+    # x + 0 widens every one of the 65536 float16 values to float32 and rounds back.
+    every = np.arange(65536, dtype=np.uint16).view(np.float16)
+    got = core_reduce(every, np.zeros_like(every), "sum")
+    finite = ~np.isnan(every)
+    assert got[finite].tobytes() == (every[finite] + np.float16(0)).tobytes()
+    assert np.isnan(got[~finite]).all()
+
+
+@pytest.mark.parametrize("name", ["float16", "float32", "float64", "complex64", "complex128"]
+                         + (["bfloat16"] if BFLOAT16 is not None else []))
+@pytest.mark.parametrize("divisor", [1, 3, 7, 1024])
+def test_divide_matches_the_reference(name, divisor):
+    dtype = dtype_of(name)
+    x = samples(dtype, 3000, np.random.default_rng(divisor))
+    got = x.copy()
+    _core.divide(got, _core.DTYPES.index(name), divisor)
+    want = x.copy()
+    reference._divide(want, divisor)
+    finite = ~np.isnan(want.astype(np.complex128))
+    assert got[finite].tobytes() == want[finite].tobytes()
+
+
+def test_segments_follow_array_split():
+    for size in range(1, 9):
+        for count in range(0, 30):
+            split = np.array_split(np.arange(count), size)
+            for rank in range(size):
+                offset, n = _core.segment_of(rank, size, count)
+                assert n == len(split[rank])
+                assert (offset, offset + n) == reference.segment_bounds(count, size)[rank]
+                if n:
+                    assert offset == split[rank][0]
