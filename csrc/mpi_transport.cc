@@ -11,14 +11,15 @@ void check_mpi(int rc, const char* call, int rank) {
   char text[MPI_MAX_ERROR_STRING] = {0};
   int len = 0;
   if (MPI_Error_string(rc, text, &len) != MPI_SUCCESS) len = 0;
-  throw MpiError(std::string(call) + " failed on rank " + std::to_string(rank) + ": " +
+  const std::string where = rank >= 0 ? "on rank " + std::to_string(rank) : "(rank not yet known)";
+  throw MpiError(std::string(call) + " failed " + where + ": " +
                  (len > 0 ? std::string(text, len) : "error code " + std::to_string(rc)));
 }
 
 MpiTransport::MpiTransport(MPI_Comm user_comm) {
   int initialized = 0, finalized = 0;
-  MPI_Initialized(&initialized);
-  MPI_Finalized(&finalized);
+  check_mpi(MPI_Initialized(&initialized), "MPI_Initialized", -1);
+  check_mpi(MPI_Finalized(&finalized), "MPI_Finalized", -1);
   if (!initialized || finalized)
     throw MpiError("MPI is not initialised (or already finalised): import mpi4py.MPI first");
   if (user_comm == MPI_COMM_NULL) throw std::invalid_argument("comm is MPI.COMM_NULL");
@@ -35,10 +36,11 @@ MpiTransport::MpiTransport(MPI_Comm user_comm) {
   int found = 0;
   check(MPI_Comm_get_attr(comm_, MPI_TAG_UB, &tag_ub, &found), "MPI_Comm_get_attr(MPI_TAG_UB)");
   if (found && tag_ub) tag_ub_ = *tag_ub;
-  MPI_Comm_set_name(comm_, "ringreduce");
+  check(MPI_Comm_set_name(comm_, "ringreduce"), "MPI_Comm_set_name");
 }
 
 MpiTransport::~MpiTransport() {
+  // A destructor cannot report errors; after MPI_Finalize the handle is gone anyway.
   int finalized = 1;
   MPI_Finalized(&finalized);
   if (!finalized && comm_ != MPI_COMM_NULL) MPI_Comm_free(&comm_);

@@ -11,7 +11,6 @@ OPS = tuple(_core.OPS)  # ("sum", "prod", "min", "max", "avg"); index = core cod
 _OP_CODES = {name: code for code, name in enumerate(OPS)}
 _DTYPE_CODES = {name: code for code, name in enumerate(_core.DTYPES)}
 _COMPLEX = {"complex64", "complex128"}
-_INTEGER = {"int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64"}
 
 try:  # bfloat16 comes from ml_dtypes, where installed
     import ml_dtypes as _ml_dtypes
@@ -60,25 +59,44 @@ def _mpi_op_name(op):
     return None
 
 
+_CODE_BY_DTYPE = {np.dtype(name): code for name, code in _DTYPE_CODES.items()
+                  if name != "bfloat16"}
+if _BFLOAT16 is not None:
+    _CODE_BY_DTYPE[_BFLOAT16] = _DTYPE_CODES["bfloat16"]
+
+
 def dtype_code(dtype: np.dtype, argument: str, context: str) -> int:
-    name = dtype.name
-    if dtype == _BFLOAT16 and _BFLOAT16 is not None:
-        name = "bfloat16"
-    elif dtype.kind not in "fiuc" or name == "bfloat16":
-        name = None
-    if name not in _DTYPE_CODES:
+    # A dict lookup: comparing dtypes with == costs microseconds per call.
+    code = _CODE_BY_DTYPE.get(dtype)
+    if code is None:
         raise TypeError(f"{context}: {argument} has dtype {dtype}, which is not supported; "
                         f"supported dtypes: {', '.join(supported_dtypes())}")
-    return _DTYPE_CODES[name]
+    return code
 
 
-def check_op_for_dtype(op: int, dtype: np.dtype, context: str) -> None:
-    name = "bfloat16" if dtype == _BFLOAT16 else dtype.name
-    if not _core.op_supported(_DTYPE_CODES[name], op):
+def check_op_for_dtype(op: int, dtype_code: int, context: str) -> None:
+    name = _core.DTYPES[dtype_code]
+    if not _core.op_supported(dtype_code, op):
         why = ("complex numbers have no order" if name in _COMPLEX
                else "an integer average would have to round; use op='sum' and divide")
         raise UnsupportedOpError(f"{context}: op {OPS[op]!r} is not supported for dtype "
                                  f"{name} ({why})")
+
+
+_valid_pairs: dict = {}  # (dtype, op as given) -> (dtype code, op code), once validated
+
+
+def reduction_codes(dtype: np.dtype, op, context: str) -> tuple[int, int]:
+    """(dtype code, op code) for a reduction of `dtype` by `op`, or a clear error."""
+    try:
+        return _valid_pairs[dtype, op]
+    except (KeyError, TypeError):  # TypeError: an unhashable op
+        pass
+    codes = dtype_code(dtype, "x", context), op_code(op, context)
+    check_op_for_dtype(codes[1], codes[0], context)
+    if isinstance(op, str):
+        _valid_pairs[dtype, op] = codes
+    return codes
 
 
 def as_input_array(x, argument: str, context: str) -> np.ndarray:

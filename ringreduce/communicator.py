@@ -171,6 +171,7 @@ class Communicator:
             self.chunk_bytes = chunk_bytes
         self._executor = _Executor(threaded=MPI.Query_thread() == MPI.THREAD_MULTIPLE)
         self._closed = False
+        self._contexts = {name: t.where(self.rank, self.size, name) for name in _COLLECTIVES}
         _live.add(self)
 
     # -- properties ---------------------------------------------------------------
@@ -266,7 +267,7 @@ class Communicator:
     # -- plumbing -------------------------------------------------------------------
 
     def _call(self, name, prepare, *args, wait):
-        context = t.where(self.rank, self.size, name)
+        context = self._contexts[name]
         if self._closed:
             raise ValueError(f"{context}: this Communicator has been closed")
         try:
@@ -274,8 +275,8 @@ class Communicator:
         except (TypeError, ValueError):
             # Still take part in the header exchange, so that the other ranks raise
             # MismatchError naming this rank instead of waiting for it forever.
-            self._run(lambda: self._core.announce_invalid(_COLLECTIVES[name], self._chunk_bytes),
-                      wait=True)
+            core, collective, chunk = self._core, _COLLECTIVES[name], self._chunk_bytes
+            self._run(lambda: core.announce_invalid(collective, chunk), wait=True)
             raise
         return self._run(run, wait)
 
@@ -291,16 +292,15 @@ class Communicator:
 
     def _prepare_allreduce(self, context, x, op, out):
         x = t.as_input_array(x, "x", context)
-        dtype = t.dtype_code(x.dtype, "x", context)
-        op = t.op_code(op, context)
-        t.check_op_for_dtype(op, x.dtype, context)
+        dtype, op = t.reduction_codes(x.dtype, op, context)
+        source = t.contiguous(x)
         if out is None:
             out = np.empty(x.shape, x.dtype)
         else:
             t.check_out(out, x.shape, x.dtype, context)
-        source = t.contiguous(x)
-        if source is not out and not t.same_buffer(source, out) and np.may_share_memory(source, out):
-            source = source.copy()  # overlapping but not identical: the ring would read its own writes
+            if (source is not out and np.may_share_memory(source, out)
+                    and not t.same_buffer(source, out)):
+                source = source.copy()  # overlapping, not identical: the ring would read its own writes
         chunk = self._chunk_bytes
         core = self._core
 
@@ -312,9 +312,7 @@ class Communicator:
 
     def _prepare_reduce_scatter(self, context, x, op, out):
         x = t.as_input_array(x, "x", context)
-        dtype = t.dtype_code(x.dtype, "x", context)
-        op = t.op_code(op, context)
-        t.check_op_for_dtype(op, x.dtype, context)
+        dtype, op = t.reduction_codes(x.dtype, op, context)
         offset, count = _core.segment_of(self.rank, self.size, x.size)
         if out is None:
             out = np.empty(count, x.dtype)
