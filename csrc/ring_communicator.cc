@@ -68,7 +68,19 @@ std::string op_text(const CallHeader& h) {
 }  // namespace
 
 RingCommunicator::RingCommunicator(MPI_Comm user_comm)
-    : transport_(std::make_unique<MpiTransport>(user_comm)) {}
+    : transport_(std::make_unique<MpiTransport>(user_comm)) {
+  // Every call's header message carries up to this much payload, so an allreduce this
+  // small costs one MPI_Allgather. The budget shrinks with the number of ranks, since
+  // every rank receives every other rank's slot; 16-byte steps keep slots aligned.
+  const int p = size();
+  if (p > 1) {
+    const int64_t budget = std::min<int64_t>(kInlineMaxBytes, kInlineBudgetBytes / (p - 1));
+    inline_capacity_ = std::max<int64_t>(64, budget / 16 * 16);
+  }
+  outgoing_.assign(slot_bytes(), 0);
+  exchange_.assign(slot_bytes() * p, 0);
+  inline_scratch_.assign(2 * inline_capacity_, 0);
+}
 
 Span RingCommunicator::segment_of(int rank, int size, int64_t count) {
   const int64_t base = count / size, extra = count % size;
@@ -94,14 +106,22 @@ RecvSlots RingCommunicator::recv_slots(int64_t slot_bytes) {
   return RecvSlots{scratch_.data(), slot_bytes, kWindow};
 }
 
-int64_t RingCommunicator::agree(const CallHeader& mine, std::vector<CallHeader>* all) {
+int64_t RingCommunicator::agree(const CallHeader& mine, std::vector<CallHeader>* all,
+                                const void* payload, int64_t payload_bytes) {
   check_usable();
   const int p = size();
   headers_.resize(p);
   if (p == 1) {
     headers_[0] = mine;
   } else {
-    transport_->allgather_bytes(&mine, headers_.data(), static_cast<int>(sizeof(CallHeader)));
+    const int64_t slot = slot_bytes();
+    std::memcpy(outgoing_.data(), &mine, sizeof(CallHeader));
+    if (payload_bytes > 0)
+      std::memcpy(outgoing_.data() + sizeof(CallHeader), payload, payload_bytes);
+    // Only the bytes in use need to be right; the rest of the slot is ignored.
+    transport_->allgather_bytes(outgoing_.data(), exchange_.data(), static_cast<int>(slot));
+    for (int r = 0; r < p; ++r)
+      std::memcpy(&headers_[r], exchange_.data() + r * slot, sizeof(CallHeader));
   }
   if (all) *all = headers_;
   if (mine.invalid) return 0;  // the caller raises its own, more precise error
@@ -186,6 +206,13 @@ void RingCommunicator::allreduce(const void* input, void* out, int64_t count, DT
   h.count = count;
   h.chunk_bytes = chunk_bytes;
   const size_t es = dtype_size(dtype);
+  const int64_t bytes = count * static_cast<int64_t>(es);
+  if (size() > 1 && bytes <= inline_capacity_) {
+    h.inline_bytes = bytes;
+    agree(h, nullptr, input, bytes);  // every rank agreed on count, so all inlined theirs
+    allreduce_inline(out, count, dtype, op);
+    return;
+  }
   const int64_t elems = chunk_elems(agree(h), es);
   const RingSchedule sched = RingSchedule::split_evenly(rank(), size(), count, elems);
   guarded(&broken_, [&] {
@@ -195,6 +222,28 @@ void RingCommunicator::allreduce(const void* input, void* out, int64_t count, DT
     if (op == Op::Avg) divide(dtype, static_cast<char*>(out) + mine.offset * es, mine.count, size());
     ring_allgather(sched, *transport_, es, out, kWindow);
   });
+}
+
+void RingCommunicator::allreduce_inline(void* out, int64_t count, DType dtype, Op op) {
+  // Reduce each segment in exactly the order the ring would (see ring_schedule.h),
+  // x[s] OP (x[s-1] OP (... OP x[s+1])), so the answer is the ring's, bit for bit.
+  const int p = size();
+  const size_t es = dtype_size(dtype);
+  char* acc = inline_scratch_.data();
+  char* next = acc + inline_capacity_;
+  for (int s = 0; s < p; ++s) {
+    const Span seg = segment_of(s, p, count);
+    if (seg.count == 0) continue;
+    const int64_t offset = seg.offset * static_cast<int64_t>(es);
+    const int64_t seg_bytes = seg.count * static_cast<int64_t>(es);
+    std::memcpy(acc, inline_payload((s + 1) % p) + offset, seg_bytes);
+    for (int j = 2; j <= p; ++j) {
+      reduce(dtype, op, next, inline_payload((s + j) % p) + offset, acc, seg.count);
+      std::swap(acc, next);
+    }
+    if (op == Op::Avg) divide(dtype, acc, seg.count, p);
+    std::memcpy(static_cast<char*>(out) + offset, acc, seg_bytes);
+  }
 }
 
 void RingCommunicator::reduce_scatter(const void* input, void* work, int64_t count, DType dtype,

@@ -3,7 +3,8 @@
 // long as the communicator so that no call allocates on the hot path.
 //
 // Before moving any data, every call exchanges a small header (what collective,
-// dtype, op, count, ...) with all ranks. Ranks whose calls don't fit together all
+// dtype, op, count, ...) with all ranks in one MPI_Allgather. A small allreduce rides
+// along in that same message and is finished locally: one collective, no ring. Ranks whose calls don't fit together all
 // throw MismatchError after that exchange and nothing else is sent, so a mistake on
 // one rank can neither hang the job nor leave stray messages behind. Not
 // thread-safe: one call at a time per communicator (the Python layer serialises).
@@ -37,7 +38,7 @@ struct CallHeader {
   int64_t shape_tag = 0;    // hash of the row shape for allgather
   int64_t chunk_bytes = 0;  // the pipeline chunk size asked for; rank 0's wins
   int64_t invalid = 0;      // 1: this rank rejected its own arguments and will raise
-  int64_t reserved = 0;
+  int64_t inline_bytes = 0; // payload bytes that follow the header in the same message
   static constexpr int64_t kMagic = 0x52494e4752454431;  // "RINGRED1"
 };
 
@@ -45,6 +46,8 @@ class RingCommunicator {
  public:
   static constexpr int64_t kDefaultChunkBytes = 256 * 1024;
   static constexpr int kWindow = 4;  // chunks in flight per link
+  static constexpr int64_t kInlineMaxBytes = 1024;     // payload a header may carry
+  static constexpr int64_t kInlineBudgetBytes = 4096;  // ... summed over the other ranks
 
   explicit RingCommunicator(MPI_Comm user_comm);
 
@@ -79,9 +82,15 @@ class RingCommunicator {
   static Span segment_of(int rank, int size, int64_t count);
 
  private:
-  // Exchanges headers; throws MismatchError on every rank if they don't fit.
+  // Exchanges headers, each followed by `payload_bytes` of payload (at most
+  // inline_capacity_); throws MismatchError on every rank if they don't fit.
   // Returns rank 0's chunk size, which every rank then uses.
-  int64_t agree(const CallHeader& mine, std::vector<CallHeader>* all = nullptr);
+  int64_t agree(const CallHeader& mine, std::vector<CallHeader>* all = nullptr,
+                const void* payload = nullptr, int64_t payload_bytes = 0);
+  const char* inline_payload(int r) const { return exchange_.data() + r * slot_bytes() + sizeof(CallHeader); }
+  int64_t slot_bytes() const { return static_cast<int64_t>(sizeof(CallHeader)) + inline_capacity_; }
+  // The whole allreduce from the payloads agree() gathered, in the ring's order.
+  void allreduce_inline(void* out, int64_t count, DType dtype, Op op);
   RecvSlots recv_slots(int64_t chunk_bytes);
   void check_usable() const;
   int64_t chunk_elems(int64_t chunk_bytes, size_t elem_size) const;
@@ -89,6 +98,10 @@ class RingCommunicator {
   std::unique_ptr<MpiTransport> transport_;
   std::vector<char> scratch_;
   std::vector<CallHeader> headers_;
+  int64_t inline_capacity_ = 0;  // payload bytes a header message can carry
+  std::vector<char> exchange_;   // size() slots of slot_bytes(): what agree() gathered
+  std::vector<char> outgoing_;   // this rank's slot
+  std::vector<char> inline_scratch_;  // two accumulators for allreduce_inline()
   bool closed_ = false;
   std::string broken_;  // set when an MPI error left messages in flight
   int64_t pending_allgather_chunk_bytes_ = kDefaultChunkBytes;  // from allgather_counts()

@@ -83,24 +83,26 @@ def check_op_for_dtype(op: int, dtype_code: int, context: str) -> None:
                                  f"{name} ({why})")
 
 
-_valid_pairs: dict = {}  # (dtype, op as given) -> (dtype code, op code), once validated
+validated_pairs: dict = {}  # (native dtype, op string) -> (dtype code, op code), once valid
 
 
 def reduction_codes(dtype: np.dtype, op, context: str) -> tuple[int, int]:
     """(dtype code, op code) for a reduction of `dtype` by `op`, or a clear error."""
     try:
-        return _valid_pairs[dtype, op]
+        return validated_pairs[dtype, op]
     except (KeyError, TypeError):  # TypeError: an unhashable op
         pass
     codes = dtype_code(dtype, "x", context), op_code(op, context)
     check_op_for_dtype(codes[1], codes[0], context)
     if isinstance(op, str):
-        _valid_pairs[dtype, op] = codes
+        validated_pairs[dtype, op] = codes
     return codes
 
 
 def as_input_array(x, argument: str, context: str) -> np.ndarray:
     """x as a numpy array of native byte order (a copy only where needed)."""
+    if type(x) is np.ndarray and x.dtype.isnative:  # the common case, kept cheap
+        return x
     if hasattr(x, "__cuda_array_interface__") and not isinstance(x, np.ndarray):
         raise TypeError(f"{context}: {argument} is a GPU array ({type(x).__name__}); this "
                         "build of ringreduce handles numpy arrays only")

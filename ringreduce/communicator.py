@@ -65,7 +65,7 @@ class _Work:
 
 
 class _Executor:
-    """Runs work items one at a time, in order: inline when idle, else on a thread.
+    """Runs queued work items one at a time, in order, on a thread of its own.
 
     Kept apart from Communicator so that the worker thread does not keep the
     communicator alive.
@@ -77,14 +77,6 @@ class _Executor:
         self.changed = threading.Condition()
         self.running = threading.Lock()  # held while the core runs a collective
         self.thread: threading.Thread | None = None
-
-    def run_now(self, run):
-        """Run `run` in this thread if nothing is queued: (True, its result), else
-        (False, None) and the caller must queue it."""
-        with self.running:
-            if self.queue:
-                return False, None
-            return True, run()
 
     def submit(self, work: _Work) -> None:
         if not self.threaded:
@@ -210,6 +202,23 @@ class Communicator:
         Returns a new array shaped like x, or ``out`` (which may be x itself, for an
         in-place reduction). x is never modified unless it is ``out``.
         """
+        # The common case, checked in a few attribute lookups: a latency-bound small
+        # allreduce costs about as much in Python as in MPI. Anything else (or a
+        # dtype/op pair not yet validated once) takes the general path below.
+        if type(x) is np.ndarray and (out is None or out is x) and not self._executor.queue:
+            try:
+                dtype, op_code = t.validated_pairs[x.dtype, op]
+            except (KeyError, TypeError):
+                dtype = None
+            flags = x.flags
+            if (dtype is not None and flags.c_contiguous and not self._closed
+                    and (out is None or flags.writeable)):
+                if out is None:
+                    out = np.empty(x.shape, x.dtype)
+                with self._executor.running:
+                    if not self._executor.queue:
+                        self._core.allreduce(x, out, dtype, op_code, self._chunk_bytes)
+                        return out
         return self._call("allreduce", self._prepare_allreduce, x, op, out, wait=True)
 
     def allreduce_async(self, x, op="sum", out=None) -> Handle:
@@ -281,12 +290,15 @@ class Communicator:
         return self._run(run, wait)
 
     def _run(self, run, wait):
-        if wait:
-            ran, result = self._executor.run_now(run)
-            if ran:
-                return result
+        executor = self._executor
+        if wait and not executor.queue:
+            # Nothing in flight: run in this thread, the cheapest way. The lock keeps
+            # the worker from starting a newly queued item meanwhile.
+            with executor.running:
+                if not executor.queue:
+                    return run()
         work = _Work(run)
-        self._executor.submit(work)
+        executor.submit(work)
         handle = Handle(work)
         return handle.wait() if wait else handle
 

@@ -108,6 +108,16 @@ def test_ranks_that_disagree_all_raise_mismatch(what, comm):
 
 
 @needs_two
+def test_small_and_large_counts_on_different_ranks(comm):
+    # Rank 0's call is small enough to travel inside the header message, the others'
+    # are not; the mismatch is still caught, not misread as data.
+    count = 3 if RANK == 0 else 100_000
+    with pytest.raises(rr.MismatchError, match="count"):
+        comm.allreduce(np.ones(count, np.float32))
+    still_works(comm)
+
+
+@needs_two
 def test_different_collectives_are_a_mismatch(comm):
     with pytest.raises(rr.MismatchError, match="collective"):
         if RANK == 0:
