@@ -56,9 +56,12 @@ core = Pybind11Extension(
     "ringreduce._core",
     sorted(glob("csrc/*.cc")),
     cxx_std=17,
+    # The C API only: Open MPI's and MPICH's headers otherwise drag in the long-dead
+    # MPI C++ bindings, whose symbols Open MPI's libmpi no longer exports.
+    define_macros=[("OMPI_SKIP_MPICXX", "1"), ("MPICH_SKIP_MPICXX", "1")],
     # No FMA contraction: the core must round exactly like the numpy reference.
     extra_compile_args=["-O3", "-ffp-contract=off"],
     **mpi_flags(mpicc),
 )
 
-setup(ext_modules=[core], cmdclass={"build_ext": build_ext})
+setup(packages=["ringreduce"], ext_modules=[core], cmdclass={"build_ext": build_ext})
