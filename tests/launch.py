@@ -13,6 +13,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -30,19 +31,20 @@ def run_on_ranks(ranks: int, module: str, tmp_path: Path, timeout: float, extra=
     """Runs tests/mpi/<module> on `ranks` ranks; returns the per-rank summaries."""
     report_dir = tmp_path / "reports"
     report_dir.mkdir(exist_ok=True)
+    marker = f"{os.getpid()}-{uuid.uuid4().hex}"  # in every rank's environment
     env = dict(os.environ, RINGREDUCE_TEST_REPORT_DIR=str(report_dir),
+               RINGREDUCE_TEST_JOB=marker,
                PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     command = [mpiexec(), "-n", str(ranks), sys.executable, "-m", "mpi4py", "-m", "pytest",
                "-q", "-p", "no:cacheprovider", "--rootdir", str(ROOT),
                str(ROOT / "tests" / "mpi" / module), *extra]
-    # A session of its own, so that on a timeout the whole job (mpiexec, its proxies,
-    # every rank) can be killed at once and nothing is left spinning.
+    # A session of its own, so that on a timeout the whole job can be killed.
     proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         output, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        kill_job(proc, marker)
         output, _ = proc.communicate()
         raise AssertionError(f"{module} on {ranks} ranks did not finish within {timeout} s "
                              f"(a hang?). Output:\n{output[-6000:]}") from None
@@ -58,3 +60,30 @@ def run_on_ranks(ranks: int, module: str, tmp_path: Path, timeout: float, extra=
                              f"{sorted(summaries)} only:\n{output[-6000:]}")
     return summaries
 
+
+
+def kill_job(proc: subprocess.Popen, marker: str) -> None:
+    """Kill mpiexec and every rank it started, whatever process group they are in.
+
+    MPICH's ranks stay in mpiexec's session; Open MPI's may not, so after killing the
+    session we also look for any process whose environment carries this job's marker.
+    """
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            break
+        try:
+            proc.wait(timeout=5)
+            break
+        except subprocess.TimeoutExpired:
+            continue
+    needle = f"RINGREDUCE_TEST_JOB={marker}".encode()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if needle in (entry / "environ").read_bytes().split(b"\0"):
+                os.kill(int(entry.name), signal.SIGKILL)
+        except (OSError, ValueError):
+            continue

@@ -1,0 +1,209 @@
+"""ringreduce beside its peers, timed in one run:
+
+    mpiexec -n 2 python -m mpi4py benchmarks/bench_allreduce.py --json out.json --plot out.png
+
+For every size, alternately: ringreduce's allreduce (out-of-place and in place), the MPI
+library's own MPI_Allreduce through mpi4py (out-of-place), the numpy reference ring, and
+torch.distributed's gloo all_reduce (in place, as gloo only offers) where torch is
+installed. Then reduce_scatter and allgather beside MPI's. Columns as nccl-tests print
+them: time, algbw = bytes/time, busbw = algbw * 2(p-1)/p for allreduce and
+(p-1)/p for the other two; median over --repeats runs, each run the slowest rank's time.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import socket
+import sys
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+import ringreduce as rr
+from ringreduce import reference
+from timing import bus_bandwidth, human_bytes, human_time, inner_iterations, time_alternating
+
+world = MPI.COMM_WORLD
+rank, size = world.Get_rank(), world.Get_size()
+
+DEFAULT_SIZES = [8, 64, 512, 4 << 10, 32 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20,
+                 16 << 20, 64 << 20, 256 << 20]
+COLLECTIVE_SIZES = [64 << 10, 1 << 20, 16 << 20, 64 << 20]
+
+
+def parse_size(text: str) -> int:
+    units = {"B": 1, "K": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MIB": 1 << 20,
+             "G": 1 << 30, "GIB": 1 << 30}
+    text = text.strip().upper()
+    for unit in sorted(units, key=len, reverse=True):
+        if text.endswith(unit):
+            return int(float(text[: -len(unit)]) * units[unit])
+    return int(text)
+
+
+def progress(done: int, total: int, what: str) -> None:
+    if rank == 0:
+        width = 30
+        filled = int(width * done / total)
+        sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {what:<40}")
+        if done == total:
+            sys.stderr.write("\n")
+        sys.stderr.flush()
+
+
+def start_gloo():
+    """torch.distributed with gloo on the same ranks, or None without torch."""
+    try:
+        import torch
+        import torch.distributed as dist
+    except ImportError:
+        return None
+    port = None
+    if rank == 0:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+    port = world.bcast(port, root=0)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=size)
+    return torch, dist
+
+
+def allreduce_candidates(comm, x, gloo, with_reference):
+    out_rr, out_mpi, inplace = np.empty_like(x), np.empty_like(x), x.copy()
+    candidates = {
+        "ringreduce": lambda: comm.allreduce(x, out=out_rr),
+        "ringreduce in place": lambda: comm.allreduce(inplace, out=inplace),
+        "MPI_Allreduce": lambda: world.Allreduce(x, out_mpi, op=MPI.SUM),
+    }
+    if with_reference:
+        candidates["numpy reference"] = lambda: reference.allreduce(x, "sum", world)
+    if gloo is not None:
+        torch, dist = gloo
+        tensor = torch.from_numpy(x.copy())
+        candidates["gloo (in place)"] = lambda: dist.all_reduce(tensor)
+    return candidates
+
+
+def collective_candidates(comm, collective, x):
+    if collective == "reduce_scatter":
+        counts = [len(part) for part in np.array_split(x, size)]
+        part = np.empty(counts[rank], x.dtype)
+        part_mpi = np.empty_like(part)
+        return {"ringreduce": lambda: comm.reduce_scatter(x, out=part),
+                "MPI_Reduce_scatter": lambda: world.Reduce_scatter(x, part_mpi, counts)}
+    mine = x[: len(x) // size]  # allgather: the output is the size reported
+    gathered = np.empty(len(mine) * size, x.dtype)
+    return {"ringreduce": lambda: comm.allgather(mine),
+            "MPI_Allgather": lambda: world.Allgather(mine, gathered)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", help="comma-separated byte sizes, e.g. 8,64K,1M,256M")
+    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--no-reference", action="store_true",
+                        help="skip the numpy reference ring (slow at large sizes)")
+    parser.add_argument("--no-gloo", action="store_true", help="skip torch's gloo")
+    parser.add_argument("--json", help="write every measurement here")
+    parser.add_argument("--plot", help="save busbw vs size here (PNG)")
+    args = parser.parse_args()
+    sizes = [parse_size(s) for s in args.sizes.split(",")] if args.sizes else DEFAULT_SIZES
+
+    comm = rr.Communicator()
+    gloo = None if args.no_gloo else start_gloo()
+    rows = []
+    jobs = [("allreduce", n) for n in sizes]
+    jobs += [(c, n) for c in ("reduce_scatter", "allgather") for n in sizes
+             if n in COLLECTIVE_SIZES or args.sizes]
+    for done, (collective, nbytes) in enumerate(jobs):
+        progress(done, len(jobs), f"{collective} {human_bytes(nbytes)}")
+        count = max(1, nbytes // 4)
+        x = np.random.default_rng(rank).standard_normal(count).astype(np.float32)
+        if collective == "allreduce":
+            candidates = allreduce_candidates(comm, x, gloo, not args.no_reference)
+        else:
+            candidates = collective_candidates(comm, collective, x)
+        times = time_alternating(candidates, repeats=args.repeats,
+                                 inner=inner_iterations(nbytes))
+        peer = next(name for name in times if name.startswith("MPI_"))
+        for name, seconds in times.items():
+            algbw, busbw = bus_bandwidth(count * 4, seconds, size, collective)
+            rows.append({"collective": collective, "bytes": count * 4, "implementation": name,
+                         "time_s": seconds, "algbw_GBps": algbw / 1e9, "busbw_GBps": busbw / 1e9,
+                         "speedup_vs_mpi": times[peer] / seconds})
+    progress(len(jobs), len(jobs), "done")
+    if rank == 0:
+        print_tables(rows)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"ranks": size, "dtype": "float32", "repeats": args.repeats,
+                           "machine": machine(), "mpi": MPI.Get_library_version().splitlines()[0],
+                           "date": time.strftime("%Y-%m-%d"), "results": rows}, f, indent=1)
+        if args.plot:
+            plot(rows, args.plot)
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if "model name" in line)
+    except (OSError, StopIteration):
+        pass
+    return f"{cpu}, {os.cpu_count()} cores"
+
+
+def print_tables(rows) -> None:
+    print(f"# {size} ranks, float32, median of repeated runs; times and GB/s as nccl-tests")
+    for collective in ("allreduce", "reduce_scatter", "allgather"):
+        mine = [r for r in rows if r["collective"] == collective]
+        if not mine:
+            continue
+        names = list(dict.fromkeys(r["implementation"] for r in mine))
+        print(f"\n## {collective}")
+        print(f"| size | " + " | ".join(f"{n} time | busbw" for n in names)
+              + " | speedup vs MPI |")
+        print("|---" * (2 * len(names) + 2) + "|")
+        for nbytes in sorted({r["bytes"] for r in mine}):
+            cells, speedup = [], ""
+            for name in names:
+                r = next(r for r in mine if r["bytes"] == nbytes and r["implementation"] == name)
+                cells.append(f"{human_time(r['time_s'])} | {r['busbw_GBps']:.2f}")
+                if name == "ringreduce":
+                    speedup = f"{r['speedup_vs_mpi']:.2f}x"
+            print(f"| {human_bytes(nbytes)} | " + " | ".join(cells) + f" | {speedup} |")
+
+
+def plot(rows, path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"(matplotlib is not installed: no plot written to {path})")
+        return
+    mine = [r for r in rows if r["collective"] == "allreduce"]
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for name in dict.fromkeys(r["implementation"] for r in mine):
+        points = sorted((r["bytes"], r["busbw_GBps"]) for r in mine if r["implementation"] == name)
+        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("message size (bytes per rank)")
+    ax.set_ylabel("busbw (GB/s)")
+    ax.set_title(f"allreduce, float32, {size} ranks on one machine")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"plot: {path}")
+
+
+if __name__ == "__main__":
+    main()

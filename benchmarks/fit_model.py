@@ -1,0 +1,111 @@
+"""The alpha-beta-gamma cost model of the ring, fitted on this machine:
+
+    mpiexec -n 2 python -m mpi4py benchmarks/fit_model.py --json model.json --plot model.png
+
+    T(n) = 2(p-1)·α + 2(p-1)/p·n·β + (p-1)/p·n·γ
+
+α (seconds per message) and β (seconds per byte moved) come from timing mpi4py's
+Sendrecv between ring neighbours, small and large; γ (seconds per byte reduced) from
+timing ringreduce's own float32 sum kernel on every rank at once. The model then
+predicts ringreduce's allreduce time, which is printed beside the measured one. The
+pipeline overlaps reducing with moving, so the measured time may beat the model.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+import ringreduce as rr
+from ringreduce import _core
+from timing import human_bytes, human_time, inner_iterations, time_alternating
+
+world = MPI.COMM_WORLD
+rank, size = world.Get_rank(), world.Get_size()
+left, right = (rank - 1) % size, (rank + 1) % size
+SIZES = [64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20, 256 << 20]
+
+
+def sendrecv_time(nbytes: int, repeats: int) -> float:
+    send = np.ones(max(nbytes, 1), np.uint8)
+    recv = np.empty_like(send)
+    return time_alternating({"sendrecv": lambda: world.Sendrecv(send, right, recvbuf=recv,
+                                                                 source=left)},
+                            repeats, inner_iterations(nbytes))["sendrecv"]
+
+
+def reduce_time(nbytes: int, repeats: int) -> float:
+    a = np.random.default_rng(rank).standard_normal(nbytes // 4).astype(np.float32)
+    b, out = a.copy(), np.empty_like(a)
+    code, op = _core.DTYPES.index("float32"), _core.OPS.index("sum")
+    return time_alternating({"reduce": lambda: _core.reduce(out, a, b, code, op)},
+                            repeats, inner_iterations(nbytes))["reduce"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--json")
+    parser.add_argument("--plot")
+    args = parser.parse_args()
+
+    alpha = sendrecv_time(8, args.repeats)
+    big = 64 << 20
+    beta = (sendrecv_time(big, args.repeats) - alpha) / big
+    gamma = reduce_time(big, args.repeats) / big
+    p = size
+
+    def model(n):
+        return 2 * (p - 1) * alpha + 2 * (p - 1) / p * n * beta + (p - 1) / p * n * gamma
+
+    comm = rr.Communicator()
+    rows = []
+    for n in SIZES:
+        x = np.random.default_rng(rank).standard_normal(n // 4).astype(np.float32)
+        out = np.empty_like(x)
+        measured = time_alternating({"rr": lambda: comm.allreduce(x, out=out)}, args.repeats,
+                                    inner_iterations(n))["rr"]
+        rows.append({"bytes": n, "measured_s": measured, "model_s": model(n)})
+    if rank != 0:
+        return
+    print(f"# alpha-beta-gamma model, {p} ranks, float32 sum")
+    print(f"alpha = {alpha * 1e6:.2f} us per message (Sendrecv of 8 B)")
+    print(f"beta  = {beta * 1e9:.4f} ns per byte moved (1/beta = {1 / beta / 1e9:.2f} GB/s)")
+    print(f"gamma = {gamma * 1e9:.4f} ns per byte reduced (1/gamma = {1 / gamma / 1e9:.2f} GB/s)")
+    print("\n| size | model | measured | measured / model |\n|---|---|---|---|")
+    for r in rows:
+        print(f"| {human_bytes(r['bytes'])} | {human_time(r['model_s'])} | "
+              f"{human_time(r['measured_s'])} | {r['measured_s'] / r['model_s']:.2f} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"ranks": p, "alpha_s": alpha, "beta_s_per_byte": beta,
+                       "gamma_s_per_byte": gamma, "date": time.strftime("%Y-%m-%d"),
+                       "rows": rows}, f, indent=1)
+    if args.plot:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        xs = [r["bytes"] for r in rows]
+        ax.plot(xs, [r["model_s"] * 1e3 for r in rows], "--", label="model 2(p-1)α + "
+                "2(p-1)/p·nβ + (p-1)/p·nγ")
+        ax.plot(xs, [r["measured_s"] * 1e3 for r in rows], "o-", label="ringreduce, measured")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("message size (bytes per rank)")
+        ax.set_ylabel("time (ms)")
+        ax.set_title(f"allreduce cost model vs measurement, {p} ranks")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(args.plot, dpi=120)
+        print(f"plot: {args.plot}")
+
+
+if __name__ == "__main__":
+    main()
