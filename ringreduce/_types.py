@@ -134,6 +134,13 @@ def check_out(out, shape: tuple, dtype: np.dtype, context: str) -> np.ndarray:
     return out
 
 
+def is_plain_out(out, x: np.ndarray) -> bool:
+    """out is a valid, separate output for x: the check_out() rules, quickly."""
+    return (type(out) is np.ndarray and out.dtype == x.dtype and out.shape == x.shape
+            and out.flags.c_contiguous and out.flags.writeable
+            and not np.may_share_memory(x, out))
+
+
 def same_buffer(a: np.ndarray, b: np.ndarray) -> bool:
     """True if a and b are exactly the same bytes (in-place use)."""
     return (a.__array_interface__["data"][0] == b.__array_interface__["data"][0]

@@ -205,19 +205,19 @@ class Communicator:
         # The common case, checked in a few attribute lookups: a latency-bound small
         # allreduce costs about as much in Python as in MPI. Anything else (or a
         # dtype/op pair not yet validated once) takes the general path below.
-        if type(x) is np.ndarray and (out is None or out is x) and not self._executor.queue:
+        if (type(x) is np.ndarray and x.flags.c_contiguous and not self._executor.queue
+                and not self._closed):
             try:
-                dtype, op_code = t.validated_pairs[x.dtype, op]
+                codes = t.validated_pairs[x.dtype, op]
             except (KeyError, TypeError):
-                dtype = None
-            flags = x.flags
-            if (dtype is not None and flags.c_contiguous and not self._closed
-                    and (out is None or flags.writeable)):
+                codes = None
+            if codes is not None and (out is None or out is x and x.flags.writeable
+                                      or t.is_plain_out(out, x)):
                 if out is None:
                     out = np.empty(x.shape, x.dtype)
                 with self._executor.running:
                     if not self._executor.queue:
-                        self._core.allreduce(x, out, dtype, op_code, self._chunk_bytes)
+                        self._core.allreduce(x, out, codes[0], codes[1], self._chunk_bytes)
                         return out
         return self._call("allreduce", self._prepare_allreduce, x, op, out, wait=True)
 
