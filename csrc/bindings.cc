@@ -87,6 +87,7 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("rank", &RingCommunicator::rank)
       .def_property_readonly("size", &RingCommunicator::size)
       .def_property_readonly("closed", &RingCommunicator::closed)
+      .def_property_readonly("transport", &RingCommunicator::transport_name)
       .def("allreduce",
            [](RingCommunicator& self, py::array x, py::array out, int dtype, int op,
               int64_t chunk_bytes) {

@@ -31,6 +31,7 @@ class MpiTransport final : public Transport {
   void wait(Request request) override;
   void wait_all() override;
 
+  MPI_Comm comm() const { return comm_; }
   // Every rank's `bytes` bytes, in rank order, on every rank.
   void allgather_bytes(const void* mine, void* all, int bytes);
   // Frees the duplicate communicator now (collective); later use throws.

@@ -20,6 +20,7 @@
 #include "dtype.h"
 #include "mpi_transport.h"
 #include "ring_schedule.h"
+#include "shm_channel.h"
 
 namespace ringreduce {
 
@@ -45,13 +46,19 @@ struct CallHeader {
 class RingCommunicator {
  public:
   static constexpr int64_t kDefaultChunkBytes = 256 * 1024;
-  static constexpr int kWindow = 4;  // chunks in flight per link
+  static constexpr int kWindow = 4;  // chunks in flight per link (MPI)
+  static constexpr int64_t kShmSlotBytes = 64 * 1024;  // shared-memory chunk: fits in L2
+  static constexpr int kShmSlots = 8;                   // chunks in flight per link (shm)
+  static constexpr int64_t kShmMaxBytes = 8 << 20;     // larger calls go through MPI
   static constexpr int64_t kInlineMaxBytes = 1024;     // payload a header may carry
   static constexpr int64_t kInlineBudgetBytes = 4096;  // ... summed over the other ranks
 
   explicit RingCommunicator(MPI_Comm user_comm);
 
   int rank() const { return transport_->rank(); }
+  // "shared memory" when every rank is on one node (and RINGREDUCE_SHM is not 0): calls
+  // up to kShmMaxBytes then use it; else "MPI".
+  const char* transport_name() const { return shm_ ? "shared memory" : "MPI"; }
   int size() const { return transport_->size(); }
 
   // out = OP over ranks of input; out may equal input. count elements on every rank.
@@ -95,7 +102,17 @@ class RingCommunicator {
   void check_usable() const;
   int64_t chunk_elems(int64_t chunk_bytes, size_t elem_size) const;
 
+  // The ring's two phases over whichever wire this communicator has.
+  // shm: whether this call goes through shared memory (use_shm of its total bytes,
+  // the same on every rank).
+  void run_reduce_scatter(const RingSchedule& sched, DType dtype, Op op, const void* input,
+                          void* out, bool shm);
+  void run_allgather(const RingSchedule& sched, size_t elem_size, void* buf, bool shm);
+  bool use_shm(int64_t total_bytes) const;
+  int64_t ring_chunk_elems(int64_t agreed_chunk_bytes, size_t elem_size, bool shm) const;
+
   std::unique_ptr<MpiTransport> transport_;
+  std::unique_ptr<ShmChannel> shm_;  // null unless all ranks share a node
   std::vector<char> scratch_;
   std::vector<CallHeader> headers_;
   int64_t inline_capacity_ = 0;  // payload bytes a header message can carry

@@ -167,8 +167,12 @@ void ring_broadcast(int rank, int size, int root, Transport& transport, void* bu
   auto chunk_len = [&](int64_t c) { return std::min(chunk_bytes, bytes - c * chunk_bytes); };
 
   if (!receives) {
-    for (int64_t c = 0; c < num_chunks; ++c)
-      transport.send_right(data + c * chunk_bytes, chunk_len(c), 0);
+    // At most `window` chunks in flight, like everywhere else in the ring.
+    std::vector<Transport::Request> sends(window);
+    for (int64_t c = 0; c < num_chunks; ++c) {
+      if (c >= window) transport.wait(sends[c % window]);
+      sends[c % window] = transport.send_right(data + c * chunk_bytes, chunk_len(c), 0);
+    }
     transport.wait_all();
     return;
   }

@@ -126,11 +126,13 @@ _live: "weakref.WeakSet[Communicator]" = weakref.WeakSet()
 
 
 @atexit.register
-def _close_all():
-    # Before mpi4py finalises MPI: let queued collectives finish and free our
-    # duplicate communicators, so no thread is inside MPI when MPI goes away.
+def _finish_all():
+    # Before mpi4py finalises MPI: let queued collectives finish, so that no thread is
+    # inside MPI when MPI goes away. Freeing is collective, and ranks could reach here
+    # with different communicators still open, so MPI_Finalize frees what is left.
     for comm in list(_live):
-        comm.close()
+        comm._executor.drain()
+        comm._executor.stop()
 
 
 class Communicator:
@@ -185,6 +187,11 @@ class Communicator:
         if not 1 <= value <= _core.MAX_CHUNK_BYTES:
             raise ValueError(f"chunk_bytes must be in [1, {_core.MAX_CHUNK_BYTES}], got {value}")
         self._chunk_bytes = int(value)
+
+    @property
+    def transport(self) -> str:
+        """How chunks travel: "shared memory" when all ranks share one node, else "MPI"."""
+        return self._core.transport
 
     @property
     def closed(self) -> bool:
@@ -251,7 +258,9 @@ class Communicator:
     def close(self) -> None:
         """Finish collectives in flight and free the private MPI communicator.
 
-        Collective, like creation. Also done at exit; calls after it raise ValueError.
+        Collective, like creation: every rank closes its communicators in the same
+        order. Calls after it raise ValueError. At exit, work in flight is finished
+        and MPI_Finalize frees what was not closed.
         """
         if self._closed:
             return

@@ -13,6 +13,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -27,12 +28,13 @@ def mpiexec() -> str:
     return found
 
 
-def run_on_ranks(ranks: int, module: str, tmp_path: Path, timeout: float, extra=()) -> dict:
+def run_on_ranks(ranks: int, module: str, tmp_path: Path, timeout: float, extra=(),
+                 env: dict | None = None) -> dict:
     """Runs tests/mpi/<module> on `ranks` ranks; returns the per-rank summaries."""
     report_dir = tmp_path / "reports"
     report_dir.mkdir(exist_ok=True)
     marker = f"{os.getpid()}-{uuid.uuid4().hex}"  # in every rank's environment
-    env = dict(os.environ, RINGREDUCE_TEST_REPORT_DIR=str(report_dir),
+    env = dict(os.environ, **(env or {}), RINGREDUCE_TEST_REPORT_DIR=str(report_dir),
                RINGREDUCE_TEST_JOB=marker,
                PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     command = [mpiexec(), "-n", str(ranks), sys.executable, "-m", "mpi4py", "-m", "pytest",
@@ -50,7 +52,10 @@ def run_on_ranks(ranks: int, module: str, tmp_path: Path, timeout: float, extra=
                              f"(a hang?). Output:\n{output[-6000:]}") from None
     summaries = {}
     for path in report_dir.glob("rank*.json"):
-        summary = json.loads(path.read_text())
+        try:
+            summary = json.loads(path.read_text())
+        except ValueError:  # a rank killed while writing it: treated as missing
+            continue
         summaries[summary["rank"]] = summary
     if proc.returncode != 0:
         raise AssertionError(f"{module} on {ranks} ranks failed (exit {proc.returncode}):\n"
@@ -68,6 +73,9 @@ def kill_job(proc: subprocess.Popen, marker: str) -> None:
     MPICH's ranks stay in mpiexec's session; Open MPI's may not, so after killing the
     session we also look for any process whose environment carries this job's marker.
     """
+    # Each rank (not mpiexec, which SIGUSR1 would kill) prints its stack first.
+    _signal_ranks(marker, signal.SIGUSR1, only_python=True)
+    time.sleep(2)
     for sig in (signal.SIGTERM, signal.SIGKILL):
         try:
             os.killpg(proc.pid, sig)
@@ -78,12 +86,20 @@ def kill_job(proc: subprocess.Popen, marker: str) -> None:
             break
         except subprocess.TimeoutExpired:
             continue
+    _signal_ranks(marker, signal.SIGKILL)
+
+
+def _signal_ranks(marker: str, sig: int, only_python: bool = False) -> None:
+    """Signal every process whose environment carries this job's marker."""
     needle = f"RINGREDUCE_TEST_JOB={marker}".encode()
     for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue
         try:
-            if needle in (entry / "environ").read_bytes().split(b"\0"):
-                os.kill(int(entry.name), signal.SIGKILL)
+            if needle not in (entry / "environ").read_bytes().split(b"\0"):
+                continue
+            program = (entry / "cmdline").read_bytes().split(b"\0")[0].decode()
+            if not only_python or os.path.basename(program).startswith("python"):
+                os.kill(int(entry.name), sig)
         except (OSError, ValueError):
             continue

@@ -1,6 +1,8 @@
 """The collectives, run for real on 1, 2, 3 and 4 MPI ranks (3 catches power-of-two
 assumptions). Each case launches `mpiexec -n RANKS` on one module of tests/mpi/ with a
-timeout; every rank must pass the same tests."""
+timeout; every rank must pass the same tests. Ranks on one machine pass chunks through
+shared memory; the modules that move data run a second time over MPI messages
+(RINGREDUCE_SHM=0), so both wires are tested."""
 import pytest
 
 from launch import run_on_ranks
@@ -14,17 +16,31 @@ MODULES = {  # module -> timeout in seconds at 4 oversubscribed ranks on 2 cores
 }
 
 
+DATA_MODULES = ["test_allreduce.py", "test_async.py", "test_collectives.py"]
+
+
 @pytest.mark.parametrize("ranks", [1, 2, 3, 4])
 @pytest.mark.parametrize("module", sorted(MODULES))
 def test_module_on_ranks(module, ranks, tmp_path, capsys):
-    summaries = run_on_ranks(ranks, module, tmp_path, timeout=MODULES[module])
+    check_module(module, ranks, tmp_path, capsys, {})
+
+
+@pytest.mark.parametrize("ranks", [2, 3, 4])
+@pytest.mark.parametrize("module", DATA_MODULES)
+def test_module_over_mpi_messages(module, ranks, tmp_path, capsys):
+    check_module(module, ranks, tmp_path, capsys, {"RINGREDUCE_SHM": "0"})
+
+
+def check_module(module, ranks, tmp_path, capsys, env):
+    summaries = run_on_ranks(ranks, module, tmp_path, timeout=MODULES[module], env=env)
     counts = {(s["passed"], s["failed"], s["skipped"]) for s in summaries.values()}
     assert len(counts) == 1, f"ranks disagree on what ran: {summaries}"
     passed, failed, skipped = counts.pop()
     assert failed == 0 and passed > 0
     with capsys.disabled():
-        print(f"\n  {module} on {ranks} rank(s): {passed} passed, {skipped} skipped on each rank",
-              end="")
+        wire = " over MPI messages" if env else ""
+        print(f"\n  {module} on {ranks} rank(s){wire}: {passed} passed, {skipped} skipped on "
+              "each rank", end="")
 
 
 def test_counts_past_2_to_the_31_on_two_ranks(tmp_path):

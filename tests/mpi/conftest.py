@@ -1,8 +1,10 @@
 """Runs inside every rank. A failing test aborts the whole MPI job at once: the other
 ranks would otherwise wait forever in the collective the failed rank never reached.
 At the end each rank writes how many tests passed, failed and were skipped."""
+import faulthandler
 import json
 import os
+import signal
 import sys
 
 import numpy as np
@@ -12,6 +14,9 @@ from mpi4py import MPI
 import ringreduce as rr
 
 _counts = {"passed": 0, "failed": 0, "skipped": 0}
+
+# On a timeout the launcher sends SIGUSR1 first: every rank prints where it is stuck.
+faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -36,8 +41,10 @@ def pytest_sessionfinish(session, exitstatus):
     report_dir = os.environ.get("RINGREDUCE_TEST_REPORT_DIR")
     if report_dir:
         rank = MPI.COMM_WORLD.Get_rank()
-        with open(os.path.join(report_dir, f"rank{rank}.json"), "w") as f:
+        path = os.path.join(report_dir, f"rank{rank}.json")
+        with open(path + ".tmp", "w") as f:
             json.dump(dict(_counts, rank=rank, size=MPI.COMM_WORLD.Get_size()), f)
+        os.replace(path + ".tmp", path)  # whole or absent, even if the job is killed
 
 
 @pytest.fixture(scope="session")

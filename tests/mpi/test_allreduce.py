@@ -1,4 +1,6 @@
 """allreduce on every dtype x op, every awkward size, in place and out of place."""
+import os
+
 import numpy as np
 import pytest
 from mpi4py import MPI
@@ -189,6 +191,12 @@ def test_ring_traffic_never_mixes_with_the_users(comm, world):
     world.Send(np.array([1000 + rank], np.int64), dest=(rank + 1) % SIZE, tag=5)
     request.Wait()
     assert incoming[0] == 1000 + (rank - 1) % SIZE
+
+
+def test_transport_is_shared_memory_on_one_machine(comm):
+    shm_off = os.environ.get("RINGREDUCE_SHM") == "0"
+    expected = "MPI" if shm_off or SIZE == 1 else "shared memory"
+    assert comm.transport == expected
 
 
 def test_every_supported_dtype_is_listed():

@@ -1,0 +1,206 @@
+#include "shm_channel.h"
+
+#include <sched.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+#include "errors.h"
+#include "mpi_transport.h"
+#include "reduce.h"
+
+namespace ringreduce {
+
+namespace {
+
+constexpr int64_t kCounterBytes = 128;  // each counter on its own pair of cache lines
+
+bool shm_disabled_by_environment() {
+  const char* value = std::getenv("RINGREDUCE_SHM");
+  return value != nullptr && std::strcmp(value, "0") == 0;
+}
+
+// Waiting on a neighbour: spin briefly (it is usually a few hundred cycles away), then
+// give the core away, which matters when there are more ranks than cores.
+void back_off(int* idle) {
+  if (++*idle < 64) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+  } else {
+    sched_yield();
+  }
+}
+
+struct ChunkRef {
+  int step;
+  int segment;
+  int64_t chunk;
+};
+
+}  // namespace
+
+std::unique_ptr<ShmChannel> ShmChannel::create(MPI_Comm comm, int64_t slot_bytes, int slots) {
+  int rank = 0, size = 1;
+  check_mpi(MPI_Comm_rank(comm, &rank), "MPI_Comm_rank", -1);
+  check_mpi(MPI_Comm_size(comm, &size), "MPI_Comm_size", rank);
+  if (size == 1) return nullptr;
+
+  MPI_Comm node = MPI_COMM_NULL;
+  check_mpi(MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &node),
+            "MPI_Comm_split_type", rank);
+  check_mpi(MPI_Comm_set_errhandler(node, MPI_ERRORS_RETURN), "MPI_Comm_set_errhandler", rank);
+  int node_size = 0;
+  check_mpi(MPI_Comm_size(node, &node_size), "MPI_Comm_size", rank);
+  // With key = rank and the same members, node ranks equal our ranks, so the ring's
+  // neighbours are the same processes in both.
+  int usable = (node_size == size && !shm_disabled_by_environment()) ? 1 : 0;
+  int all_usable = 0;
+  check_mpi(MPI_Allreduce(&usable, &all_usable, 1, MPI_INT, MPI_MIN, comm), "MPI_Allreduce", rank);
+  if (!all_usable) {
+    MPI_Comm_free(&node);
+    return nullptr;
+  }
+
+  std::unique_ptr<ShmChannel> channel(new ShmChannel());
+  channel->slot_bytes_ = slot_bytes;
+  channel->slots_ = slots;
+  MPI_Info info;
+  check_mpi(MPI_Info_create(&info), "MPI_Info_create", rank);
+  MPI_Info_set(info, "alloc_shared_noncontig", "true");  // each rank's part on its own pages
+  void* base = nullptr;
+  const MPI_Aint bytes = kCounterBytes * 2 + slot_bytes * slots;
+  const int rc = MPI_Win_allocate_shared(bytes, 1, info, node, &base, &channel->win_);
+  MPI_Info_free(&info);
+  check_mpi(rc, "MPI_Win_allocate_shared", rank);
+  check_mpi(MPI_Win_set_errhandler(channel->win_, MPI_ERRORS_RETURN), "MPI_Win_set_errhandler",
+            rank);
+
+  auto query = [&](int r) {
+    MPI_Aint size_r = 0;
+    int disp_unit = 0;
+    void* ptr = nullptr;
+    check_mpi(MPI_Win_shared_query(channel->win_, r, &size_r, &disp_unit, &ptr),
+              "MPI_Win_shared_query", rank);
+    return static_cast<char*>(ptr);
+  };
+  char* mine = static_cast<char*>(base);
+  char* left = query((rank + size - 1) % size);
+  char* right = query((rank + 1) % size);
+  channel->my_published_ = reinterpret_cast<uint64_t*>(mine);
+  channel->my_consumed_ = reinterpret_cast<uint64_t*>(mine + kCounterBytes);
+  channel->my_slots_ = mine + 2 * kCounterBytes;
+  channel->left_published_ = reinterpret_cast<const uint64_t*>(left);
+  channel->left_slots_ = left + 2 * kCounterBytes;
+  channel->right_consumed_ = reinterpret_cast<const uint64_t*>(right + kCounterBytes);
+  __atomic_store_n(channel->my_published_, 0, __ATOMIC_RELEASE);
+  __atomic_store_n(channel->my_consumed_, 0, __ATOMIC_RELEASE);
+  // A passive-target epoch for the window's lifetime, as MPI's memory model asks for
+  // direct load/store access; the counters' atomics do the actual ordering.
+  check_mpi(MPI_Win_lock_all(MPI_MODE_NOCHECK, channel->win_), "MPI_Win_lock_all", rank);
+  check_mpi(MPI_Win_sync(channel->win_), "MPI_Win_sync", rank);
+  check_mpi(MPI_Barrier(node), "MPI_Barrier", rank);  // every counter is zero before use
+  MPI_Comm_free(&node);
+  return channel;
+}
+
+ShmChannel::~ShmChannel() {
+  // MPI_Win_free is collective and may wait for the other ranks, which a destructor
+  // must never do; free() is the collective way out, MPI_Finalize the fallback.
+}
+
+void ShmChannel::free() {
+  if (win_ == MPI_WIN_NULL) return;
+  MPI_Win_unlock_all(win_);
+  check_mpi(MPI_Win_free(&win_), "MPI_Win_free", -1);
+}
+
+bool ShmChannel::can_send() const {
+  return sent_ - __atomic_load_n(right_consumed_, __ATOMIC_ACQUIRE) < static_cast<uint64_t>(slots_);
+}
+
+bool ShmChannel::can_receive() const {
+  return __atomic_load_n(left_published_, __ATOMIC_ACQUIRE) > received_;
+}
+
+void ShmChannel::sent() { __atomic_store_n(my_published_, ++sent_, __ATOMIC_RELEASE); }
+
+void ShmChannel::received() { __atomic_store_n(my_consumed_, ++received_, __ATOMIC_RELEASE); }
+
+// One ring phase as a polling loop: publish our next chunk when its data is ready and
+// the right neighbour has freed a slot; consume the left neighbour's next chunk when
+// it is published. The left neighbour publishes in exactly the order we consume
+// (the schedule is the same on both sides), and a chunk forwarded at step k+1 is the
+// one consumed at step k, so the loop always has something that will become possible.
+template <typename OnReceive, typename SendSource>
+void ShmChannel::run_phase(const RingSchedule& sched, size_t elem_size, bool reduce_scatter,
+                           OnReceive on_receive, SendSource send_source) {
+  const int steps = sched.steps_per_phase();
+  if (steps == 0) return;
+  std::vector<ChunkRef> sends, recvs;
+  std::vector<int64_t> recv_step_start(steps);
+  for (int k = 0; k < steps; ++k) {
+    const int out_seg = reduce_scatter ? sched.reduce_scatter_send_segment(k)
+                                       : sched.allgather_send_segment(k);
+    const int in_seg = reduce_scatter ? sched.reduce_scatter_recv_segment(k)
+                                      : sched.allgather_recv_segment(k);
+    for (int64_t c = 0; c < sched.num_chunks(out_seg); ++c) sends.push_back({k, out_seg, c});
+    recv_step_start[k] = static_cast<int64_t>(recvs.size());
+    for (int64_t c = 0; c < sched.num_chunks(in_seg); ++c) recvs.push_back({k, in_seg, c});
+  }
+  size_t next_send = 0, next_recv = 0;
+  int idle = 0;
+  while (next_send < sends.size() || next_recv < recvs.size()) {
+    bool progressed = false;
+    while (next_send < sends.size()) {
+      const ChunkRef& u = sends[next_send];
+      // A forwarded chunk is ready once we have consumed (and reduced) it.
+      if (u.step > 0 && static_cast<int64_t>(next_recv) <= recv_step_start[u.step - 1] + u.chunk)
+        break;
+      if (!can_send()) break;
+      const Span ch = sched.chunk(u.segment, u.chunk);
+      std::memcpy(my_slot(sent_), send_source(u.step, ch), ch.count * elem_size);
+      sent();
+      ++next_send;
+      progressed = true;
+    }
+    if (next_recv < recvs.size() && can_receive()) {
+      const ChunkRef& u = recvs[next_recv];
+      on_receive(sched.chunk(u.segment, u.chunk), left_slot(received_));
+      received();
+      ++next_recv;
+      progressed = true;
+    }
+    if (progressed) {
+      idle = 0;
+    } else {
+      back_off(&idle);
+    }
+  }
+}
+
+void ShmChannel::reduce_scatter(const RingSchedule& sched, DType dtype, Op op, const void* input,
+                                void* out) {
+  const size_t es = dtype_size(dtype);
+  const char* in = static_cast<const char*>(input);
+  char* dst = static_cast<char*>(out);
+  run_phase(
+      sched, es, /*reduce_scatter=*/true,
+      [&](Span ch, const char* slot) {
+        reduce(dtype, op, dst + ch.offset * es, in + ch.offset * es, slot, ch.count);
+      },
+      [&](int step, Span ch) { return (step == 0 ? in : dst) + ch.offset * es; });
+}
+
+void ShmChannel::allgather(const RingSchedule& sched, size_t elem_size, void* buf) {
+  char* data = static_cast<char*>(buf);
+  run_phase(
+      sched, elem_size, /*reduce_scatter=*/false,
+      [&](Span ch, const char* slot) {
+        std::memcpy(data + ch.offset * elem_size, slot, ch.count * elem_size);
+      },
+      [&](int, Span ch) { return data + ch.offset * elem_size; });
+}
+
+}  // namespace ringreduce

@@ -1,0 +1,68 @@
+// The intra-node wire: when every rank of the communicator is on one machine, chunks
+// travel through an MPI-3 shared-memory window instead of MPI messages. Each rank owns
+// a ring of `slots` chunk-sized slots that only it writes and only its right neighbour
+// reads, so the neighbour reduces straight from our memory, while the chunk is still
+// in cache, with no copy in between and no MPI call per chunk.
+//
+// Two counters per rank, each written by one process only, make it a lock-free
+// single-producer single-consumer queue between neighbours:
+//   published: chunks this rank has written into its slots (read by the right);
+//   consumed:  chunks this rank has finished reading from its left neighbour's slots
+//              (read by the left, to know which slot it may overwrite).
+// Both only grow, across calls, so neither side ever resets anything.
+#pragma once
+
+#include <mpi.h>
+
+#include <cstdint>
+#include <memory>
+
+#include "dtype.h"
+#include "ring_schedule.h"
+
+namespace ringreduce {
+
+class ShmChannel {
+ public:
+  // Collective over comm. Returns nullptr (on every rank alike) unless all ranks share
+  // one node and the window could be made.
+  static std::unique_ptr<ShmChannel> create(MPI_Comm comm, int64_t slot_bytes, int slots);
+  ~ShmChannel();
+  ShmChannel(const ShmChannel&) = delete;
+  ShmChannel& operator=(const ShmChannel&) = delete;
+
+  int64_t slot_bytes() const { return slot_bytes_; }
+
+  // The pipelined phases of ring_schedule.h over shared memory. Same schedule, same
+  // reduction order, so the same bits as the MPI path.
+  void reduce_scatter(const RingSchedule& sched, DType dtype, Op op, const void* input,
+                      void* out);
+  void allgather(const RingSchedule& sched, size_t elem_size, void* buf);
+  void free();  // collective; MPI_Win_free
+
+ private:
+  ShmChannel() = default;
+  char* my_slot(uint64_t seq) const { return my_slots_ + (seq % slots_) * slot_bytes_; }
+  const char* left_slot(uint64_t seq) const { return left_slots_ + (seq % slots_) * slot_bytes_; }
+  bool can_send() const;      // the right neighbour has freed the slot of our next chunk
+  bool can_receive() const;   // the left neighbour has published our next chunk
+  void sent();                // publish the chunk just written into my_slot(sent_)
+  void received();            // release left_slot(received_)
+  template <typename OnReceive, typename SendSource>
+  void run_phase(const RingSchedule& sched, size_t elem_size, bool reduce_scatter,
+                 OnReceive on_receive, SendSource send_source);
+
+  MPI_Win win_ = MPI_WIN_NULL;
+  int64_t slot_bytes_ = 0;
+  int slots_ = 0;
+  char* my_slots_ = nullptr;
+  const char* left_slots_ = nullptr;
+  uint64_t* my_published_ = nullptr;
+  uint64_t* my_consumed_ = nullptr;
+  const uint64_t* left_published_ = nullptr;
+  const uint64_t* right_consumed_ = nullptr;
+  uint64_t sent_ = 0;      // chunks we have published (our copy of *my_published_)
+  uint64_t received_ = 0;  // chunks we have consumed (our copy of *my_consumed_)
+};
+
+}  // namespace ringreduce
