@@ -50,7 +50,7 @@ class RingCommunicator {
   static constexpr int64_t kShmSlotBytes = 64 * 1024;  // shared-memory chunk: fits in L2
   static constexpr int kShmSlots = 8;                   // chunks in flight per link (shm)
   static constexpr int64_t kShmMaxBytes = 8 << 20;     // larger calls go through MPI
-  static constexpr int64_t kInlineMaxBytes = 1024;     // payload a header may carry
+  static constexpr int64_t kInlineMaxBytes = 256;      // payload a header may carry
   static constexpr int64_t kInlineBudgetBytes = 4096;  // ... summed over the other ranks
 
   explicit RingCommunicator(MPI_Comm user_comm);

@@ -138,7 +138,8 @@ def is_plain_out(out, x: np.ndarray) -> bool:
     """out is a valid, separate output for x: the check_out() rules, quickly."""
     return (type(out) is np.ndarray and out.dtype == x.dtype and out.shape == x.shape
             and out.flags.c_contiguous and out.flags.writeable
-            and not np.may_share_memory(x, out))
+            # Two arrays that own their memory cannot overlap; views need the real check.
+            and (out.base is None and x.base is None or not np.may_share_memory(x, out)))
 
 
 def same_buffer(a: np.ndarray, b: np.ndarray) -> bool:

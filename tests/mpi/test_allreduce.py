@@ -12,9 +12,10 @@ from helpers import (BFLOAT16, COMBOS, DTYPES, bitwise_equal, check_against_floa
                      exact_integer_reduce, rank_data, same_on_every_rank, supported)
 
 SIZE = MPI.COMM_WORLD.Get_size()
-# 0..1000 elements; 64, 256 and 257 straddle the size below which the payload rides
-# in the header message (one collective, no ring) and above which the ring runs.
-SIZES = sorted({0, 1, max(SIZE - 1, 1), SIZE, 3 * SIZE + 1, 64, 256, 257, 1000})
+# 0..1000 elements; 64, 65, 256 and 257 straddle the size (256 bytes) up to which the
+# payload rides in the header message (one collective, no ring) and beyond which the
+# ring runs, for every element size.
+SIZES = sorted({0, 1, max(SIZE - 1, 1), SIZE, 3 * SIZE + 1, 64, 65, 256, 257, 1000})
 
 
 @pytest.mark.parametrize("combo", COMBOS, ids=combo_id)
