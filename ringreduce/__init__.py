@@ -18,6 +18,7 @@ if _core.mpi_library_version().strip() != _MPI.Get_library_version().strip():
 
 from ._shortcuts import allgather, allreduce, allreduce_async, broadcast, reduce_scatter
 from ._types import OPS, UnsupportedOpError, supported_dtypes
+from .gradients import allreduce_gradients
 from .communicator import Communicator, Handle
 
 MismatchError = _core.MismatchError
@@ -30,5 +31,5 @@ __version__ = "0.1.0"
 __all__ = [
     "Communicator", "Handle", "MismatchError", "MPIError", "UnsupportedOpError", "OPS",
     "allreduce", "allreduce_async", "reduce_scatter", "allgather", "broadcast",
-    "supported_dtypes",
+    "supported_dtypes", "allreduce_gradients",
 ]

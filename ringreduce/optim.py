@@ -1,0 +1,320 @@
+"""Optimizers for plain numpy (or cupy) models, and DistributedOptimizer, which keeps
+the replicas on every rank identical by averaging gradients with the ring.
+
+    opt = DistributedOptimizer(SGD(params, lr=0.1, momentum=0.9))
+    opt.broadcast_parameters(root=0)   # every rank starts from rank 0's parameters
+    opt.step(grads)                    # average grads across ranks, then update params
+
+Parameters are updated in place. Gradients are packed into flat buckets of about
+``bucket_mb`` MB, last parameter first (the order backward produces them); each bucket
+is all-reduced asynchronously as soon as it is complete, so with ``grad_ready`` the
+communication overlaps the rest of the backward pass.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+
+import numpy as np
+
+from . import compression as _compression
+from ._arrays import array_module
+from .gradients import pack_plan
+
+
+def _check_params(params, who: str) -> list:
+    params = list(params)
+    if not params:
+        raise ValueError(f"{who}: params is empty")
+    for i, p in enumerate(params):
+        if not hasattr(p, "shape") or not hasattr(p, "dtype"):
+            raise TypeError(f"{who}: params[{i}] is a {type(p).__name__}, not an array")
+        if p.dtype.kind != "f":
+            raise TypeError(f"{who}: params[{i}] has dtype {p.dtype}; parameters must be floats")
+    return params
+
+
+def _check_grads(grads, params, who: str) -> list:
+    grads = list(grads)
+    if len(grads) != len(params):
+        raise ValueError(f"{who}: got {len(grads)} gradients for {len(params)} parameters")
+    for i, (g, p) in enumerate(zip(grads, params)):
+        _check_grad(i, g, p, who)
+    return grads
+
+
+def _check_grad(i, g, p, who):
+    if getattr(g, "shape", None) != p.shape:
+        raise ValueError(f"{who}: grads[{i}] has shape {getattr(g, 'shape', None)}, but "
+                         f"params[{i}] has shape {p.shape}")
+    if g.dtype != p.dtype:
+        raise TypeError(f"{who}: grads[{i}] has dtype {g.dtype}, but params[{i}] has "
+                        f"dtype {p.dtype}")
+
+
+class SGD:
+    """Stochastic gradient descent with momentum and L2 weight decay, as torch.optim.SGD:
+    g += weight_decay * p; buf = momentum * buf + g (buf = g at first); p -= lr * buf."""
+
+    def __init__(self, params, lr: float, momentum: float = 0.0, weight_decay: float = 0.0):
+        self.params = _check_params(params, "SGD")
+        if lr <= 0 or momentum < 0 or weight_decay < 0:
+            raise ValueError(f"SGD: need lr > 0, momentum >= 0, weight_decay >= 0; got "
+                             f"lr={lr}, momentum={momentum}, weight_decay={weight_decay}")
+        self.lr, self.momentum, self.weight_decay = lr, momentum, weight_decay
+        self.momentum_buffers = [None] * len(self.params)
+
+    def step(self, grads) -> None:
+        grads = _check_grads(grads, self.params, "SGD.step")
+        for i, (p, g) in enumerate(zip(self.params, grads)):
+            if self.weight_decay:
+                g = g + self.weight_decay * p
+            if self.momentum:
+                buf = self.momentum_buffers[i]
+                if buf is None:
+                    buf = self.momentum_buffers[i] = g.copy()
+                else:
+                    buf *= self.momentum
+                    buf += g
+                g = buf
+            p -= self.lr * g
+
+    def state_dict(self) -> dict:
+        return {"lr": self.lr, "momentum": self.momentum, "weight_decay": self.weight_decay,
+                "momentum_buffers": [None if b is None else b.copy()
+                                     for b in self.momentum_buffers]}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.lr, self.momentum = state["lr"], state["momentum"]
+        self.weight_decay = state["weight_decay"]
+        self.momentum_buffers = [None if b is None else b.copy()
+                                 for b in state["momentum_buffers"]]
+
+
+class Adam:
+    """Adam (Kingma & Ba) with bias correction and L2 weight decay, as torch.optim.Adam."""
+
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0):
+        self.params = _check_params(params, "Adam")
+        if lr <= 0 or not (0 <= betas[0] < 1 and 0 <= betas[1] < 1) or eps <= 0:
+            raise ValueError(f"Adam: need lr > 0, 0 <= betas < 1, eps > 0; got lr={lr}, "
+                             f"betas={betas}, eps={eps}")
+        self.lr, self.betas, self.eps, self.weight_decay = lr, tuple(betas), eps, weight_decay
+        self.t = 0
+        self.m = [array_module(p).zeros_like(p) for p in self.params]
+        self.v = [array_module(p).zeros_like(p) for p in self.params]
+
+    def step(self, grads) -> None:
+        grads = _check_grads(grads, self.params, "Adam.step")
+        self.t += 1
+        b1, b2 = self.betas
+        correction1, correction2 = 1 - b1 ** self.t, 1 - b2 ** self.t
+        for p, g, m, v in zip(self.params, grads, self.m, self.v):
+            xp = array_module(p)
+            if self.weight_decay:
+                g = g + self.weight_decay * p
+            m *= b1
+            m += (1 - b1) * g
+            v *= b2
+            v += (1 - b2) * g * g
+            p -= self.lr * (m / correction1) / (xp.sqrt(v / correction2) + self.eps)
+
+    def state_dict(self) -> dict:
+        return {"lr": self.lr, "betas": self.betas, "eps": self.eps,
+                "weight_decay": self.weight_decay, "t": self.t,
+                "m": [m.copy() for m in self.m], "v": [v.copy() for v in self.v]}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.lr, self.betas, self.eps = state["lr"], tuple(state["betas"]), state["eps"]
+        self.weight_decay, self.t = state["weight_decay"], state["t"]
+        self.m = [m.copy() for m in state["m"]]
+        self.v = [v.copy() for v in state["v"]]
+
+
+class _Bucket:
+    """Gradients of a few parameters, packed back to back in one flat buffer."""
+
+    def __init__(self, indices, params, wire_dtype):
+        self.indices = indices
+        xp = array_module(params[indices[0]])
+        self.slices, offset = {}, 0
+        for i in indices:
+            self.slices[i] = slice(offset, offset + params[i].size)
+            offset += params[i].size
+        self.buffer = xp.zeros(offset, params[indices[0]].dtype)
+        self.wire = None if wire_dtype == self.buffer.dtype else xp.empty(offset, wire_dtype)
+        self.reported: set = set()
+        self.handle = None
+
+
+class DistributedOptimizer:
+    """Wraps an optimizer (SGD, Adam, or anything with ``params`` and ``step(grads)``) so
+    that every step uses the gradients averaged over all ranks.
+
+    Construction is collective: every rank must wrap parameters of the same shapes.
+    """
+
+    def __init__(self, optimizer, comm=None, bucket_mb: float = 25.0, compression=None):
+        from ._shortcuts import _communicator
+
+        self.optimizer = optimizer
+        self.params = _check_params(getattr(optimizer, "params", []), "DistributedOptimizer")
+        self.comm = _communicator(comm)
+        if not bucket_mb > 0:
+            raise ValueError(f"DistributedOptimizer: bucket_mb must be > 0, got {bucket_mb}")
+        self.compression = compression
+        self.powersgd = compression if isinstance(compression, _compression.PowerSGD) else None
+        cast = None if self.powersgd else compression  # PowerSGD sends the rest as is
+        # Matrices PowerSGD compresses skip the buckets; everything else is bucketed.
+        self._low_rank = [i for i, p in enumerate(self.params)
+                          if self.powersgd is not None and self.powersgd.compresses(p.shape)]
+        bucketed = [i for i in range(len(self.params)) if i not in set(self._low_rank)]
+        plan = pack_plan([self.params[i] for i in bucketed], int(bucket_mb * 1024 * 1024))
+        self._buckets = []
+        for indices in plan:
+            members = [bucketed[j] for j in indices]
+            wire = _compression.wire_dtype(cast, self.params[members[0]])
+            self._buckets.append(_Bucket(members, self.params, wire))
+        self._bucket_of = {i: b for b in self._buckets for i in b.indices}
+        self._low_rank_sums: dict = {}       # index -> gradient (summed over micro-batches)
+        self._low_rank_reported: set = set()  # reported in the current (micro-)step
+        self._accumulating = False   # inside no_sync()
+        self._accumulated = False    # the buckets hold gradients from no_sync() steps
+        self.bytes_sent = 0          # payload bytes this rank handed to allreduce
+        self.comm_seconds = 0.0      # time step() spent waiting for communication
+        self._check_same_model_everywhere()
+
+    # -- public ---------------------------------------------------------------------
+
+    def broadcast_parameters(self, root: int = 0) -> None:
+        """Overwrite every rank's parameters with root's, so all replicas start equal."""
+        for p in self.params:
+            self.comm.broadcast(p, root=root)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Gradient accumulation: inside, step(grads) only adds grads to a local sum."""
+        self._accumulating = True
+        try:
+            yield self
+        finally:
+            self._accumulating = False
+
+    def grad_ready(self, index: int, grad) -> None:
+        """The gradient of params[index] is final. Once every gradient of its bucket is
+        in, the bucket's all-reduce starts (outside no_sync), while you keep computing."""
+        who = "DistributedOptimizer.grad_ready"
+        if isinstance(index, bool) or not isinstance(index, (int, np.integer)) or not (
+                0 <= index < len(self.params)):
+            raise ValueError(f"{who}: index {index!r} is not a parameter index "
+                             f"(0..{len(self.params) - 1})")
+        _check_grad(index, grad, self.params[index], who)
+        if index in self._low_rank:
+            if index in self._low_rank_reported:
+                raise ValueError(f"{who}: params[{index}] was reported twice in one step")
+            earlier = self._low_rank_sums.get(index) if self._accumulated else None
+            self._low_rank_sums[index] = grad.copy() if earlier is None else earlier + grad
+            self._low_rank_reported.add(index)
+            return
+        bucket = self._bucket_of[index]
+        if index in bucket.reported:
+            raise ValueError(f"{who}: params[{index}] was reported twice in one step")
+        self._add_to_bucket(bucket, index, grad)
+        bucket.reported.add(index)
+        if len(bucket.reported) == len(bucket.indices) and not self._accumulating:
+            self._start(bucket)
+
+    def step(self, grads=None) -> None:
+        """Average the gradients across ranks and update the parameters.
+
+        With ``grads``: a list of one gradient per parameter. Without: the gradients
+        given to grad_ready() since the last step. Inside no_sync(), only accumulates.
+        """
+        if grads is not None:
+            grads = _check_grads(grads, self.params, "DistributedOptimizer.step")
+            if any(b.reported for b in self._buckets) or self._low_rank_reported:
+                raise ValueError("DistributedOptimizer.step: gradients were already given "
+                                 "with grad_ready() in this step; call step() without grads")
+            for i, g in enumerate(grads):
+                self.grad_ready(i, g)
+        missing = [i for b in self._buckets for i in b.indices if i not in b.reported]
+        missing += [i for i in self._low_rank if i not in self._low_rank_reported]
+        if missing:
+            raise ValueError(f"DistributedOptimizer.step: no gradient reported for params "
+                             f"{sorted(missing)} (call grad_ready for each, or step(grads))")
+        if self._accumulating:  # one micro-batch done: keep the sums, send nothing
+            self._accumulated = True
+            for b in self._buckets:
+                b.reported.clear()
+            self._low_rank_reported.clear()
+            return
+        averaged = [None] * len(self.params)
+        start = time.perf_counter()
+        for b in self._buckets:
+            if b.handle is None:
+                self._start(b)
+            self._finish(b, averaged)
+        for i in self._low_rank:
+            approximation, sent = self.powersgd.reduce(i, self._low_rank_sums[i], self.comm)
+            averaged[i] = approximation
+            self.bytes_sent += sent
+        self.comm_seconds += time.perf_counter() - start
+        self._low_rank_sums.clear()
+        self._low_rank_reported.clear()
+        self._accumulated = False
+        self.optimizer.step(averaged)
+
+    def state_dict(self) -> dict:
+        state = {"optimizer": self.optimizer.state_dict()}
+        if self.powersgd is not None:
+            state["powersgd"] = self.powersgd.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.powersgd is not None and "powersgd" in state:
+            self.powersgd.load_state_dict(state["powersgd"])
+
+    # -- plumbing -------------------------------------------------------------------
+
+    def _add_to_bucket(self, bucket, index, grad):
+        target = bucket.buffer[bucket.slices[index]]
+        if self._accumulated:
+            target += grad.reshape(-1)
+        else:
+            target[...] = grad.reshape(-1)
+
+    def _start(self, bucket):
+        if bucket.wire is None:
+            bucket.handle = self.comm.allreduce_async(bucket.buffer, op="avg", out=bucket.buffer)
+            self.bytes_sent += bucket.buffer.nbytes
+        else:
+            # Divide before the sum, so a 16-bit sum of p gradients cannot overflow.
+            xp = array_module(bucket.buffer)
+            scaled = bucket.buffer / self.comm.size
+            bucket.wire[...] = scaled.astype(bucket.wire.dtype) if xp is not np else scaled
+            bucket.handle = self.comm.allreduce_async(bucket.wire, op="sum", out=bucket.wire)
+            self.bytes_sent += bucket.wire.nbytes
+
+    def _finish(self, bucket, averaged):
+        bucket.handle.wait()
+        bucket.handle = None
+        if bucket.wire is not None:
+            bucket.buffer[...] = bucket.wire.astype(bucket.buffer.dtype)
+        for i in bucket.indices:
+            averaged[i] = bucket.buffer[bucket.slices[i]].reshape(self.params[i].shape)
+        bucket.reported.clear()
+
+    def _check_same_model_everywhere(self):
+        from .communicator import _core
+
+        signature = [len(self.params)] + [hash((tuple(p.shape), str(p.dtype))) & 0xFFFFFFFF
+                                          for p in self.params]
+        everyone = self.comm.allgather(np.array([hash(tuple(signature)) & 0x7FFFFFFF]))
+        if len(set(everyone.tolist())) > 1:
+            differ = [r for r, s in enumerate(everyone.tolist()) if s != everyone[0]]
+            raise _core.MismatchError(
+                f"DistributedOptimizer (rank {self.comm.rank} of {self.comm.size}): ranks "
+                f"wrap different parameters (number, shapes or dtypes): ranks {differ} differ "
+                "from rank 0")

@@ -1,0 +1,224 @@
+"""Data-parallel training: p ranks, each with 1/p of every batch, must hold the same
+parameters after k steps as one process training on the whole batch."""
+import os
+import sys
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import ringreduce as rr
+from ringreduce.compression import PowerSGD
+from ringreduce.optim import SGD, Adam, DistributedOptimizer
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
+from mlp import init_params, loss_and_grads  # noqa: E402
+
+SIZE = MPI.COMM_WORLD.Get_size()
+RANK = MPI.COMM_WORLD.Get_rank()
+BATCH = 24  # divisible by 1, 2, 3 and 4
+STEPS = 6
+LAYERS = (8, 16, 12, 3)
+
+
+def data(step):
+    rng = np.random.default_rng(100 + step)
+    return rng.standard_normal((BATCH, LAYERS[0])), rng.integers(0, LAYERS[-1], BATCH)
+
+
+def my_shard(x, y):
+    n = BATCH // SIZE
+    return x[RANK * n:(RANK + 1) * n], y[RANK * n:(RANK + 1) * n]
+
+
+def single_process(make_optimizer):
+    """The reference: one process, the whole batch, mean loss."""
+    params = init_params(LAYERS, seed=1)
+    opt = make_optimizer(params)
+    for step in range(STEPS):
+        _, grads = loss_and_grads(params, *data(step))
+        opt.step(grads)
+    return params
+
+
+OPTIMIZERS = {
+    "sgd": lambda params: SGD(params, lr=0.1),
+    "sgd-momentum-decay": lambda params: SGD(params, lr=0.05, momentum=0.9, weight_decay=1e-3),
+    "adam": lambda params: Adam(params, lr=0.01, weight_decay=1e-4),
+}
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("mode", ["step-grads", "grad-ready", "no-sync"])
+def test_distributed_equals_single_process(name, mode):
+    make = OPTIMIZERS[name]
+    params = init_params(LAYERS, seed=1 + RANK)  # different until broadcast
+    opt = DistributedOptimizer(make(params), bucket_mb=0.0005)  # ~500 B: several buckets
+    opt.broadcast_parameters(root=0)
+    for step in range(STEPS):
+        x, y = my_shard(*data(step))
+        if mode == "step-grads":
+            _, grads = loss_and_grads(params, x, y)
+            opt.step(grads)
+        elif mode == "grad-ready":  # buckets start all-reducing during backward
+            loss_and_grads(params, x, y, on_grad=opt.grad_ready)
+            opt.step()
+        else:  # two micro-batches: accumulate the first, send with the second
+            half = len(y) // 2 if len(y) > 1 else 0
+            parts = [(x[:half], y[:half]), (x[half:], y[half:])]
+            with opt.no_sync():
+                if len(parts[0][1]):
+                    _, grads = loss_and_grads(params, *parts[0], scale=len(parts[0][1]) / len(y))
+                else:
+                    grads = [np.zeros_like(p) for p in params]
+                opt.step(grads)
+            _, grads = loss_and_grads(params, *parts[1], scale=len(parts[1][1]) / len(y))
+            opt.step(grads)
+    expected = single_process(make)
+    for p, q in zip(params, expected):
+        np.testing.assert_allclose(p, q, rtol=1e-9, atol=1e-12)
+    blobs = MPI.COMM_WORLD.allgather([p.tobytes() for p in params])
+    assert all(b == blobs[0] for b in blobs), "replicas differ"
+
+
+def test_no_sync_with_grad_ready_accumulates_too():
+    params = init_params(LAYERS, seed=1)
+    opt = DistributedOptimizer(SGD(params, lr=0.1), bucket_mb=0.0005)
+    x, y = my_shard(*data(0))
+    with opt.no_sync():
+        loss_and_grads(params, x, y, scale=0.5, on_grad=opt.grad_ready)
+        opt.step()
+    loss_and_grads(params, x, y, scale=0.5, on_grad=opt.grad_ready)
+    opt.step()
+    reference = init_params(LAYERS, seed=1)
+    ref_opt = DistributedOptimizer(SGD(reference, lr=0.1))
+    _, grads = loss_and_grads(reference, x, y)
+    ref_opt.step(grads)
+    for p, q in zip(params, reference):
+        np.testing.assert_allclose(p, q, rtol=1e-12, atol=1e-14)
+
+
+def test_buckets_are_reverse_order_and_one_per_big_parameter():
+    params = [np.zeros(10), np.zeros(1000), np.zeros(10), np.zeros(10, np.float32)]
+    opt = DistributedOptimizer(SGD(params, lr=0.1), bucket_mb=200 / 2**20)  # 200 bytes
+    layout = [b.indices for b in opt._buckets]
+    assert [1] in layout  # 8000 bytes: a bucket of its own
+    assert [3] in layout  # float32 never shares a bucket with float64
+    assert layout.index([1]) > next(i for i, b in enumerate(layout) if 2 in b)
+
+
+@pytest.mark.parametrize("compression", ["fp16", "bf16"])
+def test_16_bit_wire_is_close_and_sends_half(compression):
+    pytest.importorskip("ml_dtypes")
+    params = init_params(LAYERS, seed=1)
+    exact = [p.copy() for p in params]
+    opt = DistributedOptimizer(SGD(params, lr=0.1), compression=compression)
+    ref = DistributedOptimizer(SGD(exact, lr=0.1))
+    x, y = my_shard(*data(0))
+    _, grads = loss_and_grads(params, x, y)
+    opt.step(grads)
+    ref.step([g.copy() for g in grads])
+    tolerance = 1e-3 if compression == "fp16" else 1e-2
+    for p, q in zip(params, exact):
+        np.testing.assert_allclose(p, q, rtol=tolerance, atol=tolerance * 0.1)
+    assert opt.bytes_sent * 4 == ref.bytes_sent  # float64 -> 16 bits
+
+
+def test_16_bit_wire_does_not_overflow():
+    params = [np.zeros(4, np.float32)]
+    opt = DistributedOptimizer(SGD(params, lr=1.0), compression="fp16")
+    opt.step([np.full(4, 60000.0, np.float32)])  # the sum over ranks exceeds float16's max
+    assert np.all(np.isfinite(params[0]))
+    np.testing.assert_allclose(params[0], -60000.0, rtol=1e-3)
+
+
+def test_powersgd_sends_fewer_bytes_and_keeps_replicas_equal():
+    params = [np.zeros((64, 48)), np.zeros(48)]
+    opt = DistributedOptimizer(SGD(params, lr=0.1), compression=PowerSGD(rank=2))
+    plain = DistributedOptimizer(SGD([p.copy() for p in params], lr=0.1))
+    rng = np.random.default_rng(RANK)
+    for _ in range(3):
+        grads = [rng.standard_normal((64, 48)), rng.standard_normal(48)]
+        opt.step(grads)
+        plain.step(grads)
+    assert opt.bytes_sent == 3 * ((64 + 48) * 2 * 8 + 48 * 8)  # P, Q and the vector
+    assert plain.bytes_sent == 3 * (64 * 48 + 48) * 8
+    blobs = MPI.COMM_WORLD.allgather(params[0].tobytes())
+    assert all(b == blobs[0] for b in blobs)
+
+
+def test_powersgd_with_error_feedback_converges_to_the_average():
+    # A constant gradient: error feedback makes the running sum of low-rank steps
+    # approach the running sum of the true average.
+    target = np.random.default_rng(7).standard_normal((20, 30)) + RANK
+    average = np.mean(MPI.COMM_WORLD.allgather(target), axis=0)
+    compressor = PowerSGD(rank=2)
+    ring = rr.Communicator()
+    total = np.zeros_like(target)
+    steps = 60
+    for _ in range(steps):
+        approximation, _ = compressor.reduce(0, target, ring)
+        total += approximation
+    assert np.abs(total / steps - average).max() < 0.05 * np.abs(average).max()
+
+
+def test_misuse_gets_clear_errors():
+    params = [np.zeros((3, 2)), np.zeros(2)]
+    opt = DistributedOptimizer(SGD(params, lr=0.1))
+    with pytest.raises(ValueError, match="2 parameters"):
+        opt.step([np.zeros((3, 2))])
+    with pytest.raises(ValueError, match=r"shape \(2, 3\)"):
+        opt.step([np.zeros((2, 3)), np.zeros(2)])
+    with pytest.raises(TypeError, match="float32"):
+        opt.step([np.zeros((3, 2), np.float32), np.zeros(2)])
+    opt.grad_ready(1, np.zeros(2))
+    with pytest.raises(ValueError, match="twice"):
+        opt.grad_ready(1, np.zeros(2))
+    with pytest.raises(ValueError, match=r"params \[0\]"):
+        opt.step()
+    with pytest.raises(ValueError, match="not a parameter index"):
+        opt.grad_ready(5, np.zeros(2))
+    opt.grad_ready(0, np.ones((3, 2)))
+    opt.step()  # all reported now: works
+    np.testing.assert_allclose(params[0], -0.1)
+    with pytest.raises(ValueError, match="compression"):
+        DistributedOptimizer(SGD([np.zeros(2)], lr=0.1), compression="int8")
+    with pytest.raises(TypeError, match="floats"):
+        SGD([np.zeros(2, np.int32)], lr=0.1)
+
+
+def test_ranks_with_different_models_are_told():
+    if SIZE == 1:
+        pytest.skip("needs two ranks")
+    params = [np.zeros(3 + (RANK == 1))]
+    with pytest.raises(rr.MismatchError, match="different parameters"):
+        DistributedOptimizer(SGD(params, lr=0.1))
+
+
+def test_state_dict_round_trip():
+    params = init_params(LAYERS, seed=1)
+    opt = DistributedOptimizer(Adam(params, lr=0.01))
+    x, y = my_shard(*data(0))
+    opt.step(loss_and_grads(params, x, y)[1])
+    saved, saved_params = opt.state_dict(), [p.copy() for p in params]
+    opt.step(loss_and_grads(params, x, y)[1])
+    after_two = [p.copy() for p in params]
+    for p, q in zip(params, saved_params):
+        p[...] = q
+    opt.load_state_dict(saved)
+    opt.step(loss_and_grads(params, x, y)[1])
+    for p, q in zip(params, after_two):
+        np.testing.assert_array_equal(p, q)
+
+
+def test_allreduce_gradients_averages_in_place():
+    grads = [np.full((3, 4), float(RANK)), np.arange(5, dtype=np.float32) * (RANK + 1),
+             np.full(7, RANK, np.float64)[::2]]
+    returned = rr.allreduce_gradients(grads, bucket_mb=1e-5)
+    assert returned[0] is grads[0]
+    mean_rank = (SIZE - 1) / 2
+    np.testing.assert_allclose(grads[0], mean_rank)
+    np.testing.assert_allclose(grads[1], np.arange(5) * (mean_rank + 1), rtol=1e-6)
+    np.testing.assert_allclose(grads[2], mean_rank)
+    with pytest.raises(TypeError, match="not an array"):
+        rr.allreduce_gradients([[1.0, 2.0]])
