@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import zlib
 
 import numpy as np
 
@@ -309,9 +310,9 @@ class DistributedOptimizer:
     def _check_same_model_everywhere(self):
         from .communicator import _core
 
-        signature = [len(self.params)] + [hash((tuple(p.shape), str(p.dtype))) & 0xFFFFFFFF
-                                          for p in self.params]
-        everyone = self.comm.allgather(np.array([hash(tuple(signature)) & 0x7FFFFFFF]))
+        # crc32, not hash(): Python salts string hashes differently in every process.
+        signature = repr([(tuple(p.shape), str(p.dtype)) for p in self.params]).encode()
+        everyone = self.comm.allgather(np.array([zlib.crc32(signature)], np.int64))
         if len(set(everyone.tolist())) > 1:
             differ = [r for r, s in enumerate(everyone.tolist()) if s != everyone[0]]
             raise _core.MismatchError(

@@ -148,18 +148,20 @@ def test_powersgd_sends_fewer_bytes_and_keeps_replicas_equal():
 
 
 def test_powersgd_with_error_feedback_converges_to_the_average():
-    # A constant gradient: error feedback makes the running sum of low-rank steps
-    # approach the running sum of the true average.
+    # A constant, full-rank gradient: one rank-2 step is far from the average, but with
+    # error feedback the running mean of the steps closes in on it (like 1/steps).
     target = np.random.default_rng(7).standard_normal((20, 30)) + RANK
     average = np.mean(MPI.COMM_WORLD.allgather(target), axis=0)
     compressor = PowerSGD(rank=2)
     ring = rr.Communicator()
-    total = np.zeros_like(target)
-    steps = 60
-    for _ in range(steps):
+    total, errors = np.zeros_like(target), {}
+    for step in range(1, 101):
         approximation, _ = compressor.reduce(0, target, ring)
         total += approximation
-    assert np.abs(total / steps - average).max() < 0.05 * np.abs(average).max()
+        errors[step] = np.abs(total / step - average).max()
+    assert errors[1] > 0.5 * np.abs(average).max()  # one step alone is far off
+    assert errors[100] < errors[30] < errors[10] < errors[1]
+    assert errors[100] < 0.1 * errors[1]
 
 
 def test_misuse_gets_clear_errors():
