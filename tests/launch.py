@@ -34,7 +34,10 @@ def run_on_ranks(ranks: int, module: str, tmp_path: Path, timeout: float, extra=
     report_dir = tmp_path / "reports"
     report_dir.mkdir(exist_ok=True)
     marker = f"{os.getpid()}-{uuid.uuid4().hex}"  # in every rank's environment
-    env = dict(os.environ, **(env or {}), RINGREDUCE_TEST_REPORT_DIR=str(report_dir),
+    # One BLAS thread per rank: more ranks than cores already, spinning BLAS threads on
+    # top would only slow the tests down.
+    env = dict({"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}, **os.environ,
+               **(env or {}), RINGREDUCE_TEST_REPORT_DIR=str(report_dir),
                RINGREDUCE_TEST_JOB=marker,
                PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     command = [mpiexec(), "-n", str(ranks), sys.executable, "-m", "mpi4py", "-m", "pytest",

@@ -13,6 +13,8 @@ MODULES = {  # module -> timeout in seconds at 4 oversubscribed ranks on 2 cores
     "test_errors.py": 300,
     "test_async.py": 300,
     "test_contract.py": 300,  # written from the API text alone, by another author
+    "test_optim.py": 300,
+    "test_example.py": 600,
 }
 
 
