@@ -24,7 +24,8 @@ from mpi4py import MPI
 
 import ringreduce as rr
 from ringreduce import reference
-from timing import bus_bandwidth, human_bytes, human_time, inner_iterations, time_alternating
+from timing import (bus_bandwidth, human_bytes, human_time, inner_iterations, save_size_plot,
+                    time_alternating)
 
 world = MPI.COMM_WORLD
 rank, size = world.Get_rank(), world.Get_size()
@@ -193,16 +194,7 @@ def plot(rows, path: str) -> None:
     for name in dict.fromkeys(r["implementation"] for r in mine):
         points = sorted((r["bytes"], r["busbw_GBps"]) for r in mine if r["implementation"] == name)
         ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=name)
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("message size (bytes per rank)")
-    ax.set_ylabel("busbw (GB/s)")
-    ax.set_title(f"allreduce, float32, {size} ranks on one machine")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    print(f"plot: {path}")
+    save_size_plot(fig, ax, path, "busbw (GB/s)", f"allreduce, float32, {size} ranks on one machine")
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ from mpi4py import MPI
 
 import ringreduce as rr
 from ringreduce import _core
-from timing import human_bytes, human_time, inner_iterations, time_alternating
+from timing import human_bytes, human_time, inner_iterations, save_size_plot, time_alternating
 
 world = MPI.COMM_WORLD
 rank, size = world.Get_rank(), world.Get_size()
@@ -95,16 +95,8 @@ def main() -> None:
         ax.plot(xs, [r["model_s"] * 1e3 for r in rows], "--", label="model 2(p-1)α + "
                 "2(p-1)/p·nβ + (p-1)/p·nγ")
         ax.plot(xs, [r["measured_s"] * 1e3 for r in rows], "o-", label="ringreduce, measured")
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("message size (bytes per rank)")
-        ax.set_ylabel("time (ms)")
-        ax.set_title(f"allreduce cost model vs measurement, {p} ranks")
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(args.plot, dpi=120)
-        print(f"plot: {args.plot}")
+        save_size_plot(fig, ax, args.plot, "time (ms)",
+                       f"allreduce cost model vs measurement, {p} ranks")
 
 
 if __name__ == "__main__":
