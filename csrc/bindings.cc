@@ -79,6 +79,33 @@ PYBIND11_MODULE(_core, m) {
     return py::make_tuple(s.offset, s.count);
   });
 
+  // The schedule itself, for ringreduce.explain and ringreduce.sim: the same code that
+  // decides what the core sends, so the explanations cannot drift from it.
+  py::class_<RingSchedule>(m, "RingSchedule")
+      .def(py::init([](int rank, int size, int64_t count, int64_t chunk_elems) {
+             return RingSchedule::split_evenly(rank, size, count, chunk_elems);
+           }),
+           py::arg("rank"), py::arg("size"), py::arg("count"), py::arg("chunk_elems"))
+      .def_property_readonly("rank", &RingSchedule::rank)
+      .def_property_readonly("size", &RingSchedule::size)
+      .def_property_readonly("left", &RingSchedule::left)
+      .def_property_readonly("right", &RingSchedule::right)
+      .def_property_readonly("steps_per_phase", &RingSchedule::steps_per_phase)
+      .def_property_readonly("chunk_elems", &RingSchedule::chunk_elems)
+      .def("segment", [](const RingSchedule& s, int seg) {
+        const Span span = s.segment(seg);
+        return py::make_tuple(span.offset, span.count);
+      })
+      .def("num_chunks", &RingSchedule::num_chunks)
+      .def("chunk", [](const RingSchedule& s, int seg, int64_t c) {
+        const Span span = s.chunk(seg, c);
+        return py::make_tuple(span.offset, span.count);
+      })
+      .def("reduce_scatter_send_segment", &RingSchedule::reduce_scatter_send_segment)
+      .def("reduce_scatter_recv_segment", &RingSchedule::reduce_scatter_recv_segment)
+      .def("allgather_send_segment", &RingSchedule::allgather_send_segment)
+      .def("allgather_recv_segment", &RingSchedule::allgather_recv_segment);
+
   py::class_<RingCommunicator>(m, "RingCommunicator")
       .def(py::init([](uintptr_t comm_address) {
              return new RingCommunicator(comm_from_address(comm_address));
@@ -88,6 +115,8 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("size", &RingCommunicator::size)
       .def_property_readonly("closed", &RingCommunicator::closed)
       .def_property_readonly("transport", &RingCommunicator::transport_name)
+      .def_property_readonly("ring_bytes_sent", &RingCommunicator::ring_bytes_sent)
+      .def_property_readonly("ring_steps", &RingCommunicator::ring_steps)
       .def("allreduce",
            [](RingCommunicator& self, py::array x, py::array out, int dtype, int op,
               int64_t chunk_bytes) {

@@ -51,6 +51,7 @@ void MpiTransport::free() {
 }
 
 Transport::Request MpiTransport::send_right(const void* buf, int64_t bytes, int tag) {
+  bytes_sent_ += bytes;
   requests_.push_back(MPI_REQUEST_NULL);
   check(MPI_Isend(buf, static_cast<int>(bytes), MPI_BYTE, (rank_ + 1) % size_, wrap_tag(tag),
                   comm_, &requests_.back()),

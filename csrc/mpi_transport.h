@@ -32,6 +32,7 @@ class MpiTransport final : public Transport {
   void wait_all() override;
 
   MPI_Comm comm() const { return comm_; }
+  int64_t bytes_sent() const { return bytes_sent_; }  // by send_right, ever
   // Every rank's `bytes` bytes, in rank order, on every rank.
   void allgather_bytes(const void* mine, void* all, int bytes);
   // Frees the duplicate communicator now (collective); later use throws.
@@ -46,6 +47,7 @@ class MpiTransport final : public Transport {
   int size_ = 1;
   int tag_ub_ = 32767;  // the least MPI guarantees; replaced by the real bound
   std::vector<MPI_Request> requests_;  // Request = index; reset by wait_all()
+  int64_t bytes_sent_ = 0;
 };
 
 }  // namespace ringreduce

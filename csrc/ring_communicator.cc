@@ -99,6 +99,7 @@ int64_t RingCommunicator::ring_chunk_elems(int64_t agreed_chunk_bytes, size_t el
 
 void RingCommunicator::run_reduce_scatter(const RingSchedule& sched, DType dtype, Op op,
                                           const void* input, void* out, bool shm) {
+  ring_steps_ += sched.steps_per_phase();
   if (shm) {
     shm_->reduce_scatter(sched, dtype, op, input, out);
   } else {
@@ -110,6 +111,7 @@ void RingCommunicator::run_reduce_scatter(const RingSchedule& sched, DType dtype
 
 void RingCommunicator::run_allgather(const RingSchedule& sched, size_t elem_size, void* buf,
                                      bool shm) {
+  ring_steps_ += sched.steps_per_phase();
   if (shm) {
     shm_->allgather(sched, elem_size, buf);
   } else {

@@ -77,6 +77,13 @@ class RingCommunicator {
   // In place: every rank's buf ends up equal to root's.
   void broadcast(void* buf, int64_t count, DType dtype, int root, int64_t chunk_bytes);
 
+  // What the ring has moved so far (not the header exchange, nor small calls done
+  // inside it): payload bytes this rank sent, as counted by the wires, and ring steps.
+  int64_t ring_bytes_sent() const {
+    return transport_->bytes_sent() + (shm_ ? shm_->bytes_sent() : 0);
+  }
+  int64_t ring_steps() const { return ring_steps_; }
+
   // Takes part in the header exchange of a call this rank has rejected, so that the
   // other ranks raise MismatchError instead of waiting for us forever.
   void announce_invalid(Collective collective, int64_t chunk_bytes);
@@ -122,6 +129,7 @@ class RingCommunicator {
   bool closed_ = false;
   std::string broken_;  // set when an MPI error left messages in flight
   int64_t pending_allgather_chunk_bytes_ = kDefaultChunkBytes;  // from allgather_counts()
+  int64_t ring_steps_ = 0;
 };
 
 }  // namespace ringreduce

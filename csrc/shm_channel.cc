@@ -161,6 +161,7 @@ void ShmChannel::run_phase(const RingSchedule& sched, size_t elem_size, bool red
       if (!can_send()) break;
       const Span ch = sched.chunk(u.segment, u.chunk);
       std::memcpy(my_slot(sent_), send_source(u.step, ch), ch.count * elem_size);
+      bytes_sent_ += ch.count * static_cast<int64_t>(elem_size);
       sent();
       ++next_send;
       progressed = true;

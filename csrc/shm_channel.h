@@ -32,6 +32,7 @@ class ShmChannel {
   ShmChannel& operator=(const ShmChannel&) = delete;
 
   int64_t slot_bytes() const { return slot_bytes_; }
+  int64_t bytes_sent() const { return bytes_sent_; }  // written into our slots, ever
 
   // The pipelined phases of ring_schedule.h over shared memory. Same schedule, same
   // reduction order, so the same bits as the MPI path.
@@ -63,6 +64,7 @@ class ShmChannel {
   const uint64_t* right_consumed_ = nullptr;
   uint64_t sent_ = 0;      // chunks we have published (our copy of *my_published_)
   uint64_t received_ = 0;  // chunks we have consumed (our copy of *my_consumed_)
+  int64_t bytes_sent_ = 0;
 };
 
 }  // namespace ringreduce

@@ -15,10 +15,11 @@ MODULES = {  # module -> timeout in seconds at 4 oversubscribed ranks on 2 cores
     "test_contract.py": 300,  # written from the API text alone, by another author
     "test_optim.py": 300,
     "test_example.py": 600,
+    "test_sim.py": 300,
 }
 
 
-DATA_MODULES = ["test_allreduce.py", "test_async.py", "test_collectives.py"]
+DATA_MODULES = ["test_allreduce.py", "test_async.py", "test_collectives.py", "test_sim.py"]
 
 
 @pytest.mark.parametrize("ranks", [1, 2, 3, 4])

@@ -1,0 +1,198 @@
+"""Step by step, what every rank of the ring sends, receives and holds.
+
+    python -m ringreduce explain --ranks 4 --count 12 [--chunk 2] [--svg ring.svg]
+
+Everything here is read from ringreduce's own RingSchedule, the C++ class that drives
+the core (exposed by the binding), so the explanation is the algorithm that runs, not a
+second description of it. Only the partial sums are worked out here: which ranks' data
+each rank's copy of each segment contains after each step.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from dataclasses import dataclass, field
+
+from . import _core
+
+
+@dataclass
+class Transfer:
+    rank: int
+    segment: int
+    chunks: list  # (first element, number of elements) of each chunk sent
+    to: int
+    receives: int  # the segment coming in from the left
+    reduces: bool  # reduce-scatter adds what arrives; all-gather only copies it
+
+
+@dataclass
+class Step:
+    phase: str  # "reduce-scatter" or "all-gather"
+    number: int  # 1-based within the phase
+    transfers: list
+    holds: list  # holds[rank][segment] = sorted ranks whose data that copy contains
+
+
+@dataclass
+class Explanation:
+    ranks: int
+    count: int
+    chunk_elems: int
+    segments: list  # (first element, number of elements) per segment
+    chunks_per_segment: list
+    steps: list = field(default_factory=list)
+
+
+def explain(ranks: int = 4, count: int = 12, chunk_elems: int | None = None) -> Explanation:
+    """The whole ring all-reduce of `count` elements on `ranks` ranks, step by step."""
+    if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
+        raise ValueError(f"ranks must be a positive int, got {ranks!r}")
+    if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+        raise ValueError(f"count must be a non-negative int, got {count!r}")
+    if chunk_elems is None:
+        chunk_elems = max(1, -(-count // ranks))  # one chunk per segment
+    if chunk_elems < 1:
+        raise ValueError(f"chunk_elems must be >= 1, got {chunk_elems}")
+    schedules = [_core.RingSchedule(r, ranks, count, chunk_elems) for r in range(ranks)]
+    s0 = schedules[0]
+    result = Explanation(ranks, count, chunk_elems,
+                         [s0.segment(s) for s in range(ranks)],
+                         [s0.num_chunks(s) for s in range(ranks)])
+    holds = [[[r] for _ in range(ranks)] for r in range(ranks)]
+    for phase, send_of, recv_of, reduces in (
+            ("reduce-scatter", "reduce_scatter_send_segment", "reduce_scatter_recv_segment", True),
+            ("all-gather", "allgather_send_segment", "allgather_recv_segment", False)):
+        for k in range(s0.steps_per_phase):
+            transfers, before = [], [[list(c) for c in row] for row in holds]
+            for sched in schedules:
+                r, seg = sched.rank, getattr(sched, send_of)(k)
+                incoming = getattr(sched, recv_of)(k)
+                transfers.append(Transfer(r, seg, [sched.chunk(seg, c) for c in
+                                                   range(sched.num_chunks(seg))],
+                                          sched.right, incoming, reduces))
+                # What arrives is the left neighbour's copy as it was before this step.
+                arrived = before[sched.left][incoming]
+                holds[r][incoming] = sorted(set(holds[r][incoming]) | set(arrived)) if reduces \
+                    else list(arrived)
+            result.steps.append(Step(phase, k + 1, transfers,
+                                     [[list(c) for c in row] for row in holds]))
+    return result
+
+
+def _elements(span) -> str:
+    first, n = span
+    return "nothing" if n == 0 else (f"element {first}" if n == 1
+                                     else f"elements {first}-{first + n - 1}")
+
+
+def _sum(contributors, ranks) -> str:
+    if len(contributors) == ranks and ranks > 2:
+        return "all"
+    return "+".join(f"x{r}" for r in contributors)
+
+
+def format_text(e: Explanation) -> str:
+    lines = [f"Ring all-reduce of {e.count} elements on {e.ranks} ranks. Each rank sends to its "
+             f"right neighbour and receives from its left.",
+             f"The buffer is cut into {e.ranks} segments (like np.array_split), each into "
+             f"chunks of at most {e.chunk_elems} elements:"]
+    for s, span in enumerate(e.segments):
+        lines.append(f"  S{s}: {_elements(span)}, {e.chunks_per_segment[s]} chunk(s)")
+    if e.ranks == 1:
+        lines.append("One rank: nothing to send; the result is the input.")
+        return "\n".join(lines)
+    width = max(6, max(len(_sum(c, e.ranks)) for step in e.steps for row in step.holds
+                       for c in row) + 2)
+    for step in e.steps:
+        total = e.ranks - 1
+        lines.append("")
+        lines.append(f"{step.phase}, step {step.number} of {total}:")
+        for t in step.transfers:
+            action = "adds it to its own copy" if t.reduces else "keeps it"
+            chunks = ", ".join(f"[{a}..{a + n - 1}]" for a, n in t.chunks) or "no chunks"
+            lines.append(f"  rank {t.rank} sends S{t.segment} to rank {t.to} (chunks {chunks}); "
+                         f"receives S{t.receives} from rank {(t.rank - 1) % e.ranks} and "
+                         f"{action}")
+        lines.append("  afterwards, whose data each rank's copy of each segment holds:")
+        lines.append("  " + " " * 8 + "".join(f"S{s}".ljust(width) for s in range(e.ranks)))
+        for r, row in enumerate(step.holds):
+            lines.append(f"  rank {r}".ljust(10) + "".join(_sum(c, e.ranks).ljust(width)
+                                                          for c in row))
+    per_rank = 2 * (e.ranks - 1) * e.count / e.ranks
+    lines.append("")
+    lines.append(f"Each rank sent and received 2(p-1)/p x N = {per_rank:g} elements on average "
+                 f"(N = {e.count}), in 2(p-1) = {2 * (e.ranks - 1)} steps. Every rank now holds "
+                 "every segment summed over all ranks, computed once by the segment's owner.")
+    return "\n".join(lines)
+
+
+def draw(e: Explanation, path: str) -> None:
+    """A figure of the ring and the steps (SVG, PNG or PDF, from the file name)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import FancyArrowPatch
+
+    panels = len(e.steps)
+    columns = max(1, e.ranks - 1)  # one row per phase, one column per step
+    rows = max(1, -(-panels // columns))
+    fig, axes = plt.subplots(rows, columns, figsize=(4.2 * columns, 4.2 * rows), squeeze=False)
+    colors = plt.get_cmap("viridis")
+    for ax in axes.ravel():
+        ax.axis("off")
+    for index, step in enumerate(e.steps):
+        ax = axes.ravel()[index]
+        ax.set_xlim(-1.6, 1.6)
+        ax.set_ylim(-1.6, 1.6)
+        ax.set_aspect("equal")
+        ax.set_title(f"{step.phase}, step {step.number}", fontsize=10)
+        angle = [math.pi / 2 - 2 * math.pi * r / e.ranks for r in range(e.ranks)]
+        where = [(math.cos(a), math.sin(a)) for a in angle]
+        for t in step.transfers:
+            (x0, y0), (x1, y1) = where[t.rank], where[t.to]
+            arrow = FancyArrowPatch((x0, y0), (x1, y1), arrowstyle="-|>", mutation_scale=12,
+                                    connectionstyle="arc3,rad=-0.25", shrinkA=22, shrinkB=22,
+                                    color="tab:red" if t.reduces else "tab:blue")
+            ax.add_patch(arrow)
+            ax.text((x0 + x1) / 2 * 1.25, (y0 + y1) / 2 * 1.25, f"S{t.segment}", fontsize=8,
+                    ha="center", va="center", color=arrow.get_edgecolor())
+        for r, (x, y) in enumerate(where):
+            ax.add_patch(plt.Circle((x, y), 0.2, color="lightgray", zorder=2))
+            ax.text(x, y, f"{r}", ha="center", va="center", fontsize=10, zorder=3)
+            # one small square per segment: how complete this rank's copy is
+            for s, contributors in enumerate(step.holds[r]):
+                share = len(contributors) / e.ranks
+                ax.add_patch(plt.Rectangle((x - 0.2 + 0.4 * s / e.ranks, y - 0.42),
+                                           0.4 / e.ranks, 0.12, color=colors(share), zorder=3))
+    fig.suptitle(f"Ring all-reduce, {e.ranks} ranks: red arrows reduce, blue arrows copy. "
+                 "Under each rank, one square per segment: how much of its sum the rank "
+                 "holds (yellow: all of it)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ringreduce explain",
+                                     description="Show the ring all-reduce step by step.")
+    parser.add_argument("--ranks", type=int, default=4)
+    parser.add_argument("--count", type=int, default=12, help="elements in the buffer")
+    parser.add_argument("--chunk", type=int, default=None,
+                        help="elements per chunk (default: one chunk per segment)")
+    parser.add_argument("--svg", metavar="FILE", help="also draw the steps (.svg, .png, .pdf)")
+    args = parser.parse_args(argv)
+    try:
+        e = explain(args.ranks, args.count, args.chunk)
+    except ValueError as error:
+        parser.error(str(error))
+    print(format_text(e))
+    if args.svg:
+        draw(e, args.svg)
+        print(f"\nfigure: {args.svg}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
