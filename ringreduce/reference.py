@@ -127,3 +127,28 @@ def allgather(x, comm=MPI.COMM_WORLD) -> np.ndarray:
     work[slice(*bounds[comm.Get_rank()])] = x.reshape(-1)
     _ring_allgather(work, bounds, comm)
     return work.reshape((sum(rows),) + x.shape[1:])
+
+
+def naive_allreduce(x, op: str = "sum", comm=MPI.COMM_WORLD, root: int = 0) -> np.ndarray:
+    """The parameter-server way, for contrast: every rank sends its whole x to the root,
+    which reduces them one by one and sends the result back to every rank. The root moves
+    (p-1)·N bytes in and (p-1)·N out while the other ranks wait; the ring spreads
+    2(p-1)/p·N over every rank."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    x = np.asarray(x)
+    result = np.array(x, copy=True).reshape(-1)
+    if rank == root:
+        incoming = np.empty_like(result)
+        for other in range(size):
+            if other != root:
+                comm.Recv(_raw(incoming), source=other)
+                REDUCE[op](result, incoming, out=result)
+        if op == "avg":
+            _divide(result, size)
+        for other in range(size):
+            if other != root:
+                comm.Send(_raw(result), dest=other)
+    else:
+        comm.Send(_raw(result), dest=root)
+        comm.Recv(_raw(result), source=root)
+    return result.reshape(x.shape)

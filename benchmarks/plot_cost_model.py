@@ -1,0 +1,75 @@
+"""The cost-model figure of docs/cost-model.md: modelled all-reduce time against the
+number of ranks for ring, naive and recursive doubling (ringreduce.sim, with alpha, beta
+and gamma as fit_model.py measured them), and ringreduce's measured times at 2 ranks.
+
+    python benchmarks/plot_cost_model.py --model benchmarks/results/model_p2.json \
+        --measured 'benchmarks/results/allreduce_p2_run*.json' --plot docs/images/cost_model_ranks.png
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import statistics
+
+from ringreduce import sim
+from timing import human_bytes
+
+SIZES = [4 << 10, 1 << 20, 64 << 20]
+RANKS = [2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
+STYLE = {"ring": "-", "naive": ":", "recursive doubling": "--"}
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", required=True, help="fit_model.py --json output")
+    parser.add_argument("--measured", help="glob of bench_allreduce.py --json outputs")
+    parser.add_argument("--plot", required=True)
+    args = parser.parse_args()
+    fitted = json.load(open(args.model))
+    alpha, beta, gamma = fitted["alpha_s"], fitted["beta_s_per_byte"], fitted["gamma_s_per_byte"]
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    colors = plt.get_cmap("tab10")
+    print(f"alpha={alpha:.3g} s, beta={beta:.3g} s/B, gamma={gamma:.3g} s/B")
+    print("| size | ranks | ring | naive | recursive doubling |\n|---|---|---|---|---|")
+    for c, nbytes in enumerate(SIZES):
+        curves = {name: [] for name in STYLE}
+        for p in RANKS:
+            for name, fn in sim.ALGORITHMS.items():
+                r = fn(p, nbytes // 4, 4, alpha, beta, gamma)
+                curves[r.algorithm].append(r.seconds)
+            if p in (2, 64, 1024):
+                print(f"| {human_bytes(nbytes)} | {p} | " + " | ".join(
+                    f"{curves[n][-1] * 1e3:.3f} ms" for n in STYLE) + " |")
+        for name, times in curves.items():
+            ax.plot(RANKS, [t * 1e3 for t in times], STYLE[name], color=colors(c),
+                    label=f"{name}, {human_bytes(nbytes)}")
+    if args.measured:
+        runs = [json.load(open(p)) for p in sorted(glob.glob(args.measured))]
+        for c, nbytes in enumerate(SIZES):
+            times = [r["time_s"] for run in runs for r in run["results"]
+                     if r["collective"] == "allreduce" and r["bytes"] == nbytes
+                     and r["implementation"] == "ringreduce"]
+            if times:
+                ax.plot([2], [statistics.median(times) * 1e3], "o", color=colors(c),
+                        markersize=8, label=f"ringreduce measured, {human_bytes(nbytes)}")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("ranks")
+    ax.set_ylabel("modelled time (ms)")
+    ax.set_title("all-reduce: ring vs naive vs recursive doubling (alpha-beta-gamma model)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(args.plot, dpi=110)
+    print(f"plot: {args.plot}")
+
+
+if __name__ == "__main__":
+    main()

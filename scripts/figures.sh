@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Regenerates every figure in docs/images/ from the scripts in this repository.
+#   bash scripts/figures.sh            the figures computed from the code (seconds)
+#   bash scripts/figures.sh --measured also the measured ones (benchmarks; minutes)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=.venv/bin/python
+MPIEXEC=.venv/bin/mpiexec
+OUT=${FIGURES_DIR:-docs/images}
+mkdir -p "$OUT"
+
+# Computed from the code: the explainer's ring and the cost model from ringreduce.sim.
+$PY -m ringreduce explain --ranks 4 --count 12 --svg "$OUT/ring_4_ranks.svg" > /dev/null
+$PY benchmarks/plot_cost_model.py --model benchmarks/results/model_p2.json \
+    --measured 'benchmarks/results/allreduce_p2_run*.json' --plot "$OUT/cost_model_ranks.png" > /dev/null
+R=benchmarks/results/digits
+$PY examples/compare_runs.py $R/ranks1.json $R/ranks2.json $R/ranks4.json \
+    --plot "$OUT/digits_ranks.png" > /dev/null
+$PY examples/compare_runs.py $R/ranks2.json $R/ranks2_fp16.json $R/ranks2_bf16.json \
+    $R/ranks2_powersgd.json --plot "$OUT/digits_compression.png" > /dev/null
+
+if [ "${1:-}" = "--measured" ]; then
+  for i in 1 2 3; do
+    $MPIEXEC -n 2 $PY -m mpi4py benchmarks/bench_allreduce.py \
+        --json benchmarks/results/allreduce_p2_run$i.json \
+        $( [ $i = 1 ] && echo --plot "$OUT/allreduce_busbw_p2.png" )
+  done
+  $MPIEXEC -n 2 $PY -m mpi4py benchmarks/fit_model.py --json benchmarks/results/model_p2.json \
+      --plot "$OUT/cost_model_p2.png"
+  $MPIEXEC -n 4 $PY -m mpi4py benchmarks/ps_vs_ring.py --mib 4 --plot "$OUT/ps_vs_ring_4.png"
+  for n in 1 2 4; do
+    $MPIEXEC -n $n $PY -m mpi4py examples/train_digits.py --json $R/ranks$n.json
+  done
+  for c in fp16 bf16 powersgd; do
+    $MPIEXEC -n 2 $PY -m mpi4py examples/train_digits.py --compression $c --json $R/ranks2_$c.json
+  done
+fi

@@ -1,0 +1,33 @@
+"""The documentation site builds with no warnings, and every figure in it comes from a
+script in this repository."""
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_site_builds_without_warnings(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir",
+                           str(tmp_path / "site")], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "WARNING" not in done.stdout + done.stderr
+    reference = (tmp_path / "site" / "reference" / "index.html").read_text()
+    assert "DistributedOptimizer" in reference and "allreduce_async" in reference
+
+
+def test_every_figure_is_made_by_the_figures_script(tmp_path):
+    script = (ROOT / "scripts" / "figures.sh").read_text()
+    for page in (ROOT / "docs").glob("*.md"):
+        for image in re.findall(r"!\[[^\]]*\]\(images/([^)]+)\)", page.read_text()):
+            assert (ROOT / "docs" / "images" / image).exists(), f"{page.name}: {image}"
+            assert image in script, f"{image} (in {page.name}) is not made by scripts/figures.sh"
+    # The figures computed from the code are made afresh here.
+    done = subprocess.run(["bash", str(ROOT / "scripts" / "figures.sh")], cwd=ROOT,
+                          env=dict(os.environ, FIGURES_DIR=str(tmp_path)),
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert {"ring_4_ranks.svg", "cost_model_ranks.png"} <= {p.name for p in tmp_path.iterdir()}
