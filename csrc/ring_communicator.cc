@@ -67,6 +67,17 @@ std::string op_text(const CallHeader& h) {
 
 }  // namespace
 
+CallHeader make_header(Collective collective, DType dtype, Op op, int64_t count,
+                       int64_t chunk_bytes) {
+  CallHeader h;
+  h.collective = static_cast<int64_t>(collective);
+  h.dtype = static_cast<int64_t>(dtype);
+  h.op = static_cast<int64_t>(op);  // compared only for allreduce and reduce_scatter
+  h.count = count;
+  h.chunk_bytes = chunk_bytes;
+  return h;
+}
+
 RingCommunicator::RingCommunicator(MPI_Comm user_comm)
     : transport_(std::make_unique<MpiTransport>(user_comm)) {
   // Every call's header message carries up to this much payload, so an allreduce this
@@ -213,9 +224,7 @@ int64_t RingCommunicator::agree(const CallHeader& mine, std::vector<CallHeader>*
 }
 
 void RingCommunicator::announce_invalid(Collective collective, int64_t chunk_bytes) {
-  CallHeader h;
-  h.collective = static_cast<int64_t>(collective);
-  h.chunk_bytes = chunk_bytes;
+  CallHeader h = make_header(collective, DType::Float16, Op::Sum, 0, chunk_bytes);
   h.invalid = 1;
   agree(h);
 }
@@ -236,12 +245,7 @@ void guarded(std::string* broken, F&& body) {
 
 void RingCommunicator::allreduce(const void* input, void* out, int64_t count, DType dtype, Op op,
                                  int64_t chunk_bytes) {
-  CallHeader h;
-  h.collective = static_cast<int64_t>(Collective::AllReduce);
-  h.dtype = static_cast<int64_t>(dtype);
-  h.op = static_cast<int64_t>(op);
-  h.count = count;
-  h.chunk_bytes = chunk_bytes;
+  CallHeader h = make_header(Collective::AllReduce, dtype, op, count, chunk_bytes);
   const size_t es = dtype_size(dtype);
   const int64_t bytes = count * static_cast<int64_t>(es);
   if (size() > 1 && bytes <= inline_capacity_) {
@@ -285,12 +289,7 @@ void RingCommunicator::allreduce_inline(void* out, int64_t count, DType dtype, O
 
 void RingCommunicator::reduce_scatter(const void* input, void* work, int64_t count, DType dtype,
                                       Op op, int64_t chunk_bytes) {
-  CallHeader h;
-  h.collective = static_cast<int64_t>(Collective::ReduceScatter);
-  h.dtype = static_cast<int64_t>(dtype);
-  h.op = static_cast<int64_t>(op);
-  h.count = count;
-  h.chunk_bytes = chunk_bytes;
+  const CallHeader h = make_header(Collective::ReduceScatter, dtype, op, count, chunk_bytes);
   const size_t es = dtype_size(dtype);
   const bool shm = use_shm(count * static_cast<int64_t>(es));
   const int64_t elems = ring_chunk_elems(agree(h), es, shm);
@@ -306,13 +305,9 @@ void RingCommunicator::reduce_scatter(const void* input, void* work, int64_t cou
 std::vector<int64_t> RingCommunicator::allgather_counts(int64_t rows, int64_t row_elems,
                                                         int64_t shape_tag, DType dtype,
                                                         int64_t chunk_bytes) {
-  CallHeader h;
-  h.collective = static_cast<int64_t>(Collective::AllGather);
-  h.dtype = static_cast<int64_t>(dtype);
-  h.count = rows;
+  CallHeader h = make_header(Collective::AllGather, dtype, Op::Sum, rows, chunk_bytes);
   h.extra = row_elems;
   h.shape_tag = shape_tag;
-  h.chunk_bytes = chunk_bytes;
   std::vector<CallHeader> all;
   const int64_t agreed_chunk = agree(h, &all);
   std::vector<int64_t> rows_per_rank(size());
@@ -346,12 +341,8 @@ void RingCommunicator::broadcast(void* buf, int64_t count, DType dtype, int root
   if (root < 0 || root >= size())
     throw std::invalid_argument("broadcast: root " + std::to_string(root) + " is not in [0, " +
                                 std::to_string(size()) + ")");
-  CallHeader h;
-  h.collective = static_cast<int64_t>(Collective::Broadcast);
-  h.dtype = static_cast<int64_t>(dtype);
-  h.count = count;
+  CallHeader h = make_header(Collective::Broadcast, dtype, Op::Sum, count, chunk_bytes);
   h.extra = root;
-  h.chunk_bytes = chunk_bytes;
   const size_t es = dtype_size(dtype);
   const int64_t elems = chunk_elems(agree(h), es);
   guarded(&broken_, [&] {

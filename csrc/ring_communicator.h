@@ -43,6 +43,9 @@ struct CallHeader {
   static constexpr int64_t kMagic = 0x52494e4752454431;  // "RINGRED1"
 };
 
+CallHeader make_header(Collective collective, DType dtype, Op op, int64_t count,
+                       int64_t chunk_bytes);
+
 class RingCommunicator {
  public:
   static constexpr int64_t kDefaultChunkBytes = 256 * 1024;
