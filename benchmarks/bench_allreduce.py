@@ -46,7 +46,7 @@ def parse_size(text: str) -> int:
 
 
 def progress(done: int, total: int, what: str) -> None:
-    if rank == 0:
+    if rank == 0 and sys.stderr.isatty():
         width = 30
         filled = int(width * done / total)
         sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {what:<40}")

@@ -44,6 +44,8 @@ def load_digits_split(seed: int = 0):
 
 
 def progress_bar(done: int, total: int, text: str, width: int = 28) -> None:
+    if not sys.stderr.isatty():  # a log file gets the per-epoch lines only
+        return
     filled = int(width * done / total)
     sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {text}")
     sys.stderr.flush()
@@ -93,7 +95,7 @@ def train(epochs=30, global_batch=64, lr=0.1, momentum=0.9, hidden=64, compressi
         history["comm_seconds"].append(opt.comm_seconds - comm_before)
         if rank == 0 and not quiet:
             sys.stderr.write(
-                f"\repoch {epoch:>3}/{epochs}  loss {epoch_loss:.4f}  "
+                ("\r" if sys.stderr.isatty() else "") + f"epoch {epoch:>3}/{epochs}  loss {epoch_loss:.4f}  "
                 f"train acc {history['train_accuracy'][-1]:.3f}  "
                 f"test acc {history['test_accuracy'][-1]:.3f}  "
                 f"{history['seconds'][-1] * 1e3:.0f} ms "
