@@ -23,10 +23,4 @@ void reduce(DType dtype, Op op, void* dst, const void* a, const void* b, int64_t
 // on the rank's own fully reduced segment, to turn a sum into an average.
 void divide(DType dtype, void* data, int64_t n, int64_t divisor);
 
-// The rounding rules above, exposed for tests.
-float half_to_float(uint16_t h);
-uint16_t float_to_half(float f);
-float bfloat16_to_float(uint16_t h);
-uint16_t float_to_bfloat16(float f);
-
 }  // namespace ringreduce
