@@ -1,4 +1,5 @@
-"""Builds ringreduce._core against the MPI that `mpicc` names.
+"""Builds ringreduce._core against the MPI that `mpicc` names, with CUDA kernels where
+nvcc is found (RINGREDUCE_CUDA=0 forces them off, =1 on).
 
 MPICC overrides; otherwise the mpicc beside this Python (a venv with the `mpich`
 wheel) wins over the one on PATH. We ask the wrapper for its flags (`-show` for
@@ -50,18 +51,74 @@ def mpi_flags(mpicc):
     return flags
 
 
+def find_nvcc():
+    """(nvcc, CUDA home) if the CUDA build is wanted and possible, else None."""
+    wanted = os.environ.get("RINGREDUCE_CUDA", "auto")
+    if wanted == "0":
+        return None
+    homes = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"]
+    nvcc = shutil.which("nvcc") or next(
+        (os.path.join(h, "bin", "nvcc") for h in homes
+         if h and os.path.exists(os.path.join(h, "bin", "nvcc"))), None)
+    if nvcc:
+        homes.append(os.path.dirname(os.path.dirname(os.path.realpath(nvcc))))
+    home = next((h for h in homes
+                 if h and os.path.exists(os.path.join(h, "include", "cuda_runtime.h"))), None)
+    if nvcc and home:
+        return nvcc, home
+    if wanted == "1":
+        sys.exit("ringreduce: RINGREDUCE_CUDA=1 but no nvcc with a CUDA toolkit was found "
+                 "(set CUDA_HOME)")
+    return None
+
+
+def cuda_gencode(nvcc):
+    """Real code for the GPU generations the toolkit knows, and PTX for the newest."""
+    listed = subprocess.run([nvcc, "--list-gpu-arch"], capture_output=True, text=True).stdout
+    known = {int(a.split("_")[1]) for a in listed.split() if a.startswith("compute_")}
+    archs = sorted(known & {75, 80, 86, 89, 90, 100, 120}) or [80, 90]
+    flags = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
+    return flags + [f"-gencode=arch=compute_{archs[-1]},code=compute_{archs[-1]}"]
+
+
+class BuildWithCuda(build_ext):
+    """Compiles csrc/*.cu with nvcc first, then links the objects into the extension."""
+
+    def build_extension(self, ext):
+        if CUDA:
+            nvcc, _ = CUDA
+            os.makedirs(self.build_temp, exist_ok=True)
+            for source in sorted(glob("csrc/*.cu")):
+                obj = os.path.join(self.build_temp, os.path.basename(source) + ".o")
+                # -fmad=false: no fused multiply-adds, so GPU results round like the CPU's.
+                command = [nvcc, "-std=c++17", "-O3", "-fmad=false", "--expt-relaxed-constexpr",
+                           "-Xcompiler", "-fPIC", *cuda_gencode(nvcc), "-c", source, "-o", obj]
+                print(" ".join(command))
+                subprocess.run(command, check=True)
+                ext.extra_objects.append(obj)
+        super().build_extension(ext)
+
+
 mpicc = find_mpicc()
-print(f"ringreduce: building against {mpicc}")
+CUDA = find_nvcc()
+print(f"ringreduce: building against {mpicc}; CUDA: {CUDA[1] if CUDA else 'no'}")
+flags = mpi_flags(mpicc)
+flags["define_macros"] = [("OMPI_SKIP_MPICXX", "1"), ("MPICH_SKIP_MPICXX", "1")]
+if CUDA:
+    flags["define_macros"].append(("RINGREDUCE_WITH_CUDA", "1"))
+    flags["include_dirs"].append(os.path.join(CUDA[1], "include"))
+    flags["library_dirs"].append(os.path.join(CUDA[1], "lib64"))
+    # The static runtime: the extension still imports on machines without CUDA.
+    flags["libraries"] += ["cudart_static", "rt", "dl", "pthread"]
 core = Pybind11Extension(
     "ringreduce._core",
     sorted(glob("csrc/*.cc")),
     cxx_std=17,
-    # The C API only: Open MPI's and MPICH's headers otherwise drag in the long-dead
-    # MPI C++ bindings, whose symbols Open MPI's libmpi no longer exports.
-    define_macros=[("OMPI_SKIP_MPICXX", "1"), ("MPICH_SKIP_MPICXX", "1")],
+    # (define_macros) The MPI C API only: Open MPI's and MPICH's headers otherwise drag
+    # in the long-dead MPI C++ bindings, whose symbols Open MPI's libmpi lacks.
     # No FMA contraction: the core must round exactly like the numpy reference.
     extra_compile_args=["-O3", "-ffp-contract=off"],
-    **mpi_flags(mpicc),
+    **flags,
 )
 
-setup(packages=["ringreduce"], ext_modules=[core], cmdclass={"build_ext": build_ext})
+setup(packages=["ringreduce"], ext_modules=[core], cmdclass={"build_ext": BuildWithCuda})

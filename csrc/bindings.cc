@@ -8,6 +8,7 @@
 
 #include <cstdint>
 
+#include "cuda.h"
 #include "errors.h"
 #include "reduce.h"
 #include "ring_communicator.h"
@@ -52,6 +53,28 @@ PYBIND11_MODULE(_core, m) {
   m.attr("MAX_CHUNK_BYTES") = Transport::kMaxMessageBytes;
   m.def("mpi_library_version", &mpi_library_version,
         "MPI_Get_library_version() of the MPI this extension was linked against");
+  m.def("cuda_built", &cuda::built, "whether this build has CUDA kernels");
+  m.def("cuda_device_count", &cuda::device_count, "usable GPUs (0 without driver or device)");
+  m.def("cuda_status", &cuda::status, "why cuda_device_count() is what it is");
+  m.def(
+      "cuda_reduce",
+      [](uintptr_t dst, uintptr_t a, uintptr_t b, int64_t n, int dtype, int op, uintptr_t stream) {
+        py::gil_scoped_release nogil;
+        cuda::reduce(DType(dtype), Op(op), reinterpret_cast<void*>(dst),
+                     reinterpret_cast<const void*>(a), reinterpret_cast<const void*>(b), n,
+                     reinterpret_cast<void*>(stream));
+        cuda::synchronize(reinterpret_cast<void*>(stream));
+      },
+      "dst = a OP b on the GPU (device pointers), for tests; waits for the stream");
+  m.def(
+      "cuda_divide",
+      [](uintptr_t data, int64_t n, int dtype, int64_t divisor, uintptr_t stream) {
+        py::gil_scoped_release nogil;
+        cuda::divide(DType(dtype), reinterpret_cast<void*>(data), n, divisor,
+                     reinterpret_cast<void*>(stream));
+        cuda::synchronize(reinterpret_cast<void*>(stream));
+      },
+      "data /= divisor on the GPU (a device pointer), for tests; waits for the stream");
   m.def("op_supported", [](int dtype, int op) { return op_supported(DType(dtype), Op(op)); });
 
   m.def(

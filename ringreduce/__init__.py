@@ -17,7 +17,7 @@ if _core.mpi_library_version().strip() != _MPI.Get_library_version().strip():
         "e.g. `MPICC=/path/to/mpicc pip install --no-build-isolation .`")
 
 from ._shortcuts import allgather, allreduce, allreduce_async, broadcast, reduce_scatter
-from ._types import OPS, UnsupportedOpError, supported_dtypes
+from ._types import OPS, UnsupportedOpError, cuda_available, supported_dtypes
 from .gradients import allreduce_gradients
 from .communicator import Communicator, Handle
 
@@ -31,5 +31,5 @@ __version__ = "0.1.0"
 __all__ = [
     "Communicator", "Handle", "MismatchError", "MPIError", "UnsupportedOpError", "OPS",
     "allreduce", "allreduce_async", "reduce_scatter", "allgather", "broadcast",
-    "supported_dtypes", "allreduce_gradients",
+    "supported_dtypes", "allreduce_gradients", "cuda_available",
 ]

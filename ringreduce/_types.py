@@ -28,6 +28,11 @@ class UnsupportedOpError(TypeError, ValueError):
     """
 
 
+def cuda_available() -> bool:
+    """True if this build has CUDA kernels and this process sees a usable GPU."""
+    return _core.cuda_built() and _core.cuda_device_count() > 0
+
+
 def supported_dtypes() -> list[str]:
     """Names of the dtypes the collectives accept here (bfloat16 needs ml_dtypes)."""
     return [name for name in _core.DTYPES if name != "bfloat16" or _BFLOAT16 is not None]
@@ -104,8 +109,12 @@ def as_input_array(x, argument: str, context: str) -> np.ndarray:
     if type(x) is np.ndarray and x.dtype.isnative:  # the common case, kept cheap
         return x
     if hasattr(x, "__cuda_array_interface__") and not isinstance(x, np.ndarray):
-        raise TypeError(f"{context}: {argument} is a GPU array ({type(x).__name__}); this "
-                        "build of ringreduce handles numpy arrays only")
+        if not cuda_available():
+            raise TypeError(f"{context}: {argument} is a GPU array ({type(x).__name__}), but "
+                            f"this process has no usable GPU ({_core.cuda_status()})")
+        raise TypeError(f"{context}: {argument} is a GPU array ({type(x).__name__}); the "
+                        "collectives take numpy arrays for now (the GPU ring is not built "
+                        "yet): pass cupy.asnumpy(x)")
     try:
         array = np.asarray(x)
     except Exception as error:  # e.g. ragged nested lists
