@@ -107,3 +107,27 @@ def test_segments_follow_array_split():
                 assert (offset, offset + n) == reference.segment_bounds(count, size)[rank]
                 if n:
                     assert offset == split[rank][0]
+
+
+@pytest.mark.parametrize("op", ["sum", "prod"])
+def test_float16_every_value_against_numpy(op):
+    # Every float16 value meets a random partner, four times: the vectorised path
+    # (F16C where the CPU has it) and the scalar tail must both round like numpy.
+    every = np.arange(65536, dtype=np.uint16).view(np.float16)
+    rng = np.random.default_rng(11)
+    for _ in range(4):
+        x, y = rng.permutation(every), rng.permutation(every)
+        got = core_reduce(x, y, op)
+        want = numpy_reduce(x, y, op)
+        nan = np.isnan(want)
+        assert got[~nan].tobytes() == want[~nan].tobytes()
+        assert np.isnan(got[nan]).all()
+
+
+def test_undefined_combinations_raise_instead_of_crashing():
+    z = np.ones(3, np.complex64)
+    with pytest.raises(ValueError, match="min"):
+        _core.reduce(np.empty_like(z), z, z, _core.DTYPES.index("complex64"),
+                     _core.OPS.index("min"))
+    with pytest.raises(ValueError, match="average"):
+        _core.divide(np.ones(3, np.int32), _core.DTYPES.index("int32"), 2)
