@@ -31,3 +31,18 @@ def test_every_figure_is_made_by_the_figures_script(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert {"ring_4_ranks.svg", "cost_model_ranks.png"} <= {p.name for p in tmp_path.iterdir()}
+
+
+def test_readme_example_runs_on_two_ranks(tmp_path):
+    sys.path.insert(0, str(ROOT / "tests"))
+    from launch import mpiexec
+
+    code = re.search(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S).group(1)
+    script = tmp_path / "example.py"
+    script.write_text(code)
+    done = subprocess.run([mpiexec(), "-n", "2", sys.executable, "-m", "mpi4py", str(script)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = sorted(done.stdout.splitlines())
+    assert [line.split()[0] for line in lines] == ["0", "1"]
+    assert lines[0].split(None, 1)[1] == lines[1].split(None, 1)[1]  # same numbers everywhere
