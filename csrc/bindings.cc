@@ -174,7 +174,9 @@ PYBIND11_MODULE(_core, m) {
            })
       .def("broadcast",
            [](RingCommunicator& self, py::array buf, int dtype, int root, int64_t chunk_bytes) {
-             void* p = buf.mutable_data();
+             // The root only reads its buffer, which may be read-only; the Python layer
+             // has checked that every other rank's buffer is writeable.
+             void* p = const_cast<void*>(buf.data());
              const int64_t n = buf.size();
              py::gil_scoped_release nogil;
              self.broadcast(p, n, DType(dtype), root, chunk_bytes);

@@ -57,8 +57,12 @@ RR_HD inline uint16_t float_to_half(float f) {
   const uint32_t sign = u & 0x80000000u;
   u ^= sign;
   uint16_t out;
-  if (u >= (143u << 23)) {  // >= 65536: infinity, or NaN (kept quiet)
-    out = (u > 0x7f800000u) ? 0x7e00u : 0x7c00u;
+  if (u >= (143u << 23)) {  // >= 65536: infinity, or NaN
+    out = 0x7c00u;
+    if (u > 0x7f800000u) {  // NaN: keep the payload's top bits, as numpy does, and stay a
+      const uint32_t payload = (u & 0x7fffffu) >> 13;  // NaN if they are all zero
+      out = static_cast<uint16_t>(0x7c00u | (payload ? payload : 1u));
+    }
   } else if (u < (113u << 23)) {  // below 2^-14: a half subnormal or zero
     const float shifted = bits_float(u) + bits_float(126u << 23);
     out = static_cast<uint16_t>(float_bits(shifted) - (126u << 23));

@@ -116,7 +116,7 @@ void RingCommunicator::run_reduce_scatter(const RingSchedule& sched, DType dtype
   } else {
     const int64_t es = static_cast<int64_t>(dtype_size(dtype));
     ring_reduce_scatter(sched, *transport_, dtype, op, input, out,
-                        recv_slots(sched.chunk_elems() * es));
+                        recv_slots(sched, dtype_size(dtype)));
   }
 }
 
@@ -148,10 +148,18 @@ int64_t RingCommunicator::chunk_elems(int64_t chunk_bytes, size_t elem_size) con
   return std::max<int64_t>(1, bytes / static_cast<int64_t>(elem_size));
 }
 
-RecvSlots RingCommunicator::recv_slots(int64_t slot_bytes) {
-  const size_t needed = static_cast<size_t>(slot_bytes) * kWindow;
-  if (scratch_.size() < needed) scratch_.resize(needed);
-  return RecvSlots{scratch_.data(), slot_bytes, kWindow};
+RecvSlots RingCommunicator::recv_slots(const RingSchedule& sched, size_t elem_size) {
+  // A slot holds one chunk, and no chunk is larger than the largest segment (the first,
+  // in the np.array_split layout): a small call never needs chunk_bytes of scratch.
+  int64_t slot_elems = 0;
+  if (sched.size() > 1) slot_elems = std::min(sched.chunk_elems(), sched.segment(0).count);
+  const int64_t slot_bytes = std::max<int64_t>(1, slot_elems * static_cast<int64_t>(elem_size));
+  const int64_t needed = slot_bytes * kWindow;
+  if (scratch_bytes_ < needed) {
+    scratch_.reset(new char[needed]);  // uninitialised: every byte is received before use
+    scratch_bytes_ = needed;
+  }
+  return RecvSlots{scratch_.get(), slot_bytes, kWindow};
 }
 
 int64_t RingCommunicator::agree(const CallHeader& mine, std::vector<CallHeader>* all,
@@ -205,10 +213,10 @@ int64_t RingCommunicator::agree(const CallHeader& mine, std::vector<CallHeader>*
       add(describe_disagreement(headers_, "root",
                                 [](const CallHeader& h) { return std::to_string(h.extra); }));
     } else if (kind == Collective::AllGather) {
-      add(describe_disagreement(headers_, "x.shape[1:] (elements per row, shape tag)",
+      add(describe_disagreement(headers_, "x.shape[1:] (elements per row, and a hash of the shape)",
                                 [](const CallHeader& h) {
-                                  return std::to_string(h.extra) + " elements (tag " +
-                                         std::to_string(h.shape_tag & 0xffff) + ")";
+                                  return std::to_string(h.extra) + " elements (hash " +
+                                         std::to_string(h.shape_tag) + ")";
                                 }));
     }
   }

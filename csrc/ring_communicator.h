@@ -108,7 +108,7 @@ class RingCommunicator {
   int64_t slot_bytes() const { return static_cast<int64_t>(sizeof(CallHeader)) + inline_capacity_; }
   // The whole allreduce from the payloads agree() gathered, in the ring's order.
   void allreduce_inline(void* out, int64_t count, DType dtype, Op op);
-  RecvSlots recv_slots(int64_t chunk_bytes);
+  RecvSlots recv_slots(const RingSchedule& sched, size_t elem_size);
   void check_usable() const;
   int64_t chunk_elems(int64_t chunk_bytes, size_t elem_size) const;
 
@@ -123,7 +123,8 @@ class RingCommunicator {
 
   std::unique_ptr<MpiTransport> transport_;
   std::unique_ptr<ShmChannel> shm_;  // null unless all ranks share a node
-  std::vector<char> scratch_;
+  std::unique_ptr<char[]> scratch_;  // MPI receive slots, grown on demand, kept
+  int64_t scratch_bytes_ = 0;
   std::vector<CallHeader> headers_;
   int64_t inline_capacity_ = 0;  // payload bytes a header message can carry
   std::vector<char> exchange_;   // size() slots of slot_bytes(): what agree() gathered

@@ -131,6 +131,9 @@ def contiguous(array: np.ndarray) -> np.ndarray:
 def check_out(out, shape: tuple, dtype: np.dtype, context: str) -> np.ndarray:
     if not isinstance(out, np.ndarray):
         raise TypeError(f"{context}: out must be a numpy.ndarray, got {type(out).__name__}")
+    if out.dtype != dtype and out.dtype == dtype.newbyteorder("S"):
+        raise TypeError(f"{context}: out has non-native byte order ({out.dtype}); the result "
+                        f"is written in native order, so pass out of dtype {dtype}")
     if out.dtype != dtype:
         raise TypeError(f"{context}: out has dtype {out.dtype}, expected {dtype} (the dtype of x)")
     if out.shape != tuple(shape):

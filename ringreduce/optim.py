@@ -30,7 +30,7 @@ def _check_params(params, who: str) -> list:
     for i, p in enumerate(params):
         if not hasattr(p, "shape") or not hasattr(p, "dtype"):
             raise TypeError(f"{who}: params[{i}] is a {type(p).__name__}, not an array")
-        if p.dtype.kind != "f":
+        if p.dtype.kind != "f" and p.dtype.name != "bfloat16":
             raise TypeError(f"{who}: params[{i}] has dtype {p.dtype}; parameters must be floats")
     return params
 
@@ -180,6 +180,7 @@ class DistributedOptimizer:
         self._bucket_of = {i: b for b in self._buckets for i in b.indices}
         self._low_rank_sums: dict = {}       # index -> gradient (summed over micro-batches)
         self._low_rank_reported: set = set()  # reported in the current (micro-)step
+        self._next_to_start = 0      # buckets start in index order, on every rank alike
         self._accumulating = False   # inside no_sync()
         self._accumulated = False    # the buckets hold gradients from no_sync() steps
         self.bytes_sent = 0          # payload bytes this rank handed to allreduce
@@ -223,8 +224,8 @@ class DistributedOptimizer:
             raise ValueError(f"{who}: params[{index}] was reported twice in one step")
         self._add_to_bucket(bucket, index, grad)
         bucket.reported.add(index)
-        if len(bucket.reported) == len(bucket.indices) and not self._accumulating:
-            self._start(bucket)
+        if not self._accumulating:
+            self._start_complete_buckets()
 
     def step(self, grads=None) -> None:
         """Average the gradients across ranks and update the parameters.
@@ -252,18 +253,17 @@ class DistributedOptimizer:
             return
         averaged = [None] * len(self.params)
         start = time.perf_counter()
-        for b in self._buckets:
-            if b.handle is None:
-                self._start(b)
-            self._finish(b, averaged)
-        for i in self._low_rank:
-            approximation, sent = self.powersgd.reduce(i, self._low_rank_sums[i], self.comm)
-            averaged[i] = approximation
-            self.bytes_sent += sent
-        self.comm_seconds += time.perf_counter() - start
-        self._low_rank_sums.clear()
-        self._low_rank_reported.clear()
-        self._accumulated = False
+        try:
+            self._start_complete_buckets()  # all are complete now
+            for b in self._buckets:
+                self._finish(b, averaged)
+            for i in self._low_rank:
+                approximation, sent = self.powersgd.reduce(i, self._low_rank_sums[i], self.comm)
+                averaged[i] = approximation
+                self.bytes_sent += sent
+        finally:
+            self.comm_seconds += time.perf_counter() - start
+            self._new_step()  # also after an error, so the next step starts clean
         self.optimizer.step(averaged)
 
     def state_dict(self) -> dict:
@@ -278,6 +278,24 @@ class DistributedOptimizer:
             self.powersgd.load_state_dict(state["powersgd"])
 
     # -- plumbing -------------------------------------------------------------------
+
+    def _start_complete_buckets(self):
+        # Strictly in bucket order: ranks may finish gradients in different orders, but
+        # their all-reduces must pair up bucket by bucket.
+        while (self._next_to_start < len(self._buckets) and
+               len(self._buckets[self._next_to_start].reported)
+               == len(self._buckets[self._next_to_start].indices)):
+            self._start(self._buckets[self._next_to_start])
+            self._next_to_start += 1
+
+    def _new_step(self):
+        for b in self._buckets:
+            b.handle = None
+            b.reported.clear()
+        self._next_to_start = 0
+        self._low_rank_sums.clear()
+        self._low_rank_reported.clear()
+        self._accumulated = False
 
     def _add_to_bucket(self, bucket, index, grad):
         target = bucket.buffer[bucket.slices[index]]
@@ -300,12 +318,10 @@ class DistributedOptimizer:
 
     def _finish(self, bucket, averaged):
         bucket.handle.wait()
-        bucket.handle = None
         if bucket.wire is not None:
             bucket.buffer[...] = bucket.wire.astype(bucket.buffer.dtype)
         for i in bucket.indices:
             averaged[i] = bucket.buffer[bucket.slices[i]].reshape(self.params[i].shape)
-        bucket.reported.clear()
 
     def _check_same_model_everywhere(self):
         from .communicator import _core

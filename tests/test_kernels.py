@@ -131,3 +131,10 @@ def test_undefined_combinations_raise_instead_of_crashing():
                      _core.OPS.index("min"))
     with pytest.raises(ValueError, match="average"):
         _core.divide(np.ones(3, np.int32), _core.DTYPES.index("int32"), 2)
+
+
+def test_float16_nan_payloads_survive_like_numpys():
+    # Quiet NaNs with payloads, on the vectorised path and the scalar tail alike.
+    nan = np.full(11, 0x7E01, np.uint16).view(np.float16)
+    got = core_reduce(nan, np.zeros_like(nan), "sum")
+    assert got.view(np.uint16).tolist() == (nan + np.float16(0)).view(np.uint16).tolist()

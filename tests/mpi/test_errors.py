@@ -172,6 +172,12 @@ def test_bad_broadcast_arguments(comm):
         else:
             with pytest.raises(rr.MismatchError):
                 comm.broadcast(readonly.copy(), root=0)
+    # The root only reads: a read-only array there is fine.
+    source = np.arange(3.0) + 7
+    source.flags.writeable = False
+    target = source if RANK == 0 else np.zeros(3)
+    assert comm.broadcast(target, root=0) is target
+    np.testing.assert_array_equal(target, np.arange(3.0) + 7)
     still_works(comm)
 
 

@@ -98,6 +98,22 @@ def test_no_sync_with_grad_ready_accumulates_too():
         np.testing.assert_allclose(p, q, rtol=1e-12, atol=1e-14)
 
 
+def test_ranks_may_report_gradients_in_different_orders():
+    # One parameter per bucket; the last rank reports them the other way round. The
+    # all-reduces must still pair up bucket by bucket.
+    params = [np.zeros(4), np.zeros(4), np.zeros(4)]
+    opt = DistributedOptimizer(SGD(params, lr=1.0), bucket_mb=32 / 2**20)
+    assert len(opt._buckets) == 3
+    grads = [np.full(4, 1.0), np.full(4, 10.0), np.full(4, 100.0)]
+    order = [0, 1, 2] if RANK != SIZE - 1 else [2, 1, 0]
+    for i in order:
+        opt.grad_ready(i, grads[i] * (RANK + 1))
+    opt.step()
+    mean_scale = (SIZE + 1) / 2
+    for p, g in zip(params, grads):
+        np.testing.assert_allclose(p, -g * mean_scale)
+
+
 def test_buckets_are_reverse_order_and_one_per_big_parameter():
     params = [np.zeros(10), np.zeros(1000), np.zeros(10), np.zeros(10, np.float32)]
     opt = DistributedOptimizer(SGD(params, lr=0.1), bucket_mb=200 / 2**20)  # 200 bytes
