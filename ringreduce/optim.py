@@ -1,5 +1,6 @@
-"""Optimizers for plain numpy (or cupy) models, and DistributedOptimizer, which keeps
-the replicas on every rank identical by averaging gradients with the ring.
+"""Optimizers for plain numpy models (SGD and Adam also update cupy arrays), and
+DistributedOptimizer, which keeps the replicas on every rank identical by averaging
+gradients with the ring (numpy gradients until the GPU ring exists).
 
     opt = DistributedOptimizer(SGD(params, lr=0.1, momentum=0.9))
     opt.broadcast_parameters(root=0)   # every rank starts from rank 0's parameters
@@ -7,8 +8,8 @@ the replicas on every rank identical by averaging gradients with the ring.
 
 Parameters are updated in place. Gradients are packed into flat buckets of about
 ``bucket_mb`` MB, last parameter first (the order backward produces them); each bucket
-is all-reduced asynchronously as soon as it is complete, so with ``grad_ready`` the
-communication overlaps the rest of the backward pass.
+is all-reduced asynchronously as soon as it and the buckets before it are complete, so
+with ``grad_ready`` the communication overlaps the rest of the backward pass.
 """
 from __future__ import annotations
 
