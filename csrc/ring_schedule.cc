@@ -43,13 +43,16 @@ Span RingSchedule::chunk(int s, int64_t c) const {
   return {seg.offset + begin, std::min(chunk_elems_, seg.count - begin)};
 }
 
-namespace {
+std::vector<ChunkRef> RingSchedule::phase_chunks(Phase phase, bool sending) const {
+  std::vector<ChunkRef> chunks;
+  for (int k = 0; k < steps_per_phase(); ++k) {
+    const int s = sending ? send_segment(phase, k) : recv_segment(phase, k);
+    for (int64_t c = 0; c < num_chunks(s); ++c) chunks.push_back({k, s, c});
+  }
+  return chunks;
+}
 
-struct ChunkRef {
-  int step;
-  int segment;
-  int64_t chunk;
-};
+namespace {
 
 // The engine shared by reduce-scatter and all-gather. Each step sends segment
 // send_segment(k) and receives segment recv_segment(k) == send_segment(k+1), chunk by
@@ -59,22 +62,16 @@ struct ChunkRef {
 // of the receives. Every step has its own tag, so interleaving chunks of different
 // steps on one link is safe. Each rank waits only on the left neighbour's chunk with
 // the same sequence number it has itself already sent, so the ring cannot deadlock.
-template <typename SendSeg, typename RecvSeg, typename FirstSendPtr, typename RecvPtr,
-          typename OnReceived, typename ForwardPtr>
-void run_ring_phase(const RingSchedule& sched, Transport& transport, int tag_base, int window,
-                    size_t elem_size, SendSeg send_segment, RecvSeg recv_segment,
-                    FirstSendPtr first_send_ptr, RecvPtr recv_ptr, OnReceived on_received,
-                    ForwardPtr forward_ptr) {
+template <typename FirstSendPtr, typename RecvPtr, typename OnReceived, typename ForwardPtr>
+void run_ring_phase(const RingSchedule& sched, Transport& transport, Phase phase, int tag_base,
+                    int window, size_t elem_size, FirstSendPtr first_send_ptr, RecvPtr recv_ptr,
+                    OnReceived on_received, ForwardPtr forward_ptr) {
   const int steps = sched.steps_per_phase();
   if (steps == 0) return;
 
-  std::vector<ChunkRef> recvs;
-  for (int k = 0; k < steps; ++k) {
-    const int s = recv_segment(k);
-    for (int64_t c = 0; c < sched.num_chunks(s); ++c) recvs.push_back({k, s, c});
-  }
+  const std::vector<ChunkRef> recvs = sched.phase_chunks(phase, /*sending=*/false);
   const int64_t num_recvs = static_cast<int64_t>(recvs.size());
-  const int first_segment = send_segment(0);
+  const int first_segment = sched.send_segment(phase, 0);
   const int64_t num_first_sends = sched.num_chunks(first_segment);
 
   std::vector<Transport::Request> recv_requests(window);
@@ -129,9 +126,7 @@ void ring_reduce_scatter(const RingSchedule& sched, Transport& transport, DType 
   // Each rank receives every segment but one exactly once, and reduces it with its
   // own input: out = input OP received. So out never needs a copy of input first.
   run_ring_phase(
-      sched, transport, /*tag_base=*/0, slots.slots, es,
-      [&](int k) { return sched.reduce_scatter_send_segment(k); },
-      [&](int k) { return sched.reduce_scatter_recv_segment(k); },
+      sched, transport, Phase::ReduceScatter, /*tag_base=*/0, slots.slots, es,
       [&](Span ch) { return in + ch.offset * es; },
       [&](int64_t i, Span) { return slots.slot(i); },
       [&](int64_t i, Span ch) {
@@ -147,9 +142,7 @@ void ring_allgather(const RingSchedule& sched, Transport& transport, size_t elem
   char* data = static_cast<char*>(buf);
   const int tag_base = sched.steps_per_phase();  // distinct from reduce-scatter's tags
   run_ring_phase(
-      sched, transport, tag_base, window, elem_size,
-      [&](int k) { return sched.allgather_send_segment(k); },
-      [&](int k) { return sched.allgather_recv_segment(k); },
+      sched, transport, Phase::AllGather, tag_base, window, elem_size,
       [&](Span ch) { return data + ch.offset * elem_size; },
       [&](int64_t, Span ch) { return data + ch.offset * elem_size; },
       [&](int64_t, Span) {},

@@ -42,6 +42,15 @@ struct Span {
   int64_t count;   // in elements
 };
 
+enum class Phase { ReduceScatter, AllGather };
+
+// One chunk of one step: chunk `chunk` of segment `segment`, moved at step `step`.
+struct ChunkRef {
+  int step;
+  int segment;
+  int64_t chunk;
+};
+
 class RingSchedule {
  public:
   // Segments of the given element counts, one per rank, laid out back to back.
@@ -65,6 +74,17 @@ class RingSchedule {
   int reduce_scatter_recv_segment(int step) const { return wrap(rank_ - 2 - step); }
   int allgather_send_segment(int step) const { return wrap(rank_ - step); }
   int allgather_recv_segment(int step) const { return wrap(rank_ - 1 - step); }
+  int send_segment(Phase phase, int step) const {
+    return phase == Phase::ReduceScatter ? reduce_scatter_send_segment(step)
+                                         : allgather_send_segment(step);
+  }
+  int recv_segment(Phase phase, int step) const {
+    return phase == Phase::ReduceScatter ? reduce_scatter_recv_segment(step)
+                                         : allgather_recv_segment(step);
+  }
+  // Every chunk this rank sends (or receives) in a phase, step by step, in the order
+  // they travel: the left neighbour's sends are exactly our receives, in this order.
+  std::vector<ChunkRef> phase_chunks(Phase phase, bool sending) const;
 
  private:
   int wrap(int s) const { return ((s % size_) + size_) % size_; }

@@ -33,12 +33,6 @@ void back_off(int* idle) {
   }
 }
 
-struct ChunkRef {
-  int step;
-  int segment;
-  int64_t chunk;
-};
-
 }  // namespace
 
 std::unique_ptr<ShmChannel> ShmChannel::create(MPI_Comm comm, int64_t slot_bytes, int slots) {
@@ -134,21 +128,15 @@ void ShmChannel::received() { __atomic_store_n(my_consumed_, ++received_, __ATOM
 // (the schedule is the same on both sides), and a chunk forwarded at step k+1 is the
 // one consumed at step k, so the loop always has something that will become possible.
 template <typename OnReceive, typename SendSource>
-void ShmChannel::run_phase(const RingSchedule& sched, size_t elem_size, bool reduce_scatter,
+void ShmChannel::run_phase(const RingSchedule& sched, size_t elem_size, Phase phase,
                            OnReceive on_receive, SendSource send_source) {
   const int steps = sched.steps_per_phase();
   if (steps == 0) return;
-  std::vector<ChunkRef> sends, recvs;
-  std::vector<int64_t> recv_step_start(steps);
-  for (int k = 0; k < steps; ++k) {
-    const int out_seg = reduce_scatter ? sched.reduce_scatter_send_segment(k)
-                                       : sched.allgather_send_segment(k);
-    const int in_seg = reduce_scatter ? sched.reduce_scatter_recv_segment(k)
-                                      : sched.allgather_recv_segment(k);
-    for (int64_t c = 0; c < sched.num_chunks(out_seg); ++c) sends.push_back({k, out_seg, c});
-    recv_step_start[k] = static_cast<int64_t>(recvs.size());
-    for (int64_t c = 0; c < sched.num_chunks(in_seg); ++c) recvs.push_back({k, in_seg, c});
-  }
+  const std::vector<ChunkRef> sends = sched.phase_chunks(phase, /*sending=*/true);
+  const std::vector<ChunkRef> recvs = sched.phase_chunks(phase, /*sending=*/false);
+  std::vector<int64_t> recv_step_start(steps, static_cast<int64_t>(recvs.size()));
+  for (int64_t i = static_cast<int64_t>(recvs.size()) - 1; i >= 0; --i)
+    recv_step_start[recvs[i].step] = i;  // where each step's receives begin
   size_t next_send = 0, next_recv = 0;
   int idle = 0;
   while (next_send < sends.size() || next_recv < recvs.size()) {
@@ -187,7 +175,7 @@ void ShmChannel::reduce_scatter(const RingSchedule& sched, DType dtype, Op op, c
   const char* in = static_cast<const char*>(input);
   char* dst = static_cast<char*>(out);
   run_phase(
-      sched, es, /*reduce_scatter=*/true,
+      sched, es, Phase::ReduceScatter,
       [&](Span ch, const char* slot) {
         reduce(dtype, op, dst + ch.offset * es, in + ch.offset * es, slot, ch.count);
       },
@@ -197,7 +185,7 @@ void ShmChannel::reduce_scatter(const RingSchedule& sched, DType dtype, Op op, c
 void ShmChannel::allgather(const RingSchedule& sched, size_t elem_size, void* buf) {
   char* data = static_cast<char*>(buf);
   run_phase(
-      sched, elem_size, /*reduce_scatter=*/false,
+      sched, elem_size, Phase::AllGather,
       [&](Span ch, const char* slot) {
         std::memcpy(data + ch.offset * elem_size, slot, ch.count * elem_size);
       },

@@ -50,7 +50,7 @@ class ShmChannel {
   void sent();                // publish the chunk just written into my_slot(sent_)
   void received();            // release left_slot(received_)
   template <typename OnReceive, typename SendSource>
-  void run_phase(const RingSchedule& sched, size_t elem_size, bool reduce_scatter,
+  void run_phase(const RingSchedule& sched, size_t elem_size, Phase phase,
                  OnReceive on_receive, SendSource send_source);
 
   MPI_Win win_ = MPI_WIN_NULL;

@@ -96,6 +96,11 @@ class _Executor:
             while self.queue:
                 self.changed.wait()
 
+    def finish(self) -> None:
+        """Let queued work complete, then stop the worker thread."""
+        self.drain()
+        self.stop()
+
     def stop(self) -> None:
         if self.thread is not None:
             with self.changed:
@@ -131,8 +136,7 @@ def _finish_all():
     # inside MPI when MPI goes away. Freeing is collective, and ranks could reach here
     # with different communicators still open, so MPI_Finalize frees what is left.
     for comm in list(_live):
-        comm._executor.drain()
-        comm._executor.stop()
+        comm._executor.finish()
 
 
 class Communicator:
@@ -264,8 +268,7 @@ class Communicator:
         """
         if self._closed:
             return
-        self._executor.drain()
-        self._executor.stop()
+        self._executor.finish()
         self._closed = True
         _live.discard(self)
         if not MPI.Is_finalized():

@@ -311,9 +311,7 @@ class DistributedOptimizer:
             self.bytes_sent += bucket.buffer.nbytes
         else:
             # Divide before the sum, so a 16-bit sum of p gradients cannot overflow.
-            xp = array_module(bucket.buffer)
-            scaled = bucket.buffer / self.comm.size
-            bucket.wire[...] = scaled.astype(bucket.wire.dtype) if xp is not np else scaled
+            bucket.wire[...] = bucket.buffer / self.comm.size  # the assignment rounds to 16 bits
             bucket.handle = self.comm.allreduce_async(bucket.wire, op="sum", out=bucket.wire)
             self.bytes_sent += bucket.wire.nbytes
 
