@@ -77,6 +77,10 @@ def cuda_gencode(nvcc):
     listed = subprocess.run([nvcc, "--list-gpu-arch"], capture_output=True, text=True).stdout
     known = {int(a.split("_")[1]) for a in listed.split() if a.startswith("compute_")}
     archs = sorted(known & {75, 80, 86, 89, 90, 100, 120}) or [80, 90]
+    # RINGREDUCE_CUDA_ARCHS="90" builds for those only: quicker where the GPU is known.
+    wanted = os.environ.get("RINGREDUCE_CUDA_ARCHS", "").replace(",", " ").split()
+    if wanted:
+        archs = sorted(int(a) for a in wanted)
     flags = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
     return flags + [f"-gencode=arch=compute_{archs[-1]},code=compute_{archs[-1]}"]
 

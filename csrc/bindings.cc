@@ -25,6 +25,19 @@ MPI_Comm comm_from_address(uintptr_t address) {
   return *reinterpret_cast<MPI_Comm*>(address);
 }
 
+// Where a device call runs: GPU `ordinal` (or the host emulation, for tests on
+// machines without a GPU), after event `ready` of the caller's `stream`.
+DeviceCall device_call(RingCommunicator& self, int ordinal, uintptr_t ready, uintptr_t stream,
+                       bool direct, bool emulate) {
+  return DeviceCall{&self.device(emulate, ordinal), reinterpret_cast<void*>(ready),
+                    reinterpret_cast<void*>(stream), direct};
+}
+
+template <typename T>
+T* ptr(uintptr_t address) {
+  return reinterpret_cast<T*>(address);
+}
+
 std::string mpi_library_version() {
   char text[MPI_MAX_LIBRARY_VERSION_STRING] = {0};
   int len = 0;
@@ -75,6 +88,9 @@ PYBIND11_MODULE(_core, m) {
         cuda::synchronize(reinterpret_cast<void*>(stream));
       },
       "data /= divisor on the GPU (a device pointer), for tests; waits for the stream");
+  m.def("mpi_cuda_aware", &mpi_is_cuda_aware,
+        "whether device pointers go to MPI directly (RINGREDUCE_CUDA_AWARE, else MPI's answer)");
+  m.def("mpi_cuda_aware_reason", &mpi_cuda_aware_reason);
   m.def("op_supported", [](int dtype, int op) { return op_supported(DType(dtype), Op(op)); });
 
   m.def(
@@ -182,10 +198,59 @@ PYBIND11_MODULE(_core, m) {
              self.broadcast(p, n, DType(dtype), root, chunk_bytes);
            })
       .def("announce_invalid",
-           [](RingCommunicator& self, int collective, int64_t chunk_bytes) {
+           [](RingCommunicator& self, int collective, int64_t chunk_bytes, bool device) {
              py::gil_scoped_release nogil;
-             self.announce_invalid(Collective(collective), chunk_bytes);
+             self.announce_invalid(Collective(collective), chunk_bytes,
+                                   device ? kDeviceMemory : kHostMemory);
+           },
+           py::arg("collective"), py::arg("chunk_bytes"), py::arg("device") = false)
+      // Device buffers, as addresses (cupy's data.ptr). Every one of these takes the
+      // same last five arguments: see device_call() above.
+      .def("allreduce_device",
+           [](RingCommunicator& self, uintptr_t in, uintptr_t out, int64_t count, int dtype,
+              int op, int64_t chunk_bytes, int ordinal, uintptr_t ready, uintptr_t stream,
+              bool direct, bool emulate) {
+             py::gil_scoped_release nogil;
+             self.allreduce_device(device_call(self, ordinal, ready, stream, direct, emulate),
+                                   ptr<const void>(in), ptr<void>(out), count, DType(dtype),
+                                   Op(op), chunk_bytes);
            })
+      .def("reduce_scatter_device",
+           [](RingCommunicator& self, uintptr_t in, uintptr_t work, int64_t count, int dtype,
+              int op, int64_t chunk_bytes, int ordinal, uintptr_t ready, uintptr_t stream,
+              bool direct, bool emulate) {
+             py::gil_scoped_release nogil;
+             self.reduce_scatter_device(
+                 device_call(self, ordinal, ready, stream, direct, emulate), ptr<const void>(in),
+                 ptr<void>(work), count, DType(dtype), Op(op), chunk_bytes);
+           })
+      .def("allgather_counts_device",
+           [](RingCommunicator& self, int64_t rows, int64_t row_elems, int64_t shape_tag,
+              int dtype, int64_t chunk_bytes) {
+             py::gil_scoped_release nogil;
+             return self.allgather_counts(rows, row_elems, shape_tag, DType(dtype), chunk_bytes,
+                                          kDeviceMemory);
+           })
+      .def("allgather_device",
+           [](RingCommunicator& self, uintptr_t in, uintptr_t out,
+              const std::vector<int64_t>& row_counts, int64_t row_elems, int dtype, int ordinal,
+              uintptr_t ready, uintptr_t stream, bool direct, bool emulate) {
+             py::gil_scoped_release nogil;
+             self.allgather_device(device_call(self, ordinal, ready, stream, direct, emulate),
+                                   ptr<const void>(in), ptr<void>(out), row_counts, row_elems,
+                                   DType(dtype));
+           })
+      .def("broadcast_device",
+           [](RingCommunicator& self, uintptr_t buf, int64_t count, int dtype, int root,
+              int64_t chunk_bytes, int ordinal, uintptr_t ready, uintptr_t stream, bool direct,
+              bool emulate) {
+             py::gil_scoped_release nogil;
+             self.broadcast_device(device_call(self, ordinal, ready, stream, direct, emulate),
+                                   ptr<void>(buf), count, DType(dtype), root, chunk_bytes);
+           })
+      .def_property_readonly("device_name", [](RingCommunicator& self) {
+        return std::string(self.device_name());
+      })
       .def("close", [](RingCommunicator& self) {
         py::gil_scoped_release nogil;
         self.close();

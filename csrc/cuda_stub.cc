@@ -4,6 +4,7 @@
 #include <stdexcept>
 
 #include "cuda.h"
+#include "device.h"
 
 namespace ringreduce {
 namespace cuda {
@@ -23,6 +24,9 @@ void divide(DType, void*, int64_t, int64_t, void*) { not_built(); }
 void synchronize(void*) { not_built(); }
 
 }  // namespace cuda
+
+std::unique_ptr<Device> make_cuda_device(int, int) { cuda::not_built(); }
+
 }  // namespace ringreduce
 
 #endif  // RINGREDUCE_WITH_CUDA

@@ -18,4 +18,19 @@ struct MpiError : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// Runs a phase that moves data. An error there may leave messages in flight (and, on
+// a GPU, copies), after which the communicator cannot be trusted again: the error's
+// text goes into *broken, and every later call raises it.
+template <typename F>
+void guarded(std::string* broken, F&& body) {
+  try {
+    body();
+  } catch (const MismatchError&) {
+    throw;  // raised before anything moved
+  } catch (const std::exception& e) {
+    *broken = e.what();
+    throw;
+  }
+}
+
 }  // namespace ringreduce

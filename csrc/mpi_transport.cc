@@ -71,6 +71,12 @@ void MpiTransport::wait(Request request) {
   check(MPI_Wait(&requests_[request], MPI_STATUS_IGNORE), "MPI_Wait");
 }
 
+bool MpiTransport::test(Request request) {
+  int flag = 0;
+  check(MPI_Test(&requests_[request], &flag, MPI_STATUS_IGNORE), "MPI_Test");
+  return flag != 0;
+}
+
 void MpiTransport::wait_all() {
   if (requests_.empty()) return;
   const int rc = MPI_Waitall(static_cast<int>(requests_.size()), requests_.data(),

@@ -29,6 +29,7 @@ class MpiTransport final : public Transport {
   Request send_right(const void* buf, int64_t bytes, int tag) override;
   Request recv_left(void* buf, int64_t bytes, int tag) override;
   void wait(Request request) override;
+  bool test(Request request) override;
   void wait_all() override;
 
   MPI_Comm comm() const { return comm_; }

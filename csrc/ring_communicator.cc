@@ -68,8 +68,9 @@ std::string op_text(const CallHeader& h) {
 }  // namespace
 
 CallHeader make_header(Collective collective, DType dtype, Op op, int64_t count,
-                       int64_t chunk_bytes) {
+                       int64_t chunk_bytes, int64_t memory) {
   CallHeader h;
+  h.memory = memory;
   h.collective = static_cast<int64_t>(collective);
   h.dtype = static_cast<int64_t>(dtype);
   h.op = static_cast<int64_t>(op);  // compared only for allreduce and reduce_scatter
@@ -202,6 +203,9 @@ int64_t RingCommunicator::agree(const CallHeader& mine, std::vector<CallHeader>*
   add(kinds);
   if (invalid_ranks.empty() && kinds.empty()) {
     const auto kind = static_cast<Collective>(mine.collective);
+    add(describe_disagreement(headers_, "memory", [](const CallHeader& h) {
+      return std::string(h.memory == kDeviceMemory ? "GPU (cupy)" : "host (numpy)");
+    }));
     add(describe_disagreement(headers_, "dtype", dtype_text));
     if (kind == Collective::AllReduce || kind == Collective::ReduceScatter) {
       add(describe_disagreement(headers_, "op", op_text));
@@ -231,25 +235,13 @@ int64_t RingCommunicator::agree(const CallHeader& mine, std::vector<CallHeader>*
   return headers_[0].chunk_bytes;
 }
 
-void RingCommunicator::announce_invalid(Collective collective, int64_t chunk_bytes) {
-  CallHeader h = make_header(collective, DType::Float16, Op::Sum, 0, chunk_bytes);
+void RingCommunicator::announce_invalid(Collective collective, int64_t chunk_bytes,
+                                        int64_t memory) {
+  CallHeader h = make_header(collective, DType::Float16, Op::Sum, 0, chunk_bytes, memory);
   h.invalid = 1;
   agree(h);
 }
 
-namespace {
-// Runs a phase that moves data; an MPI error there leaves requests in flight, after
-// which this communicator cannot be trusted again.
-template <typename F>
-void guarded(std::string* broken, F&& body) {
-  try {
-    body();
-  } catch (const MpiError& e) {
-    *broken = e.what();
-    throw;
-  }
-}
-}  // namespace
 
 void RingCommunicator::allreduce(const void* input, void* out, int64_t count, DType dtype, Op op,
                                  int64_t chunk_bytes) {
@@ -312,8 +304,9 @@ void RingCommunicator::reduce_scatter(const void* input, void* work, int64_t cou
 
 std::vector<int64_t> RingCommunicator::allgather_counts(int64_t rows, int64_t row_elems,
                                                         int64_t shape_tag, DType dtype,
-                                                        int64_t chunk_bytes) {
-  CallHeader h = make_header(Collective::AllGather, dtype, Op::Sum, rows, chunk_bytes);
+                                                        int64_t chunk_bytes,
+                                                        int64_t memory) {
+  CallHeader h = make_header(Collective::AllGather, dtype, Op::Sum, rows, chunk_bytes, memory);
   h.extra = row_elems;
   h.shape_tag = shape_tag;
   std::vector<CallHeader> all;
@@ -362,6 +355,7 @@ void RingCommunicator::broadcast(void* buf, int64_t count, DType dtype, int root
 void RingCommunicator::close() {
   if (closed_) return;
   closed_ = true;
+  release_device();
   if (shm_) shm_->free();
   transport_->free();
 }

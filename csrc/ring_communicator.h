@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "device.h"
 #include "dtype.h"
 #include "mpi_transport.h"
 #include "ring_schedule.h"
@@ -40,11 +41,25 @@ struct CallHeader {
   int64_t chunk_bytes = 0;  // the pipeline chunk size asked for; rank 0's wins
   int64_t invalid = 0;      // 1: this rank rejected its own arguments and will raise
   int64_t inline_bytes = 0; // payload bytes that follow the header in the same message
+  int64_t memory = 0;       // where the buffers are: kHostMemory or kDeviceMemory
   static constexpr int64_t kMagic = 0x52494e4752454431;  // "RINGRED1"
 };
 
+constexpr int64_t kHostMemory = 0, kDeviceMemory = 1;
+
 CallHeader make_header(Collective collective, DType dtype, Op op, int64_t count,
-                       int64_t chunk_bytes);
+                       int64_t chunk_bytes, int64_t memory = kHostMemory);
+
+// How one call on GPU buffers runs (device_ring.cc). ready: an event recorded on the
+// caller's stream after the work that produces the inputs (null: none); user_stream:
+// the stream that must see the results. direct: hand device pointers to MPI (a
+// CUDA-aware MPI) instead of staging chunks through pinned host memory.
+struct DeviceCall {
+  Device* device;
+  void* ready;
+  void* user_stream;
+  bool direct;
+};
 
 class RingCommunicator {
  public:
@@ -73,12 +88,29 @@ class RingCommunicator {
                       int64_t chunk_bytes);
   // First half of allgather: agree on the call and learn every rank's row count.
   std::vector<int64_t> allgather_counts(int64_t rows, int64_t row_elems, int64_t shape_tag,
-                                        DType dtype, int64_t chunk_bytes);
+                                        DType dtype, int64_t chunk_bytes,
+                                        int64_t memory = kHostMemory);
   // Second half: out holds sum(row_counts) rows; this rank's rows go in its place.
   void allgather(const void* input, void* out, const std::vector<int64_t>& row_counts,
                  int64_t row_elems, DType dtype);
   // In place: every rank's buf ends up equal to root's.
   void broadcast(void* buf, int64_t count, DType dtype, int root, int64_t chunk_bytes);
+
+  // The same collectives on GPU buffers (device_ring.cc). Inputs and outputs are
+  // device pointers; the results are ready on call.user_stream when these return.
+  void allreduce_device(const DeviceCall& call, const void* input, void* out, int64_t count,
+                        DType dtype, Op op, int64_t chunk_bytes);
+  void reduce_scatter_device(const DeviceCall& call, const void* input, void* work,
+                             int64_t count, DType dtype, Op op, int64_t chunk_bytes);
+  // After allgather_counts(..., kDeviceMemory).
+  void allgather_device(const DeviceCall& call, const void* input, void* out,
+                        const std::vector<int64_t>& row_counts, int64_t row_elems, DType dtype);
+  void broadcast_device(const DeviceCall& call, void* buf, int64_t count, DType dtype, int root,
+                        int64_t chunk_bytes);
+  // "none" until a device call; then "CUDA" or "host emulation".
+  const char* device_name() const { return device_ ? device_->name() : "none"; }
+  // The Device for GPU `ordinal` (a HostDevice when emulate), made on first use and kept.
+  Device& device(bool emulate, int ordinal);
 
   // What the ring has moved so far (not the header exchange, nor small calls done
   // inside it): payload bytes this rank sent, as counted by the wires, and ring steps.
@@ -89,7 +121,8 @@ class RingCommunicator {
 
   // Takes part in the header exchange of a call this rank has rejected, so that the
   // other ranks raise MismatchError instead of waiting for us forever.
-  void announce_invalid(Collective collective, int64_t chunk_bytes);
+  void announce_invalid(Collective collective, int64_t chunk_bytes,
+                        int64_t memory = kHostMemory);
 
   // Frees the duplicate communicator (collective). Later calls raise.
   void close();
@@ -121,7 +154,21 @@ class RingCommunicator {
   bool use_shm(int64_t total_bytes) const;
   int64_t ring_chunk_elems(int64_t agreed_chunk_bytes, size_t elem_size, bool shm) const;
 
+  // Device side (device_ring.cc).
+  static constexpr int kDeviceSlots = 4;  // received chunks being reduced on the GPU
+  void run_device_reduce_scatter(const DeviceCall& call, const RingSchedule& sched, DType dtype,
+                                 Op op, const void* input, void* out);
+  void run_device_allgather(const DeviceCall& call, const RingSchedule& sched, size_t elem_size,
+                            void* buf);
+  // The whole allreduce of a call small enough to ride in the header exchange.
+  void allreduce_device_inline(const DeviceCall& call, const void* input, void* out,
+                               int64_t count, DType dtype, Op op, int64_t chunk_bytes);
+  void release_device();
+
   std::unique_ptr<MpiTransport> transport_;
+  std::unique_ptr<Device> device_;            // null until the first device call
+  std::unique_ptr<DeviceBuffer> host_mirror_;   // pinned: staged chunks, one place per chunk
+  std::unique_ptr<DeviceBuffer> device_scratch_;  // received chunks (and direct-mode slots)
   std::unique_ptr<ShmChannel> shm_;  // null unless all ranks share a node
   std::unique_ptr<char[]> scratch_;  // MPI receive slots, grown on demand, kept
   int64_t scratch_bytes_ = 0;

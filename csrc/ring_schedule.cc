@@ -116,11 +116,20 @@ void run_ring_phase(const RingSchedule& sched, Transport& transport, Phase phase
 
 void ring_reduce_scatter(const RingSchedule& sched, Transport& transport, DType dtype, Op op,
                          const void* input, void* out, const RecvSlots& slots) {
-  const size_t es = dtype_size(dtype);
+  ring_reduce_scatter(
+      sched, transport, dtype_size(dtype), input, out, slots,
+      [&](void* dst, const void* a, const void* b, int64_t n) { reduce(dtype, op, dst, a, b, n); },
+      [](void* dst, const void* src, int64_t bytes) { std::memcpy(dst, src, bytes); });
+}
+
+void ring_reduce_scatter(const RingSchedule& sched, Transport& transport, size_t es,
+                         const void* input, void* out, const RecvSlots& slots,
+                         const ChunkReducer& reduce_chunk,
+                         const std::function<void(void*, const void*, int64_t)>& copy_bytes) {
   const char* in = static_cast<const char*>(input);
   char* dst = static_cast<char*>(out);
   if (sched.size() == 1) {
-    if (out != input) std::memcpy(out, input, sched.total_count() * es);
+    if (out != input) copy_bytes(out, input, sched.total_count() * es);
     return;
   }
   // Each rank receives every segment but one exactly once, and reduces it with its
@@ -130,7 +139,7 @@ void ring_reduce_scatter(const RingSchedule& sched, Transport& transport, DType 
       [&](Span ch) { return in + ch.offset * es; },
       [&](int64_t i, Span) { return slots.slot(i); },
       [&](int64_t i, Span ch) {
-        reduce(dtype, op, dst + ch.offset * es, in + ch.offset * es, slots.slot(i), ch.count);
+        reduce_chunk(dst + ch.offset * es, in + ch.offset * es, slots.slot(i), ch.count);
       },
       [&](Span ch) { return dst + ch.offset * es; });
   // The segment we only sent (r-1) is not ours and holds input's bytes in out only

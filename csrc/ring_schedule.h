@@ -30,6 +30,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 #include "dtype.h"
@@ -106,10 +107,19 @@ struct RecvSlots {
   }
 };
 
+// dst = a OP b for n elements: the CPU loops, or a GPU kernel when the buffers are on
+// a GPU and MPI reads device memory itself.
+using ChunkReducer = std::function<void(void* dst, const void* a, const void* b, int64_t n)>;
+
 // Reduce-scatter: out[segment r] = OP over all ranks of input[segment r]. Other
 // segments of out are overwritten with partial results. out may equal input.
 void ring_reduce_scatter(const RingSchedule& schedule, Transport& transport, DType dtype, Op op,
                          const void* input, void* out, const RecvSlots& slots);
+// The same with another reducer and another copy (for device buffers).
+void ring_reduce_scatter(const RingSchedule& schedule, Transport& transport, size_t elem_size,
+                         const void* input, void* out, const RecvSlots& slots,
+                         const ChunkReducer& reduce_chunk,
+                         const std::function<void(void*, const void*, int64_t)>& copy_bytes);
 
 // All-gather: every rank's segment r of buf is sent around the ring so that all of
 // buf ends up equal on every rank.

@@ -21,6 +21,7 @@ class Transport {
   virtual Request send_right(const void* buf, int64_t bytes, int tag) = 0;
   virtual Request recv_left(void* buf, int64_t bytes, int tag) = 0;
   virtual void wait(Request request) = 0;
+  virtual bool test(Request request) = 0;  // true once complete; never blocks
   virtual void wait_all() = 0;  // every request still pending
 
   static constexpr int64_t kMaxMessageBytes = int64_t{1} << 30;

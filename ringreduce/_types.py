@@ -109,12 +109,10 @@ def as_input_array(x, argument: str, context: str) -> np.ndarray:
     if type(x) is np.ndarray and x.dtype.isnative:  # the common case, kept cheap
         return x
     if hasattr(x, "__cuda_array_interface__") and not isinstance(x, np.ndarray):
-        if not cuda_available():
-            raise TypeError(f"{context}: {argument} is a GPU array ({type(x).__name__}), but "
-                            f"this process has no usable GPU ({_core.cuda_status()})")
-        raise TypeError(f"{context}: {argument} is a GPU array ({type(x).__name__}); the "
-                        "collectives take numpy arrays for now (the GPU ring is not built "
-                        "yet): pass cupy.asnumpy(x)")
+        # The collectives send GPU arrays to ringreduce._device first; this is for
+        # callers that need host memory.
+        raise TypeError(f"{context}: {argument} is a GPU array ({type(x).__name__}); "
+                        "a host (numpy) array is needed here")
     try:
         array = np.asarray(x)
     except Exception as error:  # e.g. ragged nested lists
@@ -122,6 +120,14 @@ def as_input_array(x, argument: str, context: str) -> np.ndarray:
     if not array.dtype.isnative:
         array = array.astype(array.dtype.newbyteorder("="))
     return array
+
+
+def check_root(root, size: int, context: str) -> None:
+    if isinstance(root, bool) or not isinstance(root, (int, np.integer)):
+        raise TypeError(f"{context}: root must be an int, got {type(root).__name__}")
+    if not 0 <= root < size:
+        raise ValueError(f"{context}: root {root} is not a rank of this communicator "
+                         f"(0..{size - 1})")
 
 
 def contiguous(array: np.ndarray) -> np.ndarray:

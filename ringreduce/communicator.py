@@ -17,6 +17,7 @@ import numpy as np
 from mpi4py import MPI
 
 from . import _core
+from . import _device
 from . import _types as t
 
 _COLLECTIVES = dict(_core.COLLECTIVES)
@@ -169,6 +170,7 @@ class Communicator:
             self.chunk_bytes = chunk_bytes
         self._executor = _Executor(threaded=MPI.Query_thread() == MPI.THREAD_MULTIPLE)
         self._closed = False
+        self._direct = None  # see _cuda_direct()
         self._contexts = {name: t.where(self.rank, self.size, name) for name in _COLLECTIVES}
         _live.add(self)
 
@@ -314,7 +316,16 @@ class Communicator:
         handle = Handle(work)
         return handle.wait() if wait else handle
 
+    def _cuda_direct(self) -> bool:
+        """Whether GPU buffers go to MPI as they are (a CUDA-aware MPI) or are staged
+        through pinned host memory. Asked once; ranks may differ."""
+        if self._direct is None:
+            self._direct = bool(_core.mpi_cuda_aware())
+        return self._direct
+
     def _prepare_allreduce(self, context, x, op, out):
+        if _device.is_device_array(x):
+            return _device.prepare_allreduce(self, context, x, op, out)
         x = t.as_input_array(x, "x", context)
         dtype, op = t.reduction_codes(x.dtype, op, context)
         source = t.contiguous(x)
@@ -335,6 +346,8 @@ class Communicator:
         return run
 
     def _prepare_reduce_scatter(self, context, x, op, out):
+        if _device.is_device_array(x):
+            return _device.prepare_reduce_scatter(self, context, x, op, out)
         x = t.as_input_array(x, "x", context)
         dtype, op = t.reduction_codes(x.dtype, op, context)
         offset, count = _core.segment_of(self.rank, self.size, x.size)
@@ -355,6 +368,8 @@ class Communicator:
         return run
 
     def _prepare_allgather(self, context, x):
+        if _device.is_device_array(x):
+            return _device.prepare_allgather(self, context, x)
         x = t.as_input_array(x, "x", context)
         dtype = t.dtype_code(x.dtype, "x", context)
         source = t.contiguous(x)
@@ -375,18 +390,16 @@ class Communicator:
         return run
 
     def _prepare_broadcast(self, context, x, root):
+        if _device.is_device_array(x):
+            return _device.prepare_broadcast(self, context, x, root)
         if not isinstance(x, np.ndarray):
-            raise TypeError(f"{context}: x must be a numpy.ndarray (broadcast works in place), "
+            raise TypeError(f"{context}: x must be a numpy.ndarray or a GPU array (broadcast works in place), "
                             f"got {type(x).__name__}")
         dtype = t.dtype_code(x.dtype, "x", context)
         if not x.dtype.isnative:
             raise TypeError(f"{context}: x has non-native byte order ({x.dtype}); "
                             "broadcast works in place and cannot convert it")
-        if isinstance(root, bool) or not isinstance(root, (int, np.integer)):
-            raise TypeError(f"{context}: root must be an int, got {type(root).__name__}")
-        if not 0 <= root < self.size:
-            raise ValueError(f"{context}: root {root} is not a rank of this communicator "
-                             f"(0..{self.size - 1})")
+        t.check_root(root, self.size, context)
         if self.rank != root and not x.flags.writeable:
             raise ValueError(f"{context}: x is read-only, but broadcast writes root's data into it")
         buffer = x if x.flags.c_contiguous else np.ascontiguousarray(x)

@@ -16,10 +16,12 @@ MODULES = {  # module -> timeout in seconds at 4 oversubscribed ranks on 2 cores
     "test_optim.py": 300,
     "test_example.py": 600,
     "test_sim.py": 300,
+    "test_device_ring.py": 300,  # the GPU engine over its host emulation
 }
 
 
-DATA_MODULES = ["test_allreduce.py", "test_async.py", "test_collectives.py", "test_sim.py"]
+DATA_MODULES = ["test_allreduce.py", "test_async.py", "test_collectives.py", "test_sim.py",
+                "test_device_ring.py"]
 
 
 @pytest.mark.parametrize("ranks", [1, 2, 3, 4])
@@ -44,6 +46,30 @@ def check_module(module, ranks, tmp_path, capsys, env):
         wire = " over MPI messages" if env else ""
         print(f"\n  {module} on {ranks} rank(s){wire}: {passed} passed, {skipped} skipped on "
               "each rank", end="")
+
+
+def gpu_ready() -> bool:
+    try:
+        import cupy  # noqa: F401
+    except ImportError:
+        return False
+    import ringreduce
+
+    return ringreduce.cuda_available()
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 3, 4])
+def test_gpu_module_on_ranks(ranks, tmp_path, capsys):
+    """cupy through the device ring; the ranks share the machine's GPUs."""
+    if not gpu_ready():
+        pytest.skip("needs cupy and a usable GPU")
+    summaries = run_on_ranks(ranks, "test_gpu.py", tmp_path, timeout=600)
+    counts = {(s["passed"], s["failed"], s["skipped"]) for s in summaries.values()}
+    assert len(counts) == 1, f"ranks disagree on what ran: {summaries}"
+    passed, failed, skipped = counts.pop()
+    assert failed == 0 and passed > 0
+    with capsys.disabled():
+        print(f"\n  test_gpu.py on {ranks} rank(s): {passed} passed, {skipped} skipped", end="")
 
 
 def test_counts_past_2_to_the_31_on_two_ranks(tmp_path):

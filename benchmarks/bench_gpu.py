@@ -1,0 +1,144 @@
+"""cupy allreduce through ringreduce's device ring, side by side in one run with what a
+user would do without it (copy to the host, mpi4py's Allreduce, copy back), beside the
+GPU's own device-to-device copy rate. nccl-tests' columns; median of repeated runs.
+
+    mpiexec -n 2 python benchmarks/bench_gpu.py --json gpu.json --markdown gpu.md
+
+Ranks may share one GPU (rank r uses GPU r % count), as on a one-GPU machine.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+
+import numpy as np
+from mpi4py import MPI
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import ringreduce as rr  # noqa: E402
+from timing import bus_bandwidth, human_bytes, human_time, time_alternating  # noqa: E402
+
+world = MPI.COMM_WORLD
+RANK, SIZE = world.Get_rank(), world.Get_size()
+
+
+def say(*args):
+    if RANK == 0:
+        print(*args, flush=True)
+
+
+def copy_rate(cp, nbytes: int, repeats: int = 5) -> float:
+    """Bytes per second of one device-to-device copy of nbytes (bytes copied / time)."""
+    src = cp.ones(nbytes // 4, cp.float32)
+    dst = cp.empty_like(src)
+    start, stop = cp.cuda.Event(), cp.cuda.Event()
+    times = []
+    for _ in range(repeats + 1):
+        start.record()
+        dst[...] = src
+        stop.record()
+        stop.synchronize()
+        times.append(cp.cuda.get_elapsed_time(start, stop) / 1e3)
+    return nbytes / float(np.median(times[1:]))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--min-bytes", type=int, default=1 << 10)
+    parser.add_argument("--max-bytes", type=int, default=1 << 30)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--big-chunk", type=int, default=4 << 20,
+                        help="a second ringreduce column with this chunk size (bytes)")
+    parser.add_argument("--json")
+    parser.add_argument("--markdown")
+    args = parser.parse_args()
+
+    import cupy as cp
+
+    if not rr.cuda_available():
+        sys.exit(f"no usable GPU: {rr._core.cuda_status()}")
+    cp.cuda.Device(RANK % cp.cuda.runtime.getDeviceCount()).use()
+    ring = rr.Communicator()
+    big = rr.Communicator(chunk_bytes=args.big_chunk)
+    props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
+    gpu = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+    mode = ("CUDA-aware MPI" if ring._cuda_direct() else "staged through pinned host memory")
+    say(f"# {SIZE} ranks on {gpu} ({cp.cuda.runtime.getDeviceCount()} GPU(s) here), "
+        f"device buffers {mode} ({rr._core.mpi_cuda_aware_reason()}); float32; median of "
+        f"{args.repeats}")
+    say(f"# MPI: {MPI.Get_library_version().splitlines()[0]}")
+
+    rows = []
+    header = ("| size | ringreduce | busbw | ringreduce, "
+              f"{human_bytes(args.big_chunk)} chunks | busbw | host copies + MPI_Allreduce "
+              "| busbw | speedup | D2D copy |")
+    say(header)
+    say("|" + "---|" * 9)
+    nbytes = args.min_bytes
+    while nbytes <= args.max_bytes:
+        n = nbytes // 4
+        x = cp.asarray(np.random.default_rng(RANK).standard_normal(n).astype(np.float32))
+        out = cp.empty_like(x)
+        host_in, host_out = np.empty(n, np.float32), np.empty(n, np.float32)
+
+        def staged_by_hand():
+            x.get(out=host_in)
+            world.Allreduce(host_in, host_out, op=MPI.SUM)
+            out.set(host_out)
+            cp.cuda.get_current_stream().synchronize()
+
+        # Few calls per timed run: a 1 GiB call takes a good part of a second.
+        inner = max(1, min(200, (16 << 20) // nbytes))
+        times = time_alternating({
+            "ring": lambda: ring.allreduce(x, out=out),
+            "ring_big": lambda: big.allreduce(x, out=out),
+            "host_mpi": staged_by_hand,
+        }, repeats=args.repeats, inner=inner)
+        expected = world.allreduce(float(cp.asnumpy(x[:1])[0]))
+        ring.allreduce(x, out=out)
+        assert abs(float(out[0]) - expected) <= 1e-5 * max(1.0, abs(expected)), "wrong result"
+        d2d = copy_rate(cp, nbytes) if RANK == 0 else 0.0
+        row = {"bytes": nbytes, "ranks": SIZE, "gpu": gpu, "mode": mode, "d2d_bytes_per_s": d2d}
+        for name, seconds in times.items():
+            algbw, busbw = bus_bandwidth(nbytes, seconds, SIZE)
+            row[name] = {"seconds": seconds, "algbw": algbw, "busbw": busbw}
+        rows.append(row)
+        say(f"| {human_bytes(nbytes)} | {human_time(times['ring'])} | "
+            f"{row['ring']['busbw'] / 1e9:.2f} GB/s | {human_time(times['ring_big'])} | "
+            f"{row['ring_big']['busbw'] / 1e9:.2f} GB/s | {human_time(times['host_mpi'])} | "
+            f"{row['host_mpi']['busbw'] / 1e9:.2f} GB/s | "
+            f"{times['host_mpi'] / min(times['ring'], times['ring_big']):.2f}x | "
+            f"{d2d / 1e9:.0f} GB/s |")
+        del x, out, host_in, host_out
+        cp.get_default_memory_pool().free_all_blocks()
+        nbytes *= 4
+
+    if RANK == 0:
+        meta = {"host": platform.node(), "ranks": SIZE, "gpu": gpu, "mode": mode,
+                "mpi": MPI.Get_library_version().splitlines()[0], "rows": rows}
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(meta, f, indent=1)
+        if args.markdown:
+            with open(args.markdown, "w") as f:
+                f.write(f"{SIZE} ranks on one {gpu}, {mode}, float32, median of "
+                        f"{args.repeats}.\n\n")
+                f.write(header + "\n|" + "---|" * 9 + "\n")
+                for r in rows:
+                    f.write(f"| {human_bytes(r['bytes'])} | {human_time(r['ring']['seconds'])} | "
+                            f"{r['ring']['busbw'] / 1e9:.2f} GB/s | "
+                            f"{human_time(r['ring_big']['seconds'])} | "
+                            f"{r['ring_big']['busbw'] / 1e9:.2f} GB/s | "
+                            f"{human_time(r['host_mpi']['seconds'])} | "
+                            f"{r['host_mpi']['busbw'] / 1e9:.2f} GB/s | "
+                            f"{r['host_mpi']['seconds'] / min(r['ring']['seconds'], r['ring_big']['seconds']):.2f}x | "
+                            f"{r['d2d_bytes_per_s'] / 1e9:.0f} GB/s |\n")
+    ring.close()
+    big.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,141 @@
+// Device (device.h) on a real GPU: three non-blocking streams, a pool of events
+// reused call after call, pinned host memory from cudaHostAlloc.
+#include <cuda_runtime.h>
+
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "cuda.h"
+#include "device.h"
+
+namespace ringreduce {
+
+namespace {
+
+class CudaDevice final : public Device {
+ public:
+  CudaDevice(int ordinal, int rank) : ordinal_(ordinal), rank_(rank) {
+    check(cudaSetDevice(ordinal_), "cudaSetDevice");
+    for (cudaStream_t& s : streams_)
+      check(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate");
+  }
+  ~CudaDevice() override {
+    // No throwing here; at interpreter exit the driver may already be shutting down.
+    cudaSetDevice(ordinal_);
+    for (cudaStream_t s : streams_) cudaStreamSynchronize(s);
+    for (cudaEvent_t e : events_) cudaEventDestroy(e);
+    for (cudaStream_t s : streams_) cudaStreamDestroy(s);
+  }
+
+  const char* name() const override { return "CUDA"; }
+  int ordinal() const override { return ordinal_; }
+
+  void begin(void* ready) override {
+    // cudaSetDevice is per thread, and calls may come from the async worker thread.
+    check(cudaSetDevice(ordinal_), "cudaSetDevice");
+    used_events_ = 0;
+    if (ready)
+      for (cudaStream_t s : streams_)
+        check(cudaStreamWaitEvent(s, static_cast<cudaEvent_t>(ready), 0), "cudaStreamWaitEvent");
+  }
+
+  void end(void* user_stream) override {
+    const Event all = record_all();
+    check(cudaStreamWaitEvent(static_cast<cudaStream_t>(user_stream), events_[all], 0),
+          "cudaStreamWaitEvent(caller's stream)");
+    check(cudaEventSynchronize(events_[all]), "cudaEventSynchronize");
+  }
+
+  void* alloc_host(int64_t bytes) override {
+    void* p = nullptr;
+    check(cudaHostAlloc(&p, bytes > 0 ? bytes : 1, cudaHostAllocPortable), "cudaHostAlloc");
+    return p;
+  }
+  void free_host(void* p) override { cudaFreeHost(p); }
+  void* alloc_device(int64_t bytes) override {
+    void* p = nullptr;
+    check(cudaMalloc(&p, bytes > 0 ? bytes : 1), "cudaMalloc");
+    return p;
+  }
+  void free_device(void* p) override { cudaFree(p); }
+
+  void copy(Stream stream, void* dst, const void* src, int64_t bytes) override {
+    if (bytes <= 0 || dst == src) return;
+    check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, streams_[stream]),
+          "cudaMemcpyAsync");
+  }
+  void reduce(Stream stream, DType dtype, Op op, void* dst, const void* a, const void* b,
+              int64_t n) override {
+    guard([&] { cuda::reduce(dtype, op, dst, a, b, n, streams_[stream]); });
+  }
+  void divide(Stream stream, DType dtype, void* data, int64_t n, int64_t divisor) override {
+    guard([&] { cuda::divide(dtype, data, n, divisor, streams_[stream]); });
+  }
+
+  Event record(Stream stream) override {
+    const Event e = next_event();
+    check(cudaEventRecord(events_[e], streams_[stream]), "cudaEventRecord");
+    return e;
+  }
+  bool done(Event event) override {
+    if (event == kNoEvent) return true;
+    const cudaError_t rc = cudaEventQuery(events_[event]);
+    if (rc == cudaErrorNotReady) return false;
+    check(rc, "cudaEventQuery");
+    return true;
+  }
+  void wait(Stream stream, Event event) override {
+    if (event == kNoEvent) return;
+    check(cudaStreamWaitEvent(streams_[stream], events_[event], 0), "cudaStreamWaitEvent");
+  }
+  void synchronize(Stream stream) override {
+    check(cudaStreamSynchronize(streams_[stream]), "cudaStreamSynchronize");
+  }
+
+ private:
+  [[noreturn]] void fail(const std::string& what) const {
+    throw std::runtime_error("ringreduce: " + what + " on rank " + std::to_string(rank_) +
+                             " (GPU " + std::to_string(ordinal_) + ")");
+  }
+  void check(cudaError_t rc, const char* call) const {
+    if (rc != cudaSuccess) fail(std::string(call) + " failed: " + cudaGetErrorString(rc));
+  }
+  template <typename F>
+  void guard(F&& launch) const {
+    try {
+      launch();
+    } catch (const std::invalid_argument&) {
+      throw;
+    } catch (const std::exception& e) {
+      fail(e.what());
+    }
+  }
+  Event next_event() {
+    if (used_events_ == static_cast<int64_t>(events_.size())) {
+      cudaEvent_t e;
+      check(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreate");
+      events_.push_back(e);
+    }
+    return used_events_++;
+  }
+  // One event that completes after everything enqueued on every stream so far.
+  Event record_all() {
+    join();
+    return record(kCompute);
+  }
+
+  int ordinal_;
+  int rank_;
+  cudaStream_t streams_[kStreams] = {};
+  std::vector<cudaEvent_t> events_;  // reused: index < used_events_ is in use this call
+  int64_t used_events_ = 0;
+};
+
+}  // namespace
+
+std::unique_ptr<Device> make_cuda_device(int ordinal, int rank) {
+  return std::make_unique<CudaDevice>(ordinal, rank);
+}
+
+}  // namespace ringreduce

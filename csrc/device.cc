@@ -1,0 +1,147 @@
+#include "device.h"
+
+#include <mpi.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "reduce.h"
+
+// Open MPI declares its CUDA query in an extension header.
+#if defined(OPEN_MPI) && OPEN_MPI && defined(__has_include)
+#if __has_include(<mpi-ext.h>)
+#include <mpi-ext.h>
+#endif
+#endif
+
+namespace ringreduce {
+
+namespace {
+
+// Streams as queues that run lazily: an operation runs only when something needs it
+// done (an event queried or waited for, a stream synchronised, the call's end), and a
+// query runs at most one more operation of that stream. So anything the device ring
+// reads without first waiting for the right event is still stale here, and the tests
+// see it; and "not ready yet" answers drive the ring's polling loop as a busy GPU would.
+// Every other call the copy-in stream instead runs as soon as it can, as a GPU's copy
+// engine racing ahead of its kernels would: then a buffer refilled too early shows.
+class HostDevice final : public Device {
+ public:
+  const char* name() const override { return "host emulation"; }
+  int ordinal() const override { return -1; }
+  void begin(void*) override {
+    finish_all();
+    events_.clear();
+    eager_copy_in_ = !eager_copy_in_;
+  }
+  void end(void*) override { finish_all(); }
+  void* alloc_host(int64_t bytes) override { return new char[bytes > 0 ? bytes : 1]; }
+  void free_host(void* p) override { delete[] static_cast<char*>(p); }
+  void* alloc_device(int64_t bytes) override { return new char[bytes > 0 ? bytes : 1]; }
+  void free_device(void* p) override { delete[] static_cast<char*>(p); }
+  void copy(Stream s, void* dst, const void* src, int64_t bytes) override {
+    enqueue(s, [=] {
+      if (bytes > 0 && dst != src) std::memmove(dst, src, bytes);
+    });
+  }
+  void reduce(Stream s, DType dtype, Op op, void* dst, const void* a, const void* b,
+              int64_t n) override {
+    enqueue(s, [=] { ringreduce::reduce(dtype, op, dst, a, b, n); });
+  }
+  void divide(Stream s, DType dtype, void* data, int64_t n, int64_t divisor) override {
+    enqueue(s, [=] { ringreduce::divide(dtype, data, n, divisor); });
+  }
+  Event record(Stream s) override {
+    events_.push_back({s, enqueued_[s]});
+    return static_cast<Event>(events_.size() - 1);
+  }
+  bool done(Event e) override {
+    if (e == kNoEvent) return true;
+    const Mark m = events_[e];
+    if (executed_[m.stream] < m.position) run_one(m.stream);
+    return executed_[m.stream] >= m.position;
+  }
+  void wait(Stream s, Event e) override {
+    if (e == kNoEvent) return;
+    const Mark m = events_[e];
+    enqueue(s, [this, m] { run_until(m.stream, m.position); });
+  }
+  void synchronize(Stream s) override { run_until(s, enqueued_[s]); }
+
+ private:
+  struct Mark {
+    int stream;
+    int64_t position;  // operations enqueued on the stream when the event was recorded
+  };
+  void enqueue(int s, std::function<void()> op) {
+    queues_[s].push_back(std::move(op));
+    ++enqueued_[s];
+    if (s == kCopyIn && eager_copy_in_) run_until(s, enqueued_[s]);
+  }
+  void run_one(int s) {
+    std::function<void()> op = std::move(queues_[s].front());
+    queues_[s].pop_front();
+    ++executed_[s];
+    op();
+  }
+  void run_until(int s, int64_t position) {
+    while (executed_[s] < position) run_one(s);
+  }
+  void finish_all() {
+    while (!queues_[0].empty() || !queues_[1].empty() || !queues_[2].empty())
+      for (int s = 0; s < kStreams; ++s) run_until(s, enqueued_[s]);
+  }
+
+  std::deque<std::function<void()>> queues_[kStreams];
+  int64_t enqueued_[kStreams] = {0, 0, 0};
+  int64_t executed_[kStreams] = {0, 0, 0};
+  std::vector<Mark> events_;
+  bool eager_copy_in_ = true;
+};
+
+int env_flag(const char* name) {  // -1 unset, else 0 or 1
+  const char* value = std::getenv(name);
+  if (!value || !*value) return -1;
+  return std::strcmp(value, "0") != 0;
+}
+
+// The MPI library's own answer: 1 yes, 0 no, -1 it cannot say.
+int library_cuda_support() {
+#if defined(MPICH_NUMVERSION) && MPICH_NUMVERSION >= 40100000
+  return MPIX_Query_cuda_support() ? 1 : 0;
+#elif defined(MPIX_CUDA_AWARE_SUPPORT) && MPIX_CUDA_AWARE_SUPPORT
+  return MPIX_Query_cuda_support() ? 1 : 0;
+#elif defined(OPEN_MPI) && OPEN_MPI
+  return 0;  // built without the CUDA extension
+#else
+  return -1;
+#endif
+}
+
+}  // namespace
+
+std::unique_ptr<Device> make_host_device() { return std::make_unique<HostDevice>(); }
+
+bool mpi_is_cuda_aware() {
+  const int forced = env_flag("RINGREDUCE_CUDA_AWARE");
+  if (forced >= 0) return forced == 1;
+  return library_cuda_support() == 1;
+}
+
+std::string mpi_cuda_aware_reason() {
+  const int forced = env_flag("RINGREDUCE_CUDA_AWARE");
+  if (forced >= 0)
+    return std::string("RINGREDUCE_CUDA_AWARE=") + std::getenv("RINGREDUCE_CUDA_AWARE");
+  switch (library_cuda_support()) {
+    case 1: return "MPIX_Query_cuda_support() says yes";
+    case 0: return "MPIX_Query_cuda_support() says no";
+    default: return "this MPI has no MPIX_Query_cuda_support(); set RINGREDUCE_CUDA_AWARE=1 "
+                    "if it takes device pointers";
+  }
+}
+
+}  // namespace ringreduce

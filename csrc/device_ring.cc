@@ -1,0 +1,309 @@
+// The ring over GPU buffers. The schedule is the same RingSchedule as on the host, with
+// the same chunks and tags on the wire, so ranks staging through host memory and ranks
+// whose MPI reads device memory can even share a ring. Two ways to move a chunk:
+//
+// Staged (any MPI). Every chunk has its own place in a pinned host "mirror" of the
+// buffer. Reduce-scatter, for each chunk received from the left:
+//
+//     MPI_Irecv -> mirror   (posted `kWindow` chunks ahead)
+//     copy-in stream:  mirror -> device slot                (H2D)
+//     compute stream:  out = input OP device slot           (kernel)
+//     copy-out stream: out -> mirror, then MPI_Isend right  (D2H), unless last step
+//
+// Three streams, linked by events, so that chunk i+1's H2D, chunk i's reduction and
+// chunk i-1's D2H run at once, while MPI moves other chunks. The host thread never
+// blocks on the GPU or on MPI inside a phase: it polls (cudaEventQuery, MPI_Test) and
+// posts each send as soon as its bytes are in the mirror, so a slow GPU step cannot stall
+// the ring's progress elsewhere. All-gather is the same without the kernel, and a
+// received chunk is forwarded straight from the mirror.
+//
+// Why a mirror and not a few reusable host slots: a place per chunk means no host
+// buffer is ever reused within a call, so there is nothing to wait for before
+// receiving into one, and the ring keeps the deadlock-freedom argument of the host
+// engine (ring_schedule.cc). The price is pinned memory as large as the largest call.
+//
+// Direct (CUDA-aware MPI): the host engine itself, given device pointers, with a GPU
+// kernel as its reducer; each chunk's reduction finishes before MPI forwards it.
+#include <algorithm>
+#include <deque>
+#include <stdexcept>
+#include <string>
+
+#include "errors.h"
+#include "reduce.h"
+#include "ring_communicator.h"
+
+namespace ringreduce {
+
+namespace {
+
+// One phase of the ring, staged through `mirror`. Reduce-scatter reads `input`, and
+// writes out = input OP received; all-gather sends from and receives into `out`.
+void staged_phase(const RingSchedule& sched, Transport& transport, Device& dev, Phase phase,
+                  DType dtype, Op op, size_t es, const char* input, char* out, char* mirror,
+                  char* dev_slots, int64_t slot_bytes, int slots, int window) {
+  const int steps = sched.steps_per_phase();
+  if (steps == 0) return;
+  const bool reducing = phase == Phase::ReduceScatter;
+  const int tag_base = reducing ? 0 : steps;  // as the host engine: ranks may mix the two
+  const std::vector<ChunkRef> recvs = sched.phase_chunks(phase, /*sending=*/false);
+  const int64_t num_recvs = static_cast<int64_t>(recvs.size());
+
+  struct PendingSend {
+    Span chunk;
+    int tag;
+    Device::Event ready;  // the chunk's bytes are in the mirror once this completes
+  };
+  std::deque<PendingSend> sends;  // posted to MPI strictly in this order
+  auto bytes_of = [&](Span ch) { return ch.count * static_cast<int64_t>(es); };
+  auto at = [&](Span ch) { return ch.offset * static_cast<int64_t>(es); };
+
+  // Step 0 sends our own data: copy it all out now; each chunk goes as soon as it lands.
+  const char* first_source = reducing ? input : out;
+  const int first_segment = sched.send_segment(phase, 0);
+  for (int64_t c = 0; c < sched.num_chunks(first_segment); ++c) {
+    const Span ch = sched.chunk(first_segment, c);
+    dev.copy(Device::kCopyOut, mirror + at(ch), first_source + at(ch), bytes_of(ch));
+    sends.push_back({ch, tag_base, dev.record(Device::kCopyOut)});
+  }
+
+  std::vector<Transport::Request> recv_requests(window);
+  auto post_recv = [&](int64_t i) {
+    if (i >= num_recvs) return;
+    const ChunkRef& ref = recvs[i];
+    const Span ch = sched.chunk(ref.segment, ref.chunk);
+    recv_requests[i % window] =
+        transport.recv_left(mirror + at(ch), bytes_of(ch), tag_base + ref.step);
+  };
+  for (int64_t i = 0; i < window; ++i) post_recv(i);
+
+  // The reduction that last read each device slot: a slot is refilled after it.
+  std::vector<Device::Event> slot_free(slots, Device::kNoEvent);
+  int64_t next = 0;  // the next chunk to arrive, in arrival order
+  while (next < num_recvs || !sends.empty()) {
+    while (!sends.empty() && dev.done(sends.front().ready)) {
+      const PendingSend& s = sends.front();
+      transport.send_right(mirror + at(s.chunk), bytes_of(s.chunk), s.tag);
+      sends.pop_front();
+    }
+    if (next >= num_recvs || !transport.test(recv_requests[next % window])) continue;
+
+    const ChunkRef ref = recvs[next];
+    const Span ch = sched.chunk(ref.segment, ref.chunk);
+    const bool forward = ref.step + 1 < steps;
+    if (reducing) {
+      char* slot = dev_slots + (next % slots) * slot_bytes;
+      dev.wait(Device::kCopyIn, slot_free[next % slots]);
+      dev.copy(Device::kCopyIn, slot, mirror + at(ch), bytes_of(ch));
+      dev.wait(Device::kCompute, dev.record(Device::kCopyIn));
+      dev.reduce(Device::kCompute, dtype, op, out + at(ch), input + at(ch), slot, ch.count);
+      const Device::Event reduced = dev.record(Device::kCompute);
+      slot_free[next % slots] = reduced;
+      if (forward) {
+        // The D2H overwrites the received bytes in the mirror, after the H2D read them
+        // (the reduction waited for the H2D, and this copy waits for the reduction).
+        dev.wait(Device::kCopyOut, reduced);
+        dev.copy(Device::kCopyOut, mirror + at(ch), out + at(ch), bytes_of(ch));
+        sends.push_back({ch, tag_base + ref.step + 1, dev.record(Device::kCopyOut)});
+      }
+    } else {
+      dev.copy(Device::kCopyIn, out + at(ch), mirror + at(ch), bytes_of(ch));
+      // The H2D and MPI only read the mirror here, so both may run at once.
+      if (forward) sends.push_back({ch, tag_base + ref.step + 1, Device::kNoEvent});
+    }
+    post_recv(next + window);
+    ++next;
+  }
+  // The next phase receives into the mirror (MPI writes it, not a stream: the copies
+  // reading it must be finished, not just ordered) and reads what this one wrote.
+  transport.wait_all();
+  dev.join();
+  dev.synchronize(Device::kCompute);
+}
+
+}  // namespace
+
+Device& RingCommunicator::device(bool emulate, int ordinal) {
+  check_usable();
+  const int wanted = emulate ? -1 : ordinal;
+  if (!device_ || device_->ordinal() != wanted) {
+    release_device();
+    device_ = emulate ? make_host_device() : make_cuda_device(ordinal, rank());
+    host_mirror_ = std::make_unique<DeviceBuffer>(device_.get(), DeviceBuffer::kHost);
+    device_scratch_ = std::make_unique<DeviceBuffer>(device_.get(), DeviceBuffer::kDevice);
+  }
+  return *device_;
+}
+
+void RingCommunicator::release_device() {
+  host_mirror_.reset();
+  device_scratch_.reset();
+  device_.reset();
+}
+
+void RingCommunicator::run_device_reduce_scatter(const DeviceCall& call,
+                                                 const RingSchedule& sched, DType dtype, Op op,
+                                                 const void* input, void* out) {
+  Device& dev = *call.device;
+  const size_t es = dtype_size(dtype);
+  ring_steps_ += sched.steps_per_phase();
+  if (sched.size() == 1) {
+    dev.copy(Device::kCompute, out, input, sched.total_count() * static_cast<int64_t>(es));
+    return;
+  }
+  // No chunk is larger than the first segment (see recv_slots()).
+  const int64_t slot_elems = std::min(sched.chunk_elems(), sched.segment(0).count);
+  const int64_t slot_bytes =
+      std::max<int64_t>(16, (slot_elems * static_cast<int64_t>(es) + 15) / 16 * 16);
+  char* scratch = device_scratch_->get(slot_bytes * std::max(kDeviceSlots, kWindow));
+  if (call.direct) {
+    dev.synchronize(Device::kCompute);  // MPI reads the input as soon as it is given it
+    ring_reduce_scatter(
+        sched, *transport_, es, input, out, RecvSlots{scratch, slot_bytes, kWindow},
+        [&](void* dst, const void* a, const void* b, int64_t n) {
+          dev.reduce(Device::kCompute, dtype, op, dst, a, b, n);
+          dev.synchronize(Device::kCompute);  // forwarded by MPI right after this
+        },
+        [&](void* dst, const void* src, int64_t bytes) {
+          dev.copy(Device::kCompute, dst, src, bytes);
+        });
+    return;
+  }
+  char* mirror = host_mirror_->get(sched.total_count() * static_cast<int64_t>(es));
+  staged_phase(sched, *transport_, dev, Phase::ReduceScatter, dtype, op, es,
+               static_cast<const char*>(input), static_cast<char*>(out), mirror, scratch,
+               slot_bytes, kDeviceSlots, kWindow);
+}
+
+void RingCommunicator::run_device_allgather(const DeviceCall& call, const RingSchedule& sched,
+                                            size_t es, void* buf) {
+  Device& dev = *call.device;
+  ring_steps_ += sched.steps_per_phase();
+  if (sched.size() == 1) return;
+  if (call.direct) {
+    dev.join();
+    dev.synchronize(Device::kCompute);
+    ring_allgather(sched, *transport_, es, buf, kWindow);
+    return;
+  }
+  char* mirror = host_mirror_->get(sched.total_count() * static_cast<int64_t>(es));
+  staged_phase(sched, *transport_, dev, Phase::AllGather, DType::UInt8, Op::Sum, es, nullptr,
+               static_cast<char*>(buf), mirror, nullptr, 0, 0, kWindow);
+}
+
+void RingCommunicator::allreduce_device_inline(const DeviceCall& call, const void* input,
+                                               void* out, int64_t count, DType dtype, Op op,
+                                               int64_t chunk_bytes) {
+  // Small enough for the header message: one trip to the host and back, no ring.
+  Device& dev = *call.device;
+  const int64_t bytes = count * static_cast<int64_t>(dtype_size(dtype));
+  char* staging = host_mirror_->get(2 * bytes);
+  dev.copy(Device::kCopyOut, staging, input, bytes);
+  dev.synchronize(Device::kCopyOut);
+  CallHeader h = make_header(Collective::AllReduce, dtype, op, count, chunk_bytes, kDeviceMemory);
+  h.inline_bytes = bytes;
+  agree(h, nullptr, staging, bytes);
+  allreduce_inline(staging + bytes, count, dtype, op);
+  dev.copy(Device::kCopyIn, out, staging + bytes, bytes);
+}
+
+void RingCommunicator::allreduce_device(const DeviceCall& call, const void* input, void* out,
+                                        int64_t count, DType dtype, Op op,
+                                        int64_t chunk_bytes) {
+  Device& dev = *call.device;
+  dev.begin(call.ready);
+  const size_t es = dtype_size(dtype);
+  const int64_t bytes = count * static_cast<int64_t>(es);
+  if (size() > 1 && bytes <= inline_capacity_) {
+    allreduce_device_inline(call, input, out, count, dtype, op, chunk_bytes);
+  } else {
+    const CallHeader h =
+        make_header(Collective::AllReduce, dtype, op, count, chunk_bytes, kDeviceMemory);
+    const int64_t elems = chunk_elems(agree(h), es);
+    const RingSchedule sched = RingSchedule::split_evenly(rank(), size(), count, elems);
+    guarded(&broken_, [&] {
+      run_device_reduce_scatter(call, sched, dtype, op, input, out);
+      const Span mine = sched.segment(rank());
+      if (op == Op::Avg && size() > 1)
+        dev.divide(Device::kCompute, dtype, static_cast<char*>(out) + mine.offset * es,
+                   mine.count, size());
+      dev.join();
+      run_device_allgather(call, sched, es, out);
+    });
+  }
+  dev.end(call.user_stream);
+}
+
+void RingCommunicator::reduce_scatter_device(const DeviceCall& call, const void* input,
+                                             void* work, int64_t count, DType dtype, Op op,
+                                             int64_t chunk_bytes) {
+  Device& dev = *call.device;
+  dev.begin(call.ready);
+  const CallHeader h =
+      make_header(Collective::ReduceScatter, dtype, op, count, chunk_bytes, kDeviceMemory);
+  const size_t es = dtype_size(dtype);
+  const int64_t elems = chunk_elems(agree(h), es);
+  const RingSchedule sched = RingSchedule::split_evenly(rank(), size(), count, elems);
+  guarded(&broken_, [&] {
+    run_device_reduce_scatter(call, sched, dtype, op, input, work);
+    const Span mine = sched.segment(rank());
+    if (op == Op::Avg && size() > 1)
+      dev.divide(Device::kCompute, dtype, static_cast<char*>(work) + mine.offset * es,
+                 mine.count, size());
+  });
+  dev.end(call.user_stream);
+}
+
+void RingCommunicator::allgather_device(const DeviceCall& call, const void* input, void* out,
+                                        const std::vector<int64_t>& row_counts,
+                                        int64_t row_elems, DType dtype) {
+  check_usable();
+  if (static_cast<int>(row_counts.size()) != size())
+    throw std::invalid_argument("allgather: need one row count per rank");
+  Device& dev = *call.device;
+  dev.begin(call.ready);
+  const size_t es = dtype_size(dtype);
+  std::vector<int64_t> counts(size());
+  for (int r = 0; r < size(); ++r) counts[r] = row_counts[r] * row_elems;
+  const RingSchedule sched(rank(), size(), counts,
+                           chunk_elems(pending_allgather_chunk_bytes_, es));
+  const Span mine = sched.segment(rank());
+  // On the copy-out stream, which the first sends' D2H copies then follow.
+  dev.copy(Device::kCopyOut, static_cast<char*>(out) + mine.offset * es, input,
+           mine.count * static_cast<int64_t>(es));
+  guarded(&broken_, [&] { run_device_allgather(call, sched, es, out); });
+  dev.end(call.user_stream);
+}
+
+void RingCommunicator::broadcast_device(const DeviceCall& call, void* buf, int64_t count,
+                                        DType dtype, int root, int64_t chunk_bytes) {
+  if (root < 0 || root >= size())
+    throw std::invalid_argument("broadcast: root " + std::to_string(root) + " is not in [0, " +
+                                std::to_string(size()) + ")");
+  Device& dev = *call.device;
+  dev.begin(call.ready);
+  CallHeader h =
+      make_header(Collective::Broadcast, dtype, Op::Sum, count, chunk_bytes, kDeviceMemory);
+  h.extra = root;
+  const size_t es = dtype_size(dtype);
+  const int64_t chunk = chunk_elems(agree(h), es) * static_cast<int64_t>(es);
+  const int64_t bytes = count * static_cast<int64_t>(es);
+  guarded(&broken_, [&] {
+    if (call.direct) {
+      dev.synchronize(Device::kCompute);
+      ring_broadcast(rank(), size(), root, *transport_, buf, bytes, chunk, kWindow);
+      return;
+    }
+    // Whole-buffer staging: a copy out on the root, the host chain, a copy in elsewhere.
+    char* mirror = host_mirror_->get(bytes);
+    if (rank() == root) {
+      dev.copy(Device::kCopyOut, mirror, buf, bytes);
+      dev.synchronize(Device::kCopyOut);
+    }
+    ring_broadcast(rank(), size(), root, *transport_, mirror, bytes, chunk, kWindow);
+    if (rank() != root) dev.copy(Device::kCopyIn, buf, mirror, bytes);
+  });
+  dev.end(call.user_stream);
+}
+
+}  // namespace ringreduce

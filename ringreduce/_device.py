@@ -1,0 +1,192 @@
+"""GPU arrays through the device ring: cupy arrays in, cupy arrays out.
+
+Any object with ``__cuda_array_interface__`` (a cupy array, a torch CUDA tensor, ...)
+is read in place, without a copy; results are cupy arrays. Stream semantics: each call
+is ordered after the work already enqueued on the caller's current cupy stream when
+the call is made, and its result is ready on that stream when the call (or the
+handle's ``wait()``) returns.
+
+Each ``prepare_*`` function checks its arguments in the caller's thread and returns a
+``run()`` closure, which the Communicator runs at once or on its worker thread, as for
+numpy arrays.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from . import _core
+from . import _types as t
+
+
+def is_device_array(x) -> bool:
+    return hasattr(x, "__cuda_array_interface__") and not isinstance(x, np.ndarray)
+
+
+def _cupy(context: str, argument: str, x):
+    if not t.cuda_available():
+        raise TypeError(f"{context}: {argument} is a GPU array ({type(x).__name__}), but this "
+                        f"process has no usable GPU ({_core.cuda_status()})")
+    try:
+        import cupy
+    except ImportError:
+        raise TypeError(f"{context}: {argument} is a GPU array ({type(x).__name__}); "
+                        "ringreduce needs cupy for GPU arrays: pip install cupy-cuda12x "
+                        "(or -cuda13x, to match your CUDA)") from None
+    return cupy
+
+
+def as_device_array(x, argument: str, context: str):
+    """(cupy module, x as a cupy array on the GPU it lives on); no copy."""
+    cp = _cupy(context, argument, x)
+    try:
+        array = x if isinstance(x, cp.ndarray) else cp.asarray(x)
+    except Exception as error:
+        raise TypeError(f"{context}: {argument} ({type(x).__name__}) cannot be read as a GPU "
+                        f"array: {error}") from None
+    return cp, array
+
+
+def _check_out(cp, out, shape, dtype, device: int, context: str):
+    if not isinstance(out, cp.ndarray):
+        raise TypeError(f"{context}: x is a GPU array, so out must be a cupy.ndarray too, "
+                        f"got {type(out).__name__}")
+    if out.dtype != dtype:
+        raise TypeError(f"{context}: out has dtype {out.dtype}, expected {dtype} (the dtype of x)")
+    if out.shape != tuple(shape):
+        raise ValueError(f"{context}: out has shape {out.shape}, expected {tuple(shape)}")
+    if not out.flags.c_contiguous:
+        raise ValueError(f"{context}: out is not C-contiguous (strides {out.strides}); "
+                         "pass a contiguous array or out=None")
+    if out.device.id != device:
+        raise ValueError(f"{context}: out is on GPU {out.device.id} but x is on GPU {device}")
+
+
+class _Launch:
+    """Where and after what a call runs: x's GPU, the caller's current stream, and an
+    event recorded on that stream now (so later work on it is not waited for)."""
+
+    __slots__ = ("cp", "device", "stream", "ready", "direct")
+
+    def __init__(self, cp, array, direct: bool):
+        self.cp = cp
+        self.device = array.device.id
+        with cp.cuda.Device(self.device):
+            self.stream = cp.cuda.get_current_stream()
+            self.ready = cp.cuda.Event(block=False, disable_timing=True, interprocess=False)
+            self.ready.record(self.stream)
+        self.direct = direct
+
+    def args(self):
+        """The last five arguments of every *_device call of the core."""
+        return self.device, self.ready.ptr, self.stream.ptr, self.direct, False
+
+    def context(self):
+        """The caller's GPU and stream, for cupy work done on the worker thread."""
+        return _StreamContext(self.cp, self.device, self.stream)
+
+
+class _StreamContext:
+    def __init__(self, cp, device, stream):
+        self.device = cp.cuda.Device(device)
+        self.stream = stream
+
+    def __enter__(self):
+        self.device.__enter__()
+        self.stream.__enter__()
+
+    def __exit__(self, *exc):
+        self.stream.__exit__(*exc)
+        self.device.__exit__(*exc)
+
+
+def prepare_allreduce(comm, context, x, op, out):
+    cp, x = as_device_array(x, "x", context)
+    dtype, op = t.reduction_codes(x.dtype, op, context)
+    launch_device = x.device.id
+    with cp.cuda.Device(launch_device):
+        source = x if x.flags.c_contiguous else cp.ascontiguousarray(x)
+        if out is None:
+            out = cp.empty(x.shape, x.dtype)
+        else:
+            _check_out(cp, out, x.shape, x.dtype, launch_device, context)
+            if (source is not out and source.data.ptr != out.data.ptr
+                    and cp.shares_memory(source, out)):
+                source = source.copy()  # overlapping, not identical
+    launch = _Launch(cp, source, comm._cuda_direct())
+    core, chunk, count = comm._core, comm.chunk_bytes, x.size
+
+    def run():
+        core.allreduce_device(source.data.ptr, out.data.ptr, count, dtype, op, chunk,
+                              *launch.args())
+        return out
+
+    return run
+
+
+def prepare_reduce_scatter(comm, context, x, op, out):
+    cp, x = as_device_array(x, "x", context)
+    dtype, op = t.reduction_codes(x.dtype, op, context)
+    offset, count = _core.segment_of(comm.rank, comm.size, x.size)
+    with cp.cuda.Device(x.device.id):
+        if out is None:
+            out = cp.empty(count, x.dtype)
+        else:
+            _check_out(cp, out, (count,), x.dtype, x.device.id, context)
+        source = x if x.flags.c_contiguous else cp.ascontiguousarray(x)
+        work = cp.empty(x.size, x.dtype)
+    launch = _Launch(cp, source, comm._cuda_direct())
+    core, chunk = comm._core, comm.chunk_bytes
+
+    def run():
+        core.reduce_scatter_device(source.data.ptr, work.data.ptr, x.size, dtype, op, chunk,
+                                   *launch.args())
+        with launch.context():
+            out[...] = work[offset:offset + count]
+        return out
+
+    return run
+
+
+def prepare_allgather(comm, context, x):
+    cp, x = as_device_array(x, "x", context)
+    dtype = t.dtype_code(x.dtype, "x", context)
+    with cp.cuda.Device(x.device.id):
+        source = x if x.flags.c_contiguous else cp.ascontiguousarray(x)
+    rows = 1 if x.ndim == 0 else x.shape[0]
+    row_shape = tuple(x.shape[1:])
+    row_elems = int(np.prod(row_shape, dtype=np.int64))
+    shape_tag = hash(row_shape) & 0x7FFFFFFFFFFFFFFF
+    launch = _Launch(cp, source, comm._cuda_direct())
+    core, chunk = comm._core, comm.chunk_bytes
+
+    def run():
+        counts = core.allgather_counts_device(rows, row_elems, shape_tag, dtype, chunk)
+        with launch.context():
+            out = cp.empty((sum(counts),) + row_shape, x.dtype)
+        core.allgather_device(source.data.ptr, out.data.ptr, counts, row_elems, dtype,
+                              *launch.args())
+        return out
+
+    return run
+
+
+def prepare_broadcast(comm, context, x, root):
+    if not is_device_array(x):
+        raise TypeError(f"{context}: x must be an array (broadcast works in place), "
+                        f"got {type(x).__name__}")
+    cp, array = as_device_array(x, "x", context)
+    dtype = t.dtype_code(array.dtype, "x", context)
+    t.check_root(root, comm.size, context)
+    with cp.cuda.Device(array.device.id):
+        buffer = array if array.flags.c_contiguous else cp.ascontiguousarray(array)
+    launch = _Launch(cp, buffer, comm._cuda_direct())
+    core, chunk, root = comm._core, comm.chunk_bytes, int(root)
+
+    def run():
+        core.broadcast_device(buffer.data.ptr, array.size, dtype, root, chunk, *launch.args())
+        if buffer is not array:
+            with launch.context():
+                array[...] = buffer.reshape(array.shape)
+        return x
+
+    return run

@@ -1,0 +1,139 @@
+"""The device ring's bookkeeping under real MPI, on any machine: the core's GPU engine
+(staging through a pinned host mirror, or device pointers handed to MPI) run over its
+host emulation, where "device" buffers are host memory and copies and kernels happen
+at once. This checks which chunk goes where, through which buffer, in which order, and
+that the result is the host ring's bit for bit; it says nothing about CUDA itself,
+which tests/mpi/test_gpu.py checks where a GPU is."""
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import ringreduce as rr
+from ringreduce import _core, reference
+
+from helpers import COMBOS, bitwise_equal, combo_id, rank_data
+
+SIZE = MPI.COMM_WORLD.Get_size()
+RANK = MPI.COMM_WORLD.Get_rank()
+SIZES = sorted({0, 1, SIZE, 2 * SIZE + 1, 40, 517, 5003})
+CHUNKS = [64, 4096, 1 << 18]
+MODES = {"staged": False, "direct": True}
+OP_CODES = {name: i for i, name in enumerate(rr.OPS)}
+FLOAT32 = np.dtype(np.float32)
+
+
+def dtype_code(dtype):
+    return _core.DTYPES.index(dtype.name)
+
+
+def emulated(direct):
+    # device ordinal, ready event, stream, direct, emulate
+    return 0, 0, 0, direct, True
+
+
+@pytest.fixture(scope="module")
+def device_comm():
+    comm = rr.Communicator()
+    yield comm
+    comm.close()
+
+
+def device_allreduce(comm, x, op, chunk, direct, out=None):
+    out = np.empty_like(x) if out is None else out
+    comm._core.allreduce_device(x.ctypes.data, out.ctypes.data, x.size, dtype_code(x.dtype),
+                                OP_CODES[op], chunk, *emulated(direct))
+    return out
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("combo", COMBOS, ids=combo_id)
+def test_allreduce_matches_the_host_ring_bit_for_bit(combo, mode, device_comm):
+    dtype, op = combo
+    for n in SIZES:
+        for chunk in CHUNKS:
+            x = rank_data(dtype, n, op, salt=7)
+            got = device_allreduce(device_comm, x, op, chunk, MODES[mode])
+            device_comm.chunk_bytes = chunk
+            assert bitwise_equal(got, device_comm.allreduce(x, op=op)), f"n={n} chunk={chunk}"
+    assert device_comm._core.device_name == "host emulation"
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_allreduce_matches_the_numpy_reference_and_works_in_place(mode, device_comm):
+    for n in SIZES:
+        x = rank_data(FLOAT32, n, salt=3)
+        expected = reference.allreduce(x, "sum")
+        got = device_allreduce(device_comm, x.copy(), "sum", 256, MODES[mode])
+        assert bitwise_equal(got, expected), f"n={n}"
+        inplace = x.copy()
+        device_allreduce(device_comm, inplace, "sum", 256, MODES[mode], out=inplace)
+        assert bitwise_equal(inplace, expected), f"in place, n={n}"
+
+
+def test_ranks_staging_and_ranks_with_cuda_aware_mpi_share_a_ring(device_comm):
+    # The two ways put the same chunks with the same tags on the wire.
+    x = rank_data(FLOAT32, 5003, salt=11)
+    got = device_allreduce(device_comm, x, "sum", 512, direct=RANK % 2 == 1)
+    assert bitwise_equal(got, reference.allreduce(x, "sum"))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_reduce_scatter_matches_the_host_ring(mode, device_comm):
+    for n in SIZES:
+        x = rank_data(FLOAT32, n, "avg", salt=5)
+        work = np.empty_like(x)
+        device_comm._core.reduce_scatter_device(x.ctypes.data, work.ctypes.data, n,
+                                                dtype_code(FLOAT32), OP_CODES["avg"], 128,
+                                                *emulated(MODES[mode]))
+        offset, count = _core.segment_of(RANK, SIZE, n)
+        assert bitwise_equal(work[offset:offset + count], reference.reduce_scatter(x, "avg")), n
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_allgather_with_different_row_counts(mode, device_comm, world):
+    rows = [(r * 3 + 1) % 5 for r in range(SIZE)]  # includes ranks with no rows at 4 ranks
+    x = (np.arange(rows[RANK] * 6, dtype=np.int32).reshape(rows[RANK], 3, 2) + 1000 * RANK)
+    core = device_comm._core
+    counts = core.allgather_counts_device(x.shape[0], 6, hash((3, 2)) & 0x7FFFFFFFFFFFFFFF,
+                                          dtype_code(x.dtype), 32)
+    assert list(counts) == rows
+    out = np.empty((sum(counts), 3, 2), np.int32)
+    core.allgather_device(x.ctypes.data, out.ctypes.data, counts, 6, dtype_code(x.dtype),
+                          *emulated(MODES[mode]))
+    np.testing.assert_array_equal(out, np.concatenate(world.allgather(x)))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_broadcast_from_every_root(mode, device_comm):
+    for root in range(SIZE):
+        for n in (0, 1, 1000):
+            x = rank_data(np.dtype(np.float64), n, salt=root)
+            expected = MPI.COMM_WORLD.bcast(x, root=root)
+            device_comm._core.broadcast_device(x.ctypes.data, n, dtype_code(x.dtype), root, 800,
+                                               *emulated(MODES[mode]))
+            assert bitwise_equal(x, expected), f"root={root} n={n}"
+
+
+def test_the_staged_ring_sends_what_the_host_ring_sends(device_comm):
+    # 2(p-1)/p of the buffer per rank, as the host ring over MPI messages.
+    n = 4096 * SIZE
+    x = rank_data(FLOAT32, n)
+    before = device_comm._core.ring_bytes_sent
+    device_allreduce(device_comm, x, "sum", 1024, direct=False)
+    sent = device_comm._core.ring_bytes_sent - before
+    assert sent == 2 * (SIZE - 1) * (n // SIZE) * 4
+
+
+def test_host_and_device_buffers_in_one_call_are_a_mismatch(device_comm):
+    if SIZE == 1:
+        pytest.skip("needs two ranks")
+    x = rank_data(FLOAT32, 1000)
+    with pytest.raises(rr.MismatchError, match=r"memory: .*GPU \(cupy\).*host \(numpy\)"
+                       r"|memory: .*host \(numpy\).*GPU \(cupy\)"):
+        if RANK == 0:
+            device_comm._core.allreduce(x, np.empty_like(x), dtype_code(FLOAT32), 0, 4096)
+        else:
+            device_allreduce(device_comm, x, "sum", 4096, direct=False)
+    # still usable afterwards
+    assert bitwise_equal(device_allreduce(device_comm, x, "sum", 4096, False),
+                         reference.allreduce(x, "sum"))

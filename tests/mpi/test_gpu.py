@@ -1,0 +1,188 @@
+"""cupy arrays through the real device ring, on every rank; skipped where there is no
+cupy or no usable GPU. Ranks may share one GPU (rank r uses GPU r % count). Every result
+is held to the host ring's (numpy) result for the same data, bit for bit where the
+arithmetic is the same, and the staging path is tested whatever MPI says about CUDA."""
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import ringreduce as rr
+from ringreduce import reference
+
+from helpers import bitwise_equal, rank_data
+
+try:
+    import cupy
+except ImportError:
+    cupy = None
+
+pytestmark = pytest.mark.skipif(cupy is None or not rr.cuda_available(),
+                                reason="needs cupy and a usable GPU")
+
+SIZE = MPI.COMM_WORLD.Get_size()
+RANK = MPI.COMM_WORLD.Get_rank()
+SIZES = sorted({0, 1, SIZE, 2 * SIZE + 1, 517, 100_003, 3_000_001})
+DTYPES = [np.dtype(n) for n in ("float16", "float32", "float64", "int32", "int64", "uint8",
+                                "complex64")]
+OPS = ["sum", "prod", "min", "max", "avg"]
+
+
+def supported(dtype, op):
+    return not (dtype.kind == "c" and op in ("min", "max") or dtype.kind in "iu" and op == "avg")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_gpu_per_rank():
+    if cupy is not None and rr.cuda_available():
+        cupy.cuda.Device(RANK % cupy.cuda.runtime.getDeviceCount()).use()
+
+
+@pytest.fixture(scope="module", params=["staged", "direct"])
+def gpu_comm(request):
+    """A Communicator for each way of moving device buffers; "direct" only where MPI
+    says it takes device pointers (or RINGREDUCE_CUDA_AWARE=1)."""
+    comm = rr.Communicator()
+    if request.param == "direct" and not comm._cuda_direct():
+        comm.close()
+        pytest.skip("MPI is not CUDA-aware here: " + rr._core.mpi_cuda_aware_reason())
+    comm._direct = request.param == "direct"
+    yield comm
+    comm.close()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("op", OPS)
+def test_cupy_allreduce_matches_the_host_ring_bit_for_bit(dtype, op, gpu_comm):
+    if not supported(dtype, op):
+        pytest.skip("op not defined for dtype")
+    for n in SIZES:
+        for chunk in (4096, 1 << 18):
+            gpu_comm.chunk_bytes = chunk
+            x = rank_data(dtype, n, op, salt=2)
+            got = gpu_comm.allreduce(cupy.asarray(x), op=op)
+            assert isinstance(got, cupy.ndarray) and got.device.id == cupy.cuda.Device().id
+            assert bitwise_equal(cupy.asnumpy(got), gpu_comm.allreduce(x, op=op)), (n, chunk)
+
+
+def test_out_in_place_and_shapes(gpu_comm):
+    x = rank_data(np.dtype(np.float32), 6 * 1000).reshape(6, 1000)
+    expected = reference.allreduce(x, "sum")
+    dx = cupy.asarray(x)
+    out = cupy.empty_like(dx)
+    assert gpu_comm.allreduce(dx, out=out) is out
+    assert bitwise_equal(cupy.asnumpy(out), expected)
+    assert gpu_comm.allreduce(dx, out=dx) is dx
+    assert bitwise_equal(cupy.asnumpy(dx), expected)
+    strided = cupy.asarray(x)[:, ::2]  # not contiguous: read through a copy
+    assert bitwise_equal(cupy.asnumpy(gpu_comm.allreduce(strided)),
+                         reference.allreduce(np.ascontiguousarray(x[:, ::2]), "sum"))
+
+
+SPIN = r"""
+extern "C" __global__ void late_fill(float* x, long n, float value, long long cycles) {
+  long long start = clock64();
+  while (clock64() - start < cycles) {}
+  for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += gridDim.x * (long)blockDim.x)
+    x[i] = value;
+}
+"""
+
+
+def test_waits_for_the_callers_stream_and_is_ready_on_it(gpu_comm):
+    # x is written by a kernel that first spins for tens of milliseconds on a
+    # non-blocking stream; a collective that did not wait for that stream would read
+    # the zeros. The result is then read on the same stream without synchronising.
+    late_fill = cupy.RawKernel(SPIN, "late_fill")
+    n = 1 << 20
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        x = cupy.zeros(n, cupy.float32)
+        late_fill((64,), (256,), (x, np.int64(n), np.float32(RANK + 1), np.int64(50_000_000)))
+        out = gpu_comm.allreduce(x)
+        doubled = out * 2
+        handle = gpu_comm.allreduce_async(doubled)
+        again = handle.wait() + 1
+    stream.synchronize()
+    total = SIZE * (SIZE + 1) / 2
+    assert float(out[0]) == total and float(out[-1]) == total
+    assert float(again[0]) == 2 * total * SIZE + 1
+
+
+def test_several_async_calls_in_flight(gpu_comm):
+    arrays = [rank_data(np.dtype(np.float64), n, salt=n) for n in (10, 100_000, 7, 300_000)]
+    handles = [gpu_comm.allreduce_async(cupy.asarray(a), op="avg") for a in arrays]
+    for a, h in zip(arrays, handles):
+        assert bitwise_equal(cupy.asnumpy(h.wait()), reference.allreduce(a, "avg"))
+
+
+def test_reduce_scatter_allgather_broadcast(gpu_comm, world):
+    for n in (0, 5, 517, 100_003):
+        x = rank_data(np.dtype(np.float32), n, "sum", salt=4)
+        part = gpu_comm.reduce_scatter(cupy.asarray(x))
+        assert bitwise_equal(cupy.asnumpy(part), reference.reduce_scatter(x, "sum"))
+    rows = (RANK * 2 + 1) % 4
+    x = np.arange(rows * 6, dtype=np.int64).reshape(rows, 2, 3) + 100 * RANK
+    gathered = gpu_comm.allgather(cupy.asarray(x))
+    np.testing.assert_array_equal(cupy.asnumpy(gathered), np.concatenate(world.allgather(x)))
+    for root in range(SIZE):
+        y = rank_data(np.dtype(np.float64), 300_001, salt=root)
+        dy = cupy.asarray(y)
+        assert gpu_comm.broadcast(dy, root=root) is dy
+        assert bitwise_equal(cupy.asnumpy(dy), world.bcast(y, root=root))
+    z = cupy.asarray(rank_data(np.dtype(np.float32), 40).reshape(4, 10))
+    view = z[:, ::2]  # broadcast into a strided view writes through to z
+    gpu_comm.broadcast(view, root=0)
+    expected = world.bcast(cupy.asnumpy(z)[:, ::2], root=0)
+    np.testing.assert_array_equal(cupy.asnumpy(z[:, ::2]), expected)
+
+
+def test_host_and_gpu_buffers_in_one_call_raise_on_every_rank(comm):
+    if SIZE == 1:
+        pytest.skip("needs two ranks")
+    x = rank_data(np.dtype(np.float32), 1000)
+    with pytest.raises(rr.MismatchError, match="memory"):
+        comm.allreduce(x if RANK == 0 else cupy.asarray(x))
+    assert bitwise_equal(cupy.asnumpy(comm.allreduce(cupy.asarray(x))),
+                         reference.allreduce(x, "sum"))
+
+
+def test_bad_gpu_arguments_raise_clear_errors(comm):
+    dx = cupy.zeros(10, cupy.float32)
+    with pytest.raises(TypeError, match="cupy.ndarray"):
+        comm.allreduce(dx, out=np.zeros(10, np.float32))
+    with pytest.raises(TypeError, match="dtype"):
+        comm.allreduce(dx, out=cupy.zeros(10, cupy.float64))
+    with pytest.raises(ValueError, match="shape"):
+        comm.allreduce(dx, out=cupy.zeros(11, cupy.float32))
+    with pytest.raises(rr.UnsupportedOpError):
+        comm.allreduce(cupy.zeros(3, cupy.int32), op="avg")
+
+
+def test_allreduce_gradients_and_the_distributed_optimizer_on_cupy(world):
+    from ringreduce.optim import SGD, Adam, DistributedOptimizer
+
+    rng = np.random.default_rng(5)
+    shapes = [(30, 20), (20,), (20, 10), (10,)]
+    start = [rng.standard_normal(s).astype(np.float32) for s in shapes]
+    grads = [[rank_data(np.dtype(np.float32), int(np.prod(s)), salt=10 * k + i).reshape(s)
+              for i, s in enumerate(shapes)] for k in range(3)]
+
+    host = [g.copy() for g in grads[0]]
+    device = [cupy.asarray(g) for g in grads[0]]
+    rr.allreduce_gradients(host, bucket_mb=0.001)
+    rr.allreduce_gradients(device, bucket_mb=0.001)
+    for h, d in zip(host, device):
+        assert bitwise_equal(cupy.asnumpy(d), h)
+
+    for make in (lambda p: SGD(p, lr=0.1, momentum=0.9), lambda p: Adam(p, lr=0.01)):
+        host_params = [p.copy() for p in start]
+        gpu_params = [cupy.asarray(p) for p in start]
+        host_opt = DistributedOptimizer(make(host_params), bucket_mb=0.001)
+        gpu_opt = DistributedOptimizer(make(gpu_params), bucket_mb=0.001)
+        for step_grads in grads:
+            host_opt.step([g.copy() for g in step_grads])
+            for i in reversed(range(len(shapes))):  # overlap: grads reported as backward goes
+                gpu_opt.grad_ready(i, cupy.asarray(step_grads[i]))
+            gpu_opt.step()
+        for h, d in zip(host_params, gpu_params):
+            np.testing.assert_allclose(cupy.asnumpy(d), h, rtol=1e-5, atol=1e-6)
