@@ -36,10 +36,9 @@ def run_on_ranks(ranks: int, module: str, tmp_path: Path, timeout: float, extra=
     marker = f"{os.getpid()}-{uuid.uuid4().hex}"  # in every rank's environment
     # One BLAS thread per rank: more ranks than cores already, spinning BLAS threads on
     # top would only slow the tests down.
-    env = dict({"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}, **os.environ,
-               **(env or {}), RINGREDUCE_TEST_REPORT_DIR=str(report_dir),
-               RINGREDUCE_TEST_JOB=marker,
-               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", **os.environ, **(env or {}),
+           "RINGREDUCE_TEST_REPORT_DIR": str(report_dir), "RINGREDUCE_TEST_JOB": marker,
+           "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     command = [mpiexec(), "-n", str(ranks), sys.executable, "-m", "mpi4py", "-m", "pytest",
                "-q", "-p", "no:cacheprovider", "--rootdir", str(ROOT),
                str(ROOT / "tests" / "mpi" / module), *extra]

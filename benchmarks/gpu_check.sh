@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# The GPU check, for a machine with an NVIDIA GPU and no network (the H200 we are lent):
+# installs MPI from wheels in .whl/, builds the extension for this GPU, runs the GPU
+# kernel tests and the cupy tests on 2 and 4 ranks sharing the GPU, and prints the
+# busbw table of cupy allreduce (1 KiB to 1 GiB) beside the GPU's copy rate. About 5
+# minutes; everything it prints also lands in OUTDIR.
+#
+#   here (with network):  bash scripts/fetch_gpu_wheels.sh      # fills .whl/
+#   there:                bash benchmarks/gpu_check.sh [OUTDIR]  # default $OUT or ./gpu_check_out
+#
+# Needs there: nvcc, and a python3 with numpy, cupy, pybind11, setuptools and pytest.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUTDIR=${1:-${OUT:-$PWD/gpu_check_out}}
+mkdir -p "$OUTDIR"
+PY=${PYTHON:-python3}
+T0=$SECONDS
+step() { echo; echo "== [$((SECONDS - T0)) s] $*"; }
+failures=()
+
+step "MPI from .whl/"
+PREFIX=/tmp/ringreduce-mpi
+ls .whl/*.whl >/dev/null 2>&1 || { echo "no wheels in .whl/: run scripts/fetch_gpu_wheels.sh first"; exit 1; }
+"$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --ignore-installed \
+  --prefix "$PREFIX" \
+  .whl/*.whl || exit 1
+SITE=$(echo "$PREFIX"/lib/python3*/site-packages)
+export PYTHONPATH="$SITE:$PWD" PATH="$PREFIX/bin:$PATH" MPICC="$PREFIX/bin/mpicc"
+export MPI4PY_LIBMPI="$PREFIX/lib/libmpi.so.12" OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1
+nvidia-smi --query-gpu=name,driver_version,memory.total,compute_cap --format=csv \
+  | tee "$OUTDIR/gpu.txt"
+"$PY" -c "import cupy, mpi4py; print('cupy', cupy.__version__, '| mpi4py', mpi4py.__version__)"
+
+step "build, CUDA code for this GPU only"
+arch=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -1 | tr -d ' .')
+rm -f ringreduce/_core*.so
+if ! RINGREDUCE_CUDA=1 RINGREDUCE_CUDA_ARCHS="$arch" "$PY" setup.py build_ext --inplace -j 8 \
+     >"$OUTDIR/build.log" 2>&1; then
+  tail -30 "$OUTDIR/build.log"
+  exit 1
+fi
+"$PY" -c "
+import ringreduce as rr
+print('cuda_available:', rr.cuda_available(), '|', rr._core.cuda_status())
+print('CUDA-aware MPI:', rr._core.mpi_cuda_aware(), '|', rr._core.mpi_cuda_aware_reason())
+print(rr._core.mpi_library_version().splitlines()[0])" | tee -a "$OUTDIR/gpu.txt"
+
+step "GPU kernels against the CPU kernels (one process)"
+"$PY" -m pytest -q -p no:cacheprovider tests/test_cuda.py 2>&1 | tail -4 | tee "$OUTDIR/tests.txt"
+[ "${PIPESTATUS[0]}" -eq 0 ] || failures+=("tests/test_cuda.py")
+
+step "cupy through the ring on 2 and 4 ranks (staged; also direct where MPI is CUDA-aware)"
+(cd tests && "$PY" -m pytest -q -s -p no:cacheprovider \
+   "test_on_ranks.py::test_gpu_module_on_ranks[2]" "test_on_ranks.py::test_gpu_module_on_ranks[4]") \
+  2>&1 | tail -25 | tee -a "$OUTDIR/tests.txt"
+[ "${PIPESTATUS[0]}" -eq 0 ] || failures+=("GPU tests on ranks")
+
+step "busbw, 2 ranks on one GPU, 1 KiB to 1 GiB"
+mpiexec -n 2 "$PY" benchmarks/bench_gpu.py --json "$OUTDIR/gpu_2ranks.json" \
+  --markdown "$OUTDIR/gpu_2ranks.md" || failures+=("bench at 2 ranks")
+
+if [ $((SECONDS - T0)) -lt 330 ]; then
+  step "busbw, 4 ranks on one GPU, 1 KiB to 256 MiB"
+  mpiexec -n 4 "$PY" benchmarks/bench_gpu.py --max-bytes $((256 << 20)) --repeats 3 \
+    --json "$OUTDIR/gpu_4ranks.json" --markdown "$OUTDIR/gpu_4ranks.md" \
+    || failures+=("bench at 4 ranks")
+else
+  step "skipping the 4-rank table: past 330 s"
+fi
+
+step "done"
+if [ ${#failures[@]} -gt 0 ]; then
+  echo "FAILED: ${failures[*]}"
+  exit 1
+fi
+echo "all GPU checks passed"
