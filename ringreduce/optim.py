@@ -1,6 +1,6 @@
-"""Optimizers for plain numpy models (SGD and Adam also update cupy arrays), and
-DistributedOptimizer, which keeps the replicas on every rank identical by averaging
-gradients with the ring (numpy gradients until the GPU ring exists).
+"""Optimizers for plain numpy or cupy models, and DistributedOptimizer, which keeps
+the replicas on every rank identical by averaging gradients with the ring (on the GPU
+for cupy gradients).
 
     opt = DistributedOptimizer(SGD(params, lr=0.1, momentum=0.9))
     opt.broadcast_parameters(root=0)   # every rank starts from rank 0's parameters
