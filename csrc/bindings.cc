@@ -51,6 +51,7 @@ PYBIND11_MODULE(_core, m) {
   m.doc() = "ringreduce's C++ core: ring collectives over MPI (use the ringreduce package)";
   py::register_exception<MismatchError>(m, "MismatchError", PyExc_RuntimeError);
   py::register_exception<MpiError>(m, "MPIError", PyExc_RuntimeError);
+  py::register_exception<OutOfMemoryError>(m, "OutOfMemoryError", PyExc_MemoryError);
 
   py::list dtypes, ops;
   for (int d = 0; d < kNumDTypes; ++d) dtypes.append(dtype_name(static_cast<DType>(d)));
@@ -179,6 +180,11 @@ PYBIND11_MODULE(_core, m) {
               int dtype, int64_t chunk_bytes) {
              py::gil_scoped_release nogil;
              return self.allgather_counts(rows, row_elems, shape_tag, DType(dtype), chunk_bytes);
+           })
+      .def("allgather_confirm",
+           [](RingCommunicator& self, bool ok, int64_t out_bytes) {
+             py::gil_scoped_release nogil;
+             self.allgather_confirm(ok, out_bytes);
            })
       .def("allgather",
            [](RingCommunicator& self, py::array x, py::array out,

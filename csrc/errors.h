@@ -1,5 +1,6 @@
 // Exceptions the core throws. The binding maps each to a Python exception type:
 // MismatchError -> ringreduce.MismatchError, MpiError -> ringreduce.MPIError,
+// OutOfMemoryError -> a MemoryError,
 // std::invalid_argument -> ValueError, anything else -> RuntimeError.
 #pragma once
 
@@ -15,6 +16,12 @@ struct MismatchError : std::runtime_error {
 
 // An MPI call failed; the message carries MPI's own error string.
 struct MpiError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+// A rank could not allocate what a collective needs; raised on every rank, before any
+// data moved (Python: a MemoryError).
+struct OutOfMemoryError : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 

@@ -317,6 +317,21 @@ std::vector<int64_t> RingCommunicator::allgather_counts(int64_t rows, int64_t ro
   return rows_per_rank;
 }
 
+void RingCommunicator::allgather_confirm(bool ok, int64_t out_bytes) {
+  check_usable();
+  std::vector<int> everyone(size());
+  const int mine = ok ? 1 : 0;
+  transport_->allgather_bytes(&mine, everyone.data(), sizeof(int));
+  std::vector<int> failed;
+  for (int r = 0; r < size(); ++r)
+    if (!everyone[r]) failed.push_back(r);
+  if (failed.empty()) return;
+  throw OutOfMemoryError("ringreduce.allgather: " + describe_ranks(failed) +
+                         " could not allocate the " + std::to_string(out_bytes) +
+                         "-byte result (raised on rank " + std::to_string(rank()) +
+                         "); nothing was sent");
+}
+
 void RingCommunicator::allgather(const void* input, void* out,
                                  const std::vector<int64_t>& row_counts, int64_t row_elems,
                                  DType dtype) {

@@ -159,10 +159,16 @@ def prepare_allgather(comm, context, x):
     launch = _Launch(cp, source, comm._cuda_direct())
     core, chunk = comm._core, comm.chunk_bytes
 
+    from .communicator import allocate_confirmed
+
     def run():
         counts = core.allgather_counts_device(rows, row_elems, shape_tag, dtype, chunk)
-        with launch.context():
-            out = cp.empty((sum(counts),) + row_shape, x.dtype)
+        def allocate():  # cupy's OutOfMemoryError is a MemoryError
+            with launch.context():
+                return cp.empty((sum(counts),) + row_shape, x.dtype)
+
+        out = allocate_confirmed(core, allocate, sum(counts) * row_elems * x.dtype.itemsize,
+                                 always=True)
         core.allgather_device(source.data.ptr, out.data.ptr, counts, row_elems, dtype,
                               *launch.args())
         return out

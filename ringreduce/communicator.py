@@ -21,6 +21,25 @@ from . import _device
 from . import _types as t
 
 _COLLECTIVES = dict(_core.COLLECTIVES)
+_CONFIRM_BYTES = 1 << 20  # allgather outputs at least this big are confirmed (see below)
+
+
+def allocate_confirmed(core, allocate, nbytes: int, always: bool):
+    """allgather's output, between its two halves. If one rank cannot allocate it, the
+    others must not go on into the ring and wait there for it forever: for outputs that
+    might not fit (big ones, or any on a GPU) the ranks confirm they all have theirs,
+    which costs one tiny collective, and all raise MemoryError if any has not."""
+    confirm = always or nbytes >= _CONFIRM_BYTES
+    try:
+        out = allocate()
+    except MemoryError:
+        if not confirm:
+            raise
+        core.allgather_confirm(False, nbytes)  # raises, naming this rank, on every rank
+        raise
+    if confirm:
+        core.allgather_confirm(True, nbytes)
+    return out
 
 
 class Handle:
@@ -295,7 +314,7 @@ class Communicator:
             raise ValueError(f"{context}: this Communicator has been closed")
         try:
             run = prepare(context, *args)
-        except (TypeError, ValueError):
+        except Exception:  # TypeError, ValueError, a MemoryError copying x, ...
             # Still take part in the header exchange, so that the other ranks raise
             # MismatchError naming this rank instead of waiting for it forever.
             core, collective, chunk = self._core, _COLLECTIVES[name], self._chunk_bytes
@@ -383,7 +402,9 @@ class Communicator:
         def run():
             # The result's size is known only once every rank has said its row count.
             counts = core.allgather_counts(rows, row_elems, shape_tag, dtype, chunk)
-            out = np.empty((sum(counts),) + row_shape, x.dtype)
+            out = allocate_confirmed(core, lambda: np.empty((sum(counts),) + row_shape, x.dtype),
+                                     sum(counts) * row_elems * x.dtype.itemsize,
+                                     always=False)
             core.allgather(source, out, counts, row_elems, dtype)
             return out
 

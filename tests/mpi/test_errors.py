@@ -206,3 +206,46 @@ def test_chunk_size_of_rank_0_wins(world):
     with rr.Communicator(chunk_bytes=64 + 8 * RANK) as ring:
         x = np.arange(1000.0) * (RANK + 1)
         np.testing.assert_allclose(ring.allreduce(x), np.arange(1000.0) * SIZE * (SIZE + 1) / 2)
+
+
+class _NumpyWithoutMemory:
+    """numpy, except that np.empty fails: a rank that cannot allocate its output."""
+
+    def __getattr__(self, name):
+        return getattr(np, name)
+
+    @staticmethod
+    def empty(*args, **kwargs):
+        raise MemoryError("test: np.empty refused")
+
+
+@needs_two
+def test_a_rank_that_cannot_allocate_allgathers_output_does_not_hang_the_others(
+        comm, monkeypatch):
+    from ringreduce import communicator
+
+    x = np.full((1024, 256), RANK, np.float32)  # 1 MiB per rank: the output is confirmed
+    if RANK == 1:
+        monkeypatch.setattr(communicator, "np", _NumpyWithoutMemory())
+    with pytest.raises(MemoryError, match="rank 1 could not allocate"):
+        comm.allgather(x)
+    monkeypatch.undo()
+    still_works(comm)
+    np.testing.assert_array_equal(comm.allgather(x)[::1024, 0], np.arange(SIZE))
+
+
+@needs_two
+def test_a_memory_error_while_preparing_a_call_does_not_hang_the_others(comm, monkeypatch):
+    from ringreduce import communicator
+
+    x = np.ones((8, 8))[:, ::2]  # not contiguous: allgather copies it first
+    if RANK == 0:
+        monkeypatch.setattr(communicator.t, "contiguous",
+                            lambda a: (_ for _ in ()).throw(MemoryError("test")))
+        with pytest.raises(MemoryError):
+            comm.allgather(x)
+    else:
+        with pytest.raises(rr.MismatchError, match="rank 0 rejected"):
+            comm.allgather(x)
+    monkeypatch.undo()
+    still_works(comm)
