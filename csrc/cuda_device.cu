@@ -16,9 +16,10 @@ namespace {
 class CudaDevice final : public Device {
  public:
   CudaDevice(int ordinal, int rank) : ordinal_(ordinal), rank_(rank) {
-    check(cudaSetDevice(ordinal_), "cudaSetDevice");
+    begin(nullptr);
     for (cudaStream_t& s : streams_)
       check(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate");
+    cudaSetDevice(callers_device_);
   }
   ~CudaDevice() override {
     // No throwing here; at interpreter exit the driver may already be shutting down.
@@ -32,7 +33,9 @@ class CudaDevice final : public Device {
   int ordinal() const override { return ordinal_; }
 
   void begin(void* ready) override {
-    // cudaSetDevice is per thread, and calls may come from the async worker thread.
+    // cudaSetDevice is per thread, and calls may come from the async worker thread;
+    // end() gives the caller its current device back.
+    check(cudaGetDevice(&callers_device_), "cudaGetDevice");
     check(cudaSetDevice(ordinal_), "cudaSetDevice");
     used_events_ = 0;
     if (ready)
@@ -45,6 +48,7 @@ class CudaDevice final : public Device {
     check(cudaStreamWaitEvent(static_cast<cudaStream_t>(user_stream), events_[all], 0),
           "cudaStreamWaitEvent(caller's stream)");
     check(cudaEventSynchronize(events_[all]), "cudaEventSynchronize");
+    check(cudaSetDevice(callers_device_), "cudaSetDevice");
   }
 
   void* alloc_host(int64_t bytes) override {
@@ -81,7 +85,12 @@ class CudaDevice final : public Device {
   bool done(Event event) override {
     if (event == kNoEvent) return true;
     const cudaError_t rc = cudaEventQuery(events_[event]);
-    if (rc == cudaErrorNotReady) return false;
+    if (rc == cudaErrorNotReady) {
+      // "Not ready" is also left behind as the thread's last error, which the next
+      // kernel launch's cudaGetLastError() would report as a failure: clear it.
+      (void)cudaGetLastError();
+      return false;
+    }
     check(rc, "cudaEventQuery");
     return true;
   }
@@ -127,6 +136,7 @@ class CudaDevice final : public Device {
 
   int ordinal_;
   int rank_;
+  int callers_device_ = 0;
   cudaStream_t streams_[kStreams] = {};
   std::vector<cudaEvent_t> events_;  // reused: index < used_events_ is in use this call
   int64_t used_events_ = 0;

@@ -61,6 +61,14 @@ def _check_out(cp, out, shape, dtype, device: int, context: str):
         raise ValueError(f"{context}: out is on GPU {out.device.id} but x is on GPU {device}")
 
 
+def _overlap_but_differ(a, b) -> bool:
+    """Two C-contiguous arrays share bytes without being the same bytes. (Bounds are
+    exact for contiguous arrays; cupy.shares_memory would sort every address.)"""
+    a0, b0 = a.data.ptr, b.data.ptr
+    same = a0 == b0 and a.nbytes == b.nbytes
+    return not same and a0 < b0 + b.nbytes and b0 < a0 + a.nbytes
+
+
 class _Launch:
     """Where and after what a call runs: x's GPU, the caller's current stream, and an
     event recorded on that stream now (so later work on it is not waited for)."""
@@ -83,6 +91,13 @@ class _Launch:
     def context(self):
         """The caller's GPU and stream, for cupy work done on the worker thread."""
         return _StreamContext(self.cp, self.device, self.stream)
+
+    def settle(self):
+        """After cupy work in run(): cupy's per-thread default stream (ptr 2) names
+        another stream on the worker thread than on the caller's, so there the work
+        is finished before the call counts as done."""
+        if self.stream.ptr == 2:
+            self.stream.synchronize()
 
 
 class _StreamContext:
@@ -109,9 +124,8 @@ def prepare_allreduce(comm, context, x, op, out):
             out = cp.empty(x.shape, x.dtype)
         else:
             _check_out(cp, out, x.shape, x.dtype, launch_device, context)
-            if (source is not out and source.data.ptr != out.data.ptr
-                    and cp.shares_memory(source, out)):
-                source = source.copy()  # overlapping, not identical
+            if _overlap_but_differ(source, out):
+                source = source.copy()  # the ring would read its own writes
     launch = _Launch(cp, source, comm._cuda_direct())
     core, chunk, count = comm._core, comm.chunk_bytes, x.size
 
@@ -142,6 +156,7 @@ def prepare_reduce_scatter(comm, context, x, op, out):
                                    *launch.args())
         with launch.context():
             out[...] = work[offset:offset + count]
+        launch.settle()
         return out
 
     return run
@@ -165,7 +180,11 @@ def prepare_allgather(comm, context, x):
         counts = core.allgather_counts_device(rows, row_elems, shape_tag, dtype, chunk)
         def allocate():  # cupy's OutOfMemoryError is a MemoryError
             with launch.context():
-                return cp.empty((sum(counts),) + row_shape, x.dtype)
+                out = cp.empty((sum(counts),) + row_shape, x.dtype)
+                # The pool may hand out memory whose last users were enqueued after
+                # `ready`: wait for them too.
+                launch.ready.record(launch.stream)
+                return out
 
         out = allocate_confirmed(core, allocate, sum(counts) * row_elems * x.dtype.itemsize,
                                  always=True)
@@ -193,6 +212,7 @@ def prepare_broadcast(comm, context, x, root):
         if buffer is not array:
             with launch.context():
                 array[...] = buffer.reshape(array.shape)
+            launch.settle()
         return x
 
     return run
