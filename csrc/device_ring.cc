@@ -58,14 +58,23 @@ void staged_phase(const RingSchedule& sched, Transport& transport, Device& dev, 
   auto bytes_of = [&](Span ch) { return ch.count * static_cast<int64_t>(es); };
   auto at = [&](Span ch) { return ch.offset * static_cast<int64_t>(es); };
 
-  // Step 0 sends our own data: copy it all out now; each chunk goes as soon as it lands.
+  // Step 0 sends our own data: each chunk goes as soon as its copy out has landed.
+  // The copies are enqueued a few chunks ahead of the sends, not all at once: a call
+  // of thousands of chunks would otherwise fill CUDA's launch queue (blocking this
+  // thread) before the first receive is posted.
   const char* first_source = reducing ? input : out;
   const int first_segment = sched.send_segment(phase, 0);
-  for (int64_t c = 0; c < sched.num_chunks(first_segment); ++c) {
-    const Span ch = sched.chunk(first_segment, c);
-    dev.copy(Device::kCopyOut, mirror + at(ch), first_source + at(ch), bytes_of(ch));
-    sends.push_back({ch, tag_base, dev.record(Device::kCopyOut)});
-  }
+  const int64_t num_first = sched.num_chunks(first_segment);
+  int64_t first_enqueued = 0, first_sent = 0;
+  auto enqueue_first_sends = [&] {
+    for (; first_enqueued < num_first && first_enqueued < first_sent + 2 * window;
+         ++first_enqueued) {
+      const Span ch = sched.chunk(first_segment, first_enqueued);
+      dev.copy(Device::kCopyOut, mirror + at(ch), first_source + at(ch), bytes_of(ch));
+      sends.push_back({ch, tag_base, dev.record(Device::kCopyOut)});
+    }
+  };
+  enqueue_first_sends();
 
   std::vector<Transport::Request> recv_requests(window);
   auto post_recv = [&](int64_t i) {
@@ -80,12 +89,14 @@ void staged_phase(const RingSchedule& sched, Transport& transport, Device& dev, 
   // The reduction that last read each device slot: a slot is refilled after it.
   std::vector<Device::Event> slot_free(slots, Device::kNoEvent);
   int64_t next = 0;  // the next chunk to arrive, in arrival order
-  while (next < num_recvs || !sends.empty()) {
+  while (next < num_recvs || !sends.empty() || first_enqueued < num_first) {
     while (!sends.empty() && dev.done(sends.front().ready)) {
       const PendingSend& s = sends.front();
       transport.send_right(mirror + at(s.chunk), bytes_of(s.chunk), s.tag);
+      if (s.tag == tag_base) ++first_sent;
       sends.pop_front();
     }
+    enqueue_first_sends();
     if (next >= num_recvs || !transport.test(recv_requests[next % window])) continue;
 
     const ChunkRef ref = recvs[next];
