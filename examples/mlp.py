@@ -1,8 +1,18 @@
-"""A small multi-layer perceptron in plain numpy: ReLU hidden layers, softmax output,
-mean cross-entropy loss, gradients by hand. Used by train_digits.py and the tests."""
+"""A small multi-layer perceptron in plain numpy (or cupy: the same code runs on either
+library's arrays): ReLU hidden layers, softmax output, mean cross-entropy loss,
+gradients by hand. Used by train_digits.py and the tests."""
 from __future__ import annotations
 
 import numpy as np
+
+
+def array_module(a):
+    """numpy or cupy, whichever `a` belongs to."""
+    if type(a).__module__.split(".")[0] == "cupy":
+        import cupy
+
+        return cupy
+    return np
 
 
 def init_params(sizes, seed: int = 0, dtype=np.float64) -> list:
@@ -18,11 +28,12 @@ def init_params(sizes, seed: int = 0, dtype=np.float64) -> list:
 
 def forward(params, x):
     """Logits, and what backward needs (each layer's input and pre-activation)."""
+    xp = array_module(x)
     layers, h = [], x
     for k in range(0, len(params), 2):
         z = h @ params[k] + params[k + 1]
         layers.append((h, z))
-        h = np.maximum(z, 0) if k + 2 < len(params) else z
+        h = xp.maximum(z, 0) if k + 2 < len(params) else z
     return h, layers
 
 
@@ -32,13 +43,15 @@ def loss_and_grads(params, x, y, scale: float = 1.0, on_grad=None):
     on_grad(i, g), if given, is called as soon as each gradient is final, last layer
     first, which is the order in which backward produces them.
     """
+    xp = array_module(x)
     logits, layers = forward(params, x)
     shifted = logits - logits.max(axis=1, keepdims=True)
-    log_probs = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
+    log_probs = shifted - xp.log(xp.exp(shifted).sum(axis=1, keepdims=True))
     n = len(y)
-    loss = -log_probs[np.arange(n), y].mean() * scale
-    delta = np.exp(log_probs)
-    delta[np.arange(n), y] -= 1.0
+    rows = xp.arange(n)
+    loss = float(-log_probs[rows, y].mean() * scale)
+    delta = xp.exp(log_probs)
+    delta[rows, y] -= 1.0
     delta *= scale / n
     grads = [None] * len(params)
     for k in range(len(params) - 2, -1, -2):

@@ -1,6 +1,7 @@
 """Data-parallel training of a small numpy MLP on scikit-learn's handwritten digits.
 
     mpiexec -n 2 python -m mpi4py examples/train_digits.py --plot digits.png
+    mpiexec -n 2 python -m mpi4py examples/train_digits.py --gpu     # cupy, one GPU per rank
 
 Every rank holds the same model. Each global batch is cut into one equal shard per
 rank; each rank computes the gradient of its shard's mean loss, DistributedOptimizer
@@ -51,22 +52,36 @@ def progress_bar(done: int, total: int, text: str, width: int = 28) -> None:
     sys.stderr.flush()
 
 
+def use_a_gpu(comm):
+    """cupy, with this rank on one of its machine's GPUs (ranks may share one)."""
+    import cupy
+
+    local = comm.mpi_comm.Split_type(MPI.COMM_TYPE_SHARED)
+    cupy.cuda.Device(local.Get_rank() % cupy.cuda.runtime.getDeviceCount()).use()
+    local.Free()
+    return cupy
+
+
 def train(epochs=30, global_batch=64, lr=0.1, momentum=0.9, hidden=64, compression=None,
-          overlap=True, comm=None, quiet=False, seed=0):
-    """Trains on every rank of comm; returns the history (same on every rank)."""
+          overlap=True, comm=None, quiet=False, seed=0, gpu=False):
+    """Trains on every rank of comm; returns the history (same on every rank).
+    gpu: the model and data are cupy arrays, and gradients go through the GPU ring."""
     ring = comm if isinstance(comm, rr.Communicator) else rr.Communicator(comm)
     rank, size = ring.rank, ring.size
     if global_batch % size:
         raise ValueError(f"the global batch ({global_batch}) must divide evenly among "
                          f"{size} ranks")
     shard = global_batch // size
-    x_train, y_train, x_test, y_test = load_digits_split()
-    params = init_params((64, hidden, hidden, 10), seed=seed + rank)  # differ on purpose...
+    xp = use_a_gpu(ring) if gpu else np
+    x_train, y_train, x_test, y_test = (xp.asarray(a) for a in load_digits_split())
+    params = [xp.asarray(p) for p in  # differ on purpose...
+              init_params((64, hidden, hidden, 10), seed=seed + rank)]
     opt = DistributedOptimizer(SGD(params, lr=lr, momentum=momentum), comm=ring,
                                bucket_mb=0.01, compression=compression)
     opt.broadcast_parameters(root=0)  # ...until rank 0's are broadcast to all
     steps_per_epoch = len(y_train) // global_batch
     history = {"ranks": size, "global_batch": global_batch, "compression": str(compression),
+               "device": "GPU (cupy)" if gpu else "CPU (numpy)",
                "epoch": [], "loss": [], "train_accuracy": [], "test_accuracy": [],
                "seconds": [], "comm_seconds": []}
     for epoch in range(1, epochs + 1):
@@ -74,7 +89,7 @@ def train(epochs=30, global_batch=64, lr=0.1, momentum=0.9, hidden=64, compressi
         start, comm_before, losses = time.perf_counter(), opt.comm_seconds, []
         for step in range(steps_per_epoch):
             batch = order[step * global_batch:(step + 1) * global_batch]
-            mine = batch[rank * shard:(rank + 1) * shard]
+            mine = xp.asarray(batch[rank * shard:(rank + 1) * shard])
             if overlap:  # each gradient's bucket starts all-reducing while backward goes on
                 loss, _ = loss_and_grads(params, x_train[mine], y_train[mine],
                                          on_grad=opt.grad_ready)
@@ -102,7 +117,7 @@ def train(epochs=30, global_batch=64, lr=0.1, momentum=0.9, hidden=64, compressi
                 f"({history['comm_seconds'][-1] / history['seconds'][-1]:.0%} waiting on "
                 "communication)\n")
     history["bytes_sent_per_rank"] = opt.bytes_sent
-    history["final_params_checksum"] = float(sum(float(np.abs(p).sum()) for p in params))
+    history["final_params_checksum"] = float(sum(float(abs(p).sum()) for p in params))
     return history
 
 
@@ -117,6 +132,8 @@ def main():
                         default="none")
     parser.add_argument("--no-overlap", action="store_true",
                         help="step(grads) after backward instead of grad_ready during it")
+    parser.add_argument("--gpu", action="store_true",
+                        help="train on the GPU: cupy arrays, gradients through the GPU ring")
     parser.add_argument("--json", help="write the history here")
     parser.add_argument("--plot", help="save the loss and accuracy curves here (PNG)")
     args = parser.parse_args()
@@ -124,11 +141,12 @@ def main():
                    "powersgd": PowerSGD(rank=4)}[args.compression]
     rank = MPI.COMM_WORLD.Get_rank()
     history = train(args.epochs, args.global_batch, args.lr, args.momentum, args.hidden,
-                    compression, overlap=not args.no_overlap)
+                    compression, overlap=not args.no_overlap, gpu=args.gpu)
     if rank != 0:
         return
     total, waiting = sum(history["seconds"]), sum(history["comm_seconds"])
-    print(f"\n{history['ranks']} rank(s), global batch {history['global_batch']}, "
+    print(f"\n{history['ranks']} rank(s) on {history['device']}, "
+          f"global batch {history['global_batch']}, "
           f"compression {args.compression}: final test accuracy "
           f"{history['test_accuracy'][-1]:.3f}, final loss {history['loss'][-1]:.4f}")
     print(f"time: {total:.2f} s training, of which {waiting:.2f} s ({waiting / total:.0%}) "

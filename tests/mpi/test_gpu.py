@@ -186,3 +186,22 @@ def test_allreduce_gradients_and_the_distributed_optimizer_on_cupy(world):
             gpu_opt.step()
         for h, d in zip(host_params, gpu_params):
             np.testing.assert_allclose(cupy.asnumpy(d), h, rtol=1e-5, atol=1e-6)
+
+
+def test_the_digits_example_trains_the_same_on_the_gpu():
+    # float64 on both sides; cuBLAS and OpenBLAS sum in different orders, so the curves
+    # agree closely rather than bit for bit.
+    import os
+    import sys
+
+    pytest.importorskip("sklearn")
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
+    from train_digits import train
+
+    cpu = train(epochs=3, global_batch=48, quiet=True)
+    gpu = train(epochs=3, global_batch=48, quiet=True, gpu=True)
+    assert gpu["device"] == "GPU (cupy)"
+    np.testing.assert_allclose(gpu["loss"], cpu["loss"], rtol=1e-6)
+    np.testing.assert_allclose(gpu["test_accuracy"], cpu["test_accuracy"], atol=0.01)
+    fp16 = train(epochs=3, global_batch=48, quiet=True, gpu=True, compression="fp16")
+    assert abs(fp16["test_accuracy"][-1] - cpu["test_accuracy"][-1]) < 0.03
