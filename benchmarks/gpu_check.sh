@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The GPU check, for a machine with an NVIDIA GPU and no network (the H200 we are lent):
 # installs MPI from wheels in .whl/, builds the extension for this GPU, runs the GPU
-# kernel tests and the cupy tests on 2 and 4 ranks sharing the GPU, and prints the
-# busbw table of cupy allreduce (1 KiB to 1 GiB) beside the GPU's copy rate. About 5
-# minutes; everything it prints also lands in OUTDIR.
+# kernel tests and the cupy tests on 2 and 4 ranks sharing the GPU, trains the digits
+# example on the GPU, and prints the busbw table of cupy allreduce (1 KiB to 1 GiB)
+# beside the GPU's copy rate. About 5 minutes; what it prints also lands in OUTDIR.
 #
 #   here (with network):  bash scripts/fetch_gpu_wheels.sh      # fills .whl/
 #   there:                bash benchmarks/gpu_check.sh [OUTDIR]  # default $OUT or ./gpu_check_out
@@ -54,6 +54,11 @@ step "cupy through the ring on 2 and 4 ranks (staged; also direct where MPI is C
    "test_on_ranks.py::test_gpu_module_on_ranks[2]" "test_on_ranks.py::test_gpu_module_on_ranks[4]") \
   2>&1 | tail -25 | tee -a "$OUTDIR/tests.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || failures+=("GPU tests on ranks")
+
+step "the digits example on the GPU, 2 ranks"
+mpiexec -n 2 "$PY" examples/train_digits.py --gpu --epochs 30 2>&1 | tail -3 \
+  | tee -a "$OUTDIR/tests.txt"
+[ "${PIPESTATUS[0]}" -eq 0 ] || failures+=("digits example on the GPU")
 
 step "busbw, 2 ranks on one GPU, 1 KiB to 1 GiB"
 mpiexec -n 2 "$PY" benchmarks/bench_gpu.py --json "$OUTDIR/gpu_2ranks.json" \
