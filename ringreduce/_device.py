@@ -18,6 +18,11 @@ from . import _core
 from . import _types as t
 
 
+# Tests only: run the core's host emulation of a GPU (see csrc/device.h), so that this
+# module can be tested, with a stand-in for cupy, on machines without one.
+_EMULATE = False
+
+
 def is_device_array(x) -> bool:
     return hasattr(x, "__cuda_array_interface__") and not isinstance(x, np.ndarray)
 
@@ -86,7 +91,7 @@ class _Launch:
 
     def args(self):
         """The last five arguments of every *_device call of the core."""
-        return self.device, self.ready.ptr, self.stream.ptr, self.direct, False
+        return self.device, self.ready.ptr, self.stream.ptr, self.direct, _EMULATE
 
     def context(self):
         """The caller's GPU and stream, for cupy work done on the worker thread."""

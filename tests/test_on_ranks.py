@@ -3,6 +3,8 @@ assumptions). Each case launches `mpiexec -n RANKS` on one module of tests/mpi/ 
 timeout; every rank must pass the same tests. Ranks on one machine pass chunks through
 shared memory; the modules that move data run a second time over MPI messages
 (RINGREDUCE_SHM=0), so both wires are tested."""
+import os
+
 import pytest
 
 from launch import run_on_ranks
@@ -17,6 +19,7 @@ MODULES = {  # module -> timeout in seconds at 4 oversubscribed ranks on 2 cores
     "test_example.py": 600,
     "test_sim.py": 300,
     "test_device_ring.py": 300,  # the GPU engine over its host emulation
+    "test_device_python.py": 300,  # the Python GPU path, a stand-in cupy, the emulation
 }
 
 
@@ -63,7 +66,8 @@ def test_gpu_module_on_ranks(ranks, tmp_path, capsys):
     """cupy through the device ring; the ranks share the machine's GPUs."""
     if not gpu_ready():
         pytest.skip("needs cupy and a usable GPU")
-    summaries = run_on_ranks(ranks, "test_gpu.py", tmp_path, timeout=600)
+    timeout = float(os.environ.get("RINGREDUCE_GPU_TEST_TIMEOUT", 600))  # the GPU check: less
+    summaries = run_on_ranks(ranks, "test_gpu.py", tmp_path, timeout=timeout)
     counts = {(s["passed"], s["failed"], s["skipped"]) for s in summaries.values()}
     assert len(counts) == 1, f"ranks disagree on what ran: {summaries}"
     passed, failed, skipped = counts.pop()

@@ -1,0 +1,101 @@
+"""Just enough of cupy's surface, over host memory, for ringreduce/_device.py to run on
+machines without a GPU: arrays that present __cuda_array_interface__, streams, events
+and devices that do nothing. Paired with the core's host emulation of the GPU
+(ringreduce._device._EMULATE), the Python half of the GPU path (argument checks, out=,
+in place, strides, the async worker, allgather's allocation) runs under MPI in CI. What
+cupy and CUDA really do is for tests/mpi/test_gpu.py, on a GPU."""
+from __future__ import annotations
+
+import types
+
+import numpy as np
+
+
+class _Pointer:
+    def __init__(self, array):
+        self.ptr = array.__array_interface__["data"][0]
+
+
+class _DeviceId:
+    id = 0
+
+
+class ndarray:
+    """A numpy array wearing a GPU array's clothes."""
+
+    def __init__(self, host: np.ndarray):
+        self.host = host
+
+    @property
+    def __cuda_array_interface__(self):
+        return {"shape": self.host.shape, "typestr": self.host.dtype.str,
+                "data": (_Pointer(self.host).ptr, False), "version": 3,
+                "strides": None if self.host.flags.c_contiguous else self.host.strides}
+
+    shape = property(lambda self: self.host.shape)
+    dtype = property(lambda self: self.host.dtype)
+    size = property(lambda self: self.host.size)
+    ndim = property(lambda self: self.host.ndim)
+    nbytes = property(lambda self: self.host.nbytes)
+    flags = property(lambda self: self.host.flags)
+    strides = property(lambda self: self.host.strides)
+    data = property(lambda self: _Pointer(self.host))
+    device = property(lambda self: _DeviceId())
+
+    def __getitem__(self, key):
+        return ndarray(self.host[key])
+
+    def __setitem__(self, key, value):
+        self.host[key] = value.host if isinstance(value, ndarray) else value
+
+    def reshape(self, *shape):
+        return ndarray(self.host.reshape(*shape))
+
+    def copy(self):
+        return ndarray(self.host.copy())
+
+
+def asarray(x):
+    if isinstance(x, ndarray):
+        return x
+    return ndarray(np.asarray(x))
+
+
+def asnumpy(x):
+    return x.host.copy()
+
+
+def empty(shape, dtype):
+    return ndarray(np.empty(shape, dtype))
+
+
+def ascontiguousarray(x):
+    return ndarray(np.ascontiguousarray(x.host))
+
+
+class _Nothing:
+    def __init__(self, *args, **kwargs):
+        self.ptr = 0
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def record(self, stream=None):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def use(self):
+        pass
+
+
+cuda = types.SimpleNamespace(
+    Device=_Nothing, Event=_Nothing, Stream=_Nothing,
+    get_current_stream=lambda: _Nothing(),
+    runtime=types.SimpleNamespace(getDeviceCount=lambda: 1),
+    memory=types.SimpleNamespace(OutOfMemoryError=MemoryError),
+)

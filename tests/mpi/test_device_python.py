@@ -1,0 +1,115 @@
+"""The Python half of the GPU path (ringreduce/_device.py) on any machine: a stand-in
+for cupy (fake_cupy.py, GPU-array clothes on numpy memory) over the core's host
+emulation of a GPU. Checks the plumbing: results, out=, in place, strides, async
+calls, allgather's allocation, broadcast into a view, and the argument errors. cupy
+and CUDA themselves are tested by test_gpu.py where there is a GPU."""
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import ringreduce as rr
+from ringreduce import _device, reference
+
+import fake_cupy as cp
+from helpers import bitwise_equal, rank_data
+
+SIZE = MPI.COMM_WORLD.Get_size()
+RANK = MPI.COMM_WORLD.Get_rank()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def emulated_gpu():
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_device, "_EMULATE", True)
+        patch.setattr(_device, "_cupy", lambda *args: cp)
+        yield
+
+
+@pytest.fixture(scope="module", params=["staged", "direct"])
+def ring(request):
+    comm = rr.Communicator(chunk_bytes=256)
+    comm._direct = request.param == "direct"
+    yield comm
+    comm.close()
+
+
+def test_allreduce_returns_a_gpu_array_with_the_host_rings_result(ring):
+    for n in (0, 1, 7, 1000, 20_001):
+        for op in ("sum", "max", "avg"):
+            x = rank_data(np.dtype(np.float32), n, op, salt=n)
+            got = ring.allreduce(cp.asarray(x), op=op)
+            assert isinstance(got, cp.ndarray)
+            assert bitwise_equal(cp.asnumpy(got), reference.allreduce(x, op)), (n, op)
+
+
+def test_out_in_place_strided_and_overlapping(ring):
+    x = rank_data(np.dtype(np.float64), 4 * 300).reshape(4, 300)
+    expected = reference.allreduce(x, "sum")
+    out = cp.empty(x.shape, x.dtype)
+    assert ring.allreduce(cp.asarray(x), out=out) is out
+    assert bitwise_equal(cp.asnumpy(out), expected)
+    inplace = cp.asarray(x.copy())
+    assert ring.allreduce(inplace, out=inplace) is inplace
+    assert bitwise_equal(cp.asnumpy(inplace), expected)
+    strided = cp.asarray(x)[:, ::3]
+    assert bitwise_equal(cp.asnumpy(ring.allreduce(strided)),
+                         reference.allreduce(np.ascontiguousarray(x[:, ::3]), "sum"))
+    # out overlapping x without being x: x must be read before out is written
+    buffer = cp.asarray(rank_data(np.dtype(np.float64), 1200))
+    x_view, out_view = buffer[0:1000], buffer[200:1200]
+    expected = reference.allreduce(cp.asnumpy(x_view), "sum")
+    ring.allreduce(x_view, out=out_view)
+    assert bitwise_equal(cp.asnumpy(out_view), expected)
+
+
+def test_async_calls_complete_in_order(ring):
+    arrays = [rank_data(np.dtype(np.float32), n, salt=n) for n in (10, 3000, 1, 500)]
+    handles = [ring.allreduce_async(cp.asarray(a)) for a in arrays]
+    for a, h in zip(arrays, handles):
+        assert bitwise_equal(cp.asnumpy(h.wait()), reference.allreduce(a, "sum"))
+
+
+def test_reduce_scatter_allgather_broadcast(ring, world):
+    x = rank_data(np.dtype(np.float32), 1001, salt=3)
+    part = ring.reduce_scatter(cp.asarray(x), op="avg")
+    assert bitwise_equal(cp.asnumpy(part), reference.reduce_scatter(x, "avg"))
+    out = cp.empty(part.shape, part.dtype)
+    assert ring.reduce_scatter(cp.asarray(x), out=out) is out
+    rows = (RANK + 2) % 3
+    y = np.arange(rows * 4, dtype=np.int16).reshape(rows, 2, 2) + 10 * RANK
+    gathered = ring.allgather(cp.asarray(y))
+    np.testing.assert_array_equal(cp.asnumpy(gathered), np.concatenate(world.allgather(y)))
+    for root in range(SIZE):
+        z = rank_data(np.dtype(np.float64), 40, salt=root).reshape(4, 10)
+        expected = world.bcast(z, root=root)
+        dz = cp.asarray(z.copy())
+        view = dz[:, ::2]  # not contiguous: broadcast writes back through the view
+        assert ring.broadcast(view, root=root) is view
+        np.testing.assert_array_equal(cp.asnumpy(dz)[:, ::2], expected[:, ::2])
+        np.testing.assert_array_equal(cp.asnumpy(dz)[:, 1::2], z[:, 1::2])
+
+
+def test_argument_errors_name_the_problem(ring):
+    dx = cp.asarray(np.zeros(10, np.float32))
+    with pytest.raises(TypeError, match="cupy.ndarray"):
+        ring.allreduce(dx, out=np.zeros(10, np.float32))
+    with pytest.raises(TypeError, match="dtype"):
+        ring.allreduce(dx, out=cp.empty(10, np.float64))
+    with pytest.raises(ValueError, match="shape"):
+        ring.allreduce(dx, out=cp.empty(11, np.float32))
+    with pytest.raises(ValueError, match="C-contiguous"):
+        ring.allreduce(dx, out=cp.empty(20, np.float32)[::2])
+    with pytest.raises(rr.UnsupportedOpError):
+        ring.allreduce(cp.asarray(np.zeros(3, np.int32)), op="avg")
+    with pytest.raises(ValueError, match="root"):
+        ring.broadcast(dx, root=SIZE)
+
+
+def test_host_and_gpu_arrays_in_one_call_raise_on_every_rank(ring):
+    if SIZE == 1:
+        pytest.skip("needs two ranks")
+    x = rank_data(np.dtype(np.float32), 1000)
+    with pytest.raises(rr.MismatchError, match="memory"):
+        ring.allreduce(x if RANK == 0 else cp.asarray(x))
+    assert bitwise_equal(cp.asnumpy(ring.allreduce(cp.asarray(x))),
+                         reference.allreduce(x, "sum"))
