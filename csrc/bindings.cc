@@ -27,9 +27,9 @@ MPI_Comm comm_from_address(uintptr_t address) {
 
 // Where a device call runs: GPU `ordinal` (or the host emulation, for tests on
 // machines without a GPU), after event `ready` of the caller's `stream`.
-DeviceCall device_call(RingCommunicator& self, int ordinal, uintptr_t ready, uintptr_t stream,
+DeviceCall device_call(RingCommunicator&, int ordinal, uintptr_t ready, uintptr_t stream,
                        bool direct, bool emulate) {
-  return DeviceCall{&self.device(emulate, ordinal), reinterpret_cast<void*>(ready),
+  return DeviceCall{ordinal, emulate, reinterpret_cast<void*>(ready),
                     reinterpret_cast<void*>(stream), direct};
 }
 
@@ -89,6 +89,9 @@ PYBIND11_MODULE(_core, m) {
         cuda::synchronize(reinterpret_cast<void*>(stream));
       },
       "data /= divisor on the GPU (a device pointer), for tests; waits for the stream");
+  m.def(
+      "set_emulated_gpu_memory", [](int64_t bytes) { host_device_memory_limit = bytes; },
+      "tests: the host emulation of a GPU refuses allocations larger than this");
   m.def("mpi_cuda_aware", &mpi_is_cuda_aware,
         "whether device pointers go to MPI directly (RINGREDUCE_CUDA_AWARE, else MPI's answer)");
   m.def("mpi_cuda_aware_reason", &mpi_cuda_aware_reason);
@@ -236,6 +239,13 @@ PYBIND11_MODULE(_core, m) {
              py::gil_scoped_release nogil;
              return self.allgather_counts(rows, row_elems, shape_tag, DType(dtype), chunk_bytes,
                                           kDeviceMemory);
+           })
+      .def("reserve_staging",
+           [](RingCommunicator& self, int64_t bytes, int ordinal, uintptr_t ready,
+              uintptr_t stream, bool direct, bool emulate) {
+             py::gil_scoped_release nogil;
+             self.reserve_staging(device_call(self, ordinal, ready, stream, direct, emulate),
+                                  bytes);
            })
       .def("allgather_device",
            [](RingCommunicator& self, uintptr_t in, uintptr_t out,

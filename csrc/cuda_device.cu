@@ -8,6 +8,7 @@
 
 #include "cuda.h"
 #include "device.h"
+#include "errors.h"
 
 namespace ringreduce {
 
@@ -53,13 +54,14 @@ class CudaDevice final : public Device {
 
   void* alloc_host(int64_t bytes) override {
     void* p = nullptr;
-    check(cudaHostAlloc(&p, bytes > 0 ? bytes : 1, cudaHostAllocPortable), "cudaHostAlloc");
+    check_alloc(cudaHostAlloc(&p, bytes > 0 ? bytes : 1, cudaHostAllocPortable), "cudaHostAlloc",
+                bytes, "pinned host memory");
     return p;
   }
   void free_host(void* p) override { cudaFreeHost(p); }
   void* alloc_device(int64_t bytes) override {
     void* p = nullptr;
-    check(cudaMalloc(&p, bytes > 0 ? bytes : 1), "cudaMalloc");
+    check_alloc(cudaMalloc(&p, bytes > 0 ? bytes : 1), "cudaMalloc", bytes, "GPU memory");
     return p;
   }
   void free_device(void* p) override { cudaFree(p); }
@@ -109,6 +111,15 @@ class CudaDevice final : public Device {
   }
   void check(cudaError_t rc, const char* call) const {
     if (rc != cudaSuccess) fail(std::string(call) + " failed: " + cudaGetErrorString(rc));
+  }
+  void check_alloc(cudaError_t rc, const char* call, int64_t bytes, const char* what) const {
+    if (rc == cudaErrorMemoryAllocation) {
+      (void)cudaGetLastError();
+      throw OutOfMemoryError("ringreduce: " + std::string(call) + " could not get " +
+                             std::to_string(bytes) + " bytes of " + what + " on rank " +
+                             std::to_string(rank_) + " (GPU " + std::to_string(ordinal_) + ")");
+    }
+    check(rc, call);
   }
   template <typename F>
   void guard(F&& launch) const {

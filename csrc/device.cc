@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "errors.h"
 #include "reduce.h"
 
 // Open MPI declares its CUDA query in an extension header.
@@ -19,6 +20,8 @@
 #endif
 
 namespace ringreduce {
+
+int64_t host_device_memory_limit = INT64_MAX;
 
 namespace {
 
@@ -39,9 +42,9 @@ class HostDevice final : public Device {
     eager_copy_in_ = !eager_copy_in_;
   }
   void end(void*) override { finish_all(); }
-  void* alloc_host(int64_t bytes) override { return new char[bytes > 0 ? bytes : 1]; }
+  void* alloc_host(int64_t bytes) override { return allocate(bytes); }
   void free_host(void* p) override { delete[] static_cast<char*>(p); }
-  void* alloc_device(int64_t bytes) override { return new char[bytes > 0 ? bytes : 1]; }
+  void* alloc_device(int64_t bytes) override { return allocate(bytes); }
   void free_device(void* p) override { delete[] static_cast<char*>(p); }
   void copy(Stream s, void* dst, const void* src, int64_t bytes) override {
     enqueue(s, [=] {
@@ -77,6 +80,13 @@ class HostDevice final : public Device {
     int stream;
     int64_t position;  // operations enqueued on the stream when the event was recorded
   };
+  static char* allocate(int64_t bytes) {
+    if (bytes > host_device_memory_limit)
+      throw OutOfMemoryError("ringreduce: the emulated GPU has no " + std::to_string(bytes) +
+                             " bytes to give (limit " +
+                             std::to_string(host_device_memory_limit) + ")");
+    return new char[bytes > 0 ? bytes : 1];
+  }
   void enqueue(int s, std::function<void()> op) {
     queues_[s].push_back(std::move(op));
     ++enqueued_[s];

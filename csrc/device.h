@@ -66,6 +66,8 @@ class Device {
 
 // See the top of this file.
 std::unique_ptr<Device> make_host_device();
+// HostDevice's allocations larger than this fail (OutOfMemoryError), for tests.
+extern int64_t host_device_memory_limit;
 // CUDA on GPU `ordinal`; its errors name `rank`. Throws std::runtime_error when the
 // build has no CUDA.
 std::unique_ptr<Device> make_cuda_device(int ordinal, int rank);

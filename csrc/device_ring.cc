@@ -132,7 +132,37 @@ void staged_phase(const RingSchedule& sched, Transport& transport, Device& dev, 
   dev.synchronize(Device::kCompute);
 }
 
+// A GPU slot holds one received chunk, and no chunk is larger than the first segment
+// (see recv_slots()); 16-byte multiples keep the kernels' vector loads aligned.
+int64_t device_slot_bytes(int64_t chunk_elems, int64_t first_segment_elems, size_t es) {
+  const int64_t elems = std::min(chunk_elems, first_segment_elems);
+  return std::max<int64_t>(16, (elems * static_cast<int64_t>(es) + 15) / 16 * 16);
+}
+
 }  // namespace
+
+Device& RingCommunicator::begin_device_call(DeviceCall& call, Collective collective,
+                                            int64_t chunk_bytes, int64_t mirror_bytes,
+                                            int64_t scratch_bytes) {
+  try {
+    Device& dev = device(call.emulate, call.ordinal);
+    dev.begin(call.ready);
+    if (mirror_bytes > 0) host_mirror_->get(mirror_bytes);
+    if (scratch_bytes > 0) device_scratch_->get(scratch_bytes);
+    call.device = &dev;
+    return dev;
+  } catch (const std::exception&) {
+    if (closed_ || !broken_.empty()) throw;
+    announce_invalid(collective, chunk_bytes, kDeviceMemory);
+    throw;
+  }
+}
+
+void RingCommunicator::reserve_staging(const DeviceCall& call, int64_t bytes) {
+  Device& dev = device(call.emulate, call.ordinal);
+  (void)dev;
+  if (!call.direct) host_mirror_->get(bytes);
+}
 
 Device& RingCommunicator::device(bool emulate, int ordinal) {
   check_usable();
@@ -162,11 +192,8 @@ void RingCommunicator::run_device_reduce_scatter(const DeviceCall& call,
     dev.copy(Device::kCompute, out, input, sched.total_count() * static_cast<int64_t>(es));
     return;
   }
-  // No chunk is larger than the first segment (see recv_slots()).
-  const int64_t slot_elems = std::min(sched.chunk_elems(), sched.segment(0).count);
-  const int64_t slot_bytes =
-      std::max<int64_t>(16, (slot_elems * static_cast<int64_t>(es) + 15) / 16 * 16);
-  char* scratch = device_scratch_->get(slot_bytes * std::max(kDeviceSlots, kWindow));
+  const int64_t slot_bytes = device_slot_bytes(sched.chunk_elems(), sched.segment(0).count, es);
+  char* scratch = device_scratch_->get(slot_bytes * kDeviceScratchSlots);
   if (call.direct) {
     dev.synchronize(Device::kCompute);  // MPI reads the input as soon as it is given it
     ring_reduce_scatter(
@@ -218,14 +245,20 @@ void RingCommunicator::allreduce_device_inline(const DeviceCall& call, const voi
   dev.copy(Device::kCopyIn, out, staging + bytes, bytes);
 }
 
-void RingCommunicator::allreduce_device(const DeviceCall& call, const void* input, void* out,
+void RingCommunicator::allreduce_device(DeviceCall call, const void* input, void* out,
                                         int64_t count, DType dtype, Op op,
                                         int64_t chunk_bytes) {
-  Device& dev = *call.device;
-  dev.begin(call.ready);
   const size_t es = dtype_size(dtype);
   const int64_t bytes = count * static_cast<int64_t>(es);
-  if (size() > 1 && bytes <= inline_capacity_) {
+  const bool inline_call = size() > 1 && bytes <= inline_capacity_;
+  const int64_t mirror = inline_call ? 2 * bytes : (call.direct ? 0 : bytes);
+  const int64_t scratch =
+      inline_call ? 0
+                  : kDeviceScratchSlots * device_slot_bytes(chunk_elems(chunk_bytes, es),
+                                                            segment_of(0, size(), count).count,
+                                                            es);
+  Device& dev = begin_device_call(call, Collective::AllReduce, chunk_bytes, mirror, scratch);
+  if (inline_call) {
     allreduce_device_inline(call, input, out, count, dtype, op, chunk_bytes);
   } else {
     const CallHeader h =
@@ -245,14 +278,18 @@ void RingCommunicator::allreduce_device(const DeviceCall& call, const void* inpu
   dev.end(call.user_stream);
 }
 
-void RingCommunicator::reduce_scatter_device(const DeviceCall& call, const void* input,
-                                             void* work, int64_t count, DType dtype, Op op,
+void RingCommunicator::reduce_scatter_device(DeviceCall call, const void* input, void* work,
+                                             int64_t count, DType dtype, Op op,
                                              int64_t chunk_bytes) {
-  Device& dev = *call.device;
-  dev.begin(call.ready);
+  const size_t es = dtype_size(dtype);
+  const int64_t scratch =
+      kDeviceScratchSlots *
+      device_slot_bytes(chunk_elems(chunk_bytes, es), segment_of(0, size(), count).count, es);
+  Device& dev =
+      begin_device_call(call, Collective::ReduceScatter, chunk_bytes,
+                        call.direct ? 0 : count * static_cast<int64_t>(es), scratch);
   const CallHeader h =
       make_header(Collective::ReduceScatter, dtype, op, count, chunk_bytes, kDeviceMemory);
-  const size_t es = dtype_size(dtype);
   const int64_t elems = chunk_elems(agree(h), es);
   const RingSchedule sched = RingSchedule::split_evenly(rank(), size(), count, elems);
   guarded(&broken_, [&] {
@@ -265,13 +302,15 @@ void RingCommunicator::reduce_scatter_device(const DeviceCall& call, const void*
   dev.end(call.user_stream);
 }
 
-void RingCommunicator::allgather_device(const DeviceCall& call, const void* input, void* out,
+void RingCommunicator::allgather_device(DeviceCall call, const void* input, void* out,
                                         const std::vector<int64_t>& row_counts,
                                         int64_t row_elems, DType dtype) {
   check_usable();
   if (static_cast<int>(row_counts.size()) != size())
     throw std::invalid_argument("allgather: need one row count per rank");
-  Device& dev = *call.device;
+  // The staging buffer was reserved (reserve_staging) before allgather_confirm().
+  Device& dev = device(call.emulate, call.ordinal);
+  call.device = &dev;
   dev.begin(call.ready);
   const size_t es = dtype_size(dtype);
   std::vector<int64_t> counts(size());
@@ -286,13 +325,13 @@ void RingCommunicator::allgather_device(const DeviceCall& call, const void* inpu
   dev.end(call.user_stream);
 }
 
-void RingCommunicator::broadcast_device(const DeviceCall& call, void* buf, int64_t count,
+void RingCommunicator::broadcast_device(DeviceCall call, void* buf, int64_t count,
                                         DType dtype, int root, int64_t chunk_bytes) {
   if (root < 0 || root >= size())
     throw std::invalid_argument("broadcast: root " + std::to_string(root) + " is not in [0, " +
                                 std::to_string(size()) + ")");
-  Device& dev = *call.device;
-  dev.begin(call.ready);
+  const int64_t staged = call.direct ? 0 : count * static_cast<int64_t>(dtype_size(dtype));
+  Device& dev = begin_device_call(call, Collective::Broadcast, chunk_bytes, staged, 0);
   CallHeader h =
       make_header(Collective::Broadcast, dtype, Op::Sum, count, chunk_bytes, kDeviceMemory);
   h.extra = root;

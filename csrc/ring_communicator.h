@@ -55,10 +55,12 @@ CallHeader make_header(Collective collective, DType dtype, Op op, int64_t count,
 // the stream that must see the results. direct: hand device pointers to MPI (a
 // CUDA-aware MPI) instead of staging chunks through pinned host memory.
 struct DeviceCall {
-  Device* device;
+  int ordinal;        // the GPU
+  bool emulate;       // a HostDevice instead (tests on machines without a GPU)
   void* ready;
   void* user_stream;
   bool direct;
+  Device* device = nullptr;  // set when the call begins
 };
 
 class RingCommunicator {
@@ -102,15 +104,19 @@ class RingCommunicator {
 
   // The same collectives on GPU buffers (device_ring.cc). Inputs and outputs are
   // device pointers; the results are ready on call.user_stream when these return.
-  void allreduce_device(const DeviceCall& call, const void* input, void* out, int64_t count,
+  void allreduce_device(DeviceCall call, const void* input, void* out, int64_t count,
                         DType dtype, Op op, int64_t chunk_bytes);
-  void reduce_scatter_device(const DeviceCall& call, const void* input, void* work,
-                             int64_t count, DType dtype, Op op, int64_t chunk_bytes);
-  // After allgather_counts(..., kDeviceMemory).
-  void allgather_device(const DeviceCall& call, const void* input, void* out,
+  void reduce_scatter_device(DeviceCall call, const void* input, void* work, int64_t count,
+                             DType dtype, Op op, int64_t chunk_bytes);
+  // After allgather_counts(..., kDeviceMemory) and, between the two, reserve_staging()
+  // inside the allocation that allgather_confirm() checks.
+  void allgather_device(DeviceCall call, const void* input, void* out,
                         const std::vector<int64_t>& row_counts, int64_t row_elems, DType dtype);
-  void broadcast_device(const DeviceCall& call, void* buf, int64_t count, DType dtype, int root,
+  void broadcast_device(DeviceCall call, void* buf, int64_t count, DType dtype, int root,
                         int64_t chunk_bytes);
+  // Makes the Device and the pinned staging buffer of `bytes` ready, so that the call
+  // after it cannot fail for want of them. Throws OutOfMemoryError if they don't fit.
+  void reserve_staging(const DeviceCall& call, int64_t bytes);
   // "none" until a device call; then "CUDA" or "host emulation".
   const char* device_name() const { return device_ ? device_->name() : "none"; }
   // The Device for GPU `ordinal` (a HostDevice when emulate), made on first use and kept.
@@ -160,10 +166,17 @@ class RingCommunicator {
 
   // Device side (device_ring.cc).
   static constexpr int kDeviceSlots = 4;  // received chunks being reduced on the GPU
+  static constexpr int kDeviceScratchSlots =  // GPU scratch: staged slots, or direct's window
+      kDeviceSlots > kWindow ? kDeviceSlots : kWindow;
   void run_device_reduce_scatter(const DeviceCall& call, const RingSchedule& sched, DType dtype,
                                  Op op, const void* input, void* out);
   void run_device_allgather(const DeviceCall& call, const RingSchedule& sched, size_t elem_size,
                             void* buf);
+  // Everything a device call needs before its header exchange: the Device, ordering
+  // after the caller's stream, the staging buffers. If any of it fails, this rank
+  // still takes part in the exchange, so the others raise instead of waiting for it.
+  Device& begin_device_call(DeviceCall& call, Collective collective, int64_t chunk_bytes,
+                            int64_t mirror_bytes, int64_t scratch_bytes);
   // The whole allreduce of a call small enough to ride in the header exchange.
   void allreduce_device_inline(const DeviceCall& call, const void* input, void* out,
                                int64_t count, DType dtype, Op op, int64_t chunk_bytes);

@@ -183,13 +183,14 @@ def prepare_allgather(comm, context, x):
 
     def run():
         counts = core.allgather_counts_device(rows, row_elems, shape_tag, dtype, chunk)
-        def allocate():  # cupy's OutOfMemoryError is a MemoryError
+        def allocate():  # cupy's OutOfMemoryError is a MemoryError, and so is the core's
             with launch.context():
                 out = cp.empty((sum(counts),) + row_shape, x.dtype)
                 # The pool may hand out memory whose last users were enqueued after
                 # `ready`: wait for them too.
                 launch.ready.record(launch.stream)
-                return out
+            core.reserve_staging(out.nbytes, *launch.args())
+            return out
 
         out = allocate_confirmed(core, allocate, sum(counts) * row_elems * x.dtype.itemsize,
                                  always=True)

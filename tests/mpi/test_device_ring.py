@@ -137,3 +137,36 @@ def test_host_and_device_buffers_in_one_call_are_a_mismatch(device_comm):
     # still usable afterwards
     assert bitwise_equal(device_allreduce(device_comm, x, "sum", 4096, False),
                          reference.allreduce(x, "sum"))
+
+
+# Growing sizes: the staging buffer is kept, so each case must need a bigger one.
+@pytest.mark.parametrize("collective,count", [("allreduce", 1 << 16),
+                                              ("reduce_scatter", 1 << 18),
+                                              ("broadcast", 1 << 20)])
+def test_a_rank_without_memory_for_staging_raises_everywhere_instead_of_hanging(
+        collective, count, device_comm):
+    if SIZE == 1:
+        pytest.skip("needs two ranks")
+    x = rank_data(FLOAT32, count)
+    code, core = dtype_code(FLOAT32), device_comm._core
+    calls = {
+        "allreduce": lambda: core.allreduce_device(x.ctypes.data, x.ctypes.data, x.size, code,
+                                                   0, 4096, *emulated(False)),
+        "reduce_scatter": lambda: core.reduce_scatter_device(
+            x.ctypes.data, np.empty_like(x).ctypes.data, x.size, code, 0, 4096,
+            *emulated(False)),
+        "broadcast": lambda: core.broadcast_device(x.ctypes.data, x.size, code, 0, 4096,
+                                                   *emulated(False)),
+    }
+    if RANK == 1:
+        _core.set_emulated_gpu_memory(x.nbytes // 2)
+        try:
+            with pytest.raises(MemoryError, match="emulated GPU"):
+                calls[collective]()
+        finally:
+            _core.set_emulated_gpu_memory(2**63 - 1)
+    else:
+        with pytest.raises(rr.MismatchError, match="rank 1 rejected"):
+            calls[collective]()
+    got = device_allreduce(device_comm, x, "sum", 4096, direct=False)
+    assert bitwise_equal(got, reference.allreduce(x, "sum"))
