@@ -24,9 +24,12 @@ def main(paths: list[str]) -> None:
         names = list(dict.fromkeys(r["implementation"] for r in rows[0]))
         peer = next(n for n in names if n.startswith("MPI_"))
         print(f"### {collective}\n")
+        variants = [n for n in names if n.startswith("ringreduce") and n != "ringreduce"
+                    and "in place" not in n]  # e.g. "ringreduce out=": a speedup column each
         print("| size | " + " | ".join(f"{n}" for n in names)
-              + " | ringreduce busbw | speedup vs MPI, each run |")
-        print("|---" * (len(names) + 3) + "|")
+              + " | ringreduce busbw | speedup vs MPI, each run |"
+              + "".join(f" {v}: speedup, each run |" for v in variants))
+        print("|---" * (len(names) + 3 + len(variants)) + "|")
         for nbytes in sorted({r["bytes"] for r in rows[0]}):
             def pick(run, name):
                 return next(r for r in run if r["bytes"] == nbytes and r["implementation"] == name)
@@ -34,8 +37,12 @@ def main(paths: list[str]) -> None:
             busbw = statistics.median(pick(run, "ringreduce")["busbw_GBps"] for run in rows)
             speedups = [pick(run, peer)["time_s"] / pick(run, "ringreduce")["time_s"]
                         for run in rows]
+            extra = "".join(
+                " " + ", ".join(f"{pick(run, peer)['time_s'] / pick(run, v)['time_s']:.2f}x"
+                                for run in rows) + " |" for v in variants)
             print(f"| {human_bytes(nbytes)} | " + " | ".join(human_time(times[n]) for n in names)
-                  + f" | {busbw:.2f} GB/s | " + ", ".join(f"{s:.2f}x" for s in speedups) + " |")
+                  + f" | {busbw:.2f} GB/s | " + ", ".join(f"{s:.2f}x" for s in speedups) + " |"
+                  + extra)
         print()
 
 

@@ -185,10 +185,11 @@ PYBIND11_MODULE(_core, m) {
              return self.allgather_counts(rows, row_elems, shape_tag, DType(dtype), chunk_bytes);
            })
       .def("allgather_confirm",
-           [](RingCommunicator& self, bool ok, int64_t out_bytes) {
+           [](RingCommunicator& self, int status, int64_t out_bytes) {
              py::gil_scoped_release nogil;
-             self.allgather_confirm(ok, out_bytes);
-           })
+             self.allgather_confirm(RingCommunicator::OutputStatus(status), out_bytes);
+           },
+           "status: 1 ready, 0 no memory, 2 out= does not fit the result")
       .def("allgather",
            [](RingCommunicator& self, py::array x, py::array out,
               const std::vector<int64_t>& row_counts, int64_t row_elems, int dtype) {

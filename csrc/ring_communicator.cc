@@ -317,19 +317,25 @@ std::vector<int64_t> RingCommunicator::allgather_counts(int64_t rows, int64_t ro
   return rows_per_rank;
 }
 
-void RingCommunicator::allgather_confirm(bool ok, int64_t out_bytes) {
+void RingCommunicator::allgather_confirm(OutputStatus mine, int64_t out_bytes) {
   check_usable();
   std::vector<int> everyone(size());
-  const int mine = ok ? 1 : 0;
-  transport_->allgather_bytes(&mine, everyone.data(), sizeof(int));
-  std::vector<int> failed;
-  for (int r = 0; r < size(); ++r)
-    if (!everyone[r]) failed.push_back(r);
-  if (failed.empty()) return;
-  throw OutOfMemoryError("ringreduce.allgather: " + describe_ranks(failed) +
-                         " could not allocate the " + std::to_string(out_bytes) +
-                         "-byte result (raised on rank " + std::to_string(rank()) +
-                         "); nothing was sent");
+  const int status = static_cast<int>(mine);
+  transport_->allgather_bytes(&status, everyone.data(), sizeof(int));
+  std::vector<int> no_memory, misfit;
+  for (int r = 0; r < size(); ++r) {
+    if (everyone[r] == static_cast<int>(OutputStatus::NoMemory)) no_memory.push_back(r);
+    if (everyone[r] == static_cast<int>(OutputStatus::OutDoesNotFit)) misfit.push_back(r);
+  }
+  const std::string where = " (raised on rank " + std::to_string(rank()) + "); nothing was sent";
+  if (!no_memory.empty())
+    throw OutOfMemoryError("ringreduce.allgather: " + describe_ranks(no_memory) +
+                           " could not allocate the " + std::to_string(out_bytes) +
+                           "-byte result" + where);
+  if (!misfit.empty())
+    throw MismatchError("ringreduce.allgather: out on " + describe_ranks(misfit) +
+                        " does not fit the " + std::to_string(out_bytes) + "-byte result" +
+                        where);
 }
 
 void RingCommunicator::allgather(const void* input, void* out,
@@ -348,7 +354,8 @@ void RingCommunicator::allgather(const void* input, void* out,
                            ring_chunk_elems(pending_allgather_chunk_bytes_, es, shm));
   const Span mine = sched.segment(rank());
   char* dst = static_cast<char*>(out) + mine.offset * es;
-  if (mine.count > 0 && dst != input) std::memcpy(dst, input, mine.count * es);
+  // memmove: x may be a view into out (gathering in place).
+  if (mine.count > 0 && dst != input) std::memmove(dst, input, mine.count * es);
   guarded(&broken_, [&] { run_allgather(sched, es, out, shm); });
 }
 

@@ -92,10 +92,12 @@ class RingCommunicator {
   std::vector<int64_t> allgather_counts(int64_t rows, int64_t row_elems, int64_t shape_tag,
                                         DType dtype, int64_t chunk_bytes,
                                         int64_t memory = kHostMemory);
-  // Between the halves, for outputs big enough that allocating them may fail: every
-  // rank says whether it got its output (ok), and if any did not, all throw
-  // OutOfMemoryError naming them, instead of the others waiting in the ring for it.
-  void allgather_confirm(bool ok, int64_t out_bytes);
+  // Between the halves, where getting the output may fail (a big or GPU allocation, or
+  // the caller's out= checked against the row counts): every rank says how it went, and
+  // if any rank failed, all throw, instead of the others waiting in the ring for it:
+  // OutOfMemoryError if a rank had no memory, else MismatchError.
+  enum class OutputStatus : int { Ready = 1, NoMemory = 0, OutDoesNotFit = 2 };
+  void allgather_confirm(OutputStatus mine, int64_t out_bytes);
   // Second half: out holds sum(row_counts) rows; this rank's rows go in its place.
   void allgather(const void* input, void* out, const std::vector<int64_t>& row_counts,
                  int64_t row_elems, DType dtype);

@@ -167,36 +167,50 @@ def prepare_reduce_scatter(comm, context, x, op, out):
     return run
 
 
-def prepare_allgather(comm, context, x):
+def prepare_allgather(comm, context, x, out):
     cp, x = as_device_array(x, "x", context)
     dtype = t.dtype_code(x.dtype, "x", context)
     with cp.cuda.Device(x.device.id):
         source = x if x.flags.c_contiguous else cp.ascontiguousarray(x)
     rows = 1 if x.ndim == 0 else x.shape[0]
     row_shape = tuple(x.shape[1:])
+    if out is not None:
+        t.check_gather_out(out, row_shape, x.dtype, context, cp.ndarray, "cupy.ndarray")
+        if out.device.id != x.device.id:
+            raise ValueError(f"{context}: out is on GPU {out.device.id} but x is on GPU "
+                             f"{x.device.id}")
     row_elems = int(np.prod(row_shape, dtype=np.int64))
     shape_tag = hash(row_shape) & 0x7FFFFFFFFFFFFFFF
     launch = _Launch(cp, source, comm._cuda_direct())
     core, chunk = comm._core, comm.chunk_bytes
 
-    from .communicator import allocate_confirmed
+    from .communicator import gather_output
 
     def run():
         counts = core.allgather_counts_device(rows, row_elems, shape_tag, dtype, chunk)
+        total = sum(counts)
+        nbytes = total * row_elems * x.dtype.itemsize
+
         def allocate():  # cupy's OutOfMemoryError is a MemoryError, and so is the core's
             with launch.context():
-                out = cp.empty((sum(counts),) + row_shape, x.dtype)
+                result = cp.empty((total,) + row_shape, x.dtype)
                 # The pool may hand out memory whose last users were enqueued after
                 # `ready`: wait for them too.
                 launch.ready.record(launch.stream)
-            core.reserve_staging(out.nbytes, *launch.args())
-            return out
+            core.reserve_staging(nbytes, *launch.args())
+            return result
 
-        out = allocate_confirmed(core, allocate, sum(counts) * row_elems * x.dtype.itemsize,
-                                 always=True)
-        core.allgather_device(source.data.ptr, out.data.ptr, counts, row_elems, dtype,
+        if out is not None:  # staging is part of getting the output ready
+            try:
+                core.reserve_staging(nbytes, *launch.args())
+            except MemoryError:
+                core.allgather_confirm(0, nbytes)
+                raise
+        result = gather_output(core, context, out, total, row_shape, allocate, nbytes,
+                               always=True)
+        core.allgather_device(source.data.ptr, result.data.ptr, counts, row_elems, dtype,
                               *launch.args())
-        return out
+        return result
 
     return run
 

@@ -40,9 +40,9 @@ def reduce_scatter(x, op="sum", out=None, comm=None):
     return _communicator(comm).reduce_scatter(x, op=op, out=out)
 
 
-def allgather(x, comm=None):
-    """Communicator(comm).allgather(x)."""
-    return _communicator(comm).allgather(x)
+def allgather(x, out=None, comm=None):
+    """Communicator(comm).allgather(x, out)."""
+    return _communicator(comm).allgather(x, out=out)
 
 
 def broadcast(x, root=0, comm=None):

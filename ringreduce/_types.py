@@ -152,6 +152,22 @@ def check_out(out, shape: tuple, dtype: np.dtype, context: str) -> np.ndarray:
     return out
 
 
+def check_gather_out(out, row_shape: tuple, dtype, context: str, array_type=np.ndarray,
+                     type_name: str = "numpy.ndarray") -> None:
+    """allgather's out=: what can be checked before the row counts are known."""
+    if not isinstance(out, array_type):
+        raise TypeError(f"{context}: out must be a {type_name}, got {type(out).__name__}")
+    if out.dtype != dtype:
+        raise TypeError(f"{context}: out has dtype {out.dtype}, expected {dtype} (the dtype of x)")
+    if out.ndim != 1 + len(row_shape) or tuple(out.shape[1:]) != tuple(row_shape):
+        raise ValueError(f"{context}: out has shape {out.shape}; the result has rows of shape "
+                         f"{tuple(row_shape)}, so out must have shape (rows,) + {tuple(row_shape)}")
+    if not out.flags.c_contiguous:
+        raise ValueError(f"{context}: out is not C-contiguous (strides {out.strides})")
+    if isinstance(out, np.ndarray) and not out.flags.writeable:
+        raise ValueError(f"{context}: out is read-only")
+
+
 def is_plain_out(out, x: np.ndarray) -> bool:
     """out is a valid, separate output for x: the check_out() rules, quickly."""
     return (type(out) is np.ndarray and out.dtype == x.dtype and out.shape == x.shape

@@ -24,22 +24,40 @@ _COLLECTIVES = dict(_core.COLLECTIVES)
 _CONFIRM_BYTES = 1 << 20  # allgather outputs at least this big are confirmed (see below)
 
 
-def allocate_confirmed(core, allocate, nbytes: int, always: bool):
-    """allgather's output, between its two halves. If one rank cannot allocate it, the
-    others must not go on into the ring and wait there for it forever: for outputs that
-    might not fit (big ones, or any on a GPU) the ranks confirm they all have theirs,
-    which costs one tiny collective, and all raise MemoryError if any has not."""
+_READY, _NO_MEMORY, _OUT_DOES_NOT_FIT = 1, 0, 2  # allgather_confirm's statuses
+
+
+def gather_output(core, context, out, rows, row_shape, allocate, nbytes, always):
+    """allgather's output, between its two halves, once every rank's row count is known.
+
+    If one rank cannot get its output (no memory, or its ``out=`` has the wrong number
+    of rows), the others must not go on into the ring and wait there for it forever.
+    So where that can happen (a big or GPU allocation, or any ``out=``), the ranks first
+    confirm that they all have theirs, one tiny collective, and all raise if any has
+    not: MemoryError, or ValueError on the rank whose out= is wrong and MismatchError
+    on the others.
+    """
+    if out is not None:
+        fits = out.shape[0] == rows
+        try:
+            core.allgather_confirm(_READY if fits else _OUT_DOES_NOT_FIT, nbytes)
+        except _core.MismatchError:
+            if fits:
+                raise
+            raise ValueError(f"{context}: out has {out.shape[0]} rows, but the ranks "
+                             f"gather {rows} rows of shape {row_shape}") from None
+        return out
     confirm = always or nbytes >= _CONFIRM_BYTES
     try:
-        out = allocate()
+        result = allocate()
     except MemoryError:
         if not confirm:
             raise
-        core.allgather_confirm(False, nbytes)  # raises, naming this rank, on every rank
+        core.allgather_confirm(_NO_MEMORY, nbytes)  # raises, naming this rank, everywhere
         raise
     if confirm:
-        core.allgather_confirm(True, nbytes)
-    return out
+        core.allgather_confirm(_READY, nbytes)
+    return result
 
 
 class Handle:
@@ -268,13 +286,15 @@ class Communicator:
         """
         return self._call("reduce_scatter", self._prepare_reduce_scatter, x, op, out, wait=True)
 
-    def allgather(self, x):
+    def allgather(self, x, out=None):
         """Every rank's x concatenated along axis 0, in rank order.
 
         Ranks may differ in ``x.shape[0]`` but not in ``x.shape[1:]`` or dtype. A 0-d
-        x counts as one row.
+        x counts as one row. ``out``, if given, receives the result (and is returned):
+        its rows must add up to all ranks' rows, which every rank checks before any data
+        moves. x may be out's own block of rows (gathering in place).
         """
-        return self._call("allgather", self._prepare_allgather, x, wait=True)
+        return self._call("allgather", self._prepare_allgather, x, out, wait=True)
 
     def broadcast(self, x, root: int = 0):
         """Overwrite x on every rank with root's x, in place; return x."""
@@ -386,14 +406,16 @@ class Communicator:
 
         return run
 
-    def _prepare_allgather(self, context, x):
+    def _prepare_allgather(self, context, x, out):
         if _device.is_device_array(x):
-            return _device.prepare_allgather(self, context, x)
+            return _device.prepare_allgather(self, context, x, out)
         x = t.as_input_array(x, "x", context)
         dtype = t.dtype_code(x.dtype, "x", context)
         source = t.contiguous(x)
         rows = 1 if x.ndim == 0 else x.shape[0]
         row_shape = tuple(x.shape[1:])
+        if out is not None:
+            t.check_gather_out(out, row_shape, x.dtype, context)
         row_elems = int(np.prod(row_shape, dtype=np.int64))
         shape_tag = hash(row_shape) & 0x7FFFFFFFFFFFFFFF
         chunk = self._chunk_bytes
@@ -402,11 +424,12 @@ class Communicator:
         def run():
             # The result's size is known only once every rank has said its row count.
             counts = core.allgather_counts(rows, row_elems, shape_tag, dtype, chunk)
-            out = allocate_confirmed(core, lambda: np.empty((sum(counts),) + row_shape, x.dtype),
-                                     sum(counts) * row_elems * x.dtype.itemsize,
-                                     always=False)
-            core.allgather(source, out, counts, row_elems, dtype)
-            return out
+            total = sum(counts)
+            result = gather_output(core, context, out, total, row_shape,
+                                   lambda: np.empty((total,) + row_shape, x.dtype),
+                                   total * row_elems * x.dtype.itemsize, always=False)
+            core.allgather(source, result, counts, row_elems, dtype)
+            return result
 
         return run
 

@@ -112,3 +112,22 @@ def test_broadcast_many_chunks_large(world):
     with rr.Communicator(chunk_bytes=8192) as ring:
         ring.broadcast(x, root=SIZE // 2)
     assert bitwise_equal(x, expected)
+
+
+def test_allgather_into_out_and_in_place(comm, world):
+    rows = [(r % 3) + 1 for r in range(SIZE)]
+    offset = sum(rows[:RANK])
+    x = np.arange(rows[RANK] * 6, dtype=np.float32).reshape(rows[RANK], 2, 3) + 100 * RANK
+    expected = np.concatenate(world.allgather(x))
+    out = np.full((sum(rows), 2, 3), -1, np.float32)
+    assert comm.allgather(x, out=out) is out
+    np.testing.assert_array_equal(out, expected)
+    # in place: x is this rank's own block of out
+    out = np.zeros_like(expected)
+    out[offset:offset + rows[RANK]] = x
+    assert comm.allgather(out[offset:offset + rows[RANK]], out=out) is out
+    np.testing.assert_array_equal(out, expected)
+    big = np.full((1 << 16, 4), RANK, np.float64)  # 2 MiB per rank, more than one chunk
+    out = np.empty((SIZE << 16, 4))
+    comm.allgather(big, out=out)
+    np.testing.assert_array_equal(out[::1 << 16, 0], np.arange(SIZE))

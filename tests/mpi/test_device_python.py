@@ -79,6 +79,11 @@ def test_reduce_scatter_allgather_broadcast(ring, world):
     y = np.arange(rows * 4, dtype=np.int16).reshape(rows, 2, 2) + 10 * RANK
     gathered = ring.allgather(cp.asarray(y))
     np.testing.assert_array_equal(cp.asnumpy(gathered), np.concatenate(world.allgather(y)))
+    out = cp.empty(gathered.shape, gathered.dtype)
+    assert ring.allgather(cp.asarray(y), out=out) is out
+    np.testing.assert_array_equal(cp.asnumpy(out), cp.asnumpy(gathered))
+    with pytest.raises(TypeError, match="cupy.ndarray"):
+        ring.allgather(cp.asarray(y), out=cp.asnumpy(gathered))
     for root in range(SIZE):
         z = rank_data(np.dtype(np.float64), 40, salt=root).reshape(4, 10)
         expected = world.bcast(z, root=root)

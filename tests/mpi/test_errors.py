@@ -249,3 +249,29 @@ def test_a_memory_error_while_preparing_a_call_does_not_hang_the_others(comm, mo
             comm.allgather(x)
     monkeypatch.undo()
     still_works(comm)
+
+
+@needs_two
+def test_allgather_out_with_the_wrong_rows_raises_on_every_rank(comm):
+    x = np.ones((2, 3))
+    out = np.empty((2 * SIZE + (1 if RANK == 1 else 0), 3))
+    if RANK == 1:
+        with pytest.raises(ValueError, match=f"out has {2 * SIZE + 1} rows"):
+            comm.allgather(x, out=out)
+    else:
+        with pytest.raises(rr.MismatchError, match="out on rank 1 does not fit"):
+            comm.allgather(x, out=out)
+    still_works(comm)
+
+
+def test_allgather_out_checked_before_anything_moves(comm):
+    x = np.ones((2, 3))
+    with pytest.raises(TypeError, match="dtype"):
+        comm.allgather(x, out=np.empty((2 * SIZE, 3), np.float32))
+    with pytest.raises(ValueError, match=r"rows of shape \(3,\)"):
+        comm.allgather(x, out=np.empty((2 * SIZE, 4)))
+    with pytest.raises(ValueError, match="C-contiguous"):
+        comm.allgather(x, out=np.empty((2 * SIZE, 6))[:, ::2])
+    with pytest.raises(TypeError, match="numpy.ndarray"):
+        comm.allgather(x, out=[[0.0] * 3] * (2 * SIZE))
+    still_works(comm)
