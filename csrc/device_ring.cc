@@ -218,14 +218,15 @@ void RingCommunicator::run_device_allgather(const DeviceCall& call, const RingSc
   Device& dev = *call.device;
   ring_steps_ += sched.steps_per_phase();
   if (sched.size() == 1) return;
+  const RingSchedule copying = copy_schedule(sched, es);  // as the host ring's
   if (call.direct) {
     dev.join();
     dev.synchronize(Device::kCompute);
-    ring_allgather(sched, *transport_, es, buf, kWindow);
+    ring_allgather(copying, *transport_, es, buf, kWindow);
     return;
   }
   char* mirror = host_mirror_->get(sched.total_count() * static_cast<int64_t>(es));
-  staged_phase(sched, *transport_, dev, Phase::AllGather, DType::UInt8, Op::Sum, es, nullptr,
+  staged_phase(copying, *transport_, dev, Phase::AllGather, DType::UInt8, Op::Sum, es, nullptr,
                static_cast<char*>(buf), mirror, nullptr, 0, 0, kWindow);
 }
 
@@ -336,7 +337,9 @@ void RingCommunicator::broadcast_device(DeviceCall call, void* buf, int64_t coun
       make_header(Collective::Broadcast, dtype, Op::Sum, count, chunk_bytes, kDeviceMemory);
   h.extra = root;
   const size_t es = dtype_size(dtype);
-  const int64_t chunk = chunk_elems(agree(h), es) * static_cast<int64_t>(es);
+  const int64_t chunk =
+      std::min(chunk_elems(agree(h), es) * kCopyChunkFactor,
+               Transport::kMaxMessageBytes / static_cast<int64_t>(es)) * static_cast<int64_t>(es);
   const int64_t bytes = count * static_cast<int64_t>(es);
   guarded(&broken_, [&] {
     if (call.direct) {

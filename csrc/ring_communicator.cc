@@ -121,13 +121,18 @@ void RingCommunicator::run_reduce_scatter(const RingSchedule& sched, DType dtype
   }
 }
 
+RingSchedule RingCommunicator::copy_schedule(const RingSchedule& sched, size_t elem_size) {
+  const int64_t cap = Transport::kMaxMessageBytes / static_cast<int64_t>(elem_size);
+  return sched.with_chunk_elems(std::min(cap, sched.chunk_elems() * kCopyChunkFactor));
+}
+
 void RingCommunicator::run_allgather(const RingSchedule& sched, size_t elem_size, void* buf,
                                      bool shm) {
   ring_steps_ += sched.steps_per_phase();
   if (shm) {
-    shm_->allgather(sched, elem_size, buf);
+    shm_->allgather(sched, elem_size, buf);  // chunks must fit its slots
   } else {
-    ring_allgather(sched, *transport_, elem_size, buf, kWindow);
+    ring_allgather(copy_schedule(sched, elem_size), *transport_, elem_size, buf, kWindow);
   }
 }
 
@@ -368,9 +373,11 @@ void RingCommunicator::broadcast(void* buf, int64_t count, DType dtype, int root
   h.extra = root;
   const size_t es = dtype_size(dtype);
   const int64_t elems = chunk_elems(agree(h), es);
+  const int64_t chunk = std::min(elems * kCopyChunkFactor,
+                                 Transport::kMaxMessageBytes / static_cast<int64_t>(es));
   guarded(&broken_, [&] {
     ring_broadcast(rank(), size(), root, *transport_, buf, count * static_cast<int64_t>(es),
-                   elems * static_cast<int64_t>(es), kWindow);
+                   chunk * static_cast<int64_t>(es), kWindow);
   });
 }
 

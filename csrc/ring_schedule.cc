@@ -33,6 +33,13 @@ RingSchedule RingSchedule::split_evenly(int rank, int size, int64_t count, int64
   return RingSchedule(rank, size, std::move(counts), chunk_elems);
 }
 
+RingSchedule RingSchedule::with_chunk_elems(int64_t chunk_elems) const {
+  if (chunk_elems < 1) throw std::invalid_argument("RingSchedule: chunk_elems must be >= 1");
+  RingSchedule copy = *this;
+  copy.chunk_elems_ = chunk_elems;
+  return copy;
+}
+
 int64_t RingSchedule::num_chunks(int s) const {
   return (segment(s).count + chunk_elems_ - 1) / chunk_elems_;
 }

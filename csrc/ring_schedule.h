@@ -59,6 +59,9 @@ class RingSchedule {
   // Segments laid out like np.array_split(range(count), size).
   static RingSchedule split_evenly(int rank, int size, int64_t count, int64_t chunk_elems);
 
+  // The same segments cut into chunks of another size.
+  RingSchedule with_chunk_elems(int64_t chunk_elems) const;
+
   int rank() const { return rank_; }
   int size() const { return size_; }
   int left() const { return wrap(rank_ - 1); }
