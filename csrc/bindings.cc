@@ -180,16 +180,18 @@ PYBIND11_MODULE(_core, m) {
            })
       .def("allgather_counts",
            [](RingCommunicator& self, int64_t rows, int64_t row_elems, int64_t shape_tag,
-              int dtype, int64_t chunk_bytes) {
+              int dtype, int64_t chunk_bytes, int64_t out_rows) {
              py::gil_scoped_release nogil;
-             return self.allgather_counts(rows, row_elems, shape_tag, DType(dtype), chunk_bytes);
-           })
-      .def("allgather_confirm",
-           [](RingCommunicator& self, int status, int64_t out_bytes) {
-             py::gil_scoped_release nogil;
-             self.allgather_confirm(RingCommunicator::OutputStatus(status), out_bytes);
+             return self.allgather_counts(rows, row_elems, shape_tag, DType(dtype), chunk_bytes,
+                                          kHostMemory, out_rows);
            },
-           "status: 1 ready, 0 no memory, 2 out= does not fit the result")
+           py::arg("rows"), py::arg("row_elems"), py::arg("shape_tag"), py::arg("dtype"),
+           py::arg("chunk_bytes"), py::arg("out_rows") = -1)
+      .def("allgather_confirm",
+           [](RingCommunicator& self, bool ok, int64_t out_bytes) {
+             py::gil_scoped_release nogil;
+             self.allgather_confirm(ok, out_bytes);
+           })
       .def("allgather",
            [](RingCommunicator& self, py::array x, py::array out,
               const std::vector<int64_t>& row_counts, int64_t row_elems, int dtype) {
@@ -236,11 +238,13 @@ PYBIND11_MODULE(_core, m) {
            })
       .def("allgather_counts_device",
            [](RingCommunicator& self, int64_t rows, int64_t row_elems, int64_t shape_tag,
-              int dtype, int64_t chunk_bytes) {
+              int dtype, int64_t chunk_bytes, int64_t out_rows) {
              py::gil_scoped_release nogil;
              return self.allgather_counts(rows, row_elems, shape_tag, DType(dtype), chunk_bytes,
-                                          kDeviceMemory);
-           })
+                                          kDeviceMemory, out_rows);
+           },
+           py::arg("rows"), py::arg("row_elems"), py::arg("shape_tag"), py::arg("dtype"),
+           py::arg("chunk_bytes"), py::arg("out_rows") = -1)
       .def("reserve_staging",
            [](RingCommunicator& self, int64_t bytes, int ordinal, uintptr_t ready,
               uintptr_t stream, bool direct, bool emulate) {

@@ -222,11 +222,23 @@ int64_t RingCommunicator::agree(const CallHeader& mine, std::vector<CallHeader>*
       add(describe_disagreement(headers_, "root",
                                 [](const CallHeader& h) { return std::to_string(h.extra); }));
     } else if (kind == Collective::AllGather) {
-      add(describe_disagreement(headers_, "x.shape[1:] (elements per row, and a hash of the shape)",
-                                [](const CallHeader& h) {
-                                  return std::to_string(h.extra) + " elements (hash " +
-                                         std::to_string(h.shape_tag) + ")";
-                                }));
+      const std::string rows_differ = describe_disagreement(
+          headers_, "x.shape[1:] (elements per row, and a hash of the shape)",
+          [](const CallHeader& h) {
+            return std::to_string(h.extra) + " elements (hash " + std::to_string(h.shape_tag) +
+                   ")";
+          });
+      add(rows_differ);
+      int64_t total_rows = 0;
+      for (const CallHeader& h : headers_) total_rows += h.count;
+      std::vector<int> misfits;
+      for (int r = 0; r < p; ++r)
+        if (headers_[r].out_rows >= 0 && headers_[r].out_rows != total_rows) misfits.push_back(r);
+      if (rows_differ.empty() && !misfits.empty())
+        add("out= on " + describe_ranks(misfits) + " does not have the " +
+            std::to_string(total_rows) + " rows the ranks gather (out.shape[0]: " +
+            std::to_string(headers_[misfits[0]].out_rows) + " on rank " +
+            std::to_string(misfits[0]) + ")");
     }
   }
   if (!problems.empty()) {
@@ -310,8 +322,9 @@ void RingCommunicator::reduce_scatter(const void* input, void* work, int64_t cou
 std::vector<int64_t> RingCommunicator::allgather_counts(int64_t rows, int64_t row_elems,
                                                         int64_t shape_tag, DType dtype,
                                                         int64_t chunk_bytes,
-                                                        int64_t memory) {
+                                                        int64_t memory, int64_t out_rows) {
   CallHeader h = make_header(Collective::AllGather, dtype, Op::Sum, rows, chunk_bytes, memory);
+  h.out_rows = out_rows;
   h.extra = row_elems;
   h.shape_tag = shape_tag;
   std::vector<CallHeader> all;
@@ -322,25 +335,19 @@ std::vector<int64_t> RingCommunicator::allgather_counts(int64_t rows, int64_t ro
   return rows_per_rank;
 }
 
-void RingCommunicator::allgather_confirm(OutputStatus mine, int64_t out_bytes) {
+void RingCommunicator::allgather_confirm(bool ok, int64_t out_bytes) {
   check_usable();
   std::vector<int> everyone(size());
-  const int status = static_cast<int>(mine);
-  transport_->allgather_bytes(&status, everyone.data(), sizeof(int));
-  std::vector<int> no_memory, misfit;
-  for (int r = 0; r < size(); ++r) {
-    if (everyone[r] == static_cast<int>(OutputStatus::NoMemory)) no_memory.push_back(r);
-    if (everyone[r] == static_cast<int>(OutputStatus::OutDoesNotFit)) misfit.push_back(r);
-  }
-  const std::string where = " (raised on rank " + std::to_string(rank()) + "); nothing was sent";
-  if (!no_memory.empty())
-    throw OutOfMemoryError("ringreduce.allgather: " + describe_ranks(no_memory) +
-                           " could not allocate the " + std::to_string(out_bytes) +
-                           "-byte result" + where);
-  if (!misfit.empty())
-    throw MismatchError("ringreduce.allgather: out on " + describe_ranks(misfit) +
-                        " does not fit the " + std::to_string(out_bytes) + "-byte result" +
-                        where);
+  const int mine = ok ? 1 : 0;
+  transport_->allgather_bytes(&mine, everyone.data(), sizeof(int));
+  std::vector<int> failed;
+  for (int r = 0; r < size(); ++r)
+    if (!everyone[r]) failed.push_back(r);
+  if (failed.empty()) return;
+  throw OutOfMemoryError("ringreduce.allgather: " + describe_ranks(failed) +
+                         " could not allocate the " + std::to_string(out_bytes) +
+                         "-byte result (raised on rank " + std::to_string(rank()) +
+                         "); nothing was sent");
 }
 
 void RingCommunicator::allgather(const void* input, void* out,

@@ -42,6 +42,7 @@ struct CallHeader {
   int64_t invalid = 0;      // 1: this rank rejected its own arguments and will raise
   int64_t inline_bytes = 0; // payload bytes that follow the header in the same message
   int64_t memory = 0;       // where the buffers are: kHostMemory or kDeviceMemory
+  int64_t out_rows = -1;    // allgather: rows of the caller's out=, or -1 for none
   static constexpr int64_t kMagic = 0x52494e4752454431;  // "RINGRED1"
 };
 
@@ -95,15 +96,15 @@ class RingCommunicator {
   void reduce_scatter(const void* input, void* work, int64_t count, DType dtype, Op op,
                       int64_t chunk_bytes);
   // First half of allgather: agree on the call and learn every rank's row count.
+  // out_rows: the rows of the caller's out= (-1: none), checked against every rank's
+  // rows here, so a wrong out= raises MismatchError on every rank before data moves.
   std::vector<int64_t> allgather_counts(int64_t rows, int64_t row_elems, int64_t shape_tag,
                                         DType dtype, int64_t chunk_bytes,
-                                        int64_t memory = kHostMemory);
-  // Between the halves, where getting the output may fail (a big or GPU allocation, or
-  // the caller's out= checked against the row counts): every rank says how it went, and
-  // if any rank failed, all throw, instead of the others waiting in the ring for it:
-  // OutOfMemoryError if a rank had no memory, else MismatchError.
-  enum class OutputStatus : int { Ready = 1, NoMemory = 0, OutDoesNotFit = 2 };
-  void allgather_confirm(OutputStatus mine, int64_t out_bytes);
+                                        int64_t memory = kHostMemory, int64_t out_rows = -1);
+  // Between the halves, where allocating the output may fail (a big or GPU one): every
+  // rank says whether it has its output, and if any has not, all throw
+  // OutOfMemoryError naming them, instead of the others waiting in the ring for it.
+  void allgather_confirm(bool ok, int64_t out_bytes);
   // Second half: out holds sum(row_counts) rows; this rank's rows go in its place.
   void allgather(const void* input, void* out, const std::vector<int64_t>& row_counts,
                  int64_t row_elems, DType dtype);

@@ -184,30 +184,27 @@ def prepare_allgather(comm, context, x, out):
     launch = _Launch(cp, source, comm._cuda_direct())
     core, chunk = comm._core, comm.chunk_bytes
 
-    from .communicator import gather_output
+    from .communicator import allocate_confirmed
+
+    out_rows = -1 if out is None else out.shape[0]
 
     def run():
-        counts = core.allgather_counts_device(rows, row_elems, shape_tag, dtype, chunk)
+        counts = core.allgather_counts_device(rows, row_elems, shape_tag, dtype, chunk, out_rows)
         total = sum(counts)
         nbytes = total * row_elems * x.dtype.itemsize
 
         def allocate():  # cupy's OutOfMemoryError is a MemoryError, and so is the core's
-            with launch.context():
-                result = cp.empty((total,) + row_shape, x.dtype)
-                # The pool may hand out memory whose last users were enqueued after
-                # `ready`: wait for them too.
-                launch.ready.record(launch.stream)
+            result = out
+            if result is None:
+                with launch.context():
+                    result = cp.empty((total,) + row_shape, x.dtype)
+                    # The pool may hand out memory whose last users were enqueued after
+                    # `ready`: wait for them too.
+                    launch.ready.record(launch.stream)
             core.reserve_staging(nbytes, *launch.args())
             return result
 
-        if out is not None:  # staging is part of getting the output ready
-            try:
-                core.reserve_staging(nbytes, *launch.args())
-            except MemoryError:
-                core.allgather_confirm(0, nbytes)
-                raise
-        result = gather_output(core, context, out, total, row_shape, allocate, nbytes,
-                               always=True)
+        result = allocate_confirmed(core, allocate, nbytes, always=True)
         core.allgather_device(source.data.ptr, result.data.ptr, counts, row_elems, dtype,
                               *launch.args())
         return result

@@ -24,39 +24,24 @@ _COLLECTIVES = dict(_core.COLLECTIVES)
 _CONFIRM_BYTES = 1 << 20  # allgather outputs at least this big are confirmed (see below)
 
 
-_READY, _NO_MEMORY, _OUT_DOES_NOT_FIT = 1, 0, 2  # allgather_confirm's statuses
-
-
-def gather_output(core, context, out, rows, row_shape, allocate, nbytes, always):
+def allocate_confirmed(core, allocate, nbytes: int, always: bool):
     """allgather's output, between its two halves, once every rank's row count is known.
 
-    If one rank cannot get its output (no memory, or its ``out=`` has the wrong number
-    of rows), the others must not go on into the ring and wait there for it forever.
-    So where that can happen (a big or GPU allocation, or any ``out=``), the ranks first
-    confirm that they all have theirs, one tiny collective, and all raise if any has
-    not: MemoryError, or ValueError on the rank whose out= is wrong and MismatchError
-    on the others.
+    If one rank cannot allocate it, the others must not go on into the ring and wait
+    there for it forever. So for outputs that might not fit (big ones, or any on a GPU)
+    the ranks confirm that they all have theirs, one tiny collective, and all raise
+    MemoryError if any has not.
     """
-    if out is not None:
-        fits = out.shape[0] == rows
-        try:
-            core.allgather_confirm(_READY if fits else _OUT_DOES_NOT_FIT, nbytes)
-        except _core.MismatchError:
-            if fits:
-                raise
-            raise ValueError(f"{context}: out has {out.shape[0]} rows, but the ranks "
-                             f"gather {rows} rows of shape {row_shape}") from None
-        return out
     confirm = always or nbytes >= _CONFIRM_BYTES
     try:
         result = allocate()
     except MemoryError:
         if not confirm:
             raise
-        core.allgather_confirm(_NO_MEMORY, nbytes)  # raises, naming this rank, everywhere
+        core.allgather_confirm(False, nbytes)  # raises, naming this rank, everywhere
         raise
     if confirm:
-        core.allgather_confirm(_READY, nbytes)
+        core.allgather_confirm(True, nbytes)
     return result
 
 
@@ -421,13 +406,16 @@ class Communicator:
         chunk = self._chunk_bytes
         core = self._core
 
+        out_rows = -1 if out is None else out.shape[0]
+
         def run():
-            # The result's size is known only once every rank has said its row count.
-            counts = core.allgather_counts(rows, row_elems, shape_tag, dtype, chunk)
+            # The result's size is known only once every rank has said its row count
+            # (and the core has checked out= against them, on every rank).
+            counts = core.allgather_counts(rows, row_elems, shape_tag, dtype, chunk, out_rows)
             total = sum(counts)
-            result = gather_output(core, context, out, total, row_shape,
-                                   lambda: np.empty((total,) + row_shape, x.dtype),
-                                   total * row_elems * x.dtype.itemsize, always=False)
+            result = out if out is not None else allocate_confirmed(
+                core, lambda: np.empty((total,) + row_shape, x.dtype),
+                total * row_elems * x.dtype.itemsize, always=False)
             core.allgather(source, result, counts, row_elems, dtype)
             return result
 
