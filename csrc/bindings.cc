@@ -254,12 +254,12 @@ PYBIND11_MODULE(_core, m) {
            })
       .def("allgather_device",
            [](RingCommunicator& self, uintptr_t in, uintptr_t out,
-              const std::vector<int64_t>& row_counts, int64_t row_elems, int dtype, int ordinal,
-              uintptr_t ready, uintptr_t stream, bool direct, bool emulate) {
+              const std::vector<int64_t>& row_counts, int64_t row_elems, int dtype, bool out_ready,
+              int ordinal, uintptr_t ready, uintptr_t stream, bool direct, bool emulate) {
              py::gil_scoped_release nogil;
              self.allgather_device(device_call(self, ordinal, ready, stream, direct, emulate),
                                    ptr<const void>(in), ptr<void>(out), row_counts, row_elems,
-                                   DType(dtype));
+                                   DType(dtype), out_ready);
            })
       .def("broadcast_device",
            [](RingCommunicator& self, uintptr_t buf, int64_t count, int dtype, int root,

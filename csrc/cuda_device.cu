@@ -52,6 +52,8 @@ class CudaDevice final : public Device {
     check(cudaSetDevice(callers_device_), "cudaSetDevice");
   }
 
+  void abandon() override { cudaSetDevice(callers_device_); }
+
   void* alloc_host(int64_t bytes) override {
     void* p = nullptr;
     check_alloc(cudaHostAlloc(&p, bytes > 0 ? bytes : 1, cudaHostAllocPortable), "cudaHostAlloc",

@@ -139,29 +139,71 @@ int64_t device_slot_bytes(int64_t chunk_elems, int64_t first_segment_elems, size
   return std::max<int64_t>(16, (elems * static_cast<int64_t>(es) + 15) / 16 * 16);
 }
 
+// Between begin() and end() of a device call: if the call fails in between, the
+// caller's thread gets its current GPU back.
+class DeviceCallScope {
+ public:
+  explicit DeviceCallScope(Device& dev) : dev_(dev) {}
+  ~DeviceCallScope() {
+    if (!ended_) dev_.abandon();
+  }
+  DeviceCallScope(const DeviceCallScope&) = delete;
+  DeviceCallScope& operator=(const DeviceCallScope&) = delete;
+  void end(void* user_stream) {
+    dev_.end(user_stream);
+    ended_ = true;
+  }
+
+ private:
+  Device& dev_;
+  bool ended_ = false;
+};
+
 }  // namespace
 
 Device& RingCommunicator::begin_device_call(DeviceCall& call, Collective collective,
                                             int64_t chunk_bytes, int64_t mirror_bytes,
                                             int64_t scratch_bytes) {
+  Device* begun = nullptr;
   try {
     Device& dev = device(call.emulate, call.ordinal);
     dev.begin(call.ready);
+    begun = &dev;
     if (mirror_bytes > 0) host_mirror_->get(mirror_bytes);
     if (scratch_bytes > 0) device_scratch_->get(scratch_bytes);
     call.device = &dev;
     return dev;
   } catch (const std::exception&) {
+    if (begun) begun->abandon();
     if (closed_ || !broken_.empty()) throw;
     announce_invalid(collective, chunk_bytes, kDeviceMemory);
     throw;
   }
 }
 
+void RingCommunicator::grow_device_scratch(Collective collective, size_t es, int64_t count) {
+  if (size() == 1) return;
+  bool someone_grows = false;
+  for (const CallHeader& h : headers_)
+    someone_grows |= h.chunk_bytes < headers_[0].chunk_bytes;
+  if (!someone_grows) return;  // every rank reserved at least what rank 0's size needs
+  const int64_t needed =
+      kDeviceScratchSlots *
+      device_slot_bytes(chunk_elems(headers_[0].chunk_bytes, es), segment_of(0, size(), count).count, es);
+  bool ok = true;
+  try {
+    device_scratch_->get(needed);
+  } catch (const std::exception&) {
+    ok = false;
+  }
+  confirm_everywhere(ok, collective_name(collective),
+                     std::to_string(needed) + " bytes of GPU scratch");
+}
+
 void RingCommunicator::reserve_staging(const DeviceCall& call, int64_t bytes) {
   Device& dev = device(call.emulate, call.ordinal);
   (void)dev;
-  if (!call.direct) host_mirror_->get(bytes);
+  if (!call.direct && size() > 1) host_mirror_->get(bytes);
 }
 
 Device& RingCommunicator::device(bool emulate, int ordinal) {
@@ -236,9 +278,14 @@ void RingCommunicator::allreduce_device_inline(const DeviceCall& call, const voi
   // Small enough for the header message: one trip to the host and back, no ring.
   Device& dev = *call.device;
   const int64_t bytes = count * static_cast<int64_t>(dtype_size(dtype));
-  char* staging = host_mirror_->get(2 * bytes);
-  dev.copy(Device::kCopyOut, staging, input, bytes);
-  dev.synchronize(Device::kCopyOut);
+  char* staging = host_mirror_->get(2 * bytes);  // reserved by begin_device_call()
+  try {
+    dev.copy(Device::kCopyOut, staging, input, bytes);
+    dev.synchronize(Device::kCopyOut);  // may report an earlier kernel's fault
+  } catch (const std::exception&) {
+    announce_invalid(Collective::AllReduce, chunk_bytes, kDeviceMemory);
+    throw;
+  }
   CallHeader h = make_header(Collective::AllReduce, dtype, op, count, chunk_bytes, kDeviceMemory);
   h.inline_bytes = bytes;
   agree(h, nullptr, staging, bytes);
@@ -252,19 +299,21 @@ void RingCommunicator::allreduce_device(DeviceCall call, const void* input, void
   const size_t es = dtype_size(dtype);
   const int64_t bytes = count * static_cast<int64_t>(es);
   const bool inline_call = size() > 1 && bytes <= inline_capacity_;
-  const int64_t mirror = inline_call ? 2 * bytes : (call.direct ? 0 : bytes);
+  const bool ring = size() > 1 && !inline_call;
+  const int64_t mirror = inline_call ? 2 * bytes : (ring && !call.direct ? bytes : 0);
   const int64_t scratch =
-      inline_call ? 0
-                  : kDeviceScratchSlots * device_slot_bytes(chunk_elems(chunk_bytes, es),
-                                                            segment_of(0, size(), count).count,
-                                                            es);
+      ring ? kDeviceScratchSlots * device_slot_bytes(chunk_elems(chunk_bytes, es),
+                                                     segment_of(0, size(), count).count, es)
+           : 0;
   Device& dev = begin_device_call(call, Collective::AllReduce, chunk_bytes, mirror, scratch);
+  DeviceCallScope scope(dev);
   if (inline_call) {
     allreduce_device_inline(call, input, out, count, dtype, op, chunk_bytes);
   } else {
     const CallHeader h =
         make_header(Collective::AllReduce, dtype, op, count, chunk_bytes, kDeviceMemory);
     const int64_t elems = chunk_elems(agree(h), es);
+    grow_device_scratch(Collective::AllReduce, es, count);
     const RingSchedule sched = RingSchedule::split_evenly(rank(), size(), count, elems);
     guarded(&broken_, [&] {
       run_device_reduce_scatter(call, sched, dtype, op, input, out);
@@ -276,22 +325,26 @@ void RingCommunicator::allreduce_device(DeviceCall call, const void* input, void
       run_device_allgather(call, sched, es, out);
     });
   }
-  dev.end(call.user_stream);
+  scope.end(call.user_stream);
 }
 
 void RingCommunicator::reduce_scatter_device(DeviceCall call, const void* input, void* work,
                                              int64_t count, DType dtype, Op op,
                                              int64_t chunk_bytes) {
   const size_t es = dtype_size(dtype);
+  const bool ring = size() > 1;
   const int64_t scratch =
-      kDeviceScratchSlots *
-      device_slot_bytes(chunk_elems(chunk_bytes, es), segment_of(0, size(), count).count, es);
+      ring ? kDeviceScratchSlots * device_slot_bytes(chunk_elems(chunk_bytes, es),
+                                                     segment_of(0, size(), count).count, es)
+           : 0;
   Device& dev =
       begin_device_call(call, Collective::ReduceScatter, chunk_bytes,
-                        call.direct ? 0 : count * static_cast<int64_t>(es), scratch);
+                        ring && !call.direct ? count * static_cast<int64_t>(es) : 0, scratch);
+  DeviceCallScope scope(dev);
   const CallHeader h =
       make_header(Collective::ReduceScatter, dtype, op, count, chunk_bytes, kDeviceMemory);
   const int64_t elems = chunk_elems(agree(h), es);
+  grow_device_scratch(Collective::ReduceScatter, es, count);
   const RingSchedule sched = RingSchedule::split_evenly(rank(), size(), count, elems);
   guarded(&broken_, [&] {
     run_device_reduce_scatter(call, sched, dtype, op, input, work);
@@ -300,30 +353,45 @@ void RingCommunicator::reduce_scatter_device(DeviceCall call, const void* input,
       dev.divide(Device::kCompute, dtype, static_cast<char*>(work) + mine.offset * es,
                  mine.count, size());
   });
-  dev.end(call.user_stream);
+  scope.end(call.user_stream);
 }
 
 void RingCommunicator::allgather_device(DeviceCall call, const void* input, void* out,
                                         const std::vector<int64_t>& row_counts,
-                                        int64_t row_elems, DType dtype) {
+                                        int64_t row_elems, DType dtype, bool out_ready) {
   check_usable();
   if (static_cast<int>(row_counts.size()) != size())
     throw std::invalid_argument("allgather: need one row count per rank");
-  // The staging buffer was reserved (reserve_staging) before allgather_confirm().
-  Device& dev = device(call.emulate, call.ordinal);
-  call.device = &dev;
-  dev.begin(call.ready);
   const size_t es = dtype_size(dtype);
   std::vector<int64_t> counts(size());
-  for (int r = 0; r < size(); ++r) counts[r] = row_counts[r] * row_elems;
+  int64_t total = 0;
+  for (int r = 0; r < size(); ++r) total += counts[r] = row_counts[r] * row_elems;
   const RingSchedule sched(rank(), size(), counts,
                            chunk_elems(pending_allgather_chunk_bytes_, es));
-  const Span mine = sched.segment(rank());
-  // On the copy-out stream, which the first sends' D2H copies then follow.
-  dev.copy(Device::kCopyOut, static_cast<char*>(out) + mine.offset * es, input,
-           mine.count * static_cast<int64_t>(es));
+  // The other ranks are past the header exchange: from here until every rank has
+  // confirmed, a failure must be reported to them, not just raised here.
+  bool ok = out_ready;
+  Device* dev = nullptr;
+  if (ok) {
+    try {
+      dev = &device(call.emulate, call.ordinal);
+      dev->begin(call.ready);
+      call.device = dev;
+      const Span mine = sched.segment(rank());
+      // On the copy-out stream, which the first sends' D2H copies then follow.
+      dev->copy(Device::kCopyOut, static_cast<char*>(out) + mine.offset * es, input,
+                mine.count * static_cast<int64_t>(es));
+    } catch (const std::exception&) {
+      if (dev) dev->abandon();
+      ok = false;
+    }
+  }
+  confirm_everywhere(ok, "allgather",
+                     "the " + std::to_string(total * static_cast<int64_t>(es)) +
+                         "-byte GPU result (or staging for it)");
+  DeviceCallScope scope(*dev);
   guarded(&broken_, [&] { run_device_allgather(call, sched, es, out); });
-  dev.end(call.user_stream);
+  scope.end(call.user_stream);
 }
 
 void RingCommunicator::broadcast_device(DeviceCall call, void* buf, int64_t count,
@@ -331,8 +399,10 @@ void RingCommunicator::broadcast_device(DeviceCall call, void* buf, int64_t coun
   if (root < 0 || root >= size())
     throw std::invalid_argument("broadcast: root " + std::to_string(root) + " is not in [0, " +
                                 std::to_string(size()) + ")");
-  const int64_t staged = call.direct ? 0 : count * static_cast<int64_t>(dtype_size(dtype));
+  const int64_t staged =
+      call.direct || size() == 1 ? 0 : count * static_cast<int64_t>(dtype_size(dtype));
   Device& dev = begin_device_call(call, Collective::Broadcast, chunk_bytes, staged, 0);
+  DeviceCallScope scope(dev);
   CallHeader h =
       make_header(Collective::Broadcast, dtype, Op::Sum, count, chunk_bytes, kDeviceMemory);
   h.extra = root;
@@ -342,6 +412,7 @@ void RingCommunicator::broadcast_device(DeviceCall call, void* buf, int64_t coun
                Transport::kMaxMessageBytes / static_cast<int64_t>(es)) * static_cast<int64_t>(es);
   const int64_t bytes = count * static_cast<int64_t>(es);
   guarded(&broken_, [&] {
+    if (size() == 1) return;
     if (call.direct) {
       dev.synchronize(Device::kCompute);
       ring_broadcast(rank(), size(), root, *transport_, buf, bytes, chunk, kWindow);
@@ -356,7 +427,7 @@ void RingCommunicator::broadcast_device(DeviceCall call, void* buf, int64_t coun
     ring_broadcast(rank(), size(), root, *transport_, mirror, bytes, chunk, kWindow);
     if (rank() != root) dev.copy(Device::kCopyIn, buf, mirror, bytes);
   });
-  dev.end(call.user_stream);
+  scope.end(call.user_stream);
 }
 
 }  // namespace ringreduce

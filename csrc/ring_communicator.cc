@@ -335,7 +335,8 @@ std::vector<int64_t> RingCommunicator::allgather_counts(int64_t rows, int64_t ro
   return rows_per_rank;
 }
 
-void RingCommunicator::allgather_confirm(bool ok, int64_t out_bytes) {
+void RingCommunicator::confirm_everywhere(bool ok, const char* collective,
+                                          const std::string& what) {
   check_usable();
   std::vector<int> everyone(size());
   const int mine = ok ? 1 : 0;
@@ -344,10 +345,13 @@ void RingCommunicator::allgather_confirm(bool ok, int64_t out_bytes) {
   for (int r = 0; r < size(); ++r)
     if (!everyone[r]) failed.push_back(r);
   if (failed.empty()) return;
-  throw OutOfMemoryError("ringreduce.allgather: " + describe_ranks(failed) +
-                         " could not allocate the " + std::to_string(out_bytes) +
-                         "-byte result (raised on rank " + std::to_string(rank()) +
-                         "); nothing was sent");
+  throw OutOfMemoryError(std::string("ringreduce.") + collective + ": " +
+                         describe_ranks(failed) + " could not allocate " + what +
+                         " (raised on rank " + std::to_string(rank()) + "); nothing was sent");
+}
+
+void RingCommunicator::allgather_confirm(bool ok, int64_t out_bytes) {
+  confirm_everywhere(ok, "allgather", "the " + std::to_string(out_bytes) + "-byte result");
 }
 
 void RingCommunicator::allgather(const void* input, void* out,

@@ -43,7 +43,7 @@ struct CallHeader {
   int64_t inline_bytes = 0; // payload bytes that follow the header in the same message
   int64_t memory = 0;       // where the buffers are: kHostMemory or kDeviceMemory
   int64_t out_rows = -1;    // allgather: rows of the caller's out=, or -1 for none
-  static constexpr int64_t kMagic = 0x52494e4752454431;  // "RINGRED1"
+  static constexpr int64_t kMagic = 0x52494e4752454432;  // "RINGRED2"
 };
 
 constexpr int64_t kHostMemory = 0, kDeviceMemory = 1;
@@ -105,6 +105,9 @@ class RingCommunicator {
   // rank says whether it has its output, and if any has not, all throw
   // OutOfMemoryError naming them, instead of the others waiting in the ring for it.
   void allgather_confirm(bool ok, int64_t out_bytes);
+  // Every rank says whether it got `what`; if any did not, all throw OutOfMemoryError
+  // naming them (collective).
+  void confirm_everywhere(bool ok, const char* collective, const std::string& what);
   // Second half: out holds sum(row_counts) rows; this rank's rows go in its place.
   void allgather(const void* input, void* out, const std::vector<int64_t>& row_counts,
                  int64_t row_elems, DType dtype);
@@ -117,10 +120,12 @@ class RingCommunicator {
                         DType dtype, Op op, int64_t chunk_bytes);
   void reduce_scatter_device(DeviceCall call, const void* input, void* work, int64_t count,
                              DType dtype, Op op, int64_t chunk_bytes);
-  // After allgather_counts(..., kDeviceMemory) and, between the two, reserve_staging()
-  // inside the allocation that allgather_confirm() checks.
+  // After allgather_counts(..., kDeviceMemory), then allocating out and
+  // reserve_staging(): out_ready says whether that worked. Every rank confirms that all
+  // are ready before the ring (else all throw OutOfMemoryError).
   void allgather_device(DeviceCall call, const void* input, void* out,
-                        const std::vector<int64_t>& row_counts, int64_t row_elems, DType dtype);
+                        const std::vector<int64_t>& row_counts, int64_t row_elems, DType dtype,
+                        bool out_ready);
   void broadcast_device(DeviceCall call, void* buf, int64_t count, DType dtype, int root,
                         int64_t chunk_bytes);
   // Makes the Device and the pinned staging buffer of `bytes` ready, so that the call
@@ -186,6 +191,10 @@ class RingCommunicator {
   // still takes part in the exchange, so the others raise instead of waiting for it.
   Device& begin_device_call(DeviceCall& call, Collective collective, int64_t chunk_bytes,
                             int64_t mirror_bytes, int64_t scratch_bytes);
+  // After a reduce-scatter's header exchange: GPU scratch was reserved with this
+  // rank's chunk size, the ring uses rank 0's. If any rank's was smaller, all grow
+  // theirs and confirm they could.
+  void grow_device_scratch(Collective collective, size_t elem_size, int64_t count);
   // The whole allreduce of a call small enough to ride in the header exchange.
   void allreduce_device_inline(const DeviceCall& call, const void* input, void* out,
                                int64_t count, DType dtype, Op op, int64_t chunk_bytes);

@@ -66,6 +66,11 @@ def _check_out(cp, out, shape, dtype, device: int, context: str):
         raise ValueError(f"{context}: out is on GPU {out.device.id} but x is on GPU {device}")
 
 
+def _ranges_overlap(a, b) -> bool:
+    """Two (address, bytes) ranges share a byte."""
+    return a[1] > 0 and b[1] > 0 and a[0] < b[0] + b[1] and b[0] < a[0] + a[1]
+
+
 def _overlap_but_differ(a, b) -> bool:
     """Two C-contiguous arrays share bytes without being the same bytes. (Bounds are
     exact for contiguous arrays; cupy.shares_memory would sort every address.)"""
@@ -184,29 +189,39 @@ def prepare_allgather(comm, context, x, out):
     launch = _Launch(cp, source, comm._cuda_direct())
     core, chunk = comm._core, comm.chunk_bytes
 
-    from .communicator import allocate_confirmed
-
     out_rows = -1 if out is None else out.shape[0]
+    itemsize = x.dtype.itemsize
 
     def run():
         counts = core.allgather_counts_device(rows, row_elems, shape_tag, dtype, chunk, out_rows)
         total = sum(counts)
-        nbytes = total * row_elems * x.dtype.itemsize
-
-        def allocate():  # cupy's OutOfMemoryError is a MemoryError, and so is the core's
-            result = out
-            if result is None:
-                with launch.context():
+        nbytes = total * row_elems * itemsize
+        # From here the ranks are committed to this call: whatever fails on one rank
+        # (allocating the result, pinned staging, the GPU) is reported to all by the
+        # core, which confirms every rank is ready before the ring starts.
+        source_now, result, failure = source, out, None
+        try:
+            with launch.context():
+                if result is None:
                     result = cp.empty((total,) + row_shape, x.dtype)
-                    # The pool may hand out memory whose last users were enqueued after
-                    # `ready`: wait for them too.
-                    launch.ready.record(launch.stream)
+                mine = sum(counts[:comm.rank]) * row_elems * itemsize
+                block = result.data.ptr + mine, rows * row_elems * itemsize
+                if _ranges_overlap((source.data.ptr, source.nbytes), (result.data.ptr, nbytes)) \
+                        and (source.data.ptr, source.nbytes) != block:
+                    source_now = source.copy()  # x inside out, not as its own block
+                # The pool may hand out memory whose last users were enqueued after
+                # `ready`: wait for them too.
+                launch.ready.record(launch.stream)
             core.reserve_staging(nbytes, *launch.args())
-            return result
-
-        result = allocate_confirmed(core, allocate, nbytes, always=True)
-        core.allgather_device(source.data.ptr, result.data.ptr, counts, row_elems, dtype,
-                              *launch.args())
+        except Exception as error:  # cupy's OutOfMemoryError is a MemoryError
+            failure = error
+        try:
+            core.allgather_device(source_now.data.ptr, 0 if result is None else result.data.ptr,
+                                  counts, row_elems, dtype, failure is None, *launch.args())
+        except MemoryError:
+            if failure is not None:
+                raise failure from None
+            raise
         return result
 
     return run

@@ -24,24 +24,23 @@ _COLLECTIVES = dict(_core.COLLECTIVES)
 _CONFIRM_BYTES = 1 << 20  # allgather outputs at least this big are confirmed (see below)
 
 
-def allocate_confirmed(core, allocate, nbytes: int, always: bool):
-    """allgather's output, between its two halves, once every rank's row count is known.
+def gather_output(core, allocate, nbytes: int):
+    """allgather's result, between its two halves, once every rank's row count is known.
 
-    If one rank cannot allocate it, the others must not go on into the ring and wait
-    there for it forever. So for outputs that might not fit (big ones, or any on a GPU)
-    the ranks confirm that they all have theirs, one tiny collective, and all raise
-    MemoryError if any has not.
+    If one rank cannot allocate its result, the others must not go on into the ring
+    and wait there for it forever. So for results big enough that allocating them might
+    fail, every rank (those given ``out=`` too: the decision must be the same on every
+    rank, and nbytes is) confirms that it has its result, one tiny collective, and all
+    raise MemoryError if any has not.
     """
-    confirm = always or nbytes >= _CONFIRM_BYTES
+    if nbytes < _CONFIRM_BYTES:
+        return allocate()
     try:
         result = allocate()
-    except MemoryError:
-        if not confirm:
-            raise
+    except Exception:
         core.allgather_confirm(False, nbytes)  # raises, naming this rank, everywhere
         raise
-    if confirm:
-        core.allgather_confirm(True, nbytes)
+    core.allgather_confirm(True, nbytes)
     return result
 
 
@@ -413,9 +412,9 @@ class Communicator:
             # (and the core has checked out= against them, on every rank).
             counts = core.allgather_counts(rows, row_elems, shape_tag, dtype, chunk, out_rows)
             total = sum(counts)
-            result = out if out is not None else allocate_confirmed(
-                core, lambda: np.empty((total,) + row_shape, x.dtype),
-                total * row_elems * x.dtype.itemsize, always=False)
+            result = gather_output(
+                core, lambda: out if out is not None else np.empty((total,) + row_shape, x.dtype),
+                total * row_elems * x.dtype.itemsize)
             core.allgather(source, result, counts, row_elems, dtype)
             return result
 

@@ -99,8 +99,25 @@ def test_allgather_with_different_row_counts(mode, device_comm, world):
     assert list(counts) == rows
     out = np.empty((sum(counts), 3, 2), np.int32)
     core.allgather_device(x.ctypes.data, out.ctypes.data, counts, 6, dtype_code(x.dtype),
-                          *emulated(MODES[mode]))
+                          True, *emulated(MODES[mode]))
     np.testing.assert_array_equal(out, np.concatenate(world.allgather(x)))
+
+
+def test_a_rank_not_ready_for_allgathers_ring_stops_every_rank(device_comm, world):
+    # Past the header exchange, a rank whose result or staging could not be had says
+    # so, and every rank raises MemoryError naming it, instead of entering the ring.
+    if SIZE == 1:
+        pytest.skip("needs two ranks")
+    x = np.full(10, RANK, np.int64)
+    core = device_comm._core
+    counts = core.allgather_counts_device(1, 10, hash((10,)) & 0x7FFFFFFFFFFFFFFF,
+                                          dtype_code(x.dtype), 32)
+    out = np.empty(10 * SIZE, np.int64)
+    with pytest.raises(MemoryError, match="rank 1 could not allocate"):
+        core.allgather_device(x.ctypes.data, out.ctypes.data, counts, 10, dtype_code(x.dtype),
+                              RANK != 1, *emulated(False))
+    assert bitwise_equal(device_allreduce(device_comm, x.astype(np.float32), "sum", 64, False),
+                         reference.allreduce(x.astype(np.float32), "sum"))
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -170,3 +187,26 @@ def test_a_rank_without_memory_for_staging_raises_everywhere_instead_of_hanging(
             calls[collective]()
     got = device_allreduce(device_comm, x, "sum", 4096, direct=False)
     assert bitwise_equal(got, reference.allreduce(x, "sum"))
+
+
+def test_ranks_with_different_chunk_sizes_grow_gpu_scratch_together(device_comm):
+    # GPU scratch is reserved before the header exchange with this rank's chunk size;
+    # the ring uses rank 0's. A rank that then cannot grow its scratch must not leave
+    # the others waiting in the ring.
+    if SIZE == 1:
+        pytest.skip("needs two ranks")
+    x = rank_data(FLOAT32, 1 << 16)
+    out = np.empty_like(x)
+    chunk = 1 << 20 if RANK == 0 else 256
+    code, core = dtype_code(FLOAT32), device_comm._core
+    if RANK == 1:
+        _core.set_emulated_gpu_memory(64 << 10)
+    try:
+        with pytest.raises(MemoryError, match="rank 1 could not allocate .* GPU scratch"):
+            core.allreduce_device(x.ctypes.data, out.ctypes.data, x.size, code, 0, chunk,
+                                  *emulated(True))
+    finally:
+        _core.set_emulated_gpu_memory(2**63 - 1)
+    core.allreduce_device(x.ctypes.data, out.ctypes.data, x.size, code, 0, chunk,
+                          *emulated(True))
+    assert bitwise_equal(out, reference.allreduce(x, "sum"))

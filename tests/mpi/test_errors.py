@@ -272,3 +272,13 @@ def test_allgather_out_checked_before_anything_moves(comm):
     with pytest.raises(TypeError, match="numpy.ndarray"):
         comm.allgather(x, out=[[0.0] * 3] * (2 * SIZE))
     still_works(comm)
+
+
+def test_allgather_with_out_on_some_ranks_only(comm, world):
+    # Big enough that the ranks allocating their result confirm they could: those with
+    # out= must take part in that confirmation too, or the two groups wait on each other.
+    x = np.full((1 << 15, 8), RANK, np.float32)  # 1 MiB per rank
+    out = np.empty((SIZE << 15, 8), np.float32) if RANK % 2 == 0 else None
+    result = comm.allgather(x, out=out)
+    assert out is None or result is out
+    np.testing.assert_array_equal(result[::1 << 15, 0], np.arange(SIZE))
