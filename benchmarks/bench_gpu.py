@@ -19,7 +19,8 @@ from mpi4py import MPI
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import ringreduce as rr  # noqa: E402
-from timing import bus_bandwidth, human_bytes, human_time, time_alternating  # noqa: E402
+from timing import (bus_bandwidth, human_bytes, human_time, save_size_plot,  # noqa: E402
+                    time_alternating)
 
 world = MPI.COMM_WORLD
 RANK, SIZE = world.Get_rank(), world.Get_size()
@@ -54,6 +55,7 @@ def main():
                         help="a second ringreduce column with this chunk size (bytes)")
     parser.add_argument("--json")
     parser.add_argument("--markdown")
+    parser.add_argument("--plot", help="busbw vs size, beside the copy rate (PNG)")
     args = parser.parse_args()
 
     import cupy as cp
@@ -136,8 +138,28 @@ def main():
                             f"{r['host_mpi']['busbw'] / 1e9:.2f} GB/s | "
                             f"{r['host_mpi']['seconds'] / min(r['ring']['seconds'], r['ring_big']['seconds']):.2f}x | "
                             f"{r['d2d_bytes_per_s'] / 1e9:.0f} GB/s |\n")
+        if args.plot:
+            plot(rows, args.plot, args.big_chunk)
     ring.close()
     big.close()
+
+
+def plot(rows, path, big_chunk):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    sizes = [r["bytes"] for r in rows]
+    for key, label in (("ring", "ringreduce"),
+                       ("ring_big", f"ringreduce, {human_bytes(big_chunk)} chunks"),
+                       ("host_mpi", "copy to host + MPI_Allreduce + copy back")):
+        ax.plot(sizes, [r[key]["busbw"] / 1e9 for r in rows], marker="o", label=label)
+    ax.plot(sizes, [r["d2d_bytes_per_s"] / 1e9 for r in rows], linestyle="--", color="gray",
+            label="device-to-device copy (one GPU)")
+    save_size_plot(fig, ax, path, "GB/s (busbw; copy: bytes copied / s)",
+                   f"cupy allreduce, float32, {rows[0]['ranks']} ranks on one {rows[0]['gpu']}")
 
 
 if __name__ == "__main__":

@@ -67,7 +67,8 @@ timeout 120 mpiexec -n 2 "$PY" examples/train_digits.py --gpu --epochs 30 2>&1 |
 
 step "busbw, 2 ranks on one GPU, 1 KiB to 1 GiB"
 timeout 240 mpiexec -n 2 "$PY" benchmarks/bench_gpu.py --json "$OUTDIR/gpu_2ranks.json" \
-  --markdown "$OUTDIR/gpu_2ranks.md" || failures+=("bench at 2 ranks")
+  --markdown "$OUTDIR/gpu_2ranks.md" --plot "$OUTDIR/gpu_allreduce_p2.png" \
+  || failures+=("bench at 2 ranks")
 
 if [ $((SECONDS - T0)) -lt 330 ]; then
   step "busbw, 4 ranks on one GPU, 1 KiB to 256 MiB"
