@@ -132,6 +132,50 @@ void staged_phase(const RingSchedule& sched, Transport& transport, Device& dev, 
   dev.synchronize(Device::kCompute);
 }
 
+// Broadcast along the chain root -> root+1 -> ..., staged chunk by chunk through the
+// mirror, with the same messages as ring_broadcast() (so direct ranks can take part):
+// the root sends each chunk as soon as its copy out has landed, the others copy each
+// chunk in as it arrives and forward it straight from the mirror.
+void staged_broadcast(int rank, int size, int root, Transport& transport, Device& dev, char* buf,
+                      char* mirror, int64_t bytes, int64_t chunk_bytes, int window) {
+  if (size == 1 || bytes == 0) return;
+  const int position = ((rank - root) % size + size) % size;  // 0 is the root
+  const int64_t num_chunks = (bytes + chunk_bytes - 1) / chunk_bytes;
+  auto length = [&](int64_t c) { return std::min(chunk_bytes, bytes - c * chunk_bytes); };
+  std::vector<Transport::Request> requests(window);
+  if (position == 0) {
+    std::vector<Device::Event> landed(num_chunks, Device::kNoEvent);
+    int64_t copied = 0, sent = 0;
+    while (sent < num_chunks) {
+      for (; copied < num_chunks && copied < sent + 2 * window; ++copied) {
+        const int64_t at = copied * chunk_bytes;
+        dev.copy(Device::kCopyOut, mirror + at, buf + at, length(copied));
+        landed[copied] = dev.record(Device::kCopyOut);
+      }
+      if (!dev.done(landed[sent])) continue;
+      if (sent >= window) transport.wait(requests[sent % window]);  // `window` in flight
+      requests[sent % window] = transport.send_right(mirror + sent * chunk_bytes, length(sent), 0);
+      ++sent;
+    }
+    transport.wait_all();
+    return;
+  }
+  const bool forwards = position != size - 1;
+  auto post_recv = [&](int64_t c) {
+    if (c < num_chunks)
+      requests[c % window] = transport.recv_left(mirror + c * chunk_bytes, length(c), 0);
+  };
+  for (int64_t c = 0; c < window; ++c) post_recv(c);
+  for (int64_t c = 0; c < num_chunks; ++c) {
+    transport.wait(requests[c % window]);
+    post_recv(c + window);
+    // The copy in and the forward both only read the mirror: they may overlap.
+    dev.copy(Device::kCopyIn, buf + c * chunk_bytes, mirror + c * chunk_bytes, length(c));
+    if (forwards) transport.send_right(mirror + c * chunk_bytes, length(c), 0);
+  }
+  transport.wait_all();
+}
+
 // A GPU slot holds one received chunk, and no chunk is larger than the first segment
 // (see recv_slots()); 16-byte multiples keep the kernels' vector loads aligned.
 int64_t device_slot_bytes(int64_t chunk_elems, int64_t first_segment_elems, size_t es) {
@@ -418,14 +462,8 @@ void RingCommunicator::broadcast_device(DeviceCall call, void* buf, int64_t coun
       ring_broadcast(rank(), size(), root, *transport_, buf, bytes, chunk, kWindow);
       return;
     }
-    // Whole-buffer staging: a copy out on the root, the host chain, a copy in elsewhere.
-    char* mirror = host_mirror_->get(bytes);
-    if (rank() == root) {
-      dev.copy(Device::kCopyOut, mirror, buf, bytes);
-      dev.synchronize(Device::kCopyOut);
-    }
-    ring_broadcast(rank(), size(), root, *transport_, mirror, bytes, chunk, kWindow);
-    if (rank() != root) dev.copy(Device::kCopyIn, buf, mirror, bytes);
+    staged_broadcast(rank(), size(), root, *transport_, dev, static_cast<char*>(buf),
+                     host_mirror_->get(bytes), bytes, chunk, kWindow);
   });
   scope.end(call.user_stream);
 }

@@ -70,11 +70,23 @@ def test_allreduce_matches_the_numpy_reference_and_works_in_place(mode, device_c
         assert bitwise_equal(inplace, expected), f"in place, n={n}"
 
 
-def test_ranks_staging_and_ranks_with_cuda_aware_mpi_share_a_ring(device_comm):
+def test_ranks_staging_and_ranks_with_cuda_aware_mpi_share_a_ring(device_comm, world):
     # The two ways put the same chunks with the same tags on the wire.
+    direct = RANK % 2 == 1
     x = rank_data(FLOAT32, 5003, salt=11)
-    got = device_allreduce(device_comm, x, "sum", 512, direct=RANK % 2 == 1)
+    got = device_allreduce(device_comm, x, "sum", 512, direct=direct)
     assert bitwise_equal(got, reference.allreduce(x, "sum"))
+    code, core = dtype_code(FLOAT32), device_comm._core
+    for root in range(SIZE):
+        y = rank_data(FLOAT32, 5003, salt=root)
+        expected = world.bcast(y, root=root)
+        core.broadcast_device(y.ctypes.data, y.size, code, root, 16, *emulated(direct))
+        assert bitwise_equal(y, expected)
+    counts = core.allgather_counts_device(1, 5003, hash((5003,)) & 0x7FFFFFFFFFFFFFFF, code, 16)
+    out = np.empty(5003 * SIZE, np.float32)
+    core.allgather_device(x.ctypes.data, out.ctypes.data, counts, 5003, code, True,
+                          *emulated(direct))
+    assert bitwise_equal(out, np.concatenate(world.allgather(x)))
 
 
 @pytest.mark.parametrize("mode", MODES)
