@@ -180,13 +180,13 @@ PYBIND11_MODULE(_core, m) {
            })
       .def("allgather_counts",
            [](RingCommunicator& self, int64_t rows, int64_t row_elems, int64_t shape_tag,
-              int dtype, int64_t chunk_bytes, int64_t out_rows) {
+              int dtype, int64_t chunk_bytes, int64_t out_rows, bool device) {
              py::gil_scoped_release nogil;
              return self.allgather_counts(rows, row_elems, shape_tag, DType(dtype), chunk_bytes,
-                                          kHostMemory, out_rows);
+                                          device ? kDeviceMemory : kHostMemory, out_rows);
            },
            py::arg("rows"), py::arg("row_elems"), py::arg("shape_tag"), py::arg("dtype"),
-           py::arg("chunk_bytes"), py::arg("out_rows") = -1)
+           py::arg("chunk_bytes"), py::arg("out_rows") = -1, py::arg("device") = false)
       .def("allgather_confirm",
            [](RingCommunicator& self, bool ok, int64_t out_bytes) {
              py::gil_scoped_release nogil;
@@ -236,15 +236,6 @@ PYBIND11_MODULE(_core, m) {
                  device_call(self, ordinal, ready, stream, direct, emulate), ptr<const void>(in),
                  ptr<void>(work), count, DType(dtype), Op(op), chunk_bytes);
            })
-      .def("allgather_counts_device",
-           [](RingCommunicator& self, int64_t rows, int64_t row_elems, int64_t shape_tag,
-              int dtype, int64_t chunk_bytes, int64_t out_rows) {
-             py::gil_scoped_release nogil;
-             return self.allgather_counts(rows, row_elems, shape_tag, DType(dtype), chunk_bytes,
-                                          kDeviceMemory, out_rows);
-           },
-           py::arg("rows"), py::arg("row_elems"), py::arg("shape_tag"), py::arg("dtype"),
-           py::arg("chunk_bytes"), py::arg("out_rows") = -1)
       .def("reserve_staging",
            [](RingCommunicator& self, int64_t bytes, int ordinal, uintptr_t ready,
               uintptr_t stream, bool direct, bool emulate) {

@@ -133,47 +133,28 @@ void staged_phase(const RingSchedule& sched, Transport& transport, Device& dev, 
 }
 
 // Broadcast along the chain root -> root+1 -> ..., staged chunk by chunk through the
-// mirror, with the same messages as ring_broadcast() (so direct ranks can take part):
-// the root sends each chunk as soon as its copy out has landed, the others copy each
-// chunk in as it arrives and forward it straight from the mirror.
+// mirror, with the host chain itself (so direct ranks can take part): the root sends
+// each chunk once its copy out has landed, the others copy each chunk in as it arrives
+// and forward it straight from the mirror.
 void staged_broadcast(int rank, int size, int root, Transport& transport, Device& dev, char* buf,
                       char* mirror, int64_t bytes, int64_t chunk_bytes, int window) {
-  if (size == 1 || bytes == 0) return;
-  const int position = ((rank - root) % size + size) % size;  // 0 is the root
-  const int64_t num_chunks = (bytes + chunk_bytes - 1) / chunk_bytes;
+  const int64_t num_chunks = bytes > 0 ? (bytes + chunk_bytes - 1) / chunk_bytes : 0;
   auto length = [&](int64_t c) { return std::min(chunk_bytes, bytes - c * chunk_bytes); };
-  std::vector<Transport::Request> requests(window);
-  if (position == 0) {
-    std::vector<Device::Event> landed(num_chunks, Device::kNoEvent);
-    int64_t copied = 0, sent = 0;
-    while (sent < num_chunks) {
-      for (; copied < num_chunks && copied < sent + 2 * window; ++copied) {
-        const int64_t at = copied * chunk_bytes;
-        dev.copy(Device::kCopyOut, mirror + at, buf + at, length(copied));
-        landed[copied] = dev.record(Device::kCopyOut);
-      }
-      if (!dev.done(landed[sent])) continue;
-      if (sent >= window) transport.wait(requests[sent % window]);  // `window` in flight
-      requests[sent % window] = transport.send_right(mirror + sent * chunk_bytes, length(sent), 0);
-      ++sent;
+  std::vector<Device::Event> landed(rank == root ? num_chunks : 0, Device::kNoEvent);
+  int64_t copied = 0;
+  BroadcastHooks hooks;
+  hooks.ready_to_send = [&](int64_t c) {  // root: copies out run a few chunks ahead
+    for (; copied < num_chunks && copied <= c + 2 * window; ++copied) {
+      dev.copy(Device::kCopyOut, mirror + copied * chunk_bytes, buf + copied * chunk_bytes,
+               length(copied));
+      landed[copied] = dev.record(Device::kCopyOut);
     }
-    transport.wait_all();
-    return;
-  }
-  const bool forwards = position != size - 1;
-  auto post_recv = [&](int64_t c) {
-    if (c < num_chunks)
-      requests[c % window] = transport.recv_left(mirror + c * chunk_bytes, length(c), 0);
+    return dev.done(landed[c]);
   };
-  for (int64_t c = 0; c < window; ++c) post_recv(c);
-  for (int64_t c = 0; c < num_chunks; ++c) {
-    transport.wait(requests[c % window]);
-    post_recv(c + window);
-    // The copy in and the forward both only read the mirror: they may overlap.
+  hooks.arrived = [&](int64_t c) {  // the copy in only reads the mirror, as the forward does
     dev.copy(Device::kCopyIn, buf + c * chunk_bytes, mirror + c * chunk_bytes, length(c));
-    if (forwards) transport.send_right(mirror + c * chunk_bytes, length(c), 0);
-  }
-  transport.wait_all();
+  };
+  ring_broadcast(rank, size, root, transport, mirror, bytes, chunk_bytes, window, hooks);
 }
 
 // A GPU slot holds one received chunk, and no chunk is larger than the first segment
@@ -225,15 +206,40 @@ Device& RingCommunicator::begin_device_call(DeviceCall& call, Collective collect
   }
 }
 
+int64_t RingCommunicator::device_scratch_bytes(int64_t count, size_t es,
+                                               int64_t chunk_bytes) const {
+  if (size() == 1) return 0;
+  return kDeviceScratchSlots * device_slot_bytes(chunk_elems(chunk_bytes, es),
+                                                 segment_of(0, size(), count).count, es);
+}
+
+RingSchedule RingCommunicator::device_reduce_scatter_call(DeviceCall& call, Collective collective,
+                                                          const void* input, void* out,
+                                                          int64_t count, DType dtype, Op op,
+                                                          int64_t chunk_bytes) {
+  Device& dev = *call.device;
+  const size_t es = dtype_size(dtype);
+  const CallHeader h = make_header(collective, dtype, op, count, chunk_bytes, kDeviceMemory);
+  const int64_t elems = chunk_elems(agree(h), es);
+  grow_device_scratch(collective, es, count);
+  RingSchedule sched = RingSchedule::split_evenly(rank(), size(), count, elems);
+  guarded(&broken_, [&] {
+    run_device_reduce_scatter(call, sched, dtype, op, input, out);
+    const Span mine = sched.segment(rank());
+    if (op == Op::Avg && size() > 1)
+      dev.divide(Device::kCompute, dtype, static_cast<char*>(out) + mine.offset * es,
+                 mine.count, size());
+  });
+  return sched;
+}
+
 void RingCommunicator::grow_device_scratch(Collective collective, size_t es, int64_t count) {
   if (size() == 1) return;
   bool someone_grows = false;
   for (const CallHeader& h : headers_)
     someone_grows |= h.chunk_bytes < headers_[0].chunk_bytes;
   if (!someone_grows) return;  // every rank reserved at least what rank 0's size needs
-  const int64_t needed =
-      kDeviceScratchSlots *
-      device_slot_bytes(chunk_elems(headers_[0].chunk_bytes, es), segment_of(0, size(), count).count, es);
+  const int64_t needed = device_scratch_bytes(count, es, headers_[0].chunk_bytes);
   bool ok = true;
   try {
     device_scratch_->get(needed);
@@ -345,26 +351,15 @@ void RingCommunicator::allreduce_device(DeviceCall call, const void* input, void
   const bool inline_call = size() > 1 && bytes <= inline_capacity_;
   const bool ring = size() > 1 && !inline_call;
   const int64_t mirror = inline_call ? 2 * bytes : (ring && !call.direct ? bytes : 0);
-  const int64_t scratch =
-      ring ? kDeviceScratchSlots * device_slot_bytes(chunk_elems(chunk_bytes, es),
-                                                     segment_of(0, size(), count).count, es)
-           : 0;
+  const int64_t scratch = ring ? device_scratch_bytes(count, es, chunk_bytes) : 0;
   Device& dev = begin_device_call(call, Collective::AllReduce, chunk_bytes, mirror, scratch);
   DeviceCallScope scope(dev);
   if (inline_call) {
     allreduce_device_inline(call, input, out, count, dtype, op, chunk_bytes);
   } else {
-    const CallHeader h =
-        make_header(Collective::AllReduce, dtype, op, count, chunk_bytes, kDeviceMemory);
-    const int64_t elems = chunk_elems(agree(h), es);
-    grow_device_scratch(Collective::AllReduce, es, count);
-    const RingSchedule sched = RingSchedule::split_evenly(rank(), size(), count, elems);
+    const RingSchedule sched = device_reduce_scatter_call(call, Collective::AllReduce, input,
+                                                          out, count, dtype, op, chunk_bytes);
     guarded(&broken_, [&] {
-      run_device_reduce_scatter(call, sched, dtype, op, input, out);
-      const Span mine = sched.segment(rank());
-      if (op == Op::Avg && size() > 1)
-        dev.divide(Device::kCompute, dtype, static_cast<char*>(out) + mine.offset * es,
-                   mine.count, size());
       dev.join();
       run_device_allgather(call, sched, es, out);
     });
@@ -376,27 +371,12 @@ void RingCommunicator::reduce_scatter_device(DeviceCall call, const void* input,
                                              int64_t count, DType dtype, Op op,
                                              int64_t chunk_bytes) {
   const size_t es = dtype_size(dtype);
-  const bool ring = size() > 1;
-  const int64_t scratch =
-      ring ? kDeviceScratchSlots * device_slot_bytes(chunk_elems(chunk_bytes, es),
-                                                     segment_of(0, size(), count).count, es)
-           : 0;
-  Device& dev =
-      begin_device_call(call, Collective::ReduceScatter, chunk_bytes,
-                        ring && !call.direct ? count * static_cast<int64_t>(es) : 0, scratch);
+  const int64_t mirror = size() > 1 && !call.direct ? count * static_cast<int64_t>(es) : 0;
+  Device& dev = begin_device_call(call, Collective::ReduceScatter, chunk_bytes, mirror,
+                                  device_scratch_bytes(count, es, chunk_bytes));
   DeviceCallScope scope(dev);
-  const CallHeader h =
-      make_header(Collective::ReduceScatter, dtype, op, count, chunk_bytes, kDeviceMemory);
-  const int64_t elems = chunk_elems(agree(h), es);
-  grow_device_scratch(Collective::ReduceScatter, es, count);
-  const RingSchedule sched = RingSchedule::split_evenly(rank(), size(), count, elems);
-  guarded(&broken_, [&] {
-    run_device_reduce_scatter(call, sched, dtype, op, input, work);
-    const Span mine = sched.segment(rank());
-    if (op == Op::Avg && size() > 1)
-      dev.divide(Device::kCompute, dtype, static_cast<char*>(work) + mine.offset * es,
-                 mine.count, size());
-  });
+  device_reduce_scatter_call(call, Collective::ReduceScatter, input, work, count, dtype, op,
+                             chunk_bytes);
   scope.end(call.user_stream);
 }
 

@@ -195,6 +195,13 @@ class RingCommunicator {
   // rank's chunk size, the ring uses rank 0's. If any rank's was smaller, all grow
   // theirs and confirm they could.
   void grow_device_scratch(Collective collective, size_t elem_size, int64_t count);
+  // GPU scratch for the reduce-scatter of `count` elements in chunks of chunk_bytes.
+  int64_t device_scratch_bytes(int64_t count, size_t elem_size, int64_t chunk_bytes) const;
+  // A device call's header exchange, then its reduce-scatter (and the average of this
+  // rank's segment), as allreduce and reduce_scatter share them; returns the schedule.
+  RingSchedule device_reduce_scatter_call(DeviceCall& call, Collective collective,
+                                          const void* input, void* out, int64_t count,
+                                          DType dtype, Op op, int64_t chunk_bytes);
   // The whole allreduce of a call small enough to ride in the header exchange.
   void allreduce_device_inline(const DeviceCall& call, const void* input, void* out,
                                int64_t count, DType dtype, Op op, int64_t chunk_bytes);

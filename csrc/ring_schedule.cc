@@ -166,7 +166,7 @@ void ring_allgather(const RingSchedule& sched, Transport& transport, size_t elem
 }
 
 void ring_broadcast(int rank, int size, int root, Transport& transport, void* buf, int64_t bytes,
-                    int64_t chunk_bytes, int window) {
+                    int64_t chunk_bytes, int window, const BroadcastHooks& hooks) {
   if (size == 1 || bytes == 0) return;
   char* data = static_cast<char*>(buf);
   const int position = ((rank - root) % size + size) % size;  // 0 is the root
@@ -179,6 +179,9 @@ void ring_broadcast(int rank, int size, int root, Transport& transport, void* bu
     // At most `window` chunks in flight, like everywhere else in the ring.
     std::vector<Transport::Request> sends(window);
     for (int64_t c = 0; c < num_chunks; ++c) {
+      if (hooks.ready_to_send)
+        while (!hooks.ready_to_send(c)) {
+        }
       if (c >= window) transport.wait(sends[c % window]);
       sends[c % window] = transport.send_right(data + c * chunk_bytes, chunk_len(c), 0);
     }
@@ -194,6 +197,7 @@ void ring_broadcast(int rank, int size, int root, Transport& transport, void* bu
   for (int64_t c = 0; c < num_chunks; ++c) {
     transport.wait(recv_requests[c % window]);
     post_recv(c + window);
+    if (hooks.arrived) hooks.arrived(c);
     if (forwards) transport.send_right(data + c * chunk_bytes, chunk_len(c), 0);
   }
   transport.wait_all();

@@ -129,9 +129,18 @@ void ring_reduce_scatter(const RingSchedule& schedule, Transport& transport, siz
 void ring_allgather(const RingSchedule& schedule, Transport& transport, size_t elem_size,
                     void* buf, int window);
 
+// What a broadcast over staging buffers adds to the chain (all optional).
+struct BroadcastHooks {
+  // Root: polled until chunk c may be sent.
+  std::function<bool(int64_t c)> ready_to_send;
+  // The others: chunk c has arrived (it is forwarded right after).
+  std::function<void(int64_t c)> arrived;
+};
+
 // Broadcast from root: a pipelined chain root -> root+1 -> ... -> root-1, chunk by
 // chunk over the whole buffer.
 void ring_broadcast(int rank, int size, int root, Transport& transport, void* buf,
-                    int64_t bytes, int64_t chunk_bytes, int window);
+                    int64_t bytes, int64_t chunk_bytes, int window,
+                    const BroadcastHooks& hooks = {});
 
 }  // namespace ringreduce

@@ -52,16 +52,7 @@ def as_device_array(x, argument: str, context: str):
 
 
 def _check_out(cp, out, shape, dtype, device: int, context: str):
-    if not isinstance(out, cp.ndarray):
-        raise TypeError(f"{context}: x is a GPU array, so out must be a cupy.ndarray too, "
-                        f"got {type(out).__name__}")
-    if out.dtype != dtype:
-        raise TypeError(f"{context}: out has dtype {out.dtype}, expected {dtype} (the dtype of x)")
-    if out.shape != tuple(shape):
-        raise ValueError(f"{context}: out has shape {out.shape}, expected {tuple(shape)}")
-    if not out.flags.c_contiguous:
-        raise ValueError(f"{context}: out is not C-contiguous (strides {out.strides}); "
-                         "pass a contiguous array or out=None")
+    t.check_out(out, shape, dtype, context, cp.ndarray, "cupy.ndarray (x is a GPU array)")
     if out.device.id != device:
         raise ValueError(f"{context}: out is on GPU {out.device.id} but x is on GPU {device}")
 
@@ -193,7 +184,8 @@ def prepare_allgather(comm, context, x, out):
     itemsize = x.dtype.itemsize
 
     def run():
-        counts = core.allgather_counts_device(rows, row_elems, shape_tag, dtype, chunk, out_rows)
+        counts = core.allgather_counts(rows, row_elems, shape_tag, dtype, chunk, out_rows,
+                                       device=True)
         total = sum(counts)
         nbytes = total * row_elems * itemsize
         # From here the ranks are committed to this call: whatever fails on one rank

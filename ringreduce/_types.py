@@ -134,9 +134,11 @@ def contiguous(array: np.ndarray) -> np.ndarray:
     return array if array.flags.c_contiguous else np.ascontiguousarray(array).reshape(array.shape)
 
 
-def check_out(out, shape: tuple, dtype: np.dtype, context: str) -> np.ndarray:
-    if not isinstance(out, np.ndarray):
-        raise TypeError(f"{context}: out must be a numpy.ndarray, got {type(out).__name__}")
+def check_out(out, shape: tuple, dtype: np.dtype, context: str, array_type=np.ndarray,
+              type_name: str = "numpy.ndarray"):
+    """out= for a result of this shape and dtype (a cupy one: array_type=cupy.ndarray)."""
+    if not isinstance(out, array_type):
+        raise TypeError(f"{context}: out must be a {type_name}, got {type(out).__name__}")
     if out.dtype != dtype and out.dtype == dtype.newbyteorder("S"):
         raise TypeError(f"{context}: out has non-native byte order ({out.dtype}); the result "
                         f"is written in native order, so pass out of dtype {dtype}")
@@ -147,7 +149,7 @@ def check_out(out, shape: tuple, dtype: np.dtype, context: str) -> np.ndarray:
     if not out.flags.c_contiguous:
         raise ValueError(f"{context}: out is not C-contiguous (strides {out.strides}); "
                          "pass a contiguous array or out=None")
-    if not out.flags.writeable:
+    if isinstance(out, np.ndarray) and not out.flags.writeable:
         raise ValueError(f"{context}: out is read-only")
     return out
 

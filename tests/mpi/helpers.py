@@ -93,3 +93,37 @@ def same_on_every_rank(array, comm=MPI.COMM_WORLD):
 
 def bitwise_equal(a, b):
     return a.shape == b.shape and a.dtype == b.dtype and a.tobytes() == b.tobytes()
+
+
+def check_host_and_gpu_arrays_in_one_call_raise_everywhere(comm, cp):
+    """Rank 0 passes numpy, the others GPU arrays (cp: cupy, or the tests' stand-in):
+    MismatchError on every rank, and the communicator still works."""
+    from ringreduce import reference
+
+    x = rank_data(np.dtype(np.float32), 1000)
+    rank = MPI.COMM_WORLD.Get_rank()
+    import pytest
+
+    with pytest.raises(rr.MismatchError, match="memory"):
+        comm.allreduce(x if rank == 0 else cp.asarray(x))
+    assert bitwise_equal(cp.asnumpy(comm.allreduce(cp.asarray(x))),
+                         reference.allreduce(x, "sum"))
+
+
+def check_gpu_argument_errors(comm, cp):
+    """Bad out= and op for GPU arrays raise the right errors (cp: cupy or the stand-in)."""
+    import pytest
+
+    dx = cp.asarray(np.zeros(10, np.float32))
+    with pytest.raises(TypeError, match="cupy.ndarray"):
+        comm.allreduce(dx, out=np.zeros(10, np.float32))
+    with pytest.raises(TypeError, match="dtype"):
+        comm.allreduce(dx, out=cp.empty(10, np.float64))
+    with pytest.raises(ValueError, match="shape"):
+        comm.allreduce(dx, out=cp.empty(11, np.float32))
+    with pytest.raises(ValueError, match="C-contiguous"):
+        comm.allreduce(dx, out=cp.empty(20, np.float32)[::2])
+    with pytest.raises(rr.UnsupportedOpError):
+        comm.allreduce(cp.asarray(np.zeros(3, np.int32)), op="avg")
+    with pytest.raises(ValueError, match="root"):
+        comm.broadcast(dx, root=comm.size)

@@ -11,7 +11,8 @@ import ringreduce as rr
 from ringreduce import _device, reference
 
 import fake_cupy as cp
-from helpers import bitwise_equal, rank_data
+from helpers import (bitwise_equal, check_gpu_argument_errors,
+                     check_host_and_gpu_arrays_in_one_call_raise_everywhere, rank_data)
 
 SIZE = MPI.COMM_WORLD.Get_size()
 RANK = MPI.COMM_WORLD.Get_rank()
@@ -95,26 +96,10 @@ def test_reduce_scatter_allgather_broadcast(ring, world):
 
 
 def test_argument_errors_name_the_problem(ring):
-    dx = cp.asarray(np.zeros(10, np.float32))
-    with pytest.raises(TypeError, match="cupy.ndarray"):
-        ring.allreduce(dx, out=np.zeros(10, np.float32))
-    with pytest.raises(TypeError, match="dtype"):
-        ring.allreduce(dx, out=cp.empty(10, np.float64))
-    with pytest.raises(ValueError, match="shape"):
-        ring.allreduce(dx, out=cp.empty(11, np.float32))
-    with pytest.raises(ValueError, match="C-contiguous"):
-        ring.allreduce(dx, out=cp.empty(20, np.float32)[::2])
-    with pytest.raises(rr.UnsupportedOpError):
-        ring.allreduce(cp.asarray(np.zeros(3, np.int32)), op="avg")
-    with pytest.raises(ValueError, match="root"):
-        ring.broadcast(dx, root=SIZE)
+    check_gpu_argument_errors(ring, cp)
 
 
 def test_host_and_gpu_arrays_in_one_call_raise_on_every_rank(ring):
     if SIZE == 1:
         pytest.skip("needs two ranks")
-    x = rank_data(np.dtype(np.float32), 1000)
-    with pytest.raises(rr.MismatchError, match="memory"):
-        ring.allreduce(x if RANK == 0 else cp.asarray(x))
-    assert bitwise_equal(cp.asnumpy(ring.allreduce(cp.asarray(x))),
-                         reference.allreduce(x, "sum"))
+    check_host_and_gpu_arrays_in_one_call_raise_everywhere(ring, cp)

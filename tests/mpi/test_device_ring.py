@@ -82,7 +82,8 @@ def test_ranks_staging_and_ranks_with_cuda_aware_mpi_share_a_ring(device_comm, w
         expected = world.bcast(y, root=root)
         core.broadcast_device(y.ctypes.data, y.size, code, root, 16, *emulated(direct))
         assert bitwise_equal(y, expected)
-    counts = core.allgather_counts_device(1, 5003, hash((5003,)) & 0x7FFFFFFFFFFFFFFF, code, 16)
+    counts = core.allgather_counts(1, 5003, hash((5003,)) & 0x7FFFFFFFFFFFFFFF, code, 16,
+                                   device=True)
     out = np.empty(5003 * SIZE, np.float32)
     core.allgather_device(x.ctypes.data, out.ctypes.data, counts, 5003, code, True,
                           *emulated(direct))
@@ -106,8 +107,8 @@ def test_allgather_with_different_row_counts(mode, device_comm, world):
     rows = [(r * 3 + 1) % 5 for r in range(SIZE)]  # includes ranks with no rows at 4 ranks
     x = (np.arange(rows[RANK] * 6, dtype=np.int32).reshape(rows[RANK], 3, 2) + 1000 * RANK)
     core = device_comm._core
-    counts = core.allgather_counts_device(x.shape[0], 6, hash((3, 2)) & 0x7FFFFFFFFFFFFFFF,
-                                          dtype_code(x.dtype), 32)
+    counts = core.allgather_counts(x.shape[0], 6, hash((3, 2)) & 0x7FFFFFFFFFFFFFFF,
+                                   dtype_code(x.dtype), 32, device=True)
     assert list(counts) == rows
     out = np.empty((sum(counts), 3, 2), np.int32)
     core.allgather_device(x.ctypes.data, out.ctypes.data, counts, 6, dtype_code(x.dtype),
@@ -122,8 +123,8 @@ def test_a_rank_not_ready_for_allgathers_ring_stops_every_rank(device_comm, worl
         pytest.skip("needs two ranks")
     x = np.full(10, RANK, np.int64)
     core = device_comm._core
-    counts = core.allgather_counts_device(1, 10, hash((10,)) & 0x7FFFFFFFFFFFFFFF,
-                                          dtype_code(x.dtype), 32)
+    counts = core.allgather_counts(1, 10, hash((10,)) & 0x7FFFFFFFFFFFFFFF,
+                                   dtype_code(x.dtype), 32, device=True)
     out = np.empty(10 * SIZE, np.int64)
     with pytest.raises(MemoryError, match="rank 1 could not allocate"):
         core.allgather_device(x.ctypes.data, out.ctypes.data, counts, 10, dtype_code(x.dtype),

@@ -9,7 +9,8 @@ from mpi4py import MPI
 import ringreduce as rr
 from ringreduce import reference
 
-from helpers import bitwise_equal, rank_data
+from helpers import (bitwise_equal, check_gpu_argument_errors,
+                     check_host_and_gpu_arrays_in_one_call_raise_everywhere, rank_data)
 
 try:
     import cupy
@@ -139,23 +140,11 @@ def test_reduce_scatter_allgather_broadcast(gpu_comm, world):
 def test_host_and_gpu_buffers_in_one_call_raise_on_every_rank(comm):
     if SIZE == 1:
         pytest.skip("needs two ranks")
-    x = rank_data(np.dtype(np.float32), 1000)
-    with pytest.raises(rr.MismatchError, match="memory"):
-        comm.allreduce(x if RANK == 0 else cupy.asarray(x))
-    assert bitwise_equal(cupy.asnumpy(comm.allreduce(cupy.asarray(x))),
-                         reference.allreduce(x, "sum"))
+    check_host_and_gpu_arrays_in_one_call_raise_everywhere(comm, cupy)
 
 
 def test_bad_gpu_arguments_raise_clear_errors(comm):
-    dx = cupy.zeros(10, cupy.float32)
-    with pytest.raises(TypeError, match="cupy.ndarray"):
-        comm.allreduce(dx, out=np.zeros(10, np.float32))
-    with pytest.raises(TypeError, match="dtype"):
-        comm.allreduce(dx, out=cupy.zeros(10, cupy.float64))
-    with pytest.raises(ValueError, match="shape"):
-        comm.allreduce(dx, out=cupy.zeros(11, cupy.float32))
-    with pytest.raises(rr.UnsupportedOpError):
-        comm.allreduce(cupy.zeros(3, cupy.int32), op="avg")
+    check_gpu_argument_errors(comm, cupy)
 
 
 def test_allreduce_gradients_and_the_distributed_optimizer_on_cupy(world):
