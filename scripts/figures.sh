@@ -19,6 +19,9 @@ $PY examples/compare_runs.py $R/ranks1.json $R/ranks2.json $R/ranks4.json \
 $PY examples/compare_runs.py $R/ranks2.json $R/ranks2_fp16.json $R/ranks2_bf16.json \
     $R/ranks2_powersgd.json --plot "$OUT/digits_compression.png" > /dev/null
 
+# Measured on a GPU by benchmarks/gpu_check.sh, on a lent machine (not rerun here): its
+# OUTDIR/gpu_allreduce_p2.png is copied to $OUT/gpu_allreduce_p2.png.
+
 if [ "${1:-}" = "--measured" ]; then
   for i in 1 2 3; do
     $MPIEXEC -n 2 $PY -m mpi4py benchmarks/bench_allreduce.py \
