@@ -44,6 +44,19 @@ def gather_output(core, allocate, nbytes: int):
     return result
 
 
+class _Scratch:
+    """A host buffer that grows on demand and is kept: reduce_scatter's workspace.
+    Only used inside a collective's run(), which the executor serialises."""
+
+    def __init__(self):
+        self.buffer = np.empty(0, np.uint8)
+
+    def get(self, nbytes: int) -> np.ndarray:
+        if self.buffer.nbytes < nbytes:
+            self.buffer = np.empty(nbytes, np.uint8)
+        return self.buffer[:nbytes]
+
+
 class Handle:
     """A collective in flight. ``wait()`` returns its result (or raises its error)."""
 
@@ -192,6 +205,7 @@ class Communicator:
         self._executor = _Executor(threaded=MPI.Query_thread() == MPI.THREAD_MULTIPLE)
         self._closed = False
         self._direct = None  # see _cuda_direct()
+        self._scratch = _Scratch()
         self._contexts = {name: t.where(self.rank, self.size, name) for name in _COLLECTIVES}
         _live.add(self)
 
@@ -267,6 +281,8 @@ class Communicator:
         """Reduce x.ravel() over all ranks; return this rank's block of the result.
 
         Blocks are laid out as ``np.array_split(result, size)``: block r goes to rank r.
+        The ring needs a workspace as large as x; the Communicator keeps the largest
+        one it has needed (numpy inputs) until it is closed.
         """
         return self._call("reduce_scatter", self._prepare_reduce_scatter, x, op, out, wait=True)
 
@@ -295,6 +311,7 @@ class Communicator:
             return
         self._executor.finish()
         self._closed = True
+        self._scratch = _Scratch()
         _live.discard(self)
         if not MPI.Is_finalized():
             self._core.close()
@@ -379,11 +396,14 @@ class Communicator:
         else:
             t.check_out(out, (count,), x.dtype, context)
         source = t.contiguous(x)
-        work = np.empty(x.size, x.dtype)
         chunk = self._chunk_bytes
         core = self._core
+        scratch = self._scratch
 
         def run():
+            # The ring needs a whole buffer's worth of partial sums; reusing one (runs
+            # are serialised) spares a fresh array, and its page faults, every call.
+            work = scratch.get(x.nbytes).view(x.dtype)
             core.reduce_scatter(source, work, dtype, op, chunk)
             out[...] = work[offset:offset + count]
             return out
