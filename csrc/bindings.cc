@@ -7,6 +7,7 @@
 #include <pybind11/stl.h>
 
 #include <cstdint>
+#include <optional>
 
 #include "cuda.h"
 #include "errors.h"
@@ -171,13 +172,17 @@ PYBIND11_MODULE(_core, m) {
            })
       .def("reduce_scatter",
            [](RingCommunicator& self, py::array x, py::array work, int dtype, int op,
-              int64_t chunk_bytes) {
+              int64_t chunk_bytes, std::optional<py::array> out) {
              const void* in = x.data();
              void* dst = work.mutable_data();
+             void* own = out ? out->mutable_data() : nullptr;
              const int64_t n = x.size();
              py::gil_scoped_release nogil;
-             self.reduce_scatter(in, dst, n, DType(dtype), Op(op), chunk_bytes);
-           })
+             self.reduce_scatter(in, dst, n, DType(dtype), Op(op), chunk_bytes, own);
+           },
+           py::arg("x"), py::arg("work"), py::arg("dtype"), py::arg("op"),
+           py::arg("chunk_bytes"), py::arg("out") = py::none(),
+           "out, if given, receives this rank's block (else it stays in work)")
       .def("allgather_counts",
            [](RingCommunicator& self, int64_t rows, int64_t row_elems, int64_t shape_tag,
               int dtype, int64_t chunk_bytes, int64_t out_rows, bool device) {

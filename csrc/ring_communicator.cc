@@ -110,14 +110,14 @@ int64_t RingCommunicator::ring_chunk_elems(int64_t agreed_chunk_bytes, size_t el
 }
 
 void RingCommunicator::run_reduce_scatter(const RingSchedule& sched, DType dtype, Op op,
-                                          const void* input, void* out, bool shm) {
+                                          const void* input, void* out, bool shm,
+                                          void* own_out) {
   ring_steps_ += sched.steps_per_phase();
   if (shm) {
-    shm_->reduce_scatter(sched, dtype, op, input, out);
+    shm_->reduce_scatter(sched, dtype, op, input, out, own_out);
   } else {
-    const int64_t es = static_cast<int64_t>(dtype_size(dtype));
     ring_reduce_scatter(sched, *transport_, dtype, op, input, out,
-                        recv_slots(sched, dtype_size(dtype)));
+                        recv_slots(sched, dtype_size(dtype)), own_out);
   }
 }
 
@@ -305,17 +305,18 @@ void RingCommunicator::allreduce_inline(void* out, int64_t count, DType dtype, O
 }
 
 void RingCommunicator::reduce_scatter(const void* input, void* work, int64_t count, DType dtype,
-                                      Op op, int64_t chunk_bytes) {
+                                      Op op, int64_t chunk_bytes, void* own_out) {
   const CallHeader h = make_header(Collective::ReduceScatter, dtype, op, count, chunk_bytes);
   const size_t es = dtype_size(dtype);
   const bool shm = use_shm(count * static_cast<int64_t>(es));
   const int64_t elems = ring_chunk_elems(agree(h), es, shm);
   const RingSchedule sched = RingSchedule::split_evenly(rank(), size(), count, elems);
   guarded(&broken_, [&] {
-    run_reduce_scatter(sched, dtype, op, input, work, shm);
-    const Span mine = sched.segment(rank());
-    if (op == Op::Avg)
-      divide(dtype, static_cast<char*>(work) + mine.offset * es, mine.count, size());
+    run_reduce_scatter(sched, dtype, op, input, work, shm, own_out);
+    if (op == Op::Avg) {
+      const Span mine = sched.segment(rank());
+      divide(dtype, ReduceTarget(sched, es, work, own_out).own(), mine.count, size());
+    }
   });
 }
 

@@ -92,9 +92,10 @@ class RingCommunicator {
   void allreduce(const void* input, void* out, int64_t count, DType dtype, Op op,
                  int64_t chunk_bytes);
   // work (count elements) gets this rank's segment reduced in place, at the offset
-  // segment_of(rank, count) gives; the rest of work is scratch.
+  // segment_of(rank, count) gives; the rest of work is scratch. With own_out, the
+  // segment goes there instead (the caller's result array: no copy out of work).
   void reduce_scatter(const void* input, void* work, int64_t count, DType dtype, Op op,
-                      int64_t chunk_bytes);
+                      int64_t chunk_bytes, void* own_out = nullptr);
   // First half of allgather: agree on the call and learn every rank's row count.
   // out_rows: the rows of the caller's out= (-1: none), checked against every rank's
   // rows here, so a wrong out= raises MismatchError on every rank before data moves.
@@ -173,7 +174,7 @@ class RingCommunicator {
   // shm: whether this call goes through shared memory (use_shm of its total bytes,
   // the same on every rank).
   void run_reduce_scatter(const RingSchedule& sched, DType dtype, Op op, const void* input,
-                          void* out, bool shm);
+                          void* out, bool shm, void* own_out = nullptr);
   void run_allgather(const RingSchedule& sched, size_t elem_size, void* buf, bool shm);
   bool use_shm(int64_t total_bytes) const;
   int64_t ring_chunk_elems(int64_t agreed_chunk_bytes, size_t elem_size, bool shm) const;

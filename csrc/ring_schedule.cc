@@ -121,22 +121,31 @@ void run_ring_phase(const RingSchedule& sched, Transport& transport, Phase phase
 
 }  // namespace
 
+ReduceTarget::ReduceTarget(const RingSchedule& sched, size_t elem_size, void* out,
+                           void* own_out)
+    : own_(sched.segment(sched.rank())),
+      es_(static_cast<int64_t>(elem_size)),
+      out_(static_cast<char*>(out)),
+      own_out_(own_out ? static_cast<char*>(own_out) : out_ + own_.offset * es_) {}
+
 void ring_reduce_scatter(const RingSchedule& sched, Transport& transport, DType dtype, Op op,
-                         const void* input, void* out, const RecvSlots& slots) {
+                         const void* input, void* out, const RecvSlots& slots, void* own_out) {
   ring_reduce_scatter(
       sched, transport, dtype_size(dtype), input, out, slots,
       [&](void* dst, const void* a, const void* b, int64_t n) { reduce(dtype, op, dst, a, b, n); },
-      [](void* dst, const void* src, int64_t bytes) { std::memcpy(dst, src, bytes); });
+      [](void* dst, const void* src, int64_t bytes) { std::memcpy(dst, src, bytes); }, own_out);
 }
 
 void ring_reduce_scatter(const RingSchedule& sched, Transport& transport, size_t es,
                          const void* input, void* out, const RecvSlots& slots,
                          const ChunkReducer& reduce_chunk,
-                         const std::function<void(void*, const void*, int64_t)>& copy_bytes) {
+                         const std::function<void(void*, const void*, int64_t)>& copy_bytes,
+                         void* own_out) {
   const char* in = static_cast<const char*>(input);
   char* dst = static_cast<char*>(out);
+  const ReduceTarget target(sched, es, out, own_out);
   if (sched.size() == 1) {
-    if (out != input) copy_bytes(out, input, sched.total_count() * es);
+    if (target.own() != input) copy_bytes(target.own(), input, sched.total_count() * es);
     return;
   }
   // Each rank receives every segment but one exactly once, and reduces it with its
@@ -146,9 +155,9 @@ void ring_reduce_scatter(const RingSchedule& sched, Transport& transport, size_t
       [&](Span ch) { return in + ch.offset * es; },
       [&](int64_t i, Span) { return slots.slot(i); },
       [&](int64_t i, Span ch) {
-        reduce_chunk(dst + ch.offset * es, in + ch.offset * es, slots.slot(i), ch.count);
+        reduce_chunk(target(ch), in + ch.offset * es, slots.slot(i), ch.count);
       },
-      [&](Span ch) { return dst + ch.offset * es; });
+      [&](Span ch) { return dst + ch.offset * es; });  // never our own segment
   // The segment we only sent (r-1) is not ours and holds input's bytes in out only
   // when out == input; all-gather overwrites it either way.
 }

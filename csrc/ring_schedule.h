@@ -116,13 +116,36 @@ using ChunkReducer = std::function<void(void* dst, const void* a, const void* b,
 
 // Reduce-scatter: out[segment r] = OP over all ranks of input[segment r]. Other
 // segments of out are overwritten with partial results. out may equal input.
+// own_out, if given, receives segment r instead of out (the caller's result array,
+// which then needs no copy from out).
 void ring_reduce_scatter(const RingSchedule& schedule, Transport& transport, DType dtype, Op op,
-                         const void* input, void* out, const RecvSlots& slots);
+                         const void* input, void* out, const RecvSlots& slots,
+                         void* own_out = nullptr);
 // The same with another reducer and another copy (for device buffers).
 void ring_reduce_scatter(const RingSchedule& schedule, Transport& transport, size_t elem_size,
                          const void* input, void* out, const RecvSlots& slots,
                          const ChunkReducer& reduce_chunk,
-                         const std::function<void(void*, const void*, int64_t)>& copy_bytes);
+                         const std::function<void(void*, const void*, int64_t)>& copy_bytes,
+                         void* own_out = nullptr);
+
+// Where a reduce-scatter writes chunk `ch`: into own_out for this rank's own segment
+// (when given), else into out.
+class ReduceTarget {
+ public:
+  ReduceTarget(const RingSchedule& sched, size_t elem_size, void* out, void* own_out);
+  char* operator()(Span ch) const {
+    return ch.offset >= own_.offset && ch.offset < own_.offset + own_.count
+               ? own_out_ + (ch.offset - own_.offset) * es_
+               : out_ + ch.offset * es_;
+  }
+  char* own() const { return own_out_; }
+
+ private:
+  Span own_;
+  int64_t es_;
+  char* out_;
+  char* own_out_;
+};
 
 // All-gather: every rank's segment r of buf is sent around the ring so that all of
 // buf ends up equal on every rank.

@@ -170,14 +170,15 @@ void ShmChannel::run_phase(const RingSchedule& sched, size_t elem_size, Phase ph
 }
 
 void ShmChannel::reduce_scatter(const RingSchedule& sched, DType dtype, Op op, const void* input,
-                                void* out) {
+                                void* out, void* own_out) {
   const size_t es = dtype_size(dtype);
   const char* in = static_cast<const char*>(input);
   char* dst = static_cast<char*>(out);
+  const ReduceTarget target(sched, es, out, own_out);
   run_phase(
       sched, es, Phase::ReduceScatter,
       [&](Span ch, const char* slot) {
-        reduce(dtype, op, dst + ch.offset * es, in + ch.offset * es, slot, ch.count);
+        reduce(dtype, op, target(ch), in + ch.offset * es, slot, ch.count);
       },
       [&](int step, Span ch) { return (step == 0 ? in : dst) + ch.offset * es; });
 }

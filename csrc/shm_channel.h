@@ -37,7 +37,7 @@ class ShmChannel {
   // The pipelined phases of ring_schedule.h over shared memory. Same schedule, same
   // reduction order, so the same bits as the MPI path.
   void reduce_scatter(const RingSchedule& sched, DType dtype, Op op, const void* input,
-                      void* out);
+                      void* out, void* own_out = nullptr);
   void allgather(const RingSchedule& sched, size_t elem_size, void* buf);
   void free();  // collective; MPI_Win_free
 

@@ -400,12 +400,20 @@ class Communicator:
         core = self._core
         scratch = self._scratch
 
+        # The block goes straight into out, unless out shares memory with x other than
+        # as x's own block (then the ring could overwrite input it has yet to read).
+        direct = not np.may_share_memory(out, source) or t.same_buffer(
+            out, source.reshape(-1)[offset:offset + count])
+
         def run():
             # The ring needs a whole buffer's worth of partial sums; reusing one (runs
             # are serialised) spares a fresh array, and its page faults, every call.
             work = scratch.get(x.nbytes).view(x.dtype)
-            core.reduce_scatter(source, work, dtype, op, chunk)
-            out[...] = work[offset:offset + count]
+            if direct:
+                core.reduce_scatter(source, work, dtype, op, chunk, out)
+            else:
+                core.reduce_scatter(source, work, dtype, op, chunk)
+                out[...] = work[offset:offset + count]
             return out
 
         return run

@@ -131,3 +131,23 @@ def test_allgather_into_out_and_in_place(comm, world):
     out = np.empty((SIZE << 16, 4))
     comm.allgather(big, out=out)
     np.testing.assert_array_equal(out[::1 << 16, 0], np.arange(SIZE))
+
+
+def test_reduce_scatter_into_out_in_place_and_overlapping(comm, world):
+    n = 1000 + SIZE
+    offset, count = rr._core.segment_of(RANK, SIZE, n)
+    x = rank_data(np.dtype(np.float64), n, salt=9)
+    expected = reference.reduce_scatter(x, "sum", world)
+    # in place: out is x's own block, which the ring writes straight into
+    inplace = x.copy()
+    block = inplace[offset:offset + count]
+    assert comm.reduce_scatter(inplace, out=block) is block
+    assert bitwise_equal(block, expected)
+    if SIZE == 1:
+        return  # the block is all of x: nothing to overlap
+    # out overlapping x one element off its own block: x must all be read first
+    shifted = x.copy()
+    start = offset + 1 if offset + 1 + count <= n else offset - 1
+    other = shifted[start:start + count]
+    assert comm.reduce_scatter(shifted, out=other) is other
+    assert bitwise_equal(other, expected)
