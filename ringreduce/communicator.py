@@ -46,7 +46,7 @@ def gather_output(core, allocate, nbytes: int):
 
 class _Scratch:
     """A host buffer that grows on demand and is kept: reduce_scatter's workspace.
-    Only used inside a collective's run(), which the executor serialises."""
+    Written only inside a collective's run(), which the executor serialises."""
 
     def __init__(self):
         self.buffer = np.empty(0, np.uint8)
@@ -398,7 +398,11 @@ class Communicator:
         source = t.contiguous(x)
         chunk = self._chunk_bytes
         core = self._core
-        scratch = self._scratch
+        # The ring needs a whole buffer's worth of partial sums; reusing one spares a
+        # fresh array, and its page faults, every call. Taken here, so that a rank
+        # without the memory says so in the header exchange (runs are serialised, and
+        # a buffer replaced by a bigger one lives on in the views taken of it).
+        work = self._scratch.get(x.nbytes).view(x.dtype)
 
         # The block goes straight into out, unless out shares memory with x other than
         # as x's own block (then the ring could overwrite input it has yet to read).
@@ -406,9 +410,6 @@ class Communicator:
             out, source.reshape(-1)[offset:offset + count])
 
         def run():
-            # The ring needs a whole buffer's worth of partial sums; reusing one (runs
-            # are serialised) spares a fresh array, and its page faults, every call.
-            work = scratch.get(x.nbytes).view(x.dtype)
             if direct:
                 core.reduce_scatter(source, work, dtype, op, chunk, out)
             else:

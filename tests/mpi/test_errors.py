@@ -282,3 +282,23 @@ def test_allgather_with_out_on_some_ranks_only(comm, world):
     result = comm.allgather(x, out=out)
     assert out is None or result is out
     np.testing.assert_array_equal(result[::1 << 15, 0], np.arange(SIZE))
+
+
+@needs_two
+def test_a_rank_without_memory_for_reduce_scatters_workspace_does_not_hang_the_others(
+        comm, monkeypatch):
+    from ringreduce import communicator
+
+    def no_memory(self, nbytes):
+        raise MemoryError("test: no workspace")
+
+    x = np.ones(1000)
+    if RANK == 1:
+        monkeypatch.setattr(communicator._Scratch, "get", no_memory)
+        with pytest.raises(MemoryError, match="no workspace"):
+            comm.reduce_scatter(x)
+    else:
+        with pytest.raises(rr.MismatchError, match="rank 1 rejected"):
+            comm.reduce_scatter(x)
+    monkeypatch.undo()
+    still_works(comm)
