@@ -234,19 +234,33 @@ def test_a_rank_that_cannot_allocate_allgathers_output_does_not_hang_the_others(
     np.testing.assert_array_equal(comm.allgather(x)[::1024, 0], np.arange(SIZE))
 
 
+def _copying_x_fails(communicator, monkeypatch):
+    monkeypatch.setattr(communicator.t, "contiguous",
+                        lambda a: (_ for _ in ()).throw(MemoryError("test: no copy")))
+
+
+def _no_workspace(communicator, monkeypatch):
+    def get(self, nbytes):
+        raise MemoryError("test: no workspace")
+
+    monkeypatch.setattr(communicator._Scratch, "get", get)
+
+
 @needs_two
-def test_a_memory_error_while_preparing_a_call_does_not_hang_the_others(comm, monkeypatch):
+@pytest.mark.parametrize("call,fail", [("allgather", _copying_x_fails),
+                                       ("reduce_scatter", _no_workspace)])
+def test_a_memory_error_while_preparing_a_call_does_not_hang_the_others(call, fail, comm,
+                                                                        monkeypatch):
     from ringreduce import communicator
 
-    x = np.ones((8, 8))[:, ::2]  # not contiguous: allgather copies it first
-    if RANK == 0:
-        monkeypatch.setattr(communicator.t, "contiguous",
-                            lambda a: (_ for _ in ()).throw(MemoryError("test")))
-        with pytest.raises(MemoryError):
-            comm.allgather(x)
+    x = np.ones((8, 8))[:, ::2]  # not contiguous: the call copies it first
+    if RANK == 1:
+        fail(communicator, monkeypatch)
+        with pytest.raises(MemoryError, match="test"):
+            getattr(comm, call)(x)
     else:
-        with pytest.raises(rr.MismatchError, match="rank 0 rejected"):
-            comm.allgather(x)
+        with pytest.raises(rr.MismatchError, match="rank 1 rejected"):
+            getattr(comm, call)(x)
     monkeypatch.undo()
     still_works(comm)
 
@@ -282,23 +296,3 @@ def test_allgather_with_out_on_some_ranks_only(comm, world):
     result = comm.allgather(x, out=out)
     assert out is None or result is out
     np.testing.assert_array_equal(result[::1 << 15, 0], np.arange(SIZE))
-
-
-@needs_two
-def test_a_rank_without_memory_for_reduce_scatters_workspace_does_not_hang_the_others(
-        comm, monkeypatch):
-    from ringreduce import communicator
-
-    def no_memory(self, nbytes):
-        raise MemoryError("test: no workspace")
-
-    x = np.ones(1000)
-    if RANK == 1:
-        monkeypatch.setattr(communicator._Scratch, "get", no_memory)
-        with pytest.raises(MemoryError, match="no workspace"):
-            comm.reduce_scatter(x)
-    else:
-        with pytest.raises(rr.MismatchError, match="rank 1 rejected"):
-            comm.reduce_scatter(x)
-    monkeypatch.undo()
-    still_works(comm)
