@@ -251,8 +251,7 @@ void RingCommunicator::grow_device_scratch(Collective collective, size_t es, int
 }
 
 void RingCommunicator::reserve_staging(const DeviceCall& call, int64_t bytes) {
-  Device& dev = device(call.emulate, call.ordinal);
-  (void)dev;
+  device(call.emulate, call.ordinal);  // makes host_mirror_ too
   if (!call.direct && size() > 1) host_mirror_->get(bytes);
 }
 
@@ -420,9 +419,7 @@ void RingCommunicator::allgather_device(DeviceCall call, const void* input, void
 
 void RingCommunicator::broadcast_device(DeviceCall call, void* buf, int64_t count,
                                         DType dtype, int root, int64_t chunk_bytes) {
-  if (root < 0 || root >= size())
-    throw std::invalid_argument("broadcast: root " + std::to_string(root) + " is not in [0, " +
-                                std::to_string(size()) + ")");
+  check_root(root);
   const int64_t staged =
       call.direct || size() == 1 ? 0 : count * static_cast<int64_t>(dtype_size(dtype));
   Device& dev = begin_device_call(call, Collective::Broadcast, chunk_bytes, staged, 0);
@@ -432,8 +429,7 @@ void RingCommunicator::broadcast_device(DeviceCall call, void* buf, int64_t coun
   h.extra = root;
   const size_t es = dtype_size(dtype);
   const int64_t chunk =
-      std::min(chunk_elems(agree(h), es) * kCopyChunkFactor,
-               Transport::kMaxMessageBytes / static_cast<int64_t>(es)) * static_cast<int64_t>(es);
+      copy_chunk_elems(chunk_elems(agree(h), es), es) * static_cast<int64_t>(es);
   const int64_t bytes = count * static_cast<int64_t>(es);
   guarded(&broken_, [&] {
     if (size() == 1) return;

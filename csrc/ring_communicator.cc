@@ -121,9 +121,13 @@ void RingCommunicator::run_reduce_scatter(const RingSchedule& sched, DType dtype
   }
 }
 
-RingSchedule RingCommunicator::copy_schedule(const RingSchedule& sched, size_t elem_size) {
+int64_t RingCommunicator::copy_chunk_elems(int64_t chunk_elems, size_t elem_size) {
   const int64_t cap = Transport::kMaxMessageBytes / static_cast<int64_t>(elem_size);
-  return sched.with_chunk_elems(std::min(cap, sched.chunk_elems() * kCopyChunkFactor));
+  return std::min(cap, chunk_elems * kCopyChunkFactor);
+}
+
+RingSchedule RingCommunicator::copy_schedule(const RingSchedule& sched, size_t elem_size) {
+  return sched.with_chunk_elems(copy_chunk_elems(sched.chunk_elems(), elem_size));
 }
 
 void RingCommunicator::run_allgather(const RingSchedule& sched, size_t elem_size, void* buf,
@@ -376,17 +380,20 @@ void RingCommunicator::allgather(const void* input, void* out,
   guarded(&broken_, [&] { run_allgather(sched, es, out, shm); });
 }
 
-void RingCommunicator::broadcast(void* buf, int64_t count, DType dtype, int root,
-                                 int64_t chunk_bytes) {
+void RingCommunicator::check_root(int root) const {
   if (root < 0 || root >= size())
     throw std::invalid_argument("broadcast: root " + std::to_string(root) + " is not in [0, " +
                                 std::to_string(size()) + ")");
+}
+
+void RingCommunicator::broadcast(void* buf, int64_t count, DType dtype, int root,
+                                 int64_t chunk_bytes) {
+  check_root(root);
   CallHeader h = make_header(Collective::Broadcast, dtype, Op::Sum, count, chunk_bytes);
   h.extra = root;
   const size_t es = dtype_size(dtype);
   const int64_t elems = chunk_elems(agree(h), es);
-  const int64_t chunk = std::min(elems * kCopyChunkFactor,
-                                 Transport::kMaxMessageBytes / static_cast<int64_t>(es));
+  const int64_t chunk = copy_chunk_elems(elems, es);
   guarded(&broken_, [&] {
     ring_broadcast(rank(), size(), root, *transport_, buf, count * static_cast<int64_t>(es),
                    chunk * static_cast<int64_t>(es), kWindow);

@@ -76,6 +76,10 @@ class RingCommunicator {
   // over MPI messages: with no arithmetic to keep in cache, fewer, larger messages win
   // (16 MiB all-gather on 2 ranks: 1.7-2.0 ms at 256 KiB chunks, 1.3-1.5 ms at 16 MiB).
   static constexpr int64_t kCopyChunkFactor = 64;
+  // The chunk of a copy-only phase, in elements, for a call whose agreed chunk is
+  // `chunk_elems`: every copy-only path uses this, so host, staged and direct ranks put
+  // the same messages on the wire.
+  static int64_t copy_chunk_elems(int64_t chunk_elems, size_t elem_size);
   // The all-gather schedule of a call whose reduce-scatter used `sched`.
   static RingSchedule copy_schedule(const RingSchedule& sched, size_t elem_size);
   static constexpr int64_t kInlineBudgetBytes = 4096;  // ... summed over the other ranks
@@ -168,6 +172,7 @@ class RingCommunicator {
   void allreduce_inline(void* out, int64_t count, DType dtype, Op op);
   RecvSlots recv_slots(const RingSchedule& sched, size_t elem_size);
   void check_usable() const;
+  void check_root(int root) const;  // std::invalid_argument unless a rank
   int64_t chunk_elems(int64_t chunk_bytes, size_t elem_size) const;
 
   // The ring's two phases over whichever wire this communicator has.

@@ -57,6 +57,11 @@ def _check_out(cp, out, shape, dtype, device: int, context: str):
         raise ValueError(f"{context}: out is on GPU {out.device.id} but x is on GPU {device}")
 
 
+def _extent(a) -> tuple:
+    """(address, bytes) of a C-contiguous GPU array: exactly the memory it uses."""
+    return a.data.ptr, a.nbytes
+
+
 def _ranges_overlap(a, b) -> bool:
     """Two (address, bytes) ranges share a byte."""
     return a[1] > 0 and b[1] > 0 and a[0] < b[0] + b[1] and b[0] < a[0] + a[1]
@@ -65,9 +70,7 @@ def _ranges_overlap(a, b) -> bool:
 def _overlap_but_differ(a, b) -> bool:
     """Two C-contiguous arrays share bytes without being the same bytes. (Bounds are
     exact for contiguous arrays; cupy.shares_memory would sort every address.)"""
-    a0, b0 = a.data.ptr, b.data.ptr
-    same = a0 == b0 and a.nbytes == b.nbytes
-    return not same and a0 < b0 + b.nbytes and b0 < a0 + a.nbytes
+    return _ranges_overlap(_extent(a), _extent(b)) and _extent(a) != _extent(b)
 
 
 class _Launch:
@@ -171,10 +174,7 @@ def prepare_allgather(comm, context, x, out):
     rows = 1 if x.ndim == 0 else x.shape[0]
     row_shape = tuple(x.shape[1:])
     if out is not None:
-        t.check_gather_out(out, row_shape, x.dtype, context, cp.ndarray, "cupy.ndarray")
-        if out.device.id != x.device.id:
-            raise ValueError(f"{context}: out is on GPU {out.device.id} but x is on GPU "
-                             f"{x.device.id}")
+        _check_out(cp, out, (None,) + row_shape, x.dtype, x.device.id, context)
     row_elems = int(np.prod(row_shape, dtype=np.int64))
     shape_tag = hash(row_shape) & 0x7FFFFFFFFFFFFFFF
     launch = _Launch(cp, source, comm._cuda_direct())
@@ -198,8 +198,8 @@ def prepare_allgather(comm, context, x, out):
                     result = cp.empty((total,) + row_shape, x.dtype)
                 mine = sum(counts[:comm.rank]) * row_elems * itemsize
                 block = result.data.ptr + mine, rows * row_elems * itemsize
-                if _ranges_overlap((source.data.ptr, source.nbytes), (result.data.ptr, nbytes)) \
-                        and (source.data.ptr, source.nbytes) != block:
+                if (_ranges_overlap(_extent(source), (result.data.ptr, nbytes))
+                        and _extent(source) != block):
                     source_now = source.copy()  # x inside out, not as its own block
                 # The pool may hand out memory whose last users were enqueued after
                 # `ready`: wait for them too.
@@ -220,9 +220,6 @@ def prepare_allgather(comm, context, x, out):
 
 
 def prepare_broadcast(comm, context, x, root):
-    if not is_device_array(x):
-        raise TypeError(f"{context}: x must be an array (broadcast works in place), "
-                        f"got {type(x).__name__}")
     cp, array = as_device_array(x, "x", context)
     dtype = t.dtype_code(array.dtype, "x", context)
     t.check_root(root, comm.size, context)

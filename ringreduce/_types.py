@@ -136,7 +136,9 @@ def contiguous(array: np.ndarray) -> np.ndarray:
 
 def check_out(out, shape: tuple, dtype: np.dtype, context: str, array_type=np.ndarray,
               type_name: str = "numpy.ndarray"):
-    """out= for a result of this shape and dtype (a cupy one: array_type=cupy.ndarray)."""
+    """out= for a result of this shape and dtype (a cupy one: array_type=cupy.ndarray).
+    A shape of (None,) + row_shape takes any number of rows (allgather's, whose rows
+    are known only later)."""
     if not isinstance(out, array_type):
         raise TypeError(f"{context}: out must be a {type_name}, got {type(out).__name__}")
     if out.dtype != dtype and out.dtype == dtype.newbyteorder("S"):
@@ -144,30 +146,19 @@ def check_out(out, shape: tuple, dtype: np.dtype, context: str, array_type=np.nd
                         f"is written in native order, so pass out of dtype {dtype}")
     if out.dtype != dtype:
         raise TypeError(f"{context}: out has dtype {out.dtype}, expected {dtype} (the dtype of x)")
-    if out.shape != tuple(shape):
-        raise ValueError(f"{context}: out has shape {out.shape}, expected {tuple(shape)}")
+    shape = tuple(shape)
+    if shape[:1] == (None,):
+        if out.ndim != len(shape) or tuple(out.shape[1:]) != shape[1:]:
+            raise ValueError(f"{context}: out has shape {out.shape}; the result has rows of "
+                             f"shape {shape[1:]}, so out must have shape (rows,) + {shape[1:]}")
+    elif out.shape != shape:
+        raise ValueError(f"{context}: out has shape {out.shape}, expected {shape}")
     if not out.flags.c_contiguous:
         raise ValueError(f"{context}: out is not C-contiguous (strides {out.strides}); "
                          "pass a contiguous array or out=None")
     if isinstance(out, np.ndarray) and not out.flags.writeable:
         raise ValueError(f"{context}: out is read-only")
     return out
-
-
-def check_gather_out(out, row_shape: tuple, dtype, context: str, array_type=np.ndarray,
-                     type_name: str = "numpy.ndarray") -> None:
-    """allgather's out=: what can be checked before the row counts are known."""
-    if not isinstance(out, array_type):
-        raise TypeError(f"{context}: out must be a {type_name}, got {type(out).__name__}")
-    if out.dtype != dtype:
-        raise TypeError(f"{context}: out has dtype {out.dtype}, expected {dtype} (the dtype of x)")
-    if out.ndim != 1 + len(row_shape) or tuple(out.shape[1:]) != tuple(row_shape):
-        raise ValueError(f"{context}: out has shape {out.shape}; the result has rows of shape "
-                         f"{tuple(row_shape)}, so out must have shape (rows,) + {tuple(row_shape)}")
-    if not out.flags.c_contiguous:
-        raise ValueError(f"{context}: out is not C-contiguous (strides {out.strides})")
-    if isinstance(out, np.ndarray) and not out.flags.writeable:
-        raise ValueError(f"{context}: out is read-only")
 
 
 def is_plain_out(out, x: np.ndarray) -> bool:

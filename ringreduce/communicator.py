@@ -428,7 +428,7 @@ class Communicator:
         rows = 1 if x.ndim == 0 else x.shape[0]
         row_shape = tuple(x.shape[1:])
         if out is not None:
-            t.check_gather_out(out, row_shape, x.dtype, context)
+            t.check_out(out, (None,) + row_shape, x.dtype, context)
         row_elems = int(np.prod(row_shape, dtype=np.int64))
         shape_tag = hash(row_shape) & 0x7FFFFFFFFFFFFFFF
         chunk = self._chunk_bytes
