@@ -31,6 +31,20 @@ def say(*args):
         print(*args, flush=True)
 
 
+RULE = "|" + "---|" * 9  # under the header: 9 columns
+
+
+def table_row(r) -> str:
+    """One size's markdown row: both ringreduce columns, the host-copies peer, the
+    speedup of the faster ringreduce over it, and the copy rate."""
+    cells = [human_bytes(r["bytes"])]
+    for name in ("ring", "ring_big", "host_mpi"):
+        cells += [human_time(r[name]["seconds"]), f"{r[name]['busbw'] / 1e9:.2f} GB/s"]
+    best = min(r["ring"]["seconds"], r["ring_big"]["seconds"])
+    cells += [f"{r['host_mpi']['seconds'] / best:.2f}x", f"{r['d2d_bytes_per_s'] / 1e9:.0f} GB/s"]
+    return "| " + " | ".join(cells) + " |"
+
+
 def copy_rate(cp, nbytes: int, repeats: int = 5) -> float:
     """Bytes per second of one device-to-device copy of nbytes (bytes copied / time)."""
     src = cp.ones(nbytes // 4, cp.float32)
@@ -78,7 +92,7 @@ def main():
               f"{human_bytes(args.big_chunk)} chunks | busbw | host copies + MPI_Allreduce "
               "| busbw | speedup | D2D copy |")
     say(header)
-    say("|" + "---|" * 9)
+    say(RULE)
     nbytes = args.min_bytes
     while nbytes <= args.max_bytes:
         n = nbytes // 4
@@ -108,12 +122,7 @@ def main():
             algbw, busbw = bus_bandwidth(nbytes, seconds, SIZE)
             row[name] = {"seconds": seconds, "algbw": algbw, "busbw": busbw}
         rows.append(row)
-        say(f"| {human_bytes(nbytes)} | {human_time(times['ring'])} | "
-            f"{row['ring']['busbw'] / 1e9:.2f} GB/s | {human_time(times['ring_big'])} | "
-            f"{row['ring_big']['busbw'] / 1e9:.2f} GB/s | {human_time(times['host_mpi'])} | "
-            f"{row['host_mpi']['busbw'] / 1e9:.2f} GB/s | "
-            f"{times['host_mpi'] / min(times['ring'], times['ring_big']):.2f}x | "
-            f"{d2d / 1e9:.0f} GB/s |")
+        say(table_row(row))
         del x, out, host_in, host_out
         cp.get_default_memory_pool().free_all_blocks()
         nbytes *= 4
@@ -128,16 +137,8 @@ def main():
             with open(args.markdown, "w") as f:
                 f.write(f"{SIZE} ranks on one {gpu}, {mode}, float32, median of "
                         f"{args.repeats}.\n\n")
-                f.write(header + "\n|" + "---|" * 9 + "\n")
-                for r in rows:
-                    f.write(f"| {human_bytes(r['bytes'])} | {human_time(r['ring']['seconds'])} | "
-                            f"{r['ring']['busbw'] / 1e9:.2f} GB/s | "
-                            f"{human_time(r['ring_big']['seconds'])} | "
-                            f"{r['ring_big']['busbw'] / 1e9:.2f} GB/s | "
-                            f"{human_time(r['host_mpi']['seconds'])} | "
-                            f"{r['host_mpi']['busbw'] / 1e9:.2f} GB/s | "
-                            f"{r['host_mpi']['seconds'] / min(r['ring']['seconds'], r['ring_big']['seconds']):.2f}x | "
-                            f"{r['d2d_bytes_per_s'] / 1e9:.0f} GB/s |\n")
+                f.write(header + "\n" + RULE + "\n")
+                f.writelines(table_row(r) + "\n" for r in rows)
         if args.plot:
             plot(rows, args.plot, args.big_chunk)
     ring.close()
