@@ -161,6 +161,7 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("transport", &RingCommunicator::transport_name)
       .def_property_readonly("ring_bytes_sent", &RingCommunicator::ring_bytes_sent)
       .def_property_readonly("ring_steps", &RingCommunicator::ring_steps)
+      .def_property_readonly("inline_capacity", &RingCommunicator::inline_capacity)
       .def("allreduce",
            [](RingCommunicator& self, py::array x, py::array out, int dtype, int op,
               int64_t chunk_bytes) {

@@ -79,20 +79,25 @@ CallHeader make_header(Collective collective, DType dtype, Op op, int64_t count,
   return h;
 }
 
+int64_t RingCommunicator::inline_capacity_for(int ranks, bool shm) {
+  if (ranks <= 1) return 0;
+  // 16-byte steps keep every rank's payload aligned.
+  const int64_t most = shm ? kShmInlineMaxBytes : kInlineMaxBytes;
+  const int64_t budget = shm ? kShmInlineBudgetBytes : kInlineBudgetBytes;
+  return std::max<int64_t>(64, std::min<int64_t>(most, budget / (ranks - 1)) / 16 * 16);
+}
+
 RingCommunicator::RingCommunicator(MPI_Comm user_comm)
     : transport_(std::make_unique<MpiTransport>(user_comm)) {
-  // Every call's header message carries up to this much payload, so an allreduce this
-  // small costs one MPI_Allgather. The budget shrinks with the number of ranks, since
-  // every rank receives every other rank's slot; 16-byte steps keep slots aligned.
   const int p = size();
-  if (p > 1) {
-    const int64_t budget = std::min<int64_t>(kInlineMaxBytes, kInlineBudgetBytes / (p - 1));
-    inline_capacity_ = std::max<int64_t>(64, budget / 16 * 16);
+  shm_ = ShmChannel::create(transport_->comm(), kShmSlotBytes, kShmSlots,
+                            sizeof(CallHeader) + inline_capacity_for(p, true));
+  inline_capacity_ = inline_capacity_for(p, shm_ != nullptr);
+  if (!shm_) {
+    outgoing_.assign(slot_bytes(), 0);
+    exchange_.assign(slot_bytes() * p, 0);
   }
-  outgoing_.assign(slot_bytes(), 0);
-  exchange_.assign(slot_bytes() * p, 0);
   inline_scratch_.assign(2 * inline_capacity_, 0);
-  shm_ = ShmChannel::create(transport_->comm(), kShmSlotBytes, kShmSlots);
 }
 
 bool RingCommunicator::use_shm(int64_t total_bytes) const {
@@ -179,6 +184,12 @@ int64_t RingCommunicator::agree(const CallHeader& mine, std::vector<CallHeader>*
   headers_.resize(p);
   if (p == 1) {
     headers_[0] = mine;
+  } else if (shm_) {
+    char* board = shm_->next_board();
+    std::memcpy(board, &mine, sizeof(CallHeader));
+    if (payload_bytes > 0) std::memcpy(board + sizeof(CallHeader), payload, payload_bytes);
+    shm_->exchange();
+    for (int r = 0; r < p; ++r) std::memcpy(&headers_[r], shm_->posted(r), sizeof(CallHeader));
   } else {
     const int64_t slot = slot_bytes();
     std::memcpy(outgoing_.data(), &mine, sizeof(CallHeader));
@@ -289,22 +300,23 @@ void RingCommunicator::allreduce(const void* input, void* out, int64_t count, DT
 void RingCommunicator::allreduce_inline(void* out, int64_t count, DType dtype, Op op) {
   // Reduce each segment in exactly the order the ring would (see ring_schedule.h),
   // x[s] OP (x[s-1] OP (... OP x[s+1])), so the answer is the ring's, bit for bit.
+  // The first step reads two payloads and the last writes into out, so that on two
+  // ranks a segment is one pass; two scratch accumulators take turns in between.
   const int p = size();
   const size_t es = dtype_size(dtype);
-  char* acc = inline_scratch_.data();
-  char* next = acc + inline_capacity_;
+  char* scratch[2] = {inline_scratch_.data(), inline_scratch_.data() + inline_capacity_};
   for (int s = 0; s < p; ++s) {
     const Span seg = segment_of(s, p, count);
     if (seg.count == 0) continue;
     const int64_t offset = seg.offset * static_cast<int64_t>(es);
-    const int64_t seg_bytes = seg.count * static_cast<int64_t>(es);
-    std::memcpy(acc, inline_payload((s + 1) % p) + offset, seg_bytes);
+    char* result = static_cast<char*>(out) + offset;
+    const char* acc = inline_payload((s + 1) % p) + offset;
     for (int j = 2; j <= p; ++j) {
-      reduce(dtype, op, next, inline_payload((s + j) % p) + offset, acc, seg.count);
-      std::swap(acc, next);
+      char* dst = j == p ? result : scratch[j % 2];
+      reduce(dtype, op, dst, inline_payload((s + j) % p) + offset, acc, seg.count);
+      acc = dst;
     }
-    if (op == Op::Avg) divide(dtype, acc, seg.count, p);
-    std::memcpy(static_cast<char*>(out) + offset, acc, seg_bytes);
+    if (op == Op::Avg) divide(dtype, result, seg.count, p);
   }
 }
 

@@ -35,7 +35,8 @@ void back_off(int* idle) {
 
 }  // namespace
 
-std::unique_ptr<ShmChannel> ShmChannel::create(MPI_Comm comm, int64_t slot_bytes, int slots) {
+std::unique_ptr<ShmChannel> ShmChannel::create(MPI_Comm comm, int64_t slot_bytes, int slots,
+                                               int64_t board_bytes) {
   int rank = 0, size = 1;
   check_mpi(MPI_Comm_rank(comm, &rank), "MPI_Comm_rank", -1);
   check_mpi(MPI_Comm_size(comm, &size), "MPI_Comm_size", rank);
@@ -60,11 +61,14 @@ std::unique_ptr<ShmChannel> ShmChannel::create(MPI_Comm comm, int64_t slot_bytes
   std::unique_ptr<ShmChannel> channel(new ShmChannel());
   channel->slot_bytes_ = slot_bytes;
   channel->slots_ = slots;
+  channel->rank_ = rank;
+  channel->board_stride_ = (board_bytes + kCounterBytes - 1) / kCounterBytes * kCounterBytes;
   MPI_Info info;
   check_mpi(MPI_Info_create(&info), "MPI_Info_create", rank);
   MPI_Info_set(info, "alloc_shared_noncontig", "true");  // each rank's part on its own pages
   void* base = nullptr;
-  const MPI_Aint bytes = kCounterBytes * 2 + slot_bytes * slots;
+  // Per rank: three counters (published, consumed, exchanged), two boards, the slots.
+  const MPI_Aint bytes = kCounterBytes * 3 + channel->board_stride_ * 2 + slot_bytes * slots;
   const int rc = MPI_Win_allocate_shared(bytes, 1, info, node, &base, &channel->win_);
   MPI_Info_free(&info);
   check_mpi(rc, "MPI_Win_allocate_shared", rank);
@@ -79,17 +83,25 @@ std::unique_ptr<ShmChannel> ShmChannel::create(MPI_Comm comm, int64_t slot_bytes
               "MPI_Win_shared_query", rank);
     return static_cast<char*>(ptr);
   };
+  const int64_t slots_at = kCounterBytes * 3 + channel->board_stride_ * 2;
+  for (int r = 0; r < size; ++r) {
+    char* part = r == rank ? static_cast<char*>(base) : query(r);
+    channel->exchanged_.push_back(reinterpret_cast<const uint64_t*>(part + 2 * kCounterBytes));
+    channel->boards_.push_back(part + 3 * kCounterBytes);
+  }
   char* mine = static_cast<char*>(base);
   char* left = query((rank + size - 1) % size);
   char* right = query((rank + 1) % size);
   channel->my_published_ = reinterpret_cast<uint64_t*>(mine);
   channel->my_consumed_ = reinterpret_cast<uint64_t*>(mine + kCounterBytes);
-  channel->my_slots_ = mine + 2 * kCounterBytes;
+  channel->my_slots_ = mine + slots_at;
   channel->left_published_ = reinterpret_cast<const uint64_t*>(left);
-  channel->left_slots_ = left + 2 * kCounterBytes;
+  channel->left_slots_ = left + slots_at;
   channel->right_consumed_ = reinterpret_cast<const uint64_t*>(right + kCounterBytes);
   __atomic_store_n(channel->my_published_, 0, __ATOMIC_RELEASE);
   __atomic_store_n(channel->my_consumed_, 0, __ATOMIC_RELEASE);
+  channel->my_exchanged_ = reinterpret_cast<uint64_t*>(mine + 2 * kCounterBytes);
+  __atomic_store_n(channel->my_exchanged_, 0, __ATOMIC_RELEASE);
   // A passive-target epoch for the window's lifetime, as MPI's memory model asks for
   // direct load/store access; the counters' atomics do the actual ordering.
   check_mpi(MPI_Win_lock_all(MPI_MODE_NOCHECK, channel->win_), "MPI_Win_lock_all", rank);
@@ -108,6 +120,14 @@ void ShmChannel::free() {
   if (win_ == MPI_WIN_NULL) return;
   MPI_Win_unlock_all(win_);
   check_mpi(MPI_Win_free(&win_), "MPI_Win_free", -1);
+}
+
+void ShmChannel::exchange() {
+  __atomic_store_n(my_exchanged_, ++exchanges_, __ATOMIC_RELEASE);
+  for (const uint64_t* theirs : exchanged_) {
+    int idle = 0;
+    while (__atomic_load_n(theirs, __ATOMIC_ACQUIRE) < exchanges_) back_off(&idle);
+  }
 }
 
 bool ShmChannel::can_send() const {

@@ -10,12 +10,17 @@
 //   consumed:  chunks this rank has finished reading from its left neighbour's slots
 //              (read by the left, to know which slot it may overwrite).
 // Both only grow, across calls, so neither side ever resets anything.
+//
+// The same window also carries every call's header exchange (see exchange()): each rank
+// posts its header, and any small payload, on a board of its own that every rank reads,
+// which costs a few cache-line transfers instead of an MPI_Allgather.
 #pragma once
 
 #include <mpi.h>
 
 #include <cstdint>
 #include <memory>
+#include <vector>
 
 #include "dtype.h"
 #include "ring_schedule.h"
@@ -26,7 +31,9 @@ class ShmChannel {
  public:
   // Collective over comm. Returns nullptr (on every rank alike) unless all ranks share
   // one node and the window could be made.
-  static std::unique_ptr<ShmChannel> create(MPI_Comm comm, int64_t slot_bytes, int slots);
+  // board_bytes: the most exchange() will post per rank.
+  static std::unique_ptr<ShmChannel> create(MPI_Comm comm, int64_t slot_bytes, int slots,
+                                            int64_t board_bytes);
   ~ShmChannel();
   ShmChannel(const ShmChannel&) = delete;
   ShmChannel& operator=(const ShmChannel&) = delete;
@@ -41,8 +48,20 @@ class ShmChannel {
   void allgather(const RingSchedule& sched, size_t elem_size, void* buf);
   void free();  // collective; MPI_Win_free
 
+  // An all-gather through the boards: fill next_board() (at most board_bytes), then
+  // exchange() posts it and returns when every rank has posted theirs. Every rank must
+  // call it as often as the others, like the collective it replaces. posted(r) is rank
+  // r's board of the latest exchange; it stays valid until this rank's next exchange().
+  char* next_board() const { return board(rank_, (exchanges_ + 1) % 2); }
+  void exchange();
+  const char* posted(int r) const { return board(r, exchanges_ % 2); }
+
  private:
   ShmChannel() = default;
+  // Two boards per rank, used by alternate exchanges: before a rank may overwrite the
+  // board of exchange n, every rank must have read it, which they all have once each
+  // has posted exchange n+1, and we waited for that before starting n+2.
+  char* board(int r, uint64_t parity) const { return boards_[r] + parity * board_stride_; }
   char* my_slot(uint64_t seq) const { return my_slots_ + (seq % slots_) * slot_bytes_; }
   const char* left_slot(uint64_t seq) const { return left_slots_ + (seq % slots_) * slot_bytes_; }
   bool can_send() const;      // the right neighbour has freed the slot of our next chunk
@@ -62,6 +81,12 @@ class ShmChannel {
   uint64_t* my_consumed_ = nullptr;
   const uint64_t* left_published_ = nullptr;
   const uint64_t* right_consumed_ = nullptr;
+  std::vector<char*> boards_;                 // each rank's two boards
+  std::vector<const uint64_t*> exchanged_;    // each rank's count of posted exchanges
+  uint64_t* my_exchanged_ = nullptr;
+  int64_t board_stride_ = 0;
+  int rank_ = 0;
+  uint64_t exchanges_ = 0;
   uint64_t sent_ = 0;      // chunks we have published (our copy of *my_published_)
   uint64_t received_ = 0;  // chunks we have consumed (our copy of *my_consumed_)
   int64_t bytes_sent_ = 0;

@@ -12,16 +12,32 @@ from helpers import (BFLOAT16, COMBOS, DTYPES, bitwise_equal, check_against_floa
                      exact_integer_reduce, rank_data, same_on_every_rank, supported)
 
 SIZE = MPI.COMM_WORLD.Get_size()
-# 0..1000 elements; 64, 65, 256 and 257 straddle the size (256 bytes) up to which the
-# payload rides in the header message (one collective, no ring) and beyond which the
+# 0..1000 elements: over MPI messages, 64, 65, 256 and 257 straddle the size (256 bytes)
+# up to which the payload rides in the header exchange (no ring) and beyond which the
 # ring runs, for every element size.
 SIZES = sorted({0, 1, max(SIZE - 1, 1), SIZE, 3 * SIZE + 1, 64, 65, 256, 257, 1000})
+
+
+def sizes_for(dtype, ring):
+    """SIZES, and sizes that straddle this communicator's inline limit (16 KiB through
+    shared memory), one with uneven segments."""
+    edge = ring._core.inline_capacity // dtype.itemsize
+    return sorted(set(SIZES) | {edge, edge + 1, edge + 3 * SIZE + 1})
+
+
+def test_the_inline_limit_is_where_the_ring_starts(comm):
+    x = np.ones(comm._core.inline_capacity // 4, np.float32)
+    steps = comm._core.ring_steps
+    comm.allreduce(x)
+    assert comm._core.ring_steps == steps  # inside the header exchange
+    comm.allreduce(np.ones(x.size + 1, np.float32))
+    assert comm._core.ring_steps == steps + 2 * (SIZE - 1)
 
 
 @pytest.mark.parametrize("combo", COMBOS, ids=combo_id)
 def test_every_dtype_and_op_matches_reference_and_float64(combo, small_chunks, world):
     dtype, op = combo
-    for n in SIZES:
+    for n in sizes_for(dtype, small_chunks):
         x = rank_data(dtype, n, op)
         before = x.copy()
         y = small_chunks.allreduce(x, op=op)
