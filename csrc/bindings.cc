@@ -186,13 +186,17 @@ PYBIND11_MODULE(_core, m) {
            "out, if given, receives this rank's block (else it stays in work)")
       .def("allgather_counts",
            [](RingCommunicator& self, int64_t rows, int64_t row_elems, int64_t shape_tag,
-              int dtype, int64_t chunk_bytes, int64_t out_rows, bool device) {
+              int dtype, int64_t chunk_bytes, int64_t out_rows, bool device, py::object x) {
+             // x: this rank's rows (a contiguous host array), sent along if small enough.
+             const void* rows_data = x.is_none() ? nullptr : x.cast<py::array>().data();
              py::gil_scoped_release nogil;
              return self.allgather_counts(rows, row_elems, shape_tag, DType(dtype), chunk_bytes,
-                                          device ? kDeviceMemory : kHostMemory, out_rows);
+                                          device ? kDeviceMemory : kHostMemory, out_rows,
+                                          rows_data);
            },
            py::arg("rows"), py::arg("row_elems"), py::arg("shape_tag"), py::arg("dtype"),
-           py::arg("chunk_bytes"), py::arg("out_rows") = -1, py::arg("device") = false)
+           py::arg("chunk_bytes"), py::arg("out_rows") = -1, py::arg("device") = false,
+           py::arg("x") = py::none())
       .def("allgather_confirm",
            [](RingCommunicator& self, bool ok, int64_t out_bytes) {
              py::gil_scoped_release nogil;

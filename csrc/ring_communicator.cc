@@ -297,34 +297,47 @@ void RingCommunicator::allreduce(const void* input, void* out, int64_t count, DT
   });
 }
 
-void RingCommunicator::allreduce_inline(void* out, int64_t count, DType dtype, Op op) {
-  // Reduce each segment in exactly the order the ring would (see ring_schedule.h),
-  // x[s] OP (x[s-1] OP (... OP x[s+1])), so the answer is the ring's, bit for bit.
-  // The first step reads two payloads and the last writes into out, so that on two
-  // ranks a segment is one pass; two scratch accumulators take turns in between.
+void RingCommunicator::reduce_inline(int s, void* dst, int64_t count, DType dtype, Op op) {
+  // Segment s in exactly the order the ring reduces it (see ring_schedule.h),
+  // x[s] OP (x[s-1] OP (... OP x[s+1])), so the answer is the ring's, bit for bit. The
+  // first step reads two payloads and the last writes into dst, so that on two ranks a
+  // segment is one pass; two scratch accumulators take turns in between.
   const int p = size();
   const size_t es = dtype_size(dtype);
+  const Span seg = segment_of(s, p, count);
+  if (seg.count == 0) return;
+  const int64_t offset = seg.offset * static_cast<int64_t>(es);
   char* scratch[2] = {inline_scratch_.data(), inline_scratch_.data() + inline_capacity_};
-  for (int s = 0; s < p; ++s) {
-    const Span seg = segment_of(s, p, count);
-    if (seg.count == 0) continue;
-    const int64_t offset = seg.offset * static_cast<int64_t>(es);
-    char* result = static_cast<char*>(out) + offset;
-    const char* acc = inline_payload((s + 1) % p) + offset;
-    for (int j = 2; j <= p; ++j) {
-      char* dst = j == p ? result : scratch[j % 2];
-      reduce(dtype, op, dst, inline_payload((s + j) % p) + offset, acc, seg.count);
-      acc = dst;
-    }
-    if (op == Op::Avg) divide(dtype, result, seg.count, p);
+  const char* acc = inline_payload((s + 1) % p) + offset;
+  for (int j = 2; j <= p; ++j) {
+    char* into = j == p ? static_cast<char*>(dst) : scratch[j % 2];
+    reduce(dtype, op, into, inline_payload((s + j) % p) + offset, acc, seg.count);
+    acc = into;
   }
+  if (op == Op::Avg) divide(dtype, dst, seg.count, p);
+}
+
+void RingCommunicator::allreduce_inline(void* out, int64_t count, DType dtype, Op op) {
+  const size_t es = dtype_size(dtype);
+  for (int s = 0; s < size(); ++s)
+    reduce_inline(s, static_cast<char*>(out) + segment_of(s, size(), count).offset * es, count,
+                  dtype, op);
 }
 
 void RingCommunicator::reduce_scatter(const void* input, void* work, int64_t count, DType dtype,
                                       Op op, int64_t chunk_bytes, void* own_out) {
-  const CallHeader h = make_header(Collective::ReduceScatter, dtype, op, count, chunk_bytes);
+  CallHeader h = make_header(Collective::ReduceScatter, dtype, op, count, chunk_bytes);
   const size_t es = dtype_size(dtype);
-  const bool shm = use_shm(count * static_cast<int64_t>(es));
+  const int64_t bytes = count * static_cast<int64_t>(es);
+  if (size() > 1 && bytes <= inline_capacity_) {  // as allreduce: one exchange, no ring
+    h.inline_bytes = bytes;
+    agree(h, nullptr, input, bytes);
+    const Span mine = segment_of(rank(), size(), count);
+    reduce_inline(rank(), own_out ? own_out : static_cast<char*>(work) + mine.offset * es, count,
+                  dtype, op);
+    return;
+  }
+  const bool shm = use_shm(bytes);
   const int64_t elems = ring_chunk_elems(agree(h), es, shm);
   const RingSchedule sched = RingSchedule::split_evenly(rank(), size(), count, elems);
   guarded(&broken_, [&] {
@@ -339,15 +352,25 @@ void RingCommunicator::reduce_scatter(const void* input, void* work, int64_t cou
 std::vector<int64_t> RingCommunicator::allgather_counts(int64_t rows, int64_t row_elems,
                                                         int64_t shape_tag, DType dtype,
                                                         int64_t chunk_bytes,
-                                                        int64_t memory, int64_t out_rows) {
+                                                        int64_t memory, int64_t out_rows,
+                                                        const void* input) {
   CallHeader h = make_header(Collective::AllGather, dtype, Op::Sum, rows, chunk_bytes, memory);
   h.out_rows = out_rows;
   h.extra = row_elems;
   h.shape_tag = shape_tag;
+  // Host rows that fit ride along; if every rank's did, allgather() only copies them out.
+  const int64_t bytes = rows * row_elems * static_cast<int64_t>(dtype_size(dtype));
+  const bool fits =
+      size() > 1 && memory == kHostMemory && input != nullptr && bytes <= inline_capacity_;
+  h.inline_bytes = fits ? bytes : -1;
   std::vector<CallHeader> all;
-  const int64_t agreed_chunk = agree(h, &all);
+  const int64_t agreed_chunk = agree(h, &all, input, fits ? bytes : 0);
   std::vector<int64_t> rows_per_rank(size());
-  for (int r = 0; r < size(); ++r) rows_per_rank[r] = all[r].count;
+  pending_allgather_inline_ = size() > 1;
+  for (int r = 0; r < size(); ++r) {
+    rows_per_rank[r] = all[r].count;
+    if (all[r].inline_bytes < 0) pending_allgather_inline_ = false;
+  }
   pending_allgather_chunk_bytes_ = agreed_chunk;
   return rows_per_rank;
 }
@@ -385,6 +408,17 @@ void RingCommunicator::allgather(const void* input, void* out,
   const bool shm = use_shm(total * static_cast<int64_t>(es));
   const RingSchedule sched(rank(), size(), counts,
                            ring_chunk_elems(pending_allgather_chunk_bytes_, es, shm));
+  if (pending_allgather_inline_) {  // every rank's rows came with the counts
+    pending_allgather_inline_ = false;
+    for (int r = 0; r < size(); ++r) {
+      const Span seg = sched.segment(r);
+      // memmove: x may be a view into out (gathering in place), and x's bytes are
+      // posted, not x itself, but out may still be x for this rank.
+      if (seg.count > 0)
+        std::memmove(static_cast<char*>(out) + seg.offset * es, inline_payload(r), seg.count * es);
+    }
+    return;
+  }
   const Span mine = sched.segment(rank());
   char* dst = static_cast<char*>(out) + mine.offset * es;
   // memmove: x may be a view into out (gathering in place).
@@ -404,6 +438,14 @@ void RingCommunicator::broadcast(void* buf, int64_t count, DType dtype, int root
   CallHeader h = make_header(Collective::Broadcast, dtype, Op::Sum, count, chunk_bytes);
   h.extra = root;
   const size_t es = dtype_size(dtype);
+  const int64_t bytes = count * static_cast<int64_t>(es);
+  if (size() > 1 && bytes <= inline_capacity_) {  // root's data rides in its header
+    h.inline_bytes = bytes;
+    const bool root_here = rank() == root;
+    agree(h, nullptr, root_here ? buf : nullptr, root_here ? bytes : 0);
+    if (!root_here && bytes > 0) std::memcpy(buf, inline_payload(root), bytes);
+    return;
+  }
   const int64_t elems = chunk_elems(agree(h), es);
   const int64_t chunk = copy_chunk_elems(elems, es);
   guarded(&broken_, [&] {

@@ -111,9 +111,12 @@ class RingCommunicator {
   // First half of allgather: agree on the call and learn every rank's row count.
   // out_rows: the rows of the caller's out= (-1: none), checked against every rank's
   // rows here, so a wrong out= raises MismatchError on every rank before data moves.
+  // input: this rank's rows (host memory); when every rank's fit in the header
+  // exchange, they travel with it and allgather() has only to copy them out.
   std::vector<int64_t> allgather_counts(int64_t rows, int64_t row_elems, int64_t shape_tag,
                                         DType dtype, int64_t chunk_bytes,
-                                        int64_t memory = kHostMemory, int64_t out_rows = -1);
+                                        int64_t memory = kHostMemory, int64_t out_rows = -1,
+                                        const void* input = nullptr);
   // Between the halves, where allocating the output may fail (a big or GPU one): every
   // rank says whether it has its output, and if any has not, all throw
   // OutOfMemoryError naming them, instead of the others waiting in the ring for it.
@@ -180,7 +183,9 @@ class RingCommunicator {
     return (shm_ ? shm_->posted(r) : exchange_.data() + r * slot_bytes()) + sizeof(CallHeader);
   }
   int64_t slot_bytes() const { return static_cast<int64_t>(sizeof(CallHeader)) + inline_capacity_; }
-  // The whole allreduce from the payloads agree() gathered, in the ring's order.
+  // Segment s of an allreduce of `count` elements from the payloads agree() gathered,
+  // into dst; allreduce_inline() does every segment into out.
+  void reduce_inline(int s, void* dst, int64_t count, DType dtype, Op op);
   void allreduce_inline(void* out, int64_t count, DType dtype, Op op);
   RecvSlots recv_slots(const RingSchedule& sched, size_t elem_size);
   void check_usable() const;
@@ -242,6 +247,7 @@ class RingCommunicator {
   bool closed_ = false;
   std::string broken_;  // set when an MPI error left messages in flight
   int64_t pending_allgather_chunk_bytes_ = kDefaultChunkBytes;  // from allgather_counts()
+  bool pending_allgather_inline_ = false;  // ... and whether the rows came with the counts
   int64_t ring_steps_ = 0;
 };
 

@@ -28,6 +28,15 @@ def supported(dtype, op):
 COMBOS = [(d, op) for d in DTYPES for op in OPS if supported(d, op)]
 
 
+def around_inline_limit(comm, itemsize, sizes=()):
+    """sizes, and element counts that straddle comm's inline limit: the largest call
+    that rides in the header exchange (16 KiB through shared memory, 256 bytes over MPI,
+    none on one rank) and the smallest that runs the ring, plus one with uneven segments."""
+    size = comm.size
+    edge = max(comm._core.inline_capacity // itemsize, 1)
+    return sorted(set(sizes) | {edge, edge + 1, edge + 3 * size + 1})
+
+
 def combo_id(combo):
     return f"{combo[0].name}-{combo[1]}"
 

@@ -8,21 +8,15 @@ from mpi4py import MPI
 import ringreduce as rr
 from ringreduce import reference
 
-from helpers import (BFLOAT16, COMBOS, DTYPES, bitwise_equal, check_against_float64, combo_id,
-                     exact_integer_reduce, rank_data, same_on_every_rank, supported)
+from helpers import (BFLOAT16, COMBOS, DTYPES, around_inline_limit, bitwise_equal,
+                     check_against_float64, combo_id, exact_integer_reduce, rank_data,
+                     same_on_every_rank, supported)
 
 SIZE = MPI.COMM_WORLD.Get_size()
 # 0..1000 elements: over MPI messages, 64, 65, 256 and 257 straddle the size (256 bytes)
 # up to which the payload rides in the header exchange (no ring) and beyond which the
 # ring runs, for every element size.
 SIZES = sorted({0, 1, max(SIZE - 1, 1), SIZE, 3 * SIZE + 1, 64, 65, 256, 257, 1000})
-
-
-def sizes_for(dtype, ring):
-    """SIZES, and sizes that straddle this communicator's inline limit (16 KiB through
-    shared memory), one with uneven segments."""
-    edge = ring._core.inline_capacity // dtype.itemsize
-    return sorted(set(SIZES) | {edge, edge + 1, edge + 3 * SIZE + 1})
 
 
 def test_the_inline_limit_is_where_the_ring_starts(comm):
@@ -37,7 +31,7 @@ def test_the_inline_limit_is_where_the_ring_starts(comm):
 @pytest.mark.parametrize("combo", COMBOS, ids=combo_id)
 def test_every_dtype_and_op_matches_reference_and_float64(combo, small_chunks, world):
     dtype, op = combo
-    for n in sizes_for(dtype, small_chunks):
+    for n in around_inline_limit(small_chunks, dtype.itemsize, SIZES):
         x = rank_data(dtype, n, op)
         before = x.copy()
         y = small_chunks.allreduce(x, op=op)

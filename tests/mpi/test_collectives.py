@@ -6,18 +6,21 @@ from mpi4py import MPI
 import ringreduce as rr
 from ringreduce import reference
 
-from helpers import (BFLOAT16, COMBOS, bitwise_equal, check_against_float64, combo_id,
-                     exact_integer_reduce, rank_data, same_on_every_rank)
+from helpers import (BFLOAT16, COMBOS, around_inline_limit, bitwise_equal,
+                     check_against_float64, combo_id, exact_integer_reduce, rank_data,
+                     same_on_every_rank)
 
 SIZE = MPI.COMM_WORLD.Get_size()
 RANK = MPI.COMM_WORLD.Get_rank()
+# Small calls ride in the header exchange; around_inline_limit() adds the sizes on
+# either side of where the ring takes over.
 SIZES = sorted({0, 1, max(SIZE - 1, 1), SIZE, 2 * SIZE + 1, 517})
 
 
 @pytest.mark.parametrize("combo", COMBOS, ids=combo_id)
 def test_reduce_scatter_gives_this_ranks_array_split_block(combo, small_chunks, world):
     dtype, op = combo
-    for n in SIZES:
+    for n in around_inline_limit(small_chunks, dtype.itemsize, SIZES):
         x = rank_data(dtype, n, op, salt=1)
         part = small_chunks.reduce_scatter(x, op=op)
         full = small_chunks.allreduce(x, op=op)
@@ -55,7 +58,7 @@ def test_reduce_scatter_out_of_the_wrong_length_is_rejected(comm):
                                    np.dtype(np.complex128)] + ([BFLOAT16] if BFLOAT16 else []),
                          ids=str)
 def test_allgather_concatenates_along_axis_0(dtype, small_chunks, world):
-    for rows in (0, 1, 5):
+    for rows in around_inline_limit(small_chunks, 6 * dtype.itemsize, (0, 1, 5)):
         x = rank_data(dtype, rows * 6, salt=2).reshape(rows, 2, 3)
         g = small_chunks.allgather(x)
         expected = np.concatenate(world.allgather(x), axis=0)
@@ -72,6 +75,21 @@ def test_allgather_ranks_may_differ_in_rows(small_chunks, world):
         assert bitwise_equal(ring.allgather(x), g)
 
 
+def test_allgather_with_rows_in_and_out_of_the_header_exchange(small_chunks, world):
+    # Rank 0's rows fit in its header, the others' don't: all take the ring.
+    edge = around_inline_limit(small_chunks, 8, ())[0]
+    x = rank_data(np.dtype(np.float64), edge + RANK * 3, salt=8)
+    g = small_chunks.allgather(x)
+    assert bitwise_equal(g, np.concatenate(world.allgather(x)))
+    # In place, on either side of the limit.
+    for rows in (edge, edge + 1):
+        x = rank_data(np.dtype(np.float64), rows, salt=9)
+        out = np.zeros(rows * SIZE)
+        out[RANK * rows:(RANK + 1) * rows] = x
+        assert small_chunks.allgather(out[RANK * rows:(RANK + 1) * rows], out=out) is out
+        assert bitwise_equal(out, np.concatenate(world.allgather(x))), f"rows={rows}"
+
+
 def test_allgather_of_scalars_and_module_level(comm, world):
     g = comm.allgather(np.float32(RANK + 0.5))
     assert g.shape == (SIZE,)
@@ -81,7 +99,7 @@ def test_allgather_of_scalars_and_module_level(comm, world):
 
 @pytest.mark.parametrize("root", range(SIZE))
 def test_broadcast_from_every_root(root, small_chunks, world):
-    for n in SIZES:
+    for n in around_inline_limit(small_chunks, 8, SIZES):
         x = rank_data(np.dtype(np.float64), n, salt=4)
         roots_data = world.bcast(x.copy(), root=root)
         returned = small_chunks.broadcast(x, root=root)
