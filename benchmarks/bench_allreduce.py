@@ -32,7 +32,7 @@ rank, size = world.Get_rank(), world.Get_size()
 
 DEFAULT_SIZES = [8, 64, 512, 4 << 10, 32 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20,
                  16 << 20, 64 << 20, 256 << 20]
-COLLECTIVE_SIZES = [64 << 10, 1 << 20, 16 << 20, 64 << 20]
+COLLECTIVE_SIZES = [64, 4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20]
 
 
 def parse_size(text: str) -> int:

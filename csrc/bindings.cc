@@ -174,6 +174,10 @@ PYBIND11_MODULE(_core, m) {
       .def("reduce_scatter",
            [](RingCommunicator& self, py::array x, py::array work, int dtype, int op,
               int64_t chunk_bytes, std::optional<py::array> out) {
+             // The ring uses all of work; a call small enough for the header exchange
+             // writes only out.
+             if (work.nbytes() < x.nbytes() && !(out && x.nbytes() <= self.inline_capacity()))
+               throw std::invalid_argument("reduce_scatter: work is smaller than x");
              const void* in = x.data();
              void* dst = work.mutable_data();
              void* own = out ? out->mutable_data() : nullptr;

@@ -178,7 +178,7 @@ def prepare_allgather(comm, context, x, out):
     if out is not None:
         _check_out(cp, out, (None,) + row_shape, x.dtype, x.device.id, context)
     row_elems = int(np.prod(row_shape, dtype=np.int64))
-    shape_tag = hash(row_shape) & 0x7FFFFFFFFFFFFFFF
+    shape_tag = t.shape_tag(row_shape)
     launch = _Launch(cp, source, comm._cuda_direct())
     core, chunk = comm._core, comm.chunk_bytes
 

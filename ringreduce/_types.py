@@ -70,6 +70,16 @@ if _BFLOAT16 is not None:
     _CODE_BY_DTYPE[_BFLOAT16] = _DTYPE_CODES["bfloat16"]
 
 
+def dtype_code_or_none(dtype: np.dtype):
+    return _CODE_BY_DTYPE.get(dtype) if dtype.isnative else None
+
+
+def shape_tag(row_shape: tuple) -> int:
+    """allgather's row shape as the int64 the header carries (the element count alone
+    would let (2, 3) rows meet (3, 2) rows)."""
+    return hash(row_shape) & 0x7FFFFFFFFFFFFFFF
+
+
 def dtype_code(dtype: np.dtype, argument: str, context: str) -> int:
     # A dict lookup: comparing dtypes with == costs microseconds per call.
     code = _CODE_BY_DTYPE.get(dtype)
@@ -161,12 +171,22 @@ def check_out(out, shape: tuple, dtype: np.dtype, context: str, array_type=np.nd
     return out
 
 
-def is_plain_out(out, x: np.ndarray) -> bool:
-    """out is a valid, separate output for x: the check_out() rules, quickly."""
-    return (type(out) is np.ndarray and out.dtype == x.dtype and out.shape == x.shape
-            and out.flags.c_contiguous and out.flags.writeable
-            # Two arrays that own their memory cannot overlap; views need the real check.
-            and (out.base is None and x.base is None or not np.may_share_memory(x, out)))
+def is_plain_out(out, x: np.ndarray, shape=None, any_rows=False, overlap_ok=False) -> bool:
+    """out is a valid output for x by the check_out() rules, checked quickly. shape:
+    the result's (default: x's); any_rows: out may have any number of rows of that
+    shape (allgather's). Unless overlap_ok, out must not share memory with x."""
+    if not (type(out) is np.ndarray and out.dtype == x.dtype and out.flags.c_contiguous
+            and out.flags.writeable):
+        return False
+    shape = x.shape if shape is None else shape
+    if any_rows:
+        if out.ndim != len(shape) or out.shape[1:] != shape[1:]:
+            return False
+    elif out.shape != shape:
+        return False
+    # Two arrays that own their memory cannot overlap; views need the real check.
+    return (overlap_ok or out.base is None and x.base is None
+            or not np.may_share_memory(x, out))
 
 
 def same_buffer(a: np.ndarray, b: np.ndarray) -> bool:

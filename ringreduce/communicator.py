@@ -207,6 +207,9 @@ class Communicator:
         self._closed = False
         self._direct = None  # see _cuda_direct()
         self._scratch = _Scratch()
+        # Calls up to this many bytes ride in the header exchange (no ring, no workspace);
+        # the fast paths below serve them.
+        self._inline_bytes = self._core.inline_capacity if self.size > 1 else -1
         self._contexts = {name: t.where(self.rank, self.size, name) for name in _COLLECTIVES}
         _live.add(self)
 
@@ -285,6 +288,29 @@ class Communicator:
         The ring needs a workspace as large as x; the Communicator keeps the largest
         one it has needed (numpy inputs) until it is closed.
         """
+        # The fast path, as in allreduce: a contiguous numpy x small enough to ride in the
+        # header exchange (so no workspace), a dtype and op validated before, an out= (if
+        # any) that needs no checks beyond a few attributes.
+        if (type(x) is np.ndarray and x.nbytes <= self._inline_bytes and x.flags.c_contiguous
+                and not self._executor.queue and not self._closed):
+            try:
+                codes = t.validated_pairs[x.dtype, op]
+            except (KeyError, TypeError):
+                codes = None
+            base, extra = divmod(x.size, self.size)
+            count = base + (self.rank < extra)
+            if out is None:
+                out = np.empty(count, x.dtype)
+            # out may overlap x: the call copies x into its header before writing out
+            elif not t.is_plain_out(out, x, (count,), overlap_ok=True):
+                codes = None
+            if codes is not None:
+                with self._executor.running:
+                    if not self._executor.queue:
+                        # work is never touched by a call in the header exchange
+                        self._core.reduce_scatter(x, out, codes[0], codes[1], self._chunk_bytes,
+                                                  out)
+                        return out
         return self._call("reduce_scatter", self._prepare_reduce_scatter, x, op, out, wait=True)
 
     def allgather(self, x, out=None):
@@ -295,6 +321,31 @@ class Communicator:
         its rows must add up to all ranks' rows, which every rank checks before any data
         moves. x may be out's own block of rows (gathering in place).
         """
+        # The fast path: a contiguous numpy x of at least one dimension, small enough for
+        # its rows to ride in the header exchange, an out= (if any) that needs no checks
+        # beyond a few attributes (the core checks its rows, and x may be a part of it).
+        if (type(x) is np.ndarray and x.ndim and x.nbytes <= self._inline_bytes
+                and x.flags.c_contiguous and not self._executor.queue and not self._closed):
+            dtype = t.dtype_code_or_none(x.dtype)
+            if out is not None and not t.is_plain_out(out, x, any_rows=True, overlap_ok=True):
+                dtype = None
+            if dtype is not None:
+                row_shape = x.shape[1:]
+                row_elems = math.prod(row_shape)
+                core = self._core
+                with self._executor.running:
+                    if not self._executor.queue:
+                        counts = core.allgather_counts(
+                            x.shape[0], row_elems, t.shape_tag(row_shape), dtype,
+                            self._chunk_bytes, -1 if out is None else out.shape[0], x=x)
+                        total = sum(counts)  # other ranks' rows may not have fitted
+                        result = gather_output(
+                            core,
+                            lambda: out if out is not None else np.empty((total,) + row_shape,
+                                                                         x.dtype),
+                            total * row_elems * x.itemsize)
+                        core.allgather(x, result, counts, row_elems, dtype)
+                        return result
         return self._call("allgather", self._prepare_allgather, x, out, wait=True)
 
     def broadcast(self, x, root: int = 0):
@@ -431,7 +482,7 @@ class Communicator:
         if out is not None:
             t.check_out(out, (None,) + row_shape, x.dtype, context)
         row_elems = math.prod(row_shape)  # a Python int: np.prod costs microseconds
-        shape_tag = hash(row_shape) & 0x7FFFFFFFFFFFFFFF
+        shape_tag = t.shape_tag(row_shape)
         chunk = self._chunk_bytes
         core = self._core
 
