@@ -5,9 +5,10 @@
 For every size, alternately: ringreduce's allreduce (out-of-place and in place), the MPI
 library's own MPI_Allreduce through mpi4py (out-of-place), the numpy reference ring, and
 torch.distributed's gloo all_reduce (in place, as gloo only offers) where torch is
-installed. Then reduce_scatter and allgather beside MPI's. Columns as nccl-tests print
-them: time, algbw = bytes/time, busbw = algbw * 2(p-1)/p for allreduce and
-(p-1)/p for the other two; median over --repeats runs, each run the slowest rank's time.
+installed. Then reduce_scatter, allgather and broadcast beside MPI's. Columns as
+nccl-tests print them: time, algbw = bytes/time, busbw = algbw * 2(p-1)/p for allreduce,
+(p-1)/p for reduce_scatter and allgather, 1 for broadcast; median over --repeats runs,
+each run the slowest rank's time.
 """
 from __future__ import annotations
 
@@ -97,6 +98,10 @@ def collective_candidates(comm, collective, x):
         part_mpi = np.empty_like(part)
         return {"ringreduce": lambda: comm.reduce_scatter(x, out=part),
                 "MPI_Reduce_scatter": lambda: world.Reduce_scatter(x, part_mpi, counts)}
+    if collective == "broadcast":  # from rank 0, in place, as MPI_Bcast
+        ours, theirs = x.copy(), x.copy()
+        return {"ringreduce": lambda: comm.broadcast(ours, root=0),
+                "MPI_Bcast": lambda: world.Bcast(theirs, root=0)}
     mine = x[: len(x) // size]  # allgather: the output is the size reported
     gathered = np.empty(len(mine) * size, x.dtype)
     reused = np.empty_like(gathered)  # like MPI's: allocated once, pages already touched
@@ -121,7 +126,7 @@ def main() -> None:
     gloo = None if args.no_gloo else start_gloo()
     rows = []
     jobs = [("allreduce", n) for n in sizes]
-    jobs += [(c, n) for c in ("reduce_scatter", "allgather") for n in sizes
+    jobs += [(c, n) for c in ("reduce_scatter", "allgather", "broadcast") for n in sizes
              if n in COLLECTIVE_SIZES or args.sizes]
     for done, (collective, nbytes) in enumerate(jobs):
         progress(done, len(jobs), f"{collective} {human_bytes(nbytes)}")
@@ -163,7 +168,7 @@ def machine() -> str:
 
 def print_tables(rows) -> None:
     print(f"# {size} ranks, float32, median of repeated runs; times and GB/s as nccl-tests")
-    for collective in ("allreduce", "reduce_scatter", "allgather"):
+    for collective in ("allreduce", "reduce_scatter", "allgather", "broadcast"):
         mine = [r for r in rows if r["collective"] == collective]
         if not mine:
             continue

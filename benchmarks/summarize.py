@@ -17,7 +17,7 @@ def main(paths: list[str]) -> None:
     runs = [json.load(open(p)) for p in paths]
     print(f"{len(runs)} runs, {runs[0]['ranks']} ranks, float32; {runs[0]['machine']}; "
           f"{runs[0]['mpi']}\n")
-    for collective in ("allreduce", "reduce_scatter", "allgather"):
+    for collective in ("allreduce", "reduce_scatter", "allgather", "broadcast"):
         rows = [[r for r in run["results"] if r["collective"] == collective] for run in runs]
         if not rows[0]:
             continue

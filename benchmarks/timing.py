@@ -34,7 +34,8 @@ def time_alternating(candidates: dict, repeats: int, inner: int, comm=MPI.COMM_W
 def bus_bandwidth(nbytes: int, seconds: float, size: int, collective: str = "allreduce"):
     """(algbw, busbw) in bytes/s, as nccl-tests define them."""
     algbw = nbytes / seconds if seconds > 0 else float("inf")
-    factor = 2 * (size - 1) / size if collective == "allreduce" else (size - 1) / size
+    factor = {"allreduce": 2 * (size - 1) / size, "broadcast": 1.0}.get(collective,
+                                                                      (size - 1) / size)
     return algbw, algbw * factor
 
 

@@ -350,6 +350,17 @@ class Communicator:
 
     def broadcast(self, x, root: int = 0):
         """Overwrite x on every rank with root's x, in place; return x."""
+        # The fast path: a contiguous numpy x that this rank may write (or only reads, as
+        # root), a supported dtype, a plain int root of this communicator.
+        if (type(x) is np.ndarray and type(root) is int and 0 <= root < self.size
+                and x.flags.c_contiguous and (x.flags.writeable or root == self.rank)
+                and not self._executor.queue and not self._closed):
+            dtype = t.dtype_code_or_none(x.dtype)
+            if dtype is not None:
+                with self._executor.running:
+                    if not self._executor.queue:
+                        self._core.broadcast(x, dtype, root, self._chunk_bytes)
+                        return x
         return self._call("broadcast", self._prepare_broadcast, x, root, wait=True)
 
     def close(self) -> None:

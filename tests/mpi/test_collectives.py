@@ -169,3 +169,17 @@ def test_reduce_scatter_into_out_in_place_and_overlapping(comm, world):
     other = shifted[start:start + count]
     assert comm.reduce_scatter(shifted, out=other) is other
     assert bitwise_equal(other, expected)
+
+
+def test_fast_and_general_paths_meet_in_one_call(comm, world):
+    # Even ranks pass contiguous arrays (the Python fast paths), odd ranks strided views
+    # (the general paths): the core must see the same call from both.
+    n = 100
+    base = rank_data(np.dtype(np.float64), 2 * n, salt=11)
+    x = base[:n].copy() if RANK % 2 == 0 else base[::2]
+    plain = np.ascontiguousarray(x)
+    assert bitwise_equal(comm.reduce_scatter(x), reference.reduce_scatter(plain, "sum", world))
+    assert bitwise_equal(comm.allgather(x), np.concatenate(world.allgather(plain)))
+    expected = world.bcast(plain, root=SIZE - 1)
+    assert comm.broadcast(x, root=SIZE - 1) is x
+    assert bitwise_equal(np.ascontiguousarray(x), expected)
