@@ -1,0 +1,39 @@
+"""The benchmark scripts run, end to end, on 2 ranks at a few small sizes, and their
+output holds what docs/performance.md is made from. Speed is not checked here: it is
+measured by running the benchmarks on purpose, never asserted in a test."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from launch import mpiexec
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_bench_allreduce_and_summarize(tmp_path):
+    result = tmp_path / "run.json"
+    done = subprocess.run(
+        [mpiexec(), "-n", "2", sys.executable, "-m", "mpi4py", "benchmarks/bench_allreduce.py",
+         "--sizes", "64,20K", "--repeats", "2", "--no-gloo", "--json", str(result),
+         "--plot", str(tmp_path / "busbw.png")],
+        cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = json.loads(result.read_text())["results"]
+    seen = {(r["collective"], r["implementation"], r["bytes"]) for r in rows}
+    peers = {"allreduce": "MPI_Allreduce", "reduce_scatter": "MPI_Reduce_scatter",
+             "allgather": "MPI_Allgather", "broadcast": "MPI_Bcast"}
+    for collective, peer in peers.items():
+        for nbytes in (64, 20 << 10):
+            assert (collective, "ringreduce", nbytes) in seen
+            assert (collective, peer, nbytes) in seen
+    assert ("allreduce", "numpy reference", 64) in seen
+    assert all(r["time_s"] > 0 and r["speedup_vs_mpi"] > 0 for r in rows)
+    assert (tmp_path / "busbw.png").stat().st_size > 0
+
+    summary = subprocess.run([sys.executable, "benchmarks/summarize.py", str(result)], cwd=ROOT,
+                             capture_output=True, text=True, timeout=60)
+    assert summary.returncode == 0, summary.stderr
+    for collective in peers:
+        assert f"### {collective}" in summary.stdout
+    assert "| 20 KiB |" in summary.stdout
