@@ -39,6 +39,19 @@ T* ptr(uintptr_t address) {
   return reinterpret_cast<T*>(address);
 }
 
+// The Python layer checks every argument before these calls; if a buffer still does not
+// fit, this rank takes part in the header exchange before raising, like any rank that
+// rejects its arguments, so that the others raise instead of waiting for it.
+void check_buffer(RingCommunicator& self, bool fits, Collective collective, int64_t chunk_bytes,
+                  const char* what) {
+  if (fits) return;
+  {
+    py::gil_scoped_release nogil;
+    self.announce_invalid(collective, chunk_bytes);
+  }
+  throw std::invalid_argument(std::string(collective_name(collective)) + ": " + what);
+}
+
 std::string mpi_library_version() {
   char text[MPI_MAX_LIBRARY_VERSION_STRING] = {0};
   int len = 0;
@@ -174,14 +187,21 @@ PYBIND11_MODULE(_core, m) {
       .def("reduce_scatter",
            [](RingCommunicator& self, py::array x, py::array work, int dtype, int op,
               int64_t chunk_bytes, std::optional<py::array> out) {
+             const int64_t n = x.size();
+             const int64_t bytes = n * static_cast<int64_t>(dtype_size(DType(dtype)));
+             const int64_t own_bytes = RingCommunicator::segment_of(self.rank(), self.size(), n)
+                                           .count * static_cast<int64_t>(x.itemsize());
              // The ring uses all of work; a call small enough for the header exchange
              // writes only out.
-             if (work.nbytes() < x.nbytes() && !(out && x.nbytes() <= self.inline_capacity()))
-               throw std::invalid_argument("reduce_scatter: work is smaller than x");
+             const bool inline_call = out && self.size() > 1 && bytes <= self.inline_capacity();
+             check_buffer(self,
+                          x.nbytes() == bytes && (inline_call || work.nbytes() >= bytes) &&
+                              (!out || out->nbytes() >= own_bytes),
+                          Collective::ReduceScatter, chunk_bytes,
+                          "x, work or out does not hold the elements the call needs");
              const void* in = x.data();
              void* dst = work.mutable_data();
              void* own = out ? out->mutable_data() : nullptr;
-             const int64_t n = x.size();
              py::gil_scoped_release nogil;
              self.reduce_scatter(in, dst, n, DType(dtype), Op(op), chunk_bytes, own);
            },
@@ -190,9 +210,15 @@ PYBIND11_MODULE(_core, m) {
            "out, if given, receives this rank's block (else it stays in work)")
       .def("allgather_counts",
            [](RingCommunicator& self, int64_t rows, int64_t row_elems, int64_t shape_tag,
-              int dtype, int64_t chunk_bytes, int64_t out_rows, bool device, py::object x) {
+              int dtype, int64_t chunk_bytes, int64_t out_rows, bool device,
+              std::optional<py::array> x) {
              // x: this rank's rows (a contiguous host array), sent along if small enough.
-             const void* rows_data = x.is_none() ? nullptr : x.cast<py::array>().data();
+             if (x)
+               check_buffer(self,
+                            x->nbytes() == rows * row_elems *
+                                               static_cast<int64_t>(dtype_size(DType(dtype))),
+                            Collective::AllGather, chunk_bytes, "x does not hold its rows");
+             const void* rows_data = x ? x->data() : nullptr;
              py::gil_scoped_release nogil;
              return self.allgather_counts(rows, row_elems, shape_tag, DType(dtype), chunk_bytes,
                                           device ? kDeviceMemory : kHostMemory, out_rows,

@@ -354,6 +354,7 @@ std::vector<int64_t> RingCommunicator::allgather_counts(int64_t rows, int64_t ro
                                                         int64_t chunk_bytes,
                                                         int64_t memory, int64_t out_rows,
                                                         const void* input) {
+  pending_allgather_inline_ = false;  // until every rank's rows are known to have come
   CallHeader h = make_header(Collective::AllGather, dtype, Op::Sum, rows, chunk_bytes, memory);
   h.out_rows = out_rows;
   h.extra = row_elems;

@@ -299,18 +299,17 @@ class Communicator:
                 codes = None
             base, extra = divmod(x.size, self.size)
             count = base + (self.rank < extra)
-            if out is None:
-                out = np.empty(count, x.dtype)
             # out may overlap x: the call copies x into its header before writing out
-            elif not t.is_plain_out(out, x, (count,), overlap_ok=True):
+            if out is not None and not t.is_plain_out(out, x, (count,), overlap_ok=True):
                 codes = None
             if codes is not None:
                 with self._executor.running:
                     if not self._executor.queue:
+                        result = np.empty(count, x.dtype) if out is None else out
                         # work is never touched by a call in the header exchange
-                        self._core.reduce_scatter(x, out, codes[0], codes[1], self._chunk_bytes,
-                                                  out)
-                        return out
+                        self._core.reduce_scatter(x, result, codes[0], codes[1],
+                                                  self._chunk_bytes, result)
+                        return result
         return self._call("reduce_scatter", self._prepare_reduce_scatter, x, op, out, wait=True)
 
     def allgather(self, x, out=None):

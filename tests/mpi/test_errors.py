@@ -157,6 +157,29 @@ def test_one_rank_with_bad_arguments_does_not_hang_the_others(comm):
     still_works(comm)
 
 
+@needs_two
+def test_a_buffer_the_core_refuses_does_not_hang_the_others(comm):
+    # Below the Python layer, which never passes such buffers: the binding itself still
+    # announces a refusal to the other ranks before raising.
+    core, x = comm._core, np.ones(50_000)
+    code = rr._types.dtype_code(x.dtype, "x", "test")
+    work = np.empty(10 if RANK == 1 else x.size)
+    if RANK == 1:
+        with pytest.raises(ValueError, match="work or out"):
+            core.reduce_scatter(x, work, code, 0, comm.chunk_bytes)
+    else:
+        with pytest.raises(rr.MismatchError, match="rank 1 rejected"):
+            core.reduce_scatter(x, work, code, 0, comm.chunk_bytes)
+    rows = x[:8] if RANK == 1 else x[:10]  # rank 1 claims 10 rows but holds 8
+    if RANK == 1:
+        with pytest.raises(ValueError, match="rows"):
+            core.allgather_counts(10, 1, 0, code, comm.chunk_bytes, x=rows)
+    else:
+        with pytest.raises(rr.MismatchError, match="rank 1 rejected"):
+            core.allgather_counts(10, 1, 0, code, comm.chunk_bytes, x=rows)
+    still_works(comm)
+
+
 def test_bad_broadcast_arguments(comm):
     for root, error in ((SIZE, ValueError), (-1, ValueError), ("0", TypeError), (True, TypeError)):
         with pytest.raises(error, match="root"):
