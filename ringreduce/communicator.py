@@ -11,7 +11,9 @@ from __future__ import annotations
 import atexit
 import collections
 import math
+import sys
 import threading
+import warnings
 import weakref
 
 import numpy as np
@@ -175,6 +177,14 @@ def _finish_all():
         comm._executor.finish()
 
 
+def _checked_chunk_bytes(value) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"chunk_bytes must be an int, got {type(value).__name__}")
+    if not 1 <= value <= _core.MAX_CHUNK_BYTES:
+        raise ValueError(f"chunk_bytes must be in [1, {_core.MAX_CHUNK_BYTES}], got {value}")
+    return int(value)
+
+
 class Communicator:
     """Ring collectives over the ranks of an mpi4py intracommunicator.
 
@@ -196,13 +206,13 @@ class Communicator:
         if not isinstance(comm, MPI.Intracomm):
             raise TypeError(f"ringreduce.Communicator: comm must be an intracommunicator, "
                             f"got {type(comm).__name__}")
+        # Checked before the collective part, so that a bad value leaves nothing behind.
+        self._chunk_bytes = (_core.DEFAULT_CHUNK_BYTES if chunk_bytes is None
+                             else _checked_chunk_bytes(chunk_bytes))
         self._mpi_comm = comm
         self._core = _core.RingCommunicator(MPI._addressof(comm))
         self.rank: int = self._core.rank
         self.size: int = self._core.size
-        self._chunk_bytes = _core.DEFAULT_CHUNK_BYTES
-        if chunk_bytes is not None:
-            self.chunk_bytes = chunk_bytes
         self._executor = _Executor(threaded=MPI.Query_thread() == MPI.THREAD_MULTIPLE)
         self._closed = False
         self._direct = None  # see _cuda_direct()
@@ -227,11 +237,7 @@ class Communicator:
 
     @chunk_bytes.setter
     def chunk_bytes(self, value: int) -> None:
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-            raise TypeError(f"chunk_bytes must be an int, got {type(value).__name__}")
-        if not 1 <= value <= _core.MAX_CHUNK_BYTES:
-            raise ValueError(f"chunk_bytes must be in [1, {_core.MAX_CHUNK_BYTES}], got {value}")
-        self._chunk_bytes = int(value)
+        self._chunk_bytes = _checked_chunk_bytes(value)
 
     @property
     def transport(self) -> str:
@@ -388,6 +394,14 @@ class Communicator:
         executor = getattr(self, "_executor", None)
         if executor is not None and executor.thread is not None:
             executor.stop()
+        # Freeing is collective, and garbage collection runs at different times on
+        # different ranks, so a dropped Communicator cannot free itself: say so, as
+        # Python does for an unclosed file.
+        if getattr(self, "_closed", True) is False and not sys.is_finalizing():
+            warnings.warn(f"{self!r} was never closed: its MPI communicator and shared-memory "
+                          "window stay allocated until MPI_Finalize. Call close() on every "
+                          "rank, or use `with rr.Communicator() as comm:`",
+                          ResourceWarning, source=self)
 
     # -- plumbing -------------------------------------------------------------------
 

@@ -52,7 +52,7 @@ def test_every_dtype_and_op_matches_reference_and_float64(combo, small_chunks, w
 def test_result_does_not_depend_on_chunk_size(dtype, comm):
     x = rank_data(dtype, 10_007)
     results = []
-    for chunk_bytes in (1, 8, 100, 4096, rr.Communicator().chunk_bytes):
+    for chunk_bytes in (1, 8, 100, 4096, rr._core.DEFAULT_CHUNK_BYTES):
         with rr.Communicator(chunk_bytes=chunk_bytes) as ring:
             results.append(ring.allreduce(x))
     assert all(bitwise_equal(r, results[0]) for r in results)

@@ -1,5 +1,8 @@
 """Bad input gets a clear error naming the argument, the value and the rank; ranks
 that disagree all raise MismatchError; and the communicator stays usable after."""
+import gc
+import warnings
+
 import numpy as np
 import pytest
 from mpi4py import MPI
@@ -222,6 +225,22 @@ def test_closed_communicator_says_so():
     assert ring.closed
     with pytest.raises(ValueError, match="closed"):
         ring.allreduce(np.ones(2))
+
+
+def test_a_communicator_dropped_unclosed_warns():
+    ring = rr.Communicator()
+    with pytest.warns(ResourceWarning, match="never closed.*close\\(\\) on every rank"):
+        del ring
+        gc.collect()
+    # A closed one goes quietly, and a bad chunk size is refused before anything exists.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ResourceWarning)
+        closed = rr.Communicator()
+        closed.close()
+        del closed
+        with pytest.raises(ValueError, match="chunk_bytes"):
+            rr.Communicator(chunk_bytes=0)
+        gc.collect()
 
 
 def test_chunk_size_of_rank_0_wins(world):

@@ -169,12 +169,12 @@ def test_powersgd_with_error_feedback_converges_to_the_average():
     target = np.random.default_rng(7).standard_normal((20, 30)) + RANK
     average = np.mean(MPI.COMM_WORLD.allgather(target), axis=0)
     compressor = PowerSGD(rank=2)
-    ring = rr.Communicator()
     total, errors = np.zeros_like(target), {}
-    for step in range(1, 101):
-        approximation, _ = compressor.reduce(0, target, ring)
-        total += approximation
-        errors[step] = np.abs(total / step - average).max()
+    with rr.Communicator() as ring:
+        for step in range(1, 101):
+            approximation, _ = compressor.reduce(0, target, ring)
+            total += approximation
+            errors[step] = np.abs(total / step - average).max()
     assert errors[1] > 0.5 * np.abs(average).max()  # one step alone is far off
     assert errors[100] < errors[30] < errors[10] < errors[1]
     assert errors[100] < 0.1 * errors[1]
