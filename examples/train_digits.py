@@ -66,7 +66,11 @@ def train(epochs=30, global_batch=64, lr=0.1, momentum=0.9, hidden=64, compressi
           overlap=True, comm=None, quiet=False, seed=0, gpu=False):
     """Trains on every rank of comm; returns the history (same on every rank).
     gpu: the model and data are cupy arrays, and gradients go through the GPU ring."""
-    ring = comm if isinstance(comm, rr.Communicator) else rr.Communicator(comm)
+    if not isinstance(comm, rr.Communicator):  # one of our own, closed when done
+        with rr.Communicator(comm) as ring:
+            return train(epochs, global_batch, lr, momentum, hidden, compression, overlap,
+                         ring, quiet, seed, gpu)
+    ring = comm
     rank, size = ring.rank, ring.size
     if global_batch % size:
         raise ValueError(f"the global batch ({global_batch}) must divide evenly among "
