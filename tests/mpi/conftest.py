@@ -54,11 +54,13 @@ def world():
 
 @pytest.fixture(scope="session")
 def comm():
-    """Default chunk size."""
-    return rr.Communicator()
+    """Default chunk size. (Closed at the end, in the same order on every rank.)"""
+    with rr.Communicator() as ring:
+        yield ring
 
 
 @pytest.fixture(scope="session")
 def small_chunks():
     """A test-only chunk of 64 bytes, so small arrays already run many pipeline chunks."""
-    return rr.Communicator(chunk_bytes=64)
+    with rr.Communicator(chunk_bytes=64) as ring:
+        yield ring
