@@ -62,6 +62,11 @@ std::string mpi_library_version() {
 }  // namespace
 
 PYBIND11_MODULE(_core, m) {
+  py::class_<WireTuner>(m, "WireTuner", "Which wire a ring call takes (csrc/wire_tuner.h)")
+      .def(py::init<>())
+      .def("prefer_shm", &WireTuner::prefer_shm)
+      .def("record", &WireTuner::record)
+      .def_readonly_static("EXPLORE_EVERY", &WireTuner::kExploreEvery);
   m.doc() = "ringreduce's C++ core: ring collectives over MPI (use the ringreduce package)";
   py::register_exception<MismatchError>(m, "MismatchError", PyExc_RuntimeError);
   py::register_exception<MpiError>(m, "MPIError", PyExc_RuntimeError);
@@ -175,6 +180,11 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("ring_bytes_sent", &RingCommunicator::ring_bytes_sent)
       .def_property_readonly("ring_steps", &RingCommunicator::ring_steps)
       .def_property_readonly("inline_capacity", &RingCommunicator::inline_capacity)
+      .def_property_readonly("shm_bytes_sent", &RingCommunicator::shm_bytes_sent)
+      .def("record_wire_time",
+           [](RingCommunicator& self, int collective, int64_t bytes, bool shm, double seconds) {
+             self.record_wire_time(Collective(collective), bytes, shm, seconds);
+           })
       .def("allreduce",
            [](RingCommunicator& self, py::array x, py::array out, int dtype, int op,
               int64_t chunk_bytes) {

@@ -1,6 +1,8 @@
 #include "ring_communicator.h"
 
 #include <algorithm>
+#include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <map>
@@ -98,6 +100,30 @@ RingCommunicator::RingCommunicator(MPI_Comm user_comm)
     exchange_.assign(slot_bytes() * p, 0);
   }
   inline_scratch_.assign(2 * inline_capacity_, 0);
+  const char* shm_setting = std::getenv("RINGREDUCE_SHM");
+  tune_wire_ = shm_setting == nullptr || std::strcmp(shm_setting, "1") != 0;
+}
+
+void RingCommunicator::propose_wire(CallHeader* h, int64_t bytes) {
+  if (rank() != 0 || !use_shm(bytes)) return;
+  const bool shm = !tune_wire_ || tuner(static_cast<Collective>(h->collective)).prefer_shm(bytes);
+  h->wire = shm ? kWireShm : kWireMpi;
+}
+
+bool RingCommunicator::agreed_shm(int64_t bytes) const {
+  return use_shm(bytes) && headers_[0].wire != kWireMpi;
+}
+
+template <typename Run>
+void RingCommunicator::run_tuned(Collective collective, int64_t bytes, bool shm, Run run) {
+  if (rank() != 0 || !tune_wire_ || !use_shm(bytes)) {
+    run();
+    return;
+  }
+  const auto start = std::chrono::steady_clock::now();
+  run();
+  const std::chrono::duration<double> took = std::chrono::steady_clock::now() - start;
+  record_wire_time(collective, bytes, shm, took.count());
 }
 
 bool RingCommunicator::use_shm(int64_t total_bytes) const {
@@ -286,14 +312,19 @@ void RingCommunicator::allreduce(const void* input, void* out, int64_t count, DT
     allreduce_inline(out, count, dtype, op);
     return;
   }
-  const bool shm = use_shm(bytes);
-  const int64_t elems = ring_chunk_elems(agree(h), es, shm);
-  const RingSchedule sched = RingSchedule::split_evenly(rank(), size(), count, elems);
+  propose_wire(&h, bytes);
+  const int64_t agreed_chunk = agree(h);
+  const bool shm = agreed_shm(bytes);
+  const RingSchedule sched = RingSchedule::split_evenly(rank(), size(), count,
+                                                        ring_chunk_elems(agreed_chunk, es, shm));
   guarded(&broken_, [&] {
-    run_reduce_scatter(sched, dtype, op, input, out, shm);
-    const Span mine = sched.segment(rank());
-    if (op == Op::Avg) divide(dtype, static_cast<char*>(out) + mine.offset * es, mine.count, size());
-    run_allgather(sched, es, out, shm);
+    run_tuned(Collective::AllReduce, bytes, shm, [&] {
+      run_reduce_scatter(sched, dtype, op, input, out, shm);
+      const Span mine = sched.segment(rank());
+      if (op == Op::Avg)
+        divide(dtype, static_cast<char*>(out) + mine.offset * es, mine.count, size());
+      run_allgather(sched, es, out, shm);
+    });
   });
 }
 
@@ -337,15 +368,19 @@ void RingCommunicator::reduce_scatter(const void* input, void* work, int64_t cou
                   dtype, op);
     return;
   }
-  const bool shm = use_shm(bytes);
-  const int64_t elems = ring_chunk_elems(agree(h), es, shm);
-  const RingSchedule sched = RingSchedule::split_evenly(rank(), size(), count, elems);
+  propose_wire(&h, bytes);
+  const int64_t agreed_chunk = agree(h);
+  const bool shm = agreed_shm(bytes);
+  const RingSchedule sched = RingSchedule::split_evenly(rank(), size(), count,
+                                                        ring_chunk_elems(agreed_chunk, es, shm));
   guarded(&broken_, [&] {
-    run_reduce_scatter(sched, dtype, op, input, work, shm, own_out);
-    if (op == Op::Avg) {
-      const Span mine = sched.segment(rank());
-      divide(dtype, ReduceTarget(sched, es, work, own_out).own(), mine.count, size());
-    }
+    run_tuned(Collective::ReduceScatter, bytes, shm, [&] {
+      run_reduce_scatter(sched, dtype, op, input, work, shm, own_out);
+      if (op == Op::Avg) {
+        const Span mine = sched.segment(rank());
+        divide(dtype, ReduceTarget(sched, es, work, own_out).own(), mine.count, size());
+      }
+    });
   });
 }
 
@@ -364,6 +399,9 @@ std::vector<int64_t> RingCommunicator::allgather_counts(int64_t rows, int64_t ro
   const bool fits =
       size() > 1 && memory == kHostMemory && input != nullptr && bytes <= inline_capacity_;
   h.inline_bytes = fits ? bytes : -1;
+  // Rank 0 knows only its own rows yet: it picks the wire for p times as many bytes.
+  pending_allgather_tuned_bytes_ = bytes * size();
+  if (memory == kHostMemory && !fits) propose_wire(&h, pending_allgather_tuned_bytes_);
   std::vector<CallHeader> all;
   const int64_t agreed_chunk = agree(h, &all, input, fits ? bytes : 0);
   std::vector<int64_t> rows_per_rank(size());
@@ -406,17 +444,16 @@ void RingCommunicator::allgather(const void* input, void* out,
   for (int r = 0; r < size(); ++r) counts[r] = row_counts[r] * row_elems;
   int64_t total = 0;
   for (int64_t c : counts) total += c;
-  const bool shm = use_shm(total * static_cast<int64_t>(es));
+  // headers_ still holds allgather_counts()'s exchange, rank 0's wire with it.
+  const bool shm = agreed_shm(total * static_cast<int64_t>(es));
   const RingSchedule sched(rank(), size(), counts,
                            ring_chunk_elems(pending_allgather_chunk_bytes_, es, shm));
   if (pending_allgather_inline_) {  // every rank's rows came with the counts
     pending_allgather_inline_ = false;
     for (int r = 0; r < size(); ++r) {
-      const Span seg = sched.segment(r);
-      // memmove: x may be a view into out (gathering in place), and x's bytes are
-      // posted, not x itself, but out may still be x for this rank.
+      const Span seg = sched.segment(r);  // from copies on the boards: x may be in out
       if (seg.count > 0)
-        std::memmove(static_cast<char*>(out) + seg.offset * es, inline_payload(r), seg.count * es);
+        std::memcpy(static_cast<char*>(out) + seg.offset * es, inline_payload(r), seg.count * es);
     }
     return;
   }
@@ -424,7 +461,10 @@ void RingCommunicator::allgather(const void* input, void* out,
   char* dst = static_cast<char*>(out) + mine.offset * es;
   // memmove: x may be a view into out (gathering in place).
   if (mine.count > 0 && dst != input) std::memmove(dst, input, mine.count * es);
-  guarded(&broken_, [&] { run_allgather(sched, es, out, shm); });
+  guarded(&broken_, [&] {
+    run_tuned(Collective::AllGather, pending_allgather_tuned_bytes_, shm,
+              [&] { run_allgather(sched, es, out, shm); });
+  });
 }
 
 void RingCommunicator::check_root(int root) const {

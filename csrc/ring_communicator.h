@@ -13,6 +13,7 @@
 
 #include <mpi.h>
 
+#include <array>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -23,6 +24,7 @@
 #include "mpi_transport.h"
 #include "ring_schedule.h"
 #include "shm_channel.h"
+#include "wire_tuner.h"
 
 namespace ringreduce {
 
@@ -44,8 +46,11 @@ struct CallHeader {
   int64_t inline_bytes = 0; // payload bytes that follow the header in the same message
   int64_t memory = 0;       // where the buffers are: kHostMemory or kDeviceMemory
   int64_t out_rows = -1;    // allgather: rows of the caller's out=, or -1 for none
-  static constexpr int64_t kMagic = 0x52494e4752454432;  // "RINGRED2"
+  int64_t wire = -1;        // rank 0's: kWireShm or kWireMpi for this call's ring (see WireTuner)
+  static constexpr int64_t kMagic = 0x52494e4752454433;  // "RINGRED3"
 };
+
+constexpr int64_t kWireShm = 0, kWireMpi = 1;
 
 constexpr int64_t kHostMemory = 0, kDeviceMemory = 1;
 
@@ -158,6 +163,13 @@ class RingCommunicator {
     return transport_->bytes_sent() + (shm_ ? shm_->bytes_sent() : 0);
   }
   int64_t ring_steps() const { return ring_steps_; }
+  // The part of ring_bytes_sent() that went through the shared-memory slots.
+  int64_t shm_bytes_sent() const { return shm_ ? shm_->bytes_sent() : 0; }
+  // What this rank's tuner learns from a ring call of `bytes` that took `seconds` on one
+  // wire (run_tuned() calls it on rank 0; tests call it to steer the choice).
+  void record_wire_time(Collective collective, int64_t bytes, bool shm, double seconds) {
+    tuner(collective).record(bytes, shm, seconds);
+  }
   // The largest allreduce, in bytes, done inside the header exchange (0 on one rank).
   int64_t inline_capacity() const { return inline_capacity_; }
 
@@ -199,6 +211,15 @@ class RingCommunicator {
                           void* out, bool shm, void* own_out = nullptr);
   void run_allgather(const RingSchedule& sched, size_t elem_size, void* buf, bool shm);
   bool use_shm(int64_t total_bytes) const;
+  // Rank 0 proposes, in its header, which wire a ring call of `bytes` that may use shared
+  // memory should take (what its tuner for `collective` prefers); after the exchange,
+  // agreed_shm() says what every rank does: shared memory unless rank 0 said MPI.
+  void propose_wire(CallHeader* h, int64_t bytes);
+  bool agreed_shm(int64_t bytes) const;
+  // Runs a ring call, timed on rank 0 for its tuner when it could have used either wire.
+  template <typename Run>
+  void run_tuned(Collective collective, int64_t bytes, bool shm, Run run);
+  WireTuner& tuner(Collective collective) { return tuners_[static_cast<int>(collective) % 4]; }
   int64_t ring_chunk_elems(int64_t agreed_chunk_bytes, size_t elem_size, bool shm) const;
 
   // Device side (device_ring.cc).
@@ -235,6 +256,8 @@ class RingCommunicator {
   std::unique_ptr<DeviceBuffer> host_mirror_;   // pinned: staged chunks, one place per chunk
   std::unique_ptr<DeviceBuffer> device_scratch_;  // received chunks (and direct-mode slots)
   std::unique_ptr<ShmChannel> shm_;  // null unless all ranks share a node
+  bool tune_wire_ = true;  // false: RINGREDUCE_SHM=1, shared memory whenever it can
+  std::array<WireTuner, 4> tuners_;  // per collective; only rank 0's decide
   std::unique_ptr<char[]> scratch_;  // MPI receive slots, grown on demand, kept
   int64_t scratch_bytes_ = 0;
   std::vector<CallHeader> headers_;
@@ -248,6 +271,7 @@ class RingCommunicator {
   std::string broken_;  // set when an MPI error left messages in flight
   int64_t pending_allgather_chunk_bytes_ = kDefaultChunkBytes;  // from allgather_counts()
   bool pending_allgather_inline_ = false;  // ... and whether the rows came with the counts
+  int64_t pending_allgather_tuned_bytes_ = 0;  // ... and the size rank 0 chose its wire for
   int64_t ring_steps_ = 0;
 };
 

@@ -192,3 +192,24 @@ def test_small_calls_on_non_native_byte_order(comm, world):
     assert bitwise_equal(comm.reduce_scatter(x), reference.reduce_scatter(native, "sum", world))
     assert bitwise_equal(comm.allgather(x), np.concatenate(world.allgather(native)))
     assert bitwise_equal(comm.allreduce(x), reference.allreduce(native, "sum", world))
+
+
+def test_rank_0_picks_the_wire_for_every_rank(world):
+    with rr.Communicator() as ring:
+        if ring.transport != "shared memory":
+            pytest.skip("needs ranks that share memory")
+        x = rank_data(np.dtype(np.float32), (1 << 20) // 4, salt=13)
+        rs = rr._core.COLLECTIVES["reduce_scatter"]
+        core = ring._core
+        if RANK == 0:  # as if MPI messages had been much faster lately
+            core.record_wire_time(rs, x.nbytes, True, 1.0)
+            core.record_wire_time(rs, x.nbytes, False, 1e-6)
+        shm_before, all_before = core.shm_bytes_sent, core.ring_bytes_sent
+        assert bitwise_equal(ring.reduce_scatter(x), reference.reduce_scatter(x, "sum", world))
+        assert core.shm_bytes_sent == shm_before and core.ring_bytes_sent > all_before
+        if RANK == 0:  # and now shared memory
+            for _ in range(40):
+                core.record_wire_time(rs, x.nbytes, True, 1e-9)
+        shm_before = core.shm_bytes_sent
+        assert bitwise_equal(ring.reduce_scatter(x), reference.reduce_scatter(x, "sum", world))
+        assert core.shm_bytes_sent > shm_before

@@ -1,0 +1,55 @@
+"""WireTuner, the bookkeeping that picks shared memory or MPI messages for a ring call
+(csrc/wire_tuner.h), on its own: no MPI, made-up times."""
+from ringreduce import _core
+
+EVERY = _core.WireTuner.EXPLORE_EVERY
+MIB = 1 << 20
+
+
+def choices(tuner, nbytes, calls):
+    return [tuner.prefer_shm(nbytes) for _ in range(calls)]
+
+
+def test_shared_memory_first_and_the_other_wire_now_and_then():
+    tuner = _core.WireTuner()
+    picks = choices(tuner, MIB, 3 * EVERY)
+    assert [i for i, shm in enumerate(picks) if not shm] == [EVERY - 1, 2 * EVERY - 1,
+                                                             3 * EVERY - 1]
+
+
+def run(tuner, calls, shm_us, mpi_us):
+    """calls ring calls of 1 MiB, each on the wire the tuner picks, taking that long."""
+    picks = []
+    for _ in range(calls):
+        shm = tuner.prefer_shm(MIB)
+        tuner.record(MIB, shm, (shm_us if shm else mpi_us) * 1e-6)
+        picks.append(shm)
+    return picks
+
+
+def test_the_faster_wire_wins_and_the_estimate_follows_a_change():
+    tuner = _core.WireTuner()
+    # The usual phase (times measured on the development machine): shared memory.
+    picks = run(tuner, 4 * EVERY, shm_us=56, mpi_us=94)
+    assert picks.count(False) == 4  # only the looks at MPI
+    # A slow phase for shared memory: MPI takes over after one slow call...
+    picks = run(tuner, 4 * EVERY, shm_us=280, mpi_us=110)
+    assert picks[:2] == [True, False]
+    assert picks[1:].count(True) == 4  # ...looking back at shared memory now and then
+    # The phase ends: shared memory wins back after a few looks.
+    picks = run(tuner, 4 * EVERY, shm_us=56, mpi_us=94)
+    assert picks[-EVERY:].count(False) == 1  # only the look at MPI
+
+
+def test_size_classes_are_separate_and_times_count_per_byte():
+    tuner = _core.WireTuner()
+    tuner.record(MIB, True, 1.0)
+    tuner.record(MIB, False, 0.5)       # MPI faster at 1 MiB...
+    tuner.record(64 << 10, True, 0.5)
+    tuner.record(64 << 10, False, 1.0)  # ...shared memory at 64 KiB
+    assert tuner.prefer_shm(MIB) is False and tuner.prefer_shm(64 << 10) is True
+
+    tuner = _core.WireTuner()
+    tuner.record(MIB, False, 0.5)           # MPI: 0.5 s per MiB
+    tuner.record(3 * MIB // 2, True, 0.6)   # shared memory: 0.4 s per MiB, in the same class
+    assert tuner.prefer_shm(MIB) is True
