@@ -1,5 +1,7 @@
 #include "wire_tuner.h"
 
+#include <algorithm>
+
 namespace ringreduce {
 
 WireTuner::SizeClass& WireTuner::size_class(int64_t bytes) {
@@ -8,11 +10,17 @@ WireTuner::SizeClass& WireTuner::size_class(int64_t bytes) {
   return classes_[k];
 }
 
+double WireTuner::Estimate::median() const {
+  if (count < 3) return count == 1 ? ns_per_byte[0] : (ns_per_byte[0] + ns_per_byte[1]) / 2;
+  const double a = ns_per_byte[0], b = ns_per_byte[1], c = ns_per_byte[2];
+  return std::max(std::min(a, b), std::min(std::max(a, b), c));
+}
+
 bool WireTuner::prefer_shm(int64_t bytes) {
   SizeClass& c = size_class(bytes);
   // Shared memory until MPI has been measured faster.
-  const bool shm_faster = !c.mpi.measured || !c.shm.measured ||
-                          c.shm.ns_per_byte <= c.mpi.ns_per_byte;
+  const bool shm_faster = !c.mpi.measured() || !c.shm.measured() ||
+                          c.shm.median() <= c.mpi.median();
   ++c.calls;
   if (c.calls % kExploreEvery == 0) return !shm_faster;
   return shm_faster;
@@ -22,9 +30,9 @@ void WireTuner::record(int64_t bytes, bool shm, double seconds) {
   if (bytes <= 0) return;
   SizeClass& c = size_class(bytes);
   Estimate& e = shm ? c.shm : c.mpi;
-  const double sample = seconds * 1e9 / static_cast<double>(bytes);
-  e.ns_per_byte = e.measured ? (1 - kWeight) * e.ns_per_byte + kWeight * sample : sample;
-  e.measured = true;
+  e.ns_per_byte[e.next] = seconds * 1e9 / static_cast<double>(bytes);
+  e.next = (e.next + 1) % 3;
+  e.count = std::min(e.count + 1, 3);
 }
 
 }  // namespace ringreduce

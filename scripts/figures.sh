@@ -31,6 +31,8 @@ if [ "${1:-}" = "--measured" ]; then
   $MPIEXEC -n 2 $PY -m mpi4py benchmarks/fit_model.py --json benchmarks/results/model_p2.json \
       --plot "$OUT/cost_model_p2.png"
   $MPIEXEC -n 4 $PY -m mpi4py benchmarks/ps_vs_ring.py --mib 4 --plot "$OUT/ps_vs_ring_4.png"
+  $MPIEXEC -n 2 $PY -m mpi4py benchmarks/wire_choice.py --seconds 420 \
+      --json benchmarks/results/wire_choice_p2.json --plot "$OUT/wire_choice_p2.png"
   for n in 1 2 4; do
     $MPIEXEC -n $n $PY -m mpi4py examples/train_digits.py --json $R/ranks$n.json
   done

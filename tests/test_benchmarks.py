@@ -37,3 +37,19 @@ def test_bench_allreduce_and_summarize(tmp_path):
     for collective in peers:
         assert f"### {collective}" in summary.stdout
     assert "| 20 KiB |" in summary.stdout
+
+
+def test_wire_choice_runs_and_summarises(tmp_path):
+    result = tmp_path / "wire.json"
+    done = subprocess.run(
+        [mpiexec(), "-n", "2", sys.executable, "-m", "mpi4py", "benchmarks/wire_choice.py",
+         "--seconds", "2", "--json", str(result), "--plot", str(tmp_path / "wire.png")],
+        cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    data = json.loads(result.read_text())
+    assert data["rounds"], "no round finished"
+    names = ["chosen", "shared memory", "MPI messages", "MPI library"]
+    for test in ("reduce_scatter 1 MiB", "allreduce 4 MiB"):
+        assert all(data["rounds"][0][f"{test}: {name}"] > 0 for name in names)
+        assert set(names) <= set(data["summary"][test])
+    assert (tmp_path / "wire.png").stat().st_size > 0

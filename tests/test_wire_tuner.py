@@ -30,15 +30,18 @@ def run(tuner, calls, shm_us, mpi_us):
 def test_the_faster_wire_wins_and_the_estimate_follows_a_change():
     tuner = _core.WireTuner()
     # The usual phase (times measured on the development machine): shared memory.
-    picks = run(tuner, 4 * EVERY, shm_us=56, mpi_us=94)
+    picks = run(tuner, 4 * EVERY, shm_us=49, mpi_us=83)
     assert picks.count(False) == 4  # only the looks at MPI
-    # A slow phase for shared memory: MPI takes over after one slow call...
-    picks = run(tuner, 4 * EVERY, shm_us=280, mpi_us=110)
-    assert picks[:2] == [True, False]
-    assert picks[1:].count(True) == 4  # ...looking back at shared memory now and then
-    # The phase ends: shared memory wins back after a few looks.
-    picks = run(tuner, 4 * EVERY, shm_us=56, mpi_us=94)
-    assert picks[-EVERY:].count(False) == 1  # only the look at MPI
+    # One odd slow call changes nothing...
+    assert run(tuner, 1, shm_us=500, mpi_us=83) == [True]
+    assert run(tuner, 3, shm_us=49, mpi_us=83) == [True] * 3
+    # ...but a slow phase for shared memory does, after two calls...
+    picks = run(tuner, 4 * EVERY, shm_us=263, mpi_us=88)
+    assert picks[:3] == [True, True, False]
+    assert picks[2:].count(True) == 4  # ...looking back at shared memory now and then
+    # The phase ends: shared memory wins back after two looks.
+    picks = run(tuner, 4 * EVERY, shm_us=49, mpi_us=83)
+    assert picks[-2 * EVERY:].count(False) == 2  # only the looks at MPI
 
 
 def test_size_classes_are_separate_and_times_count_per_byte():
