@@ -114,6 +114,15 @@ bool RingCommunicator::agreed_shm(int64_t bytes) const {
   return use_shm(bytes) && headers_[0].wire != kWireMpi;
 }
 
+RingSchedule RingCommunicator::agree_on_ring(CallHeader h, int64_t bytes, size_t elem_size,
+                                             bool* shm) {
+  propose_wire(&h, bytes);
+  const int64_t agreed_chunk = agree(h);
+  *shm = agreed_shm(bytes);
+  return RingSchedule::split_evenly(rank(), size(), h.count,
+                                    ring_chunk_elems(agreed_chunk, elem_size, *shm));
+}
+
 template <typename Run>
 void RingCommunicator::run_tuned(Collective collective, int64_t bytes, bool shm, Run run) {
   if (rank() != 0 || !tune_wire_ || !use_shm(bytes)) {
@@ -312,11 +321,8 @@ void RingCommunicator::allreduce(const void* input, void* out, int64_t count, DT
     allreduce_inline(out, count, dtype, op);
     return;
   }
-  propose_wire(&h, bytes);
-  const int64_t agreed_chunk = agree(h);
-  const bool shm = agreed_shm(bytes);
-  const RingSchedule sched = RingSchedule::split_evenly(rank(), size(), count,
-                                                        ring_chunk_elems(agreed_chunk, es, shm));
+  bool shm = false;
+  const RingSchedule sched = agree_on_ring(h, bytes, es, &shm);
   guarded(&broken_, [&] {
     run_tuned(Collective::AllReduce, bytes, shm, [&] {
       run_reduce_scatter(sched, dtype, op, input, out, shm);
@@ -368,11 +374,8 @@ void RingCommunicator::reduce_scatter(const void* input, void* work, int64_t cou
                   dtype, op);
     return;
   }
-  propose_wire(&h, bytes);
-  const int64_t agreed_chunk = agree(h);
-  const bool shm = agreed_shm(bytes);
-  const RingSchedule sched = RingSchedule::split_evenly(rank(), size(), count,
-                                                        ring_chunk_elems(agreed_chunk, es, shm));
+  bool shm = false;
+  const RingSchedule sched = agree_on_ring(h, bytes, es, &shm);
   guarded(&broken_, [&] {
     run_tuned(Collective::ReduceScatter, bytes, shm, [&] {
       run_reduce_scatter(sched, dtype, op, input, work, shm, own_out);

@@ -216,6 +216,9 @@ class RingCommunicator {
   // agreed_shm() says what every rank does: shared memory unless rank 0 said MPI.
   void propose_wire(CallHeader* h, int64_t bytes);
   bool agreed_shm(int64_t bytes) const;
+  // An allreduce's or reduce_scatter's header exchange, then its schedule: split evenly,
+  // in chunks of rank 0's size, over the wire agreed (*shm).
+  RingSchedule agree_on_ring(CallHeader h, int64_t bytes, size_t elem_size, bool* shm);
   // Runs a ring call, timed on rank 0 for its tuner when it could have used either wire.
   template <typename Run>
   void run_tuned(Collective collective, int64_t bytes, bool shm, Run run);
