@@ -183,6 +183,8 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("shm_bytes_sent", &RingCommunicator::shm_bytes_sent)
       .def("record_wire_time",
            [](RingCommunicator& self, int collective, int64_t bytes, bool shm, double seconds) {
+             if (collective < 1 || collective > 4)
+               throw std::invalid_argument("record_wire_time: no such collective");
              self.record_wire_time(Collective(collective), bytes, shm, seconds);
            })
       .def("allreduce",

@@ -464,9 +464,19 @@ void RingCommunicator::allgather(const void* input, void* out,
   char* dst = static_cast<char*>(out) + mine.offset * es;
   // memmove: x may be a view into out (gathering in place).
   if (mine.count > 0 && dst != input) std::memmove(dst, input, mine.count * es);
+  // Rank 0 chose the wire for its guess of the size; what it learns counts only if the
+  // true size is in the same class (and it did choose).
+  const int64_t total_bytes = total * static_cast<int64_t>(es);
+  const bool chosen = headers_[0].wire != -1 &&
+                      WireTuner::size_class_of(total_bytes) ==
+                          WireTuner::size_class_of(pending_allgather_tuned_bytes_);
+  auto ring = [&] { run_allgather(sched, es, out, shm); };
   guarded(&broken_, [&] {
-    run_tuned(Collective::AllGather, pending_allgather_tuned_bytes_, shm,
-              [&] { run_allgather(sched, es, out, shm); });
+    if (chosen) {
+      run_tuned(Collective::AllGather, total_bytes, shm, ring);
+    } else {
+      ring();
+    }
   });
 }
 

@@ -4,11 +4,13 @@
 
 namespace ringreduce {
 
-WireTuner::SizeClass& WireTuner::size_class(int64_t bytes) {
+int WireTuner::size_class_of(int64_t bytes) {
   int k = 0;
-  while (k < 63 && (int64_t{2} << k) <= bytes) ++k;
-  return classes_[k];
+  while (k < 62 && (int64_t{2} << k) <= bytes) ++k;
+  return k;
 }
+
+WireTuner::SizeClass& WireTuner::size_class(int64_t bytes) { return classes_[size_class_of(bytes)]; }
 
 double WireTuner::Estimate::median() const {
   if (count < 3) return count == 1 ? ns_per_byte[0] : (ns_per_byte[0] + ns_per_byte[1]) / 2;

@@ -26,6 +26,8 @@ class WireTuner {
   bool prefer_shm(int64_t bytes);
   // How long a call of `bytes` took on the wire it took.
   void record(int64_t bytes, bool shm, double seconds);
+  // k for calls of [2^k, 2^(k+1)) bytes: calls in one class share their times.
+  static int size_class_of(int64_t bytes);
 
  private:
   struct Estimate {  // a wire's last three times, in ns per byte

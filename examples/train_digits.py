@@ -67,7 +67,7 @@ def train(epochs=30, global_batch=64, lr=0.1, momentum=0.9, hidden=64, compressi
     """Trains on every rank of comm; returns the history (same on every rank).
     gpu: the model and data are cupy arrays, and gradients go through the GPU ring."""
     if not isinstance(comm, rr.Communicator):  # one of our own, closed when done
-        with rr.Communicator(comm) as ring:
+        with rr.Communicator(comm) as ring:  # (left unclosed if training raises)
             return train(epochs, global_batch, lr, momentum, hidden, compression, overlap,
                          ring, quiet, seed, gpu)
     ring = comm

@@ -21,6 +21,9 @@ def _communicator(comm) -> Communicator:
     if entry is not None and entry[0]() is comm and not entry[1].closed:
         return entry[1]
     ring = Communicator(comm)
+    # Ours, not the caller's: no ResourceWarning if a reused id() replaces it (closing
+    # it is collective, and ids are reused at different times on different ranks).
+    ring._warn_unclosed = False
     _cache[id(comm)] = (weakref.ref(comm), ring)
     return ring
 

@@ -387,8 +387,19 @@ class Communicator:
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc_info):
-        self.close()
+    def __exit__(self, exc_type, exc, traceback):
+        if exc_type is None:
+            self.close()
+            return
+        # An exception is leaving the block, maybe on this rank only, while the others
+        # wait in a collective: freeing (collective) here could hang the job where it
+        # should fail. So only stop using it; MPI_Finalize frees it.
+        self._abandon()
+
+    def _abandon(self) -> None:
+        self._closed = True
+        self._scratch = _Scratch()
+        _live.discard(self)
 
     def __del__(self):
         executor = getattr(self, "_executor", None)
@@ -397,7 +408,8 @@ class Communicator:
         # Freeing is collective, and garbage collection runs at different times on
         # different ranks, so a dropped Communicator cannot free itself: say so, as
         # Python does for an unclosed file.
-        if getattr(self, "_closed", True) is False and not sys.is_finalizing():
+        if (getattr(self, "_closed", True) is False and getattr(self, "_warn_unclosed", True)
+                and not sys.is_finalizing()):
             warnings.warn(f"{self!r} was never closed: its MPI communicator and shared-memory "
                           "window stay allocated until MPI_Finalize. Call close() on every "
                           "rank, or use `with rr.Communicator() as comm:`",
@@ -546,7 +558,7 @@ class Communicator:
 
         def run():
             core.broadcast(buffer, dtype, root, chunk)
-            if buffer is not x:
+            if buffer is not x and self.rank != root:  # root's x may be read-only
                 x[...] = buffer.reshape(x.shape)
             return x
 

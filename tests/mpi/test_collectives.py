@@ -185,6 +185,17 @@ def test_fast_and_general_paths_meet_in_one_call(comm, world):
     assert bitwise_equal(np.ascontiguousarray(x), expected)
 
 
+def test_broadcast_from_a_read_only_strided_root(comm, world):
+    root = SIZE - 1
+    base = rank_data(np.dtype(np.float64), 40, salt=14)
+    x = base[::2]
+    if RANK == root:
+        x.flags.writeable = False  # the root only reads
+    expected = world.bcast(np.ascontiguousarray(x), root=root)
+    assert comm.broadcast(x, root=root) is x
+    assert bitwise_equal(np.ascontiguousarray(x), expected)
+
+
 def test_small_calls_on_non_native_byte_order(comm, world):
     # Big-endian x: the fast paths leave it to the general ones, which convert it.
     x = rank_data(np.dtype(np.float64), 10, salt=12).astype(">f8")
