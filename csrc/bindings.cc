@@ -205,7 +205,7 @@ PYBIND11_MODULE(_core, m) {
                                            .count * static_cast<int64_t>(x.itemsize());
              // The ring uses all of work; a call small enough for the header exchange
              // writes only out.
-             const bool inline_call = out && self.size() > 1 && bytes <= self.inline_capacity();
+             const bool inline_call = out && self.rides_inline(bytes);
              check_buffer(self,
                           x.nbytes() == bytes && (inline_call || work.nbytes() >= bytes) &&
                               (!out || out->nbytes() >= own_bytes),

@@ -347,7 +347,7 @@ void RingCommunicator::allreduce_device(DeviceCall call, const void* input, void
                                         int64_t chunk_bytes) {
   const size_t es = dtype_size(dtype);
   const int64_t bytes = count * static_cast<int64_t>(es);
-  const bool inline_call = size() > 1 && bytes <= inline_capacity_;
+  const bool inline_call = rides_inline(bytes);
   const bool ring = size() > 1 && !inline_call;
   const int64_t mirror = inline_call ? 2 * bytes : (ring && !call.direct ? bytes : 0);
   const int64_t scratch = ring ? device_scratch_bytes(count, es, chunk_bytes) : 0;

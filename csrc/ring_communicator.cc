@@ -315,7 +315,7 @@ void RingCommunicator::allreduce(const void* input, void* out, int64_t count, DT
   CallHeader h = make_header(Collective::AllReduce, dtype, op, count, chunk_bytes);
   const size_t es = dtype_size(dtype);
   const int64_t bytes = count * static_cast<int64_t>(es);
-  if (size() > 1 && bytes <= inline_capacity_) {
+  if (rides_inline(bytes)) {
     h.inline_bytes = bytes;
     agree(h, nullptr, input, bytes);  // every rank agreed on count, so all inlined theirs
     allreduce_inline(out, count, dtype, op);
@@ -366,7 +366,7 @@ void RingCommunicator::reduce_scatter(const void* input, void* work, int64_t cou
   CallHeader h = make_header(Collective::ReduceScatter, dtype, op, count, chunk_bytes);
   const size_t es = dtype_size(dtype);
   const int64_t bytes = count * static_cast<int64_t>(es);
-  if (size() > 1 && bytes <= inline_capacity_) {  // as allreduce: one exchange, no ring
+  if (rides_inline(bytes)) {  // as allreduce: one exchange, no ring
     h.inline_bytes = bytes;
     agree(h, nullptr, input, bytes);
     const Span mine = segment_of(rank(), size(), count);
@@ -399,8 +399,7 @@ std::vector<int64_t> RingCommunicator::allgather_counts(int64_t rows, int64_t ro
   h.shape_tag = shape_tag;
   // Host rows that fit ride along; if every rank's did, allgather() only copies them out.
   const int64_t bytes = rows * row_elems * static_cast<int64_t>(dtype_size(dtype));
-  const bool fits =
-      size() > 1 && memory == kHostMemory && input != nullptr && bytes <= inline_capacity_;
+  const bool fits = memory == kHostMemory && input != nullptr && rides_inline(bytes);
   h.inline_bytes = fits ? bytes : -1;
   // Rank 0 knows only its own rows yet: it picks the wire for p times as many bytes.
   pending_allgather_tuned_bytes_ = bytes * size();
@@ -447,8 +446,9 @@ void RingCommunicator::allgather(const void* input, void* out,
   for (int r = 0; r < size(); ++r) counts[r] = row_counts[r] * row_elems;
   int64_t total = 0;
   for (int64_t c : counts) total += c;
+  const int64_t total_bytes = total * static_cast<int64_t>(es);
   // headers_ still holds allgather_counts()'s exchange, rank 0's wire with it.
-  const bool shm = agreed_shm(total * static_cast<int64_t>(es));
+  const bool shm = agreed_shm(total_bytes);
   const RingSchedule sched(rank(), size(), counts,
                            ring_chunk_elems(pending_allgather_chunk_bytes_, es, shm));
   if (pending_allgather_inline_) {  // every rank's rows came with the counts
@@ -466,7 +466,6 @@ void RingCommunicator::allgather(const void* input, void* out,
   if (mine.count > 0 && dst != input) std::memmove(dst, input, mine.count * es);
   // Rank 0 chose the wire for its guess of the size; what it learns counts only if the
   // true size is in the same class (and it did choose).
-  const int64_t total_bytes = total * static_cast<int64_t>(es);
   const bool chosen = headers_[0].wire != -1 &&
                       WireTuner::size_class_of(total_bytes) ==
                           WireTuner::size_class_of(pending_allgather_tuned_bytes_);
@@ -493,7 +492,7 @@ void RingCommunicator::broadcast(void* buf, int64_t count, DType dtype, int root
   h.extra = root;
   const size_t es = dtype_size(dtype);
   const int64_t bytes = count * static_cast<int64_t>(es);
-  if (size() > 1 && bytes <= inline_capacity_) {  // root's data rides in its header
+  if (rides_inline(bytes)) {  // root's data rides in its header
     h.inline_bytes = bytes;
     const bool root_here = rank() == root;
     agree(h, nullptr, root_here ? buf : nullptr, root_here ? bytes : 0);
@@ -503,8 +502,8 @@ void RingCommunicator::broadcast(void* buf, int64_t count, DType dtype, int root
   const int64_t elems = chunk_elems(agree(h), es);
   const int64_t chunk = copy_chunk_elems(elems, es);
   guarded(&broken_, [&] {
-    ring_broadcast(rank(), size(), root, *transport_, buf, count * static_cast<int64_t>(es),
-                   chunk * static_cast<int64_t>(es), kWindow);
+    ring_broadcast(rank(), size(), root, *transport_, buf, bytes, chunk * static_cast<int64_t>(es),
+                   kWindow);
   });
 }
 

@@ -172,6 +172,8 @@ class RingCommunicator {
   }
   // The largest allreduce, in bytes, done inside the header exchange (0 on one rank).
   int64_t inline_capacity() const { return inline_capacity_; }
+  // Whether a call moving `bytes` per rank is done inside the header exchange, no ring.
+  bool rides_inline(int64_t bytes) const { return size() > 1 && bytes <= inline_capacity_; }
 
   // Takes part in the header exchange of a call this rank has rejected, so that the
   // other ranks raise MismatchError instead of waiting for us forever.

@@ -84,14 +84,15 @@ std::unique_ptr<ShmChannel> ShmChannel::create(MPI_Comm comm, int64_t slot_bytes
     return static_cast<char*>(ptr);
   };
   const int64_t slots_at = kCounterBytes * 3 + channel->board_stride_ * 2;
+  std::vector<char*> parts(size);  // every rank's part of the window
   for (int r = 0; r < size; ++r) {
-    char* part = r == rank ? static_cast<char*>(base) : query(r);
-    channel->exchanged_.push_back(reinterpret_cast<const uint64_t*>(part + 2 * kCounterBytes));
-    channel->boards_.push_back(part + 3 * kCounterBytes);
+    parts[r] = r == rank ? static_cast<char*>(base) : query(r);
+    channel->exchanged_.push_back(reinterpret_cast<const uint64_t*>(parts[r] + 2 * kCounterBytes));
+    channel->boards_.push_back(parts[r] + 3 * kCounterBytes);
   }
-  char* mine = static_cast<char*>(base);
-  char* left = query((rank + size - 1) % size);
-  char* right = query((rank + 1) % size);
+  char* mine = parts[rank];
+  char* left = parts[(rank + size - 1) % size];
+  char* right = parts[(rank + 1) % size];
   channel->my_published_ = reinterpret_cast<uint64_t*>(mine);
   channel->my_consumed_ = reinterpret_cast<uint64_t*>(mine + kCounterBytes);
   channel->my_slots_ = mine + slots_at;

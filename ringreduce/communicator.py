@@ -47,6 +47,22 @@ def gather_output(core, allocate, nbytes: int):
     return result
 
 
+def gather_rows(core, source, rows, row_shape, dtype, chunk, out):
+    """allgather of a contiguous host array: every rank's row count first (with the rows
+    themselves when they are small enough to ride along), then the result, then the ring."""
+    row_elems = math.prod(row_shape)  # a Python int: np.prod costs microseconds
+    # The result's size is known only once every rank has said its row count (and the
+    # core has checked out= against them, on every rank).
+    counts = core.allgather_counts(rows, row_elems, t.shape_tag(row_shape), dtype, chunk,
+                                   -1 if out is None else out.shape[0], x=source)
+    total = sum(counts)
+    result = gather_output(
+        core, lambda: out if out is not None else np.empty((total,) + row_shape, source.dtype),
+        total * row_elems * source.itemsize)
+    core.allgather(source, result, counts, row_elems, dtype)
+    return result
+
+
 class _Scratch:
     """A host buffer that grows on demand and is kept: reduce_scatter's workspace.
     Written only inside a collective's run(), which the executor serialises."""
@@ -335,22 +351,10 @@ class Communicator:
             if out is not None and not t.is_plain_out(out, x, any_rows=True, overlap_ok=True):
                 dtype = None
             if dtype is not None:
-                row_shape = x.shape[1:]
-                row_elems = math.prod(row_shape)
-                core = self._core
                 with self._executor.running:
                     if not self._executor.queue:
-                        counts = core.allgather_counts(
-                            x.shape[0], row_elems, t.shape_tag(row_shape), dtype,
-                            self._chunk_bytes, -1 if out is None else out.shape[0], x=x)
-                        total = sum(counts)  # other ranks' rows may not have fitted
-                        result = gather_output(
-                            core,
-                            lambda: out if out is not None else np.empty((total,) + row_shape,
-                                                                         x.dtype),
-                            total * row_elems * x.itemsize)
-                        core.allgather(x, result, counts, row_elems, dtype)
-                        return result
+                        return gather_rows(self._core, x, x.shape[0], x.shape[1:], dtype,
+                                           self._chunk_bytes, out)
         return self._call("allgather", self._prepare_allgather, x, out, wait=True)
 
     def broadcast(self, x, root: int = 0):
@@ -378,9 +382,7 @@ class Communicator:
         if self._closed:
             return
         self._executor.finish()
-        self._closed = True
-        self._scratch = _Scratch()
-        _live.discard(self)
+        self._abandon()
         if not MPI.Is_finalized():
             self._core.close()
 
@@ -397,6 +399,7 @@ class Communicator:
         self._abandon()
 
     def _abandon(self) -> None:
+        """Stop using this communicator, here only (close() also frees it, collectively)."""
         self._closed = True
         self._scratch = _Scratch()
         _live.discard(self)
@@ -517,26 +520,9 @@ class Communicator:
         row_shape = tuple(x.shape[1:])
         if out is not None:
             t.check_out(out, (None,) + row_shape, x.dtype, context)
-        row_elems = math.prod(row_shape)  # a Python int: np.prod costs microseconds
-        shape_tag = t.shape_tag(row_shape)
         chunk = self._chunk_bytes
         core = self._core
-
-        out_rows = -1 if out is None else out.shape[0]
-
-        def run():
-            # The result's size is known only once every rank has said its row count
-            # (and the core has checked out= against them, on every rank).
-            counts = core.allgather_counts(rows, row_elems, shape_tag, dtype, chunk, out_rows,
-                                           x=source)
-            total = sum(counts)
-            result = gather_output(
-                core, lambda: out if out is not None else np.empty((total,) + row_shape, x.dtype),
-                total * row_elems * x.dtype.itemsize)
-            core.allgather(source, result, counts, row_elems, dtype)
-            return result
-
-        return run
+        return lambda: gather_rows(core, source, rows, row_shape, dtype, chunk, out)
 
     def _prepare_broadcast(self, context, x, root):
         if _device.is_device_array(x):
