@@ -16,7 +16,6 @@ import argparse
 import json
 import os
 import platform
-import socket
 import sys
 import time
 
@@ -26,7 +25,7 @@ from mpi4py import MPI
 import ringreduce as rr
 from ringreduce import reference
 from timing import (bus_bandwidth, human_bytes, human_time, inner_iterations, save_size_plot,
-                    time_alternating)
+                    start_gloo, time_alternating)
 
 world = MPI.COMM_WORLD
 rank, size = world.Get_rank(), world.Get_size()
@@ -54,25 +53,6 @@ def progress(done: int, total: int, what: str) -> None:
         if done == total:
             sys.stderr.write("\n")
         sys.stderr.flush()
-
-
-def start_gloo():
-    """torch.distributed with gloo on the same ranks, or None without torch."""
-    try:
-        import torch
-        import torch.distributed as dist
-    except ImportError:
-        return None
-    port = None
-    if rank == 0:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-    port = world.bcast(port, root=0)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=size)
-    return torch, dist
 
 
 def allreduce_candidates(comm, x, gloo, with_reference):

@@ -1,6 +1,9 @@
 """cupy allreduce through ringreduce's device ring, side by side in one run with what a
-user would do without it (copy to the host, mpi4py's Allreduce, copy back), beside the
-GPU's own device-to-device copy rate. nccl-tests' columns; median of repeated runs.
+user would do without it (copy to the host, mpi4py's Allreduce, copy back) and with
+torch.distributed's gloo on the same device buffers (where torch is), beside the GPU's
+own device-to-device copy rate. nccl-tests' columns; median of repeated runs. Every
+timed call ends with the stream synchronised, so a call is timed until its result is
+there.
 
     mpiexec -n 2 python benchmarks/bench_gpu.py --json gpu.json --markdown gpu.md
 
@@ -20,7 +23,7 @@ from mpi4py import MPI
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import ringreduce as rr  # noqa: E402
 from timing import (bus_bandwidth, human_bytes, human_time, save_size_plot,  # noqa: E402
-                    time_alternating)
+                    start_gloo, time_alternating)
 
 world = MPI.COMM_WORLD
 RANK, SIZE = world.Get_rank(), world.Get_size()
@@ -31,17 +34,30 @@ def say(*args):
         print(*args, flush=True)
 
 
-RULE = "|" + "---|" * 9  # under the header: 9 columns
+PEERS = ("host_mpi", "gloo")
 
 
-def table_row(r) -> str:
-    """One size's markdown row: both ringreduce columns, the host-copies peer, the
-    speedup of the faster ringreduce over it, and the copy rate."""
+def columns(names, big_chunk):
+    label = {"ring": "ringreduce", "ring_big": f"ringreduce, {human_bytes(big_chunk)} chunks",
+             "host_mpi": "host copies + MPI_Allreduce", "gloo": "gloo (in place)"}
+    head = ["size"]
+    for name in names:
+        head += [label[name], "busbw"]
+    head += [{"host_mpi": "speedup vs host + MPI", "gloo": "speedup vs gloo"}[name]
+             for name in names if name in PEERS]
+    head.append("D2D copy")
+    return "| " + " | ".join(head) + " |\n|" + "---|" * len(head)
+
+
+def table_row(r, names) -> str:
+    """One size's markdown row: each candidate's time and busbw, the speedup of the
+    faster ringreduce over each peer, and the copy rate."""
     cells = [human_bytes(r["bytes"])]
-    for name in ("ring", "ring_big", "host_mpi"):
+    for name in names:
         cells += [human_time(r[name]["seconds"]), f"{r[name]['busbw'] / 1e9:.2f} GB/s"]
     best = min(r["ring"]["seconds"], r["ring_big"]["seconds"])
-    cells += [f"{r['host_mpi']['seconds'] / best:.2f}x", f"{r['d2d_bytes_per_s'] / 1e9:.0f} GB/s"]
+    cells += [f"{r[name]['seconds'] / best:.2f}x" for name in names if name in PEERS]
+    cells.append(f"{r['d2d_bytes_per_s'] / 1e9:.0f} GB/s")
     return "| " + " | ".join(cells) + " |"
 
 
@@ -70,13 +86,25 @@ def main():
     parser.add_argument("--json")
     parser.add_argument("--markdown")
     parser.add_argument("--plot", help="busbw vs size, beside the copy rate (PNG)")
+    parser.add_argument("--no-gloo", action="store_true", help="skip torch's gloo")
     args = parser.parse_args()
 
     import cupy as cp
 
     if not rr.cuda_available():
         sys.exit(f"no usable GPU: {rr._core.cuda_status()}")
-    cp.cuda.Device(RANK % cp.cuda.runtime.getDeviceCount()).use()
+    device = RANK % cp.cuda.runtime.getDeviceCount()
+    cp.cuda.Device(device).use()
+    gloo = None
+    if not args.no_gloo:
+        try:
+            gloo = start_gloo()
+            if gloo is not None:
+                gloo[0].cuda.set_device(device)
+        except Exception as e:  # the table is worth having without this column
+            say(f"# gloo left out: {type(e).__name__}: {e}")
+            gloo = None
+    names = ["ring", "ring_big", "host_mpi"] + (["gloo"] if gloo is not None else [])
     ring = rr.Communicator()
     big = rr.Communicator(chunk_bytes=args.big_chunk)
     props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
@@ -88,11 +116,8 @@ def main():
     say(f"# MPI: {MPI.Get_library_version().splitlines()[0]}")
 
     rows = []
-    header = ("| size | ringreduce | busbw | ringreduce, "
-              f"{human_bytes(args.big_chunk)} chunks | busbw | host copies + MPI_Allreduce "
-              "| busbw | speedup | D2D copy |")
+    header = columns(names, args.big_chunk)
     say(header)
-    say(RULE)
     nbytes = args.min_bytes
     while nbytes <= args.max_bytes:
         n = nbytes // 4
@@ -100,19 +125,33 @@ def main():
         out = cp.empty_like(x)
         host_in, host_out = np.empty(n, np.float32), np.empty(n, np.float32)
 
+        stream = cp.cuda.get_current_stream()
+
         def staged_by_hand():
             x.get(out=host_in)
             world.Allreduce(host_in, host_out, op=MPI.SUM)
             out.set(host_out)
-            cp.cuda.get_current_stream().synchronize()
+            stream.synchronize()
 
+        def ring_call(comm):
+            def call():
+                comm.allreduce(x, out=out)
+                stream.synchronize()
+            return call
+
+        candidates = {"ring": ring_call(ring), "ring_big": ring_call(big),
+                      "host_mpi": staged_by_hand}
+        if gloo is not None:
+            torch, dist = gloo
+            tensor = torch.from_dlpack(x.copy())  # gloo only reduces in place
+
+            def gloo_call():
+                dist.all_reduce(tensor)
+                torch.cuda.synchronize()
+            candidates["gloo"] = gloo_call
         # Few calls per timed run: a 1 GiB call takes a good part of a second.
         inner = max(1, min(200, (16 << 20) // nbytes))
-        times = time_alternating({
-            "ring": lambda: ring.allreduce(x, out=out),
-            "ring_big": lambda: big.allreduce(x, out=out),
-            "host_mpi": staged_by_hand,
-        }, repeats=args.repeats, inner=inner)
+        times = time_alternating(candidates, repeats=args.repeats, inner=inner)
         expected = world.allreduce(float(cp.asnumpy(x[:1])[0]))
         ring.allreduce(x, out=out)
         assert abs(float(out[0]) - expected) <= 1e-5 * max(1.0, abs(expected)), "wrong result"
@@ -122,8 +161,9 @@ def main():
             algbw, busbw = bus_bandwidth(nbytes, seconds, SIZE)
             row[name] = {"seconds": seconds, "algbw": algbw, "busbw": busbw}
         rows.append(row)
-        say(table_row(row))
-        del x, out, host_in, host_out
+        say(table_row(row, names))
+        del x, out, host_in, host_out, candidates
+        tensor = None
         cp.get_default_memory_pool().free_all_blocks()
         nbytes *= 4
 
@@ -137,15 +177,17 @@ def main():
             with open(args.markdown, "w") as f:
                 f.write(f"{SIZE} ranks on one {gpu}, {mode}, float32, median of "
                         f"{args.repeats}.\n\n")
-                f.write(header + "\n" + RULE + "\n")
-                f.writelines(table_row(r) + "\n" for r in rows)
+                f.write(header + "\n")
+                f.writelines(table_row(r, names) + "\n" for r in rows)
         if args.plot:
-            plot(rows, args.plot, args.big_chunk)
+            plot(rows, names, args.plot, args.big_chunk)
     ring.close()
     big.close()
+    if gloo is not None:
+        gloo[1].destroy_process_group()
 
 
-def plot(rows, path, big_chunk):
+def plot(rows, names, path, big_chunk):
     import matplotlib
 
     matplotlib.use("Agg")
@@ -153,9 +195,11 @@ def plot(rows, path, big_chunk):
 
     fig, ax = plt.subplots(figsize=(8, 5))
     sizes = [r["bytes"] for r in rows]
-    for key, label in (("ring", "ringreduce"),
-                       ("ring_big", f"ringreduce, {human_bytes(big_chunk)} chunks"),
-                       ("host_mpi", "copy to host + MPI_Allreduce + copy back")):
+    labels = {"ring": "ringreduce", "ring_big": f"ringreduce, {human_bytes(big_chunk)} chunks",
+              "host_mpi": "copy to host + MPI_Allreduce + copy back",
+              "gloo": "torch.distributed gloo (in place)"}
+    for key in names:
+        label = labels[key]
         ax.plot(sizes, [r[key]["busbw"] / 1e9 for r in rows], marker="o", label=label)
     ax.plot(sizes, [r["d2d_bytes_per_s"] / 1e9 for r in rows], linestyle="--", color="gray",
             label="device-to-device copy (one GPU)")

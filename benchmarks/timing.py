@@ -4,10 +4,30 @@ runs is reported. Implementations are timed alternately, repeat by repeat, so th
 drift on a shared machine hits them all alike."""
 from __future__ import annotations
 
+import socket
 import statistics
 import time
 
 from mpi4py import MPI
+
+
+def start_gloo(comm=MPI.COMM_WORLD):
+    """torch.distributed with gloo on the same ranks, or None without torch."""
+    try:
+        import torch
+        import torch.distributed as dist
+    except ImportError:
+        return None
+    port = None
+    if comm.Get_rank() == 0:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+    port = comm.bcast(port, root=0)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=comm.Get_rank(), world_size=comm.Get_size())
+    return torch, dist
 
 
 def inner_iterations(nbytes: int) -> int:
