@@ -39,6 +39,14 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,compute_cap --format=csv
 } 2>&1 | tee -a "$OUTDIR/gpu.txt"
 
 step "build, CUDA code for this GPU only"
+# The H200 image points CC/CXX at /opt/gcc, another GCC than the system's; an extension
+# built with it crashed on the first C++ exception (2026-11-30: any MismatchError, on
+# host buffers too). Build the C++ and CUDA host code with the system compiler.
+echo "CC=${CC:-} CXX=${CXX:-} | g++ on PATH: $(command -v g++)"
+if [ -x /usr/bin/g++ ] && [ "${RINGREDUCE_KEEP_CC:-0}" != 1 ]; then
+  export CC=/usr/bin/g++ CXX=/usr/bin/g++ LDSHARED="/usr/bin/g++ -shared" NVCC_CCBIN=/usr/bin/g++
+  /usr/bin/g++ --version | head -1
+fi
 arch=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -1 | tr -d ' .')
 rm -f ringreduce/_core*.so
 if ! RINGREDUCE_CUDA=1 RINGREDUCE_CUDA_ARCHS="$arch" "$PY" setup.py build_ext --inplace -j 8 \
@@ -51,11 +59,17 @@ import ringreduce as rr
 print('cuda_available:', rr.cuda_available(), '|', rr._core.cuda_status())
 print('CUDA-aware MPI:', rr._core.mpi_cuda_aware(), '|', rr._core.mpi_cuda_aware_reason())
 print(rr._core.mpi_library_version().splitlines()[0])" | tee -a "$OUTDIR/gpu.txt"
+ldd ringreduce/_core*.so | grep -E "stdc|gcc_s" | tee -a "$OUTDIR/gpu.txt"
+
+step "errors raised from C++ on 2 ranks (host buffers): the build throws and catches"
+timeout "$(cap 60)" mpiexec -n 2 "$PY" -m mpi4py -m pytest -q -x -p no:cacheprovider \
+  --rootdir . tests/mpi/test_errors.py 2>&1 | tee -a "$OUTDIR/tests.txt" | tail -3
+[ "${PIPESTATUS[0]}" -eq 0 ] || failures+=("tests/mpi/test_errors.py")
 
 step "GPU kernels against the CPU kernels (one process)"
 # Whole logs go to tests.txt; the screen gets their ends.
 timeout "$(cap 120)" "$PY" -m pytest -q -p no:cacheprovider tests/test_cuda.py 2>&1 \
-  | tee "$OUTDIR/tests.txt" | tail -4
+  | tee -a "$OUTDIR/tests.txt" | tail -4
 [ "${PIPESTATUS[0]}" -eq 0 ] || failures+=("tests/test_cuda.py")
 
 step "cupy through the ring on 2 and 4 ranks (staged; also direct where MPI is CUDA-aware)"
