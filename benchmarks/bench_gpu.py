@@ -1,5 +1,6 @@
-"""cupy allreduce through ringreduce's device ring, side by side in one run with what a
-user would do without it (copy to the host, mpi4py's Allreduce, copy back) and with
+"""cupy allreduce through ringreduce (as shipped; and forced onto each of its two
+paths: the device ring, and one copy to the host with the host ring), side by side in
+one run with what a user would do without it (copy to the host, mpi4py's Allreduce, copy back) and with
 torch.distributed's gloo on the same device buffers (where torch is), beside the GPU's
 own device-to-device copy rate. nccl-tests' columns; median of repeated runs. Every
 timed call ends with the stream synchronised, so a call is timed until its result is
@@ -37,9 +38,15 @@ def say(*args):
 PEERS = ("host_mpi", "gloo")
 
 
+def labels(big_chunk):
+    return {"ring": "ringreduce", "ring_device": "device ring only",
+            "ring_big": f"device ring, {human_bytes(big_chunk)} chunks",
+            "ring_host": "reduced on host only", "host_mpi": "host copies + MPI_Allreduce",
+            "gloo": "gloo (in place)"}
+
+
 def columns(names, big_chunk):
-    label = {"ring": "ringreduce", "ring_big": f"ringreduce, {human_bytes(big_chunk)} chunks",
-             "host_mpi": "host copies + MPI_Allreduce", "gloo": "gloo (in place)"}
+    label = labels(big_chunk)
     head = ["size"]
     for name in names:
         head += [label[name], "busbw"]
@@ -50,13 +57,13 @@ def columns(names, big_chunk):
 
 
 def table_row(r, names) -> str:
-    """One size's markdown row: each candidate's time and busbw, the speedup of the
-    faster ringreduce over each peer, and the copy rate."""
+    """One size's markdown row: each candidate's time and busbw, the speedup of
+    ringreduce as shipped over each peer, and the copy rate."""
     cells = [human_bytes(r["bytes"])]
     for name in names:
         cells += [human_time(r[name]["seconds"]), f"{r[name]['busbw'] / 1e9:.2f} GB/s"]
-    best = min(r["ring"]["seconds"], r["ring_big"]["seconds"])
-    cells += [f"{r[name]['seconds'] / best:.2f}x" for name in names if name in PEERS]
+    cells += [f"{r[name]['seconds'] / r['ring']['seconds']:.2f}x"
+              for name in names if name in PEERS]
     cells.append(f"{r['d2d_bytes_per_s'] / 1e9:.0f} GB/s")
     return "| " + " | ".join(cells) + " |"
 
@@ -82,7 +89,7 @@ def main():
     parser.add_argument("--max-bytes", type=int, default=1 << 30)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--big-chunk", type=int, default=4 << 20,
-                        help="a second ringreduce column with this chunk size (bytes)")
+                        help="a device ring column with this chunk size (bytes)")
     parser.add_argument("--json")
     parser.add_argument("--markdown")
     parser.add_argument("--plot", help="busbw vs size, beside the copy rate (PNG)")
@@ -104,9 +111,14 @@ def main():
         except Exception as e:  # the table is worth having without this column
             say(f"# gloo left out: {type(e).__name__}: {e}")
             gloo = None
-    names = ["ring", "ring_big", "host_mpi"] + (["gloo"] if gloo is not None else [])
+    names = (["ring", "ring_device", "ring_big", "ring_host", "host_mpi"]
+             + (["gloo"] if gloo is not None else []))
     ring = rr.Communicator()
+    device_only = rr.Communicator()
     big = rr.Communicator(chunk_bytes=args.big_chunk)
+    host_only = rr.Communicator()
+    for comm, limit in ((device_only, 0), (big, 0), (host_only, 1 << 62)):
+        comm._core.device_host_reduce_bytes = limit  # the same on every rank
     props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
     gpu = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
     mode = ("CUDA-aware MPI" if ring._cuda_direct() else "staged through pinned host memory")
@@ -139,7 +151,8 @@ def main():
                 stream.synchronize()
             return call
 
-        candidates = {"ring": ring_call(ring), "ring_big": ring_call(big),
+        candidates = {"ring": ring_call(ring), "ring_device": ring_call(device_only),
+                      "ring_big": ring_call(big), "ring_host": ring_call(host_only),
                       "host_mpi": staged_by_hand}
         if gloo is not None:
             torch, dist = gloo
@@ -181,8 +194,8 @@ def main():
                 f.writelines(table_row(r, names) + "\n" for r in rows)
         if args.plot:
             plot(rows, names, args.plot, args.big_chunk)
-    ring.close()
-    big.close()
+    for comm in (ring, device_only, big, host_only):
+        comm.close()
     if gloo is not None:
         gloo[1].destroy_process_group()
 
@@ -195,12 +208,14 @@ def plot(rows, names, path, big_chunk):
 
     fig, ax = plt.subplots(figsize=(8, 5))
     sizes = [r["bytes"] for r in rows]
-    labels = {"ring": "ringreduce", "ring_big": f"ringreduce, {human_bytes(big_chunk)} chunks",
-              "host_mpi": "copy to host + MPI_Allreduce + copy back",
-              "gloo": "torch.distributed gloo (in place)"}
+    label_of = dict(labels(big_chunk), host_mpi="copy to host + MPI_Allreduce + copy back",
+                    gloo="torch.distributed gloo (in place)")
     for key in names:
-        label = labels[key]
-        ax.plot(sizes, [r[key]["busbw"] / 1e9 for r in rows], marker="o", label=label)
+        label = label_of[key]
+        forced = key in ("ring_device", "ring_big", "ring_host")  # thin: not what ships
+        ax.plot(sizes, [r[key]["busbw"] / 1e9 for r in rows], label=label,
+                **(dict(marker=".", linewidth=1, linestyle=":") if forced
+                   else dict(marker="o", linewidth=2.5 if key == "ring" else 1.5)))
     ax.plot(sizes, [r["d2d_bytes_per_s"] / 1e9 for r in rows], linestyle="--", color="gray",
             label="device-to-device copy (one GPU)")
     save_size_plot(fig, ax, path, "GB/s (busbw; copy: bytes copied / s)",

@@ -33,10 +33,10 @@ SITE=$(echo "$PREFIX"/lib/python3*/site-packages)
 export PYTHONPATH="$SITE:$PWD" PATH="$PREFIX/bin:$PATH" MPICC="$PREFIX/bin/mpicc"
 export MPI4PY_LIBMPI="$PREFIX/lib/libmpi.so.12" OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1
 nvidia-smi --query-gpu=name,driver_version,memory.total,compute_cap --format=csv \
-  | tee "$OUTDIR/gpu.txt"
+  | tee -a "$OUTDIR/tests.txt"
 { nvcc --version | tail -2; "$PY" --version
   "$PY" -c "import cupy, mpi4py, numpy; print('cupy', cupy.__version__, '| mpi4py', mpi4py.__version__, '| numpy', numpy.__version__)"
-} 2>&1 | tee -a "$OUTDIR/gpu.txt"
+} 2>&1 | tee -a "$OUTDIR/tests.txt"
 
 step "build, CUDA code for this GPU only"
 # The H200 image points CC/CXX at /opt/gcc, another GCC than the system's; an extension
@@ -58,8 +58,8 @@ fi
 import ringreduce as rr
 print('cuda_available:', rr.cuda_available(), '|', rr._core.cuda_status())
 print('CUDA-aware MPI:', rr._core.mpi_cuda_aware(), '|', rr._core.mpi_cuda_aware_reason())
-print(rr._core.mpi_library_version().splitlines()[0])" | tee -a "$OUTDIR/gpu.txt"
-ldd ringreduce/_core*.so | grep -E "stdc|gcc_s" | tee -a "$OUTDIR/gpu.txt"
+print(rr._core.mpi_library_version().splitlines()[0])" | tee -a "$OUTDIR/tests.txt"
+ldd ringreduce/_core*.so | grep -E "stdc|gcc_s" | tee -a "$OUTDIR/tests.txt"
 
 step "errors raised from C++ on 2 ranks (host buffers): the build throws and catches"
 timeout "$(cap 60)" mpiexec -n 2 "$PY" -m mpi4py -m pytest -q -x -p no:cacheprovider \
@@ -103,6 +103,20 @@ if [ "$(cap 1000)" -gt 100 ]; then
     || failures+=("bench at 4 ranks")
 else
   step "skipping the 4-rank table: under 100 s of the budget left"
+fi
+
+# Ranks that share a GPU take turns on it unless NVIDIA's Multi-Process Service runs.
+if command -v nvidia-cuda-mps-control >/dev/null && [ "$(cap 1000)" -gt 80 ]; then
+  step "busbw, 2 ranks on one GPU under MPS, 1 KiB to 64 MiB (JSON only)"
+  export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
+  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+  if nvidia-cuda-mps-control -d; then
+    timeout "$(cap 90)" mpiexec -n 2 "$PY" benchmarks/bench_gpu.py --max-bytes $((64 << 20)) \
+      --repeats 3 --no-gloo --json "$OUTDIR/gpu_2ranks_mps.json" || echo "(MPS run failed)"
+    echo quit | nvidia-cuda-mps-control
+  else
+    echo "(MPS did not start)"
+  fi
 fi
 
 step "done"

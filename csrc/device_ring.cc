@@ -321,10 +321,11 @@ void RingCommunicator::run_device_allgather(const DeviceCall& call, const RingSc
                static_cast<char*>(buf), mirror, nullptr, 0, 0, kWindow);
 }
 
-void RingCommunicator::allreduce_device_inline(const DeviceCall& call, const void* input,
-                                               void* out, int64_t count, DType dtype, Op op,
-                                               int64_t chunk_bytes) {
-  // Small enough for the header message: one trip to the host and back, no ring.
+void RingCommunicator::allreduce_device_on_host(const DeviceCall& call, const void* input,
+                                                void* out, int64_t count, DType dtype, Op op,
+                                                int64_t chunk_bytes) {
+  // One trip to the host and back: the host ring (or the header exchange, for the
+  // smallest calls) does the rest, with the bits the device ring would give.
   Device& dev = *call.device;
   const int64_t bytes = count * static_cast<int64_t>(dtype_size(dtype));
   char* staging = host_mirror_->get(2 * bytes);  // reserved by begin_device_call()
@@ -336,9 +337,9 @@ void RingCommunicator::allreduce_device_inline(const DeviceCall& call, const voi
     throw;
   }
   CallHeader h = make_header(Collective::AllReduce, dtype, op, count, chunk_bytes, kDeviceMemory);
-  h.inline_bytes = bytes;
-  agree(h, nullptr, staging, bytes);
-  allreduce_inline(staging + bytes, count, dtype, op);
+  h.extra = kReducedOnHost;
+  allreduce_host(h, staging, staging + bytes);
+  ++device_calls_reduced_on_host_;
   dev.copy(Device::kCopyIn, out, staging + bytes, bytes);
 }
 
@@ -347,14 +348,14 @@ void RingCommunicator::allreduce_device(DeviceCall call, const void* input, void
                                         int64_t chunk_bytes) {
   const size_t es = dtype_size(dtype);
   const int64_t bytes = count * static_cast<int64_t>(es);
-  const bool inline_call = rides_inline(bytes);
-  const bool ring = size() > 1 && !inline_call;
-  const int64_t mirror = inline_call ? 2 * bytes : (ring && !call.direct ? bytes : 0);
+  const bool on_host = size() > 1 && (rides_inline(bytes) || bytes <= device_host_reduce_bytes_);
+  const bool ring = size() > 1 && !on_host;
+  const int64_t mirror = on_host ? 2 * bytes : (ring && !call.direct ? bytes : 0);
   const int64_t scratch = ring ? device_scratch_bytes(count, es, chunk_bytes) : 0;
   Device& dev = begin_device_call(call, Collective::AllReduce, chunk_bytes, mirror, scratch);
   DeviceCallScope scope(dev);
-  if (inline_call) {
-    allreduce_device_inline(call, input, out, count, dtype, op, chunk_bytes);
+  if (on_host) {
+    allreduce_device_on_host(call, input, out, count, dtype, op, chunk_bytes);
   } else {
     const RingSchedule sched = device_reduce_scatter_call(call, Collective::AllReduce, input,
                                                           out, count, dtype, op, chunk_bytes);

@@ -266,6 +266,11 @@ int64_t RingCommunicator::agree(const CallHeader& mine, std::vector<CallHeader>*
       add(describe_disagreement(headers_, "op", op_text));
       add(describe_disagreement(headers_, "count (x.size)",
                                 [](const CallHeader& h) { return std::to_string(h.count); }));
+      if (kind == Collective::AllReduce && problems.empty())
+        add(describe_disagreement(headers_, "where the GPU buffers are reduced "
+                                  "(device_host_reduce_bytes differs)", [](const CallHeader& h) {
+          return std::string(h.extra == kReducedOnHost ? "on the host" : "on the GPU");
+        }));
     } else if (kind == Collective::Broadcast) {
       add(describe_disagreement(headers_, "count (x.size)",
                                 [](const CallHeader& h) { return std::to_string(h.count); }));
@@ -312,7 +317,19 @@ void RingCommunicator::announce_invalid(Collective collective, int64_t chunk_byt
 
 void RingCommunicator::allreduce(const void* input, void* out, int64_t count, DType dtype, Op op,
                                  int64_t chunk_bytes) {
-  CallHeader h = make_header(Collective::AllReduce, dtype, op, count, chunk_bytes);
+  allreduce_host(make_header(Collective::AllReduce, dtype, op, count, chunk_bytes), input, out);
+}
+
+void RingCommunicator::set_device_host_reduce_bytes(int64_t bytes) {
+  if (bytes < 0) throw std::invalid_argument("device_host_reduce_bytes must be >= 0");
+  device_host_reduce_bytes_ = bytes;
+}
+
+void RingCommunicator::allreduce_host(const CallHeader& header, const void* input, void* out) {
+  CallHeader h = header;
+  const auto dtype = static_cast<DType>(h.dtype);
+  const auto op = static_cast<Op>(h.op);
+  const int64_t count = h.count;
   const size_t es = dtype_size(dtype);
   const int64_t bytes = count * static_cast<int64_t>(es);
   if (rides_inline(bytes)) {

@@ -39,7 +39,8 @@ struct CallHeader {
   int64_t dtype = 0;
   int64_t op = 0;
   int64_t count = 0;        // elements; rows for allgather
-  int64_t extra = 0;        // root for broadcast; elements per row for allgather
+  int64_t extra = 0;        // root for broadcast; elements per row for allgather;
+                            // where a GPU allreduce is reduced (kReducedOnHost or ...Device)
   int64_t shape_tag = 0;    // hash of the row shape for allgather
   int64_t chunk_bytes = 0;  // the pipeline chunk size asked for; rank 0's wins
   int64_t invalid = 0;      // 1: this rank rejected its own arguments and will raise
@@ -53,6 +54,7 @@ struct CallHeader {
 constexpr int64_t kWireShm = 0, kWireMpi = 1;
 
 constexpr int64_t kHostMemory = 0, kDeviceMemory = 1;
+constexpr int64_t kReducedOnDevice = 0, kReducedOnHost = 1;  // CallHeader::extra, allreduce
 
 CallHeader make_header(Collective collective, DType dtype, Op op, int64_t count,
                        int64_t chunk_bytes, int64_t memory = kHostMemory);
@@ -93,6 +95,12 @@ class RingCommunicator {
   static RingSchedule copy_schedule(const RingSchedule& sched, size_t elem_size);
   static constexpr int64_t kInlineBudgetBytes = 4096;  // ... summed over the other ranks
   static constexpr int64_t kShmInlineBudgetBytes = 64 * 1024;
+  // A GPU allreduce up to this many bytes per rank is copied to pinned host memory once,
+  // reduced there by the host ring, and copied back: two copies instead of a GPU
+  // operation per ring step and chunk. Measured on an H200 shared by 2 and 4 ranks
+  // (docs/performance.md#gpu): every such operation costs tens to hundreds of us there,
+  // more than the host ring takes for these sizes.
+  static constexpr int64_t kDeviceHostReduceBytes = 1 << 20;
   // Payload bytes an allreduce may carry in its header: every rank reads every other
   // rank's and reduces all p, so the limit shrinks as 1/(p-1) beyond a few ranks.
   static int64_t inline_capacity_for(int ranks, bool shm);
@@ -108,6 +116,11 @@ class RingCommunicator {
   // out = OP over ranks of input; out may equal input. count elements on every rank.
   void allreduce(const void* input, void* out, int64_t count, DType dtype, Op op,
                  int64_t chunk_bytes);
+  // GPU allreduces of up to this many bytes are reduced on the host (see
+  // kDeviceHostReduceBytes). Every rank must set the same; a rank that does not
+  // raises MismatchError with the others. Tests set 0 to run the device ring at any size.
+  int64_t device_host_reduce_bytes() const { return device_host_reduce_bytes_; }
+  void set_device_host_reduce_bytes(int64_t bytes);
   // work (count elements) gets this rank's segment reduced in place, at the offset
   // segment_of(rank, count) gives; the rest of work is scratch. With own_out, the
   // segment goes there instead (the caller's result array: no copy out of work).
@@ -163,6 +176,8 @@ class RingCommunicator {
     return transport_->bytes_sent() + (shm_ ? shm_->bytes_sent() : 0);
   }
   int64_t ring_steps() const { return ring_steps_; }
+  // GPU allreduces that were reduced on the host (see kDeviceHostReduceBytes).
+  int64_t device_calls_reduced_on_host() const { return device_calls_reduced_on_host_; }
   // The part of ring_bytes_sent() that went through the shared-memory slots.
   int64_t shm_bytes_sent() const { return shm_ ? shm_->bytes_sent() : 0; }
   // What this rank's tuner learns from a ring call of `bytes` that took `seconds` on one
@@ -251,9 +266,13 @@ class RingCommunicator {
   RingSchedule device_reduce_scatter_call(DeviceCall& call, Collective collective,
                                           const void* input, void* out, int64_t count,
                                           DType dtype, Op op, int64_t chunk_bytes);
-  // The whole allreduce of a call small enough to ride in the header exchange.
-  void allreduce_device_inline(const DeviceCall& call, const void* input, void* out,
-                               int64_t count, DType dtype, Op op, int64_t chunk_bytes);
+  // The whole allreduce of a GPU call reduced on the host: small enough to ride in the
+  // header exchange, or up to device_host_reduce_bytes_.
+  void allreduce_device_on_host(const DeviceCall& call, const void* input, void* out,
+                                int64_t count, DType dtype, Op op, int64_t chunk_bytes);
+  // The host allreduce, after its header is made (a GPU call reduced on the host marks
+  // its header so).
+  void allreduce_host(const CallHeader& h, const void* input, void* out);
   void release_device();
 
   std::unique_ptr<MpiTransport> transport_;
@@ -267,6 +286,7 @@ class RingCommunicator {
   int64_t scratch_bytes_ = 0;
   std::vector<CallHeader> headers_;
   int64_t inline_capacity_ = 0;  // payload bytes a header message can carry
+  int64_t device_host_reduce_bytes_ = kDeviceHostReduceBytes;
   // Without shared memory, agree() gathers size() slots of slot_bytes() into exchange_
   // from outgoing_ (with it, the boards of shm_ take their place).
   std::vector<char> exchange_;
@@ -278,6 +298,7 @@ class RingCommunicator {
   bool pending_allgather_inline_ = false;  // ... and whether the rows came with the counts
   int64_t pending_allgather_tuned_bytes_ = 0;  // ... and the size rank 0 chose its wire for
   int64_t ring_steps_ = 0;
+  int64_t device_calls_reduced_on_host_ = 0;
 };
 
 }  // namespace ringreduce

@@ -33,7 +33,11 @@ def emulated(direct):
 
 @pytest.fixture(scope="module")
 def device_comm():
+    """Runs the device ring at every size (beyond what rides in the header exchange):
+    allreduces up to device_host_reduce_bytes are otherwise reduced on the host, and
+    test_calls_up_to_the_limit_are_reduced_on_the_host checks those."""
     comm = rr.Communicator()
+    comm._core.device_host_reduce_bytes = 0
     yield comm
     comm.close()
 
@@ -223,3 +227,36 @@ def test_ranks_with_different_chunk_sizes_grow_gpu_scratch_together(device_comm)
     core.allreduce_device(x.ctypes.data, out.ctypes.data, x.size, code, 0, chunk,
                           *emulated(True))
     assert bitwise_equal(out, reference.allreduce(x, "sum"))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_calls_up_to_the_limit_are_reduced_on_the_host(mode, world):
+    # At the shipped limit, sizes on either side of it: at or below, one copy to the
+    # host and the host ring; above, the device ring. The bits are the same either way.
+    with rr.Communicator() as comm:
+        core = comm._core
+        limit = core.device_host_reduce_bytes
+        assert limit == core.DEVICE_HOST_REDUCE_BYTES >= core.inline_capacity
+        for n, on_host in ((limit // 4 - 1, True), (limit // 4, True), (limit // 4 + 1, False)):
+            for op in ("sum", "avg"):
+                x = rank_data(FLOAT32, n, op, salt=n)
+                before = core.device_calls_reduced_on_host
+                got = device_allreduce(comm, x, op, comm.chunk_bytes, MODES[mode])
+                assert core.device_calls_reduced_on_host - before == int(on_host and SIZE > 1)
+                assert bitwise_equal(got, comm.allreduce(x, op=op)), f"n={n} {op}"
+
+
+def test_ranks_that_disagree_on_where_to_reduce_raise_instead_of_hanging():
+    if SIZE == 1:
+        pytest.skip("needs two ranks")
+    with rr.Communicator() as comm:
+        x = rank_data(FLOAT32, 10_000)  # 40 KB: past the header exchange, under the limit
+        if RANK == 1:
+            comm._core.device_host_reduce_bytes = 0
+        with pytest.raises(rr.MismatchError, match="where the GPU buffers are reduced"):
+            device_allreduce(comm, x, "sum", 4096, direct=False)
+        comm._core.device_host_reduce_bytes = comm._core.DEVICE_HOST_REDUCE_BYTES
+        assert bitwise_equal(device_allreduce(comm, x, "sum", 4096, direct=False),
+                             reference.allreduce(x, "sum"))
+        with pytest.raises(ValueError, match=">= 0"):
+            comm._core.device_host_reduce_bytes = -1

@@ -41,8 +41,11 @@ def one_gpu_per_rank():
 @pytest.fixture(scope="module", params=["staged", "direct"])
 def gpu_comm(request):
     """A Communicator for each way of moving device buffers; "direct" only where MPI
-    says it takes device pointers (or RINGREDUCE_CUDA_AWARE=1)."""
+    says it takes device pointers (or RINGREDUCE_CUDA_AWARE=1). Allreduces take the
+    device ring at every size past the header exchange (the shipped limit sends calls
+    up to 1 MiB through the host ring; test_calls_up_to_the_limit_... checks those)."""
     comm = rr.Communicator()
+    comm._core.device_host_reduce_bytes = 0
     if request.param == "direct" and not comm._cuda_direct():
         comm.close()
         pytest.skip("MPI is not CUDA-aware here: " + rr._core.mpi_cuda_aware_reason())
@@ -135,6 +138,19 @@ def test_reduce_scatter_allgather_broadcast(gpu_comm, world):
     gpu_comm.broadcast(view, root=0)
     expected = world.bcast(cupy.asnumpy(z)[:, ::2], root=0)
     np.testing.assert_array_equal(cupy.asnumpy(z[:, ::2]), expected)
+
+
+def test_calls_up_to_the_limit_are_reduced_on_the_host(comm):
+    core = comm._core
+    limit = core.device_host_reduce_bytes
+    for dtype in (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.int64)):
+        for n, on_host in ((limit // dtype.itemsize, True), (limit // dtype.itemsize + 1, False)):
+            for op in ("sum", "max"):
+                x = rank_data(dtype, n, op, salt=n)
+                before = core.device_calls_reduced_on_host
+                got = cupy.asnumpy(comm.allreduce(cupy.asarray(x), op=op))
+                assert core.device_calls_reduced_on_host - before == int(on_host and SIZE > 1)
+                assert bitwise_equal(got, comm.allreduce(x, op=op)), f"{dtype} n={n} {op}"
 
 
 def test_host_and_gpu_buffers_in_one_call_raise_on_every_rank(comm):
