@@ -54,7 +54,12 @@ def progress_bar(done: int, total: int, text: str, width: int = 28) -> None:
 
 def use_a_gpu(comm):
     """cupy, with this rank on one of its machine's GPUs (ranks may share one)."""
-    import cupy
+    try:
+        import cupy
+    except ImportError:
+        raise RuntimeError("gpu=True (--gpu) needs cupy, e.g. pip install cupy-cuda12x") from None
+    if not rr.cuda_available():
+        raise RuntimeError(f"gpu=True (--gpu) needs a usable GPU: {rr._core.cuda_status()}")
 
     local = comm.mpi_comm.Split_type(MPI.COMM_TYPE_SHARED)
     cupy.cuda.Device(local.Get_rank() % cupy.cuda.runtime.getDeviceCount()).use()

@@ -46,3 +46,12 @@ def test_compression_reaches_close_to_uncompressed_accuracy(compression, uncompr
         assert sent < 0.35 * full, (sent, full)
     else:
         assert sent * 4 == full  # float64 gradients travel as 16 bits
+
+
+def test_the_gpu_option_without_a_gpu_says_so():
+    import ringreduce as rr
+
+    if rr.cuda_available():
+        pytest.skip("this machine has a GPU (tests/mpi/test_gpu.py trains there)")
+    with pytest.raises(RuntimeError, match="needs (cupy|a usable GPU)"):
+        train(epochs=1, global_batch=GLOBAL_BATCH, quiet=True, gpu=True)
