@@ -328,8 +328,9 @@ void RingCommunicator::allreduce_device_on_host(const DeviceCall& call, const vo
   // smallest calls) does the rest, with the bits the device ring would give.
   Device& dev = *call.device;
   const int64_t bytes = count * static_cast<int64_t>(dtype_size(dtype));
-  char* staging = host_mirror_->get(2 * bytes);  // reserved by begin_device_call()
+  char* staging = nullptr;
   try {
+    staging = host_mirror_->get(2 * bytes);  // reserved by begin_device_call()
     dev.copy(Device::kCopyOut, staging, input, bytes);
     dev.synchronize(Device::kCopyOut);  // may report an earlier kernel's fault
   } catch (const std::exception&) {

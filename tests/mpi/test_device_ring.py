@@ -230,9 +230,10 @@ def test_ranks_with_different_chunk_sizes_grow_gpu_scratch_together(device_comm)
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_calls_up_to_the_limit_are_reduced_on_the_host(mode, world):
+def test_calls_up_to_the_limit_are_reduced_on_the_host(mode, device_comm):
     # At the shipped limit, sizes on either side of it: at or below, one copy to the
-    # host and the host ring; above, the device ring. The bits are the same either way.
+    # host and the host ring; above, the device ring. The bits are the device ring's
+    # (device_comm runs it at every size) either way, in place too.
     with rr.Communicator() as comm:
         core = comm._core
         limit = core.device_host_reduce_bytes
@@ -243,7 +244,41 @@ def test_calls_up_to_the_limit_are_reduced_on_the_host(mode, world):
                 before = core.device_calls_reduced_on_host
                 got = device_allreduce(comm, x, op, comm.chunk_bytes, MODES[mode])
                 assert core.device_calls_reduced_on_host - before == int(on_host and SIZE > 1)
-                assert bitwise_equal(got, comm.allreduce(x, op=op)), f"n={n} {op}"
+                ring = device_allreduce(device_comm, x, op, comm.chunk_bytes, MODES[mode])
+                assert bitwise_equal(got, ring), f"n={n} {op}"
+                inplace = x.copy()
+                device_allreduce(comm, inplace, op, comm.chunk_bytes, MODES[mode], out=inplace)
+                assert bitwise_equal(inplace, ring), f"in place, n={n} {op}"
+
+
+@pytest.mark.parametrize("dtype", [np.dtype(np.float16), np.dtype(np.float64),
+                                   np.dtype(np.int64)], ids=str)
+@pytest.mark.parametrize("op", ["sum", "max"])
+def test_the_host_path_gives_the_device_rings_bits(dtype, op, device_comm):
+    with rr.Communicator() as comm:
+        for n in (1, 4095, 4097, 1 << 16):
+            x = rank_data(dtype, n, op, salt=3)
+            assert bitwise_equal(device_allreduce(comm, x, op, 4096, False),
+                                 device_allreduce(device_comm, x, op, 4096, False)), n
+
+
+def test_a_rank_without_staging_for_the_host_path_raises_everywhere():
+    if SIZE == 1:
+        pytest.skip("needs two ranks")
+    with rr.Communicator() as comm:
+        x = rank_data(FLOAT32, 1 << 17)  # 512 KiB: the host path, 1 MiB of staging
+        if RANK == 1:
+            _core.set_emulated_gpu_memory(x.nbytes + x.nbytes // 2)
+            try:
+                with pytest.raises(MemoryError, match="emulated GPU"):
+                    device_allreduce(comm, x, "sum", 4096, False)
+            finally:
+                _core.set_emulated_gpu_memory(2**63 - 1)
+        else:
+            with pytest.raises(rr.MismatchError, match="rank 1 rejected"):
+                device_allreduce(comm, x, "sum", 4096, False)
+        assert bitwise_equal(device_allreduce(comm, x, "sum", 4096, False),
+                             reference.allreduce(x, "sum"))
 
 
 def test_ranks_that_disagree_on_where_to_reduce_raise_instead_of_hanging():
