@@ -68,6 +68,80 @@ def table_row(r, names) -> str:
     return "| " + " | ".join(cells) + " |"
 
 
+OTHERS_HEADER = ("| collective | size | ringreduce | busbw | host copies + MPI | busbw | "
+                 "speedup |\n|" + "---|" * 7)
+
+
+def other_collectives(cp, comm, sizes, repeats):
+    """reduce_scatter, allgather and broadcast of cupy float32 buffers of each total size,
+    against copying to the host for MPI_Reduce_scatter_block / MPI_Allgather / MPI_Bcast
+    and back. Rows for the JSON; each printed as it is measured."""
+    rows = []
+    stream = cp.cuda.get_current_stream()
+    for nbytes in sizes:
+        n = nbytes // 4 // SIZE * SIZE  # MPI_Reduce_scatter_block: equal blocks
+        block = n // SIZE
+        x = cp.asarray(np.random.default_rng(RANK).standard_normal(n).astype(np.float32))
+        mine = x[:block].copy()
+        seg, gathered = cp.empty(block, cp.float32), cp.empty(n, cp.float32)
+        host_x, host_seg = np.empty(n, np.float32), np.empty(block, np.float32)
+        host_mine, host_all = np.empty(block, np.float32), np.empty(n, np.float32)
+
+        def synced(fn):
+            def call():
+                fn()
+                stream.synchronize()
+            return call
+
+        def mpi_reduce_scatter():
+            x.get(out=host_x)
+            world.Reduce_scatter_block(host_x, host_seg, op=MPI.SUM)
+            seg.set(host_seg)
+
+        def mpi_allgather():
+            mine.get(out=host_mine)
+            world.Allgather(host_mine, host_all)
+            gathered.set(host_all)
+
+        def mpi_broadcast():
+            if RANK == 0:
+                x.get(out=host_x)
+            world.Bcast(host_x, root=0)
+            if RANK != 0:
+                x.set(host_x)
+
+        cases = {
+            "reduce_scatter": (lambda: comm.reduce_scatter(x, out=seg), mpi_reduce_scatter),
+            "allgather": (lambda: comm.allgather(mine, out=gathered), mpi_allgather),
+            "broadcast": (lambda: comm.broadcast(x, root=0), mpi_broadcast),
+        }
+        for name, (ours, theirs) in cases.items():
+            inner = max(1, min(100, (16 << 20) // nbytes))
+            times = time_alternating({"ring": synced(ours), "host_mpi": synced(theirs)},
+                                     repeats=repeats, inner=inner)
+            row = {"collective": name, "bytes": n * 4}
+            for who, seconds in times.items():
+                algbw, busbw = bus_bandwidth(n * 4, seconds, SIZE, name)
+                row[who] = {"seconds": seconds, "algbw": algbw, "busbw": busbw}
+            rows.append(row)
+            say(others_row(row))
+        expected = world.allreduce(float(cp.asnumpy(x[:1])[0]))  # x is root's everywhere now
+        comm.reduce_scatter(x, out=seg)
+        if RANK == 0:
+            assert abs(float(seg[0]) - expected) <= 1e-4 * max(1.0, abs(expected)), "wrong result"
+        del x, mine, seg, gathered
+        cp.get_default_memory_pool().free_all_blocks()
+    return rows
+
+
+def others_row(r) -> str:
+    cells = [r["collective"], human_bytes(r["bytes"])]
+    for who in ("ring", "host_mpi"):
+        cells += [human_time(r[who]["seconds"]), f"{r[who]['busbw'] / 1e9:.2f} GB/s"]
+    cells.append(f"{r['host_mpi']['seconds'] / r['ring']['seconds']:.2f}x")
+    return "| " + " | ".join(cells) + " |"
+
+
 def copy_rate(cp, nbytes: int, repeats: int = 5) -> float:
     """Bytes per second of one device-to-device copy of nbytes (bytes copied / time)."""
     src = cp.ones(nbytes // 4, cp.float32)
@@ -94,6 +168,9 @@ def main():
     parser.add_argument("--markdown")
     parser.add_argument("--plot", help="busbw vs size, beside the copy rate (PNG)")
     parser.add_argument("--no-gloo", action="store_true", help="skip torch's gloo")
+    parser.add_argument("--others", action="store_true",
+                        help="also reduce_scatter, allgather and broadcast at 64 KiB, "
+                             "1 MiB and 16 MiB (in total per rank)")
     args = parser.parse_args()
 
     import cupy as cp
@@ -180,9 +257,15 @@ def main():
         cp.get_default_memory_pool().free_all_blocks()
         nbytes *= 4
 
+    others = []
+    if args.others:
+        say("\n" + OTHERS_HEADER)
+        others = other_collectives(cp, ring, [64 << 10, 1 << 20, 16 << 20], args.repeats)
+
     if RANK == 0:
         meta = {"host": platform.node(), "ranks": SIZE, "gpu": gpu, "mode": mode,
-                "mpi": MPI.Get_library_version().splitlines()[0], "rows": rows}
+                "mpi": MPI.Get_library_version().splitlines()[0], "rows": rows,
+                "others": others}
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(meta, f, indent=1)
@@ -192,6 +275,9 @@ def main():
                         f"{args.repeats}.\n\n")
                 f.write(header + "\n")
                 f.writelines(table_row(r, names) + "\n" for r in rows)
+                if others:
+                    f.write("\n" + OTHERS_HEADER + "\n")
+                    f.writelines(others_row(r) + "\n" for r in others)
         if args.plot:
             plot(rows, names, args.plot, args.big_chunk)
     for comm in (ring, device_only, big, host_only):

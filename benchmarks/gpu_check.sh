@@ -91,8 +91,9 @@ timeout "$(cap 90)" mpiexec -n 2 "$PY" examples/train_digits.py --gpu --epochs 3
   | tee -a "$OUTDIR/tests.txt" | tail -4
 [ "${PIPESTATUS[0]}" -eq 0 ] || failures+=("digits example on the GPU")
 
-step "busbw, 2 ranks on one GPU, 1 KiB to 1 GiB"
-timeout "$(cap 200)" mpiexec -n 2 "$PY" benchmarks/bench_gpu.py --json "$OUTDIR/gpu_2ranks.json" \
+step "busbw, 2 ranks on one GPU, 1 KiB to 1 GiB; then reduce_scatter, allgather, broadcast"
+timeout "$(cap 200)" mpiexec -n 2 "$PY" benchmarks/bench_gpu.py --others \
+  --json "$OUTDIR/gpu_2ranks.json" \
   --markdown "$OUTDIR/gpu_2ranks.md" --plot "$OUTDIR/gpu_allreduce_p2.png" \
   || failures+=("bench at 2 ranks")
 

@@ -53,3 +53,25 @@ def test_wire_choice_runs_and_summarises(tmp_path):
         assert all(data["rounds"][0][f"{test}: {name}"] > 0 for name in names)
         assert set(names) <= set(data["summary"][test])
     assert (tmp_path / "wire.png").stat().st_size > 0
+
+
+def test_bench_gpu_runs_over_the_emulated_gpu(tmp_path):
+    # The GPU benchmark's plumbing (columns, the forced paths, the other collectives,
+    # JSON, markdown, plot) without a GPU: cupy is tests/mpi/fake_cupy.py there.
+    result, table = tmp_path / "gpu.json", tmp_path / "gpu.md"
+    done = subprocess.run(
+        [mpiexec(), "-n", "2", sys.executable, "-m", "mpi4py", "tests/mpi/emulated_bench_gpu.py",
+         "--max-bytes", "4096", "--repeats", "1", "--no-gloo", "--others", "--json",
+         str(result), "--markdown", str(table), "--plot", str(tmp_path / "gpu.png")],
+        cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    data = json.loads(result.read_text())
+    assert [r["bytes"] for r in data["rows"]] == [1024, 4096]
+    for row in data["rows"]:
+        for name in ("ring", "ring_device", "ring_big", "ring_host", "host_mpi"):
+            assert row[name]["seconds"] > 0
+    assert {(r["collective"], r["bytes"]) for r in data["others"]} == {
+        (c, n) for c in ("reduce_scatter", "allgather", "broadcast")
+        for n in (64 << 10, 1 << 20, 16 << 20)}
+    assert "| reduce_scatter | 1 MiB |" in table.read_text()
+    assert (tmp_path / "gpu.png").stat().st_size > 0

@@ -54,6 +54,18 @@ class ndarray:
     def copy(self):
         return ndarray(self.host.copy())
 
+    def get(self, out=None):  # device to host
+        if out is None:
+            return self.host.copy()
+        out[...] = self.host
+        return out
+
+    def set(self, host):  # host to device
+        self.host[...] = host
+
+    def __float__(self):
+        return float(self.host)
+
 
 def asarray(x):
     if isinstance(x, ndarray):
@@ -69,11 +81,24 @@ def empty(shape, dtype):
     return ndarray(np.empty(shape, dtype))
 
 
+def empty_like(x):
+    return ndarray(np.empty_like(x.host))
+
+
+def ones(shape, dtype):
+    return ndarray(np.ones(shape, dtype))
+
+
+float32 = np.float32
+
+
 def ascontiguousarray(x):
     return ndarray(np.ascontiguousarray(x.host))
 
 
 class _Nothing:
+    id = 0
+
     def __init__(self, *args, **kwargs):
         self.ptr = 0
 
@@ -96,6 +121,12 @@ class _Nothing:
 cuda = types.SimpleNamespace(
     Device=_Nothing, Event=_Nothing, Stream=_Nothing,
     get_current_stream=lambda: _Nothing(),
-    runtime=types.SimpleNamespace(getDeviceCount=lambda: 1),
+    get_elapsed_time=lambda start, stop: 1.0,  # ms; nothing is timed on the host
+    runtime=types.SimpleNamespace(getDeviceCount=lambda: 1,
+                                  getDeviceProperties=lambda ordinal: {"name": b"emulated"}),
     memory=types.SimpleNamespace(OutOfMemoryError=MemoryError),
 )
+
+
+def get_default_memory_pool():
+    return types.SimpleNamespace(free_all_blocks=lambda: None)
