@@ -179,8 +179,8 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("transport", &RingCommunicator::transport_name)
       .def_property_readonly("ring_bytes_sent", &RingCommunicator::ring_bytes_sent)
       .def_property_readonly("ring_steps", &RingCommunicator::ring_steps)
-      .def_property_readonly("device_calls_reduced_on_host",
-                             &RingCommunicator::device_calls_reduced_on_host)
+      .def_property_readonly("device_calls_on_host",
+                             &RingCommunicator::device_calls_on_host)
       .def_property_readonly("inline_capacity", &RingCommunicator::inline_capacity)
       // Every rank must set the same (tests and benchmarks; see ring_communicator.h).
       .def_property("device_host_reduce_bytes", &RingCommunicator::device_host_reduce_bytes,

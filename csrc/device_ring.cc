@@ -326,22 +326,31 @@ void RingCommunicator::allreduce_device_on_host(const DeviceCall& call, const vo
                                                 int64_t chunk_bytes) {
   // One trip to the host and back: the host ring (or the header exchange, for the
   // smallest calls) does the rest, with the bits the device ring would give.
-  Device& dev = *call.device;
   const int64_t bytes = count * static_cast<int64_t>(dtype_size(dtype));
+  char* staging =
+      stage_on_host(call, Collective::AllReduce, chunk_bytes, input, bytes, 2 * bytes);
+  CallHeader h = make_header(Collective::AllReduce, dtype, op, count, chunk_bytes, kDeviceMemory);
+  h.path = kHostPath;
+  allreduce_host(h, staging, staging + bytes);
+  call.device->copy(Device::kCopyIn, out, staging + bytes, bytes);
+}
+
+char* RingCommunicator::stage_on_host(const DeviceCall& call, Collective collective,
+                                      int64_t chunk_bytes, const void* input, int64_t bytes,
+                                      int64_t staging_bytes) {
   char* staging = nullptr;
   try {
-    staging = host_mirror_->get(2 * bytes);  // reserved by begin_device_call()
-    dev.copy(Device::kCopyOut, staging, input, bytes);
-    dev.synchronize(Device::kCopyOut);  // may report an earlier kernel's fault
+    staging = host_mirror_->get(staging_bytes);
+    if (input) {
+      call.device->copy(Device::kCopyOut, staging, input, bytes);
+      call.device->synchronize(Device::kCopyOut);  // may report an earlier kernel's fault
+    }
   } catch (const std::exception&) {
-    announce_invalid(Collective::AllReduce, chunk_bytes, kDeviceMemory);
+    announce_invalid(collective, chunk_bytes, kDeviceMemory);
     throw;
   }
-  CallHeader h = make_header(Collective::AllReduce, dtype, op, count, chunk_bytes, kDeviceMemory);
-  h.extra = kReducedOnHost;
-  allreduce_host(h, staging, staging + bytes);
-  ++device_calls_reduced_on_host_;
-  dev.copy(Device::kCopyIn, out, staging + bytes, bytes);
+  ++device_calls_on_host_;
+  return staging;
 }
 
 void RingCommunicator::allreduce_device(DeviceCall call, const void* input, void* out,
@@ -349,7 +358,7 @@ void RingCommunicator::allreduce_device(DeviceCall call, const void* input, void
                                         int64_t chunk_bytes) {
   const size_t es = dtype_size(dtype);
   const int64_t bytes = count * static_cast<int64_t>(es);
-  const bool on_host = size() > 1 && (rides_inline(bytes) || bytes <= device_host_reduce_bytes_);
+  const bool on_host = device_call_on_host(bytes);
   const bool ring = size() > 1 && !on_host;
   const int64_t mirror = on_host ? 2 * bytes : (ring && !call.direct ? bytes : 0);
   const int64_t scratch = ring ? device_scratch_bytes(count, es, chunk_bytes) : 0;
@@ -372,12 +381,27 @@ void RingCommunicator::reduce_scatter_device(DeviceCall call, const void* input,
                                              int64_t count, DType dtype, Op op,
                                              int64_t chunk_bytes) {
   const size_t es = dtype_size(dtype);
-  const int64_t mirror = size() > 1 && !call.direct ? count * static_cast<int64_t>(es) : 0;
+  const int64_t bytes = count * static_cast<int64_t>(es);
+  const bool on_host = device_call_on_host(bytes);
+  const int64_t mirror = on_host ? 2 * bytes : (size() > 1 && !call.direct ? bytes : 0);
   Device& dev = begin_device_call(call, Collective::ReduceScatter, chunk_bytes, mirror,
-                                  device_scratch_bytes(count, es, chunk_bytes));
+                                  on_host ? 0 : device_scratch_bytes(count, es, chunk_bytes));
   DeviceCallScope scope(dev);
-  device_reduce_scatter_call(call, Collective::ReduceScatter, input, work, count, dtype, op,
-                             chunk_bytes);
+  if (on_host) {  // as allreduce_device_on_host(); only this rank's segment comes back
+    char* staging =
+        stage_on_host(call, Collective::ReduceScatter, chunk_bytes, input, bytes, 2 * bytes);
+    CallHeader h =
+        make_header(Collective::ReduceScatter, dtype, op, count, chunk_bytes, kDeviceMemory);
+    h.path = kHostPath;
+    reduce_scatter_host(h, staging, staging + bytes, nullptr);
+    const Span mine = segment_of(rank(), size(), count);
+    const int64_t offset = mine.offset * static_cast<int64_t>(es);
+    dev.copy(Device::kCopyIn, static_cast<char*>(work) + offset, staging + bytes + offset,
+             mine.count * static_cast<int64_t>(es));
+  } else {
+    device_reduce_scatter_call(call, Collective::ReduceScatter, input, work, count, dtype, op,
+                               chunk_bytes);
+  }
   scope.end(call.user_stream);
 }
 
@@ -422,17 +446,27 @@ void RingCommunicator::allgather_device(DeviceCall call, const void* input, void
 void RingCommunicator::broadcast_device(DeviceCall call, void* buf, int64_t count,
                                         DType dtype, int root, int64_t chunk_bytes) {
   check_root(root);
-  const int64_t staged =
-      call.direct || size() == 1 ? 0 : count * static_cast<int64_t>(dtype_size(dtype));
+  const size_t es = dtype_size(dtype);
+  const int64_t bytes = count * static_cast<int64_t>(es);
+  const bool on_host = device_call_on_host(bytes);
+  const int64_t staged = on_host || !(call.direct || size() == 1) ? bytes : 0;
   Device& dev = begin_device_call(call, Collective::Broadcast, chunk_bytes, staged, 0);
   DeviceCallScope scope(dev);
   CallHeader h =
       make_header(Collective::Broadcast, dtype, Op::Sum, count, chunk_bytes, kDeviceMemory);
   h.extra = root;
-  const size_t es = dtype_size(dtype);
+  if (on_host) {  // root's bytes to the host, the host broadcast, the others' back
+    const bool root_here = rank() == root;
+    char* staging = stage_on_host(call, Collective::Broadcast, chunk_bytes,
+                                  root_here ? buf : nullptr, bytes, bytes);
+    h.path = kHostPath;
+    broadcast_host(h, staging);
+    if (!root_here) dev.copy(Device::kCopyIn, buf, staging, bytes);
+    scope.end(call.user_stream);
+    return;
+  }
   const int64_t chunk =
       copy_chunk_elems(chunk_elems(agree(h), es), es) * static_cast<int64_t>(es);
-  const int64_t bytes = count * static_cast<int64_t>(es);
   guarded(&broken_, [&] {
     if (size() == 1) return;
     if (call.direct) {

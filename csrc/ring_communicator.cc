@@ -266,11 +266,7 @@ int64_t RingCommunicator::agree(const CallHeader& mine, std::vector<CallHeader>*
       add(describe_disagreement(headers_, "op", op_text));
       add(describe_disagreement(headers_, "count (x.size)",
                                 [](const CallHeader& h) { return std::to_string(h.count); }));
-      if (kind == Collective::AllReduce && problems.empty())
-        add(describe_disagreement(headers_, "where the GPU buffers are reduced "
-                                  "(device_host_reduce_bytes differs)", [](const CallHeader& h) {
-          return std::string(h.extra == kReducedOnHost ? "on the host" : "on the GPU");
-        }));
+
     } else if (kind == Collective::Broadcast) {
       add(describe_disagreement(headers_, "count (x.size)",
                                 [](const CallHeader& h) { return std::to_string(h.count); }));
@@ -295,6 +291,11 @@ int64_t RingCommunicator::agree(const CallHeader& mine, std::vector<CallHeader>*
             std::to_string(headers_[misfits[0]].out_rows) + " on rank " +
             std::to_string(misfits[0]) + ")");
     }
+    if (problems.empty())  // only if all else agrees: a consequence of nothing above
+      add(describe_disagreement(headers_, "where the GPU buffers are worked on "
+                                "(device_host_reduce_bytes differs)", [](const CallHeader& h) {
+        return std::string(h.path == kHostPath ? "through the host" : "on the GPU");
+      }));
   }
   if (!problems.empty()) {
     std::string text = std::string("ringreduce.") +
@@ -380,7 +381,16 @@ void RingCommunicator::allreduce_inline(void* out, int64_t count, DType dtype, O
 
 void RingCommunicator::reduce_scatter(const void* input, void* work, int64_t count, DType dtype,
                                       Op op, int64_t chunk_bytes, void* own_out) {
-  CallHeader h = make_header(Collective::ReduceScatter, dtype, op, count, chunk_bytes);
+  reduce_scatter_host(make_header(Collective::ReduceScatter, dtype, op, count, chunk_bytes),
+                      input, work, own_out);
+}
+
+void RingCommunicator::reduce_scatter_host(const CallHeader& header, const void* input,
+                                           void* work, void* own_out) {
+  CallHeader h = header;
+  const auto dtype = static_cast<DType>(h.dtype);
+  const auto op = static_cast<Op>(h.op);
+  const int64_t count = h.count;
   const size_t es = dtype_size(dtype);
   const int64_t bytes = count * static_cast<int64_t>(es);
   if (rides_inline(bytes)) {  // as allreduce: one exchange, no ring
@@ -507,6 +517,14 @@ void RingCommunicator::broadcast(void* buf, int64_t count, DType dtype, int root
   check_root(root);
   CallHeader h = make_header(Collective::Broadcast, dtype, Op::Sum, count, chunk_bytes);
   h.extra = root;
+  broadcast_host(h, buf);
+}
+
+void RingCommunicator::broadcast_host(const CallHeader& header, void* buf) {
+  CallHeader h = header;
+  const auto dtype = static_cast<DType>(h.dtype);
+  const int64_t count = h.count;
+  const int root = static_cast<int>(h.extra);
   const size_t es = dtype_size(dtype);
   const int64_t bytes = count * static_cast<int64_t>(es);
   if (rides_inline(bytes)) {  // root's data rides in its header

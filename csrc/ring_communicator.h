@@ -39,8 +39,7 @@ struct CallHeader {
   int64_t dtype = 0;
   int64_t op = 0;
   int64_t count = 0;        // elements; rows for allgather
-  int64_t extra = 0;        // root for broadcast; elements per row for allgather;
-                            // where a GPU allreduce is reduced (kReducedOnHost or ...Device)
+  int64_t extra = 0;        // root for broadcast; elements per row for allgather
   int64_t shape_tag = 0;    // hash of the row shape for allgather
   int64_t chunk_bytes = 0;  // the pipeline chunk size asked for; rank 0's wins
   int64_t invalid = 0;      // 1: this rank rejected its own arguments and will raise
@@ -48,13 +47,15 @@ struct CallHeader {
   int64_t memory = 0;       // where the buffers are: kHostMemory or kDeviceMemory
   int64_t out_rows = -1;    // allgather: rows of the caller's out=, or -1 for none
   int64_t wire = -1;        // rank 0's: kWireShm or kWireMpi for this call's ring (see WireTuner)
-  static constexpr int64_t kMagic = 0x52494e4752454433;  // "RINGRED3"
+  int64_t path = 0;         // GPU buffers: kDevicePath, or kHostPath (one trip through
+                            // host memory and the host ring); every rank must take the same
+  static constexpr int64_t kMagic = 0x52494e4752454434;  // "RINGRED4"
 };
 
 constexpr int64_t kWireShm = 0, kWireMpi = 1;
 
 constexpr int64_t kHostMemory = 0, kDeviceMemory = 1;
-constexpr int64_t kReducedOnDevice = 0, kReducedOnHost = 1;  // CallHeader::extra, allreduce
+constexpr int64_t kDevicePath = 0, kHostPath = 1;  // CallHeader::path
 
 CallHeader make_header(Collective collective, DType dtype, Op op, int64_t count,
                        int64_t chunk_bytes, int64_t memory = kHostMemory);
@@ -95,9 +96,9 @@ class RingCommunicator {
   static RingSchedule copy_schedule(const RingSchedule& sched, size_t elem_size);
   static constexpr int64_t kInlineBudgetBytes = 4096;  // ... summed over the other ranks
   static constexpr int64_t kShmInlineBudgetBytes = 64 * 1024;
-  // A GPU allreduce up to this many bytes per rank is copied to pinned host memory once,
-  // reduced there by the host ring, and copied back: two copies instead of a GPU
-  // operation per ring step and chunk. Measured on an H200 shared by 2 and 4 ranks
+  // A GPU allreduce, reduce_scatter or broadcast up to this many bytes per rank is copied
+  // to pinned host memory once, done there by the host ring, and copied back: two copies
+  // instead of a GPU operation per ring step and chunk. Measured on an H200 shared by 2 and 4 ranks
   // (docs/performance.md#gpu): every such operation costs tens to hundreds of us there,
   // more than the host ring takes for these sizes.
   static constexpr int64_t kDeviceHostReduceBytes = 1 << 20;
@@ -116,9 +117,10 @@ class RingCommunicator {
   // out = OP over ranks of input; out may equal input. count elements on every rank.
   void allreduce(const void* input, void* out, int64_t count, DType dtype, Op op,
                  int64_t chunk_bytes);
-  // GPU allreduces of up to this many bytes are reduced on the host (see
-  // kDeviceHostReduceBytes). Every rank must set the same; a rank that does not
-  // raises MismatchError with the others. Tests set 0 to run the device ring at any size.
+  // GPU allreduces, reduce_scatters and broadcasts of up to this many bytes go through
+  // the host (see kDeviceHostReduceBytes). Every rank must set the same: a call whose
+  // size falls between two ranks' limits raises MismatchError on every rank. 0 runs the
+  // device ring at every size (the tests of the device ring set it).
   int64_t device_host_reduce_bytes() const { return device_host_reduce_bytes_; }
   void set_device_host_reduce_bytes(int64_t bytes);
   // work (count elements) gets this rank's segment reduced in place, at the offset
@@ -176,8 +178,8 @@ class RingCommunicator {
     return transport_->bytes_sent() + (shm_ ? shm_->bytes_sent() : 0);
   }
   int64_t ring_steps() const { return ring_steps_; }
-  // GPU allreduces that were reduced on the host (see kDeviceHostReduceBytes).
-  int64_t device_calls_reduced_on_host() const { return device_calls_reduced_on_host_; }
+  // GPU calls that went through the host (see kDeviceHostReduceBytes).
+  int64_t device_calls_on_host() const { return device_calls_on_host_; }
   // The part of ring_bytes_sent() that went through the shared-memory slots.
   int64_t shm_bytes_sent() const { return shm_ ? shm_->bytes_sent() : 0; }
   // What this rank's tuner learns from a ring call of `bytes` that took `seconds` on one
@@ -270,9 +272,21 @@ class RingCommunicator {
   // header exchange, or up to device_host_reduce_bytes_.
   void allreduce_device_on_host(const DeviceCall& call, const void* input, void* out,
                                 int64_t count, DType dtype, Op op, int64_t chunk_bytes);
-  // The host allreduce, after its header is made (a GPU call reduced on the host marks
-  // its header so).
+  // The host collectives, after their header is made (a GPU call that goes through the
+  // host marks its header so).
   void allreduce_host(const CallHeader& h, const void* input, void* out);
+  void reduce_scatter_host(const CallHeader& h, const void* input, void* work, void* own_out);
+  void broadcast_host(const CallHeader& h, void* buf);
+  // Whether a GPU call of this many bytes per rank goes through the host (the same on
+  // every rank that has the same limit). The smallest of these ride in the header
+  // exchange there, as host calls do.
+  bool device_call_on_host(int64_t bytes) const {
+    return size() > 1 && bytes <= device_host_reduce_bytes_;
+  }
+  // The first half of every GPU call through the host: the device's bytes into pinned
+  // staging (reserved by begin_device_call()), told to the other ranks if it fails.
+  char* stage_on_host(const DeviceCall& call, Collective collective, int64_t chunk_bytes,
+                      const void* input, int64_t bytes, int64_t staging_bytes);
   void release_device();
 
   std::unique_ptr<MpiTransport> transport_;
@@ -298,7 +312,7 @@ class RingCommunicator {
   bool pending_allgather_inline_ = false;  // ... and whether the rows came with the counts
   int64_t pending_allgather_tuned_bytes_ = 0;  // ... and the size rank 0 chose its wire for
   int64_t ring_steps_ = 0;
-  int64_t device_calls_reduced_on_host_ = 0;
+  int64_t device_calls_on_host_ = 0;
 };
 
 }  // namespace ringreduce

@@ -241,9 +241,9 @@ def test_calls_up_to_the_limit_are_reduced_on_the_host(mode, device_comm):
         for n, on_host in ((limit // 4 - 1, True), (limit // 4, True), (limit // 4 + 1, False)):
             for op in ("sum", "avg"):
                 x = rank_data(FLOAT32, n, op, salt=n)
-                before = core.device_calls_reduced_on_host
+                before = core.device_calls_on_host
                 got = device_allreduce(comm, x, op, comm.chunk_bytes, MODES[mode])
-                assert core.device_calls_reduced_on_host - before == int(on_host and SIZE > 1)
+                assert core.device_calls_on_host - before == int(on_host and SIZE > 1)
                 ring = device_allreduce(device_comm, x, op, comm.chunk_bytes, MODES[mode])
                 assert bitwise_equal(got, ring), f"n={n} {op}"
                 inplace = x.copy()
@@ -288,10 +288,62 @@ def test_ranks_that_disagree_on_where_to_reduce_raise_instead_of_hanging():
         x = rank_data(FLOAT32, 10_000)  # 40 KB: past the header exchange, under the limit
         if RANK == 1:
             comm._core.device_host_reduce_bytes = 0
-        with pytest.raises(rr.MismatchError, match="where the GPU buffers are reduced"):
+        with pytest.raises(rr.MismatchError, match="where the GPU buffers are worked on"):
             device_allreduce(comm, x, "sum", 4096, direct=False)
         comm._core.device_host_reduce_bytes = comm._core.DEVICE_HOST_REDUCE_BYTES
         assert bitwise_equal(device_allreduce(comm, x, "sum", 4096, direct=False),
                              reference.allreduce(x, "sum"))
         with pytest.raises(ValueError, match=">= 0"):
             comm._core.device_host_reduce_bytes = -1
+
+
+def device_reduce_scatter(comm, x, op, chunk, direct):
+    """This rank's segment of a reduce_scatter through the device call."""
+    work = np.empty_like(x)
+    comm._core.reduce_scatter_device(x.ctypes.data, work.ctypes.data, x.size,
+                                     dtype_code(x.dtype), OP_CODES[op], chunk,
+                                     *emulated(direct))
+    offset, count = _core.segment_of(RANK, SIZE, x.size)
+    return work[offset:offset + count].copy()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_reduce_scatter_and_broadcast_through_the_host_up_to_the_limit(mode, device_comm):
+    # As allreduce: at or below the limit one trip through the host, above it the
+    # device ring; the same bits either way (device_comm runs the device ring).
+    with rr.Communicator() as comm:
+        core, limit = comm._core, comm._core.device_host_reduce_bytes
+        for n, on_host in ((1, True), (4097, True), (limit // 4, True), (limit // 4 + 1, False)):
+            x = rank_data(FLOAT32, n, "avg", salt=n)
+            before = core.device_calls_on_host
+            got = device_reduce_scatter(comm, x, "avg", 4096, MODES[mode])
+            assert core.device_calls_on_host - before == int(on_host and SIZE > 1)
+            assert bitwise_equal(got, device_reduce_scatter(device_comm, x, "avg", 4096,
+                                                            MODES[mode])), n
+            assert bitwise_equal(got, reference.reduce_scatter(x, "avg")), n
+            for root in range(SIZE):
+                y = rank_data(FLOAT32, n, salt=root)
+                expected = MPI.COMM_WORLD.bcast(y, root=root)
+                before = core.device_calls_on_host
+                core.broadcast_device(y.ctypes.data, n, dtype_code(FLOAT32), root, 4096,
+                                      *emulated(MODES[mode]))
+                assert core.device_calls_on_host - before == int(on_host and SIZE > 1)
+                assert bitwise_equal(y, expected), f"n={n} root={root}"
+
+
+def test_every_collective_raises_when_ranks_disagree_on_the_path():
+    if SIZE == 1:
+        pytest.skip("needs two ranks")
+    with rr.Communicator() as comm:
+        core = comm._core
+        x = rank_data(FLOAT32, 10_000)
+        if RANK == 1:
+            core.device_host_reduce_bytes = 0
+        with pytest.raises(rr.MismatchError, match="where the GPU buffers are worked on"):
+            device_reduce_scatter(comm, x, "sum", 4096, False)
+        with pytest.raises(rr.MismatchError, match="where the GPU buffers are worked on"):
+            core.broadcast_device(x.ctypes.data, x.size, dtype_code(FLOAT32), 0, 4096,
+                                  *emulated(False))
+        core.device_host_reduce_bytes = core.DEVICE_HOST_REDUCE_BYTES
+        assert bitwise_equal(device_reduce_scatter(comm, x, "sum", 4096, False),
+                             reference.reduce_scatter(x, "sum"))

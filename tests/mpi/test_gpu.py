@@ -140,17 +140,26 @@ def test_reduce_scatter_allgather_broadcast(gpu_comm, world):
     np.testing.assert_array_equal(cupy.asnumpy(z[:, ::2]), expected)
 
 
-def test_calls_up_to_the_limit_are_reduced_on_the_host(comm):
+def test_calls_up_to_the_limit_go_through_the_host(comm):
     core = comm._core
     limit = core.device_host_reduce_bytes
     for dtype in (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.int64)):
         for n, on_host in ((limit // dtype.itemsize, True), (limit // dtype.itemsize + 1, False)):
             for op in ("sum", "max"):
                 x = rank_data(dtype, n, op, salt=n)
-                before = core.device_calls_reduced_on_host
+                before = core.device_calls_on_host
                 got = cupy.asnumpy(comm.allreduce(cupy.asarray(x), op=op))
-                assert core.device_calls_reduced_on_host - before == int(on_host and SIZE > 1)
+                assert core.device_calls_on_host - before == int(on_host and SIZE > 1)
                 assert bitwise_equal(got, comm.allreduce(x, op=op)), f"{dtype} n={n} {op}"
+            before = core.device_calls_on_host
+            part = cupy.asnumpy(comm.reduce_scatter(cupy.asarray(x), op="sum"))
+            assert core.device_calls_on_host - before == int(on_host and SIZE > 1)
+            assert bitwise_equal(part, comm.reduce_scatter(x, op="sum")), f"{dtype} n={n}"
+            for root in range(SIZE):
+                y = rank_data(dtype, n, salt=root)
+                dy = cupy.asarray(y)
+                assert comm.broadcast(dy, root=root) is dy
+                assert bitwise_equal(cupy.asnumpy(dy), MPI.COMM_WORLD.bcast(y, root=root))
 
 
 def test_host_and_gpu_buffers_in_one_call_raise_on_every_rank(comm):
