@@ -330,7 +330,6 @@ void RingCommunicator::allreduce_device_on_host(const DeviceCall& call, const vo
   char* staging =
       stage_on_host(call, Collective::AllReduce, chunk_bytes, input, bytes, 2 * bytes);
   CallHeader h = make_header(Collective::AllReduce, dtype, op, count, chunk_bytes, kDeviceMemory);
-  h.path = kHostPath;
   allreduce_host(h, staging, staging + bytes);
   call.device->copy(Device::kCopyIn, out, staging + bytes, bytes);
 }
@@ -392,7 +391,6 @@ void RingCommunicator::reduce_scatter_device(DeviceCall call, const void* input,
         stage_on_host(call, Collective::ReduceScatter, chunk_bytes, input, bytes, 2 * bytes);
     CallHeader h =
         make_header(Collective::ReduceScatter, dtype, op, count, chunk_bytes, kDeviceMemory);
-    h.path = kHostPath;
     reduce_scatter_host(h, staging, staging + bytes, nullptr);
     const Span mine = segment_of(rank(), size(), count);
     const int64_t offset = mine.offset * static_cast<int64_t>(es);
@@ -417,29 +415,47 @@ void RingCommunicator::allgather_device(DeviceCall call, const void* input, void
   for (int r = 0; r < size(); ++r) total += counts[r] = row_counts[r] * row_elems;
   const RingSchedule sched(rank(), size(), counts,
                            chunk_elems(pending_allgather_chunk_bytes_, es));
+  // Every rank knows the total and (from the counts' header exchange) that all limits
+  // agree, so all take the same path.
+  const int64_t total_bytes = total * static_cast<int64_t>(es);
+  const bool on_host = device_call_on_host(total_bytes);
+  const Span mine = sched.segment(rank());
+  const int64_t my_offset = mine.offset * static_cast<int64_t>(es);
   // The other ranks are past the header exchange: from here until every rank has
   // confirmed, a failure must be reported to them, not just raised here.
   bool ok = out_ready;
   Device* dev = nullptr;
+  char* staging = nullptr;
   if (ok) {
     try {
       dev = &device(call.emulate, call.ordinal);
       dev->begin(call.ready);
       call.device = dev;
-      const Span mine = sched.segment(rank());
       // On the copy-out stream, which the first sends' D2H copies then follow.
-      dev->copy(Device::kCopyOut, static_cast<char*>(out) + mine.offset * es, input,
-                mine.count * static_cast<int64_t>(es));
+      if (on_host) {  // this rank's rows to the host; the host ring; all rows back
+        staging = host_mirror_->get(total_bytes);
+        dev->copy(Device::kCopyOut, staging + my_offset, input,
+                  mine.count * static_cast<int64_t>(es));
+        dev->synchronize(Device::kCopyOut);
+        ++device_calls_on_host_;
+      } else {
+        dev->copy(Device::kCopyOut, static_cast<char*>(out) + my_offset, input,
+                  mine.count * static_cast<int64_t>(es));
+      }
     } catch (const std::exception&) {
       if (dev) dev->abandon();
       ok = false;
     }
   }
   confirm_everywhere(ok, "allgather",
-                     "the " + std::to_string(total * static_cast<int64_t>(es)) +
-                         "-byte GPU result (or staging for it)");
+                     "the " + std::to_string(total_bytes) + "-byte GPU result (or staging for it)");
   DeviceCallScope scope(*dev);
-  guarded(&broken_, [&] { run_device_allgather(call, sched, es, out); });
+  if (on_host) {
+    allgather(staging + my_offset, staging, row_counts, row_elems, dtype);
+    dev->copy(Device::kCopyIn, out, staging, total_bytes);
+  } else {
+    guarded(&broken_, [&] { run_device_allgather(call, sched, es, out); });
+  }
   scope.end(call.user_stream);
 }
 
@@ -459,7 +475,6 @@ void RingCommunicator::broadcast_device(DeviceCall call, void* buf, int64_t coun
     const bool root_here = rank() == root;
     char* staging = stage_on_host(call, Collective::Broadcast, chunk_bytes,
                                   root_here ? buf : nullptr, bytes, bytes);
-    h.path = kHostPath;
     broadcast_host(h, staging);
     if (!root_here) dev.copy(Device::kCopyIn, buf, staging, bytes);
     scope.end(call.user_stream);

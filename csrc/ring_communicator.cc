@@ -217,17 +217,19 @@ int64_t RingCommunicator::agree(const CallHeader& mine, std::vector<CallHeader>*
   check_usable();
   const int p = size();
   headers_.resize(p);
+  CallHeader sent = mine;
+  if (sent.memory == kDeviceMemory) sent.host_limit = device_host_reduce_bytes_;
   if (p == 1) {
-    headers_[0] = mine;
+    headers_[0] = sent;
   } else if (shm_) {
     char* board = shm_->next_board();
-    std::memcpy(board, &mine, sizeof(CallHeader));
+    std::memcpy(board, &sent, sizeof(CallHeader));
     if (payload_bytes > 0) std::memcpy(board + sizeof(CallHeader), payload, payload_bytes);
     shm_->exchange();
     for (int r = 0; r < p; ++r) std::memcpy(&headers_[r], shm_->posted(r), sizeof(CallHeader));
   } else {
     const int64_t slot = slot_bytes();
-    std::memcpy(outgoing_.data(), &mine, sizeof(CallHeader));
+    std::memcpy(outgoing_.data(), &sent, sizeof(CallHeader));
     if (payload_bytes > 0)
       std::memcpy(outgoing_.data() + sizeof(CallHeader), payload, payload_bytes);
     // Only the bytes in use need to be right; the rest of the slot is ignored.
@@ -291,10 +293,9 @@ int64_t RingCommunicator::agree(const CallHeader& mine, std::vector<CallHeader>*
             std::to_string(headers_[misfits[0]].out_rows) + " on rank " +
             std::to_string(misfits[0]) + ")");
     }
-    if (problems.empty())  // only if all else agrees: a consequence of nothing above
-      add(describe_disagreement(headers_, "where the GPU buffers are worked on "
-                                "(device_host_reduce_bytes differs)", [](const CallHeader& h) {
-        return std::string(h.path == kHostPath ? "through the host" : "on the GPU");
+    if (problems.empty() && mine.memory == kDeviceMemory)  // decides each GPU call's path
+      add(describe_disagreement(headers_, "device_host_reduce_bytes", [](const CallHeader& h) {
+        return std::to_string(h.host_limit);
       }));
   }
   if (!problems.empty()) {

@@ -47,15 +47,14 @@ struct CallHeader {
   int64_t memory = 0;       // where the buffers are: kHostMemory or kDeviceMemory
   int64_t out_rows = -1;    // allgather: rows of the caller's out=, or -1 for none
   int64_t wire = -1;        // rank 0's: kWireShm or kWireMpi for this call's ring (see WireTuner)
-  int64_t path = 0;         // GPU buffers: kDevicePath, or kHostPath (one trip through
-                            // host memory and the host ring); every rank must take the same
+  int64_t host_limit = 0;   // GPU buffers: the sender's device_host_reduce_bytes (which
+                            // decides the path of every GPU call), so it must agree
   static constexpr int64_t kMagic = 0x52494e4752454434;  // "RINGRED4"
 };
 
 constexpr int64_t kWireShm = 0, kWireMpi = 1;
 
 constexpr int64_t kHostMemory = 0, kDeviceMemory = 1;
-constexpr int64_t kDevicePath = 0, kHostPath = 1;  // CallHeader::path
 
 CallHeader make_header(Collective collective, DType dtype, Op op, int64_t count,
                        int64_t chunk_bytes, int64_t memory = kHostMemory);
@@ -117,10 +116,10 @@ class RingCommunicator {
   // out = OP over ranks of input; out may equal input. count elements on every rank.
   void allreduce(const void* input, void* out, int64_t count, DType dtype, Op op,
                  int64_t chunk_bytes);
-  // GPU allreduces, reduce_scatters and broadcasts of up to this many bytes go through
-  // the host (see kDeviceHostReduceBytes). Every rank must set the same: a call whose
-  // size falls between two ranks' limits raises MismatchError on every rank. 0 runs the
-  // device ring at every size (the tests of the device ring set it).
+  // GPU calls of up to this many bytes per rank (allgather: in all) go through the host
+  // (see kDeviceHostReduceBytes). Every rank must set the same: the header carries it,
+  // and GPU calls raise MismatchError on every rank while ranks differ. 0 runs the device
+  // ring at every size (the tests of the device ring set it).
   int64_t device_host_reduce_bytes() const { return device_host_reduce_bytes_; }
   void set_device_host_reduce_bytes(int64_t bytes);
   // work (count elements) gets this rank's segment reduced in place, at the offset

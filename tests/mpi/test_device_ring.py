@@ -288,7 +288,7 @@ def test_ranks_that_disagree_on_where_to_reduce_raise_instead_of_hanging():
         x = rank_data(FLOAT32, 10_000)  # 40 KB: past the header exchange, under the limit
         if RANK == 1:
             comm._core.device_host_reduce_bytes = 0
-        with pytest.raises(rr.MismatchError, match="where the GPU buffers are worked on"):
+        with pytest.raises(rr.MismatchError, match="device_host_reduce_bytes"):
             device_allreduce(comm, x, "sum", 4096, direct=False)
         comm._core.device_host_reduce_bytes = comm._core.DEVICE_HOST_REDUCE_BYTES
         assert bitwise_equal(device_allreduce(comm, x, "sum", 4096, direct=False),
@@ -339,11 +339,52 @@ def test_every_collective_raises_when_ranks_disagree_on_the_path():
         x = rank_data(FLOAT32, 10_000)
         if RANK == 1:
             core.device_host_reduce_bytes = 0
-        with pytest.raises(rr.MismatchError, match="where the GPU buffers are worked on"):
+        with pytest.raises(rr.MismatchError, match="device_host_reduce_bytes"):
             device_reduce_scatter(comm, x, "sum", 4096, False)
-        with pytest.raises(rr.MismatchError, match="where the GPU buffers are worked on"):
+        with pytest.raises(rr.MismatchError, match="device_host_reduce_bytes"):
             core.broadcast_device(x.ctypes.data, x.size, dtype_code(FLOAT32), 0, 4096,
                                   *emulated(False))
         core.device_host_reduce_bytes = core.DEVICE_HOST_REDUCE_BYTES
         assert bitwise_equal(device_reduce_scatter(comm, x, "sum", 4096, False),
                              reference.reduce_scatter(x, "sum"))
+
+
+def device_allgather(comm, x, direct):
+    """allgather of x's rows through the device calls, as _device.py makes them."""
+    core = comm._core
+    row_shape = x.shape[1:]
+    row_elems = int(np.prod(row_shape, dtype=np.int64))
+    counts = core.allgather_counts(x.shape[0], row_elems, hash(row_shape) & 0x7FFFFFFFFFFFFFFF,
+                                   dtype_code(x.dtype), 4096, device=True)
+    out = np.empty((sum(counts),) + row_shape, x.dtype)
+    core.allgather_device(x.ctypes.data, out.ctypes.data, counts, row_elems,
+                          dtype_code(x.dtype), True, *emulated(direct))
+    return out
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_allgather_through_the_host_up_to_the_limit_in_all(mode, world):
+    # allgather's limit is on the whole result, which every rank knows after the counts.
+    with rr.Communicator() as comm:
+        core, limit = comm._core, comm._core.device_host_reduce_bytes
+        per_rank = limit // 4 // SIZE  # float32 elements, so that SIZE rows of it fit
+        for rows in (1, per_rank, per_rank + 1):
+            x = rank_data(FLOAT32, rows, salt=rows).reshape(rows, 1)
+            before = core.device_calls_on_host
+            got = device_allgather(comm, x, MODES[mode])
+            on_host = rows * SIZE * 4 <= limit
+            assert core.device_calls_on_host - before == int(on_host and SIZE > 1), rows
+            assert bitwise_equal(got, np.concatenate(world.allgather(x))), rows
+
+
+def test_allgather_raises_when_ranks_disagree_on_the_limit():
+    if SIZE == 1:
+        pytest.skip("needs two ranks")
+    with rr.Communicator() as comm:
+        x = np.ones((3, 2), np.float32)
+        if RANK == 1:
+            comm._core.device_host_reduce_bytes = 0
+        with pytest.raises(rr.MismatchError, match="device_host_reduce_bytes"):
+            device_allgather(comm, x, False)
+        comm._core.device_host_reduce_bytes = comm._core.DEVICE_HOST_REDUCE_BYTES
+        assert device_allgather(comm, x, False).shape == (3 * SIZE, 2)

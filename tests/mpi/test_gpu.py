@@ -160,6 +160,13 @@ def test_calls_up_to_the_limit_go_through_the_host(comm):
                 dy = cupy.asarray(y)
                 assert comm.broadcast(dy, root=root) is dy
                 assert bitwise_equal(cupy.asnumpy(dy), MPI.COMM_WORLD.bcast(y, root=root))
+            rows = n // SIZE  # allgather's limit is on the whole result
+            z = rank_data(dtype, rows, salt=RANK)
+            before = core.device_calls_on_host
+            gathered = cupy.asnumpy(comm.allgather(cupy.asarray(z)))
+            on_host_in_all = rows * SIZE * dtype.itemsize <= limit
+            assert core.device_calls_on_host - before == int(on_host_in_all and SIZE > 1)
+            assert bitwise_equal(gathered, np.concatenate(MPI.COMM_WORLD.allgather(z)))
 
 
 def test_host_and_gpu_buffers_in_one_call_raise_on_every_rank(comm):
