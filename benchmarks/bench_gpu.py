@@ -68,14 +68,15 @@ def table_row(r, names) -> str:
     return "| " + " | ".join(cells) + " |"
 
 
-OTHERS_HEADER = ("| collective | size | ringreduce | busbw | host copies + MPI | busbw | "
-                 "speedup |\n|" + "---|" * 7)
+OTHERS_HEADER = ("| collective | size | ringreduce | busbw | device ring only | busbw | "
+                 "host copies + MPI | busbw | speedup vs host + MPI |\n|" + "---|" * 9)
 
 
-def other_collectives(cp, comm, sizes, repeats):
-    """reduce_scatter, allgather and broadcast of cupy float32 buffers of each total size,
-    against copying to the host for MPI_Reduce_scatter_block / MPI_Allgather / MPI_Bcast
-    and back. Rows for the JSON; each printed as it is measured."""
+def other_collectives(cp, comm, device_only, sizes, repeats):
+    """reduce_scatter, allgather and broadcast of cupy float32 buffers of each total size:
+    ringreduce as shipped, its device ring forced (device_only), and copying to the host
+    for MPI_Reduce_scatter_block / MPI_Allgather / MPI_Bcast and back. Rows for the
+    JSON; each printed as it is measured."""
     rows = []
     stream = cp.cuda.get_current_stream()
     for nbytes in sizes:
@@ -111,13 +112,16 @@ def other_collectives(cp, comm, sizes, repeats):
                 x.set(host_x)
 
         cases = {
-            "reduce_scatter": (lambda: comm.reduce_scatter(x, out=seg), mpi_reduce_scatter),
-            "allgather": (lambda: comm.allgather(mine, out=gathered), mpi_allgather),
-            "broadcast": (lambda: comm.broadcast(x, root=0), mpi_broadcast),
+            "reduce_scatter": (lambda c: lambda: c.reduce_scatter(x, out=seg),
+                               mpi_reduce_scatter),
+            "allgather": (lambda c: lambda: c.allgather(mine, out=gathered), mpi_allgather),
+            "broadcast": (lambda c: lambda: c.broadcast(x, root=0), mpi_broadcast),
         }
         for name, (ours, theirs) in cases.items():
             inner = max(1, min(100, (16 << 20) // nbytes))
-            times = time_alternating({"ring": synced(ours), "host_mpi": synced(theirs)},
+            times = time_alternating({"ring": synced(ours(comm)),
+                                      "ring_device": synced(ours(device_only)),
+                                      "host_mpi": synced(theirs)},
                                      repeats=repeats, inner=inner)
             row = {"collective": name, "bytes": n * 4}
             for who, seconds in times.items():
@@ -136,7 +140,7 @@ def other_collectives(cp, comm, sizes, repeats):
 
 def others_row(r) -> str:
     cells = [r["collective"], human_bytes(r["bytes"])]
-    for who in ("ring", "host_mpi"):
+    for who in ("ring", "ring_device", "host_mpi"):
         cells += [human_time(r[who]["seconds"]), f"{r[who]['busbw'] / 1e9:.2f} GB/s"]
     cells.append(f"{r['host_mpi']['seconds'] / r['ring']['seconds']:.2f}x")
     return "| " + " | ".join(cells) + " |"
@@ -260,7 +264,8 @@ def main():
     others = []
     if args.others:
         say("\n" + OTHERS_HEADER)
-        others = other_collectives(cp, ring, [64 << 10, 1 << 20, 16 << 20], args.repeats)
+        others = other_collectives(cp, ring, device_only, [64 << 10, 1 << 20, 16 << 20],
+                                   args.repeats)
 
     if RANK == 0:
         meta = {"host": platform.node(), "ranks": SIZE, "gpu": gpu, "mode": mode,

@@ -73,5 +73,7 @@ def test_bench_gpu_runs_over_the_emulated_gpu(tmp_path):
     assert {(r["collective"], r["bytes"]) for r in data["others"]} == {
         (c, n) for c in ("reduce_scatter", "allgather", "broadcast")
         for n in (64 << 10, 1 << 20, 16 << 20)}
+    assert all(r[who]["seconds"] > 0 for r in data["others"]
+               for who in ("ring", "ring_device", "host_mpi"))
     assert "| reduce_scatter | 1 MiB |" in table.read_text()
     assert (tmp_path / "gpu.png").stat().st_size > 0
