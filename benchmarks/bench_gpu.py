@@ -1,8 +1,8 @@
 """cupy allreduce through ringreduce (as shipped; and forced onto each of its two
 paths: the device ring, and one copy to the host with the host ring), side by side in
-one run with what a user would do without it (copy to the host, mpi4py's Allreduce, copy back) and with
-torch.distributed's gloo on the same device buffers (where torch is), beside the GPU's
-own device-to-device copy rate. nccl-tests' columns; median of repeated runs. Every
+one run with what a user would do without it (copy to the host, mpi4py's Allreduce,
+copy back) and with torch.distributed's gloo on the same device buffers (where torch
+is), beside the GPU's own device-to-device copy rate. nccl-tests' columns; median of repeated runs. Every
 timed call ends with the stream synchronised, so a call is timed until its result is
 there.
 
