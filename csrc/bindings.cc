@@ -111,6 +111,9 @@ PYBIND11_MODULE(_core, m) {
   m.def(
       "set_emulated_gpu_memory", [](int64_t bytes) { host_device_memory_limit = bytes; },
       "tests: the host emulation of a GPU refuses allocations larger than this");
+  m.def(
+      "set_emulated_copy_fault", [](int64_t n) { host_device_copy_fault = n; },
+      "tests: the host emulation of a GPU fails its n-th copy from now (0: none)");
   m.def("mpi_cuda_aware", &mpi_is_cuda_aware,
         "whether device pointers go to MPI directly (RINGREDUCE_CUDA_AWARE, else MPI's answer)");
   m.def("mpi_cuda_aware_reason", &mpi_cuda_aware_reason);

@@ -6,6 +6,7 @@
 #include <cstring>
 #include <deque>
 #include <functional>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -22,6 +23,7 @@
 namespace ringreduce {
 
 int64_t host_device_memory_limit = INT64_MAX;
+int64_t host_device_copy_fault = 0;
 
 namespace {
 
@@ -47,6 +49,8 @@ class HostDevice final : public Device {
   void* alloc_device(int64_t bytes) override { return allocate(bytes); }
   void free_device(void* p) override { delete[] static_cast<char*>(p); }
   void copy(Stream s, void* dst, const void* src, int64_t bytes) override {
+    if (host_device_copy_fault > 0 && --host_device_copy_fault == 0)
+      throw std::runtime_error("ringreduce: the emulated GPU failed a copy, as asked");
     enqueue(s, [=] {
       if (bytes > 0 && dst != src) std::memmove(dst, src, bytes);
     });

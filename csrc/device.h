@@ -70,6 +70,9 @@ class Device {
 std::unique_ptr<Device> make_host_device();
 // HostDevice's allocations larger than this fail (OutOfMemoryError), for tests.
 extern int64_t host_device_memory_limit;
+// When n > 0: HostDevice's n-th copy from now fails (std::runtime_error), as a copy
+// after a faulted kernel does on a GPU; for tests.
+extern int64_t host_device_copy_fault;
 // CUDA on GPU `ordinal`; its errors name `rank`. Throws std::runtime_error when the
 // build has no CUDA.
 std::unique_ptr<Device> make_cuda_device(int ordinal, int rank);

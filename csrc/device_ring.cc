@@ -415,10 +415,10 @@ void RingCommunicator::allgather_device(DeviceCall call, const void* input, void
   for (int r = 0; r < size(); ++r) total += counts[r] = row_counts[r] * row_elems;
   const RingSchedule sched(rank(), size(), counts,
                            chunk_elems(pending_allgather_chunk_bytes_, es));
-  // Every rank knows the total and (from the counts' header exchange) that all limits
-  // agree, so all take the same path.
+  // Every rank knows the total, and the limit that the counts' header exchange agreed
+  // on, so all take the same path.
   const int64_t total_bytes = total * static_cast<int64_t>(es);
-  const bool on_host = device_call_on_host(total_bytes);
+  const bool on_host = size() > 1 && total_bytes <= pending_allgather_host_limit_;
   const Span mine = sched.segment(rank());
   const int64_t my_offset = mine.offset * static_cast<int64_t>(es);
   // The other ranks are past the header exchange: from here until every rank has
@@ -448,7 +448,8 @@ void RingCommunicator::allgather_device(DeviceCall call, const void* input, void
     }
   }
   confirm_everywhere(ok, "allgather",
-                     "the " + std::to_string(total_bytes) + "-byte GPU result (or staging for it)");
+                     "the " + std::to_string(total_bytes) +
+                         "-byte GPU result (or staging for it, or the copy into that)");
   DeviceCallScope scope(*dev);
   if (on_host) {
     allgather(staging + my_offset, staging, row_counts, row_elems, dtype);

@@ -268,7 +268,6 @@ int64_t RingCommunicator::agree(const CallHeader& mine, std::vector<CallHeader>*
       add(describe_disagreement(headers_, "op", op_text));
       add(describe_disagreement(headers_, "count (x.size)",
                                 [](const CallHeader& h) { return std::to_string(h.count); }));
-
     } else if (kind == Collective::Broadcast) {
       add(describe_disagreement(headers_, "count (x.size)",
                                 [](const CallHeader& h) { return std::to_string(h.count); }));
@@ -441,6 +440,7 @@ std::vector<int64_t> RingCommunicator::allgather_counts(int64_t rows, int64_t ro
     if (all[r].inline_bytes < 0) pending_allgather_inline_ = false;
   }
   pending_allgather_chunk_bytes_ = agreed_chunk;
+  pending_allgather_host_limit_ = headers_[0].host_limit;  // every rank's, agreed
   return rows_per_rank;
 }
 

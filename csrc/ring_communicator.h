@@ -95,9 +95,9 @@ class RingCommunicator {
   static RingSchedule copy_schedule(const RingSchedule& sched, size_t elem_size);
   static constexpr int64_t kInlineBudgetBytes = 4096;  // ... summed over the other ranks
   static constexpr int64_t kShmInlineBudgetBytes = 64 * 1024;
-  // A GPU allreduce, reduce_scatter or broadcast up to this many bytes per rank is copied
-  // to pinned host memory once, done there by the host ring, and copied back: two copies
-  // instead of a GPU operation per ring step and chunk. Measured on an H200 shared by 2 and 4 ranks
+  // A GPU allreduce, reduce_scatter or broadcast up to this many bytes per rank (an
+  // allgather: of result) is copied to pinned host memory once, done there by the host
+  // ring, and copied back: two copies instead of a GPU operation per ring step and chunk. Measured on an H200 shared by 2 and 4 ranks
   // (docs/performance.md#gpu): every such operation costs tens to hundreds of us there,
   // more than the host ring takes for these sizes.
   static constexpr int64_t kDeviceHostReduceBytes = 1 << 20;
@@ -117,9 +117,10 @@ class RingCommunicator {
   void allreduce(const void* input, void* out, int64_t count, DType dtype, Op op,
                  int64_t chunk_bytes);
   // GPU calls of up to this many bytes per rank (allgather: in all) go through the host
-  // (see kDeviceHostReduceBytes). Every rank must set the same: the header carries it,
-  // and GPU calls raise MismatchError on every rank while ranks differ. 0 runs the device
-  // ring at every size (the tests of the device ring set it).
+  // (see kDeviceHostReduceBytes). Every rank must set the same, while no call is in
+  // flight: the header carries it, and GPU calls raise MismatchError on every rank while
+  // ranks differ. 0 runs the device ring for every call with data (the tests of the
+  // device ring set it).
   int64_t device_host_reduce_bytes() const { return device_host_reduce_bytes_; }
   void set_device_host_reduce_bytes(int64_t bytes);
   // work (count elements) gets this rank's segment reduced in place, at the offset
@@ -177,7 +178,8 @@ class RingCommunicator {
     return transport_->bytes_sent() + (shm_ ? shm_->bytes_sent() : 0);
   }
   int64_t ring_steps() const { return ring_steps_; }
-  // GPU calls that went through the host (see kDeviceHostReduceBytes).
+  // GPU calls whose data went to the host (see kDeviceHostReduceBytes), counted when it
+  // got there: also those that then raised.
   int64_t device_calls_on_host() const { return device_calls_on_host_; }
   // The part of ring_bytes_sent() that went through the shared-memory slots.
   int64_t shm_bytes_sent() const { return shm_ ? shm_->bytes_sent() : 0; }
@@ -272,7 +274,7 @@ class RingCommunicator {
   void allreduce_device_on_host(const DeviceCall& call, const void* input, void* out,
                                 int64_t count, DType dtype, Op op, int64_t chunk_bytes);
   // The host collectives, after their header is made (a GPU call that goes through the
-  // host marks its header so).
+  // host makes a device-memory header).
   void allreduce_host(const CallHeader& h, const void* input, void* out);
   void reduce_scatter_host(const CallHeader& h, const void* input, void* work, void* own_out);
   void broadcast_host(const CallHeader& h, void* buf);
@@ -308,6 +310,7 @@ class RingCommunicator {
   bool closed_ = false;
   std::string broken_;  // set when an MPI error left messages in flight
   int64_t pending_allgather_chunk_bytes_ = kDefaultChunkBytes;  // from allgather_counts()
+  int64_t pending_allgather_host_limit_ = 0;  // GPU allgather: the agreed host limit
   bool pending_allgather_inline_ = false;  // ... and whether the rows came with the counts
   int64_t pending_allgather_tuned_bytes_ = 0;  // ... and the size rank 0 chose its wire for
   int64_t ring_steps_ = 0;

@@ -33,9 +33,9 @@ def emulated(direct):
 
 @pytest.fixture(scope="module")
 def device_comm():
-    """Runs the device ring at every size (beyond what rides in the header exchange):
-    allreduces up to device_host_reduce_bytes are otherwise reduced on the host, and
-    test_calls_up_to_the_limit_are_reduced_on_the_host checks those."""
+    """Runs the device ring for every call with data: GPU calls up to
+    device_host_reduce_bytes otherwise go through the host, and the tests at the end of
+    this file check those."""
     comm = rr.Communicator()
     comm._core.device_host_reduce_bytes = 0
     yield comm
@@ -388,3 +388,37 @@ def test_allgather_raises_when_ranks_disagree_on_the_limit():
             device_allgather(comm, x, False)
         comm._core.device_host_reduce_bytes = comm._core.DEVICE_HOST_REDUCE_BYTES
         assert device_allgather(comm, x, False).shape == (3 * SIZE, 2)
+
+
+@pytest.mark.parametrize("collective", ["allreduce", "reduce_scatter", "broadcast",
+                                        "allgather"])
+def test_a_failed_copy_to_the_host_raises_everywhere_instead_of_hanging(collective):
+    # As after a faulted kernel on a GPU: rank 1's copy of its input to the host fails,
+    # before (or, for allgather, just after) the header exchange. Every rank raises.
+    if SIZE == 1:
+        pytest.skip("needs two ranks")
+    with rr.Communicator() as comm:
+        core = comm._core
+        x = rank_data(FLOAT32, 1000)
+        calls = {
+            "allreduce": lambda: device_allreduce(comm, x, "sum", 4096, False),
+            "reduce_scatter": lambda: device_reduce_scatter(comm, x, "sum", 4096, False),
+            "broadcast": lambda: core.broadcast_device(x.ctypes.data, x.size, dtype_code(FLOAT32),
+                                                       1, 4096, *emulated(False)),
+            "allgather": lambda: device_allgather(comm, x.reshape(100, 10), False),
+        }
+        others_raise = (MemoryError, "rank 1 could not") if collective == "allgather" else (
+            rr.MismatchError, "rank 1 rejected")
+        if RANK == 1:
+            _core.set_emulated_copy_fault(1)
+            try:
+                with pytest.raises(MemoryError if collective == "allgather" else RuntimeError,
+                                   match="rank 1 could not|failed a copy"):
+                    calls[collective]()
+            finally:
+                _core.set_emulated_copy_fault(0)
+        else:
+            with pytest.raises(others_raise[0], match=others_raise[1]):
+                calls[collective]()
+        assert bitwise_equal(device_allreduce(comm, x, "sum", 4096, False),
+                             reference.allreduce(x, "sum"))
