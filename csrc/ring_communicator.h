@@ -269,8 +269,8 @@ class RingCommunicator {
   RingSchedule device_reduce_scatter_call(DeviceCall& call, Collective collective,
                                           const void* input, void* out, int64_t count,
                                           DType dtype, Op op, int64_t chunk_bytes);
-  // The whole allreduce of a GPU call reduced on the host: small enough to ride in the
-  // header exchange, or up to device_host_reduce_bytes_.
+  // The whole allreduce of a GPU call that goes through the host (up to
+  // device_host_reduce_bytes_; the smallest then ride in the header exchange).
   void allreduce_device_on_host(const DeviceCall& call, const void* input, void* out,
                                 int64_t count, DType dtype, Op op, int64_t chunk_bytes);
   // The host collectives, after their header is made (a GPU call that goes through the
