@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The GPU check, for a machine with an NVIDIA GPU and no network (the H200 we are lent):
 # installs MPI from wheels in .whl/, builds the extension for this GPU, runs the GPU
-# kernel tests and the cupy tests on 2 and 4 ranks sharing the GPU, trains the digits
+# kernel tests and the cupy tests on 2, 3 and 4 ranks sharing the GPU, trains the digits
 # example on the GPU, and prints the busbw table of cupy allreduce (1 KiB to 1 GiB)
-# beside the GPU's copy rate (and torch's gloo, where torch is). About 5 minutes, never
+# beside the GPU's copy rate (and torch's gloo, where torch is). About 3-4 minutes, never
 # more than GPU_CHECK_BUDGET seconds (default 480): each step's timeout is cut to what is
 # left, so a hang costs its step, not the lease. What it prints also lands in OUTDIR.
 #
@@ -72,10 +72,10 @@ timeout "$(cap 120)" "$PY" -m pytest -q -p no:cacheprovider tests/test_cuda.py 2
   | tee -a "$OUTDIR/tests.txt" | tail -4
 [ "${PIPESTATUS[0]}" -eq 0 ] || failures+=("tests/test_cuda.py")
 
-step "cupy through the ring on 2 and 4 ranks (staged; also direct where MPI is CUDA-aware)"
+step "cupy through the ring on 2, 3 and 4 ranks (staged; also direct where MPI is CUDA-aware)"
 # A hang costs its timeout, not the session's whole device time.
 ranks_ok=1
-for n in 2 4; do
+for n in 2 3 4; do
   (cd tests && RINGREDUCE_GPU_TEST_TIMEOUT=$(cap 150) "$PY" -m pytest -q -s -p no:cacheprovider \
      "test_on_ranks.py::test_gpu_module_on_ranks[$n]") 2>&1 | tee -a "$OUTDIR/tests.txt" | tail -30
   [ "${PIPESTATUS[0]}" -eq 0 ] || ranks_ok=0
