@@ -68,6 +68,14 @@ def table_row(r, names) -> str:
     return "| " + " | ".join(cells) + " |"
 
 
+def synced(stream, fn):
+    """fn, then wait for the stream: a call is timed until its result is there."""
+    def call():
+        fn()
+        stream.synchronize()
+    return call
+
+
 OTHERS_HEADER = ("| collective | size | ringreduce | busbw | device ring only | busbw | "
                  "host copies + MPI | busbw | speedup vs host + MPI |\n|" + "---|" * 9)
 
@@ -87,12 +95,6 @@ def other_collectives(cp, comm, device_only, sizes, repeats):
         seg, gathered = cp.empty(block, cp.float32), cp.empty(n, cp.float32)
         host_x, host_seg = np.empty(n, np.float32), np.empty(block, np.float32)
         host_mine, host_all = np.empty(block, np.float32), np.empty(n, np.float32)
-
-        def synced(fn):
-            def call():
-                fn()
-                stream.synchronize()
-            return call
 
         def mpi_reduce_scatter():
             x.get(out=host_x)
@@ -119,9 +121,9 @@ def other_collectives(cp, comm, device_only, sizes, repeats):
         }
         for name, (ours, theirs) in cases.items():
             inner = max(1, min(100, (16 << 20) // nbytes))
-            times = time_alternating({"ring": synced(ours(comm)),
-                                      "ring_device": synced(ours(device_only)),
-                                      "host_mpi": synced(theirs)},
+            times = time_alternating({"ring": synced(stream, ours(comm)),
+                                      "ring_device": synced(stream, ours(device_only)),
+                                      "host_mpi": synced(stream, theirs)},
                                      repeats=repeats, inner=inner)
             row = {"collective": name, "bytes": n * 4}
             for who, seconds in times.items():
@@ -224,17 +226,13 @@ def main():
             x.get(out=host_in)
             world.Allreduce(host_in, host_out, op=MPI.SUM)
             out.set(host_out)
-            stream.synchronize()
 
         def ring_call(comm):
-            def call():
-                comm.allreduce(x, out=out)
-                stream.synchronize()
-            return call
+            return synced(stream, lambda: comm.allreduce(x, out=out))
 
         candidates = {"ring": ring_call(ring), "ring_device": ring_call(device_only),
                       "ring_big": ring_call(big), "ring_host": ring_call(host_only),
-                      "host_mpi": staged_by_hand}
+                      "host_mpi": synced(stream, staged_by_hand)}
         if gloo is not None:
             torch, dist = gloo
             tensor = torch.from_dlpack(x.copy())  # gloo only reduces in place

@@ -321,19 +321,6 @@ void RingCommunicator::run_device_allgather(const DeviceCall& call, const RingSc
                static_cast<char*>(buf), mirror, nullptr, 0, 0, kWindow);
 }
 
-void RingCommunicator::allreduce_device_on_host(const DeviceCall& call, const void* input,
-                                                void* out, int64_t count, DType dtype, Op op,
-                                                int64_t chunk_bytes) {
-  // One trip to the host and back: the host ring (or the header exchange, for the
-  // smallest calls) does the rest, with the bits the device ring would give.
-  const int64_t bytes = count * static_cast<int64_t>(dtype_size(dtype));
-  char* staging =
-      stage_on_host(call, Collective::AllReduce, chunk_bytes, input, bytes, 2 * bytes);
-  CallHeader h = make_header(Collective::AllReduce, dtype, op, count, chunk_bytes, kDeviceMemory);
-  allreduce_host(h, staging, staging + bytes);
-  call.device->copy(Device::kCopyIn, out, staging + bytes, bytes);
-}
-
 char* RingCommunicator::stage_on_host(const DeviceCall& call, Collective collective,
                                       int64_t chunk_bytes, const void* input, int64_t bytes,
                                       int64_t staging_bytes) {
@@ -363,8 +350,13 @@ void RingCommunicator::allreduce_device(DeviceCall call, const void* input, void
   const int64_t scratch = ring ? device_scratch_bytes(count, es, chunk_bytes) : 0;
   Device& dev = begin_device_call(call, Collective::AllReduce, chunk_bytes, mirror, scratch);
   DeviceCallScope scope(dev);
-  if (on_host) {
-    allreduce_device_on_host(call, input, out, count, dtype, op, chunk_bytes);
+  if (on_host) {  // one trip to the host and back, with the bits the device ring gives
+    char* staging =
+        stage_on_host(call, Collective::AllReduce, chunk_bytes, input, bytes, 2 * bytes);
+    allreduce_host(
+        make_header(Collective::AllReduce, dtype, op, count, chunk_bytes, kDeviceMemory),
+        staging, staging + bytes);
+    dev.copy(Device::kCopyIn, out, staging + bytes, bytes);
   } else {
     const RingSchedule sched = device_reduce_scatter_call(call, Collective::AllReduce, input,
                                                           out, count, dtype, op, chunk_bytes);
@@ -386,7 +378,7 @@ void RingCommunicator::reduce_scatter_device(DeviceCall call, const void* input,
   Device& dev = begin_device_call(call, Collective::ReduceScatter, chunk_bytes, mirror,
                                   on_host ? 0 : device_scratch_bytes(count, es, chunk_bytes));
   DeviceCallScope scope(dev);
-  if (on_host) {  // as allreduce_device_on_host(); only this rank's segment comes back
+  if (on_host) {  // as allreduce_device(); only this rank's segment comes back
     char* staging =
         stage_on_host(call, Collective::ReduceScatter, chunk_bytes, input, bytes, 2 * bytes);
     CallHeader h =
@@ -418,7 +410,7 @@ void RingCommunicator::allgather_device(DeviceCall call, const void* input, void
   // Every rank knows the total, and the limit that the counts' header exchange agreed
   // on, so all take the same path.
   const int64_t total_bytes = total * static_cast<int64_t>(es);
-  const bool on_host = size() > 1 && total_bytes <= pending_allgather_host_limit_;
+  const bool on_host = device_call_on_host(total_bytes, pending_allgather_host_limit_);
   const Span mine = sched.segment(rank());
   const int64_t my_offset = mine.offset * static_cast<int64_t>(es);
   // The other ranks are past the header exchange: from here until every rank has

@@ -269,10 +269,6 @@ class RingCommunicator {
   RingSchedule device_reduce_scatter_call(DeviceCall& call, Collective collective,
                                           const void* input, void* out, int64_t count,
                                           DType dtype, Op op, int64_t chunk_bytes);
-  // The whole allreduce of a GPU call that goes through the host (up to
-  // device_host_reduce_bytes_; the smallest then ride in the header exchange).
-  void allreduce_device_on_host(const DeviceCall& call, const void* input, void* out,
-                                int64_t count, DType dtype, Op op, int64_t chunk_bytes);
   // The host collectives, after their header is made (a GPU call that goes through the
   // host makes a device-memory header).
   void allreduce_host(const CallHeader& h, const void* input, void* out);
@@ -282,7 +278,10 @@ class RingCommunicator {
   // every rank that has the same limit). The smallest of these ride in the header
   // exchange there, as host calls do.
   bool device_call_on_host(int64_t bytes) const {
-    return size() > 1 && bytes <= device_host_reduce_bytes_;
+    return device_call_on_host(bytes, device_host_reduce_bytes_);
+  }
+  bool device_call_on_host(int64_t bytes, int64_t limit) const {
+    return size() > 1 && bytes <= limit;
   }
   // The first half of every GPU call through the host: the device's bytes into pinned
   // staging (reserved by begin_device_call()), told to the other ranks if it fails.
