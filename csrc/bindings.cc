@@ -248,6 +248,29 @@ PYBIND11_MODULE(_core, m) {
            py::arg("rows"), py::arg("row_elems"), py::arg("shape_tag"), py::arg("dtype"),
            py::arg("chunk_bytes"), py::arg("out_rows") = -1, py::arg("device") = false,
            py::arg("x") = py::none())
+      .def("allgather_small",
+           [](RingCommunicator& self, py::array x, int64_t rows, int64_t row_elems,
+              int64_t shape_tag, int dtype, int64_t chunk_bytes, int64_t out_rows,
+              py::array into, int64_t into_rows) {
+             // allgather_counts() on host rows, then, in the same call, the copy out
+             // into `into` (out=, or a result allocated for a guessed size) if the rows
+             // came along and into_rows is right: (counts, whether that happened).
+             const int64_t es = static_cast<int64_t>(dtype_size(DType(dtype)));
+             check_buffer(self,
+                          x.nbytes() == rows * row_elems * es &&
+                              into.nbytes() >= into_rows * row_elems * es,
+                          Collective::AllGather, chunk_bytes,
+                          "x does not hold its rows, or the result does not hold its own");
+             const void* rows_data = x.data();
+             void* dst = into.mutable_data();
+             py::gil_scoped_release nogil;
+             std::vector<int64_t> counts =
+                 self.allgather_counts(rows, row_elems, shape_tag, DType(dtype), chunk_bytes,
+                                       kHostMemory, out_rows, rows_data);
+             const bool done =
+                 self.allgather_from_counts(dst, into_rows, counts, row_elems, DType(dtype));
+             return std::make_pair(std::move(counts), done);
+           })
       .def("allgather_confirm",
            [](RingCommunicator& self, bool ok, int64_t out_bytes) {
              py::gil_scoped_release nogil;

@@ -470,6 +470,10 @@ void RingCommunicator::allgather(const void* input, void* out,
   if (static_cast<int>(row_counts.size()) != size())
     throw std::invalid_argument("allgather: need one row count per rank");
   const size_t es = dtype_size(dtype);
+  if (pending_allgather_inline_) {  // every rank's rows came with the counts
+    allgather_inline(out, row_counts, row_elems, es);
+    return;
+  }
   std::vector<int64_t> counts(size());
   for (int r = 0; r < size(); ++r) counts[r] = row_counts[r] * row_elems;
   int64_t total = 0;
@@ -479,15 +483,6 @@ void RingCommunicator::allgather(const void* input, void* out,
   const bool shm = agreed_shm(total_bytes);
   const RingSchedule sched(rank(), size(), counts,
                            ring_chunk_elems(pending_allgather_chunk_bytes_, es, shm));
-  if (pending_allgather_inline_) {  // every rank's rows came with the counts
-    pending_allgather_inline_ = false;
-    for (int r = 0; r < size(); ++r) {
-      const Span seg = sched.segment(r);  // from copies on the boards: x may be in out
-      if (seg.count > 0)
-        std::memcpy(static_cast<char*>(out) + seg.offset * es, inline_payload(r), seg.count * es);
-    }
-    return;
-  }
   const Span mine = sched.segment(rank());
   char* dst = static_cast<char*>(out) + mine.offset * es;
   // memmove: x may be a view into out (gathering in place).
@@ -505,6 +500,29 @@ void RingCommunicator::allgather(const void* input, void* out,
       ring();
     }
   });
+}
+
+bool RingCommunicator::allgather_from_counts(void* out, int64_t out_rows,
+                                             const std::vector<int64_t>& row_counts,
+                                             int64_t row_elems, DType dtype) {
+  if (!pending_allgather_inline_ || static_cast<int>(row_counts.size()) != size()) return false;
+  int64_t total_rows = 0;
+  for (int64_t rows : row_counts) total_rows += rows;
+  if (total_rows != out_rows) return false;
+  allgather_inline(out, row_counts, row_elems, dtype_size(dtype));
+  return true;
+}
+
+void RingCommunicator::allgather_inline(void* out, const std::vector<int64_t>& row_counts,
+                                        int64_t row_elems, size_t elem_size) {
+  pending_allgather_inline_ = false;
+  // From the copies on the boards, not from x, which may be a part of out.
+  char* dst = static_cast<char*>(out);
+  for (int r = 0; r < size(); ++r) {
+    const size_t bytes = static_cast<size_t>(row_counts[r] * row_elems) * elem_size;
+    if (bytes > 0) std::memcpy(dst, inline_payload(r), bytes);
+    dst += bytes;
+  }
 }
 
 void RingCommunicator::check_root(int root) const {

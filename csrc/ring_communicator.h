@@ -147,6 +147,12 @@ class RingCommunicator {
   // Second half: out holds sum(row_counts) rows; this rank's rows go in its place.
   void allgather(const void* input, void* out, const std::vector<int64_t>& row_counts,
                  int64_t row_elems, DType dtype);
+  // The second half of a small call, if it can be done now: when every rank's rows came
+  // with the counts and out holds exactly out_rows == sum(row_counts) rows, copies them
+  // into out and returns true (allgather() is then not called). Lets a caller that
+  // guessed the result's size before the exchange finish in one step.
+  bool allgather_from_counts(void* out, int64_t out_rows, const std::vector<int64_t>& row_counts,
+                             int64_t row_elems, DType dtype);
   // In place: every rank's buf ends up equal to root's.
   void broadcast(void* buf, int64_t count, DType dtype, int root, int64_t chunk_bytes);
 
@@ -219,6 +225,9 @@ class RingCommunicator {
   // into dst; allreduce_inline() does every segment into out.
   void reduce_inline(int s, void* dst, int64_t count, DType dtype, Op op);
   void allreduce_inline(void* out, int64_t count, DType dtype, Op op);
+  // allgather's rows, which came with the counts, into out in rank order.
+  void allgather_inline(void* out, const std::vector<int64_t>& row_counts, int64_t row_elems,
+                        size_t elem_size);
   RecvSlots recv_slots(const RingSchedule& sched, size_t elem_size);
   void check_usable() const;
   void check_root(int root) const;  // std::invalid_argument unless a rank

@@ -90,6 +90,37 @@ def test_allgather_with_rows_in_and_out_of_the_header_exchange(small_chunks, wor
         assert bitwise_equal(out, np.concatenate(world.allgather(x))), f"rows={rows}"
 
 
+class _RecordingCore:
+    """A Communicator's core that remembers which of its methods were called."""
+
+    def __init__(self, core):
+        self.core, self.calls = core, []
+
+    def __getattr__(self, name):
+        self.calls.append(name)
+        return getattr(self.core, name)
+
+
+@pytest.mark.skipif(SIZE == 1, reason="one rank has no header exchange")
+def test_small_allgather_is_one_step_when_the_ranks_rows_match_the_guess(world):
+    # The fast path allocates the result for as many rows on every rank as on this
+    # one (or takes out=); if right, the exchange that brings the rows fills it. If
+    # not, a second step copies them into a result of the right size.
+    with rr.Communicator() as ring:
+        core = ring._core = _RecordingCore(ring._core)
+        for rows, out in ((3, None), (3, np.empty((3 * SIZE, 2))),
+                          (RANK + 1, None), (RANK + 1, np.empty((SIZE * (SIZE + 1) // 2, 2)))):
+            x = rank_data(np.dtype(np.float64), rows * 2, salt=10).reshape(rows, 2)
+            core.calls.clear()
+            g = ring.allgather(x, out=out)
+            assert bitwise_equal(g, np.concatenate(world.allgather(x)))
+            assert out is None or g is out
+            total = sum(world.allgather(rows))
+            one_step = out is not None or rows * SIZE == total  # out= has the true size
+            assert ("allgather" in core.calls) != one_step, (rows, out is None, core.calls)
+        ring._core = core.core
+
+
 def test_allgather_of_scalars_and_module_level(comm, world):
     g = comm.allgather(np.float32(RANK + 0.5))
     assert g.shape == (SIZE,)

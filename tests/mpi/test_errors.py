@@ -276,6 +276,25 @@ def test_a_rank_that_cannot_allocate_allgathers_output_does_not_hang_the_others(
     np.testing.assert_array_equal(comm.allgather(x)[::1024, 0], np.arange(SIZE))
 
 
+@needs_two
+def test_a_small_allgather_that_cannot_allocate_fails_only_where_it_could_not(
+        comm, monkeypatch, world):
+    # Small rows ride in the header exchange, so the other ranks need nothing more from
+    # a rank that then cannot allocate its result: they finish, it raises.
+    from ringreduce import communicator
+
+    x = np.full((4, 2), RANK, np.float32)
+    if RANK == 1:
+        monkeypatch.setattr(communicator, "np", _NumpyWithoutMemory())
+        with pytest.raises(MemoryError, match="np.empty refused"):
+            comm.allgather(x)
+        monkeypatch.undo()
+    else:
+        g = comm.allgather(x)
+        np.testing.assert_array_equal(g[::4, 0], np.arange(SIZE))
+    still_works(comm)
+
+
 def _copying_x_fails(communicator, monkeypatch):
     monkeypatch.setattr(communicator.t, "contiguous",
                         lambda a: (_ for _ in ()).throw(MemoryError("test: no copy")))
