@@ -71,6 +71,7 @@ PYBIND11_MODULE(_core, m) {
   py::register_exception<MismatchError>(m, "MismatchError", PyExc_RuntimeError);
   py::register_exception<MpiError>(m, "MPIError", PyExc_RuntimeError);
   py::register_exception<OutOfMemoryError>(m, "OutOfMemoryError", PyExc_MemoryError);
+  py::register_exception<TimeoutError>(m, "CollectiveTimeoutError", PyExc_TimeoutError);
 
   py::list dtypes, ops;
   for (int d = 0; d < kNumDTypes; ++d) dtypes.append(dtype_name(static_cast<DType>(d)));
@@ -114,6 +115,13 @@ PYBIND11_MODULE(_core, m) {
   m.def(
       "set_emulated_copy_fault", [](int64_t n) { host_device_copy_fault = n; },
       "tests: the host emulation of a GPU fails its n-th copy from now (0: none)");
+  m.def(
+      "set_emulated_stall",
+      [](int64_t n, double seconds) {
+        host_device_stall = n;
+        host_device_stall_s = seconds;
+      },
+      "tests: the host emulation of a GPU stalls its n-th copy or kernel from now (0: none)");
   m.def("mpi_cuda_aware", &mpi_is_cuda_aware,
         "whether device pointers go to MPI directly (RINGREDUCE_CUDA_AWARE, else MPI's answer)");
   m.def("mpi_cuda_aware_reason", &mpi_cuda_aware_reason);
@@ -179,6 +187,8 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("rank", &RingCommunicator::rank)
       .def_property_readonly("size", &RingCommunicator::size)
       .def_property_readonly("closed", &RingCommunicator::closed)
+      .def_property("timeout", &RingCommunicator::timeout, &RingCommunicator::set_timeout,
+                    "seconds a call waits on another rank before raising (<= 0: forever)")
       .def_property_readonly("transport", &RingCommunicator::transport_name)
       .def_property_readonly("ring_bytes_sent", &RingCommunicator::ring_bytes_sent)
       .def_property_readonly("ring_steps", &RingCommunicator::ring_steps)

@@ -2,12 +2,14 @@
 
 #include <mpi.h>
 
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <functional>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "errors.h"
@@ -24,6 +26,8 @@ namespace ringreduce {
 
 int64_t host_device_memory_limit = INT64_MAX;
 int64_t host_device_copy_fault = 0;
+int64_t host_device_stall = 0;
+double host_device_stall_s = 0;
 
 namespace {
 
@@ -34,6 +38,11 @@ namespace {
 // see it; and "not ready yet" answers drive the ring's polling loop as a busy GPU would.
 // Every other call the copy-in stream instead runs as soon as it can, as a GPU's copy
 // engine racing ahead of its kernels would: then a buffer refilled too early shows.
+void stall_if_asked() {
+  if (host_device_stall > 0 && --host_device_stall == 0)
+    std::this_thread::sleep_for(std::chrono::duration<double>(host_device_stall_s));
+}
+
 class HostDevice final : public Device {
  public:
   const char* name() const override { return "host emulation"; }
@@ -51,12 +60,14 @@ class HostDevice final : public Device {
   void copy(Stream s, void* dst, const void* src, int64_t bytes) override {
     if (host_device_copy_fault > 0 && --host_device_copy_fault == 0)
       throw std::runtime_error("ringreduce: the emulated GPU failed a copy, as asked");
+    stall_if_asked();
     enqueue(s, [=] {
       if (bytes > 0 && dst != src) std::memmove(dst, src, bytes);
     });
   }
   void reduce(Stream s, DType dtype, Op op, void* dst, const void* a, const void* b,
               int64_t n) override {
+    stall_if_asked();
     enqueue(s, [=] { ringreduce::reduce(dtype, op, dst, a, b, n); });
   }
   void divide(Stream s, DType dtype, void* data, int64_t n, int64_t divisor) override {

@@ -32,6 +32,7 @@
 #include "errors.h"
 #include "reduce.h"
 #include "ring_communicator.h"
+#include "stall_timer.h"
 
 namespace ringreduce {
 
@@ -41,7 +42,8 @@ namespace {
 // writes out = input OP received; all-gather sends from and receives into `out`.
 void staged_phase(const RingSchedule& sched, Transport& transport, Device& dev, Phase phase,
                   DType dtype, Op op, size_t es, const char* input, char* out, char* mirror,
-                  char* dev_slots, int64_t slot_bytes, int slots, int window) {
+                  char* dev_slots, int64_t slot_bytes, int slots, int window,
+                  double timeout_s) {
   const int steps = sched.steps_per_phase();
   if (steps == 0) return;
   const bool reducing = phase == Phase::ReduceScatter;
@@ -89,6 +91,7 @@ void staged_phase(const RingSchedule& sched, Transport& transport, Device& dev, 
   // The reduction that last read each device slot: a slot is refilled after it.
   std::vector<Device::Event> slot_free(slots, Device::kNoEvent);
   int64_t next = 0;  // the next chunk to arrive, in arrival order
+  StallTimer timer(timeout_s);  // only receiving depends on another rank
   while (next < num_recvs || !sends.empty() || first_enqueued < num_first) {
     while (!sends.empty() && dev.done(sends.front().ready)) {
       const PendingSend& s = sends.front();
@@ -97,7 +100,14 @@ void staged_phase(const RingSchedule& sched, Transport& transport, Device& dev, 
       sends.pop_front();
     }
     enqueue_first_sends();
-    if (next >= num_recvs || !transport.test(recv_requests[next % window])) continue;
+    if (next >= num_recvs) continue;
+    if (!transport.test(recv_requests[next % window])) {
+      if (timer.expired())
+        throw TimeoutError("waited " + seconds_text(timeout_s) + " (the timeout) for rank " +
+                           std::to_string(sched.left()) + " (the left neighbour) to send a chunk");
+      continue;
+    }
+    timer.progressed();
 
     const ChunkRef ref = recvs[next];
     const Span ch = sched.chunk(ref.segment, ref.chunk);
@@ -223,7 +233,7 @@ RingSchedule RingCommunicator::device_reduce_scatter_call(DeviceCall& call, Coll
   const int64_t elems = chunk_elems(agree(h), es);
   grow_device_scratch(collective, es, count);
   RingSchedule sched = RingSchedule::split_evenly(rank(), size(), count, elems);
-  guarded(&broken_, [&] {
+  guarded(collective_name(collective), [&] {
     run_device_reduce_scatter(call, sched, dtype, op, input, out);
     const Span mine = sched.segment(rank());
     if (op == Op::Avg && size() > 1)
@@ -301,7 +311,7 @@ void RingCommunicator::run_device_reduce_scatter(const DeviceCall& call,
   char* mirror = host_mirror_->get(sched.total_count() * static_cast<int64_t>(es));
   staged_phase(sched, *transport_, dev, Phase::ReduceScatter, dtype, op, es,
                static_cast<const char*>(input), static_cast<char*>(out), mirror, scratch,
-               slot_bytes, kDeviceSlots, kWindow);
+               slot_bytes, kDeviceSlots, kWindow, timeout_s_);
 }
 
 void RingCommunicator::run_device_allgather(const DeviceCall& call, const RingSchedule& sched,
@@ -318,7 +328,7 @@ void RingCommunicator::run_device_allgather(const DeviceCall& call, const RingSc
   }
   char* mirror = host_mirror_->get(sched.total_count() * static_cast<int64_t>(es));
   staged_phase(copying, *transport_, dev, Phase::AllGather, DType::UInt8, Op::Sum, es, nullptr,
-               static_cast<char*>(buf), mirror, nullptr, 0, 0, kWindow);
+               static_cast<char*>(buf), mirror, nullptr, 0, 0, kWindow, timeout_s_);
 }
 
 char* RingCommunicator::stage_on_host(const DeviceCall& call, Collective collective,
@@ -360,7 +370,7 @@ void RingCommunicator::allreduce_device(DeviceCall call, const void* input, void
   } else {
     const RingSchedule sched = device_reduce_scatter_call(call, Collective::AllReduce, input,
                                                           out, count, dtype, op, chunk_bytes);
-    guarded(&broken_, [&] {
+    guarded("allreduce", [&] {
       dev.join();
       run_device_allgather(call, sched, es, out);
     });
@@ -447,7 +457,7 @@ void RingCommunicator::allgather_device(DeviceCall call, const void* input, void
     allgather(staging + my_offset, staging, row_counts, row_elems, dtype);
     dev->copy(Device::kCopyIn, out, staging, total_bytes);
   } else {
-    guarded(&broken_, [&] { run_device_allgather(call, sched, es, out); });
+    guarded("allgather", [&] { run_device_allgather(call, sched, es, out); });
   }
   scope.end(call.user_stream);
 }
@@ -475,7 +485,7 @@ void RingCommunicator::broadcast_device(DeviceCall call, void* buf, int64_t coun
   }
   const int64_t chunk =
       copy_chunk_elems(chunk_elems(agree(h), es), es) * static_cast<int64_t>(es);
-  guarded(&broken_, [&] {
+  guarded("broadcast", [&] {
     if (size() == 1) return;
     if (call.direct) {
       dev.synchronize(Device::kCompute);

@@ -1,11 +1,13 @@
 // Exceptions the core throws. The binding maps each to a Python exception type:
 // MismatchError -> ringreduce.MismatchError, MpiError -> ringreduce.MPIError,
-// OutOfMemoryError -> a MemoryError,
+// OutOfMemoryError -> a MemoryError, TimeoutError -> ringreduce.CollectiveTimeoutError,
 // std::invalid_argument -> ValueError, anything else -> RuntimeError.
 #pragma once
 
+#include <sstream>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 namespace ringreduce {
 
@@ -25,19 +27,27 @@ struct OutOfMemoryError : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-// Runs a phase that moves data. An error there may leave messages in flight (and, on
-// a GPU, copies), after which the communicator cannot be trusted again: the error's
-// text goes into *broken, and every later call raises it.
-template <typename F>
-void guarded(std::string* broken, F&& body) {
-  try {
-    body();
-  } catch (const MismatchError&) {
-    throw;  // raised before anything moved
-  } catch (const std::exception& e) {
-    *broken = e.what();
-    throw;
+// A rank waited longer than the communicator's timeout for another rank: one that
+// skipped the call, or is stuck elsewhere (Python: ringreduce.CollectiveTimeoutError,
+// a TimeoutError). Messages or chunks may be left in flight, so the communicator is
+// unusable afterwards.
+struct TimeoutError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+// Ranks as messages name them: "rank 3", "ranks 0-2, 5"
+inline std::string describe_ranks(const std::vector<int>& ranks) {
+  std::ostringstream out;
+  out << (ranks.size() == 1 ? "rank " : "ranks ");
+  for (size_t i = 0; i < ranks.size();) {
+    size_t j = i;
+    while (j + 1 < ranks.size() && ranks[j + 1] == ranks[j] + 1) ++j;
+    if (i > 0) out << ", ";
+    out << ranks[i];
+    if (j > i) out << (j == i + 1 ? ", " : "-") << ranks[j];
+    i = j + 1;
   }
+  return out.str();
 }
 
 }  // namespace ringreduce

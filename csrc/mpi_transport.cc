@@ -1,8 +1,10 @@
 #include "mpi_transport.h"
 
+#include <cstring>
 #include <string>
 
 #include "errors.h"
+#include "stall_timer.h"
 
 namespace ringreduce {
 
@@ -53,6 +55,7 @@ void MpiTransport::free() {
 Transport::Request MpiTransport::send_right(const void* buf, int64_t bytes, int tag) {
   bytes_sent_ += bytes;
   requests_.push_back(MPI_REQUEST_NULL);
+  is_send_.push_back(true);
   check(MPI_Isend(buf, static_cast<int>(bytes), MPI_BYTE, (rank_ + 1) % size_, wrap_tag(tag),
                   comm_, &requests_.back()),
         "MPI_Isend");
@@ -61,14 +64,37 @@ Transport::Request MpiTransport::send_right(const void* buf, int64_t bytes, int 
 
 Transport::Request MpiTransport::recv_left(void* buf, int64_t bytes, int tag) {
   requests_.push_back(MPI_REQUEST_NULL);
+  is_send_.push_back(false);
   check(MPI_Irecv(buf, static_cast<int>(bytes), MPI_BYTE, (rank_ + size_ - 1) % size_,
                   wrap_tag(tag), comm_, &requests_.back()),
         "MPI_Irecv");
   return static_cast<Request>(requests_.size() - 1);
 }
 
+void MpiTransport::wait_patiently(MPI_Request* request, const char* call,
+                                  const std::string& waiting_for) {
+  StallTimer timer(timeout_s_);
+  int done = 0;
+  for (;;) {
+    check(MPI_Test(request, &done, MPI_STATUS_IGNORE), call);
+    if (done) return;
+    if (timer.expired())
+      throw TimeoutError("waited " + seconds_text(timeout_s_) + " (the timeout) for " +
+                         waiting_for);
+  }
+}
+
 void MpiTransport::wait(Request request) {
-  check(MPI_Wait(&requests_[request], MPI_STATUS_IGNORE), "MPI_Wait");
+  if (timeout_s_ <= 0) {
+    check(MPI_Wait(&requests_[request], MPI_STATUS_IGNORE), "MPI_Wait");
+    return;
+  }
+  const bool send = is_send_[request];
+  const int neighbour = send ? (rank_ + 1) % size_ : (rank_ + size_ - 1) % size_;
+  wait_patiently(&requests_[request], "MPI_Test",
+                 std::string("rank ") + std::to_string(neighbour) +
+                     (send ? " (the right neighbour) to take a chunk"
+                           : " (the left neighbour) to send a chunk"));
 }
 
 bool MpiTransport::test(Request request) {
@@ -79,14 +105,66 @@ bool MpiTransport::test(Request request) {
 
 void MpiTransport::wait_all() {
   if (requests_.empty()) return;
+  if (timeout_s_ > 0) {
+    // One by one: each gets the timeout from when the one before it completed.
+    for (size_t i = 0; i < requests_.size(); ++i)
+      if (requests_[i] != MPI_REQUEST_NULL) wait(static_cast<Request>(i));
+    requests_.clear();
+    is_send_.clear();
+    return;
+  }
   const int rc = MPI_Waitall(static_cast<int>(requests_.size()), requests_.data(),
                              MPI_STATUSES_IGNORE);
   requests_.clear();
+  is_send_.clear();
   check(rc, "MPI_Waitall");
 }
 
 void MpiTransport::allgather_bytes(const void* mine, void* all, int bytes) {
-  check(MPI_Allgather(mine, bytes, MPI_BYTE, all, bytes, MPI_BYTE, comm_), "MPI_Allgather");
+  if (timeout_s_ <= 0) {
+    check(MPI_Allgather(mine, bytes, MPI_BYTE, all, bytes, MPI_BYTE, comm_), "MPI_Allgather");
+    return;
+  }
+  // Through buffers of our own: after a timeout the collective stays pending, and a
+  // rank that joins late completes it, writing into them (see abandon()).
+  exchange_send_.assign(static_cast<const char*>(mine), static_cast<const char*>(mine) + bytes);
+  exchange_recv_.resize(static_cast<size_t>(bytes) * size_);
+  check(MPI_Iallgather(exchange_send_.data(), bytes, MPI_BYTE, exchange_recv_.data(), bytes,
+                       MPI_BYTE, comm_, &exchange_),
+        "MPI_Iallgather");
+  // MPI cannot tell which ranks have not joined a collective yet.
+  wait_patiently(&exchange_, "MPI_Test(MPI_Iallgather)",
+                 "every rank to join this call (MPI cannot say which have not): a rank "
+                 "skipped the call, or is stuck before it");
+  std::memcpy(all, exchange_recv_.data(), exchange_recv_.size());
+}
+
+void MpiTransport::abandon() {
+  // Receives still pending would write into the caller's buffers whenever the late
+  // neighbour sends: cancel them (it takes effect at once unless the message is already
+  // arriving; then the request is left). Sends only read; MPI finishes them on its own.
+  for (size_t i = 0; i < requests_.size(); ++i) {
+    if (requests_[i] == MPI_REQUEST_NULL) continue;
+    if (!is_send_[i]) {
+      MPI_Cancel(&requests_[i]);
+      int done = 0;
+      for (int tries = 0; tries < 1000 && !done; ++tries)
+        MPI_Test(&requests_[i], &done, MPI_STATUS_IGNORE);
+      if (done) continue;
+    }
+    MPI_Request_free(&requests_[i]);
+  }
+  requests_.clear();
+  is_send_.clear();
+  if (exchange_ != MPI_REQUEST_NULL) {
+    // A collective's request can be neither cancelled nor freed: its buffers must
+    // outlive us, so they go where nothing ever frees them.
+    static auto* outliving = new std::vector<std::vector<char>>();
+    outliving->push_back(std::move(exchange_send_));
+    outliving->push_back(std::move(exchange_recv_));
+    exchange_ = MPI_REQUEST_NULL;
+  }
+  comm_ = MPI_COMM_NULL;  // freeing it would wait for the missing rank
 }
 
 }  // namespace ringreduce

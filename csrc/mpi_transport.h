@@ -5,6 +5,7 @@
 
 #include <mpi.h>
 
+#include <string>
 #include <vector>
 
 #include "transport.h"
@@ -32,6 +33,14 @@ class MpiTransport final : public Transport {
   bool test(Request request) override;
   void wait_all() override;
 
+  // How long wait(), wait_all() and allgather_bytes() wait without progress before
+  // throwing TimeoutError (<= 0: forever, in MPI_Wait itself).
+  void set_timeout(double seconds) { timeout_s_ = seconds; }
+  // After a timeout: the requests still pending can never be completed or freed (MPI
+  // forbids freeing a collective's), and freeing the communicator would wait for the
+  // missing rank, so both are left to MPI_Finalize.
+  void abandon();
+
   MPI_Comm comm() const { return comm_; }
   int64_t bytes_sent() const { return bytes_sent_; }  // by send_right, ever
   // Every rank's `bytes` bytes, in rank order, on every rank.
@@ -47,8 +56,15 @@ class MpiTransport final : public Transport {
   int rank_ = 0;
   int size_ = 1;
   int tag_ub_ = 32767;  // the least MPI guarantees; replaced by the real bound
+  // Polls request until it completes, or throws TimeoutError saying `waiting_for`.
+  void wait_patiently(MPI_Request* request, const char* call, const std::string& waiting_for);
+
   std::vector<MPI_Request> requests_;  // Request = index; reset by wait_all()
+  std::vector<bool> is_send_;          // ... and whether each is a send (for messages)
+  MPI_Request exchange_ = MPI_REQUEST_NULL;  // allgather_bytes()'s, with a timeout...
+  std::vector<char> exchange_send_, exchange_recv_;  // ... and its buffers
   int64_t bytes_sent_ = 0;
+  double timeout_s_ = 0;
 };
 
 }  // namespace ringreduce

@@ -25,21 +25,6 @@ const char* collective_name(Collective c) {
 
 namespace {
 
-// "rank 3", "ranks 0-2, 5"
-std::string describe_ranks(const std::vector<int>& ranks) {
-  std::ostringstream out;
-  out << (ranks.size() == 1 ? "rank " : "ranks ");
-  for (size_t i = 0; i < ranks.size();) {
-    size_t j = i;
-    while (j + 1 < ranks.size() && ranks[j + 1] == ranks[j] + 1) ++j;
-    if (i > 0) out << ", ";
-    out << ranks[i];
-    if (j > i) out << (j == i + 1 ? ", " : "-") << ranks[j];
-    i = j + 1;
-  }
-  return out.str();
-}
-
 // Groups ranks by the value `field` gives; empty if all agree. Otherwise
 // "<name>: <value> on ranks 0-1; <value> on rank 2".
 std::string describe_disagreement(const std::vector<CallHeader>& headers, const char* name,
@@ -188,9 +173,27 @@ Span RingCommunicator::segment_of(int rank, int size, int64_t count) {
 
 void RingCommunicator::check_usable() const {
   if (closed_) throw std::invalid_argument("this ringreduce Communicator has been closed");
+  if (gave_up_) throw TimeoutError("this ringreduce Communicator gave up earlier: " + broken_);
   if (!broken_.empty())
     throw MpiError("this ringreduce Communicator is unusable after an earlier MPI error: " +
                    broken_);
+}
+
+void RingCommunicator::set_timeout(double seconds) {
+  timeout_s_ = seconds;
+  transport_->set_timeout(seconds);
+  if (shm_) shm_->set_timeout(seconds);
+}
+
+void RingCommunicator::give_up(const char* collective, const TimeoutError& e) {
+  gave_up_ = true;
+  broken_ = std::string("ringreduce.") + collective + " (rank " + std::to_string(rank()) +
+            " of " + std::to_string(size()) + "): " + e.what();
+  if (shm_) shm_->abandon();
+  transport_->abandon();
+  throw TimeoutError(broken_ +
+                     ". This Communicator can no longer be used on this rank; to go on, make a "
+                     "new one on every rank (Communicator(timeout=...) sets the timeout)");
 }
 
 int64_t RingCommunicator::chunk_elems(int64_t chunk_bytes, size_t elem_size) const {
@@ -225,7 +228,7 @@ int64_t RingCommunicator::agree(const CallHeader& mine, std::vector<CallHeader>*
     char* board = shm_->next_board();
     std::memcpy(board, &sent, sizeof(CallHeader));
     if (payload_bytes > 0) std::memcpy(board + sizeof(CallHeader), payload, payload_bytes);
-    shm_->exchange();
+    guarded(collective_name(static_cast<Collective>(mine.collective)), [&] { shm_->exchange(); });
     for (int r = 0; r < p; ++r) std::memcpy(&headers_[r], shm_->posted(r), sizeof(CallHeader));
   } else {
     const int64_t slot = slot_bytes();
@@ -233,7 +236,9 @@ int64_t RingCommunicator::agree(const CallHeader& mine, std::vector<CallHeader>*
     if (payload_bytes > 0)
       std::memcpy(outgoing_.data() + sizeof(CallHeader), payload, payload_bytes);
     // Only the bytes in use need to be right; the rest of the slot is ignored.
-    transport_->allgather_bytes(outgoing_.data(), exchange_.data(), static_cast<int>(slot));
+    guarded(collective_name(static_cast<Collective>(mine.collective)), [&] {
+      transport_->allgather_bytes(outgoing_.data(), exchange_.data(), static_cast<int>(slot));
+    });
     for (int r = 0; r < p; ++r)
       std::memcpy(&headers_[r], exchange_.data() + r * slot, sizeof(CallHeader));
   }
@@ -341,7 +346,7 @@ void RingCommunicator::allreduce_host(const CallHeader& header, const void* inpu
   }
   bool shm = false;
   const RingSchedule sched = agree_on_ring(h, bytes, es, &shm);
-  guarded(&broken_, [&] {
+  guarded("allreduce", [&] {
     run_tuned(Collective::AllReduce, bytes, shm, [&] {
       run_reduce_scatter(sched, dtype, op, input, out, shm);
       const Span mine = sched.segment(rank());
@@ -403,7 +408,7 @@ void RingCommunicator::reduce_scatter_host(const CallHeader& header, const void*
   }
   bool shm = false;
   const RingSchedule sched = agree_on_ring(h, bytes, es, &shm);
-  guarded(&broken_, [&] {
+  guarded("reduce_scatter", [&] {
     run_tuned(Collective::ReduceScatter, bytes, shm, [&] {
       run_reduce_scatter(sched, dtype, op, input, work, shm, own_out);
       if (op == Op::Avg) {
@@ -449,7 +454,7 @@ void RingCommunicator::confirm_everywhere(bool ok, const char* collective,
   check_usable();
   std::vector<int> everyone(size());
   const int mine = ok ? 1 : 0;
-  transport_->allgather_bytes(&mine, everyone.data(), sizeof(int));
+  guarded(collective, [&] { transport_->allgather_bytes(&mine, everyone.data(), sizeof(int)); });
   std::vector<int> failed;
   for (int r = 0; r < size(); ++r)
     if (!everyone[r]) failed.push_back(r);
@@ -493,7 +498,7 @@ void RingCommunicator::allgather(const void* input, void* out,
                       WireTuner::size_class_of(total_bytes) ==
                           WireTuner::size_class_of(pending_allgather_tuned_bytes_);
   auto ring = [&] { run_allgather(sched, es, out, shm); };
-  guarded(&broken_, [&] {
+  guarded("allgather", [&] {
     if (chosen) {
       run_tuned(Collective::AllGather, total_bytes, shm, ring);
     } else {
@@ -555,7 +560,7 @@ void RingCommunicator::broadcast_host(const CallHeader& header, void* buf) {
   }
   const int64_t elems = chunk_elems(agree(h), es);
   const int64_t chunk = copy_chunk_elems(elems, es);
-  guarded(&broken_, [&] {
+  guarded("broadcast", [&] {
     ring_broadcast(rank(), size(), root, *transport_, buf, bytes, chunk * static_cast<int64_t>(es),
                    kWindow);
   });

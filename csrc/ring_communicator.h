@@ -21,6 +21,7 @@
 
 #include "device.h"
 #include "dtype.h"
+#include "errors.h"
 #include "mpi_transport.h"
 #include "ring_schedule.h"
 #include "shm_channel.h"
@@ -207,6 +208,11 @@ class RingCommunicator {
   // Frees the duplicate communicator (collective). Later calls raise.
   void close();
   bool closed() const { return closed_; }
+  // How long a call waits for another rank (to join it, or to move the next chunk)
+  // before throwing TimeoutError; <= 0: forever. After a timeout every later call
+  // throws it again, and close() frees nothing that would wait for other ranks.
+  double timeout() const { return timeout_s_; }
+  void set_timeout(double seconds);
 
   // The segment np.array_split would give `rank` of `count` elements.
   static Span segment_of(int rank, int size, int64_t count);
@@ -230,6 +236,26 @@ class RingCommunicator {
                         size_t elem_size);
   RecvSlots recv_slots(const RingSchedule& sched, size_t elem_size);
   void check_usable() const;
+  // Runs a phase that moves data. An error there may leave messages in flight (and, on
+  // a GPU, copies), after which the communicator cannot be trusted again: the error's
+  // text goes into broken_, and every later call raises it. A timeout gives up.
+  template <typename F>
+  void guarded(const char* collective, F&& body) {
+    try {
+      body();
+    } catch (const MismatchError&) {
+      throw;  // raised before anything moved
+    } catch (const TimeoutError& e) {
+      give_up(collective, e);
+    } catch (const std::exception& e) {
+      broken_ = e.what();
+      throw;
+    }
+  }
+  // After a TimeoutError in `collective`: this communicator is done for. Tells the
+  // other ranks (through shared memory), leaves what MPI still holds to
+  // MPI_Finalize, and rethrows with the call and the rank in the message.
+  [[noreturn]] void give_up(const char* collective, const TimeoutError& e);
   void check_root(int root) const;  // std::invalid_argument unless a rank
   int64_t chunk_elems(int64_t chunk_bytes, size_t elem_size) const;
 
@@ -317,6 +343,8 @@ class RingCommunicator {
   std::vector<char> inline_scratch_;  // two accumulators for allreduce_inline()
   bool closed_ = false;
   std::string broken_;  // set when an MPI error left messages in flight
+  bool gave_up_ = false;  // ... after a timeout (see give_up())
+  double timeout_s_ = 0;
   int64_t pending_allgather_chunk_bytes_ = kDefaultChunkBytes;  // from allgather_counts()
   int64_t pending_allgather_host_limit_ = 0;  // GPU allgather: the agreed host limit
   bool pending_allgather_inline_ = false;  // ... and whether the rows came with the counts

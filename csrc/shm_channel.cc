@@ -9,6 +9,7 @@
 #include "errors.h"
 #include "mpi_transport.h"
 #include "reduce.h"
+#include "stall_timer.h"
 
 namespace ringreduce {
 
@@ -125,10 +126,32 @@ void ShmChannel::free() {
 
 void ShmChannel::exchange() {
   __atomic_store_n(my_exchanged_, ++exchanges_, __ATOMIC_RELEASE);
-  for (const uint64_t* theirs : exchanged_) {
+  StallTimer timer(timeout_s_);
+  std::vector<int> missing, gave_up;
+  for (int r = 0; r < static_cast<int>(exchanged_.size()); ++r) {
     int idle = 0;
-    while (__atomic_load_n(theirs, __ATOMIC_ACQUIRE) < exchanges_) back_off(&idle);
+    while (__atomic_load_n(exchanged_[r], __ATOMIC_ACQUIRE) < exchanges_) {
+      back_off(&idle);
+      if (timer.expired()) {
+        missing.push_back(r);  // and every later rank that has not posted either
+        for (int s = r + 1; s < static_cast<int>(exchanged_.size()); ++s)
+          if (__atomic_load_n(exchanged_[s], __ATOMIC_ACQUIRE) < exchanges_) missing.push_back(s);
+        throw TimeoutError(describe_ranks(missing) + (missing.size() == 1 ? " has" : " have") +
+                           " not joined this call within " + seconds_text(timeout_s_) +
+                           " (the timeout): a rank skipped the call, or is stuck before it");
+      }
+    }
+    if (__atomic_load_n(exchanged_[r], __ATOMIC_ACQUIRE) == kAbandoned) gave_up.push_back(r);
   }
+  if (!gave_up.empty())
+    throw TimeoutError(describe_ranks(gave_up) +
+                       (gave_up.size() == 1 ? " has given up on this communicator (after a timeout there)"
+                                            : " have given up on this communicator (after timeouts there)"));
+}
+
+void ShmChannel::abandon() {
+  __atomic_store_n(my_exchanged_, kAbandoned, __ATOMIC_RELEASE);
+  win_ = MPI_WIN_NULL;
 }
 
 bool ShmChannel::can_send() const {
@@ -160,6 +183,7 @@ void ShmChannel::run_phase(const RingSchedule& sched, size_t elem_size, Phase ph
     recv_step_start[recvs[i].step] = i;  // where each step's receives begin
   size_t next_send = 0, next_recv = 0;
   int idle = 0;
+  StallTimer timer(timeout_s_);
   while (next_send < sends.size() || next_recv < recvs.size()) {
     bool progressed = false;
     while (next_send < sends.size()) {
@@ -184,8 +208,18 @@ void ShmChannel::run_phase(const RingSchedule& sched, size_t elem_size, Phase ph
     }
     if (progressed) {
       idle = 0;
+      timer.progressed();
     } else {
       back_off(&idle);
+      if (timer.expired()) {
+        const int p = sched.size(), left = (rank_ + p - 1) % p, right = (rank_ + 1) % p;
+        throw TimeoutError(
+            "waited " + seconds_text(timeout_s_) + " (the timeout) for " +
+            (next_recv < recvs.size() ? "rank " + std::to_string(left) +
+                                            " (the left neighbour) to send a chunk"
+                                      : "rank " + std::to_string(right) +
+                                            " (the right neighbour) to take a chunk"));
+      }
     }
   }
 }

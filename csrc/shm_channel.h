@@ -47,17 +47,27 @@ class ShmChannel {
                       void* out, void* own_out = nullptr);
   void allgather(const RingSchedule& sched, size_t elem_size, void* buf);
   void free();  // collective; MPI_Win_free
+  // Waits on another rank throw TimeoutError after this many seconds without progress
+  // (<= 0: never).
+  void set_timeout(double seconds) { timeout_s_ = seconds; }
+  // After a timeout on this rank: tells every rank's next exchange() that this one has
+  // given up, and leaves the window to MPI_Finalize (freeing it would wait for the
+  // missing rank).
+  void abandon();
 
   // An all-gather through the boards: fill next_board() (at most board_bytes), then
   // exchange() posts it and returns when every rank has posted theirs. Every rank must
   // call it as often as the others, like the collective it replaces. posted(r) is rank
   // r's board of the latest exchange; it stays valid until this rank's next exchange().
   char* next_board() const { return board(rank_, (exchanges_ + 1) % 2); }
+  // Throws TimeoutError naming the ranks that have not posted after the timeout, and
+  // on every rank once one has given up (abandon()).
   void exchange();
   const char* posted(int r) const { return board(r, exchanges_ % 2); }
 
  private:
   ShmChannel() = default;
+  static constexpr uint64_t kAbandoned = ~uint64_t{0};  // an exchange count: gave up
   // Two boards per rank, used by alternate exchanges: before a rank may overwrite the
   // board of exchange n, every rank must have read it, which they all have once each
   // has posted exchange n+1, and we waited for that before starting n+2.
@@ -87,6 +97,7 @@ class ShmChannel {
   int64_t board_stride_ = 0;
   int rank_ = 0;
   uint64_t exchanges_ = 0;
+  double timeout_s_ = 0;
   uint64_t sent_ = 0;      // chunks we have published (our copy of *my_published_)
   uint64_t received_ = 0;  // chunks we have consumed (our copy of *my_consumed_)
   int64_t bytes_sent_ = 0;

@@ -26,10 +26,15 @@ MismatchError.__doc__ = ("Ranks called a collective with arguments that do not f
                          "(count, dtype, op, root, ...); raised on every rank.")
 MPIError = _core.MPIError
 MPIError.__doc__ = "An MPI call failed; the message carries MPI's own error string."
+CollectiveTimeoutError = _core.CollectiveTimeoutError
+CollectiveTimeoutError.__doc__ = (
+    "A call waited longer than its Communicator's timeout for another rank (one that "
+    "skipped the call, or is stuck elsewhere); the Communicator is unusable afterwards. "
+    "A TimeoutError.")
 
 __version__ = "0.1.0"
 __all__ = [
-    "Communicator", "Handle", "MismatchError", "MPIError", "UnsupportedOpError", "OPS",
+    "Communicator", "Handle", "MismatchError", "MPIError", "CollectiveTimeoutError", "UnsupportedOpError", "OPS",
     "allreduce", "allreduce_async", "reduce_scatter", "allgather", "broadcast",
     "supported_dtypes", "allreduce_gradients", "cuda_available",
 ]

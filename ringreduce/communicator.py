@@ -11,6 +11,7 @@ from __future__ import annotations
 import atexit
 import collections
 import math
+import os
 import sys
 import threading
 import warnings
@@ -218,15 +219,51 @@ def _checked_chunk_bytes(value) -> int:
     return int(value)
 
 
+def _default_timeout() -> float | None:
+    text = os.environ.get("RINGREDUCE_TIMEOUT")
+    if text is None:
+        return 1800.0
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"RINGREDUCE_TIMEOUT must be a number of seconds (0: no timeout), "
+                         f"got {text!r}") from None
+    return value if value > 0 else None
+
+
+# Half an hour, as torch.distributed's default: long enough for any real wait (a rank
+# saving a checkpoint while the others reach the next allreduce), short enough that a
+# job with a rank that will never come fails with a message instead of hanging.
+DEFAULT_TIMEOUT = _default_timeout()
+
+
+def _checked_timeout(value) -> float:
+    """The core's form of a timeout: seconds, or 0 for none."""
+    if value is None:
+        return 0.0
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise TypeError(f"timeout must be a number of seconds or None, got {type(value).__name__}")
+    value = float(value)
+    if not value > 0:  # NaN too
+        raise ValueError(f"timeout must be positive seconds (or None for no timeout), got {value}")
+    return 0.0 if math.isinf(value) else value
+
+
 class Communicator:
     """Ring collectives over the ranks of an mpi4py intracommunicator.
 
     ``Communicator()`` uses ``MPI.COMM_WORLD``. Creating one is collective: every
     rank of ``comm`` must create it, because it duplicates ``comm`` so that the
     ring's messages never mix with the caller's.
+
+    ``timeout``: seconds a call waits on another rank (to join the call, or to move
+    its next chunk) before raising ``CollectiveTimeoutError``, after which this
+    Communicator is unusable on that rank. Default: 1800, or ``RINGREDUCE_TIMEOUT``
+    (0: none); ``None``: wait forever.
     """
 
-    def __init__(self, comm=None, *, chunk_bytes: int | None = None):
+    def __init__(self, comm=None, *, chunk_bytes: int | None = None,
+                 timeout: float | None = DEFAULT_TIMEOUT):
         if comm is None:
             comm = MPI.COMM_WORLD
         if isinstance(comm, Communicator):
@@ -242,8 +279,10 @@ class Communicator:
         # Checked before the collective part, so that a bad value leaves nothing behind.
         self._chunk_bytes = (_core.DEFAULT_CHUNK_BYTES if chunk_bytes is None
                              else _checked_chunk_bytes(chunk_bytes))
+        timeout = _checked_timeout(timeout)
         self._mpi_comm = comm
         self._core = _core.RingCommunicator(MPI._addressof(comm))
+        self._core.timeout = timeout
         self.rank: int = self._core.rank
         self.size: int = self._core.size
         self._executor = _Executor(threaded=MPI.Query_thread() == MPI.THREAD_MULTIPLE)
@@ -262,6 +301,16 @@ class Communicator:
     def mpi_comm(self):
         """The mpi4py communicator this one was made from (not our private duplicate)."""
         return self._mpi_comm
+
+    @property
+    def timeout(self) -> float | None:
+        """Seconds a call waits on another rank (to join it, or for its next chunk)
+        before raising CollectiveTimeoutError; None: forever. Ranks may differ."""
+        return self._core.timeout or None
+
+    @timeout.setter
+    def timeout(self, value: float | None) -> None:
+        self._core.timeout = _checked_timeout(value)
 
     @property
     def chunk_bytes(self) -> int:

@@ -20,6 +20,7 @@ MODULES = {  # module -> timeout in seconds at 4 oversubscribed ranks on 2 cores
     "test_sim.py": 300,
     "test_device_ring.py": 300,  # the GPU engine over its host emulation
     "test_device_python.py": 300,  # the Python GPU path, a stand-in cupy, the emulation
+    "test_timeout.py": 300,  # ranks that never join, or stop halfway; picks its own wires
 }
 
 

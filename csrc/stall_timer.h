@@ -1,0 +1,51 @@
+// How long a wait loop has gone without progress. Every loop that waits on another
+// rank (the header exchange, a ring phase, an MPI request) asks it on each idle turn,
+// and gives up with TimeoutError once the communicator's timeout has passed: a rank
+// that never joins a call must not leave the others waiting forever.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <string>
+
+namespace ringreduce {
+
+class StallTimer {
+ public:
+  // seconds <= 0: never expires.
+  explicit StallTimer(double seconds) : seconds_(seconds) {}
+
+  // An idle turn. Reads the clock only every kTurnsPerCheck turns (the first read
+  // starts the stall), so a loop that waits a few hundred cycles never reads it.
+  bool expired() {
+    if (seconds_ <= 0 || ++turns_ % kTurnsPerCheck != 0) return false;
+    const auto now = std::chrono::steady_clock::now();
+    if (!started_) {
+      started_ = true;
+      since_ = now;
+      return false;
+    }
+    return std::chrono::duration<double>(now - since_).count() > seconds_;
+  }
+  void progressed() {
+    started_ = false;
+    turns_ = 0;
+  }
+
+ private:
+  static constexpr int64_t kTurnsPerCheck = 256;
+  double seconds_;
+  int64_t turns_ = 0;
+  bool started_ = false;
+  std::chrono::steady_clock::time_point since_;
+};
+
+// "1.5 s", "1800 s": a timeout as messages print it.
+inline std::string seconds_text(double seconds) {
+  char text[32];
+  std::snprintf(text, sizeof text, "%g s", seconds);
+  return text;
+}
+
+}  // namespace ringreduce
