@@ -32,7 +32,7 @@
 #include "errors.h"
 #include "reduce.h"
 #include "ring_communicator.h"
-#include "stall_timer.h"
+#include "waiting.h"
 
 namespace ringreduce {
 

@@ -34,7 +34,7 @@ class MpiTransport final : public Transport {
   void wait_all() override;
 
   // How long wait(), wait_all() and allgather_bytes() wait without progress before
-  // throwing TimeoutError (<= 0: forever, in MPI_Wait itself).
+  // throwing TimeoutError (<= 0: forever). They poll (MPI_Test) either way.
   void set_timeout(double seconds) { timeout_s_ = seconds; }
   // After a timeout: the requests still pending can never be completed or freed (MPI
   // forbids freeing a collective's), and freeing the communicator would wait for the
@@ -56,8 +56,8 @@ class MpiTransport final : public Transport {
   int rank_ = 0;
   int size_ = 1;
   int tag_ub_ = 32767;  // the least MPI guarantees; replaced by the real bound
-  // Polls request until it completes, or throws TimeoutError saying `waiting_for`.
-  void wait_patiently(MPI_Request* request, const char* call, const std::string& waiting_for);
+  // Polls request until it completes (true), or until the timeout passes (false).
+  bool wait_patiently(MPI_Request* request, const char* call);
 
   std::vector<MPI_Request> requests_;  // Request = index; reset by wait_all()
   std::vector<bool> is_send_;          // ... and whether each is a send (for messages)

@@ -1,7 +1,5 @@
 #include "shm_channel.h"
 
-#include <sched.h>
-
 #include <cstdlib>
 #include <cstring>
 #include <vector>
@@ -9,7 +7,7 @@
 #include "errors.h"
 #include "mpi_transport.h"
 #include "reduce.h"
-#include "stall_timer.h"
+#include "waiting.h"
 
 namespace ringreduce {
 
@@ -20,18 +18,6 @@ constexpr int64_t kCounterBytes = 128;  // each counter on its own pair of cache
 bool shm_disabled_by_environment() {
   const char* value = std::getenv("RINGREDUCE_SHM");
   return value != nullptr && std::strcmp(value, "0") == 0;
-}
-
-// Waiting on a neighbour: spin briefly (it is usually a few hundred cycles away), then
-// give the core away, which matters when there are more ranks than cores.
-void back_off(int* idle) {
-  if (++*idle < 64) {
-#if defined(__x86_64__) || defined(__i386__)
-    __builtin_ia32_pause();
-#endif
-  } else {
-    sched_yield();
-  }
 }
 
 }  // namespace
@@ -126,27 +112,34 @@ void ShmChannel::free() {
 
 void ShmChannel::exchange() {
   __atomic_store_n(my_exchanged_, ++exchanges_, __ATOMIC_RELEASE);
+  const int p = static_cast<int>(exchanged_.size());
+  // Ranks whose count satisfies `test`, for messages.
+  auto ranks_where = [&](auto test) {
+    std::vector<int> ranks;
+    for (int s = 0; s < p; ++s)
+      if (test(__atomic_load_n(exchanged_[s], __ATOMIC_ACQUIRE))) ranks.push_back(s);
+    return ranks;
+  };
   StallTimer timer(timeout_s_);
-  std::vector<int> missing, gave_up;
-  for (int r = 0; r < static_cast<int>(exchanged_.size()); ++r) {
+  for (int r = 0; r < p; ++r) {
     int idle = 0;
-    while (__atomic_load_n(exchanged_[r], __ATOMIC_ACQUIRE) < exchanges_) {
+    uint64_t theirs;
+    while ((theirs = __atomic_load_n(exchanged_[r], __ATOMIC_ACQUIRE)) < exchanges_) {
       back_off(&idle);
       if (timer.expired()) {
-        missing.push_back(r);  // and every later rank that has not posted either
-        for (int s = r + 1; s < static_cast<int>(exchanged_.size()); ++s)
-          if (__atomic_load_n(exchanged_[s], __ATOMIC_ACQUIRE) < exchanges_) missing.push_back(s);
+        const std::vector<int> missing = ranks_where([&](uint64_t n) { return n < exchanges_; });
         throw TimeoutError(describe_ranks(missing) + (missing.size() == 1 ? " has" : " have") +
                            " not joined this call within " + seconds_text(timeout_s_) +
                            " (the timeout): a rank skipped the call, or is stuck before it");
       }
     }
-    if (__atomic_load_n(exchanged_[r], __ATOMIC_ACQUIRE) == kAbandoned) gave_up.push_back(r);
+    if (theirs == kAbandoned) {
+      const std::vector<int> gone = ranks_where([](uint64_t n) { return n == kAbandoned; });
+      throw TimeoutError(describe_ranks(gone) +
+                         (gone.size() == 1 ? " has given up on this communicator (a timeout there)"
+                                           : " have given up on this communicator (timeouts there)"));
+    }
   }
-  if (!gave_up.empty())
-    throw TimeoutError(describe_ranks(gave_up) +
-                       (gave_up.size() == 1 ? " has given up on this communicator (after a timeout there)"
-                                            : " have given up on this communicator (after timeouts there)"));
 }
 
 void ShmChannel::abandon() {

@@ -34,7 +34,8 @@ CollectiveTimeoutError.__doc__ = (
 
 __version__ = "0.1.0"
 __all__ = [
-    "Communicator", "Handle", "MismatchError", "MPIError", "CollectiveTimeoutError", "UnsupportedOpError", "OPS",
+    "Communicator", "Handle", "MismatchError", "MPIError", "CollectiveTimeoutError",
+    "UnsupportedOpError", "OPS",
     "allreduce", "allreduce_async", "reduce_scatter", "allgather", "broadcast",
     "supported_dtypes", "allreduce_gradients", "cuda_available",
 ]

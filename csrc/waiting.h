@@ -1,8 +1,11 @@
-// How long a wait loop has gone without progress. Every loop that waits on another
-// rank (the header exchange, a ring phase, an MPI request) asks it on each idle turn,
-// and gives up with TimeoutError once the communicator's timeout has passed: a rank
-// that never joins a call must not leave the others waiting forever.
+// Waiting on another rank: how (back_off) and for how long (StallTimer). Every loop that
+// waits on another rank (the header exchange, a ring phase, an MPI request) asks its
+// StallTimer on each idle turn, and gives up with TimeoutError once the communicator's
+// timeout has passed: a rank that never joins a call must not leave the others waiting
+// forever.
 #pragma once
+
+#include <sched.h>
 
 #include <chrono>
 #include <cstdint>
@@ -40,6 +43,18 @@ class StallTimer {
   bool started_ = false;
   std::chrono::steady_clock::time_point since_;
 };
+
+// Waiting on another rank: spin briefly (it is usually a few hundred cycles away), then
+// give the core away, which matters when there are more ranks than cores.
+inline void back_off(int* idle) {
+  if (++*idle < 64) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+  } else {
+    sched_yield();
+  }
+}
 
 // "1.5 s", "1800 s": a timeout as messages print it.
 inline std::string seconds_text(double seconds) {
