@@ -3,11 +3,12 @@
 // long as the communicator so that no call allocates on the hot path.
 //
 // Before moving any data, every call exchanges a small header (what collective,
-// dtype, op, count, ...) with all ranks: in one MPI_Allgather, or through shared memory
+// dtype, op, count, ...) with all ranks: in one MPI_Iallgather, or through shared memory
 // when all ranks share a node. A small allreduce rides along in that same exchange and
 // is finished locally: one exchange, no ring. Ranks whose calls don't fit together all
 // throw MismatchError after that exchange and nothing else is sent, so a mistake on
-// one rank can neither hang the job nor leave stray messages behind. Not
+// one rank can neither hang the job nor leave stray messages behind; a rank that
+// never comes makes the others throw TimeoutError (set_timeout()). Not
 // thread-safe: one call at a time per communicator (the Python layer serialises).
 #pragma once
 

@@ -13,7 +13,7 @@
 //
 // The same window also carries every call's header exchange (see exchange()): each rank
 // posts its header, and any small payload, on a board of its own that every rank reads,
-// which costs a few cache-line transfers instead of an MPI_Allgather.
+// which costs a few cache-line transfers instead of an MPI_Iallgather.
 #pragma once
 
 #include <mpi.h>
