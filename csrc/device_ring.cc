@@ -103,8 +103,7 @@ void staged_phase(const RingSchedule& sched, Transport& transport, Device& dev, 
     if (next >= num_recvs) continue;
     if (!transport.test(recv_requests[next % window])) {
       if (timer.expired())
-        throw TimeoutError("waited " + seconds_text(timeout_s) + " (the timeout) for rank " +
-                           std::to_string(sched.left()) + " (the left neighbour) to send a chunk");
+        throw TimeoutError(neighbour_timeout_text(timeout_s, sched.left(), true));
       continue;
     }
     timer.progressed();
@@ -311,7 +310,7 @@ void RingCommunicator::run_device_reduce_scatter(const DeviceCall& call,
   char* mirror = host_mirror_->get(sched.total_count() * static_cast<int64_t>(es));
   staged_phase(sched, *transport_, dev, Phase::ReduceScatter, dtype, op, es,
                static_cast<const char*>(input), static_cast<char*>(out), mirror, scratch,
-               slot_bytes, kDeviceSlots, kWindow, timeout_s_);
+               slot_bytes, kDeviceSlots, kWindow, timeout());
 }
 
 void RingCommunicator::run_device_allgather(const DeviceCall& call, const RingSchedule& sched,
@@ -328,7 +327,7 @@ void RingCommunicator::run_device_allgather(const DeviceCall& call, const RingSc
   }
   char* mirror = host_mirror_->get(sched.total_count() * static_cast<int64_t>(es));
   staged_phase(copying, *transport_, dev, Phase::AllGather, DType::UInt8, Op::Sum, es, nullptr,
-               static_cast<char*>(buf), mirror, nullptr, 0, 0, kWindow, timeout_s_);
+               static_cast<char*>(buf), mirror, nullptr, 0, 0, kWindow, timeout());
 }
 
 char* RingCommunicator::stage_on_host(const DeviceCall& call, Collective collective,

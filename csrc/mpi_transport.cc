@@ -85,10 +85,8 @@ bool MpiTransport::wait_patiently(MPI_Request* request, const char* call) {
 void MpiTransport::wait(Request request) {
   if (wait_patiently(&requests_[request], "MPI_Test")) return;
   const bool send = is_send_[request];
-  throw TimeoutError("waited " + seconds_text(timeout_s_) + " (the timeout) for rank " +
-                     std::to_string(send ? (rank_ + 1) % size_ : (rank_ + size_ - 1) % size_) +
-                     (send ? " (the right neighbour) to take a chunk"
-                           : " (the left neighbour) to send a chunk"));
+  throw TimeoutError(neighbour_timeout_text(
+      timeout_s_, send ? (rank_ + 1) % size_ : (rank_ + size_ - 1) % size_, !send));
 }
 
 bool MpiTransport::test(Request request) {
@@ -125,7 +123,9 @@ void MpiTransport::allgather_bytes(const void* mine, void* all, int bytes) {
 void MpiTransport::abandon() {
   // Receives still pending would write into the caller's buffers whenever the late
   // neighbour sends: cancel them (it takes effect at once unless the message is already
-  // arriving; then the request is left). Sends only read; MPI finishes them on its own.
+  // arriving; then the request is freed). Sends are freed; MPI still reads their
+  // buffers if the late neighbour comes, which may be after the caller freed them (a
+  // known gap, docs/api.md).
   for (size_t i = 0; i < requests_.size(); ++i) {
     if (requests_[i] == MPI_REQUEST_NULL) continue;
     if (!is_send_[i]) {

@@ -5,7 +5,6 @@
 
 #include <mpi.h>
 
-#include <string>
 #include <vector>
 
 #include "transport.h"
@@ -36,9 +35,10 @@ class MpiTransport final : public Transport {
   // How long wait(), wait_all() and allgather_bytes() wait without progress before
   // throwing TimeoutError (<= 0: forever). They poll (MPI_Test) either way.
   void set_timeout(double seconds) { timeout_s_ = seconds; }
-  // After a timeout: the requests still pending can never be completed or freed (MPI
-  // forbids freeing a collective's), and freeing the communicator would wait for the
-  // missing rank, so both are left to MPI_Finalize.
+  double timeout() const { return timeout_s_; }
+  // After a timeout: cancels the receives still pending and frees the sends; keeps the
+  // pending header exchange's buffers for ever (MPI forbids freeing a collective's
+  // request); forgets the communicator, as freeing it would wait for the missing rank.
   void abandon();
 
   MPI_Comm comm() const { return comm_; }

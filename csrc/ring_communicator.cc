@@ -6,7 +6,6 @@
 #include <cstring>
 #include <functional>
 #include <map>
-#include <sstream>
 
 #include "errors.h"
 #include "reduce.h"
@@ -180,7 +179,6 @@ void RingCommunicator::check_usable() const {
 }
 
 void RingCommunicator::set_timeout(double seconds) {
-  timeout_s_ = seconds;
   transport_->set_timeout(seconds);
   if (shm_) shm_->set_timeout(seconds);
 }
@@ -222,13 +220,14 @@ int64_t RingCommunicator::agree(const CallHeader& mine, std::vector<CallHeader>*
   headers_.resize(p);
   CallHeader sent = mine;
   if (sent.memory == kDeviceMemory) sent.host_limit = device_host_reduce_bytes_;
+  const char* collective = collective_name(static_cast<Collective>(mine.collective));
   if (p == 1) {
     headers_[0] = sent;
   } else if (shm_) {
     char* board = shm_->next_board();
     std::memcpy(board, &sent, sizeof(CallHeader));
     if (payload_bytes > 0) std::memcpy(board + sizeof(CallHeader), payload, payload_bytes);
-    guarded(collective_name(static_cast<Collective>(mine.collective)), [&] { shm_->exchange(); });
+    guarded(collective, [&] { shm_->exchange(); });
     for (int r = 0; r < p; ++r) std::memcpy(&headers_[r], shm_->posted(r), sizeof(CallHeader));
   } else {
     const int64_t slot = slot_bytes();
@@ -236,7 +235,7 @@ int64_t RingCommunicator::agree(const CallHeader& mine, std::vector<CallHeader>*
     if (payload_bytes > 0)
       std::memcpy(outgoing_.data() + sizeof(CallHeader), payload, payload_bytes);
     // Only the bytes in use need to be right; the rest of the slot is ignored.
-    guarded(collective_name(static_cast<Collective>(mine.collective)), [&] {
+    guarded(collective, [&] {
       transport_->allgather_bytes(outgoing_.data(), exchange_.data(), static_cast<int>(slot));
     });
     for (int r = 0; r < p; ++r)
@@ -303,8 +302,7 @@ int64_t RingCommunicator::agree(const CallHeader& mine, std::vector<CallHeader>*
       }));
   }
   if (!problems.empty()) {
-    std::string text = std::string("ringreduce.") +
-                       collective_name(static_cast<Collective>(mine.collective)) +
+    std::string text = std::string("ringreduce.") + collective +
                        ": ranks disagree (raised on rank " + std::to_string(rank()) + " of " +
                        std::to_string(p) + "): ";
     for (size_t i = 0; i < problems.size(); ++i) text += (i ? ". " : "") + problems[i];

@@ -211,8 +211,9 @@ class RingCommunicator {
   bool closed() const { return closed_; }
   // How long a call waits for another rank (to join it, or to move the next chunk)
   // before throwing TimeoutError; <= 0: forever. After a timeout every later call
-  // throws it again, and close() frees nothing that would wait for other ranks.
-  double timeout() const { return timeout_s_; }
+  // throws it again, and close() on this rank frees nothing that would wait for other
+  // ranks (the ranks that did not time out still do: a known gap, docs/api.md).
+  double timeout() const { return transport_->timeout(); }
   void set_timeout(double seconds);
 
   // The segment np.array_split would give `rank` of `count` elements.
@@ -345,7 +346,6 @@ class RingCommunicator {
   bool closed_ = false;
   std::string broken_;  // set when an MPI error left messages in flight
   bool gave_up_ = false;  // ... after a timeout (see give_up())
-  double timeout_s_ = 0;
   int64_t pending_allgather_chunk_bytes_ = kDefaultChunkBytes;  // from allgather_counts()
   int64_t pending_allgather_host_limit_ = 0;  // GPU allgather: the agreed host limit
   bool pending_allgather_inline_ = false;  // ... and whether the rows came with the counts

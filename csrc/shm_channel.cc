@@ -205,13 +205,9 @@ void ShmChannel::run_phase(const RingSchedule& sched, size_t elem_size, Phase ph
     } else {
       back_off(&idle);
       if (timer.expired()) {
-        const int p = sched.size(), left = (rank_ + p - 1) % p, right = (rank_ + 1) % p;
-        throw TimeoutError(
-            "waited " + seconds_text(timeout_s_) + " (the timeout) for " +
-            (next_recv < recvs.size() ? "rank " + std::to_string(left) +
-                                            " (the left neighbour) to send a chunk"
-                                      : "rank " + std::to_string(right) +
-                                            " (the right neighbour) to take a chunk"));
+        const bool receiving = next_recv < recvs.size();
+        throw TimeoutError(neighbour_timeout_text(
+            timeout_s_, receiving ? sched.left() : sched.right(), receiving));
       }
     }
   }

@@ -63,4 +63,13 @@ inline std::string seconds_text(double seconds) {
   return text;
 }
 
+// The message of a ring wait that timed out: on the left neighbour's next chunk
+// (receiving), or on the right neighbour taking ours (sending).
+inline std::string neighbour_timeout_text(double seconds, int neighbour, bool receiving) {
+  return "waited " + seconds_text(seconds) + " (the timeout) for rank " +
+         std::to_string(neighbour) +
+         (receiving ? " (the left neighbour) to send a chunk"
+                    : " (the right neighbour) to take a chunk");
+}
+
 }  // namespace ringreduce

@@ -70,13 +70,9 @@ def gather_rows(core, source, rows, row_shape, dtype, chunk, out, guess=None):
     else:
         counts = core.allgather_counts(rows, row_elems, tag, dtype, chunk, out_rows, False, source)
     total = sum(counts)
-    nbytes = total * row_elems * source.itemsize
-    if nbytes < _CONFIRM_BYTES:  # gather_output's own shortcut, without its closure
-        result = out if out is not None else np.empty((total,) + row_shape, source.dtype)
-    else:
-        result = gather_output(
-            core, lambda: out if out is not None else np.empty((total,) + row_shape, source.dtype),
-            nbytes)
+    result = gather_output(
+        core, lambda: out if out is not None else np.empty((total,) + row_shape, source.dtype),
+        total * row_elems * source.itemsize)
     core.allgather(source, result, counts, row_elems, dtype)
     return result
 
