@@ -14,6 +14,7 @@
 #include "reduce.h"
 #include "ring_communicator.h"
 #include "ring_schedule.h"
+#include "waiting.h"
 
 namespace py = pybind11;
 using namespace ringreduce;
@@ -52,6 +53,20 @@ void check_buffer(RingCommunicator& self, bool fits, Collective collective, int6
   throw std::invalid_argument(std::string(collective_name(collective)) + ": " + what);
 }
 
+// After a timeout, MPI may still read the arrays of the call that gave up (its pending
+// sends), whenever the late rank comes: so a call that raises TimeoutError keeps them
+// alive for good. Runs call() without the GIL.
+template <typename F>
+auto keeping_on_timeout(std::initializer_list<py::handle> arrays, F&& call) {
+  try {
+    py::gil_scoped_release nogil;
+    return call();
+  } catch (const TimeoutError&) {
+    for (py::handle array : arrays) array.inc_ref();  // never released
+    throw;
+  }
+}
+
 std::string mpi_library_version() {
   char text[MPI_MAX_LIBRARY_VERSION_STRING] = {0};
   int len = 0;
@@ -62,6 +77,11 @@ std::string mpi_library_version() {
 }  // namespace
 
 PYBIND11_MODULE(_core, m) {
+  py::class_<StallTimer>(m, "StallTimer", "How long a wait has gone without progress (csrc/waiting.h)")
+      .def(py::init<double>(), py::arg("seconds"))
+      .def("expired", &StallTimer::expired)
+      .def("checking", &StallTimer::checking)
+      .def("progressed", &StallTimer::progressed);
   py::class_<WireTuner>(m, "WireTuner", "Which wire a ring call takes (csrc/wire_tuner.h)")
       .def(py::init<>())
       .def("prefer_shm", &WireTuner::prefer_shm)
@@ -117,11 +137,14 @@ PYBIND11_MODULE(_core, m) {
       "tests: the host emulation of a GPU fails its n-th copy from now (0: none)");
   m.def(
       "set_emulated_stall",
-      [](int64_t n, double seconds) {
+      [](int64_t n, double seconds, int64_t every) {
         host_device_stall = n;
         host_device_stall_s = seconds;
+        host_device_stall_every = every;
       },
-      "tests: the host emulation of a GPU stalls its n-th copy or kernel from now (0: none)");
+      py::arg("n"), py::arg("seconds"), py::arg("every") = 0,
+      "tests: the host emulation of a GPU stalls its n-th copy or kernel from now (0: none), "
+      "then every `every`-th (0: only that one)");
   m.def("mpi_cuda_aware", &mpi_is_cuda_aware,
         "whether device pointers go to MPI directly (RINGREDUCE_CUDA_AWARE, else MPI's answer)");
   m.def("mpi_cuda_aware_reason", &mpi_cuda_aware_reason);
@@ -180,10 +203,11 @@ PYBIND11_MODULE(_core, m) {
       .def("allgather_recv_segment", &RingSchedule::allgather_recv_segment);
 
   py::class_<RingCommunicator>(m, "RingCommunicator")
-      .def(py::init([](uintptr_t comm_address) {
-             return new RingCommunicator(comm_from_address(comm_address));
+      .def(py::init([](uintptr_t comm_address, double timeout) {
+             py::gil_scoped_release nogil;
+             return new RingCommunicator(comm_from_address(comm_address), timeout);
            }),
-           py::arg("comm_address"))
+           py::arg("comm_address"), py::arg("timeout"))
       .def_property_readonly("rank", &RingCommunicator::rank)
       .def_property_readonly("size", &RingCommunicator::size)
       .def_property_readonly("closed", &RingCommunicator::closed)
@@ -212,8 +236,9 @@ PYBIND11_MODULE(_core, m) {
              const void* in = x.data();
              void* dst = out.mutable_data();
              const int64_t n = x.size();
-             py::gil_scoped_release nogil;
-             self.allreduce(in, dst, n, DType(dtype), Op(op), chunk_bytes);
+             keeping_on_timeout({x, out}, [&] {
+               self.allreduce(in, dst, n, DType(dtype), Op(op), chunk_bytes);
+             });
            })
       .def("reduce_scatter",
            [](RingCommunicator& self, py::array x, py::array work, int dtype, int op,
@@ -233,8 +258,9 @@ PYBIND11_MODULE(_core, m) {
              const void* in = x.data();
              void* dst = work.mutable_data();
              void* own = out ? out->mutable_data() : nullptr;
-             py::gil_scoped_release nogil;
-             self.reduce_scatter(in, dst, n, DType(dtype), Op(op), chunk_bytes, own);
+             keeping_on_timeout({x, work, out ? py::handle(*out) : py::handle()}, [&] {
+               self.reduce_scatter(in, dst, n, DType(dtype), Op(op), chunk_bytes, own);
+             });
            },
            py::arg("x"), py::arg("work"), py::arg("dtype"), py::arg("op"),
            py::arg("chunk_bytes"), py::arg("out") = py::none(),
@@ -250,10 +276,11 @@ PYBIND11_MODULE(_core, m) {
                                                static_cast<int64_t>(dtype_size(DType(dtype))),
                             Collective::AllGather, chunk_bytes, "x does not hold its rows");
              const void* rows_data = x ? x->data() : nullptr;
-             py::gil_scoped_release nogil;
-             return self.allgather_counts(rows, row_elems, shape_tag, DType(dtype), chunk_bytes,
-                                          device ? kDeviceMemory : kHostMemory, out_rows,
-                                          rows_data);
+             return keeping_on_timeout({x ? py::handle(*x) : py::handle()}, [&] {
+               return self.allgather_counts(rows, row_elems, shape_tag, DType(dtype),
+                                            chunk_bytes, device ? kDeviceMemory : kHostMemory,
+                                            out_rows, rows_data);
+             });
            },
            py::arg("rows"), py::arg("row_elems"), py::arg("shape_tag"), py::arg("dtype"),
            py::arg("chunk_bytes"), py::arg("out_rows") = -1, py::arg("device") = false,
@@ -273,13 +300,14 @@ PYBIND11_MODULE(_core, m) {
                           "x does not hold its rows, or the result does not hold its own");
              const void* rows_data = x.data();
              void* dst = into.mutable_data();
-             py::gil_scoped_release nogil;
-             std::vector<int64_t> counts =
-                 self.allgather_counts(rows, row_elems, shape_tag, DType(dtype), chunk_bytes,
-                                       kHostMemory, out_rows, rows_data);
-             const bool done =
-                 self.allgather_from_counts(dst, into_rows, counts, row_elems, DType(dtype));
-             return std::make_pair(std::move(counts), done);
+             return keeping_on_timeout({x, into}, [&] {
+               std::vector<int64_t> counts =
+                   self.allgather_counts(rows, row_elems, shape_tag, DType(dtype), chunk_bytes,
+                                         kHostMemory, out_rows, rows_data);
+               const bool done =
+                   self.allgather_from_counts(dst, into_rows, counts, row_elems, DType(dtype));
+               return std::make_pair(std::move(counts), done);
+             });
            })
       .def("allgather_confirm",
            [](RingCommunicator& self, bool ok, int64_t out_bytes) {
@@ -291,8 +319,9 @@ PYBIND11_MODULE(_core, m) {
               const std::vector<int64_t>& row_counts, int64_t row_elems, int dtype) {
              const void* in = x.data();
              void* dst = out.mutable_data();
-             py::gil_scoped_release nogil;
-             self.allgather(in, dst, row_counts, row_elems, DType(dtype));
+             keeping_on_timeout({x, out}, [&] {
+               self.allgather(in, dst, row_counts, row_elems, DType(dtype));
+             });
            })
       .def("broadcast",
            [](RingCommunicator& self, py::array buf, int dtype, int root, int64_t chunk_bytes) {
@@ -300,8 +329,7 @@ PYBIND11_MODULE(_core, m) {
              // has checked that every other rank's buffer is writeable.
              void* p = const_cast<void*>(buf.data());
              const int64_t n = buf.size();
-             py::gil_scoped_release nogil;
-             self.broadcast(p, n, DType(dtype), root, chunk_bytes);
+             keeping_on_timeout({buf}, [&] { self.broadcast(p, n, DType(dtype), root, chunk_bytes); });
            })
       .def("announce_invalid",
            [](RingCommunicator& self, int collective, int64_t chunk_bytes, bool device) {
@@ -357,8 +385,11 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("device_name", [](RingCommunicator& self) {
         return std::string(self.device_name());
       })
-      .def("close", [](RingCommunicator& self) {
-        py::gil_scoped_release nogil;
-        self.close();
-      });
+      .def("close",
+           [](RingCommunicator& self) {
+             py::gil_scoped_release nogil;
+             self.close();
+           })
+      .def("leave", &RingCommunicator::leave,
+           "stop using it on this rank only, and tell the others (see ring_communicator.h)");
 }

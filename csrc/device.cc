@@ -28,6 +28,7 @@ int64_t host_device_memory_limit = INT64_MAX;
 int64_t host_device_copy_fault = 0;
 int64_t host_device_stall = 0;
 double host_device_stall_s = 0;
+int64_t host_device_stall_every = 0;
 
 namespace {
 
@@ -39,8 +40,10 @@ namespace {
 // Every other call the copy-in stream instead runs as soon as it can, as a GPU's copy
 // engine racing ahead of its kernels would: then a buffer refilled too early shows.
 void stall_if_asked() {
-  if (host_device_stall > 0 && --host_device_stall == 0)
+  if (host_device_stall > 0 && --host_device_stall == 0) {
     std::this_thread::sleep_for(std::chrono::duration<double>(host_device_stall_s));
+    host_device_stall = host_device_stall_every;
+  }
 }
 
 class HostDevice final : public Device {

@@ -74,9 +74,11 @@ extern int64_t host_device_memory_limit;
 // after a faulted kernel does on a GPU; for tests.
 extern int64_t host_device_copy_fault;
 // When n > 0: HostDevice's n-th copy or kernel from now first sleeps
-// host_device_stall_s seconds, as a GPU stuck behind a long kernel would; for tests.
+// host_device_stall_s seconds, as a GPU stuck behind a long kernel would, and then
+// every host_device_stall_every-th after it (0: only that one), as a slow GPU; for tests.
 extern int64_t host_device_stall;
 extern double host_device_stall_s;
+extern int64_t host_device_stall_every;
 // CUDA on GPU `ordinal`; its errors name `rank`. Throws std::runtime_error when the
 // build has no CUDA.
 std::unique_ptr<Device> make_cuda_device(int ordinal, int rank);

@@ -5,9 +5,11 @@
 
 #include <mpi.h>
 
+#include <string>
 #include <vector>
 
 #include "transport.h"
+#include "waiting.h"
 
 namespace ringreduce {
 
@@ -17,7 +19,9 @@ void check_mpi(int rc, const char* call, int rank);
 
 class MpiTransport final : public Transport {
  public:
-  // Collective over user_comm (MPI_Comm_dup). MPI must already be initialised:
+  // Collective over user_comm (MPI_Comm_dup), untimed: giving up on a collective of the
+  // user's communicator would leave it pending there, and every later collective on that
+  // communicator would pair with the wrong call. MPI must already be initialised:
   // mpi4py owns MPI_Init and MPI_Finalize, never us.
   explicit MpiTransport(MPI_Comm user_comm);
   ~MpiTransport() override;
@@ -36,10 +40,30 @@ class MpiTransport final : public Transport {
   // throwing TimeoutError (<= 0: forever). They poll (MPI_Test) either way.
   void set_timeout(double seconds) { timeout_s_ = seconds; }
   double timeout() const { return timeout_s_; }
-  // After a timeout: cancels the receives still pending and frees the sends; keeps the
-  // pending header exchange's buffers for ever (MPI forbids freeing a collective's
-  // request); forgets the communicator, as freeing it would wait for the missing rank.
-  void abandon();
+  // The communicator's header exchange this rank is in, or whose ring it runs:
+  // departures are judged against it (DepartureNote::holds_up).
+  void set_exchange(int64_t n) { exchange_number_ = n; }
+  // This rank stops using the communicator for good, having seen `completed` exchanges
+  // through: sends every other rank a notice on a tag of its own, cancels the receives
+  // still pending and frees the sends (whose buffers the caller must keep: MPI still
+  // reads them if the neighbour comes); keeps the pending header exchange's buffers for
+  // ever (MPI forbids freeing a collective's request); forgets the communicator, as
+  // freeing it would wait for the ranks still in a call.
+  void leave(Departure why, int64_t completed);
+  // Throws TimeoutError if a rank that holds up the current exchange has sent its
+  // notice. Waits check now and then; a ring call checks once at its end, as the
+  // pending sends of a rank that left mid-call can complete a late rank's receives
+  // with data the caller may have changed since.
+  void check_departures() override;
+  // check_departures() if messages were sent or received since the last check (so
+  // calls that did not use this wire pay nothing).
+  void check_departures_after_use() {
+    if (used_) {
+      used_ = false;
+      check_departures();
+    }
+  }
+  bool anyone_departed();  // at any point
 
   MPI_Comm comm() const { return comm_; }
   int64_t bytes_sent() const { return bytes_sent_; }  // by send_right, ever
@@ -50,7 +74,8 @@ class MpiTransport final : public Transport {
 
  private:
   void check(int rc, const char* call) const { check_mpi(rc, call, rank_); }
-  int wrap_tag(int tag) const { return tag % (tag_ub_ + 1); }
+  // Ring tags stay below tag_ub_, which departure notices use.
+  int wrap_tag(int tag) const { return tag % tag_ub_; }
 
   MPI_Comm comm_ = MPI_COMM_NULL;
   int rank_ = 0;
@@ -58,6 +83,8 @@ class MpiTransport final : public Transport {
   int tag_ub_ = 32767;  // the least MPI guarantees; replaced by the real bound
   // Polls request until it completes (true), or until the timeout passes (false).
   bool wait_patiently(MPI_Request* request, const char* call);
+  // "waited 1800 s (the timeout) for every rank to <what> ...".
+  std::string joining_timeout_text(const char* what) const;
 
   std::vector<MPI_Request> requests_;  // Request = index; reset by wait_all()
   std::vector<bool> is_send_;          // ... and whether each is a send (for messages)
@@ -65,6 +92,10 @@ class MpiTransport final : public Transport {
   std::vector<char> exchange_send_, exchange_recv_;  // ... and its buffers
   int64_t bytes_sent_ = 0;
   double timeout_s_ = 0;
+  bool used_ = false;  // messages posted since the last check_departures_after_use()
+  int64_t exchange_number_ = 0;          // see set_exchange()
+  std::vector<DepartureNote> departures_;  // every notice received
+  void receive_notices();
 };
 
 }  // namespace ringreduce

@@ -18,6 +18,7 @@ const char* collective_name(Collective c) {
     case Collective::ReduceScatter: return "reduce_scatter";
     case Collective::AllGather: return "allgather";
     case Collective::Broadcast: return "broadcast";
+    case Collective::Close: return "close";
   }
   return "<unknown collective>";
 }
@@ -73,11 +74,13 @@ int64_t RingCommunicator::inline_capacity_for(int ranks, bool shm) {
   return std::max<int64_t>(64, std::min<int64_t>(most, budget / (ranks - 1)) / 16 * 16);
 }
 
-RingCommunicator::RingCommunicator(MPI_Comm user_comm)
+RingCommunicator::RingCommunicator(MPI_Comm user_comm, double timeout_s)
     : transport_(std::make_unique<MpiTransport>(user_comm)) {
+  transport_->set_timeout(timeout_s);
   const int p = size();
   shm_ = ShmChannel::create(transport_->comm(), kShmSlotBytes, kShmSlots,
                             sizeof(CallHeader) + inline_capacity_for(p, true));
+  if (shm_) shm_->set_timeout(timeout_s);
   inline_capacity_ = inline_capacity_for(p, shm_ != nullptr);
   if (!shm_) {
     outgoing_.assign(slot_bytes(), 0);
@@ -187,11 +190,45 @@ void RingCommunicator::give_up(const char* collective, const TimeoutError& e) {
   gave_up_ = true;
   broken_ = std::string("ringreduce.") + collective + " (rank " + std::to_string(rank()) +
             " of " + std::to_string(size()) + "): " + e.what();
-  if (shm_) shm_->abandon();
-  transport_->abandon();
+  depart(anyone_departed() ? Departure::Followed : Departure::GaveUp);
   throw TimeoutError(broken_ +
                      ". This Communicator can no longer be used on this rank; to go on, make a "
                      "new one on every rank (Communicator(timeout=...) sets the timeout)");
+}
+
+void RingCommunicator::depart(Departure why) {
+  if (departed_) return;
+  departed_ = true;
+  // A call that failed here was not seen through, so the ranks still in it are held up.
+  const int64_t completed = exchanges_ - (gave_up_ || !broken_.empty() ? 1 : 0);
+  if (shm_) shm_->leave(why, completed);
+  transport_->leave(why, completed);
+}
+
+void RingCommunicator::begin_exchange() {
+  ++exchanges_;
+  if (shm_) shm_->set_exchange(exchanges_);
+  transport_->set_exchange(exchanges_);
+}
+
+void RingCommunicator::leave() {
+  if (closed_) return;
+  closed_ = true;
+  if (size() > 1) depart(Departure::Left);
+}
+
+bool RingCommunicator::anyone_departed() {
+  return (shm_ && shm_->anyone_departed()) || transport_->anyone_departed();
+}
+
+RingCommunicator::~RingCommunicator() {
+  if (!departed_) return;
+  // MPI may still read (sends) or write (a receive it could not cancel) these whenever
+  // a late rank comes: they must outlive everything, so they are leaked.
+  scratch_.release();
+  host_mirror_.release();
+  device_scratch_.release();
+  device_.release();
 }
 
 int64_t RingCommunicator::chunk_elems(int64_t chunk_bytes, size_t elem_size) const {
@@ -224,6 +261,7 @@ int64_t RingCommunicator::agree(const CallHeader& mine, std::vector<CallHeader>*
   if (p == 1) {
     headers_[0] = sent;
   } else if (shm_) {
+    begin_exchange();
     char* board = shm_->next_board();
     std::memcpy(board, &sent, sizeof(CallHeader));
     if (payload_bytes > 0) std::memcpy(board + sizeof(CallHeader), payload, payload_bytes);
@@ -235,6 +273,7 @@ int64_t RingCommunicator::agree(const CallHeader& mine, std::vector<CallHeader>*
     if (payload_bytes > 0)
       std::memcpy(outgoing_.data() + sizeof(CallHeader), payload, payload_bytes);
     // Only the bytes in use need to be right; the rest of the slot is ignored.
+    begin_exchange();
     guarded(collective, [&] {
       transport_->allgather_bytes(outgoing_.data(), exchange_.data(), static_cast<int>(slot));
     });
@@ -452,6 +491,7 @@ void RingCommunicator::confirm_everywhere(bool ok, const char* collective,
   check_usable();
   std::vector<int> everyone(size());
   const int mine = ok ? 1 : 0;
+  begin_exchange();
   guarded(collective, [&] { transport_->allgather_bytes(&mine, everyone.data(), sizeof(int)); });
   std::vector<int> failed;
   for (int r = 0; r < size(); ++r)
@@ -566,7 +606,24 @@ void RingCommunicator::broadcast_host(const CallHeader& header, void* buf) {
 
 void RingCommunicator::close() {
   if (closed_) return;
+  if (!departed_ && broken_.empty() && size() > 1) {
+    // Freeing the window waits for every rank to free it, and a rank that will never
+    // come would leave us there for good: first every rank says it is closing, within
+    // the timeout, and the window is freed only once all have.
+    try {
+      agree(make_header(Collective::Close, DType::Float32, Op::Sum, 0, kDefaultChunkBytes));
+    } catch (const MismatchError&) {
+      closed_ = true;
+      depart(Departure::Left);  // the others are in a collective this rank never joins
+      throw;
+    } catch (const TimeoutError&) {
+      closed_ = true;
+      if (anyone_departed()) return;  // nothing left to free together with them
+      throw;
+    }
+  }
   closed_ = true;
+  if (departed_) return;  // frees nothing that would wait for the others
   release_device();
   if (shm_) shm_->free();
   transport_->free();

@@ -30,7 +30,14 @@
 
 namespace ringreduce {
 
-enum class Collective : int64_t { AllReduce = 1, ReduceScatter = 2, AllGather = 3, Broadcast = 4 };
+// Close is not a collective users call, but close() agrees on it as on one.
+enum class Collective : int64_t {
+  AllReduce = 1,
+  ReduceScatter = 2,
+  AllGather = 3,
+  Broadcast = 4,
+  Close = 5
+};
 const char* collective_name(Collective c);
 
 // Exchanged before every call; all fields are int64 so the layout is the same on
@@ -107,7 +114,9 @@ class RingCommunicator {
   // rank's and reduces all p, so the limit shrinks as 1/(p-1) beyond a few ranks.
   static int64_t inline_capacity_for(int ranks, bool shm);
 
-  explicit RingCommunicator(MPI_Comm user_comm);
+  // Collective over user_comm, and untimed (see MpiTransport); timeout_s: see set_timeout().
+  RingCommunicator(MPI_Comm user_comm, double timeout_s);
+  ~RingCommunicator();
 
   int rank() const { return transport_->rank(); }
   // "shared memory" when every rank is on one node (and RINGREDUCE_SHM is not 0): calls
@@ -206,13 +215,20 @@ class RingCommunicator {
   void announce_invalid(Collective collective, int64_t chunk_bytes,
                         int64_t memory = kHostMemory);
 
-  // Frees the duplicate communicator (collective). Later calls raise.
+  // Frees the duplicate communicator and the shared-memory window (collective). Every
+  // rank first says it is closing, within the timeout: if a rank has left (see
+  // Departure), this frees nothing and returns; if one called a collective instead,
+  // all raise MismatchError; if one does not come, TimeoutError. Later calls raise.
   void close();
   bool closed() const { return closed_; }
+  // Stops using the communicator on this rank only, and tells the others (Departure::
+  // Left), so that their waits on this rank raise at once and their close() frees
+  // nothing that would wait for it. For a rank that will not close() with the others
+  // (an exception on its way out).
+  void leave();
   // How long a call waits for another rank (to join it, or to move the next chunk)
   // before throwing TimeoutError; <= 0: forever. After a timeout every later call
-  // throws it again, and close() on this rank frees nothing that would wait for other
-  // ranks (the ranks that did not time out still do: a known gap, docs/api.md).
+  // throws it again, and this rank has left (see Departure).
   double timeout() const { return transport_->timeout(); }
   void set_timeout(double seconds);
 
@@ -245,6 +261,9 @@ class RingCommunicator {
   void guarded(const char* collective, F&& body) {
     try {
       body();
+      // A rank that left mid-call can have completed our receives from its pending
+      // sends, with data its caller may have changed since: say so, not return it.
+      transport_->check_departures_after_use();
     } catch (const MismatchError&) {
       throw;  // raised before anything moved
     } catch (const TimeoutError& e) {
@@ -254,10 +273,15 @@ class RingCommunicator {
       throw;
     }
   }
-  // After a TimeoutError in `collective`: this communicator is done for. Tells the
-  // other ranks (through shared memory), leaves what MPI still holds to
-  // MPI_Finalize, and rethrows with the call and the rank in the message.
+  // After a TimeoutError in `collective`: this communicator is done for. Leaves it
+  // (depart()) and rethrows with the call and the rank in the message.
   [[noreturn]] void give_up(const char* collective, const TimeoutError& e);
+  // Tells the other ranks this one has left, and leaves what MPI still holds to
+  // MPI_Finalize; from then on nothing this rank sent from or received into is freed.
+  void depart(Departure why);
+  // Before each header exchange, on either wire: counts it, and tells the wires.
+  void begin_exchange();
+  bool anyone_departed();
   void check_root(int root) const;  // std::invalid_argument unless a rank
   int64_t chunk_elems(int64_t chunk_bytes, size_t elem_size) const;
 
@@ -346,6 +370,8 @@ class RingCommunicator {
   bool closed_ = false;
   std::string broken_;  // set when an MPI error left messages in flight
   bool gave_up_ = false;  // ... after a timeout (see give_up())
+  bool departed_ = false;  // this rank has left (depart())
+  int64_t exchanges_ = 0;  // header exchanges begun (begin_exchange())
   int64_t pending_allgather_chunk_bytes_ = kDefaultChunkBytes;  // from allgather_counts()
   int64_t pending_allgather_host_limit_ = 0;  // GPU allgather: the agreed host limit
   bool pending_allgather_inline_ = false;  // ... and whether the rows came with the counts

@@ -14,6 +14,9 @@ namespace ringreduce {
 namespace {
 
 constexpr int64_t kCounterBytes = 128;  // each counter on its own pair of cache lines
+// The departure word shares the exchange counter's pair, on the second line: it is
+// written once, when its rank leaves.
+constexpr int64_t kDepartureAt = 2 * kCounterBytes + 64;
 
 bool shm_disabled_by_environment() {
   const char* value = std::getenv("RINGREDUCE_SHM");
@@ -54,7 +57,8 @@ std::unique_ptr<ShmChannel> ShmChannel::create(MPI_Comm comm, int64_t slot_bytes
   check_mpi(MPI_Info_create(&info), "MPI_Info_create", rank);
   MPI_Info_set(info, "alloc_shared_noncontig", "true");  // each rank's part on its own pages
   void* base = nullptr;
-  // Per rank: three counters (published, consumed, exchanged), two boards, the slots.
+  // Per rank: three counters (published, consumed, exchanged; the departure word beside
+  // the last), two boards, the slots.
   const MPI_Aint bytes = kCounterBytes * 3 + channel->board_stride_ * 2 + slot_bytes * slots;
   const int rc = MPI_Win_allocate_shared(bytes, 1, info, node, &base, &channel->win_);
   MPI_Info_free(&info);
@@ -75,6 +79,7 @@ std::unique_ptr<ShmChannel> ShmChannel::create(MPI_Comm comm, int64_t slot_bytes
   for (int r = 0; r < size; ++r) {
     parts[r] = r == rank ? static_cast<char*>(base) : query(r);
     channel->exchanged_.push_back(reinterpret_cast<const uint64_t*>(parts[r] + 2 * kCounterBytes));
+    channel->departures_.push_back(reinterpret_cast<const uint64_t*>(parts[r] + kDepartureAt));
     channel->boards_.push_back(parts[r] + 3 * kCounterBytes);
   }
   char* mine = parts[rank];
@@ -90,6 +95,8 @@ std::unique_ptr<ShmChannel> ShmChannel::create(MPI_Comm comm, int64_t slot_bytes
   __atomic_store_n(channel->my_consumed_, 0, __ATOMIC_RELEASE);
   channel->my_exchanged_ = reinterpret_cast<uint64_t*>(mine + 2 * kCounterBytes);
   __atomic_store_n(channel->my_exchanged_, 0, __ATOMIC_RELEASE);
+  channel->my_departure_ = reinterpret_cast<uint64_t*>(mine + kDepartureAt);
+  __atomic_store_n(channel->my_departure_, 0, __ATOMIC_RELEASE);
   // A passive-target epoch for the window's lifetime, as MPI's memory model asks for
   // direct load/store access; the counters' atomics do the actual ordering.
   check_mpi(MPI_Win_lock_all(MPI_MODE_NOCHECK, channel->win_), "MPI_Win_lock_all", rank);
@@ -123,27 +130,47 @@ void ShmChannel::exchange() {
   StallTimer timer(timeout_s_);
   for (int r = 0; r < p; ++r) {
     int idle = 0;
-    uint64_t theirs;
-    while ((theirs = __atomic_load_n(exchanged_[r], __ATOMIC_ACQUIRE)) < exchanges_) {
+    while (__atomic_load_n(exchanged_[r], __ATOMIC_ACQUIRE) < exchanges_) {
       back_off(&idle);
+      if (timer.checking()) check_departures();  // a rank we are not waiting on yet
       if (timer.expired()) {
+        check_departures();  // the better reason, if both
         const std::vector<int> missing = ranks_where([&](uint64_t n) { return n < exchanges_; });
         throw TimeoutError(describe_ranks(missing) + (missing.size() == 1 ? " has" : " have") +
                            " not joined this call within " + seconds_text(timeout_s_) +
                            " (the timeout): a rank skipped the call, or is stuck before it");
       }
     }
-    if (theirs == kAbandoned) {
-      const std::vector<int> gone = ranks_where([](uint64_t n) { return n == kAbandoned; });
-      throw TimeoutError(describe_ranks(gone) +
-                         (gone.size() == 1 ? " has given up on this communicator (a timeout there)"
-                                           : " have given up on this communicator (timeouts there)"));
-    }
   }
 }
 
-void ShmChannel::abandon() {
-  __atomic_store_n(my_exchanged_, kAbandoned, __ATOMIC_RELEASE);
+DepartureNote ShmChannel::departure(int r) const {
+  DepartureNote note;
+  const uint64_t word = __atomic_load_n(departures_[r], __ATOMIC_ACQUIRE);
+  if (word != 0) {
+    note.rank = r;
+    note.why = static_cast<Departure>(word & 3);
+    note.completed = static_cast<int64_t>(word >> 2);
+  }
+  return note;
+}
+
+void ShmChannel::check_departures() const {
+  DepartureNote reported;
+  for (int r = 0; r < static_cast<int>(departures_.size()); ++r)
+    reported.prefer(departure(r), exchange_);
+  if (reported.holds_up(exchange_)) throw TimeoutError(reported.text());
+}
+
+bool ShmChannel::anyone_departed() const {
+  for (int r = 0; r < static_cast<int>(departures_.size()); ++r)
+    if (departure(r).rank >= 0) return true;
+  return false;
+}
+
+void ShmChannel::leave(Departure why, int64_t completed) {
+  const uint64_t word = (static_cast<uint64_t>(completed) << 2) | static_cast<uint64_t>(why);
+  __atomic_store_n(my_departure_, word, __ATOMIC_RELEASE);
   win_ = MPI_WIN_NULL;
 }
 
@@ -204,7 +231,10 @@ void ShmChannel::run_phase(const RingSchedule& sched, size_t elem_size, Phase ph
       timer.progressed();
     } else {
       back_off(&idle);
+      // A neighbour that left never moves again; nor, then, does the ring.
+      if (timer.checking()) check_departures();
       if (timer.expired()) {
+        check_departures();
         const bool receiving = next_recv < recvs.size();
         throw TimeoutError(neighbour_timeout_text(
             timeout_s_, receiving ? sched.left() : sched.right(), receiving));

@@ -24,6 +24,7 @@
 
 #include "dtype.h"
 #include "ring_schedule.h"
+#include "waiting.h"
 
 namespace ringreduce {
 
@@ -50,10 +51,16 @@ class ShmChannel {
   // Waits on another rank throw TimeoutError after this many seconds without progress
   // (<= 0: never).
   void set_timeout(double seconds) { timeout_s_ = seconds; }
-  // After a timeout on this rank: tells every rank's next exchange() that this one has
-  // given up, and leaves the window to MPI_Finalize (freeing it would wait for the
-  // missing rank).
-  void abandon();
+  // The communicator's header exchange this rank is in, or whose ring it runs (counted
+  // over both wires): departures are judged against it (DepartureNote::holds_up).
+  void set_exchange(int64_t n) { exchange_ = n; }
+  // This rank stops using the channel for good, having seen `completed` exchanges
+  // through: tells every rank's waits, through a word of its own in the window, and
+  // leaves the window to MPI_Finalize (freeing it would wait for the ranks in a call).
+  void leave(Departure why, int64_t completed);
+  // Throws TimeoutError if a rank that holds up the current exchange has left.
+  void check_departures() const;
+  bool anyone_departed() const;  // at any point
 
   // An all-gather through the boards: fill next_board() (at most board_bytes), then
   // exchange() posts it and returns when every rank has posted theirs. Every rank must
@@ -61,13 +68,14 @@ class ShmChannel {
   // r's board of the latest exchange; it stays valid until this rank's next exchange().
   char* next_board() const { return board(rank_, (exchanges_ + 1) % 2); }
   // Throws TimeoutError naming the ranks that have not posted after the timeout, and
-  // on every rank once one has given up (abandon()).
+  // on every rank once one has left (leave()).
   void exchange();
   const char* posted(int r) const { return board(r, exchanges_ % 2); }
 
  private:
   ShmChannel() = default;
-  static constexpr uint64_t kAbandoned = ~uint64_t{0};  // an exchange count: gave up
+  // Rank r's departure word: 0 while it is in; else (completed << 2) | why.
+  DepartureNote departure(int r) const;
   // Two boards per rank, used by alternate exchanges: before a rank may overwrite the
   // board of exchange n, every rank must have read it, which they all have once each
   // has posted exchange n+1, and we waited for that before starting n+2.
@@ -94,6 +102,9 @@ class ShmChannel {
   std::vector<char*> boards_;                 // each rank's two boards
   std::vector<const uint64_t*> exchanged_;    // each rank's count of posted exchanges
   uint64_t* my_exchanged_ = nullptr;
+  std::vector<const uint64_t*> departures_;   // each rank's departure word
+  uint64_t* my_departure_ = nullptr;
+  int64_t exchange_ = 0;  // see set_exchange()
   int64_t board_stride_ = 0;
   int rank_ = 0;
   uint64_t exchanges_ = 0;

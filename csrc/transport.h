@@ -23,6 +23,9 @@ class Transport {
   virtual void wait(Request request) = 0;
   virtual bool test(Request request) = 0;  // true once complete; never blocks
   virtual void wait_all() = 0;  // every request still pending
+  // Throws TimeoutError if another rank has told us it left the communicator (see
+  // Departure in waiting.h); for loops that poll with test().
+  virtual void check_departures() {}
 
   static constexpr int64_t kMaxMessageBytes = int64_t{1} << 30;
 };

@@ -2,7 +2,8 @@
 // waits on another rank (the header exchange, a ring phase, an MPI request) asks its
 // StallTimer on each idle turn, and gives up with TimeoutError once the communicator's
 // timeout has passed: a rank that never joins a call must not leave the others waiting
-// forever.
+// forever. Now and then (StallTimer::checking()) it also looks for a rank that has told
+// the others it left the communicator (see Departure), and raises at once if one has.
 #pragma once
 
 #include <sched.h>
@@ -22,7 +23,7 @@ class StallTimer {
   // An idle turn. Reads the clock only every kTurnsPerCheck turns (the first read
   // starts the stall), so a loop that waits a few hundred cycles never reads it.
   bool expired() {
-    if (seconds_ <= 0 || ++turns_ % kTurnsPerCheck != 0) return false;
+    if (++turns_ % kTurnsPerCheck != 0 || seconds_ <= 0) return false;
     const auto now = std::chrono::steady_clock::now();
     if (!started_) {
       started_ = true;
@@ -31,6 +32,9 @@ class StallTimer {
     }
     return std::chrono::duration<double>(now - since_).count() > seconds_;
   }
+  // Whether the last idle turn was one of those every kTurnsPerCheck (with or without
+  // a timeout): when a waiting loop also looks for ranks that have left (departures).
+  bool checking() const { return turns_ % kTurnsPerCheck == 0; }
   void progressed() {
     started_ = false;
     turns_ = 0;
@@ -55,6 +59,42 @@ inline void back_off(int* idle) {
     sched_yield();
   }
 }
+
+// Why a rank stopped using a communicator for good, as it tells the others (with a
+// DepartureNote): every rank that then waits on it raises TimeoutError instead of
+// waiting out its timeout, and close() on those ranks frees nothing that would wait for it.
+enum class Departure : int {
+  GaveUp = 1,    // a timeout there
+  Left = 2,      // an exception left its `with` block, or close() met a collective
+  Followed = 3,  // it learnt that another rank had left (messages name that one first)
+};
+
+// What a rank that left tells the others: why, and how many of the communicator's
+// header exchanges it saw through (the work after the last one included). A rank in
+// exchange n, or in the ring after it, has lost that rank only if it saw through fewer
+// than n: a rank that finished a call and then left holds up no one finishing that call.
+struct DepartureNote {
+  int rank = -1;  // -1: none
+  Departure why = Departure::GaveUp;
+  int64_t completed = 0;
+
+  bool holds_up(int64_t exchange) const { return rank >= 0 && completed < exchange; }
+  // Between two notes that hold up `exchange`, the one to report: the first that did
+  // not merely follow another (it names the rank where things went wrong).
+  void prefer(const DepartureNote& other, int64_t exchange) {
+    if (!other.holds_up(exchange)) return;
+    if (!holds_up(exchange) || (why == Departure::Followed && other.why != Departure::Followed))
+      *this = other;
+  }
+  std::string text() const {
+    const char* what =
+        why == Departure::GaveUp ? " has given up on this communicator (a timeout there)"
+        : why == Departure::Left ? " has left this communicator (an error there, or close() "
+                                   "where this rank called a collective)"
+                                 : " has left this communicator, after another rank did";
+    return "rank " + std::to_string(rank) + what;
+  }
+};
 
 // "1.5 s", "1800 s": a timeout as messages print it.
 inline std::string seconds_text(double seconds) {

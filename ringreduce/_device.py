@@ -16,6 +16,7 @@ import numpy as np
 
 from . import _core
 from . import _types as t
+from ._arrays import keeping_on_timeout
 
 
 # Tests only: run the core's host emulation of a GPU (see csrc/device.h), so that this
@@ -210,8 +211,9 @@ def prepare_allgather(comm, context, x, out):
         except Exception as error:  # cupy's OutOfMemoryError is a MemoryError
             failure = error
         try:
-            core.allgather_device(source_now.data.ptr, 0 if result is None else result.data.ptr,
-                                  counts, row_elems, dtype, failure is None, *launch.args())
+            keeping_on_timeout(lambda: core.allgather_device(
+                source_now.data.ptr, 0 if result is None else result.data.ptr, counts,
+                row_elems, dtype, failure is None, *launch.args()), source_now, result)
         except MemoryError:
             if failure is not None:
                 raise failure from None

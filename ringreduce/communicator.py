@@ -23,6 +23,7 @@ from mpi4py import MPI
 from . import _core
 from . import _device
 from . import _types as t
+from ._arrays import keeping_on_timeout
 
 _COLLECTIVES = dict(_core.COLLECTIVES)
 _CONFIRM_BYTES = 1 << 20  # allgather outputs at least this big are confirmed (see below)
@@ -126,7 +127,7 @@ class _Work:
 
     def execute(self):
         try:
-            self.result = self.run()
+            self.result = keeping_on_timeout(self.run)
         except BaseException as error:  # handed to whoever waits
             self.error = error
         self.finished.set()
@@ -215,22 +216,26 @@ def _checked_chunk_bytes(value) -> int:
     return int(value)
 
 
-def _default_timeout() -> float | None:
-    text = os.environ.get("RINGREDUCE_TIMEOUT")
-    if text is None:
-        return 1800.0
-    try:
-        value = float(text)
-    except ValueError:
-        raise ValueError(f"RINGREDUCE_TIMEOUT must be a number of seconds (0: no timeout), "
-                         f"got {text!r}") from None
-    return value if value > 0 else None
-
-
 # Half an hour, as torch.distributed's default: long enough for any real wait (a rank
 # saving a checkpoint while the others reach the next allreduce), short enough that a
 # job with a rank that will never come fails with a message instead of hanging.
-DEFAULT_TIMEOUT = _default_timeout()
+DEFAULT_TIMEOUT = 1800.0
+_FROM_ENVIRONMENT = object()  # Communicator's default timeout: see _default_timeout()
+
+
+def _default_timeout() -> float | None:
+    """RINGREDUCE_TIMEOUT, read when a Communicator is made (0: none), or DEFAULT_TIMEOUT."""
+    text = os.environ.get("RINGREDUCE_TIMEOUT")
+    if text is None:
+        return DEFAULT_TIMEOUT
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:  # NaN too
+        raise ValueError(f"RINGREDUCE_TIMEOUT must be a number of seconds >= 0 (0: no "
+                         f"timeout), got {text!r}")
+    return value or None
 
 
 def _checked_timeout(value) -> float:
@@ -259,7 +264,7 @@ class Communicator:
     """
 
     def __init__(self, comm=None, *, chunk_bytes: int | None = None,
-                 timeout: float | None = DEFAULT_TIMEOUT):
+                 timeout: float | None = _FROM_ENVIRONMENT):
         if comm is None:
             comm = MPI.COMM_WORLD
         if isinstance(comm, Communicator):
@@ -275,10 +280,11 @@ class Communicator:
         # Checked before the collective part, so that a bad value leaves nothing behind.
         self._chunk_bytes = (_core.DEFAULT_CHUNK_BYTES if chunk_bytes is None
                              else _checked_chunk_bytes(chunk_bytes))
+        if timeout is _FROM_ENVIRONMENT:
+            timeout = _default_timeout()
         timeout = _checked_timeout(timeout)
         self._mpi_comm = comm
-        self._core = _core.RingCommunicator(MPI._addressof(comm))
-        self._core.timeout = timeout
+        self._core = _core.RingCommunicator(MPI._addressof(comm), timeout)
         self.rank: int = self._core.rank
         self.size: int = self._core.size
         self._executor = _Executor(threaded=MPI.Query_thread() == MPI.THREAD_MULTIPLE)
@@ -469,7 +475,17 @@ class Communicator:
             return
         # An exception is leaving the block, maybe on this rank only, while the others
         # wait in a collective: freeing (collective) here could hang the job where it
-        # should fail. So only stop using it; MPI_Finalize frees it.
+        # should fail. So only stop using it, and tell the others, whose waits on this
+        # rank then raise at once (and whose close() frees nothing); MPI_Finalize frees it.
+        # (Not while a collective of ours runs on the worker thread: the core is not
+        # thread-safe. That one ends, or times out, which tells the others too.)
+        executor = self._executor
+        if not self._closed and not MPI.Is_finalized() and executor.running.acquire(False):
+            try:
+                if not executor.queue:
+                    self._core.leave()
+            finally:
+                executor.running.release()
         self._abandon()
 
     def _abandon(self) -> None:
@@ -515,7 +531,7 @@ class Communicator:
             # the worker from starting a newly queued item meanwhile.
             with executor.running:
                 if not executor.queue:
-                    return run()
+                    return keeping_on_timeout(run)
         work = _Work(run)
         executor.submit(work)
         handle = Handle(work)

@@ -4,7 +4,7 @@ import pytest
 from mpi4py import MPI
 
 import ringreduce as rr
-from ringreduce import reference
+from ringreduce import communicator, reference
 
 from helpers import (BFLOAT16, COMBOS, around_inline_limit, bitwise_equal,
                      check_against_float64, combo_id, exact_integer_reduce, rank_data,
@@ -119,6 +119,23 @@ def test_small_allgather_is_one_step_when_the_ranks_rows_match_the_guess(world):
             one_step = out is not None or rows * SIZE == total  # out= has the true size
             assert ("allgather" in core.calls) != one_step, (rows, out is None, core.calls)
         ring._core = core.core
+
+
+@pytest.mark.skipif(SIZE == 1, reason="one rank has no header exchange")
+def test_small_allgather_guesses_only_below_the_confirmed_size(world, monkeypatch):
+    # Rank 0 passes an out= of the right size; the others guess wrong (their rows
+    # differ). Results of _CONFIRM_BYTES or more are confirmed by every rank, so rank 0
+    # must not finish in one step there, or the others would wait for its confirmation
+    # (here: raise after the timeout). Lowered, to put small calls on either side of it.
+    total = SIZE * (SIZE + 1) // 2
+    monkeypatch.setattr(communicator, "_CONFIRM_BYTES", total * 16)
+    with rr.Communicator(timeout=10) as ring:
+        for row_elems in (1, 4):  # results below, then above the confirmed size
+            x = rank_data(np.dtype(np.float64), (RANK + 1) * row_elems, salt=11)
+            x = x.reshape(RANK + 1, row_elems)
+            out = np.empty((total, row_elems)) if RANK == 0 else None
+            g = ring.allgather(x, out=out)
+            assert bitwise_equal(g, np.concatenate(world.allgather(x))), row_elems
 
 
 def test_allgather_of_scalars_and_module_level(comm, world):

@@ -3,8 +3,10 @@ others waiting forever: after the Communicator's timeout they raise
 CollectiveTimeoutError saying whom they waited for, and a rank that joins late learns
 that the others gave up. Each test makes its own Communicator, as a timeout leaves it
 unusable, and waits for every rank (world.Barrier) before the next test starts."""
+import gc
 import os
 import time
+import weakref
 
 import numpy as np
 import pytest
@@ -18,6 +20,10 @@ RANK = MPI.COMM_WORLD.Get_rank()
 TIMEOUT = 0.5
 FLOAT32 = _core.DTYPES.index("float32")
 SUM = rr.OPS.index("sum")
+
+# What a rank waiting in the ring says: it waited for a neighbour, or (on 3 ranks or
+# more) another rank gave up first and said so.
+RING_WAIT = r"neighbour\) to (send|take) a chunk|rank \d+ has given up"
 
 needs_two = pytest.mark.skipif(SIZE == 1, reason="needs another rank to wait for")
 
@@ -64,18 +70,29 @@ def test_a_rank_that_never_joins_a_call_makes_the_others_raise(wire, world, monk
         world.Barrier()
     else:
         world.Barrier()  # rank 0 has given up by now; this rank comes late
-        if wire == "shared memory":
-            # Rank 0 said so on its board: no rank waits for it, none goes on (and a
-            # rank that gave up for that reason says so too).
-            with pytest.raises(rr.CollectiveTimeoutError,
-                               match=r"ranks? 0\b.* ha(s|ve) given up on this communicator"):
-                ring.allreduce(x)
+        # Rank 0's share of the header exchange is still there (its board, or its
+        # pending MPI_Iallgather): a call small enough to be done in it can complete,
+        # with rank 0's data as it was then, unless this rank learns first that rank 0
+        # left (as it does while it waits for a later rank). Either way, the next call
+        # raises, saying so.
+        try:
+            result = ring.allreduce(x)
+        except rr.CollectiveTimeoutError as error:
+            assert "rank 0 has given up on this communicator" in str(error)
         else:
-            # Over MPI, rank 0's share of the header exchange is still posted: a call
-            # small enough to be done in it completes, with rank 0's data.
-            np.testing.assert_array_equal(ring.allreduce(x), np.full(4, SIZE * (SIZE + 1) / 2))
-        ring._abandon()
+            np.testing.assert_array_equal(result, np.full(4, SIZE * (SIZE + 1) / 2))
+        with pytest.raises(rr.CollectiveTimeoutError, match=r"rank \d+ has given up"):
+            ring.allreduce(x)
+        closes_at_once(ring)  # frees nothing that would wait for rank 0
     world.Barrier()
+
+
+def closes_at_once(ring):
+    """close() returns, without waiting for ranks that have left."""
+    start = time.monotonic()
+    ring.close()
+    assert ring.closed
+    assert time.monotonic() - start < 5
 
 
 @needs_two
@@ -93,19 +110,133 @@ def test_a_rank_that_stops_inside_the_ring_makes_its_neighbours_raise(wire, worl
     stopper = SIZE - 1
     if RANK == stopper:
         world.Barrier()
-        with pytest.raises(rr.CollectiveTimeoutError, match="neighbour"):
+        # The others left, and said so: no waiting for the timeout here.
+        start = time.monotonic()
+        with pytest.raises(rr.CollectiveTimeoutError, match=r"rank \d+ has given up"):
             core.allgather(x, out, counts, x.size, FLOAT32)
+        assert time.monotonic() - start < TIMEOUT
     else:
-        message = waited_for(r"neighbour\) to (send|take) a chunk",
-                             lambda: core.allgather(x, out, counts, x.size, FLOAT32))
+        message = waited_for(RING_WAIT, lambda: core.allgather(x, out, counts, x.size, FLOAT32))
         assert message.startswith(f"ringreduce.allgather (rank {RANK} of {SIZE}): ")
         if RANK == 0:
             assert (f"rank {stopper} (the left neighbour) to send a chunk" in message
-                    or "rank 1 (the right neighbour) to take a chunk" in message), message
+                    or "rank 1 (the right neighbour) to take a chunk" in message
+                    or "has given up" in message), message
         world.Barrier()
     with pytest.raises(rr.CollectiveTimeoutError, match="gave up earlier"):
         ring.allreduce(x)
+    closes_at_once(ring)
+    world.Barrier()
+
+
+@needs_two
+def test_a_late_rank_never_completes_a_call_the_others_gave_up(world, monkeypatch):
+    # Over MPI, the ranks that gave up leave their sends with MPI. Rows small enough to
+    # be sent eagerly (but not in the header: no x with the counts) let a late rank's
+    # receives complete from them; it must still raise, not return a result that the
+    # others' callers may be changing under MPI's feet.
+    ring = a_ring_over("MPI", monkeypatch, chunk_bytes=1024)
+    x = np.full(256, RANK + 1, np.float32)
+    core = ring._core
+    counts = core.allgather_counts(1, x.size, hash((x.size,)) & 0x7FFFFFFFFFFFFFFF, FLOAT32,
+                                   1024, -1, False)
+    out = np.zeros((SIZE, x.size), np.float32)
+    stopper = SIZE - 1
+    if RANK == stopper:
+        world.Barrier()
+        with pytest.raises(rr.CollectiveTimeoutError, match=r"rank \d+ has given up"):
+            core.allgather(x, out, counts, x.size, FLOAT32)
+    else:
+        waited_for(RING_WAIT, lambda: core.allgather(x, out, counts, x.size, FLOAT32))
+        # MPI may still read them when the late rank comes: they must outlive the call.
+        kept = [weakref.ref(x), weakref.ref(out)]
+        del x, out
+        gc.collect()
+        assert all(ref() is not None for ref in kept)
+        world.Barrier()
+    closes_at_once(ring)
+    world.Barrier()
+
+
+@needs_two
+@pytest.mark.parametrize("wire", ["shared memory", "MPI"])
+def test_ranks_without_a_timeout_learn_that_a_rank_gave_up(wire, world, monkeypatch):
+    # Only rank 0 has a timeout; the others would wait forever for the last rank, which
+    # stays away, were it not for rank 0 telling them it has given up.
+    ring = a_ring_over(wire, monkeypatch)
+    ring.timeout = TIMEOUT if RANK == 0 else None
+    x = np.full(1 << 16, 1.0, np.float32)  # a ring call, not one done in the header
+    stopper = SIZE - 1
+    if RANK == stopper:
+        world.Barrier()
+        start = time.monotonic()
+        with pytest.raises(rr.CollectiveTimeoutError, match="rank 0 has given up"):
+            ring.allreduce(x)
+        assert time.monotonic() - start < TIMEOUT
+    elif RANK == 0:
+        waited_for("", lambda: ring.allreduce(x))
+        world.Barrier()
+    else:
+        start = time.monotonic()
+        with pytest.raises(rr.CollectiveTimeoutError, match="rank 0 has given up"):
+            ring.allreduce(x)
+        assert time.monotonic() - start < TIMEOUT + 10
+        world.Barrier()
+    closes_at_once(ring)
+    world.Barrier()
+
+
+@needs_two
+@pytest.mark.parametrize("wire", ["shared memory", "MPI"])
+def test_an_error_leaving_a_with_block_tells_the_others(wire, world, monkeypatch):
+    # The last rank fails (on its own) and leaves its `with` block; the others, already
+    # in an allreduce that will never see it, raise at once instead of after the
+    # timeout, and their close() frees nothing that would wait for it.
+    ring = a_ring_over(wire, monkeypatch)
+    ring.timeout = 60
+    x = np.full(1 << 16, 1.0, np.float32)
+    if RANK == SIZE - 1:
+        with pytest.raises(KeyError):
+            with ring:
+                raise KeyError("only on this rank")
+        assert ring.closed
+    else:
+        start = time.monotonic()
+        with pytest.raises(rr.CollectiveTimeoutError, match=f"rank {SIZE - 1} has left"):
+            ring.allreduce(x)
+        assert time.monotonic() - start < 10
+        closes_at_once(ring)
+    world.Barrier()
+
+
+@needs_two
+@pytest.mark.parametrize("wire", ["shared memory", "MPI"])
+def test_close_where_others_call_a_collective_raises_everywhere(wire, world, monkeypatch):
+    ring = a_ring_over(wire, monkeypatch)
+    x = np.full(16, 1.0, np.float32)
+    if RANK == 0:
+        with pytest.raises(rr.MismatchError, match="collective: close on rank 0; allreduce on"):
+            ring.close()
+        assert ring.closed
+    else:
+        with pytest.raises(rr.MismatchError, match="collective: close on rank 0; allreduce on"):
+            ring.allreduce(x)
+        # Rank 0 has left: this rank's calls raise at once, and close() frees nothing.
+        with pytest.raises(rr.CollectiveTimeoutError, match="rank 0 has left"):
+            ring.allreduce(x)
+        closes_at_once(ring)
+    world.Barrier()
+
+
+def test_close_waits_for_every_rank_and_frees(world):
+    # The common case: ranks reach close() at different times, all within the timeout.
+    ring = rr.Communicator(timeout=30)
+    if RANK == SIZE - 1:
+        time.sleep(0.3)
     ring.close()
+    assert ring.closed
+    with pytest.raises(ValueError, match="closed"):
+        ring.allreduce(np.ones(4))
     world.Barrier()
 
 
@@ -127,12 +258,40 @@ def test_a_stuck_gpu_makes_the_other_ranks_raise(direct, world):
     if RANK == SIZE - 1:
         _core.set_emulated_stall(1, 4 * TIMEOUT)
         try:
-            with pytest.raises(rr.CollectiveTimeoutError, match="neighbour"):
+            # Back from the stall, it learns that the others gave up meanwhile.
+            with pytest.raises(rr.CollectiveTimeoutError, match="has given up|has left"):
                 allreduce()
         finally:
             _core.set_emulated_stall(0, 0)
     else:
-        waited_for(r"neighbour\) to (send|take) a chunk", allreduce)
+        waited_for(RING_WAIT, allreduce)
+    closes_at_once(ring)
+    world.Barrier()
+
+
+@needs_two
+def test_a_long_call_that_keeps_moving_never_times_out(world):
+    # Every rank's emulated GPU is slow: every copy and kernel takes 0.01 s, so the
+    # call takes several timeouts, but chunks keep coming: the clock starts again at
+    # each one. (Only one slow rank would leave the others waiting for its whole
+    # reduce-scatter before the first all-gather chunk: a real stall.)
+    ring = rr.Communicator(timeout=TIMEOUT)
+    ring._core.device_host_reduce_bytes = 0  # the device ring, not the host path
+    n = 16003
+    x = np.arange(n, dtype=np.float32) + RANK
+    out = np.empty_like(x)
+    world.Barrier()
+    _core.set_emulated_stall(1, 0.01, 1)
+    start = time.monotonic()
+    try:
+        ring._core.allreduce_device(x.ctypes.data, out.ctypes.data, n, FLOAT32, SUM, 512,
+                                    0, 0, 0, False, True)
+    finally:
+        _core.set_emulated_stall(0, 0)
+    took = world.allreduce(time.monotonic() - start, op=MPI.MAX)
+    assert took > 3 * TIMEOUT, f"the call took {took:.2f} s: too short to show anything"
+    expected = SIZE * np.arange(n, dtype=np.float32) + SIZE * (SIZE - 1) / 2
+    np.testing.assert_array_equal(out, expected)
     ring.close()
     world.Barrier()
 
@@ -155,9 +314,15 @@ def test_timeout_values(monkeypatch):
     assert communicator._default_timeout() == 12.5
     monkeypatch.setenv("RINGREDUCE_TIMEOUT", "0")
     assert communicator._default_timeout() is None
-    monkeypatch.setenv("RINGREDUCE_TIMEOUT", "soon")
-    with pytest.raises(ValueError, match="RINGREDUCE_TIMEOUT"):
-        communicator._default_timeout()
+    for bad in ("soon", "-5", "nan"):
+        monkeypatch.setenv("RINGREDUCE_TIMEOUT", bad)
+        with pytest.raises(ValueError, match="RINGREDUCE_TIMEOUT"):
+            rr.Communicator()  # read when a Communicator is made, before anything collective
+    monkeypatch.setenv("RINGREDUCE_TIMEOUT", "7")
+    with rr.Communicator() as ring:
+        assert ring.timeout == 7
+    with rr.Communicator(timeout=3) as ring:  # an explicit timeout wins
+        assert ring.timeout == 3
     monkeypatch.delenv("RINGREDUCE_TIMEOUT")
     assert communicator._default_timeout() == 1800.0
 
