@@ -40,6 +40,15 @@ def waited_for(message_pattern, call):
     return str(info.value)
 
 
+def raised_within(seconds, message_pattern, call):
+    """Runs call(), which must raise CollectiveTimeoutError matching the pattern within
+    `seconds` (it learns that a rank left, rather than wait out a timeout)."""
+    start = time.monotonic()
+    with pytest.raises(rr.CollectiveTimeoutError, match=message_pattern):
+        call()
+    assert time.monotonic() - start < seconds
+
+
 def a_ring_over(wire, monkeypatch, **kwargs):
     # The wire is chosen when the Communicator is made (RINGREDUCE_SHM=0: MPI only).
     monkeypatch.setenv("RINGREDUCE_SHM", "1" if wire == "shared memory" else "0")
@@ -111,10 +120,8 @@ def test_a_rank_that_stops_inside_the_ring_makes_its_neighbours_raise(wire, worl
     if RANK == stopper:
         world.Barrier()
         # The others left, and said so: no waiting for the timeout here.
-        start = time.monotonic()
-        with pytest.raises(rr.CollectiveTimeoutError, match=r"rank \d+ has given up"):
-            core.allgather(x, out, counts, x.size, FLOAT32)
-        assert time.monotonic() - start < TIMEOUT
+        raised_within(TIMEOUT, r"rank \d+ has given up",
+                      lambda: core.allgather(x, out, counts, x.size, FLOAT32))
     else:
         message = waited_for(RING_WAIT, lambda: core.allgather(x, out, counts, x.size, FLOAT32))
         assert message.startswith(f"ringreduce.allgather (rank {RANK} of {SIZE}): ")
@@ -169,18 +176,12 @@ def test_ranks_without_a_timeout_learn_that_a_rank_gave_up(wire, world, monkeypa
     stopper = SIZE - 1
     if RANK == stopper:
         world.Barrier()
-        start = time.monotonic()
-        with pytest.raises(rr.CollectiveTimeoutError, match="rank 0 has given up"):
-            ring.allreduce(x)
-        assert time.monotonic() - start < TIMEOUT
+        raised_within(TIMEOUT, "rank 0 has given up", lambda: ring.allreduce(x))
     elif RANK == 0:
         waited_for("", lambda: ring.allreduce(x))
         world.Barrier()
     else:
-        start = time.monotonic()
-        with pytest.raises(rr.CollectiveTimeoutError, match="rank 0 has given up"):
-            ring.allreduce(x)
-        assert time.monotonic() - start < TIMEOUT + 10
+        raised_within(TIMEOUT + 10, "rank 0 has given up", lambda: ring.allreduce(x))
         world.Barrier()
     closes_at_once(ring)
     world.Barrier()
@@ -201,10 +202,7 @@ def test_an_error_leaving_a_with_block_tells_the_others(wire, world, monkeypatch
                 raise KeyError("only on this rank")
         assert ring.closed
     else:
-        start = time.monotonic()
-        with pytest.raises(rr.CollectiveTimeoutError, match=f"rank {SIZE - 1} has left"):
-            ring.allreduce(x)
-        assert time.monotonic() - start < 10
+        raised_within(10, f"rank {SIZE - 1} has left", lambda: ring.allreduce(x))
         closes_at_once(ring)
     world.Barrier()
 
