@@ -73,11 +73,6 @@ Transport::Request MpiTransport::recv_left(void* buf, int64_t bytes, int tag) {
   return static_cast<Request>(requests_.size() - 1);
 }
 
-std::string MpiTransport::joining_timeout_text(const char* what) const {
-  return "waited " + seconds_text(timeout_s_) + " (the timeout) for every rank to " + what +
-         " (MPI cannot say which have not): a rank skipped it, or is stuck before it";
-}
-
 bool MpiTransport::wait_patiently(MPI_Request* request, const char* call) {
   StallTimer timer(timeout_s_);
   int done = 0, idle = 0;
@@ -125,7 +120,9 @@ void MpiTransport::allgather_bytes(const void* mine, void* all, int bytes) {
                        MPI_BYTE, comm_, &exchange_),
         "MPI_Iallgather");
   if (!wait_patiently(&exchange_, "MPI_Test(MPI_Iallgather)"))
-    throw TimeoutError(joining_timeout_text("join this call"));
+    throw TimeoutError("waited " + seconds_text(timeout_s_) +
+                       " (the timeout) for every rank to join this call (MPI cannot say which "
+                       "have not): a rank skipped the call, or is stuck before it");
   std::memcpy(all, exchange_recv_.data(), exchange_recv_.size());
 }
 

@@ -5,7 +5,6 @@
 
 #include <mpi.h>
 
-#include <string>
 #include <vector>
 
 #include "transport.h"
@@ -83,8 +82,6 @@ class MpiTransport final : public Transport {
   int tag_ub_ = 32767;  // the least MPI guarantees; replaced by the real bound
   // Polls request until it completes (true), or until the timeout passes (false).
   bool wait_patiently(MPI_Request* request, const char* call);
-  // "waited 1800 s (the timeout) for every rank to <what> ...".
-  std::string joining_timeout_text(const char* what) const;
 
   std::vector<MPI_Request> requests_;  // Request = index; reset by wait_all()
   std::vector<bool> is_send_;          // ... and whether each is a send (for messages)
