@@ -203,11 +203,10 @@ PYBIND11_MODULE(_core, m) {
       .def("allgather_recv_segment", &RingSchedule::allgather_recv_segment);
 
   py::class_<RingCommunicator>(m, "RingCommunicator")
-      .def(py::init([](uintptr_t comm_address, double timeout) {
-             py::gil_scoped_release nogil;
-             return new RingCommunicator(comm_from_address(comm_address), timeout);
+      .def(py::init([](uintptr_t comm_address) {
+             return new RingCommunicator(comm_from_address(comm_address));
            }),
-           py::arg("comm_address"), py::arg("timeout"))
+           py::arg("comm_address"))
       .def_property_readonly("rank", &RingCommunicator::rank)
       .def_property_readonly("size", &RingCommunicator::size)
       .def_property_readonly("closed", &RingCommunicator::closed)

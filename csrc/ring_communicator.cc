@@ -74,13 +74,11 @@ int64_t RingCommunicator::inline_capacity_for(int ranks, bool shm) {
   return std::max<int64_t>(64, std::min<int64_t>(most, budget / (ranks - 1)) / 16 * 16);
 }
 
-RingCommunicator::RingCommunicator(MPI_Comm user_comm, double timeout_s)
+RingCommunicator::RingCommunicator(MPI_Comm user_comm)
     : transport_(std::make_unique<MpiTransport>(user_comm)) {
-  transport_->set_timeout(timeout_s);
   const int p = size();
   shm_ = ShmChannel::create(transport_->comm(), kShmSlotBytes, kShmSlots,
                             sizeof(CallHeader) + inline_capacity_for(p, true));
-  if (shm_) shm_->set_timeout(timeout_s);
   inline_capacity_ = inline_capacity_for(p, shm_ != nullptr);
   if (!shm_) {
     outgoing_.assign(slot_bytes(), 0);

@@ -114,8 +114,8 @@ class RingCommunicator {
   // rank's and reduces all p, so the limit shrinks as 1/(p-1) beyond a few ranks.
   static int64_t inline_capacity_for(int ranks, bool shm);
 
-  // Collective over user_comm, and untimed (see MpiTransport); timeout_s: see set_timeout().
-  RingCommunicator(MPI_Comm user_comm, double timeout_s);
+  // Collective over user_comm, and untimed (see MpiTransport).
+  explicit RingCommunicator(MPI_Comm user_comm);
   ~RingCommunicator();
 
   int rank() const { return transport_->rank(); }

@@ -284,7 +284,8 @@ class Communicator:
             timeout = _default_timeout()
         timeout = _checked_timeout(timeout)
         self._mpi_comm = comm
-        self._core = _core.RingCommunicator(MPI._addressof(comm), timeout)
+        self._core = _core.RingCommunicator(MPI._addressof(comm))
+        self._core.timeout = timeout
         self.rank: int = self._core.rank
         self.size: int = self._core.size
         self._executor = _Executor(threaded=MPI.Query_thread() == MPI.THREAD_MULTIPLE)
