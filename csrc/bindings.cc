@@ -79,8 +79,14 @@ std::string mpi_library_version() {
 PYBIND11_MODULE(_core, m) {
   py::class_<StallTimer>(m, "StallTimer", "How long a wait has gone without progress (csrc/waiting.h)")
       .def(py::init<double>(), py::arg("seconds"))
-      .def("expired", &StallTimer::expired)
-      .def("checking", &StallTimer::checking)
+      .def(
+          "expired",
+          [](StallTimer& timer, py::object look_around) {
+            return timer.expired([&] {
+              if (!look_around.is_none()) look_around();
+            });
+          },
+          py::arg("look_around") = py::none())
       .def("progressed", &StallTimer::progressed);
   py::class_<WireTuner>(m, "WireTuner", "Which wire a ring call takes (csrc/wire_tuner.h)")
       .def(py::init<>())

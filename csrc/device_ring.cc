@@ -102,11 +102,8 @@ void staged_phase(const RingSchedule& sched, Transport& transport, Device& dev, 
     enqueue_first_sends();
     if (next >= num_recvs) continue;
     if (!transport.test(recv_requests[next % window])) {
-      if (timer.checking()) transport.check_departures();
-      if (timer.expired()) {
-        transport.check_departures();  // the better reason, if both
+      if (timer.expired([&] { transport.check_departures(); }))
         throw TimeoutError(neighbour_timeout_text(timeout_s, sched.left(), true));
-      }
       continue;
     }
     timer.progressed();

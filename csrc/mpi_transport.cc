@@ -80,11 +80,7 @@ bool MpiTransport::wait_patiently(MPI_Request* request, const char* call) {
     check(MPI_Test(request, &done, MPI_STATUS_IGNORE), call);
     if (done) return true;
     back_off(&idle);  // as MPI_Wait does: with more ranks than cores, spinning starves them
-    if (timer.checking()) check_departures();
-    if (timer.expired()) {
-      check_departures();  // the better reason, if both
-      return false;
-    }
+    if (timer.expired([&] { check_departures(); })) return false;
   }
 }
 

@@ -132,9 +132,8 @@ void ShmChannel::exchange() {
     int idle = 0;
     while (__atomic_load_n(exchanged_[r], __ATOMIC_ACQUIRE) < exchanges_) {
       back_off(&idle);
-      if (timer.checking()) check_departures();  // a rank we are not waiting on yet
-      if (timer.expired()) {
-        check_departures();  // the better reason, if both
+      // Looks at every rank's departure, not only this one's: any may hold up the call.
+      if (timer.expired([&] { check_departures(); })) {
         const std::vector<int> missing = ranks_where([&](uint64_t n) { return n < exchanges_; });
         throw TimeoutError(describe_ranks(missing) + (missing.size() == 1 ? " has" : " have") +
                            " not joined this call within " + seconds_text(timeout_s_) +
@@ -232,9 +231,7 @@ void ShmChannel::run_phase(const RingSchedule& sched, size_t elem_size, Phase ph
     } else {
       back_off(&idle);
       // A neighbour that left never moves again; nor, then, does the ring.
-      if (timer.checking()) check_departures();
-      if (timer.expired()) {
-        check_departures();
+      if (timer.expired([&] { check_departures(); })) {
         const bool receiving = next_recv < recvs.size();
         throw TimeoutError(neighbour_timeout_text(
             timeout_s_, receiving ? sched.left() : sched.right(), receiving));

@@ -2,8 +2,9 @@
 // waits on another rank (the header exchange, a ring phase, an MPI request) asks its
 // StallTimer on each idle turn, and gives up with TimeoutError once the communicator's
 // timeout has passed: a rank that never joins a call must not leave the others waiting
-// forever. Now and then (StallTimer::checking()) it also looks for a rank that has told
-// the others it left the communicator (see Departure), and raises at once if one has.
+// forever. Now and then (the turns its StallTimer reads the clock) it also looks for a
+// rank that has told the others it left the communicator (see Departure), and raises at
+// once if one has.
 #pragma once
 
 #include <sched.h>
@@ -20,10 +21,16 @@ class StallTimer {
   // seconds <= 0: never expires.
   explicit StallTimer(double seconds) : seconds_(seconds) {}
 
-  // An idle turn. Reads the clock only every kTurnsPerCheck turns (the first read
-  // starts the stall), so a loop that waits a few hundred cycles never reads it.
-  bool expired() {
-    if (++turns_ % kTurnsPerCheck != 0 || seconds_ <= 0) return false;
+  // An idle turn. Every kTurnsPerCheck turns, with or without a timeout, it calls
+  // look_around() (which throws if a rank the wait depends on has left: the better
+  // reason, before any timeout) and reads the clock (the first read starts the stall),
+  // so a loop that waits a few hundred cycles does neither. True once the timeout has
+  // passed without progress.
+  template <typename LookAround>
+  bool expired(LookAround&& look_around) {
+    if (++turns_ % kTurnsPerCheck != 0) return false;
+    look_around();
+    if (seconds_ <= 0) return false;
     const auto now = std::chrono::steady_clock::now();
     if (!started_) {
       started_ = true;
@@ -32,9 +39,6 @@ class StallTimer {
     }
     return std::chrono::duration<double>(now - since_).count() > seconds_;
   }
-  // Whether the last idle turn was one of those every kTurnsPerCheck (with or without
-  // a timeout): when a waiting loop also looks for ranks that have left (departures).
-  bool checking() const { return turns_ % kTurnsPerCheck == 0; }
   void progressed() {
     started_ = false;
     turns_ = 0;
