@@ -220,7 +220,19 @@ def _checked_chunk_bytes(value) -> int:
 # saving a checkpoint while the others reach the next allreduce), short enough that a
 # job with a rank that will never come fails with a message instead of hanging.
 DEFAULT_TIMEOUT = 1800.0
-_FROM_ENVIRONMENT = object()  # Communicator's default timeout: see _default_timeout()
+
+
+class _FromEnvironment:
+    """Communicator's default timeout (see _default_timeout()); its repr is what
+    help(Communicator) shows as the default."""
+
+    __slots__ = ()
+
+    def __repr__(self):
+        return f"$RINGREDUCE_TIMEOUT or {DEFAULT_TIMEOUT:g}"
+
+
+_FROM_ENVIRONMENT = _FromEnvironment()
 
 
 def _default_timeout() -> float | None:

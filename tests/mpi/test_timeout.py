@@ -4,6 +4,7 @@ CollectiveTimeoutError saying whom they waited for, and a rank that joins late l
 that the others gave up. Each test makes its own Communicator, as a timeout leaves it
 unusable, and waits for every rank (world.Barrier) before the next test starts."""
 import gc
+import inspect
 import os
 import time
 import weakref
@@ -323,6 +324,9 @@ def test_timeout_values(monkeypatch):
         assert ring.timeout == 3
     monkeypatch.delenv("RINGREDUCE_TIMEOUT")
     assert communicator._default_timeout() == 1800.0
+    # help(Communicator) says where the default comes from
+    default = inspect.signature(rr.Communicator).parameters["timeout"].default
+    assert repr(default) == "$RINGREDUCE_TIMEOUT or 1800"
 
 
 def test_a_wait_shorter_than_the_timeout_is_not_one(world):
