@@ -100,6 +100,8 @@ def main() -> None:
     parser.add_argument("--json", help="write every measurement here")
     parser.add_argument("--plot", help="save busbw vs size here (PNG)")
     args = parser.parse_args()
+    if args.plot:  # on every rank, before any collective: not after the tables on rank 0 only
+        import matplotlib  # noqa: F401
     sizes = [parse_size(s) for s in args.sizes.split(",")] if args.sizes else DEFAULT_SIZES
 
     comm = rr.Communicator()

@@ -178,6 +178,8 @@ def main():
                         help="also reduce_scatter, allgather and broadcast at 64 KiB, "
                              "1 MiB and 16 MiB (in total per rank)")
     args = parser.parse_args()
+    if args.plot:  # on every rank, before any collective: not after the tables on rank 0 only
+        import matplotlib  # noqa: F401
 
     import cupy as cp
 

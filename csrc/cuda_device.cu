@@ -24,10 +24,14 @@ class CudaDevice final : public Device {
   }
   ~CudaDevice() override {
     // No throwing here; at interpreter exit the driver may already be shutting down.
+    int current = ordinal_;
+    cudaGetDevice(&current);
     cudaSetDevice(ordinal_);
     for (cudaStream_t s : streams_) cudaStreamSynchronize(s);
     for (cudaEvent_t e : events_) cudaEventDestroy(e);
     for (cudaStream_t s : streams_) cudaStreamDestroy(s);
+    cudaSetDevice(current);  // close() may run on any thread, with any GPU current
+    (void)cudaGetLastError();
   }
 
   const char* name() const override { return "CUDA"; }
@@ -52,7 +56,12 @@ class CudaDevice final : public Device {
     check(cudaSetDevice(callers_device_), "cudaSetDevice");
   }
 
-  void abandon() override { cudaSetDevice(callers_device_); }
+  void abandon() override {
+    // Our streams never wait on MPI, so this ends; errors are the failed call's own.
+    for (cudaStream_t s : streams_) cudaStreamSynchronize(s);
+    cudaSetDevice(callers_device_);
+    (void)cudaGetLastError();
+  }
 
   void* alloc_host(int64_t bytes) override {
     void* p = nullptr;
@@ -112,7 +121,11 @@ class CudaDevice final : public Device {
                              " (GPU " + std::to_string(ordinal_) + ")");
   }
   void check(cudaError_t rc, const char* call) const {
-    if (rc != cudaSuccess) fail(std::string(call) + " failed: " + cudaGetErrorString(rc));
+    if (rc == cudaSuccess) return;
+    // A non-sticky error stays behind as the thread's last error, which the next
+    // kernel launch would report as its own failure.
+    (void)cudaGetLastError();
+    fail(std::string(call) + " failed: " + cudaGetErrorString(rc));
   }
   void check_alloc(cudaError_t rc, const char* call, int64_t bytes, const char* what) const {
     if (rc == cudaErrorMemoryAllocation) {

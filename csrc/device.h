@@ -37,8 +37,10 @@ class Device {
   // Ends a call: the caller's stream (null: the legacy default stream) waits for all
   // our work, and so does this thread, so results are ready whichever way they are read.
   virtual void end(void* user_stream) = 0;
-  // A call that failed between begin() and end(): give the caller its current GPU back.
-  virtual void abandon() {}
+  // A call that failed between begin() and end(): wait for the work it enqueued (which
+  // may write into the caller's buffers, and those are freed once the call raises),
+  // then give the caller its current GPU back. Never throws.
+  virtual void abandon() = 0;
 
   virtual void* alloc_host(int64_t bytes) = 0;    // pinned
   virtual void free_host(void* p) = 0;

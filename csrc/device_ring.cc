@@ -26,6 +26,7 @@
 // kernel as its reducer; each chunk's reduction finishes before MPI forwards it.
 #include <algorithm>
 #include <deque>
+#include <optional>
 #include <stdexcept>
 #include <string>
 
@@ -92,21 +93,28 @@ void staged_phase(const RingSchedule& sched, Transport& transport, Device& dev, 
   std::vector<Device::Event> slot_free(slots, Device::kNoEvent);
   int64_t next = 0;  // the next chunk to arrive, in arrival order
   StallTimer timer(timeout_s);  // only receiving depends on another rank
+  int idle = 0;
   while (next < num_recvs || !sends.empty() || first_enqueued < num_first) {
     while (!sends.empty() && dev.done(sends.front().ready)) {
       const PendingSend& s = sends.front();
       transport.send_right(mirror + at(s.chunk), bytes_of(s.chunk), s.tag);
       if (s.tag == tag_base) ++first_sent;
       sends.pop_front();
+      idle = 0;
     }
     enqueue_first_sends();
-    if (next >= num_recvs) continue;
+    if (next >= num_recvs) {  // only copies out left, which the GPU finishes on its own
+      back_off(&idle);
+      continue;
+    }
     if (!transport.test(recv_requests[next % window])) {
       if (timer.expired([&] { transport.check_departures(); }))
         throw TimeoutError(neighbour_timeout_text(timeout_s, sched.left(), true));
+      back_off(&idle);
       continue;
     }
     timer.progressed();
+    idle = 0;
 
     const ChunkRef ref = recvs[next];
     const Span ch = sched.chunk(ref.segment, ref.chunk);
@@ -426,11 +434,13 @@ void RingCommunicator::allgather_device(DeviceCall call, const void* input, void
   // confirmed, a failure must be reported to them, not just raised here.
   bool ok = out_ready;
   Device* dev = nullptr;
+  std::optional<DeviceCallScope> scope;  // from begin() on, whatever throws
   char* staging = nullptr;
   if (ok) {
     try {
       dev = &device(call.emulate, call.ordinal);
       dev->begin(call.ready);
+      scope.emplace(*dev);
       call.device = dev;
       // On the copy-out stream, which the first sends' D2H copies then follow.
       if (on_host) {  // this rank's rows to the host; the host ring; all rows back
@@ -444,21 +454,20 @@ void RingCommunicator::allgather_device(DeviceCall call, const void* input, void
                   mine.count * static_cast<int64_t>(es));
       }
     } catch (const std::exception&) {
-      if (dev) dev->abandon();
+      if (dev && !scope) dev->abandon();
       ok = false;
     }
   }
   confirm_everywhere(ok, "allgather",
                      "the " + std::to_string(total_bytes) +
                          "-byte GPU result (or staging for it, or the copy into that)");
-  DeviceCallScope scope(*dev);
   if (on_host) {
     allgather(staging + my_offset, staging, row_counts, row_elems, dtype);
     dev->copy(Device::kCopyIn, out, staging, total_bytes);
   } else {
     guarded("allgather", [&] { run_device_allgather(call, sched, es, out); });
   }
-  scope.end(call.user_stream);
+  scope->end(call.user_stream);
 }
 
 void RingCommunicator::broadcast_device(DeviceCall call, void* buf, int64_t count,

@@ -205,7 +205,9 @@ def prepare_allgather(comm, context, x, out):
                         and _extent(source) != block):
                     source_now = source.copy()  # x inside out, not as its own block
                 # The pool may hand out memory whose last users were enqueued after
-                # `ready`: wait for them too.
+                # `ready`: wait for them too. Waiting on `ready` first keeps what it
+                # marked where the stream is another one here (see _Launch.settle).
+                launch.stream.wait_event(launch.ready)
                 launch.ready.record(launch.stream)
             core.reserve_staging(nbytes, *launch.args())
         except Exception as error:  # cupy's OutOfMemoryError is a MemoryError

@@ -111,6 +111,9 @@ class _Nothing:
     def record(self, stream=None):
         pass
 
+    def wait_event(self, event):
+        pass
+
     def synchronize(self):
         pass
 

@@ -133,8 +133,13 @@ def test_a_rank_not_ready_for_allgathers_ring_stops_every_rank(device_comm, worl
     with pytest.raises(MemoryError, match="rank 1 could not allocate"):
         core.allgather_device(x.ctypes.data, out.ctypes.data, counts, 10, dtype_code(x.dtype),
                               RANK != 1, *emulated(False))
+    # The failed call's GPU work (the copy of this rank's rows into out, enqueued before
+    # the ranks confirmed) is finished when it raises: nothing writes into out later,
+    # when Python may have given its memory to another array.
+    out.fill(-1)
     assert bitwise_equal(device_allreduce(device_comm, x.astype(np.float32), "sum", 64, False),
                          reference.allreduce(x.astype(np.float32), "sum"))
+    assert (out == -1).all()
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -112,6 +112,26 @@ def test_waits_for_the_callers_stream_and_is_ready_on_it(gpu_comm):
     assert float(again[0]) == 2 * total * SIZE + 1
 
 
+def test_a_queued_allgather_waits_for_the_per_thread_default_stream(gpu_comm):
+    # On cupy's per-thread default stream, the caller's stream handle names another
+    # stream on the worker thread: an allgather queued behind an async call (so run
+    # there) must still wait for the kernel that wrote x on the caller's thread.
+    ptds = getattr(cupy.cuda.Stream, "ptds", None)
+    if ptds is None:
+        pytest.skip("this cupy has no per-thread default stream")
+    late_fill = cupy.RawKernel(SPIN, "late_fill")
+    n = 1 << 18
+    with ptds:
+        busy = gpu_comm.allreduce_async(cupy.ones(1 << 24, cupy.float32))
+        x = cupy.zeros(n, cupy.float32)
+        late_fill((64,), (256,), (x, np.int64(n), np.float32(RANK + 1), np.int64(50_000_000)))
+        gathered = gpu_comm.allgather(x)
+        assert float(busy.wait()[0]) == SIZE
+        ends = cupy.asnumpy(gathered.reshape(SIZE, n)[:, [0, -1]])
+    np.testing.assert_array_equal(ends, np.repeat(np.arange(1, SIZE + 1, dtype=np.float32), 2)
+                                  .reshape(SIZE, 2))
+
+
 def test_several_async_calls_in_flight(gpu_comm):
     arrays = [rank_data(np.dtype(np.float64), n, salt=n) for n in (10, 100_000, 7, 300_000)]
     handles = [gpu_comm.allreduce_async(cupy.asarray(a), op="avg") for a in arrays]
