@@ -53,16 +53,20 @@ void check_buffer(RingCommunicator& self, bool fits, Collective collective, int6
   throw std::invalid_argument(std::string(collective_name(collective)) + ": " + what);
 }
 
-// After a timeout, MPI may still read the arrays of the call that gave up (its pending
-// sends), whenever the late rank comes: so a call that raises TimeoutError keeps them
-// alive for good. Runs call() without the GIL.
+// A call that fails and makes this rank leave the communicator (a timeout, an error
+// mid-ring) leaves MPI requests behind that may still read its arrays (pending sends)
+// whenever a late rank comes: so such a call keeps them alive for good. Runs call()
+// without the GIL.
 template <typename F>
-auto keeping_on_timeout(std::initializer_list<py::handle> arrays, F&& call) {
+auto keeping_on_departure(RingCommunicator& self, std::initializer_list<py::handle> arrays,
+                          F&& call) {
+  const bool departed_before = self.departed();
   try {
     py::gil_scoped_release nogil;
     return call();
-  } catch (const TimeoutError&) {
-    for (py::handle array : arrays) array.inc_ref();  // never released
+  } catch (...) {
+    if (self.departed() && !departed_before)
+      for (py::handle array : arrays) array.inc_ref();  // never released
     throw;
   }
 }
@@ -216,6 +220,7 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("rank", &RingCommunicator::rank)
       .def_property_readonly("size", &RingCommunicator::size)
       .def_property_readonly("closed", &RingCommunicator::closed)
+      .def_property_readonly("departed", &RingCommunicator::departed)
       .def_property("timeout", &RingCommunicator::timeout, &RingCommunicator::set_timeout,
                     "seconds a call waits on another rank before raising (<= 0: forever)")
       .def_property_readonly("transport", &RingCommunicator::transport_name)
@@ -241,7 +246,7 @@ PYBIND11_MODULE(_core, m) {
              const void* in = x.data();
              void* dst = out.mutable_data();
              const int64_t n = x.size();
-             keeping_on_timeout({x, out}, [&] {
+             keeping_on_departure(self, {x, out}, [&] {
                self.allreduce(in, dst, n, DType(dtype), Op(op), chunk_bytes);
              });
            })
@@ -263,7 +268,7 @@ PYBIND11_MODULE(_core, m) {
              const void* in = x.data();
              void* dst = work.mutable_data();
              void* own = out ? out->mutable_data() : nullptr;
-             keeping_on_timeout({x, work, out ? py::handle(*out) : py::handle()}, [&] {
+             keeping_on_departure(self, {x, work, out ? py::handle(*out) : py::handle()}, [&] {
                self.reduce_scatter(in, dst, n, DType(dtype), Op(op), chunk_bytes, own);
              });
            },
@@ -281,7 +286,7 @@ PYBIND11_MODULE(_core, m) {
                                                static_cast<int64_t>(dtype_size(DType(dtype))),
                             Collective::AllGather, chunk_bytes, "x does not hold its rows");
              const void* rows_data = x ? x->data() : nullptr;
-             return keeping_on_timeout({x ? py::handle(*x) : py::handle()}, [&] {
+             return keeping_on_departure(self, {x ? py::handle(*x) : py::handle()}, [&] {
                return self.allgather_counts(rows, row_elems, shape_tag, DType(dtype),
                                             chunk_bytes, device ? kDeviceMemory : kHostMemory,
                                             out_rows, rows_data);
@@ -305,7 +310,7 @@ PYBIND11_MODULE(_core, m) {
                           "x does not hold its rows, or the result does not hold its own");
              const void* rows_data = x.data();
              void* dst = into.mutable_data();
-             return keeping_on_timeout({x, into}, [&] {
+             return keeping_on_departure(self, {x, into}, [&] {
                std::vector<int64_t> counts =
                    self.allgather_counts(rows, row_elems, shape_tag, DType(dtype), chunk_bytes,
                                          kHostMemory, out_rows, rows_data);
@@ -324,7 +329,7 @@ PYBIND11_MODULE(_core, m) {
               const std::vector<int64_t>& row_counts, int64_t row_elems, int dtype) {
              const void* in = x.data();
              void* dst = out.mutable_data();
-             keeping_on_timeout({x, out}, [&] {
+             keeping_on_departure(self, {x, out}, [&] {
                self.allgather(in, dst, row_counts, row_elems, DType(dtype));
              });
            })
@@ -334,7 +339,7 @@ PYBIND11_MODULE(_core, m) {
              // has checked that every other rank's buffer is writeable.
              void* p = const_cast<void*>(buf.data());
              const int64_t n = buf.size();
-             keeping_on_timeout({buf}, [&] { self.broadcast(p, n, DType(dtype), root, chunk_bytes); });
+             keeping_on_departure(self, {buf}, [&] { self.broadcast(p, n, DType(dtype), root, chunk_bytes); });
            })
       .def("announce_invalid",
            [](RingCommunicator& self, int collective, int64_t chunk_bytes, bool device) {

@@ -221,6 +221,9 @@ class RingCommunicator {
   // all raise MismatchError; if one does not come, TimeoutError. Later calls raise.
   void close();
   bool closed() const { return closed_; }
+  // This rank has left the communicator (a timeout, an error in a call, leave()): the
+  // buffers of the call it left in may still be read or written by MPI, for good.
+  bool departed() const { return departed_; }
   // Stops using the communicator on this rank only, and tells the others (Departure::
   // Left), so that their waits on this rank raise at once and their close() frees
   // nothing that would wait for it. For a rank that will not close() with the others
@@ -269,7 +272,11 @@ class RingCommunicator {
     } catch (const TimeoutError& e) {
       give_up(collective, e);
     } catch (const std::exception& e) {
+      // Unusable here from now on, while the others may wait on this rank in the ring:
+      // tell them, so they raise at once instead of after their timeout (which also
+      // leaves what MPI still holds of this call to MPI_Finalize).
       broken_ = e.what();
+      if (size() > 1) depart(Departure::Left);
       throw;
     }
   }

@@ -1,22 +1,23 @@
 """numpy or cupy, whichever an array belongs to (cupy only where installed); and the
-arrays that must outlive a collective that timed out."""
+arrays that must outlive a collective after which this rank left its communicator."""
 import numpy as np
 
-from . import _core
-
-# After a timeout, MPI may still read the arrays of the call that gave up (its pending
-# sends, or device pointers handed to a CUDA-aware MPI) whenever the late rank comes,
-# so they are kept here for good. (The core keeps the numpy arrays it was handed itself.)
+# After a call that made this rank leave the communicator (a timeout, an error in the
+# ring), MPI may still read the arrays of that call (its pending sends, or device
+# pointers handed to a CUDA-aware MPI) whenever a late rank comes, so they are kept
+# here for good. (The core keeps the numpy arrays it was handed itself.)
 _outliving: list = []
 
 
-def keeping_on_timeout(run, *arrays):
-    """run(); if it raises CollectiveTimeoutError, keeps run (and what its closure
-    holds) and arrays alive for as long as the process lives."""
+def keeping_on_departure(core, run, *arrays):
+    """run(); if it raises and core's rank left the communicator meanwhile, keeps run
+    (and what its closure holds) and arrays alive for as long as the process lives."""
+    departed = core.departed
     try:
         return run()
-    except _core.CollectiveTimeoutError:
-        _outliving.append((run, arrays))
+    except BaseException:
+        if core.departed and not departed:
+            _outliving.append((run, arrays))
         raise
 
 

@@ -16,7 +16,7 @@ import numpy as np
 
 from . import _core
 from . import _types as t
-from ._arrays import keeping_on_timeout
+from ._arrays import keeping_on_departure
 
 
 # Tests only: run the core's host emulation of a GPU (see csrc/device.h), so that this
@@ -213,7 +213,7 @@ def prepare_allgather(comm, context, x, out):
         except Exception as error:  # cupy's OutOfMemoryError is a MemoryError
             failure = error
         try:
-            keeping_on_timeout(lambda: core.allgather_device(
+            keeping_on_departure(core, lambda: core.allgather_device(
                 source_now.data.ptr, 0 if result is None else result.data.ptr, counts,
                 row_elems, dtype, failure is None, *launch.args()), source_now, result)
         except MemoryError:

@@ -23,7 +23,7 @@ from mpi4py import MPI
 from . import _core
 from . import _device
 from . import _types as t
-from ._arrays import keeping_on_timeout
+from ._arrays import keeping_on_departure
 
 _COLLECTIVES = dict(_core.COLLECTIVES)
 _CONFIRM_BYTES = 1 << 20  # allgather outputs at least this big are confirmed (see below)
@@ -117,9 +117,10 @@ class Handle:
 
 
 class _Work:
-    __slots__ = ("run", "result", "error", "finished")
+    __slots__ = ("core", "run", "result", "error", "finished")
 
-    def __init__(self, run):
+    def __init__(self, core, run):
+        self.core = core
         self.run = run  # returns the collective's result
         self.result = None
         self.error = None
@@ -127,7 +128,7 @@ class _Work:
 
     def execute(self):
         try:
-            self.result = keeping_on_timeout(self.run)
+            self.result = keeping_on_departure(self.core, self.run)
         except BaseException as error:  # handed to whoever waits
             self.error = error
         self.finished.set()
@@ -544,8 +545,8 @@ class Communicator:
             # the worker from starting a newly queued item meanwhile.
             with executor.running:
                 if not executor.queue:
-                    return keeping_on_timeout(run)
-        work = _Work(run)
+                    return keeping_on_departure(self._core, run)
+        work = _Work(self._core, run)
         executor.submit(work)
         handle = Handle(work)
         return handle.wait() if wait else handle

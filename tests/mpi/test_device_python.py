@@ -3,12 +3,16 @@ for cupy (fake_cupy.py, GPU-array clothes on numpy memory) over the core's host
 emulation of a GPU. Checks the plumbing: results, out=, in place, strides, async
 calls, allgather's allocation, broadcast into a view, and the argument errors. cupy
 and CUDA themselves are tested by test_gpu.py where there is a GPU."""
+import gc
+import time
+import weakref
+
 import numpy as np
 import pytest
 from mpi4py import MPI
 
 import ringreduce as rr
-from ringreduce import _device, reference
+from ringreduce import _core, _device, reference
 
 import fake_cupy as cp
 from helpers import (bitwise_equal, check_gpu_argument_errors,
@@ -103,3 +107,35 @@ def test_host_and_gpu_arrays_in_one_call_raise_on_every_rank(ring):
     if SIZE == 1:
         pytest.skip("needs two ranks")
     check_host_and_gpu_arrays_in_one_call_raise_everywhere(ring, cp)
+
+def test_a_rank_whose_gpu_fails_in_the_ring_tells_the_others_at_once():
+    # An error in the ring on one rank (its emulated GPU failing a copy) makes that rank
+    # leave the communicator: the others, waiting on its chunks, raise at once instead of
+    # after their timeout. Every rank keeps the call's arrays alive for good, as MPI may
+    # still use them, and close() frees nothing, at once.
+    if SIZE == 1:
+        pytest.skip("needs another rank to fail")
+    comm = rr.Communicator(chunk_bytes=256, timeout=60)
+    comm._core.device_host_reduce_bytes = 0  # the device ring, not the host path
+    x = cp.asarray(rank_data(np.dtype(np.float32), 20_000))
+    out = cp.empty(x.shape, x.dtype)
+    kept = weakref.ref(out)
+    start = time.monotonic()
+    if RANK == 1:
+        _core.set_emulated_copy_fault(20)  # well inside the reduce-scatter
+        try:
+            with pytest.raises(RuntimeError, match="failed a copy"):
+                comm.allreduce(x, out=out)
+        finally:
+            _core.set_emulated_copy_fault(0)
+    else:
+        with pytest.raises(rr.CollectiveTimeoutError, match="rank 1 has left"):
+            comm.allreduce(x, out=out)
+    assert time.monotonic() - start < 30
+    assert comm._core.departed
+    del x, out
+    gc.collect()
+    assert kept() is not None
+    comm.close()
+    with pytest.raises(ValueError, match="closed"):
+        comm.allreduce(cp.asarray(np.ones(3, np.float32)))
