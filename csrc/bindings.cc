@@ -212,11 +212,19 @@ PYBIND11_MODULE(_core, m) {
       .def("allgather_send_segment", &RingSchedule::allgather_send_segment)
       .def("allgather_recv_segment", &RingSchedule::allgather_recv_segment);
 
+  m.def("finish_abandoned_duplicates", [] {
+    int finalized = 1;
+    MPI_Finalized(&finalized);
+    if (!finalized) finish_abandoned_duplicates();
+  }, "completes what creations that gave up left pending, where late ranks came since");
+
   py::class_<RingCommunicator>(m, "RingCommunicator")
-      .def(py::init([](uintptr_t comm_address) {
-             return new RingCommunicator(comm_from_address(comm_address));
+      .def(py::init([](uintptr_t comm_address, double timeout_s) {
+             const MPI_Comm comm = comm_from_address(comm_address);
+             py::gil_scoped_release nogil;  // it may wait for the other ranks
+             return new RingCommunicator(comm, timeout_s);
            }),
-           py::arg("comm_address"))
+           py::arg("comm_address"), py::arg("timeout_s"))
       .def_property_readonly("rank", &RingCommunicator::rank)
       .def_property_readonly("size", &RingCommunicator::size)
       .def_property_readonly("closed", &RingCommunicator::closed)

@@ -1,5 +1,6 @@
 #include "mpi_transport.h"
 
+#include <cstddef>
 #include <cstring>
 #include <string>
 
@@ -7,6 +8,29 @@
 #include "waiting.h"
 
 namespace ringreduce {
+
+namespace {
+
+// The pending MPI_Comm_idup of each creation that gave up; the duplicates themselves
+// (see the constructor) are never freed, as freeing is collective.
+std::vector<MPI_Request>& abandoned_duplicates() {
+  static auto* requests = new std::vector<MPI_Request>;  // never destroyed: used at exit
+  return *requests;
+}
+
+}  // namespace
+
+void finish_abandoned_duplicates() {
+  std::vector<MPI_Request>& requests = abandoned_duplicates();
+  for (size_t i = 0; i < requests.size();) {
+    int done = 0;
+    if (MPI_Test(&requests[i], &done, MPI_STATUS_IGNORE) == MPI_SUCCESS && done) {
+      requests.erase(requests.begin() + static_cast<std::ptrdiff_t>(i));
+    } else {
+      ++i;
+    }
+  }
+}
 
 void check_mpi(int rc, const char* call, int rank) {
   if (rc == MPI_SUCCESS) return;
@@ -18,7 +42,7 @@ void check_mpi(int rc, const char* call, int rank) {
                  (len > 0 ? std::string(text, len) : "error code " + std::to_string(rc)));
 }
 
-MpiTransport::MpiTransport(MPI_Comm user_comm) {
+MpiTransport::MpiTransport(MPI_Comm user_comm, double timeout_s) {
   int initialized = 0, finalized = 0;
   check_mpi(MPI_Initialized(&initialized), "MPI_Initialized", -1);
   check_mpi(MPI_Finalized(&finalized), "MPI_Finalized", -1);
@@ -28,7 +52,27 @@ MpiTransport::MpiTransport(MPI_Comm user_comm) {
   int is_inter = 0;
   check_mpi(MPI_Comm_test_inter(user_comm, &is_inter), "MPI_Comm_test_inter", -1);
   if (is_inter) throw std::invalid_argument("comm is an intercommunicator; use an intracommunicator");
-  check_mpi(MPI_Comm_dup(user_comm, &comm_), "MPI_Comm_dup", -1);
+  timeout_s_ = timeout_s;
+  finish_abandoned_duplicates();
+  if (timeout_s <= 0) {
+    check_mpi(MPI_Comm_dup(user_comm, &comm_), "MPI_Comm_dup", -1);
+  } else {
+    // MPI writes the new handle when the duplicate completes, maybe after we gave up
+    // (and this object is gone): so into a place that is never freed.
+    auto* duplicate = new MPI_Comm(MPI_COMM_NULL);
+    MPI_Request request = MPI_REQUEST_NULL;
+    check_mpi(MPI_Comm_idup(user_comm, duplicate, &request), "MPI_Comm_idup", -1);
+    if (!wait_patiently(&request, "MPI_Test(MPI_Comm_idup)")) {
+      abandoned_duplicates().push_back(request);
+      throw TimeoutError(creation_timeout_text(
+          user_comm,
+          "This rank's MPI_Comm_idup stays pending on the communicator passed, where a rank "
+          "that comes late completes it; if one never comes, further collectives on that "
+          "communicator are not safe (as after any collective a rank skipped)"));
+    }
+    comm_ = *duplicate;
+    delete duplicate;
+  }
   // Errors come back as return codes, which we turn into exceptions with MPI's text,
   // rather than aborting the job from inside MPI.
   check_mpi(MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN), "MPI_Comm_set_errhandler", -1);
@@ -39,6 +83,13 @@ MpiTransport::MpiTransport(MPI_Comm user_comm) {
   check(MPI_Comm_get_attr(comm_, MPI_TAG_UB, &tag_ub, &found), "MPI_Comm_get_attr(MPI_TAG_UB)");
   if (found && tag_ub) tag_ub_ = *tag_ub;
   check(MPI_Comm_set_name(comm_, "ringreduce"), "MPI_Comm_set_name");
+  if (timeout_s > 0 && size_ > 1) {
+    MPI_Request request = MPI_REQUEST_NULL;
+    check(MPI_Ibarrier(comm_, &request), "MPI_Ibarrier");
+    if (!wait_patiently(&request, "MPI_Test(MPI_Ibarrier)"))
+      throw TimeoutError(creation_timeout_text(
+          user_comm, "This rank's duplicate of the communicator passed is left to MPI_Finalize"));
+  }
 }
 
 MpiTransport::~MpiTransport() {
@@ -71,6 +122,17 @@ Transport::Request MpiTransport::recv_left(void* buf, int64_t bytes, int tag) {
                   wrap_tag(tag), comm_, &requests_.back()),
         "MPI_Irecv");
   return static_cast<Request>(requests_.size() - 1);
+}
+
+std::string MpiTransport::creation_timeout_text(MPI_Comm user_comm, const char* left) const {
+  int rank = -1, size = 0;
+  MPI_Comm_rank(user_comm, &rank);
+  MPI_Comm_size(user_comm, &size);
+  return "ringreduce.Communicator (rank " + std::to_string(rank) + " of " +
+         std::to_string(size) + "): not every rank made its Communicator within " +
+         seconds_text(timeout_s_) +
+         " (the timeout; MPI cannot say which have not): a rank skipped it, or is stuck "
+         "before it. " + left;
 }
 
 bool MpiTransport::wait_patiently(MPI_Request* request, const char* call) {

@@ -16,13 +16,24 @@ namespace ringreduce {
 // MPI_SUCCESS.
 void check_mpi(int rc, const char* call, int rank);
 
+// Completes what is left of Communicator creations that gave up, where a late rank has
+// since come (their pending MPI_Comm_idup holds a reference to the communicator it
+// duplicates, which MPICH reports at MPI_Finalize). Runs before each creation, and at
+// exit before MPI is finalised.
+void finish_abandoned_duplicates();
+
 class MpiTransport final : public Transport {
  public:
-  // Collective over user_comm (MPI_Comm_dup), untimed: giving up on a collective of the
-  // user's communicator would leave it pending there, and every later collective on that
-  // communicator would pair with the wrong call. MPI must already be initialised:
-  // mpi4py owns MPI_Init and MPI_Finalize, never us.
-  explicit MpiTransport(MPI_Comm user_comm);
+  // Collective over user_comm: duplicates it, then waits until every rank has its
+  // duplicate, so that what is created on it next (blocking collectives) cannot wait for
+  // a rank that never comes. With timeout_s > 0 both steps are timed (MPI_Comm_idup,
+  // MPI_Ibarrier) and throw TimeoutError after timeout_s: a rank that skipped making its
+  // Communicator ends the job with a message instead of a hang. The duplicate that gave
+  // up stays pending on user_comm (MPI cannot cancel a collective), where a rank that
+  // comes late completes it; one that never comes leaves user_comm unsafe for further
+  // collectives, as it already is when ranks skip a collective. MPI must already be
+  // initialised: mpi4py owns MPI_Init and MPI_Finalize, never us.
+  MpiTransport(MPI_Comm user_comm, double timeout_s);
   ~MpiTransport() override;
   MpiTransport(const MpiTransport&) = delete;
   MpiTransport& operator=(const MpiTransport&) = delete;
@@ -80,6 +91,8 @@ class MpiTransport final : public Transport {
   int rank_ = 0;
   int size_ = 1;
   int tag_ub_ = 32767;  // the least MPI guarantees; replaced by the real bound
+  // Why making a Communicator gave up, then `left`: what that leaves behind.
+  std::string creation_timeout_text(MPI_Comm user_comm, const char* left) const;
   // Polls request until it completes (true), or until the timeout passes (false).
   bool wait_patiently(MPI_Request* request, const char* call);
 

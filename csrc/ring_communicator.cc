@@ -74,8 +74,8 @@ int64_t RingCommunicator::inline_capacity_for(int ranks, bool shm) {
   return std::max<int64_t>(64, std::min<int64_t>(most, budget / (ranks - 1)) / 16 * 16);
 }
 
-RingCommunicator::RingCommunicator(MPI_Comm user_comm)
-    : transport_(std::make_unique<MpiTransport>(user_comm)) {
+RingCommunicator::RingCommunicator(MPI_Comm user_comm, double timeout_s)
+    : transport_(std::make_unique<MpiTransport>(user_comm, timeout_s)) {
   const int p = size();
   shm_ = ShmChannel::create(transport_->comm(), kShmSlotBytes, kShmSlots,
                             sizeof(CallHeader) + inline_capacity_for(p, true));
@@ -87,6 +87,7 @@ RingCommunicator::RingCommunicator(MPI_Comm user_comm)
   inline_scratch_.assign(2 * inline_capacity_, 0);
   const char* shm_setting = std::getenv("RINGREDUCE_SHM");
   tune_wire_ = shm_setting == nullptr || std::strcmp(shm_setting, "1") != 0;
+  set_timeout(timeout_s);
 }
 
 void RingCommunicator::propose_wire(CallHeader* h, int64_t bytes) {

@@ -114,8 +114,9 @@ class RingCommunicator {
   // rank's and reduces all p, so the limit shrinks as 1/(p-1) beyond a few ranks.
   static int64_t inline_capacity_for(int ranks, bool shm);
 
-  // Collective over user_comm, and untimed (see MpiTransport).
-  explicit RingCommunicator(MPI_Comm user_comm);
+  // Collective over user_comm; gives up after timeout_s (> 0) if a rank never comes
+  // (see MpiTransport), and calls wait that long for other ranks (set_timeout()).
+  RingCommunicator(MPI_Comm user_comm, double timeout_s);
   ~RingCommunicator();
 
   int rank() const { return transport_->rank(); }

@@ -207,6 +207,7 @@ def _finish_all():
     # with different communicators still open, so MPI_Finalize frees what is left.
     for comm in list(_live):
         comm._executor.finish()
+    _core.finish_abandoned_duplicates()
 
 
 def _checked_chunk_bytes(value) -> int:
@@ -272,7 +273,8 @@ class Communicator:
 
     ``timeout``: seconds a call waits on another rank (to join the call, or to move
     its next chunk) before raising ``CollectiveTimeoutError``, after which this
-    Communicator is unusable on that rank. Default: 1800, or ``RINGREDUCE_TIMEOUT``
+    Communicator is unusable on that rank; creating one waits as long for every rank
+    to create it. Default: 1800, or ``RINGREDUCE_TIMEOUT``
     (0: none); ``None``: wait forever.
     """
 
@@ -297,8 +299,7 @@ class Communicator:
             timeout = _default_timeout()
         timeout = _checked_timeout(timeout)
         self._mpi_comm = comm
-        self._core = _core.RingCommunicator(MPI._addressof(comm))
-        self._core.timeout = timeout
+        self._core = _core.RingCommunicator(MPI._addressof(comm), timeout)
         self.rank: int = self._core.rank
         self.size: int = self._core.size
         self._executor = _Executor(threaded=MPI.Query_thread() == MPI.THREAD_MULTIPLE)

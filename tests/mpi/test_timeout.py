@@ -97,6 +97,24 @@ def test_a_rank_that_never_joins_a_call_makes_the_others_raise(wire, world, monk
     world.Barrier()
 
 
+@needs_two
+def test_a_rank_that_makes_its_communicator_too_late_makes_every_rank_raise(world):
+    # Making a Communicator is collective, and timed too: the ranks that came give up
+    # instead of waiting forever. The late rank's duplicate of the world communicator
+    # completes theirs (so that communicator stays in step for the barrier below); it
+    # then waits in vain for the others to finish making theirs, and gives up too.
+    late = RANK == SIZE - 1
+    if late:
+        time.sleep(4 * TIMEOUT)
+    message = waited_for("not every rank made its Communicator within 0.5 s",
+                         lambda: rr.Communicator(timeout=TIMEOUT))
+    assert message.startswith(f"ringreduce.Communicator (rank {RANK} of {SIZE}): ")
+    assert ("left to MPI_Finalize" if late else "MPI_Comm_idup stays pending") in message
+    world.Barrier()
+    with rr.Communicator(timeout=TIMEOUT) as ring:  # and the next one works
+        np.testing.assert_array_equal(ring.allreduce(np.ones(3)), np.full(3, SIZE))
+
+
 def closes_at_once(ring):
     """close() returns, without waiting for ranks that have left."""
     start = time.monotonic()
