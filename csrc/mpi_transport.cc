@@ -2,6 +2,7 @@
 
 #include <cstddef>
 #include <cstring>
+#include <mutex>
 #include <string>
 
 #include "errors.h"
@@ -12,15 +13,23 @@ namespace ringreduce {
 namespace {
 
 // The pending MPI_Comm_idup of each creation that gave up; the duplicates themselves
-// (see the constructor) are never freed, as freeing is collective.
+// (see the constructor) are never freed, as freeing is collective. Communicators may
+// be made on several threads at once (on different communicators), hence the lock.
+std::mutex abandoned_lock;
 std::vector<MPI_Request>& abandoned_duplicates() {
   static auto* requests = new std::vector<MPI_Request>;  // never destroyed: used at exit
   return *requests;
 }
 
+void abandon_duplicate(MPI_Request request) {
+  const std::lock_guard<std::mutex> hold(abandoned_lock);
+  abandoned_duplicates().push_back(request);
+}
+
 }  // namespace
 
 void finish_abandoned_duplicates() {
+  const std::lock_guard<std::mutex> hold(abandoned_lock);
   std::vector<MPI_Request>& requests = abandoned_duplicates();
   for (size_t i = 0; i < requests.size();) {
     int done = 0;
@@ -53,40 +62,48 @@ MpiTransport::MpiTransport(MPI_Comm user_comm, double timeout_s) {
   check_mpi(MPI_Comm_test_inter(user_comm, &is_inter), "MPI_Comm_test_inter", -1);
   if (is_inter) throw std::invalid_argument("comm is an intercommunicator; use an intracommunicator");
   timeout_s_ = timeout_s;
+  // The same on the duplicate: known now for messages while it is being made.
+  check_mpi(MPI_Comm_rank(user_comm, &rank_), "MPI_Comm_rank", -1);
+  check_mpi(MPI_Comm_size(user_comm, &size_), "MPI_Comm_size", -1);
   finish_abandoned_duplicates();
-  if (timeout_s <= 0) {
-    check_mpi(MPI_Comm_dup(user_comm, &comm_), "MPI_Comm_dup", -1);
-  } else {
-    // MPI writes the new handle when the duplicate completes, maybe after we gave up
-    // (and this object is gone): so into a place that is never freed.
-    auto* duplicate = new MPI_Comm(MPI_COMM_NULL);
-    MPI_Request request = MPI_REQUEST_NULL;
-    check_mpi(MPI_Comm_idup(user_comm, duplicate, &request), "MPI_Comm_idup", -1);
-    if (!wait_patiently(&request, "MPI_Test(MPI_Comm_idup)")) {
-      abandoned_duplicates().push_back(request);
-      throw TimeoutError(creation_timeout_text(
-          user_comm,
-          "This rank's MPI_Comm_idup stays pending on the communicator passed, where a rank "
-          "that comes late completes it; if one never comes, further collectives on that "
-          "communicator are not safe (as after any collective a rank skipped)"));
-    }
-    comm_ = *duplicate;
-    delete duplicate;
+  // Always the non-blocking duplicate, with or without a timeout: MPI never pairs a
+  // blocking collective with a non-blocking one, and ranks may differ in their timeout.
+  // MPI writes the new handle when the duplicate completes, maybe after we gave up
+  // (and this object is gone): so into a place that is never freed.
+  auto* duplicate = new MPI_Comm(MPI_COMM_NULL);
+  MPI_Request request = MPI_REQUEST_NULL;
+  check(MPI_Comm_idup(user_comm, duplicate, &request), "MPI_Comm_idup");
+  bool done = false;
+  try {
+    done = wait_patiently(&request, "MPI_Test(MPI_Comm_idup)");
+  } catch (...) {
+    abandon_duplicate(request);
+    throw;
   }
+  if (!done) {
+    abandon_duplicate(request);
+    throw TimeoutError(creation_timeout_text(
+        user_comm,
+        "This rank's MPI_Comm_idup stays pending on the communicator passed, where a rank "
+        "that comes late completes it; if one never comes, further collectives on that "
+        "communicator are not safe (as after any collective a rank skipped)"));
+  }
+  comm_ = *duplicate;
+  delete duplicate;
   // Errors come back as return codes, which we turn into exceptions with MPI's text,
   // rather than aborting the job from inside MPI.
-  check_mpi(MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN), "MPI_Comm_set_errhandler", -1);
-  check_mpi(MPI_Comm_rank(comm_, &rank_), "MPI_Comm_rank", -1);
-  check(MPI_Comm_size(comm_, &size_), "MPI_Comm_size");
+  check(MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN), "MPI_Comm_set_errhandler");
   int* tag_ub = nullptr;
   int found = 0;
   check(MPI_Comm_get_attr(comm_, MPI_TAG_UB, &tag_ub, &found), "MPI_Comm_get_attr(MPI_TAG_UB)");
   if (found && tag_ub) tag_ub_ = *tag_ub;
   check(MPI_Comm_set_name(comm_, "ringreduce"), "MPI_Comm_set_name");
-  if (timeout_s > 0 && size_ > 1) {
-    MPI_Request request = MPI_REQUEST_NULL;
-    check(MPI_Ibarrier(comm_, &request), "MPI_Ibarrier");
-    if (!wait_patiently(&request, "MPI_Test(MPI_Ibarrier)"))
+  // Every rank has its duplicate before anything blocking is made on it (the shared
+  // window): a rank that gave up on the duplicate must not leave the others there.
+  if (size_ > 1) {
+    MPI_Request barrier = MPI_REQUEST_NULL;
+    check(MPI_Ibarrier(comm_, &barrier), "MPI_Ibarrier");
+    if (!wait_patiently(&barrier, "MPI_Test(MPI_Ibarrier)"))
       throw TimeoutError(creation_timeout_text(
           user_comm, "This rank's duplicate of the communicator passed is left to MPI_Finalize"));
   }

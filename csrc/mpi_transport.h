@@ -24,11 +24,13 @@ void finish_abandoned_duplicates();
 
 class MpiTransport final : public Transport {
  public:
-  // Collective over user_comm: duplicates it, then waits until every rank has its
-  // duplicate, so that what is created on it next (blocking collectives) cannot wait for
-  // a rank that never comes. With timeout_s > 0 both steps are timed (MPI_Comm_idup,
-  // MPI_Ibarrier) and throw TimeoutError after timeout_s: a rank that skipped making its
-  // Communicator ends the job with a message instead of a hang. The duplicate that gave
+  // Collective over user_comm: duplicates it (MPI_Comm_idup), then waits until every
+  // rank has its duplicate (MPI_Ibarrier), so that what is made on it next (blocking
+  // collectives) cannot wait for a rank that never comes. Each step throws TimeoutError
+  // after timeout_s without completing (<= 0: never): a rank that skipped making its
+  // Communicator ends the job with a message instead of a hang. (A rank whose barrier
+  // completes just as another's times out still goes on into the blocking part; that
+  // takes two ranks a whole timeout apart in finishing the duplicate.) The duplicate that gave
   // up stays pending on user_comm (MPI cannot cancel a collective), where a rank that
   // comes late completes it; one that never comes leaves user_comm unsafe for further
   // collectives, as it already is when ranks skip a collective. MPI must already be

@@ -197,6 +197,10 @@ def prepare_allgather(comm, context, x, out):
         source_now, result, failure = source, out, None
         try:
             with launch.context():
+                # On the worker thread the caller's stream may be another one (cupy's
+                # per-thread default stream, see _Launch.settle): first order it after
+                # what `ready` marked, for the copy below and for the ring.
+                launch.stream.wait_event(launch.ready)
                 if result is None:
                     result = cp.empty((total,) + row_shape, x.dtype)
                 mine = sum(counts[:comm.rank]) * row_elems * itemsize
@@ -205,9 +209,7 @@ def prepare_allgather(comm, context, x, out):
                         and _extent(source) != block):
                     source_now = source.copy()  # x inside out, not as its own block
                 # The pool may hand out memory whose last users were enqueued after
-                # `ready`: wait for them too. Waiting on `ready` first keeps what it
-                # marked where the stream is another one here (see _Launch.settle).
-                launch.stream.wait_event(launch.ready)
+                # `ready`: wait for them too.
                 launch.ready.record(launch.stream)
             core.reserve_staging(nbytes, *launch.args())
         except Exception as error:  # cupy's OutOfMemoryError is a MemoryError

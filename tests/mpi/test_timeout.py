@@ -115,6 +115,13 @@ def test_a_rank_that_makes_its_communicator_too_late_makes_every_rank_raise(worl
         np.testing.assert_array_equal(ring.allreduce(np.ones(3)), np.full(3, SIZE))
 
 
+def test_ranks_with_and_without_a_timeout_make_a_communicator_together(world):
+    # Timed or not, every rank makes its duplicate the same (non-blocking) way: MPI
+    # never pairs a blocking collective with a non-blocking one.
+    with rr.Communicator(timeout=None if RANK == 0 else 30) as ring:
+        np.testing.assert_array_equal(ring.allreduce(np.ones(3)), np.full(3, SIZE))
+
+
 def closes_at_once(ring):
     """close() returns, without waiting for ranks that have left."""
     start = time.monotonic()
