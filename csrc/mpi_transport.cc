@@ -83,7 +83,6 @@ MpiTransport::MpiTransport(MPI_Comm user_comm, double timeout_s) {
   if (!done) {
     abandon_duplicate(request);
     throw TimeoutError(creation_timeout_text(
-        user_comm,
         "This rank's MPI_Comm_idup stays pending on the communicator passed, where a rank "
         "that comes late completes it; if one never comes, further collectives on that "
         "communicator are not safe (as after any collective a rank skipped)"));
@@ -105,7 +104,7 @@ MpiTransport::MpiTransport(MPI_Comm user_comm, double timeout_s) {
     check(MPI_Ibarrier(comm_, &barrier), "MPI_Ibarrier");
     if (!wait_patiently(&barrier, "MPI_Test(MPI_Ibarrier)"))
       throw TimeoutError(creation_timeout_text(
-          user_comm, "This rank's duplicate of the communicator passed is left to MPI_Finalize"));
+          "This rank's duplicate of the communicator passed is left to MPI_Finalize"));
   }
 }
 
@@ -141,12 +140,9 @@ Transport::Request MpiTransport::recv_left(void* buf, int64_t bytes, int tag) {
   return static_cast<Request>(requests_.size() - 1);
 }
 
-std::string MpiTransport::creation_timeout_text(MPI_Comm user_comm, const char* left) const {
-  int rank = -1, size = 0;
-  MPI_Comm_rank(user_comm, &rank);
-  MPI_Comm_size(user_comm, &size);
-  return "ringreduce.Communicator (rank " + std::to_string(rank) + " of " +
-         std::to_string(size) + "): not every rank made its Communicator within " +
+std::string MpiTransport::creation_timeout_text(const char* left) const {
+  return "ringreduce.Communicator (rank " + std::to_string(rank_) + " of " +
+         std::to_string(size_) + "): not every rank made its Communicator within " +
          seconds_text(timeout_s_) +
          " (the timeout; MPI cannot say which have not): a rank skipped it, or is stuck "
          "before it. " + left;

@@ -94,7 +94,7 @@ class MpiTransport final : public Transport {
   int size_ = 1;
   int tag_ub_ = 32767;  // the least MPI guarantees; replaced by the real bound
   // Why making a Communicator gave up, then `left`: what that leaves behind.
-  std::string creation_timeout_text(MPI_Comm user_comm, const char* left) const;
+  std::string creation_timeout_text(const char* left) const;
   // Polls request until it completes (true), or until the timeout passes (false).
   bool wait_patiently(MPI_Request* request, const char* call);
 
