@@ -309,7 +309,8 @@ PYBIND11_MODULE(_core, m) {
               py::array into, int64_t into_rows) {
              // allgather_counts() on host rows, then, in the same call, the copy out
              // into `into` (out=, or a result allocated for a guessed size) if the rows
-             // came along and into_rows is right: (counts, whether that happened).
+             // came along and into_rows is right: None if that happened, else the
+             // counts (no tuple to build: this is the hot path of small calls).
              const int64_t es = static_cast<int64_t>(dtype_size(DType(dtype)));
              check_buffer(self,
                           x.nbytes() == rows * row_elems * es &&
@@ -318,14 +319,14 @@ PYBIND11_MODULE(_core, m) {
                           "x does not hold its rows, or the result does not hold its own");
              const void* rows_data = x.data();
              void* dst = into.mutable_data();
-             return keeping_on_departure(self, {x, into}, [&] {
-               std::vector<int64_t> counts =
-                   self.allgather_counts(rows, row_elems, shape_tag, DType(dtype), chunk_bytes,
-                                         kHostMemory, out_rows, rows_data);
-               const bool done =
-                   self.allgather_from_counts(dst, into_rows, counts, row_elems, DType(dtype));
-               return std::make_pair(std::move(counts), done);
+             std::vector<int64_t> counts;
+             const bool done = keeping_on_departure(self, {x, into}, [&] {
+               counts = self.allgather_counts(rows, row_elems, shape_tag, DType(dtype),
+                                              chunk_bytes, kHostMemory, out_rows, rows_data);
+               return self.allgather_from_counts(dst, into_rows, counts, row_elems,
+                                                 DType(dtype));
              });
+             return done ? py::object(py::none()) : py::object(py::cast(counts));
            })
       .def("allgather_confirm",
            [](RingCommunicator& self, bool ok, int64_t out_bytes) {

@@ -49,27 +49,32 @@ def gather_output(core, allocate, nbytes: int):
     return result
 
 
-def gather_rows(core, source, rows, row_shape, dtype, chunk, out, guess=None):
-    """allgather of a contiguous host array: every rank's row count first (with the rows
-    themselves when they are small enough to ride along), then the result, then the ring.
+def row_layout(row_shape: tuple) -> tuple[int, int]:
+    """(elements per row, the row shape's tag for the header) of allgather's rows."""
+    if not row_shape:  # 1-D x, the common case, in a fraction of the time
+        return 1, _NO_ROW_SHAPE_TAG
+    return math.prod(row_shape), t.shape_tag(row_shape)  # math.prod: np.prod costs us
 
-    guess: where the rows ride along, a result allocated before the exchange (or out),
-    for as many rows as guess has; if every rank's rows add up to that, the exchange
-    fills it in the same step and the call is done (saves a third of a small call).
-    """
-    row_elems = math.prod(row_shape)  # a Python int: np.prod costs microseconds
-    tag = t.shape_tag(row_shape)
+
+_NO_ROW_SHAPE_TAG = t.shape_tag(())
+
+
+def gather_rows(core, source, rows, row_shape, dtype, chunk, out):
+    """allgather of a contiguous host array: every rank's row count first (with the
+    rows themselves when they are small enough to ride along), then the result, then
+    the ring. (The fast path in Communicator.allgather saves a step more.)"""
+    row_elems, tag = row_layout(row_shape)
     out_rows = -1 if out is None else out.shape[0]
     # The result's size is known only once every rank has said its row count (and the
     # core has checked out= against them, on every rank). Positional arguments only:
     # keywords cost pybind11 almost a microsecond, as much as the exchange itself.
-    if guess is not None:
-        counts, done = core.allgather_small(source, rows, row_elems, tag, dtype, chunk, out_rows,
-                                            guess, guess.shape[0])
-        if done:
-            return guess
-    else:
-        counts = core.allgather_counts(rows, row_elems, tag, dtype, chunk, out_rows, False, source)
+    counts = core.allgather_counts(rows, row_elems, tag, dtype, chunk, out_rows, False, source)
+    return gather_rest(core, source, counts, row_shape, row_elems, dtype, out)
+
+
+def gather_rest(core, source, counts, row_shape, row_elems, dtype, out):
+    """allgather's second half, once every rank's row count is known: the result
+    (out, or a new array), then the ring."""
     total = sum(counts)
     result = gather_output(
         core, lambda: out if out is not None else np.empty((total,) + row_shape, source.dtype),
@@ -431,9 +436,12 @@ class Communicator:
         if (type(x) is np.ndarray and x.ndim and x.nbytes <= self._inline_bytes
                 and x.flags.c_contiguous and not self._executor.queue and not self._closed):
             dtype = t.dtype_code_or_none(x.dtype)
-            # The guess at the result (see gather_rows): out=, or this rank's rows times
-            # the ranks. Only below the size at which gather_output() confirms, as
-            # whether a call confirms must not depend on a guess ranks may differ in.
+            rows, row_shape = x.shape[0], x.shape[1:]
+            # A guess at the result: out=, or this rank's rows times the ranks. The
+            # exchange fills it in the same step if every rank's rows add up to it, and
+            # the call is done: a third of a small call saved. Only below the size at
+            # which gather_output() confirms, as whether a call confirms must not depend
+            # on a guess ranks may differ in.
             guess = None
             if out is not None:
                 if not t.is_plain_out(out, x, any_rows=True, overlap_ok=True):
@@ -441,15 +449,25 @@ class Communicator:
                 elif out.nbytes < _CONFIRM_BYTES:
                     guess = out
             elif dtype is not None and x.nbytes * self.size < _CONFIRM_BYTES:
-                try:
-                    guess = np.empty((x.shape[0] * self.size,) + x.shape[1:], x.dtype)
+                try:  # (an int shape for 1-D x: a tuple costs a tenth of a microsecond)
+                    total = rows * self.size
+                    guess = np.empty((total,) + row_shape if row_shape else total, x.dtype)
                 except MemoryError:
                     dtype = None  # the general path, which tells the other ranks
             if dtype is not None:
+                row_elems, tag = row_layout(row_shape)
+                core = self._core
                 with self._executor.running:
                     if not self._executor.queue:
-                        return gather_rows(self._core, x, x.shape[0], x.shape[1:], dtype,
-                                           self._chunk_bytes, out, guess)
+                        if guess is None:
+                            return gather_rows(core, x, rows, row_shape, dtype,
+                                               self._chunk_bytes, out)
+                        counts = core.allgather_small(
+                            x, rows, row_elems, tag, dtype, self._chunk_bytes,
+                            -1 if out is None else out.shape[0], guess, guess.shape[0])
+                        if counts is None:  # the exchange filled the guess
+                            return guess
+                        return gather_rest(core, x, counts, row_shape, row_elems, dtype, out)
         return self._call("allgather", self._prepare_allgather, x, out, wait=True)
 
     def broadcast(self, x, root: int = 0):
