@@ -1,13 +1,16 @@
-"""An exception that leaves a `with rr.Communicator()` block on one rank must end the job
-(`python -m mpi4py` aborts it), not hang it: freeing the communicator is collective,
-and the other ranks are elsewhere, here in an allreduce."""
+"""Whole jobs, launched by mpiexec, that must end rather than hang: an exception that
+leaves a `with rr.Communicator()` block on one rank (`python -m mpi4py` aborts the job;
+freeing the communicator is collective, and the other ranks are elsewhere, here in an
+allreduce), and a rank that never makes its Communicator. And one that must end
+cleanly: a creation that gave up leaves nothing behind for MPI_Finalize."""
+import os
 import subprocess
 import sys
 import time
 
 from launch import mpiexec
 
-SCRIPT = """
+LEAVE_WITH_BLOCK = """
 import numpy as np
 from mpi4py import MPI
 import ringreduce as rr
@@ -19,16 +22,67 @@ with rr.Communicator() as ring:
 """
 
 
-def test_an_exception_leaving_a_with_block_on_one_rank_ends_the_job(tmp_path):
-    script = tmp_path / "leave.py"
-    script.write_text(SCRIPT)
-    start = time.monotonic()
+def run_script(tmp_path, name, text, env=None, timeout=60):
+    script = tmp_path / name
+    script.write_text(text)
     try:
-        done = subprocess.run([mpiexec(), "-n", "2", sys.executable, "-m", "mpi4py", str(script)],
-                              capture_output=True, text=True, timeout=60)
+        return subprocess.run([mpiexec(), "-n", "2", sys.executable, "-m", "mpi4py", str(script)],
+                              capture_output=True, text=True, timeout=timeout,
+                              env=None if env is None else {**os.environ, **env})
     except subprocess.TimeoutExpired:
         subprocess.run(["pkill", "-f", str(script)])
         raise AssertionError("the job hung instead of ending") from None
+
+
+def test_an_exception_leaving_a_with_block_on_one_rank_ends_the_job(tmp_path):
+    start = time.monotonic()
+    done = run_script(tmp_path, "leave.py", LEAVE_WITH_BLOCK)
     assert done.returncode != 0
     assert "only on rank 1" in done.stderr
     assert time.monotonic() - start < 60
+
+
+SKIP_CREATION = """
+import time
+import numpy as np
+from mpi4py import MPI
+import ringreduce as rr
+
+if MPI.COMM_WORLD.Get_rank() == 0:
+    rr.allreduce(np.ones(3))  # makes the module-level Communicator, which rank 1 never does
+else:
+    time.sleep(60)
+"""
+
+
+def test_a_rank_that_never_makes_the_communicator_ends_the_job(tmp_path):
+    start = time.monotonic()
+    done = run_script(tmp_path, "skip.py", SKIP_CREATION, env={"RINGREDUCE_TIMEOUT": "1"})
+    assert done.returncode != 0
+    assert "not every rank made its Communicator within 1 s" in done.stderr
+    assert time.monotonic() - start < 30
+
+
+LATE_CREATION = """
+import time
+from mpi4py import MPI
+import ringreduce as rr
+
+if MPI.COMM_WORLD.Get_rank() == 1:
+    time.sleep(2)
+try:
+    rr.Communicator(timeout=0.5)
+except rr.CollectiveTimeoutError as error:
+    print("raised:", error)
+MPI.COMM_WORLD.Barrier()
+"""
+
+
+def test_a_creation_that_gave_up_leaves_nothing_for_mpi_finalize_to_report(tmp_path):
+    # Rank 0 gives up on the duplicate; rank 1, late, completes it and gives up in turn.
+    # The request rank 0 left pending is completed before MPI_Finalize, which would
+    # otherwise report the world communicator as still referenced.
+    done = run_script(tmp_path, "late.py", LATE_CREATION)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count("raised:") == 2
+    assert "pending" not in done.stderr, done.stderr
