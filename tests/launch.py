@@ -28,6 +28,15 @@ def mpiexec() -> str:
     return found
 
 
+def job_env(extra: dict | None = None) -> dict:
+    """The environment for an mpiexec started by a test: os.environ (with extra), given
+    explicitly. A test process that imported ringreduce has initialised MPI, and Open
+    MPI then adds its own job's variables (PMIX_*, OMPI_*) to the C environment, which
+    a child inherits by default: an mpiexec that sees them thinks it runs inside that
+    job and fails without a word. os.environ is Python's copy, without them."""
+    return {**os.environ, **(extra or {})}
+
+
 def run_on_ranks(ranks: int, module: str, tmp_path: Path, timeout: float, extra=(),
                  env: dict | None = None) -> dict:
     """Runs tests/mpi/<module> on `ranks` ranks; returns the per-rank summaries."""
@@ -36,7 +45,7 @@ def run_on_ranks(ranks: int, module: str, tmp_path: Path, timeout: float, extra=
     marker = f"{os.getpid()}-{uuid.uuid4().hex}"  # in every rank's environment
     # One BLAS thread per rank: more ranks than cores already, spinning BLAS threads on
     # top would only slow the tests down.
-    env = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", **os.environ, **(env or {}),
+    env = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", **job_env(env),
            "RINGREDUCE_TEST_REPORT_DIR": str(report_dir), "RINGREDUCE_TEST_JOB": marker,
            "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     command = [mpiexec(), "-n", str(ranks), sys.executable, "-m", "mpi4py", "-m", "pytest",

@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from launch import mpiexec
+from launch import job_env, mpiexec
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -17,7 +17,8 @@ def test_bench_allreduce_and_summarize(tmp_path):
         [mpiexec(), "-n", "2", sys.executable, "-m", "mpi4py", "benchmarks/bench_allreduce.py",
          "--sizes", "64,20K", "--repeats", "2", "--no-gloo", "--json", str(result),
          "--plot", str(tmp_path / "busbw.png")],
-        cwd=ROOT, capture_output=True, text=True, timeout=300)
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        env=job_env())
     assert done.returncode == 0, done.stdout + done.stderr
     rows = json.loads(result.read_text())["results"]
     seen = {(r["collective"], r["implementation"], r["bytes"]) for r in rows}
@@ -44,7 +45,8 @@ def test_wire_choice_runs_and_summarises(tmp_path):
     done = subprocess.run(
         [mpiexec(), "-n", "2", sys.executable, "-m", "mpi4py", "benchmarks/wire_choice.py",
          "--seconds", "2", "--json", str(result), "--plot", str(tmp_path / "wire.png")],
-        cwd=ROOT, capture_output=True, text=True, timeout=120)
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+        env=job_env())
     assert done.returncode == 0, done.stdout + done.stderr
     data = json.loads(result.read_text())
     assert data["rounds"], "no round finished"
@@ -63,7 +65,8 @@ def test_bench_gpu_runs_over_the_emulated_gpu(tmp_path):
         [mpiexec(), "-n", "2", sys.executable, "-m", "mpi4py", "tests/mpi/emulated_bench_gpu.py",
          "--max-bytes", "4096", "--repeats", "1", "--no-gloo", "--others", "--json",
          str(result), "--markdown", str(table), "--plot", str(tmp_path / "gpu.png")],
-        cwd=ROOT, capture_output=True, text=True, timeout=300)
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        env=job_env())
     assert done.returncode == 0, done.stdout + done.stderr
     data = json.loads(result.read_text())
     assert [r["bytes"] for r in data["rows"]] == [1024, 4096]

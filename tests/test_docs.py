@@ -35,7 +35,7 @@ def test_every_figure_is_made_by_the_figures_script(tmp_path):
 
 def test_readme_example_runs_on_two_ranks(tmp_path):
     sys.path.insert(0, str(ROOT / "tests"))
-    from launch import mpiexec
+    from launch import job_env, mpiexec
 
     code = re.search(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S).group(1)
     script = tmp_path / "example.py"
@@ -44,7 +44,8 @@ def test_readme_example_runs_on_two_ranks(tmp_path):
                       f"sys.stdout = open(r'{tmp_path}/out%d.txt' % MPI.COMM_WORLD.Get_rank(), 'w')\n"
                       + code)
     done = subprocess.run([mpiexec(), "-n", "2", sys.executable, "-m", "mpi4py", str(script)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+                          cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env=job_env())
     assert done.returncode == 0, done.stdout + done.stderr
     outputs = [(tmp_path / f"out{r}.txt").read_text().split(None, 1) for r in (0, 1)]
     assert [rank for rank, _ in outputs] == ["0", "1"]

@@ -3,12 +3,11 @@ leaves a `with rr.Communicator()` block on one rank (`python -m mpi4py` aborts t
 freeing the communicator is collective, and the other ranks are elsewhere, here in an
 allreduce), and a rank that never makes its Communicator. And one that must end
 cleanly: a creation that gave up leaves nothing behind for MPI_Finalize."""
-import os
 import subprocess
 import sys
 import time
 
-from launch import mpiexec
+from launch import job_env, mpiexec
 
 LEAVE_WITH_BLOCK = """
 import numpy as np
@@ -28,7 +27,7 @@ def run_script(tmp_path, name, text, env=None, timeout=60):
     try:
         return subprocess.run([mpiexec(), "-n", "2", sys.executable, "-m", "mpi4py", str(script)],
                               capture_output=True, text=True, timeout=timeout,
-                              env=None if env is None else {**os.environ, **env})
+                              env=job_env(env))
     except subprocess.TimeoutExpired:
         subprocess.run(["pkill", "-f", str(script)])
         raise AssertionError("the job hung instead of ending") from None
