@@ -49,6 +49,7 @@ std::unique_ptr<ShmChannel> ShmChannel::create(MPI_Comm comm, int64_t slot_bytes
   }
 
   std::unique_ptr<ShmChannel> channel(new ShmChannel());
+  channel->comm_ = comm;
   channel->slot_bytes_ = slot_bytes;
   channel->slots_ = slots;
   channel->rank_ = rank;
@@ -133,7 +134,7 @@ void ShmChannel::exchange() {
     while (__atomic_load_n(exchanged_[r], __ATOMIC_ACQUIRE) < exchanges_) {
       back_off(&idle);
       // Looks at every rank's departure, not only this one's: any may hold up the call.
-      if (timer.expired([&] { check_departures(); })) {
+      if (timer.expired([&] { look_around(); })) {
         const std::vector<int> missing = ranks_where([&](uint64_t n) { return n < exchanges_; });
         throw TimeoutError(describe_ranks(missing) + (missing.size() == 1 ? " has" : " have") +
                            " not joined this call within " + seconds_text(timeout_s_) +
@@ -152,6 +153,13 @@ DepartureNote ShmChannel::departure(int r) const {
     note.completed = static_cast<int64_t>(word >> 2);
   }
   return note;
+}
+
+void ShmChannel::look_around() const {
+  int flag = 0;
+  if (comm_ != MPI_COMM_NULL)
+    MPI_Iprobe(MPI_ANY_SOURCE, MPI_ANY_TAG, comm_, &flag, MPI_STATUS_IGNORE);
+  check_departures();
 }
 
 void ShmChannel::check_departures() const {
@@ -231,7 +239,7 @@ void ShmChannel::run_phase(const RingSchedule& sched, size_t elem_size, Phase ph
     } else {
       back_off(&idle);
       // A neighbour that left never moves again; nor, then, does the ring.
-      if (timer.expired([&] { check_departures(); })) {
+      if (timer.expired([&] { look_around(); })) {
         const bool receiving = next_recv < recvs.size();
         throw TimeoutError(neighbour_timeout_text(
             timeout_s_, receiving ? sched.left() : sched.right(), receiving));

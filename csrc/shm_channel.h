@@ -74,6 +74,12 @@ class ShmChannel {
 
  private:
   ShmChannel() = default;
+  // What a wait does now and then (StallTimer::expired): drives MPI, then checks for
+  // departures. Open MPI finishes a large send only once the receiving process calls
+  // into MPI again (the rendezvous' last acknowledgement can sit in its queue): a rank
+  // that waits here, on shared memory alone, after an MPI-wire call would leave the
+  // neighbour that sent to it waiting in that call forever.
+  void look_around() const;
   // Rank r's departure word: 0 while it is in; else (completed << 2) | why.
   DepartureNote departure(int r) const;
   // Two boards per rank, used by alternate exchanges: before a rank may overwrite the
@@ -91,6 +97,7 @@ class ShmChannel {
                  OnReceive on_receive, SendSource send_source);
 
   MPI_Win win_ = MPI_WIN_NULL;
+  MPI_Comm comm_ = MPI_COMM_NULL;  // the communicator's own duplicate, to drive MPI on
   int64_t slot_bytes_ = 0;
   int slots_ = 0;
   char* my_slots_ = nullptr;
