@@ -129,7 +129,9 @@ def test_a_rank_whose_gpu_fails_in_the_ring_tells_the_others_at_once():
         finally:
             _core.set_emulated_copy_fault(0)
     else:
-        with pytest.raises(rr.CollectiveTimeoutError, match="rank 1 has left"):
+        # (On 3 ranks or more, the news may come first from a rank that left after it.)
+        with pytest.raises(rr.CollectiveTimeoutError,
+                           match="rank 1 has left|has left this communicator, after another"):
             comm.allreduce(x, out=out)
     assert time.monotonic() - start < 30
     assert comm._core.departed
