@@ -81,7 +81,8 @@ std::string mpi_library_version() {
 }  // namespace
 
 PYBIND11_MODULE(_core, m) {
-  py::class_<StallTimer>(m, "StallTimer", "How long a wait has gone without progress (csrc/waiting.h)")
+  py::class_<StallTimer>(m, "StallTimer",
+                         "How long a wait has gone without progress (csrc/waiting.h)")
       .def(py::init<double>(), py::arg("seconds"))
       .def(
           "expired",
@@ -348,7 +349,8 @@ PYBIND11_MODULE(_core, m) {
              // has checked that every other rank's buffer is writeable.
              void* p = const_cast<void*>(buf.data());
              const int64_t n = buf.size();
-             keeping_on_departure(self, {buf}, [&] { self.broadcast(p, n, DType(dtype), root, chunk_bytes); });
+             keeping_on_departure(self, {buf},
+                                  [&] { self.broadcast(p, n, DType(dtype), root, chunk_bytes); });
            })
       .def("announce_invalid",
            [](RingCommunicator& self, int collective, int64_t chunk_bytes, bool device) {

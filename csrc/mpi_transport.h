@@ -30,11 +30,11 @@ class MpiTransport final : public Transport {
   // after timeout_s without completing (<= 0: never): a rank that skipped making its
   // Communicator ends the job with a message instead of a hang. (A rank whose barrier
   // completes just as another's times out still goes on into the blocking part; that
-  // takes two ranks a whole timeout apart in finishing the duplicate.) The duplicate that gave
-  // up stays pending on user_comm (MPI cannot cancel a collective), where a rank that
-  // comes late completes it; one that never comes leaves user_comm unsafe for further
-  // collectives, as it already is when ranks skip a collective. MPI must already be
-  // initialised: mpi4py owns MPI_Init and MPI_Finalize, never us.
+  // takes two ranks a whole timeout apart in finishing the duplicate.) The duplicate
+  // that gave up stays pending on user_comm (MPI cannot cancel a collective), where a
+  // rank that comes late completes it; one that never comes leaves user_comm unsafe
+  // for further collectives, as it already is when ranks skip a collective. MPI must
+  // already be initialised: mpi4py owns MPI_Init and MPI_Finalize, never us.
   MpiTransport(MPI_Comm user_comm, double timeout_s);
   ~MpiTransport() override;
   MpiTransport(const MpiTransport&) = delete;

@@ -198,8 +198,9 @@ void RingCommunicator::give_up(const char* collective, const TimeoutError& e) {
 void RingCommunicator::depart(Departure why) {
   if (departed_) return;
   departed_ = true;
-  // A call that failed here was not seen through, so the ranks still in it are held up.
-  const int64_t completed = exchanges_ - (gave_up_ || !broken_.empty() ? 1 : 0);
+  // A call that failed here (a timeout too sets broken_) was not seen through, so the
+  // ranks still in it are held up.
+  const int64_t completed = exchanges_ - (broken_.empty() ? 0 : 1);
   if (shm_) shm_->leave(why, completed);
   transport_->leave(why, completed);
 }

@@ -69,7 +69,8 @@ inline void back_off(int* idle) {
 // waiting out its timeout, and close() on those ranks frees nothing that would wait for it.
 enum class Departure : int {
   GaveUp = 1,    // a timeout there
-  Left = 2,      // an exception left its `with` block, or close() met a collective
+  Left = 2,      // an error in a call, an exception left its `with` block, or close()
+                 // met a collective
   Followed = 3,  // it learnt that another rank had left (messages name that one first)
 };
 

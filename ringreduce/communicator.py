@@ -49,14 +49,14 @@ def gather_output(core, allocate, nbytes: int):
     return result
 
 
+_NO_ROW_SHAPE_TAG = t.shape_tag(())
+
+
 def row_layout(row_shape: tuple) -> tuple[int, int]:
     """(elements per row, the row shape's tag for the header) of allgather's rows."""
     if not row_shape:  # 1-D x, the common case, in a fraction of the time
         return 1, _NO_ROW_SHAPE_TAG
     return math.prod(row_shape), t.shape_tag(row_shape)  # math.prod: np.prod costs us
-
-
-_NO_ROW_SHAPE_TAG = t.shape_tag(())
 
 
 def gather_rows(core, source, rows, row_shape, dtype, chunk, out):
@@ -455,13 +455,13 @@ class Communicator:
                 except MemoryError:
                     dtype = None  # the general path, which tells the other ranks
             if dtype is not None:
-                row_elems, tag = row_layout(row_shape)
                 core = self._core
                 with self._executor.running:
                     if not self._executor.queue:
                         if guess is None:
                             return gather_rows(core, x, rows, row_shape, dtype,
                                                self._chunk_bytes, out)
+                        row_elems, tag = row_layout(row_shape)
                         counts = core.allgather_small(
                             x, rows, row_elems, tag, dtype, self._chunk_bytes,
                             -1 if out is None else out.shape[0], guess, guess.shape[0])
