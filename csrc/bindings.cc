@@ -93,6 +93,29 @@ PYBIND11_MODULE(_core, m) {
           },
           py::arg("look_around") = py::none())
       .def("progressed", &StallTimer::progressed);
+  py::enum_<Departure>(m, "Departure", "Why a rank left a communicator (csrc/waiting.h)")
+      .value("GAVE_UP", Departure::GaveUp)
+      .value("LEFT", Departure::Left)
+      .value("FOLLOWED", Departure::Followed);
+  py::class_<DepartureNote>(m, "DepartureNote",
+                            "What a rank that left tells the others (csrc/waiting.h)")
+      .def(py::init([](int rank, Departure why, int64_t completed, int cause,
+                       Departure cause_why) {
+             return DepartureNote{rank, why, completed, cause, cause_why};
+           }),
+           py::arg("rank"), py::arg("why"), py::arg("completed"), py::arg("cause") = -1,
+           py::arg("cause_why") = Departure::GaveUp)
+      .def_readonly("rank", &DepartureNote::rank)
+      .def_readonly("why", &DepartureNote::why)
+      .def_readonly("completed", &DepartureNote::completed)
+      .def_readonly("cause", &DepartureNote::cause)
+      .def_readonly("cause_why", &DepartureNote::cause_why)
+      .def("holds_up", &DepartureNote::holds_up)
+      .def("prefer", &DepartureNote::prefer)
+      .def("origin", &DepartureNote::origin)
+      .def("text", &DepartureNote::text)
+      .def("shm_word", &ShmChannel::departure_word)
+      .def_static("from_shm_word", &ShmChannel::note_of_word);
   py::class_<WireTuner>(m, "WireTuner", "Which wire a ring call takes (csrc/wire_tuner.h)")
       .def(py::init<>())
       .def("prefer_shm", &WireTuner::prefer_shm)

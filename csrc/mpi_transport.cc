@@ -12,6 +12,9 @@ namespace ringreduce {
 
 namespace {
 
+// A departure notice: why, completed, cause, cause_why (see DepartureNote).
+constexpr int kNoticeWords = 4;
+
 // The pending MPI_Comm_idup of each creation that gave up; the duplicates themselves
 // (see the constructor) are never freed, as freeing is collective. Communicators may
 // be made on several threads at once (on different communicators), hence the lock.
@@ -204,16 +207,26 @@ void MpiTransport::receive_notices() {
     MPI_Status status;
     check(MPI_Iprobe(MPI_ANY_SOURCE, tag_ub_, comm_, &flag, &status), "MPI_Iprobe");
     if (!flag) return;
-    int64_t notice[2] = {0, 0};  // why, completed
-    check(MPI_Recv(notice, 2, MPI_INT64_T, status.MPI_SOURCE, tag_ub_, comm_, MPI_STATUS_IGNORE),
+    int64_t notice[kNoticeWords] = {};
+    check(MPI_Recv(notice, kNoticeWords, MPI_INT64_T, status.MPI_SOURCE, tag_ub_, comm_,
+                   MPI_STATUS_IGNORE),
           "MPI_Recv");
-    departures_.push_back({status.MPI_SOURCE, static_cast<Departure>(notice[0]), notice[1]});
+    DepartureNote note;
+    note.rank = status.MPI_SOURCE;
+    note.why = static_cast<Departure>(notice[0]);
+    note.completed = notice[1];
+    note.cause = static_cast<int>(notice[2]);
+    note.cause_why = static_cast<Departure>(notice[3]);
+    departures_.push_back(note);
   }
 }
 
-bool MpiTransport::anyone_departed() {
+DepartureNote MpiTransport::first_departure() {
   receive_notices();
-  return !departures_.empty();
+  DepartureNote first;
+  for (const DepartureNote& note : departures_)
+    first.prefer(note, kAnyExchange);
+  return first;
 }
 
 void MpiTransport::check_departures() {
@@ -223,16 +236,18 @@ void MpiTransport::check_departures() {
   if (reported.holds_up(exchange_number_)) throw TimeoutError(reported.text());
 }
 
-void MpiTransport::leave(Departure why, int64_t completed) {
+void MpiTransport::leave(const DepartureNote& note) {
   if (comm_ == MPI_COMM_NULL) return;
   // The notices: to every rank, as any of them may be waiting on a chunk that passed
   // through us. Small enough to be sent eagerly, so they need nothing more from us;
   // their buffer is never freed, as MPI reads it after we forget the requests.
-  const auto* notice = new int64_t[2]{static_cast<int64_t>(why), completed};
+  const auto* notice = new int64_t[kNoticeWords]{static_cast<int64_t>(note.why), note.completed,
+                                                  note.cause,
+                                                  static_cast<int64_t>(note.cause_why)};
   for (int r = 0; r < size_; ++r) {
     if (r == rank_) continue;
     MPI_Request request = MPI_REQUEST_NULL;
-    if (MPI_Isend(notice, 2, MPI_INT64_T, r, tag_ub_, comm_, &request) == MPI_SUCCESS)
+    if (MPI_Isend(notice, kNoticeWords, MPI_INT64_T, r, tag_ub_, comm_, &request) == MPI_SUCCESS)
       MPI_Request_free(&request);
   }
   // Receives still pending would write into the caller's buffers whenever the late

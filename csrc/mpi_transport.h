@@ -55,13 +55,13 @@ class MpiTransport final : public Transport {
   // The communicator's header exchange this rank is in, or whose ring it runs:
   // departures are judged against it (DepartureNote::holds_up).
   void set_exchange(int64_t n) { exchange_number_ = n; }
-  // This rank stops using the communicator for good, having seen `completed` exchanges
-  // through: sends every other rank a notice on a tag of its own, cancels the receives
+  // This rank stops using the communicator for good (`note`: why, how many exchanges
+  // it saw through, whom it followed): sends every other rank a notice on a tag of its own, cancels the receives
   // still pending and frees the sends (whose buffers the caller must keep: MPI still
   // reads them if the neighbour comes); keeps the pending header exchange's buffers for
   // ever (MPI forbids freeing a collective's request); forgets the communicator, as
   // freeing it would wait for the ranks still in a call.
-  void leave(Departure why, int64_t completed);
+  void leave(const DepartureNote& note);
   // Throws TimeoutError if a rank that holds up the current exchange has sent its
   // notice. Waits check now and then; a ring call checks once at its end, as the
   // pending sends of a rank that left mid-call can complete a late rank's receives
@@ -75,7 +75,9 @@ class MpiTransport final : public Transport {
       check_departures();
     }
   }
-  bool anyone_departed();  // at any point
+  // Of the notices received so far (at any point), the one that tells best where
+  // things went wrong (DepartureNote::prefer); rank -1 if none.
+  DepartureNote first_departure();
 
   MPI_Comm comm() const { return comm_; }
   int64_t bytes_sent() const { return bytes_sent_; }  // by send_right, ever

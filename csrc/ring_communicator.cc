@@ -189,7 +189,7 @@ void RingCommunicator::give_up(const char* collective, const TimeoutError& e) {
   gave_up_ = true;
   broken_ = std::string("ringreduce.") + collective + " (rank " + std::to_string(rank()) +
             " of " + std::to_string(size()) + "): " + e.what();
-  depart(anyone_departed() ? Departure::Followed : Departure::GaveUp);
+  depart(first_departure().rank >= 0 ? Departure::Followed : Departure::GaveUp);
   throw TimeoutError(broken_ +
                      ". This Communicator can no longer be used on this rank; to go on, make a "
                      "new one on every rank (Communicator(timeout=...) sets the timeout)");
@@ -200,9 +200,19 @@ void RingCommunicator::depart(Departure why) {
   departed_ = true;
   // A call that failed here (a timeout too sets broken_) was not seen through, so the
   // ranks still in it are held up.
-  const int64_t completed = exchanges_ - (broken_.empty() ? 0 : 1);
-  if (shm_) shm_->leave(why, completed);
-  transport_->leave(why, completed);
+  DepartureNote note;
+  note.rank = rank();
+  note.why = why;
+  note.completed = exchanges_ - (broken_.empty() ? 0 : 1);
+  if (why == Departure::Followed) {
+    const DepartureNote first = first_departure().origin();
+    if (first.why != Departure::Followed) {  // (else whom it followed is not known)
+      note.cause = first.rank;
+      note.cause_why = first.why;
+    }
+  }
+  if (shm_) shm_->leave(note);
+  transport_->leave(note);
 }
 
 void RingCommunicator::begin_exchange() {
@@ -217,8 +227,10 @@ void RingCommunicator::leave() {
   if (size() > 1) depart(Departure::Left);
 }
 
-bool RingCommunicator::anyone_departed() {
-  return (shm_ && shm_->anyone_departed()) || transport_->anyone_departed();
+DepartureNote RingCommunicator::first_departure() {
+  DepartureNote first = transport_->first_departure();
+  if (shm_) first.prefer(shm_->first_departure(), kAnyExchange);
+  return first;
 }
 
 RingCommunicator::~RingCommunicator() {
@@ -618,7 +630,7 @@ void RingCommunicator::close() {
       throw;
     } catch (const TimeoutError&) {
       closed_ = true;
-      if (anyone_departed()) return;  // nothing left to free together with them
+      if (first_departure().rank >= 0) return;  // nothing left to free together with them
       throw;
     }
   }

@@ -17,6 +17,12 @@ constexpr int64_t kCounterBytes = 128;  // each counter on its own pair of cache
 // The departure word shares the exchange counter's pair, on the second line: it is
 // written once, when its rank leaves.
 constexpr int64_t kDepartureAt = 2 * kCounterBytes + 64;
+// The word's fields, from the lowest bit: why (2 bits), cause_why (2), cause + 1 (12;
+// 0 when not known, as for a rank beyond the field: every rank here is on one machine),
+// completed (48: years of calls).
+constexpr int kCauseShift = 4;
+constexpr int kCauseBits = 12;
+constexpr int kCompletedShift = kCauseShift + kCauseBits;
 
 bool shm_disabled_by_environment() {
   const char* value = std::getenv("RINGREDUCE_SHM");
@@ -145,14 +151,7 @@ void ShmChannel::exchange() {
 }
 
 DepartureNote ShmChannel::departure(int r) const {
-  DepartureNote note;
-  const uint64_t word = __atomic_load_n(departures_[r], __ATOMIC_ACQUIRE);
-  if (word != 0) {
-    note.rank = r;
-    note.why = static_cast<Departure>(word & 3);
-    note.completed = static_cast<int64_t>(word >> 2);
-  }
-  return note;
+  return note_of_word(r, __atomic_load_n(departures_[r], __ATOMIC_ACQUIRE));
 }
 
 void ShmChannel::look_around() const {
@@ -169,14 +168,34 @@ void ShmChannel::check_departures() const {
   if (reported.holds_up(exchange_)) throw TimeoutError(reported.text());
 }
 
-bool ShmChannel::anyone_departed() const {
+DepartureNote ShmChannel::first_departure() const {
+  DepartureNote first;
   for (int r = 0; r < static_cast<int>(departures_.size()); ++r)
-    if (departure(r).rank >= 0) return true;
-  return false;
+    first.prefer(departure(r), kAnyExchange);
+  return first;
 }
 
-void ShmChannel::leave(Departure why, int64_t completed) {
-  const uint64_t word = (static_cast<uint64_t>(completed) << 2) | static_cast<uint64_t>(why);
+uint64_t ShmChannel::departure_word(const DepartureNote& note) {
+  const uint64_t cause = static_cast<uint64_t>(note.cause + 1);
+  return (static_cast<uint64_t>(note.completed) << kCompletedShift) |
+         (cause < (1u << kCauseBits) ? cause << kCauseShift : 0) |
+         (static_cast<uint64_t>(note.cause_why) << 2) | static_cast<uint64_t>(note.why);
+}
+
+DepartureNote ShmChannel::note_of_word(int r, uint64_t word) {
+  DepartureNote note;
+  if (word != 0) {
+    note.rank = r;
+    note.why = static_cast<Departure>(word & 3);
+    note.cause_why = static_cast<Departure>((word >> 2) & 3);
+    note.cause = static_cast<int>((word >> kCauseShift) & ((1u << kCauseBits) - 1)) - 1;
+    note.completed = static_cast<int64_t>(word >> kCompletedShift);
+  }
+  return note;
+}
+
+void ShmChannel::leave(const DepartureNote& note) {
+  const uint64_t word = departure_word(note);
   __atomic_store_n(my_departure_, word, __ATOMIC_RELEASE);
   win_ = MPI_WIN_NULL;
 }

@@ -54,13 +54,18 @@ class ShmChannel {
   // The communicator's header exchange this rank is in, or whose ring it runs (counted
   // over both wires): departures are judged against it (DepartureNote::holds_up).
   void set_exchange(int64_t n) { exchange_ = n; }
-  // This rank stops using the channel for good, having seen `completed` exchanges
-  // through: tells every rank's waits, through a word of its own in the window, and
+  // This rank stops using the channel for good (`note`: why, how many exchanges it saw
+  // through, whom it followed): tells every rank's waits, through a word of its own in the window, and
   // leaves the window to MPI_Finalize (freeing it would wait for the ranks in a call).
-  void leave(Departure why, int64_t completed);
+  void leave(const DepartureNote& note);
+  // A note as the word leave() writes into the window (0: still in), and back.
+  static uint64_t departure_word(const DepartureNote& note);
+  static DepartureNote note_of_word(int rank, uint64_t word);
   // Throws TimeoutError if a rank that holds up the current exchange has left.
   void check_departures() const;
-  bool anyone_departed() const;  // at any point
+  // Of the departures so far (at any point), the one that tells best where things
+  // went wrong (DepartureNote::prefer); rank -1 if none.
+  DepartureNote first_departure() const;
 
   // An all-gather through the boards: fill next_board() (at most board_bytes), then
   // exchange() posts it and returns when every rank has posted theirs. Every rank must
@@ -80,8 +85,8 @@ class ShmChannel {
   // that waits here, on shared memory alone, after an MPI-wire call would leave the
   // neighbour that sent to it waiting in that call forever.
   void look_around() const;
-  // Rank r's departure word: 0 while it is in; else (completed << 2) | why.
-  DepartureNote departure(int r) const;
+  DepartureNote departure(int r) const;  // rank r's, or rank -1 while it is in
+
   // Two boards per rank, used by alternate exchanges: before a rank may overwrite the
   // board of exchange n, every rank must have read it, which they all have once each
   // has posted exchange n+1, and we waited for that before starting n+2.

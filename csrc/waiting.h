@@ -12,6 +12,7 @@
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
+#include <limits>
 #include <string>
 
 namespace ringreduce {
@@ -71,35 +72,59 @@ enum class Departure : int {
   GaveUp = 1,    // a timeout there
   Left = 2,      // an error in a call, an exception left its `with` block, or close()
                  // met a collective
-  Followed = 3,  // it learnt that another rank had left (messages name that one first)
+  Followed = 3,  // it learnt that another rank had left (its note names that one)
 };
 
 // What a rank that left tells the others: why, and how many of the communicator's
 // header exchanges it saw through (the work after the last one included). A rank in
 // exchange n, or in the ring after it, has lost that rank only if it saw through fewer
 // than n: a rank that finished a call and then left holds up no one finishing that call.
+// A rank that followed another also passes on where things went wrong (cause), since
+// its notice may reach a third rank before the first one's does.
 struct DepartureNote {
   int rank = -1;  // -1: none
   Departure why = Departure::GaveUp;
   int64_t completed = 0;
+  int cause = -1;  // Followed: the rank that left first (-1: not known), and why
+  Departure cause_why = Departure::GaveUp;
 
   bool holds_up(int64_t exchange) const { return rank >= 0 && completed < exchange; }
+  // The departure that started it all, as far as this note knows: itself unless it
+  // followed a known rank.
+  DepartureNote origin() const {
+    if (why != Departure::Followed || cause < 0) return *this;
+    DepartureNote first;
+    first.rank = cause;
+    first.why = cause_why;
+    first.completed = completed;
+    return first;
+  }
   // Between two notes that hold up `exchange`, the one to report: the first that did
-  // not merely follow another (it names the rank where things went wrong).
+  // not merely follow another, or else one that knows whom it followed.
   void prefer(const DepartureNote& other, int64_t exchange) {
     if (!other.holds_up(exchange)) return;
-    if (!holds_up(exchange) || (why == Departure::Followed && other.why != Departure::Followed))
-      *this = other;
+    if (!holds_up(exchange) || rank_of_preference() > other.rank_of_preference()) *this = other;
+  }
+  int rank_of_preference() const {  // lower is better
+    return why != Departure::Followed ? 0 : cause >= 0 ? 1 : 2;
   }
   std::string text() const {
-    const char* what =
-        why == Departure::GaveUp ? " has given up on this communicator (a timeout there)"
-        : why == Departure::Left ? " has left this communicator (an error there, or close() "
-                                   "where this rank called a collective)"
-                                 : " has left this communicator, after another rank did";
-    return "rank " + std::to_string(rank) + what;
+    const DepartureNote first = origin();
+    std::string said = "rank " + std::to_string(first.rank) + what(first.why);
+    if (first.rank != rank)
+      said += "; rank " + std::to_string(rank) + " left after it and said so";
+    return said;
+  }
+  static const char* what(Departure why) {
+    return why == Departure::GaveUp ? " has given up on this communicator (a timeout there)"
+           : why == Departure::Left ? " has left this communicator (an error there, or close() "
+                                      "where this rank called a collective)"
+                                    : " has left this communicator, after another rank did";
   }
 };
+
+// An exchange every departure note holds up: prefer() over all notes, at any point.
+constexpr int64_t kAnyExchange = std::numeric_limits<int64_t>::max();
 
 // "1.5 s", "1800 s": a timeout as messages print it.
 inline std::string seconds_text(double seconds) {

@@ -1,8 +1,14 @@
 """StallTimer, the clock of every wait on another rank (csrc/waiting.h), on its own: a
 wait times out only after its timeout *without progress*, so a long call whose chunks
 keep coming never does. (Timing a real ring call for this would be flaky: on shared
-cores, a rank can be descheduled for longer than any timeout short enough to test.)"""
+cores, a rank can be descheduled for longer than any timeout short enough to test.)
+
+And DepartureNote, what a rank that left tells the others: which of several notes a
+waiting rank reports, and the note's trip through a shared-memory word. (Which notice
+reaches a rank first is a matter of timing in a real job.)"""
 import time
+
+import pytest
 
 from ringreduce import _core
 
@@ -39,3 +45,62 @@ def test_no_timeout_never_expires_but_still_checks_for_departures():
     for _ in range(10 * TURNS_PER_CHECK):
         assert not timer.expired(lambda: checks.append(1))
     assert len(checks) == 10  # waits look for ranks that left on these turns, timeout or not
+
+
+GAVE_UP, LEFT, FOLLOWED = _core.Departure.GAVE_UP, _core.Departure.LEFT, _core.Departure.FOLLOWED
+NONE = _core.DepartureNote(-1, GAVE_UP, 0)
+
+
+def reported(notes, exchange):
+    best = _core.DepartureNote(-1, GAVE_UP, 0)
+    for note in notes:
+        best.prefer(note, exchange)
+    return best
+
+
+def test_a_note_holds_up_only_the_exchanges_its_rank_did_not_see_through():
+    note = _core.DepartureNote(1, LEFT, completed=7)
+    assert note.holds_up(8) and not note.holds_up(7)
+    assert not NONE.holds_up(1)
+    assert reported([note], 7).rank == -1
+
+
+def test_the_report_names_the_rank_that_left_first():
+    first = _core.DepartureNote(1, LEFT, 7)
+    told = _core.DepartureNote(2, FOLLOWED, 7, cause=1, cause_why=LEFT)
+    untold = _core.DepartureNote(3, FOLLOWED, 7)
+    # Whatever order the notices came in: the first rank's own note, else a follower's
+    # that knows it, else any.
+    for notes, rank in [([untold, told, first], 1), ([told, untold], 2), ([untold, told], 2),
+                        ([untold], 3)]:
+        assert reported(notes, 8).rank == rank
+    message = told.text()
+    assert message.startswith("rank 1 has left this communicator (an error there")
+    assert message.endswith("; rank 2 left after it and said so")
+    assert told.origin().rank == 1 and told.origin().why == LEFT
+    assert first.text() == first.origin().text()
+    assert untold.text() == "rank 3 has left this communicator, after another rank did"
+    assert _core.DepartureNote(0, GAVE_UP, 3).text() == (
+        "rank 0 has given up on this communicator (a timeout there)")
+
+
+@pytest.mark.parametrize("why, completed, cause, cause_why", [
+    (GAVE_UP, 0, -1, GAVE_UP),
+    (LEFT, 12345, -1, GAVE_UP),
+    (FOLLOWED, 1, 0, GAVE_UP),
+    (FOLLOWED, (1 << 48) - 1, 4094, LEFT),  # the largest of each field
+])
+def test_a_note_comes_back_whole_from_its_shared_memory_word(why, completed, cause, cause_why):
+    note = _core.DepartureNote(5, why, completed, cause, cause_why)
+    word = note.shm_word()
+    assert word != 0  # (0 means: still in)
+    back = _core.DepartureNote.from_shm_word(5, word)
+    assert (back.rank, back.why, back.completed, back.cause, back.cause_why) == (
+        5, why, completed, cause, cause_why)
+    assert _core.DepartureNote.from_shm_word(5, 0).rank == -1
+
+
+def test_a_cause_beyond_the_words_field_comes_back_as_not_known():
+    note = _core.DepartureNote(2, FOLLOWED, 9, cause=5000, cause_why=LEFT)
+    back = _core.DepartureNote.from_shm_word(2, note.shm_word())
+    assert (back.rank, back.why, back.completed, back.cause) == (2, FOLLOWED, 9, -1)
