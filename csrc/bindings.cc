@@ -435,5 +435,7 @@ PYBIND11_MODULE(_core, m) {
              self.close();
            })
       .def("leave", &RingCommunicator::leave,
-           "stop using it on this rank only, and tell the others (see ring_communicator.h)");
+           "stop using it on this rank only, and tell the others (see ring_communicator.h)")
+      .def("stop_soon", &RingCommunicator::stop_soon,
+           "from any thread: the call in flight stops at its next wait, and this rank leaves");
 }

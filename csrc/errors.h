@@ -1,7 +1,7 @@
 // Exceptions the core throws. The binding maps each to a Python exception type:
 // MismatchError -> ringreduce.MismatchError, MpiError -> ringreduce.MPIError,
 // OutOfMemoryError -> a MemoryError, TimeoutError -> ringreduce.CollectiveTimeoutError,
-// std::invalid_argument -> ValueError, anything else -> RuntimeError.
+// std::invalid_argument -> ValueError, anything else (StoppedError too) -> RuntimeError.
 #pragma once
 
 #include <sstream>
@@ -32,6 +32,13 @@ struct OutOfMemoryError : std::runtime_error {
 // a TimeoutError). Messages or chunks may be left in flight, so the communicator is
 // unusable afterwards.
 struct TimeoutError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+// A call that another thread of this rank asked to stop (RingCommunicator::stop_soon()),
+// thrown by its next look around while it waits: the rank then leaves the
+// communicator, as after any error in a call (Python: RuntimeError).
+struct StoppedError : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 

@@ -230,6 +230,7 @@ DepartureNote MpiTransport::first_departure() {
 }
 
 void MpiTransport::check_departures() {
+  stop_.check();
   receive_notices();
   DepartureNote reported;
   for (const DepartureNote& note : departures_) reported.prefer(note, exchange_number_);

@@ -66,7 +66,9 @@ class MpiTransport final : public Transport {
   // notice. Waits check now and then; a ring call checks once at its end, as the
   // pending sends of a rank that left mid-call can complete a late rank's receives
   // with data the caller may have changed since.
+  // Also throws StoppedError once stop_soon() was called (from any thread).
   void check_departures() override;
+  void stop_soon() { stop_.set(); }
   // check_departures() if messages were sent or received since the last check (so
   // calls that did not use this wire pay nothing).
   void check_departures_after_use() {
@@ -106,6 +108,7 @@ class MpiTransport final : public Transport {
   std::vector<char> exchange_send_, exchange_recv_;  // ... and its buffers
   int64_t bytes_sent_ = 0;
   double timeout_s_ = 0;
+  StopRequest stop_;
   bool used_ = false;  // messages posted since the last check_departures_after_use()
   int64_t exchange_number_ = 0;          // see set_exchange()
   std::vector<DepartureNote> departures_;  // every notice received

@@ -227,6 +227,11 @@ void RingCommunicator::leave() {
   if (size() > 1) depart(Departure::Left);
 }
 
+void RingCommunicator::stop_soon() {
+  transport_->stop_soon();
+  if (shm_) shm_->stop_soon();
+}
+
 DepartureNote RingCommunicator::first_departure() {
   DepartureNote first = transport_->first_departure();
   if (shm_) first.prefer(shm_->first_departure(), kAnyExchange);

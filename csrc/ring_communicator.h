@@ -230,6 +230,10 @@ class RingCommunicator {
   // nothing that would wait for it. For a rank that will not close() with the others
   // (an exception on its way out).
   void leave();
+  // Thread-safe: asks the call this rank runs on another thread to stop at its next
+  // look around (every few hundred idle turns of a wait), with StoppedError; the rank
+  // then leaves, as after any error in a call. A call that never waits may finish.
+  void stop_soon();
   // How long a call waits for another rank (to join it, or to move the next chunk)
   // before throwing TimeoutError; <= 0: forever. After a timeout every later call
   // throws it again, and this rank has left (see Departure).

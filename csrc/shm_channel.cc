@@ -162,6 +162,7 @@ void ShmChannel::look_around() const {
 }
 
 void ShmChannel::check_departures() const {
+  stop_.check();
   DepartureNote reported;
   for (int r = 0; r < static_cast<int>(departures_.size()); ++r)
     reported.prefer(departure(r), exchange_);

@@ -62,7 +62,9 @@ class ShmChannel {
   static uint64_t departure_word(const DepartureNote& note);
   static DepartureNote note_of_word(int rank, uint64_t word);
   // Throws TimeoutError if a rank that holds up the current exchange has left.
+  // Also throws StoppedError once stop_soon() was called (from any thread).
   void check_departures() const;
+  void stop_soon() { stop_.set(); }
   // Of the departures so far (at any point), the one that tells best where things
   // went wrong (DepartureNote::prefer); rank -1 if none.
   DepartureNote first_departure() const;
@@ -115,6 +117,7 @@ class ShmChannel {
   std::vector<const uint64_t*> exchanged_;    // each rank's count of posted exchanges
   uint64_t* my_exchanged_ = nullptr;
   std::vector<const uint64_t*> departures_;   // each rank's departure word
+  StopRequest stop_;
   uint64_t* my_departure_ = nullptr;
   int64_t exchange_ = 0;  // see set_exchange()
   int64_t board_stride_ = 0;

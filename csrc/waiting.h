@@ -9,11 +9,14 @@
 
 #include <sched.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <limits>
 #include <string>
+
+#include "errors.h"
 
 namespace ringreduce {
 
@@ -125,6 +128,22 @@ struct DepartureNote {
 
 // An exchange every departure note holds up: prefer() over all notes, at any point.
 constexpr int64_t kAnyExchange = std::numeric_limits<int64_t>::max();
+
+// Set from another thread of this rank to stop the call it runs (see StoppedError): each
+// wire has one, which its waits check when they look around.
+class StopRequest {
+ public:
+  void set() { requested_.store(true, std::memory_order_release); }
+  void check() const {
+    if (requested_.load(std::memory_order_acquire))
+      throw StoppedError("stopped on this rank, which is leaving the communicator (in Python: "
+                         "an exception left the Communicator's `with` block while this call "
+                         "was in flight)");
+  }
+
+ private:
+  std::atomic<bool> requested_{false};
+};
 
 // "1.5 s", "1800 s": a timeout as messages print it.
 inline std::string seconds_text(double seconds) {

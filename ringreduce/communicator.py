@@ -122,7 +122,7 @@ class Handle:
 
 
 class _Work:
-    __slots__ = ("core", "run", "result", "error", "finished")
+    __slots__ = ("core", "run", "result", "error", "finished", "cancelled")
 
     def __init__(self, core, run):
         self.core = core
@@ -130,12 +130,16 @@ class _Work:
         self.result = None
         self.error = None
         self.finished = threading.Event()
+        self.cancelled = None  # the error to raise instead, if set before it starts
 
     def execute(self):
-        try:
-            self.result = keeping_on_departure(self.core, self.run)
-        except BaseException as error:  # handed to whoever waits
-            self.error = error
+        if self.cancelled is not None:
+            self.error = self.cancelled
+        else:
+            try:
+                self.result = keeping_on_departure(self.core, self.run)
+            except BaseException as error:  # handed to whoever waits
+                self.error = error
         self.finished.set()
 
 
@@ -170,6 +174,13 @@ class _Executor:
         with self.changed:
             while self.queue:
                 self.changed.wait()
+
+    def cancel(self, error: Exception) -> None:
+        """Queued work that has not started yet will not: its wait() raises error."""
+        with self.changed:
+            for work in self.queue:
+                if work is not None:
+                    work.cancelled = error
 
     def finish(self) -> None:
         """Let queued work complete, then stop the worker thread."""
@@ -510,15 +521,18 @@ class Communicator:
         # wait in a collective: freeing (collective) here could hang the job where it
         # should fail. So only stop using it, and tell the others, whose waits on this
         # rank then raise at once (and whose close() frees nothing); MPI_Finalize frees it.
-        # (Not while a collective of ours runs on the worker thread: the core is not
-        # thread-safe. That one ends, or times out, which tells the others too.)
-        executor = self._executor
-        if not self._closed and not MPI.Is_finalized() and executor.running.acquire(False):
-            try:
-                if not executor.queue:
-                    self._core.leave()
-            finally:
-                executor.running.release()
+        # Asynchronous calls still queued never start; one running on the worker thread
+        # stops at its next wait (which makes this rank leave), or ends. Only then may
+        # this thread use the core, which is not thread-safe.
+        if not self._closed and not MPI.Is_finalized():
+            executor = self._executor
+            executor.cancel(ValueError(
+                f"ringreduce: a collective of {self!r} never ran: an exception left the "
+                "Communicator's `with` block first, and this rank left the communicator"))
+            self._core.stop_soon()
+            executor.finish()
+            with executor.running:
+                self._core.leave()
         self._abandon()
 
     def _abandon(self) -> None:

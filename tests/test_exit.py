@@ -41,6 +41,36 @@ def test_an_exception_leaving_a_with_block_on_one_rank_ends_the_job(tmp_path):
     assert time.monotonic() - start < 60
 
 
+LEAVE_WITH_CALLS_IN_FLIGHT = """
+import time
+import numpy as np
+from mpi4py import MPI
+import ringreduce as rr
+
+try:
+    with rr.Communicator(timeout=20) as ring:
+        if MPI.COMM_WORLD.Get_rank() == 0:
+            ring.allreduce_async(np.ones(10))
+            ring.allreduce_async(np.ones(10))
+            raise KeyError("only on rank 0")
+        time.sleep(2)
+        ring.allreduce(np.ones(10))
+except KeyError:
+    print("rank 0 went on")
+"""
+
+
+def test_an_exception_leaving_a_with_block_with_calls_in_flight_lets_the_job_end(tmp_path):
+    # The calls stop (or never start) and rank 0 leaves, so no thread is inside MPI
+    # when the process ends: before, it died of std::terminate, or hung.
+    start = time.monotonic()
+    done = run_script(tmp_path, "in_flight.py", LEAVE_WITH_CALLS_IN_FLIGHT)
+    assert done.returncode == 0, done.stderr
+    assert "rank 0 went on" in done.stdout
+    assert "terminate" not in done.stderr
+    assert time.monotonic() - start < 30
+
+
 SKIP_CREATION = """
 import time
 import numpy as np

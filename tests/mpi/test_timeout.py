@@ -235,6 +235,42 @@ def test_an_error_leaving_a_with_block_tells_the_others(wire, world, monkeypatch
 
 @needs_two
 @pytest.mark.parametrize("wire", ["shared memory", "MPI"])
+def test_an_error_leaving_a_with_block_stops_its_calls_in_flight(wire, world, monkeypatch):
+    # The last rank has an allreduce running on its worker thread (waiting for the
+    # others, who are elsewhere) and another queued when an exception leaves its `with`
+    # block: the running one stops at once, the queued one never starts, and the rank
+    # leaves (before, it stayed in the call until the timeout, and a daemon thread
+    # inside MPI at exit aborted or hung the process).
+    ring = a_ring_over(wire, monkeypatch)
+    if not ring._executor.threaded:
+        pytest.skip("MPI without MPI_THREAD_MULTIPLE: asynchronous calls run inline")
+    ring.timeout = 60
+    x = np.full(1 << 16, 1.0, np.float32)  # a ring call, not one done in the header
+    if RANK == SIZE - 1:
+        start = time.monotonic()
+        with pytest.raises(KeyError):
+            with ring:
+                running = ring.allreduce_async(x)
+                queued = ring.allreduce_async(x)
+                time.sleep(0.3)  # running is in its header exchange by now
+                raise KeyError("only on this rank")
+        assert time.monotonic() - start < 10
+        with pytest.raises(RuntimeError, match="stopped on this rank, which is leaving"):
+            running.wait(0)
+        with pytest.raises(ValueError, match="never ran: an exception left"):
+            queued.wait(0)
+        assert ring.closed and ring._core.departed and ring._executor.thread is None
+        world.Barrier()
+    else:
+        world.Barrier()
+        # Its header is still posted, so this call gets as far as the ring.
+        raised_within(10, f"rank {SIZE - 1} has left", lambda: ring.allreduce(x))
+        closes_at_once(ring)
+    world.Barrier()
+
+
+@needs_two
+@pytest.mark.parametrize("wire", ["shared memory", "MPI"])
 def test_close_where_others_call_a_collective_raises_everywhere(wire, world, monkeypatch):
     ring = a_ring_over(wire, monkeypatch)
     x = np.full(16, 1.0, np.float32)
