@@ -20,6 +20,8 @@ class PowerSGD:
 
     Gradients with fewer dimensions, or too small to gain (n * m <= (n + m) * rank),
     go uncompressed. ``seed`` must be the same on every rank: the first Q is random.
+    16-bit gradients are compressed in float32 (P and Q travel as float32; numpy has no
+    16-bit linear algebra), and the approximation comes back in their own dtype.
     """
 
     def __init__(self, rank: int = 4, seed: int = 0):
@@ -44,6 +46,8 @@ class PowerSGD:
         xp = array_module(grad)
         n = grad.shape[0]
         matrix = grad.reshape(n, -1)
+        if matrix.dtype.itemsize < 4:  # float16, bfloat16
+            matrix = matrix.astype(np.float32)
         m = matrix.shape[1]
         r = min(self.rank, n, m)
         if index in self._error:
@@ -60,7 +64,8 @@ class PowerSGD:
         approximation = p @ q.T
         self._error[index] = matrix - approximation
         self._q[index] = q
-        return approximation.reshape(grad.shape), p.nbytes + q.nbytes
+        return approximation.reshape(grad.shape).astype(grad.dtype, copy=False), \
+            p.nbytes + q.nbytes
 
     def state_dict(self) -> dict:
         return {"rank": self.rank, "seed": self.seed, "q": dict(self._q),
@@ -80,6 +85,8 @@ def wire_dtype(compression: str | None, like):
     """The dtype gradients travel as, for None, "fp16" or "bf16"."""
     if compression is None:
         return like.dtype
+    if isinstance(compression, str):
+        compression = compression.lower()
     if compression == "fp16":
         return np.dtype(np.float16)
     if compression == "bf16":

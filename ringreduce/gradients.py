@@ -27,6 +27,14 @@ def pack_plan(arrays, bucket_bytes: int):
     return buckets
 
 
+def check_bucket_mb(bucket_mb, who: str) -> None:
+    # (Written so that NaN fails too.)
+    if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float, np.integer,
+                                                                 np.floating)) \
+            or not 0 < bucket_mb < float("inf"):
+        raise ValueError(f"{who}: bucket_mb must be a number of megabytes > 0, got {bucket_mb!r}")
+
+
 def allreduce_gradients(grads, op: str = "avg", comm=None, bucket_mb: float = 25.0):
     """Reduce every array in ``grads`` across ranks, in place; returns ``grads``.
 
@@ -35,6 +43,7 @@ def allreduce_gradients(grads, op: str = "avg", comm=None, bucket_mb: float = 25
     """
     from ._shortcuts import _communicator
 
+    check_bucket_mb(bucket_mb, "allreduce_gradients")
     ring = _communicator(comm)
     grads = list(grads)
     for i, g in enumerate(grads):

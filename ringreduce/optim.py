@@ -21,7 +21,7 @@ import numpy as np
 
 from . import compression as _compression
 from ._arrays import array_module
-from .gradients import pack_plan
+from .gradients import check_bucket_mb, pack_plan
 
 
 def _check_params(params, who: str) -> list:
@@ -46,8 +46,10 @@ def _check_grads(grads, params, who: str) -> list:
 
 
 def _check_grad(i, g, p, who):
-    if getattr(g, "shape", None) != p.shape:
-        raise ValueError(f"{who}: grads[{i}] has shape {getattr(g, 'shape', None)}, but "
+    if not hasattr(g, "shape") or not hasattr(g, "dtype"):
+        raise TypeError(f"{who}: grads[{i}] is a {type(g).__name__}, not an array")
+    if g.shape != p.shape:
+        raise ValueError(f"{who}: grads[{i}] has shape {g.shape}, but "
                          f"params[{i}] has shape {p.shape}")
     if g.dtype != p.dtype:
         raise TypeError(f"{who}: grads[{i}] has dtype {g.dtype}, but params[{i}] has "
@@ -60,7 +62,8 @@ class SGD:
 
     def __init__(self, params, lr: float, momentum: float = 0.0, weight_decay: float = 0.0):
         self.params = _check_params(params, "SGD")
-        if lr <= 0 or momentum < 0 or weight_decay < 0:
+        # (Written so that NaN fails too.)
+        if not (lr > 0 and momentum >= 0 and weight_decay >= 0):
             raise ValueError(f"SGD: need lr > 0, momentum >= 0, weight_decay >= 0; got "
                              f"lr={lr}, momentum={momentum}, weight_decay={weight_decay}")
         self.lr, self.momentum, self.weight_decay = lr, momentum, weight_decay
@@ -99,9 +102,10 @@ class Adam:
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0):
         self.params = _check_params(params, "Adam")
-        if lr <= 0 or not (0 <= betas[0] < 1 and 0 <= betas[1] < 1) or eps <= 0:
-            raise ValueError(f"Adam: need lr > 0, 0 <= betas < 1, eps > 0; got lr={lr}, "
-                             f"betas={betas}, eps={eps}")
+        if not (lr > 0 and 0 <= betas[0] < 1 and 0 <= betas[1] < 1 and eps > 0
+                and weight_decay >= 0):
+            raise ValueError(f"Adam: need lr > 0, 0 <= betas < 1, eps > 0, weight_decay >= 0; "
+                             f"got lr={lr}, betas={betas}, eps={eps}, weight_decay={weight_decay}")
         self.lr, self.betas, self.eps, self.weight_decay = lr, tuple(betas), eps, weight_decay
         self.t = 0
         self.m = [array_module(p).zeros_like(p) for p in self.params]
@@ -161,10 +165,12 @@ class DistributedOptimizer:
         from ._shortcuts import _communicator
 
         self.optimizer = optimizer
-        self.params = _check_params(getattr(optimizer, "params", []), "DistributedOptimizer")
+        if not hasattr(optimizer, "params") or not callable(getattr(optimizer, "step", None)):
+            raise TypeError("DistributedOptimizer: optimizer must have .params and .step(grads) "
+                            f"(as ringreduce.optim.SGD and Adam do), got {type(optimizer).__name__}")
+        self.params = _check_params(optimizer.params, "DistributedOptimizer")
         self.comm = _communicator(comm)
-        if not bucket_mb > 0:
-            raise ValueError(f"DistributedOptimizer: bucket_mb must be > 0, got {bucket_mb}")
+        check_bucket_mb(bucket_mb, "DistributedOptimizer")
         self.compression = compression
         self.powersgd = compression if isinstance(compression, _compression.PowerSGD) else None
         cast = None if self.powersgd else compression  # PowerSGD sends the rest as is
@@ -197,12 +203,14 @@ class DistributedOptimizer:
 
     @contextlib.contextmanager
     def no_sync(self):
-        """Gradient accumulation: inside, step(grads) only adds grads to a local sum."""
+        """Gradient accumulation: inside, step(grads) only adds grads to a local sum.
+        May be nested: only the outermost one ends the accumulation."""
+        outer = self._accumulating
         self._accumulating = True
         try:
             yield self
         finally:
-            self._accumulating = False
+            self._accumulating = outer
 
     def grad_ready(self, index: int, grad) -> None:
         """The gradient of params[index] is final. Once every gradient of its bucket is

@@ -98,6 +98,24 @@ def test_no_sync_with_grad_ready_accumulates_too():
         np.testing.assert_allclose(p, q, rtol=1e-12, atol=1e-14)
 
 
+def test_nested_no_sync_accumulates_until_the_outermost_ends():
+    # As torch's no_sync: an inner block's end must not end the accumulation (before,
+    # it did, and the next step inside the outer block synced and updated).
+    params = [np.zeros(3)]
+    opt = DistributedOptimizer(SGD(params, lr=1.0, momentum=0.9))
+    grad = np.full(3, RANK + 1.0)
+    with opt.no_sync():
+        opt.step([grad])
+        with opt.no_sync():
+            opt.step([grad])
+        opt.step([grad])
+        assert opt.bytes_sent == 0
+        np.testing.assert_array_equal(params[0], 0.0)
+    opt.step([grad])
+    # One update with the sum of four steps' gradients, averaged over the ranks.
+    np.testing.assert_allclose(params[0], -4 * (SIZE + 1) / 2)
+
+
 def test_ranks_may_report_gradients_in_different_orders():
     # One parameter per bucket; the last rank reports them the other way round. The
     # all-reduces must still pair up bucket by bucket.
@@ -163,6 +181,26 @@ def test_powersgd_sends_fewer_bytes_and_keeps_replicas_equal():
     assert all(b == blobs[0] for b in blobs)
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_powersgd_takes_16_bit_parameters(dtype):
+    # numpy has no 16-bit linear algebra: the compression runs in float32, and the
+    # update comes back in the parameters' dtype (before: a TypeError mid-step).
+    if dtype == "bfloat16":
+        ml_dtypes = pytest.importorskip("ml_dtypes")
+        dtype = ml_dtypes.bfloat16
+    dtype = np.dtype(dtype)
+    params = [np.zeros((16, 16), dtype)]
+    wide = [np.zeros((16, 16))]
+    opt = DistributedOptimizer(SGD(params, lr=1.0), compression=PowerSGD(rank=2))
+    reference = DistributedOptimizer(SGD(wide, lr=1.0), compression=PowerSGD(rank=2))
+    grad = np.random.default_rng(RANK).standard_normal((16, 16))
+    opt.step([grad.astype(dtype)])
+    reference.step([grad.astype(dtype).astype(np.float64)])
+    assert params[0].dtype == dtype
+    assert opt.bytes_sent == (16 + 16) * 2 * 4  # P and Q, as float32
+    np.testing.assert_allclose(params[0].astype(np.float64), wide[0], rtol=2e-2, atol=2e-2)
+
+
 def test_powersgd_with_error_feedback_converges_to_the_average():
     # A constant, full-rank gradient: one rank-2 step is far from the average, but with
     # error feedback the running mean of the steps closes in on it (like 1/steps).
@@ -203,6 +241,21 @@ def test_misuse_gets_clear_errors():
         DistributedOptimizer(SGD([np.zeros(2)], lr=0.1), compression="int8")
     with pytest.raises(TypeError, match="floats"):
         SGD([np.zeros(2, np.int32)], lr=0.1)
+    with pytest.raises(TypeError, match=r"grads\[0\] is a list, not an array"):
+        opt.step([[1.0, 2.0], np.zeros(2)])
+    with pytest.raises(TypeError, match="must have .params and .step"):
+        DistributedOptimizer(object())
+    for bad in (0, -1, float("nan"), "1", True):
+        with pytest.raises(ValueError, match="bucket_mb must be"):
+            DistributedOptimizer(SGD([np.zeros(2)], lr=0.1), bucket_mb=bad)
+        with pytest.raises(ValueError, match="bucket_mb must be"):
+            rr.allreduce_gradients([np.zeros(2)], bucket_mb=bad)
+    with pytest.raises(ValueError, match="lr > 0"):
+        SGD([np.zeros(2)], lr=float("nan"))
+    with pytest.raises(ValueError, match="lr > 0"):
+        Adam([np.zeros(2)], lr=float("nan"))
+    upper = DistributedOptimizer(SGD([np.zeros(2)], lr=0.1), compression="FP16")
+    assert upper._buckets[0].wire.dtype == np.float16  # (names in any case, as ops)
 
 
 def test_ranks_with_different_models_are_told():
