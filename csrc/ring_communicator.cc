@@ -51,6 +51,21 @@ std::string dtype_text(const CallHeader& h) {
 std::string op_text(const CallHeader& h) {
   return is_valid_op(h.op) ? std::string("'") + op_name(static_cast<Op>(h.op)) + "'" : "<invalid op>";
 }
+// allgather's row shape, "(2, 3)", from the tag (see CallHeader::shape_tag); a shape
+// too big for the tag only by its element count.
+std::string row_shape_text(const CallHeader& h) {
+  constexpr int kDimBits = 20;
+  const int64_t dims = h.shape_tag >> 60;
+  if (dims > 3)
+    return "a shape of " + std::to_string(h.extra) + " elements (with more than 3 dimensions, "
+           "or one of 2**20 or more; hash " + std::to_string(h.shape_tag & ((1LL << 60) - 1)) + ")";
+  std::string text = "(";
+  for (int64_t i = 0; i < dims; ++i) {
+    if (i > 0) text += ", ";
+    text += std::to_string((h.shape_tag >> (kDimBits * i)) & ((1LL << kDimBits) - 1));
+  }
+  return text + (dims == 1 ? ",)" : ")");
+}
 
 }  // namespace
 
@@ -334,12 +349,8 @@ int64_t RingCommunicator::agree(const CallHeader& mine, std::vector<CallHeader>*
       add(describe_disagreement(headers_, "root",
                                 [](const CallHeader& h) { return std::to_string(h.extra); }));
     } else if (kind == Collective::AllGather) {
-      const std::string rows_differ = describe_disagreement(
-          headers_, "x.shape[1:] (elements per row, and a hash of the shape)",
-          [](const CallHeader& h) {
-            return std::to_string(h.extra) + " elements (hash " + std::to_string(h.shape_tag) +
-                   ")";
-          });
+      const std::string rows_differ =
+          describe_disagreement(headers_, "x.shape[1:]", row_shape_text);
       add(rows_differ);
       int64_t total_rows = 0;
       for (const CallHeader& h : headers_) total_rows += h.count;

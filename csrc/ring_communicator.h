@@ -49,7 +49,8 @@ struct CallHeader {
   int64_t op = 0;
   int64_t count = 0;        // elements; rows for allgather
   int64_t extra = 0;        // root for broadcast; elements per row for allgather
-  int64_t shape_tag = 0;    // hash of the row shape for allgather
+  int64_t shape_tag = 0;    // allgather's row shape: bits 60-62 its dimensions (at most
+                            // 3), each 20 bits from bit 0 up; or 7 there and a hash below
   int64_t chunk_bytes = 0;  // the pipeline chunk size asked for; rank 0's wins
   int64_t invalid = 0;      // 1: this rank rejected its own arguments and will raise
   int64_t inline_bytes = 0; // payload bytes that follow the header in the same message

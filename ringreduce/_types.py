@@ -45,9 +45,26 @@ def where(rank: int, size: int, call: str) -> str:
 def op_code(op, context: str) -> int:
     key = op.lower() if isinstance(op, str) else _mpi_op_name(op)
     if key not in _OP_CODES:
-        raise ValueError(f"{context}: op {op!r} is not one of "
-                         + ", ".join(repr(name) for name in OPS))
+        raise ValueError(f"{context}: op {_op_text(op)} is not one of "
+                         + ", ".join(repr(name) for name in OPS)
+                         + " (or MPI.SUM, MPI.PROD, MPI.MIN, MPI.MAX)")
     return _OP_CODES[key]
+
+
+def _op_text(op) -> str:
+    """An op as a message shows it: mpi4py's predefined ops by name (their repr is an
+    address)."""
+    try:
+        from mpi4py import MPI
+    except ImportError:  # pragma: no cover
+        return repr(op)
+    if isinstance(op, MPI.Op):
+        for name in ("LAND", "BAND", "LOR", "BOR", "LXOR", "BXOR", "MAXLOC", "MINLOC",
+                     "REPLACE", "NO_OP"):
+            if op == getattr(MPI, name, None):
+                return f"MPI.{name}"
+        return "(a user-defined MPI.Op)"
+    return repr(op)
 
 
 def _mpi_op_name(op):
@@ -74,10 +91,21 @@ def dtype_code_or_none(dtype: np.dtype):
     return _CODE_BY_DTYPE.get(dtype) if dtype.isnative else None
 
 
+_SHAPE_DIM_BITS = 20  # the tag's layout: see CallHeader::shape_tag in ring_communicator.h
+_SHAPE_HASHED = 7
+
+
 def shape_tag(row_shape: tuple) -> int:
     """allgather's row shape as the int64 the header carries (the element count alone
-    would let (2, 3) rows meet (3, 2) rows)."""
-    return hash(row_shape) & 0x7FFFFFFFFFFFFFFF
+    would let (2, 3) rows meet (3, 2) rows): the shape itself, so that a mismatch
+    message can show it, where it fits (up to 3 dimensions, each below 2**20); else
+    a hash of it."""
+    if len(row_shape) <= 3 and all(d < 1 << _SHAPE_DIM_BITS for d in row_shape):
+        tag = len(row_shape) << 60
+        for i, d in enumerate(row_shape):
+            tag |= d << (_SHAPE_DIM_BITS * i)
+        return tag
+    return (_SHAPE_HASHED << 60) | (hash(row_shape) & ((1 << 60) - 1))
 
 
 def dtype_code(dtype: np.dtype, argument: str, context: str) -> int:
@@ -118,6 +146,7 @@ def as_input_array(x, argument: str, context: str) -> np.ndarray:
     """x as a numpy array of native byte order (a copy only where needed)."""
     if type(x) is np.ndarray and x.dtype.isnative:  # the common case, kept cheap
         return x
+    reject_masked(x, argument, context)
     if hasattr(x, "__cuda_array_interface__") and not isinstance(x, np.ndarray):
         # The collectives send GPU arrays to ringreduce._device first; this is for
         # callers that need host memory.
@@ -130,6 +159,14 @@ def as_input_array(x, argument: str, context: str) -> np.ndarray:
     if not array.dtype.isnative:
         array = array.astype(array.dtype.newbyteorder("="))
     return array
+
+
+def reject_masked(x, argument: str, context: str) -> None:
+    # Only the data would travel, masked elements included: a wrong answer, silently.
+    if isinstance(x, np.ma.MaskedArray):
+        raise TypeError(f"{context}: {argument} is a masked array, whose mask cannot take part; "
+                        f"pass {argument}.filled(value) with the value masked elements "
+                        "should count as (0 for a sum), or its .data")
 
 
 def check_root(root, size: int, context: str) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import atexit
 import collections
 import math
+import numbers
 import os
 import sys
 import threading
@@ -114,6 +115,14 @@ class Handle:
         With a timeout (seconds), raise TimeoutError if it has not finished by then;
         the collective keeps running and can be waited on again.
         """
+        if timeout is not None:
+            if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
+                raise TypeError(f"Handle.wait: timeout must be a number of seconds or None, "
+                                f"got {type(timeout).__name__}")
+            if not timeout >= 0:  # (NaN too)
+                raise ValueError(f"Handle.wait: timeout must be >= 0 seconds, got {timeout}")
+            if timeout == float("inf"):
+                timeout = None  # threading cannot wait that long, but can wait forever
         if not self._work.finished.wait(timeout):
             raise TimeoutError(f"ringreduce: collective still running after {timeout} s")
         if self._work.error is not None:
@@ -667,10 +676,11 @@ class Communicator:
         if not isinstance(x, np.ndarray):
             raise TypeError(f"{context}: x must be a numpy.ndarray or a GPU array (broadcast works in place), "
                             f"got {type(x).__name__}")
-        dtype = t.dtype_code(x.dtype, "x", context)
+        t.reject_masked(x, "x", context)
         if not x.dtype.isnative:
             raise TypeError(f"{context}: x has non-native byte order ({x.dtype}); "
                             "broadcast works in place and cannot convert it")
+        dtype = t.dtype_code(x.dtype, "x", context)
         t.check_root(root, self.size, context)
         if self.rank != root and not x.flags.writeable:
             raise ValueError(f"{context}: x is read-only, but broadcast writes root's data into it")

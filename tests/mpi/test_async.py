@@ -70,6 +70,11 @@ def test_wait_with_timeout_and_done(comm):
     h = comm.allreduce_async(np.ones(10))
     np.testing.assert_array_equal(h.wait(timeout=60), np.full(10, float(SIZE)))
     assert h.done()
+    np.testing.assert_array_equal(h.wait(timeout=float("inf")), np.full(10, float(SIZE)))
+    for bad, error in [(-1, ValueError), (float("nan"), ValueError), ("1", TypeError),
+                       (True, TypeError)]:
+        with pytest.raises(error, match="timeout must be"):
+            h.wait(bad)  # checked even when the call is done
 
 
 def test_python_keeps_running_while_the_ring_works(comm):

@@ -29,6 +29,9 @@ def test_unknown_op_names_it_and_the_valid_ones(comm):
     for bad in (None, 3, "su"):
         with pytest.raises(ValueError):
             comm.allreduce(np.ones(3), op=bad)
+    # mpi4py's ops by name (their repr is an address), and the ones that work
+    with pytest.raises(ValueError, match=r"op MPI.LAND is not one of .* \(or MPI.SUM, MPI.PROD"):
+        comm.allreduce(np.ones(3), op=MPI.LAND)
     still_works(comm)
 
 
@@ -134,8 +137,16 @@ def test_different_collectives_are_a_mismatch(comm):
 def test_broadcast_root_and_allgather_shape_mismatch(comm):
     with pytest.raises(rr.MismatchError, match="root"):
         comm.broadcast(np.ones(3), root=RANK)
-    with pytest.raises(rr.MismatchError, match="shape"):
+    others = "rank 1" if SIZE == 2 else f"ranks 1-{SIZE - 1}" if SIZE > 3 else "ranks 1, 2"
+    with pytest.raises(rr.MismatchError,
+                       match=rf"x.shape\[1:\]: \(3,\) on rank 0; \(2,\) on {others}"):
         comm.allgather(np.ones((2, 3 if RANK == 0 else 2)))
+    # The same number of elements per row, in another shape; and shapes shown only by
+    # their element count.
+    with pytest.raises(rr.MismatchError, match=r"\(2, 3\) on rank 0; \(3, 2\) on"):
+        comm.allgather(np.ones((1, 2, 3) if RANK == 0 else (1, 3, 2)))
+    with pytest.raises(rr.MismatchError, match="a shape of 6 elements .with more than 3"):
+        comm.allgather(np.ones((1, 1, 1, 2, 3) if RANK == 0 else (1, 1, 1, 3, 2)))
     with pytest.raises(rr.MismatchError, match="count"):
         comm.reduce_scatter(np.ones(4 + RANK))
     still_works(comm)
@@ -183,12 +194,22 @@ def test_a_buffer_the_core_refuses_does_not_hang_the_others(comm):
     still_works(comm)
 
 
+@pytest.mark.parametrize("call", ["allreduce", "reduce_scatter", "allgather", "broadcast"])
+def test_masked_arrays_are_refused_rather_than_reduced_without_their_mask(call, comm):
+    x = np.ma.masked_array(np.full(4, RANK + 1.0), mask=[0, 1, 0, 0])
+    with pytest.raises(TypeError, match="masked array, whose mask cannot take part"):
+        getattr(comm, call)(x)
+    still_works(comm)
+
+
 def test_bad_broadcast_arguments(comm):
     for root, error in ((SIZE, ValueError), (-1, ValueError), ("0", TypeError), (True, TypeError)):
         with pytest.raises(error, match="root"):
             comm.broadcast(np.ones(3), root=root)
     with pytest.raises(TypeError, match="ndarray"):
         comm.broadcast([1.0, 2.0])
+    with pytest.raises(TypeError, match="non-native byte order"):
+        comm.broadcast(np.ones(3, ">f4"))
     readonly = np.ones(3)
     readonly.flags.writeable = False
     if SIZE > 1:
