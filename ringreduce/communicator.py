@@ -263,9 +263,10 @@ _FROM_ENVIRONMENT = _FromEnvironment()
 
 
 def _default_timeout() -> float | None:
-    """RINGREDUCE_TIMEOUT, read when a Communicator is made (0: none), or DEFAULT_TIMEOUT."""
+    """RINGREDUCE_TIMEOUT, read when a Communicator is made (0: none), or DEFAULT_TIMEOUT
+    (also when it is set but empty, as `RINGREDUCE_TIMEOUT= cmd` does)."""
     text = os.environ.get("RINGREDUCE_TIMEOUT")
-    if text is None:
+    if text is None or not text.strip():
         return DEFAULT_TIMEOUT
     try:
         value = float(text)
@@ -287,6 +288,15 @@ def _checked_timeout(value) -> float:
     if not value > 0:  # NaN too
         raise ValueError(f"timeout must be positive seconds (or None for no timeout), got {value}")
     return 0.0 if math.isinf(value) else value
+
+
+def _check_shm_setting() -> None:
+    # Read by the core; a value it would take for "unset" must not pass silently.
+    value = os.environ.get("RINGREDUCE_SHM")
+    if value not in (None, "0", "1"):
+        raise ValueError(f"RINGREDUCE_SHM must be 0 (no shared memory) or 1 (shared memory "
+                         f"for every call it can take, untimed), or unset (each call size "
+                         f"timed on both wires); got {value!r}")
 
 
 class Communicator:
@@ -323,6 +333,7 @@ class Communicator:
         if timeout is _FROM_ENVIRONMENT:
             timeout = _default_timeout()
         timeout = _checked_timeout(timeout)
+        _check_shm_setting()
         self._mpi_comm = comm
         self._core = _core.RingCommunicator(MPI._addressof(comm), timeout)
         self.rank: int = self._core.rank

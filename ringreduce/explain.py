@@ -45,16 +45,28 @@ class Explanation:
     steps: list = field(default_factory=list)
 
 
+# For reading: the steps and what every rank holds grow as ranks**3 (ranks**4 in
+# memory), so larger rings are for `python -m ringreduce sim`.
+MAX_RANKS = 32
+MAX_CHUNKS = 4096  # over all segments
+
+
 def explain(ranks: int = 4, count: int = 12, chunk_elems: int | None = None) -> Explanation:
     """The whole ring all-reduce of `count` elements on `ranks` ranks, step by step."""
     if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
         raise ValueError(f"ranks must be a positive int, got {ranks!r}")
+    if ranks > MAX_RANKS:
+        raise ValueError(f"ranks must be at most {MAX_RANKS} here, got {ranks}: the steps are for "
+                         "reading (for bytes and times at any scale: python -m ringreduce sim)")
     if isinstance(count, bool) or not isinstance(count, int) or count < 0:
         raise ValueError(f"count must be a non-negative int, got {count!r}")
     if chunk_elems is None:
         chunk_elems = max(1, -(-count // ranks))  # one chunk per segment
     if chunk_elems < 1:
         raise ValueError(f"chunk_elems must be >= 1, got {chunk_elems}")
+    if ranks * -(-count // (ranks * chunk_elems)) > MAX_CHUNKS:
+        raise ValueError(f"{count} elements in chunks of {chunk_elems} make more than "
+                         f"{MAX_CHUNKS} chunks to show: use fewer elements or larger chunks")
     schedules = [_core.RingSchedule(r, ranks, count, chunk_elems) for r in range(ranks)]
     s0 = schedules[0]
     result = Explanation(ranks, count, chunk_elems,

@@ -121,9 +121,15 @@ def main(argv=None) -> int:
     parser.add_argument("--beta", type=float, default=BETA, help="seconds per byte moved")
     parser.add_argument("--gamma", type=float, default=GAMMA, help="seconds per byte reduced")
     args = parser.parse_args(argv)
-    nbytes = parse_bytes(args.bytes)
+    try:
+        nbytes = parse_bytes(args.bytes)
+    except ValueError:
+        parser.error(f"--bytes: {args.bytes!r} is not a size (e.g. 8, 64K, 100M, 1.5G)")
     if any(p < 1 for p in args.ranks) or nbytes < 0:
         parser.error("ranks must be >= 1 and bytes >= 0")
+    for name in ("alpha", "beta", "gamma"):
+        if not 0 <= getattr(args, name) < float("inf"):  # (NaN too)
+            parser.error(f"--{name} must be a finite number of seconds >= 0")
     count = nbytes // 4
     print(f"all-reduce of {nbytes} bytes (float32) per rank; alpha={args.alpha:g} s, "
           f"beta={args.beta:g} s/B, gamma={args.gamma:g} s/B")

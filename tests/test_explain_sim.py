@@ -76,3 +76,20 @@ def test_sim_command_line():
                            "--bytes", "1M"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "| 1000 | ring | 1998 |" in done.stdout
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["sim", "--bytes", "10Q"], "--bytes: '10Q' is not a size"),
+    (["sim", "--alpha", "-1"], "--alpha must be a finite number"),
+    (["sim", "--beta", "nan"], "--beta must be a finite number"),
+    (["explain", "--ranks", "500"], "at most 32 here"),
+    (["explain", "--count", "100000000", "--chunk", "1"], "more than 4096 chunks"),
+    (["bogus"], "usage: python -m ringreduce"),
+])
+def test_command_lines_refuse_what_they_cannot_do(argv, message):
+    # A usage error, at once: not a traceback, a negative time, or minutes of work
+    # and gigabytes of memory.
+    done = subprocess.run([sys.executable, "-m", "ringreduce", *argv], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 2
+    assert message in done.stderr and "Traceback" not in done.stderr

@@ -239,6 +239,14 @@ def test_bad_communicators_and_settings():
         rr.Communicator(chunk_bytes=1.5)
 
 
+def test_an_unknown_shared_memory_setting_is_refused(monkeypatch):
+    # Only 0 and 1 mean something; "off" must not silently mean "on".
+    for value in ("off", "false", "yes", ""):
+        monkeypatch.setenv("RINGREDUCE_SHM", value)
+        with pytest.raises(ValueError, match="RINGREDUCE_SHM must be 0"):
+            rr.Communicator()  # before anything collective
+
+
 def test_closed_communicator_says_so():
     ring = rr.Communicator()
     ring.close()

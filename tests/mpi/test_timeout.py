@@ -374,6 +374,8 @@ def test_timeout_values(monkeypatch):
     assert communicator._default_timeout() == 12.5
     monkeypatch.setenv("RINGREDUCE_TIMEOUT", "0")
     assert communicator._default_timeout() is None
+    monkeypatch.setenv("RINGREDUCE_TIMEOUT", " ")  # set but empty: as unset
+    assert communicator._default_timeout() == 1800.0
     for bad in ("soon", "-5", "nan"):
         monkeypatch.setenv("RINGREDUCE_TIMEOUT", bad)
         with pytest.raises(ValueError, match="RINGREDUCE_TIMEOUT"):
