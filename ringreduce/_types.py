@@ -163,8 +163,10 @@ def as_input_array(x, argument: str, context: str) -> np.ndarray:
 
 def reject_masked(x, argument: str, context: str) -> None:
     # Only the data would travel, masked elements included: a wrong answer, silently.
-    if isinstance(x, np.ma.MaskedArray):
-        raise TypeError(f"{context}: {argument} is a masked array, whose mask cannot take part; "
+    # (A masked array with nothing masked, as some readers return, is just its data.)
+    if isinstance(x, np.ma.MaskedArray) and np.ma.is_masked(x):
+        raise TypeError(f"{context}: {argument} is a masked array with masked elements, but "
+                        "the mask cannot take part; "
                         f"pass {argument}.filled(value) with the value masked elements "
                         "should count as (0 for a sum), or its .data")
 

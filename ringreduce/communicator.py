@@ -121,7 +121,7 @@ class Handle:
                                 f"got {type(timeout).__name__}")
             if not timeout >= 0:  # (NaN too)
                 raise ValueError(f"Handle.wait: timeout must be >= 0 seconds, got {timeout}")
-            if timeout == float("inf"):
+            if timeout >= threading.TIMEOUT_MAX:
                 timeout = None  # threading cannot wait that long, but can wait forever
         if not self._work.finished.wait(timeout):
             raise TimeoutError(f"ringreduce: collective still running after {timeout} s")
@@ -293,7 +293,7 @@ def _checked_timeout(value) -> float:
 def _check_shm_setting() -> None:
     # Read by the core; a value it would take for "unset" must not pass silently.
     value = os.environ.get("RINGREDUCE_SHM")
-    if value not in (None, "0", "1"):
+    if value not in (None, "", "0", "1"):  # (empty: as unset, as the core reads it)
         raise ValueError(f"RINGREDUCE_SHM must be 0 (no shared memory) or 1 (shared memory "
                          f"for every call it can take, untimed), or unset (each call size "
                          f"timed on both wires); got {value!r}")

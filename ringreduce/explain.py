@@ -64,11 +64,11 @@ def explain(ranks: int = 4, count: int = 12, chunk_elems: int | None = None) -> 
         chunk_elems = max(1, -(-count // ranks))  # one chunk per segment
     if chunk_elems < 1:
         raise ValueError(f"chunk_elems must be >= 1, got {chunk_elems}")
-    if ranks * -(-count // (ranks * chunk_elems)) > MAX_CHUNKS:
+    s0 = _core.RingSchedule(0, ranks, count, chunk_elems)
+    if sum(s0.num_chunks(s) for s in range(ranks)) > MAX_CHUNKS:
         raise ValueError(f"{count} elements in chunks of {chunk_elems} make more than "
                          f"{MAX_CHUNKS} chunks to show: use fewer elements or larger chunks")
-    schedules = [_core.RingSchedule(r, ranks, count, chunk_elems) for r in range(ranks)]
-    s0 = schedules[0]
+    schedules = [s0] + [_core.RingSchedule(r, ranks, count, chunk_elems) for r in range(1, ranks)]
     result = Explanation(ranks, count, chunk_elems,
                          [s0.segment(s) for s in range(ranks)],
                          [s0.num_chunks(s) for s in range(ranks)])

@@ -123,7 +123,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     try:
         nbytes = parse_bytes(args.bytes)
-    except ValueError:
+    except (ValueError, OverflowError):
         parser.error(f"--bytes: {args.bytes!r} is not a size (e.g. 8, 64K, 100M, 1.5G)")
     if any(p < 1 for p in args.ranks) or nbytes < 0:
         parser.error("ranks must be >= 1 and bytes >= 0")

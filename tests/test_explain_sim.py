@@ -80,6 +80,7 @@ def test_sim_command_line():
 
 @pytest.mark.parametrize("argv, message", [
     (["sim", "--bytes", "10Q"], "--bytes: '10Q' is not a size"),
+    (["sim", "--bytes", "infK"], "--bytes: 'infK' is not a size"),
     (["sim", "--alpha", "-1"], "--alpha must be a finite number"),
     (["sim", "--beta", "nan"], "--beta must be a finite number"),
     (["explain", "--ranks", "500"], "at most 32 here"),
@@ -93,3 +94,9 @@ def test_command_lines_refuse_what_they_cannot_do(argv, message):
                           text=True, timeout=60)
     assert done.returncode == 2
     assert message in done.stderr and "Traceback" not in done.stderr
+
+
+def test_explain_shows_up_to_its_chunk_cap_exactly():
+    assert len(explain(3, 4096, 1).steps) == 4  # 4096 chunks: shown
+    with pytest.raises(ValueError, match="more than 4096 chunks"):
+        explain(3, 4097, 1)

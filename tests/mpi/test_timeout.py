@@ -252,7 +252,11 @@ def test_an_error_leaving_a_with_block_stops_its_calls_in_flight(wire, world, mo
             with ring:
                 running = ring.allreduce_async(x)
                 queued = ring.allreduce_async(x)
-                time.sleep(0.3)  # running is in its header exchange by now
+                deadline = time.monotonic() + 10
+                while not ring._executor.running.locked():  # the worker has started it
+                    assert time.monotonic() < deadline
+                    time.sleep(0.001)
+                time.sleep(0.05)  # and is waiting in its header exchange
                 raise KeyError("only on this rank")
         assert time.monotonic() - start < 10
         with pytest.raises(RuntimeError, match="stopped on this rank, which is leaving"):
