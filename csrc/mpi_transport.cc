@@ -221,11 +221,10 @@ void MpiTransport::receive_notices() {
   }
 }
 
-DepartureNote MpiTransport::first_departure() {
+DepartureNote MpiTransport::first_departure(int64_t exchange) {
   receive_notices();
   DepartureNote first;
-  for (const DepartureNote& note : departures_)
-    first.prefer(note, kAnyExchange);
+  for (const DepartureNote& note : departures_) first.prefer(note, exchange);
   return first;
 }
 

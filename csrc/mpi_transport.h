@@ -77,9 +77,9 @@ class MpiTransport final : public Transport {
       check_departures();
     }
   }
-  // Of the notices received so far (at any point), the one that tells best where
-  // things went wrong (DepartureNote::prefer); rank -1 if none.
-  DepartureNote first_departure();
+  // Of the notices received so far that hold up `exchange` (kAnyExchange: all), the one
+  // that tells best where things went wrong (DepartureNote::prefer); rank -1 if none.
+  DepartureNote first_departure(int64_t exchange = kAnyExchange);
 
   MPI_Comm comm() const { return comm_; }
   int64_t bytes_sent() const { return bytes_sent_; }  // by send_right, ever

@@ -220,7 +220,11 @@ void RingCommunicator::depart(Departure why) {
   note.why = why;
   note.completed = exchanges_ - (broken_.empty() ? 0 : 1);
   if (why == Departure::Followed) {
-    const DepartureNote first = first_departure().origin();
+    // Whom it follows: a rank that held up this call, rather than one that left
+    // after finishing it; else any that left.
+    DepartureNote first = first_departure(exchanges_);
+    if (first.rank < 0) first = first_departure();
+    first = first.origin();
     if (first.why != Departure::Followed) {  // (else whom it followed is not known)
       note.cause = first.rank;
       note.cause_why = first.why;
@@ -247,9 +251,9 @@ void RingCommunicator::stop_soon() {
   if (shm_) shm_->stop_soon();
 }
 
-DepartureNote RingCommunicator::first_departure() {
-  DepartureNote first = transport_->first_departure();
-  if (shm_) first.prefer(shm_->first_departure(), kAnyExchange);
+DepartureNote RingCommunicator::first_departure(int64_t exchange) {
+  DepartureNote first = transport_->first_departure(exchange);
+  if (shm_) first.prefer(shm_->first_departure(exchange), exchange);
   return first;
 }
 

@@ -294,9 +294,9 @@ class RingCommunicator {
   void depart(Departure why);
   // Before each header exchange, on either wire: counts it, and tells the wires.
   void begin_exchange();
-  // Of the departures seen so far, the one that tells best where things went wrong
-  // (DepartureNote::prefer); rank -1 if none.
-  DepartureNote first_departure();
+  // Of the departures seen so far that hold up `exchange` (kAnyExchange: all), the one
+  // that tells best where things went wrong (DepartureNote::prefer); rank -1 if none.
+  DepartureNote first_departure(int64_t exchange = kAnyExchange);
   void check_root(int root) const;  // std::invalid_argument unless a rank
   int64_t chunk_elems(int64_t chunk_bytes, size_t elem_size) const;
 

@@ -169,10 +169,10 @@ void ShmChannel::check_departures() const {
   if (reported.holds_up(exchange_)) throw TimeoutError(reported.text());
 }
 
-DepartureNote ShmChannel::first_departure() const {
+DepartureNote ShmChannel::first_departure(int64_t exchange) const {
   DepartureNote first;
   for (int r = 0; r < static_cast<int>(departures_.size()); ++r)
-    first.prefer(departure(r), kAnyExchange);
+    first.prefer(departure(r), exchange);
   return first;
 }
 

@@ -65,9 +65,9 @@ class ShmChannel {
   // Also throws StoppedError once stop_soon() was called (from any thread).
   void check_departures() const;
   void stop_soon() { stop_.set(); }
-  // Of the departures so far (at any point), the one that tells best where things
-  // went wrong (DepartureNote::prefer); rank -1 if none.
-  DepartureNote first_departure() const;
+  // Of the departures so far that hold up `exchange` (kAnyExchange: all), the one that
+  // tells best where things went wrong (DepartureNote::prefer); rank -1 if none.
+  DepartureNote first_departure(int64_t exchange = kAnyExchange) const;
 
   // An all-gather through the boards: fill next_board() (at most board_bytes), then
   // exchange() posts it and returns when every rank has posted theirs. Every rank must
