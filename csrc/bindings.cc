@@ -6,6 +6,9 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <signal.h>
+
+#include <atomic>
 #include <cstdint>
 #include <optional>
 
@@ -33,6 +36,36 @@ DeviceCall device_call(RingCommunicator&, int ordinal, uintptr_t ready, uintptr_
                        bool direct, bool emulate) {
   return DeviceCall{ordinal, emulate, reinterpret_cast<void*>(ready),
                     reinterpret_cast<void*>(stream), direct};
+}
+
+// Ctrl-C: Python's SIGINT handler only notes the signal, and raises KeyboardInterrupt
+// once this thread runs Python again, which a call waiting for a rank that will not come
+// never does. So the handler Python installed is chained behind one that also counts
+// SIGINTs; the core's waits stop a call during which the count moved (StopRequest).
+// (A later signal.signal(SIGINT, ...) replaces it: calls then wait out their timeout.)
+std::atomic<uint64_t> sigints{0};
+struct sigaction python_sigint;
+
+extern "C" void count_sigint(int signal, siginfo_t* info, void* context) {
+  sigints.fetch_add(1, std::memory_order_relaxed);  // lock-free: safe in a handler
+  if (python_sigint.sa_flags & SA_SIGINFO)
+    python_sigint.sa_sigaction(signal, info, context);
+  else
+    python_sigint.sa_handler(signal);
+}
+
+void chain_sigint_handler() {
+  struct sigaction current;
+  if (sigaction(SIGINT, nullptr, &current) != 0) return;
+  const bool handled = (current.sa_flags & SA_SIGINFO)
+                           ? current.sa_sigaction != nullptr
+                           : current.sa_handler != SIG_DFL && current.sa_handler != SIG_IGN;
+  if (!handled) return;  // ignored, or ends the process anyway
+  python_sigint = current;
+  struct sigaction counting = current;
+  counting.sa_flags |= SA_SIGINFO;
+  counting.sa_sigaction = count_sigint;
+  sigaction(SIGINT, &counting, nullptr);
 }
 
 template <typename T>
@@ -126,6 +159,17 @@ PYBIND11_MODULE(_core, m) {
   py::register_exception<MpiError>(m, "MPIError", PyExc_RuntimeError);
   py::register_exception<OutOfMemoryError>(m, "OutOfMemoryError", PyExc_MemoryError);
   py::register_exception<TimeoutError>(m, "CollectiveTimeoutError", PyExc_TimeoutError);
+  // A call stopped by Ctrl-C raises KeyboardInterrupt on the main thread (Python's
+  // handler runs now); anything else stopped raises RuntimeError.
+  py::register_exception_translator([](std::exception_ptr error) {
+    try {
+      if (error) std::rethrow_exception(error);
+    } catch (const StoppedError& stopped) {
+      if (PyErr_CheckSignals() != 0) return;  // the handler's exception is set
+      PyErr_SetString(PyExc_RuntimeError, stopped.what());
+    }
+  });
+  chain_sigint_handler();
 
   py::list dtypes, ops;
   for (int d = 0; d < kNumDTypes; ++d) dtypes.append(dtype_name(static_cast<DType>(d)));
@@ -246,7 +290,9 @@ PYBIND11_MODULE(_core, m) {
       .def(py::init([](uintptr_t comm_address, double timeout_s) {
              const MPI_Comm comm = comm_from_address(comm_address);
              py::gil_scoped_release nogil;  // it may wait for the other ranks
-             return new RingCommunicator(comm, timeout_s);
+             auto* made = new RingCommunicator(comm, timeout_s);
+             made->watch_interrupts(&sigints);
+             return made;
            }),
            py::arg("comm_address"), py::arg("timeout_s"))
       .def_property_readonly("rank", &RingCommunicator::rank)

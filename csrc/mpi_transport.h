@@ -54,7 +54,10 @@ class MpiTransport final : public Transport {
   double timeout() const { return timeout_s_; }
   // The communicator's header exchange this rank is in, or whose ring it runs:
   // departures are judged against it (DepartureNote::holds_up).
-  void set_exchange(int64_t n) { exchange_number_ = n; }
+  void set_exchange(int64_t n) {
+    exchange_number_ = n;
+    stop_.arm();
+  }
   // This rank stops using the communicator for good (`note`: why, how many exchanges
   // it saw through, whom it followed): sends every other rank a notice on a tag of its own, cancels the receives
   // still pending and frees the sends (whose buffers the caller must keep: MPI still
@@ -69,6 +72,8 @@ class MpiTransport final : public Transport {
   // Also throws StoppedError once stop_soon() was called (from any thread).
   void check_departures() override;
   void stop_soon() { stop_.set(); }
+  // ... and once `interrupts` moves during a call (see StopRequest).
+  void watch_interrupts(const std::atomic<uint64_t>* interrupts) { stop_.watch(interrupts); }
   // check_departures() if messages were sent or received since the last check (so
   // calls that did not use this wire pay nothing).
   void check_departures_after_use() {

@@ -251,6 +251,11 @@ void RingCommunicator::stop_soon() {
   if (shm_) shm_->stop_soon();
 }
 
+void RingCommunicator::watch_interrupts(const std::atomic<uint64_t>* interrupts) {
+  transport_->watch_interrupts(interrupts);
+  if (shm_) shm_->watch_interrupts(interrupts);
+}
+
 DepartureNote RingCommunicator::first_departure(int64_t exchange) {
   DepartureNote first = transport_->first_departure(exchange);
   if (shm_) first.prefer(shm_->first_departure(exchange), exchange);

@@ -235,6 +235,9 @@ class RingCommunicator {
   // look around (every few hundred idle turns of a wait), with StoppedError; the rank
   // then leaves, as after any error in a call. A call that never waits may finish.
   void stop_soon();
+  // Calls also stop (likewise) when `interrupts` moves while they run: the binding's
+  // count of SIGINTs, so that Ctrl-C ends a call that waits for a rank that will not come.
+  void watch_interrupts(const std::atomic<uint64_t>* interrupts);
   // How long a call waits for another rank (to join it, or to move the next chunk)
   // before throwing TimeoutError; <= 0: forever. After a timeout every later call
   // throws it again, and this rank has left (see Departure).

@@ -53,7 +53,10 @@ class ShmChannel {
   void set_timeout(double seconds) { timeout_s_ = seconds; }
   // The communicator's header exchange this rank is in, or whose ring it runs (counted
   // over both wires): departures are judged against it (DepartureNote::holds_up).
-  void set_exchange(int64_t n) { exchange_ = n; }
+  void set_exchange(int64_t n) {
+    exchange_ = n;
+    stop_.arm();
+  }
   // This rank stops using the channel for good (`note`: why, how many exchanges it saw
   // through, whom it followed): tells every rank's waits, through a word of its own in the window, and
   // leaves the window to MPI_Finalize (freeing it would wait for the ranks in a call).
@@ -65,6 +68,8 @@ class ShmChannel {
   // Also throws StoppedError once stop_soon() was called (from any thread).
   void check_departures() const;
   void stop_soon() { stop_.set(); }
+  // ... and once `interrupts` moves during a call (see StopRequest).
+  void watch_interrupts(const std::atomic<uint64_t>* interrupts) { stop_.watch(interrupts); }
   // Of the departures so far that hold up `exchange` (kAnyExchange: all), the one that
   // tells best where things went wrong (DepartureNote::prefer); rank -1 if none.
   DepartureNote first_departure(int64_t exchange = kAnyExchange) const;

@@ -129,20 +129,32 @@ struct DepartureNote {
 // An exchange every departure note holds up: prefer() over all notes, at any point.
 constexpr int64_t kAnyExchange = std::numeric_limits<int64_t>::max();
 
-// Set from another thread of this rank to stop the call it runs (see StoppedError): each
-// wire has one, which its waits check when they look around.
+// Stops the call this rank runs (see StoppedError): each wire has one, which its waits
+// check when they look around. Two causes: set() from another thread, and an interrupt
+// (a counter the process bumps on each, in Python on SIGINT) that came during the call.
 class StopRequest {
  public:
   void set() { requested_.store(true, std::memory_order_release); }
+  void watch(const std::atomic<uint64_t>* interrupts) { interrupts_ = interrupts; }
+  // At the start of each call, on the thread that runs it: interrupts before it (which
+  // the caller has seen, or will) do not stop it.
+  void arm() {
+    if (interrupts_ != nullptr) armed_at_ = interrupts_->load(std::memory_order_relaxed);
+  }
   void check() const {
     if (requested_.load(std::memory_order_acquire))
       throw StoppedError("stopped on this rank, which is leaving the communicator (in Python: "
                          "an exception left the Communicator's `with` block while this call "
                          "was in flight)");
+    if (interrupts_ != nullptr && interrupts_->load(std::memory_order_relaxed) != armed_at_)
+      throw StoppedError("interrupted (SIGINT) on this rank, which is leaving the "
+                         "communicator");
   }
 
  private:
   std::atomic<bool> requested_{false};
+  const std::atomic<uint64_t>* interrupts_ = nullptr;
+  uint64_t armed_at_ = 0;
 };
 
 // "1.5 s", "1800 s": a timeout as messages print it.

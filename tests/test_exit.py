@@ -3,6 +3,7 @@ leaves a `with rr.Communicator()` block on one rank (`python -m mpi4py` aborts t
 freeing the communicator is collective, and the other ranks are elsewhere, here in an
 allreduce), and a rank that never makes its Communicator. And one that must end
 cleanly: a creation that gave up leaves nothing behind for MPI_Finalize."""
+import signal
 import subprocess
 import sys
 import time
@@ -118,3 +119,45 @@ def test_a_creation_that_gave_up_leaves_nothing_for_mpi_finalize_to_report(tmp_p
     assert done.returncode == 0, done.stderr
     assert done.stdout.count("raised:") == 2
     assert "pending" not in done.stderr, done.stderr
+
+
+DEADLOCK = """
+import numpy as np
+from mpi4py import MPI
+import ringreduce as rr
+
+rank = MPI.COMM_WORLD.Get_rank()
+first, second = rr.Communicator(timeout=600), rr.Communicator(timeout=600)
+print(rank, "waiting", flush=True)
+(first if rank == 0 else second).allreduce(np.ones(1 << 16))  # on different communicators
+"""
+
+
+def test_ctrl_c_ends_a_job_whose_ranks_wait_for_each_other(tmp_path):
+    # Two ranks in calls that can never pair, for ten minutes. Ctrl-C (SIGINT to
+    # mpiexec, which passes it on) stops both calls: each rank raises KeyboardInterrupt
+    # where it waited, and the job ends. Before, Python's handler could not run until
+    # the calls returned, and the job sat there until a second Ctrl-C killed it.
+    script = tmp_path / "deadlock.py"
+    script.write_text(DEADLOCK)
+    job = subprocess.Popen([mpiexec(), "-n", "2", sys.executable, str(script)],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           env=job_env())
+    try:
+        said = ""
+        while said.count("waiting") < 2:  # (the ranks' lines may interleave)
+            line = job.stdout.readline()
+            assert line, job.stderr.read()  # the job ended before both waited
+            said += line
+        time.sleep(0.5)  # both in their calls by now
+        start = time.monotonic()
+        job.send_signal(signal.SIGINT)
+        _, stderr = job.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        subprocess.run(["pkill", "-9", "-f", str(script)])
+        job.kill()
+        raise AssertionError("the job went on waiting after Ctrl-C") from None
+    assert job.returncode != 0
+    assert time.monotonic() - start < 20
+    if "Sending Ctrl-C to processes" in stderr:  # MPICH's mpiexec passed it on
+        assert "KeyboardInterrupt" in stderr, stderr

@@ -6,6 +6,8 @@ unusable, and waits for every rank (world.Barrier) before the next test starts."
 import gc
 import inspect
 import os
+import signal
+import threading
 import time
 import weakref
 
@@ -271,6 +273,57 @@ def test_an_error_leaving_a_with_block_stops_its_calls_in_flight(wire, world, mo
         raised_within(10, f"rank {SIZE - 1} has left", lambda: ring.allreduce(x))
         closes_at_once(ring)
     world.Barrier()
+
+
+@needs_two
+@pytest.mark.parametrize("wire", ["shared memory", "MPI"])
+@pytest.mark.parametrize("mode", ["blocking", "async"])
+def test_ctrl_c_stops_a_call_that_waits_for_ranks_that_will_not_come(mode, wire, world,
+                                                                    monkeypatch):
+    # Rank 0 calls alone; a SIGINT to it (Ctrl-C) stops the call at its next look around
+    # instead of after the timeout: KeyboardInterrupt on the main thread, and the rank
+    # leaves, so the others' next call raises at once.
+    ring = a_ring_over(wire, monkeypatch)
+    if mode == "async" and not ring._executor.threaded:
+        pytest.skip("MPI without MPI_THREAD_MULTIPLE: asynchronous calls run inline")
+    ring.timeout = 60
+    x = np.full(1 << 16, 1.0, np.float32)
+    if RANK == 0:
+        ctrl_c = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT))
+        start = time.monotonic()
+        ctrl_c.start()
+        try:
+            if mode == "blocking":
+                with pytest.raises(KeyboardInterrupt):
+                    ring.allreduce(x)
+            else:
+                handle = ring.allreduce_async(x)
+                with pytest.raises(KeyboardInterrupt):
+                    handle.wait()  # interrupted in Python; the call stops on its own
+                with pytest.raises(RuntimeError, match=r"interrupted \(SIGINT\)"):
+                    handle.wait(10)
+        finally:
+            ctrl_c.cancel()
+        assert time.monotonic() - start < 10
+        assert ring._core.departed
+        world.Barrier()
+    else:
+        world.Barrier()
+        raised_within(10, "rank 0 has left", lambda: ring.allreduce(x))
+    closes_at_once(ring)
+    world.Barrier()
+
+
+@needs_two
+@pytest.mark.parametrize("wire", ["shared memory", "MPI"])
+def test_calls_after_a_ctrl_c_that_came_between_calls_still_work(wire, world, monkeypatch):
+    # Only a SIGINT during a call stops it: one that came before (and was handled) does not.
+    ring = a_ring_over(wire, monkeypatch)
+    with pytest.raises(KeyboardInterrupt):
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(5)  # (the handler raises here, in Python)
+    np.testing.assert_array_equal(ring.allreduce(np.ones(1 << 16)), np.full(1 << 16, SIZE))
+    ring.close()
 
 
 @needs_two
