@@ -45,14 +45,24 @@ def parse_size(text: str) -> int:
     return int(text)
 
 
+_last_line = [0.0]  # when progress() last wrote a line (not on a terminal)
+
+
 def progress(done: int, total: int, what: str) -> None:
-    if rank == 0 and sys.stderr.isatty():
+    """A bar on a terminal; else (under mpiexec stderr is a pipe, even from a terminal)
+    a line every few seconds, and at the end."""
+    if rank != 0:
+        return
+    if sys.stderr.isatty():
         width = 30
         filled = int(width * done / total)
         sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {what:<40}")
         if done == total:
             sys.stderr.write("\n")
-        sys.stderr.flush()
+    elif done == total or time.monotonic() - _last_line[0] >= 5:
+        _last_line[0] = time.monotonic()
+        sys.stderr.write(f"[{done}/{total}] {what}\n")
+    sys.stderr.flush()
 
 
 def allreduce_candidates(comm, x, gloo, with_reference):
@@ -91,9 +101,14 @@ def collective_candidates(comm, collective, x):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sizes", help="comma-separated byte sizes, e.g. 8,64K,1M,256M")
-    parser.add_argument("--repeats", type=int, default=9)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Rank 0 prints the tables. The default sizes and repeats take a few minutes "
+               "on 2 ranks.")
+    parser.add_argument("--sizes", help="comma-separated byte sizes, e.g. 8,64K,1M,256M "
+                        f"(default: {','.join(human_bytes(n).replace(' ', '') for n in DEFAULT_SIZES)})")
+    parser.add_argument("--repeats", type=int, default=9,
+                        help="timed runs per size; the median is reported (default: 9)")
     parser.add_argument("--no-reference", action="store_true",
                         help="skip the numpy reference ring (slow at large sizes)")
     parser.add_argument("--no-gloo", action="store_true", help="skip torch's gloo")
@@ -157,7 +172,9 @@ def print_tables(rows) -> None:
         names = list(dict.fromkeys(r["implementation"] for r in mine))
         print(f"\n## {collective}")
         print(f"| size | " + " | ".join(f"{n} time | busbw" for n in names)
-              + " | speedup vs MPI |")
+              + " | speedup vs MPI (" + " / ".join(
+                  n for n in names if n.startswith("ringreduce") and "in place" not in n)
+              + ") |")
         print("|---" * (2 * len(names) + 2) + "|")
         for nbytes in sorted({r["bytes"] for r in mine}):
             cells, speedup = [], ""

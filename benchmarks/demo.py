@@ -43,8 +43,8 @@ def verify() -> None:
                           file=sys.stderr)
                     world.Abort(1)
                 checks += 1
-    say(f"verified: {checks} allreduce calls (4 dtypes x 4 ops x 4 sizes) agree with numpy "
-        f"on all {size} ranks")
+    say(f"verified: {checks} allreduce calls (float32, float64, int32, complex64 x sum, max, "
+        f"avg, prod where defined x 4 sizes) agree with numpy on all {size} ranks")
 
 
 def benchmark() -> None:
@@ -72,5 +72,8 @@ def benchmark() -> None:
 
 
 if __name__ == "__main__":
+    if {"-h", "--help"} & set(sys.argv[1:]):
+        say(__doc__.strip())
+        sys.exit(0)
     verify()
     benchmark()

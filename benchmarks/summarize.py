@@ -6,9 +6,9 @@ ringreduce's speedup over MPI in every run.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
-import sys
 
 from timing import human_bytes, human_time
 
@@ -47,4 +47,9 @@ def main(paths: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     epilog="e.g. python benchmarks/summarize.py "
+                                            "benchmarks/results/allreduce_p2_run*.json")
+    parser.add_argument("runs", nargs="+", metavar="RUN.json",
+                        help="--json files of bench_allreduce.py, one per run")
+    main(parser.parse_args().runs)

@@ -78,6 +78,7 @@ def main() -> None:
                                  | {"MPI library": lambda: world.Allreduce(y, out)}, 10)}
     rounds = []
     start = time.time()
+    next_line = 30.0  # (progress, when stderr is not a terminal)
     while True:
         stop = np.array(time.time() - start > args.seconds, dtype=np.int32)
         world.Bcast(stop, root=0)
@@ -92,6 +93,10 @@ def main() -> None:
         rounds.append(row)
         if rank == 0 and sys.stderr.isatty():
             sys.stderr.write(f"\r{row['t']:.0f}/{args.seconds:.0f} s, {len(rounds)} rounds")
+        elif rank == 0 and row["t"] >= next_line:  # a pipe (mpiexec's): a line now and then
+            next_line = row["t"] + 30
+            sys.stderr.write(f"{row['t']:.0f}/{args.seconds:.0f} s, {len(rounds)} rounds\n")
+            sys.stderr.flush()
     for ring in rings.values():
         ring.close()
     if rank != 0:
@@ -122,7 +127,8 @@ def summarise(rounds, tests) -> dict:
                    for part in (usual, slow)]
             summary[test][name] = {"usual_us": med[0], "slow_us": med[1]}
             label = name if name == "MPI library" else f"ringreduce, {name}"
-            print(f"| {label} | {med[0]:.0f} us | {med[1]:.0f} us |")
+            shown = [f"{m:.0f} us" if m == m else "-" for m in med]  # (no slow rounds: NaN)
+            print(f"| {label} | {shown[0]} | {shown[1]} |")
     return summary
 
 

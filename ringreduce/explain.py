@@ -123,8 +123,10 @@ def format_text(e: Explanation) -> str:
         lines.append(f"{step.phase}, step {step.number} of {total}:")
         for t in step.transfers:
             action = "adds it to its own copy" if t.reduces else "keeps it"
-            chunks = ", ".join(f"[{a}..{a + n - 1}]" for a, n in t.chunks) or "no chunks"
-            lines.append(f"  rank {t.rank} sends S{t.segment} to rank {t.to} (chunks {chunks}); "
+            spans = ", ".join(f"[{a}..{a + n - 1}]" for a, n in t.chunks)
+            what = ("no elements" if not t.chunks else f"elements {spans}" if len(t.chunks) == 1
+                    else f"elements {spans}, in {len(t.chunks)} chunks")
+            lines.append(f"  rank {t.rank} sends S{t.segment} to rank {t.to} ({what}); "
                          f"receives S{t.receives} from rank {(t.rank - 1) % e.ranks} and "
                          f"{action}")
         lines.append("  afterwards, whose data each rank's copy of each segment holds:")
@@ -188,8 +190,10 @@ def draw(e: Explanation, path: str) -> None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ringreduce explain",
-                                     description="Show the ring all-reduce step by step.")
-    parser.add_argument("--ranks", type=int, default=4)
+                                     description="Show the ring all-reduce step by step.",
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--ranks", type=int, default=4,
+                        help=f"ranks in the ring (at most {MAX_RANKS})")
     parser.add_argument("--count", type=int, default=12, help="elements in the buffer")
     parser.add_argument("--chunk", type=int, default=None,
                         help="elements per chunk (default: one chunk per segment)")

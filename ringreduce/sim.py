@@ -114,9 +114,12 @@ def parse_bytes(text: str) -> int:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ringreduce sim",
-                                     description="Model all-reduce algorithms at any scale.")
-    parser.add_argument("--ranks", type=int, nargs="+", default=[4, 64, 1024])
-    parser.add_argument("--bytes", default="100M", help="buffer size per rank, e.g. 8, 64K, 100M")
+                                     description="Model all-reduce algorithms at any scale.",
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--ranks", type=int, nargs="+", default=[4, 64, 1024],
+                        help="ring sizes to model, one row each")
+    parser.add_argument("--bytes", default="100M",
+                        help="buffer size per rank, e.g. 8, 64K, 100M (K, M, G: powers of 1024)")
     parser.add_argument("--alpha", type=float, default=ALPHA, help="seconds per message")
     parser.add_argument("--beta", type=float, default=BETA, help="seconds per byte moved")
     parser.add_argument("--gamma", type=float, default=GAMMA, help="seconds per byte reduced")
