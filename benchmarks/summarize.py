@@ -10,10 +10,61 @@ import argparse
 import json
 import statistics
 
-from timing import human_bytes, human_time
+from timing import human_bytes, human_time, size_axis
 
 
-def main(paths: list[str]) -> None:
+def plot(runs, path: str) -> None:
+    """Speedup over MPI against size, one panel per collective: a dot per run, the
+    median as a line, and 1.0x (as fast as MPI) marked."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"(matplotlib is not installed: no plot written to {path})")
+        return
+    collectives = [c for c in ("allreduce", "reduce_scatter", "allgather", "broadcast")
+                   if any(r["collective"] == c for r in runs[0]["results"])]
+    from matplotlib.ticker import FixedLocator, FuncFormatter
+
+    rows = (len(collectives) + 1) // 2
+    fig, axes = plt.subplots(rows, 2, figsize=(10, 3.6 * rows), sharey=True, squeeze=False)
+    for ax in axes.flat[len(collectives):]:
+        ax.remove()
+    for ax, collective in zip(axes.flat, collectives):
+        results = [[r for r in run["results"] if r["collective"] == collective] for run in runs]
+        peer = next(r["implementation"] for r in results[0]
+                    if r["implementation"].startswith("MPI_"))
+        sizes = sorted({r["bytes"] for r in results[0]})
+        per_size = []
+        for nbytes in sizes:
+            def time_of(run, name):
+                return next(r["time_s"] for r in run
+                            if r["bytes"] == nbytes and r["implementation"] == name)
+            speedups = [time_of(run, peer) / time_of(run, "ringreduce") for run in results]
+            ax.scatter([nbytes] * len(speedups), speedups, s=14, color="tab:blue", alpha=0.6)
+            per_size.append(statistics.median(speedups))
+        ax.plot(sizes, per_size, color="tab:blue", label=f"median of {len(runs)} runs")
+        ax.axhline(1.0, color="black", lw=0.8, ls="--", label=f"as fast as {peer}")
+        size_axis(ax)
+        ax.xaxis.set_major_locator(FixedLocator([2.0 ** k for k in range(4, 33, 4)]))
+        ax.set_yscale("log", base=2)
+        ax.yaxis.set_major_locator(FixedLocator([0.25, 0.5, 1, 2, 4, 8]))
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"{y:g}x"))
+        ax.set_title(f"{collective} vs {peer}")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8, loc="upper left")
+    for row in axes:
+        row[0].set_ylabel("speedup (MPI time / ours)")
+    fig.suptitle(f"ringreduce's speedup over the MPI library, {runs[0]['ranks']} ranks, "
+                 "float32, out-of-place; one dot per run", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"plot: {path}")
+
+
+def main(paths: list[str], plot_path: str | None = None) -> None:
     runs = [json.load(open(p)) for p in paths]
     print(f"{len(runs)} runs, {runs[0]['ranks']} ranks, float32; {runs[0]['machine']}; "
           f"{runs[0]['mpi']}\n")
@@ -44,6 +95,8 @@ def main(paths: list[str]) -> None:
                   + f" | {busbw:.2f} GB/s | " + ", ".join(f"{s:.2f}x" for s in speedups) + " |"
                   + extra)
         print()
+    if plot_path:
+        plot(runs, plot_path)
 
 
 if __name__ == "__main__":
@@ -52,4 +105,6 @@ if __name__ == "__main__":
                                             "benchmarks/results/allreduce_p2_run*.json")
     parser.add_argument("runs", nargs="+", metavar="RUN.json",
                         help="--json files of bench_allreduce.py, one per run")
-    main(parser.parse_args().runs)
+    parser.add_argument("--plot", help="also save speedup vs size, every run, here (PNG)")
+    args = parser.parse_args()
+    main(args.runs, args.plot)

@@ -74,11 +74,19 @@ def human_time(seconds: float) -> str:
     return f"{seconds:.2f} s"
 
 
+def size_axis(ax) -> None:
+    """A log2 x axis of message sizes, ticked in B / KiB / MiB."""
+    from matplotlib.ticker import FuncFormatter
+
+    ax.set_xscale("log", base=2)
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda n, _: human_bytes(int(n))))
+    ax.set_xlabel("message size (bytes per rank)")
+
+
 def save_size_plot(fig, ax, path: str, ylabel: str, title: str) -> None:
     """Log-log axes over message size, labelled, saved as `path`."""
-    ax.set_xscale("log", base=2)
+    size_axis(ax)
     ax.set_yscale("log")
-    ax.set_xlabel("message size (bytes per rank)")
     ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.grid(True, which="both", alpha=0.3)

@@ -32,12 +32,18 @@ def test_bench_allreduce_and_summarize(tmp_path):
     assert all(r["time_s"] > 0 and r["speedup_vs_mpi"] > 0 for r in rows)
     assert (tmp_path / "busbw.png").stat().st_size > 0
 
-    summary = subprocess.run([sys.executable, "benchmarks/summarize.py", str(result)], cwd=ROOT,
+    summary = subprocess.run([sys.executable, "benchmarks/summarize.py", str(result), str(result),
+                              "--plot", str(tmp_path / "speedup.png")], cwd=ROOT,
                              capture_output=True, text=True, timeout=60)
     assert summary.returncode == 0, summary.stderr
     for collective in peers:
         assert f"### {collective}" in summary.stdout
     assert "| 20 KiB |" in summary.stdout
+    assert "2 runs" in summary.stdout
+    assert (tmp_path / "speedup.png").stat().st_size > 0
+    # Under mpiexec stderr is a pipe: progress comes as lines, not a bar.
+    assert "[0/8] allreduce 64 B\n" in done.stderr and "[8/8] done\n" in done.stderr
+    assert "\r" not in done.stderr
 
 
 def test_wire_choice_runs_and_summarises(tmp_path):
