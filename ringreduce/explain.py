@@ -159,8 +159,8 @@ def draw(e: Explanation, path: str) -> None:
         ax.axis("off")
     for index, step in enumerate(e.steps):
         ax = axes.ravel()[index]
-        ax.set_xlim(-1.6, 1.6)
-        ax.set_ylim(-1.6, 1.6)
+        ax.set_xlim(-2.0, 2.0)
+        ax.set_ylim(-1.9, 1.9)
         ax.set_aspect("equal")
         ax.set_title(f"{step.phase}, step {step.number}", fontsize=10)
         angle = [math.pi / 2 - 2 * math.pi * r / e.ranks for r in range(e.ranks)]
@@ -176,15 +176,30 @@ def draw(e: Explanation, path: str) -> None:
         for r, (x, y) in enumerate(where):
             ax.add_patch(plt.Circle((x, y), 0.2, color="lightgray", zorder=2))
             ax.text(x, y, f"{r}", ha="center", va="center", fontsize=10, zorder=3)
-            # one small square per segment: how complete this rank's copy is
+            # one small square per segment (with a gap between): how complete this
+            # rank's copy of it is; outside the ring, clear of the arrows
+            cx, cy = 1.55 * x, 1.55 * y
+            width = 0.6 / e.ranks
             for s, contributors in enumerate(step.holds[r]):
                 share = len(contributors) / e.ranks
-                ax.add_patch(plt.Rectangle((x - 0.2 + 0.4 * s / e.ranks, y - 0.42),
-                                           0.4 / e.ranks, 0.12, color=colors(share), zorder=3))
+                left = cx - 0.3 + 0.6 * s / e.ranks
+                ax.add_patch(plt.Rectangle((left + 0.1 * width, cy - 0.08), 0.8 * width, 0.16,
+                                           facecolor=colors(share), edgecolor="black",
+                                           linewidth=0.3, zorder=3))
+                if e.ranks <= 8:
+                    ax.text(left + width / 2, cy - 0.15, f"S{s}", ha="center", va="center",
+                            fontsize=5, zorder=3)
     fig.suptitle(f"Ring all-reduce, {e.ranks} ranks: red arrows reduce, blue arrows copy. "
-                 "Under each rank, one square per segment: how much of its sum the rank "
-                 "holds (yellow: all of it)", fontsize=9)
-    fig.tight_layout()
+                 "By each rank, one square per segment: how many ranks' data its copy "
+                 "holds (yellow: all of them)", fontsize=9)
+    fig.tight_layout(rect=(0, 0, 0.93, 1))
+    # The colour key: ranks whose data a copy of a segment holds, 1 to p.
+    key = fig.add_axes((0.945, 0.15, 0.012, 0.7))
+    scale = plt.cm.ScalarMappable(cmap=colors, norm=matplotlib.colors.Normalize(0, e.ranks))
+    bar = fig.colorbar(scale, cax=key)
+    bar.set_ticks(range(1, e.ranks + 1))
+    bar.set_label("ranks' data in the copy", fontsize=8)
+    bar.ax.tick_params(labelsize=7)
     fig.savefig(path)
 
 
