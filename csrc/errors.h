@@ -35,9 +35,10 @@ struct TimeoutError : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-// A call that another thread of this rank asked to stop (RingCommunicator::stop_soon()),
-// thrown by its next look around while it waits: the rank then leaves the
-// communicator, as after any error in a call (Python: RuntimeError).
+// A call stopped while it waited (StopRequest in waiting.h): another thread of this rank
+// asked (RingCommunicator::stop_soon()), or an interrupt (SIGINT) came during it. The
+// rank then leaves the communicator, as after any error in a call (Python: RuntimeError,
+// or the KeyboardInterrupt of the SIGINT).
 struct StoppedError : std::runtime_error {
   using std::runtime_error::runtime_error;
 };

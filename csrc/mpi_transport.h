@@ -59,11 +59,11 @@ class MpiTransport final : public Transport {
     stop_.arm();
   }
   // This rank stops using the communicator for good (`note`: why, how many exchanges
-  // it saw through, whom it followed): sends every other rank a notice on a tag of its own, cancels the receives
-  // still pending and frees the sends (whose buffers the caller must keep: MPI still
-  // reads them if the neighbour comes); keeps the pending header exchange's buffers for
-  // ever (MPI forbids freeing a collective's request); forgets the communicator, as
-  // freeing it would wait for the ranks still in a call.
+  // it saw through, whom it followed): sends every other rank a notice on a tag of its
+  // own, cancels the receives still pending and frees the sends (whose buffers the
+  // caller must keep: MPI still reads them if the neighbour comes); keeps the pending
+  // header exchange's buffers for ever (MPI forbids freeing a collective's request);
+  // forgets the communicator, as freeing it would wait for the ranks still in a call.
   void leave(const DepartureNote& note);
   // Throws TimeoutError if a rank that holds up the current exchange has sent its
   // notice. Waits check now and then; a ring call checks once at its end, as the

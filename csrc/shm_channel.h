@@ -58,8 +58,9 @@ class ShmChannel {
     stop_.arm();
   }
   // This rank stops using the channel for good (`note`: why, how many exchanges it saw
-  // through, whom it followed): tells every rank's waits, through a word of its own in the window, and
-  // leaves the window to MPI_Finalize (freeing it would wait for the ranks in a call).
+  // through, whom it followed): tells every rank's waits, through a word of its own in
+  // the window, and leaves the window to MPI_Finalize (freeing it would wait for the
+  // ranks in a call).
   void leave(const DepartureNote& note);
   // A note as the word leave() writes into the window (0: still in), and back.
   static uint64_t departure_word(const DepartureNote& note);
