@@ -177,7 +177,16 @@ def main():
     parser.add_argument("--others", action="store_true",
                         help="also reduce_scatter, allgather and broadcast at 64 KiB, "
                              "1 MiB and 16 MiB (in total per rank)")
+    parser.add_argument("--replot", metavar="RUN.json",
+                        help="only draw --plot from an earlier run's --json (no GPU needed)")
+    parser.add_argument("--note", default="", help="added to the plot's title, e.g. 'MPS'")
     args = parser.parse_args()
+    if args.replot:
+        with open(args.replot) as f:
+            rows = json.load(f)["rows"]
+        names = [k for k, v in rows[0].items() if isinstance(v, dict)]
+        plot(rows, names, args.plot or "gpu.png", args.big_chunk, args.note)
+        return
     if args.plot:  # on every rank, before any collective: not after the tables on rank 0 only
         import matplotlib  # noqa: F401
 
@@ -291,7 +300,7 @@ def main():
         gloo[1].destroy_process_group()
 
 
-def plot(rows, names, path, big_chunk):
+def plot(rows, names, path, big_chunk, note=""):
     import matplotlib
 
     matplotlib.use("Agg")
@@ -310,7 +319,8 @@ def plot(rows, names, path, big_chunk):
     ax.plot(sizes, [r["d2d_bytes_per_s"] / 1e9 for r in rows], linestyle="--", color="gray",
             label="device-to-device copy (one GPU)")
     save_size_plot(fig, ax, path, "GB/s (busbw; copy: bytes copied / s)",
-                   f"cupy allreduce, float32, {rows[0]['ranks']} ranks on one {rows[0]['gpu']}")
+                   f"cupy allreduce, float32, {rows[0]['ranks']} ranks on one {rows[0]['gpu']}"
+                   + (f", {note}" if note else ""))
 
 
 if __name__ == "__main__":

@@ -44,4 +44,9 @@ $PY examples/compare_runs.py $R/ranks2.json $R/ranks2_fp16.json $R/ranks2_bf16.j
     $R/ranks2_powersgd.json --plot "$OUT/digits_compression.png" > /dev/null
 
 # Measured on a GPU by benchmarks/gpu_check.sh, on a lent machine (not rerun here): its
-# OUTDIR/gpu_allreduce_p2.png is copied to $OUT/gpu_allreduce_p2.png.
+# OUTDIR/gpu_allreduce_p2.png is copied to $OUT/gpu_allreduce_p2.png, its JSON files to
+# benchmarks/results/gpu_h200_*.json, from which these two are drawn:
+$PY benchmarks/bench_gpu.py --replot benchmarks/results/gpu_h200_p4.json \
+    --plot "$OUT/gpu_allreduce_p4.png" > /dev/null
+$PY benchmarks/bench_gpu.py --replot benchmarks/results/gpu_h200_p2_mps.json \
+    --plot "$OUT/gpu_allreduce_p2_mps.png" --note "under MPS" > /dev/null

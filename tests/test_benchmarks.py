@@ -86,3 +86,9 @@ def test_bench_gpu_runs_over_the_emulated_gpu(tmp_path):
                for who in ("ring", "ring_device", "host_mpi"))
     assert "| reduce_scatter | 1 MiB |" in table.read_text()
     assert (tmp_path / "gpu.png").stat().st_size > 0
+    # ... and its plot drawn again from that JSON, without a GPU or cupy
+    again = subprocess.run([sys.executable, "benchmarks/bench_gpu.py", "--replot", str(result),
+                            "--plot", str(tmp_path / "again.png"), "--note", "replotted"],
+                           cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert again.returncode == 0, again.stderr
+    assert (tmp_path / "again.png").stat().st_size > 0
