@@ -17,8 +17,9 @@ def main():
     parser.add_argument("--plot", required=True)
     args = parser.parse_args()
     histories = [json.load(open(path)) for path in args.histories]
-    print("| ranks | compression | final loss | final test accuracy | MB sent per rank | "
-          "training time | waiting on communication |\n|---|---|---|---|---|---|---|")
+    print("| ranks | compression | final loss | final test accuracy | "
+          "MB handed to all-reduce per rank | training time | waiting on communication |"
+          "\n|---|---|---|---|---|---|---|")
     for h in histories:
         total, waiting = sum(h["seconds"]), sum(h["comm_seconds"])
         print(f"| {h['ranks']} | {h['compression']} | {h['loss'][-1]:.4f} | "

@@ -160,7 +160,7 @@ def main():
           f"{history['test_accuracy'][-1]:.3f}, final loss {history['loss'][-1]:.4f}")
     print(f"time: {total:.2f} s training, of which {waiting:.2f} s ({waiting / total:.0%}) "
           f"waiting on communication and {total - waiting:.2f} s computing; "
-          f"{history['bytes_sent_per_rank'] / 1e6:.2f} MB sent per rank")
+          f"{history['bytes_sent_per_rank'] / 1e6:.2f} MB handed to all-reduce per rank")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(history, f, indent=1)
