@@ -61,6 +61,8 @@ void chain_sigint_handler() {
                            ? current.sa_sigaction != nullptr
                            : current.sa_handler != SIG_DFL && current.sa_handler != SIG_IGN;
   if (!handled) return;  // ignored, or ends the process anyway
+  if ((current.sa_flags & SA_SIGINFO) && current.sa_sigaction == count_sigint)
+    return;  // chained already (a second load of this module): not behind itself
   python_sigint = current;
   struct sigaction counting = current;
   counting.sa_flags |= SA_SIGINFO;
@@ -290,9 +292,7 @@ PYBIND11_MODULE(_core, m) {
       .def(py::init([](uintptr_t comm_address, double timeout_s) {
              const MPI_Comm comm = comm_from_address(comm_address);
              py::gil_scoped_release nogil;  // it may wait for the other ranks
-             auto* made = new RingCommunicator(comm, timeout_s);
-             made->watch_interrupts(&sigints);
-             return made;
+             return new RingCommunicator(comm, timeout_s, &sigints);
            }),
            py::arg("comm_address"), py::arg("timeout_s"))
       .def_property_readonly("rank", &RingCommunicator::rank)

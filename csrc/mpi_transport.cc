@@ -54,7 +54,10 @@ void check_mpi(int rc, const char* call, int rank) {
                  (len > 0 ? std::string(text, len) : "error code " + std::to_string(rc)));
 }
 
-MpiTransport::MpiTransport(MPI_Comm user_comm, double timeout_s) {
+MpiTransport::MpiTransport(MPI_Comm user_comm, double timeout_s,
+                           const std::atomic<uint64_t>* interrupts) {
+  stop_.watch(interrupts);
+  stop_.arm();
   int initialized = 0, finalized = 0;
   check_mpi(MPI_Initialized(&initialized), "MPI_Initialized", -1);
   check_mpi(MPI_Finalized(&finalized), "MPI_Finalized", -1);

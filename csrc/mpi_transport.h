@@ -34,8 +34,11 @@ class MpiTransport final : public Transport {
   // that gave up stays pending on user_comm (MPI cannot cancel a collective), where a
   // rank that comes late completes it; one that never comes leaves user_comm unsafe
   // for further collectives, as it already is when ranks skip a collective. MPI must
-  // already be initialised: mpi4py owns MPI_Init and MPI_Finalize, never us.
-  MpiTransport(MPI_Comm user_comm, double timeout_s);
+  // already be initialised: mpi4py owns MPI_Init and MPI_Finalize, never us. Making it,
+  // and every call after, also stops (StoppedError) once `interrupts` moves (see
+  // StopRequest; null: never).
+  MpiTransport(MPI_Comm user_comm, double timeout_s,
+               const std::atomic<uint64_t>* interrupts = nullptr);
   ~MpiTransport() override;
   MpiTransport(const MpiTransport&) = delete;
   MpiTransport& operator=(const MpiTransport&) = delete;
@@ -72,8 +75,6 @@ class MpiTransport final : public Transport {
   // Also throws StoppedError once stop_soon() was called (from any thread).
   void check_departures() override;
   void stop_soon() { stop_.set(); }
-  // ... and once `interrupts` moves during a call (see StopRequest).
-  void watch_interrupts(const std::atomic<uint64_t>* interrupts) { stop_.watch(interrupts); }
   // check_departures() if messages were sent or received since the last check (so
   // calls that did not use this wire pay nothing).
   void check_departures_after_use() {

@@ -89,11 +89,13 @@ int64_t RingCommunicator::inline_capacity_for(int ranks, bool shm) {
   return std::max<int64_t>(64, std::min<int64_t>(most, budget / (ranks - 1)) / 16 * 16);
 }
 
-RingCommunicator::RingCommunicator(MPI_Comm user_comm, double timeout_s)
-    : transport_(std::make_unique<MpiTransport>(user_comm, timeout_s)) {
+RingCommunicator::RingCommunicator(MPI_Comm user_comm, double timeout_s,
+                                   const std::atomic<uint64_t>* interrupts)
+    : transport_(std::make_unique<MpiTransport>(user_comm, timeout_s, interrupts)) {
   const int p = size();
   shm_ = ShmChannel::create(transport_->comm(), kShmSlotBytes, kShmSlots,
                             sizeof(CallHeader) + inline_capacity_for(p, true));
+  if (shm_) shm_->watch_interrupts(interrupts);
   inline_capacity_ = inline_capacity_for(p, shm_ != nullptr);
   if (!shm_) {
     outgoing_.assign(slot_bytes(), 0);
@@ -249,11 +251,6 @@ void RingCommunicator::leave() {
 void RingCommunicator::stop_soon() {
   transport_->stop_soon();
   if (shm_) shm_->stop_soon();
-}
-
-void RingCommunicator::watch_interrupts(const std::atomic<uint64_t>* interrupts) {
-  transport_->watch_interrupts(interrupts);
-  if (shm_) shm_->watch_interrupts(interrupts);
 }
 
 DepartureNote RingCommunicator::first_departure(int64_t exchange) {

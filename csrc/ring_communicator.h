@@ -117,7 +117,11 @@ class RingCommunicator {
 
   // Collective over user_comm; gives up after timeout_s (> 0) if a rank never comes
   // (see MpiTransport), and calls wait that long for other ranks (set_timeout()).
-  RingCommunicator(MPI_Comm user_comm, double timeout_s);
+  // Making it and every call stop, with StoppedError, when `interrupts` moves while
+  // they wait (the binding's count of SIGINTs, so that Ctrl-C ends a wait for a rank
+  // that will not come; null: never).
+  RingCommunicator(MPI_Comm user_comm, double timeout_s,
+                   const std::atomic<uint64_t>* interrupts = nullptr);
   ~RingCommunicator();
 
   int rank() const { return transport_->rank(); }
@@ -235,9 +239,6 @@ class RingCommunicator {
   // look around (every few hundred idle turns of a wait), with StoppedError; the rank
   // then leaves, as after any error in a call. A call that never waits may finish.
   void stop_soon();
-  // Calls also stop (likewise) when `interrupts` moves while they run: the binding's
-  // count of SIGINTs, so that Ctrl-C ends a call that waits for a rank that will not come.
-  void watch_interrupts(const std::atomic<uint64_t>* interrupts);
   // How long a call waits for another rank (to join it, or to move the next chunk)
   // before throwing TimeoutError; <= 0: forever. After a timeout every later call
   // throws it again, and this rank has left (see Departure).

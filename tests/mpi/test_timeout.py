@@ -315,6 +315,31 @@ def test_ctrl_c_stops_a_call_that_waits_for_ranks_that_will_not_come(mode, wire,
 
 
 @needs_two
+def test_ctrl_c_stops_making_a_communicator_the_others_do_not_make(world):
+    # Making one waits for every rank too: a SIGINT ends rank 0's wait at once
+    # (KeyboardInterrupt), not after the timeout. The others, coming late, complete its
+    # pending duplicate and give up in turn, as after a timeout there.
+    if RANK == 0:
+        ctrl_c = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT))
+        start = time.monotonic()
+        ctrl_c.start()
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                rr.Communicator(timeout=60)
+        finally:
+            ctrl_c.cancel()
+        assert time.monotonic() - start < 10
+        world.Barrier()
+    else:
+        world.Barrier()
+        waited_for("not every rank made its Communicator within 0.5 s",
+                   lambda: rr.Communicator(timeout=TIMEOUT))
+    world.Barrier()
+    with rr.Communicator(timeout=30) as ring:  # and the next one works
+        np.testing.assert_array_equal(ring.allreduce(np.ones(3)), np.full(3, SIZE))
+
+
+@needs_two
 @pytest.mark.parametrize("wire", ["shared memory", "MPI"])
 def test_calls_after_a_ctrl_c_that_came_between_calls_still_work(wire, world, monkeypatch):
     # Only a SIGINT during a call stops it: one that came before (and was handled) does not.
