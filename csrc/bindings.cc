@@ -307,6 +307,8 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("device_calls_on_host",
                              &RingCommunicator::device_calls_on_host)
       .def_property_readonly("inline_capacity", &RingCommunicator::inline_capacity)
+      .def_property_readonly("broadcast_inline_capacity",
+                             &RingCommunicator::broadcast_inline_capacity)
       // Every rank must set the same (tests and benchmarks; see ring_communicator.h).
       .def_property("device_host_reduce_bytes", &RingCommunicator::device_host_reduce_bytes,
                     &RingCommunicator::set_device_host_reduce_bytes)

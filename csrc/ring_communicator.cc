@@ -93,10 +93,12 @@ RingCommunicator::RingCommunicator(MPI_Comm user_comm, double timeout_s,
                                    const std::atomic<uint64_t>* interrupts)
     : transport_(std::make_unique<MpiTransport>(user_comm, timeout_s, interrupts)) {
   const int p = size();
+  const int64_t board_payload = std::max(inline_capacity_for(p, true), kShmBroadcastInlineBytes);
   shm_ = ShmChannel::create(transport_->comm(), kShmSlotBytes, kShmSlots,
-                            sizeof(CallHeader) + inline_capacity_for(p, true));
+                            sizeof(CallHeader) + board_payload);
   if (shm_) shm_->watch_interrupts(interrupts);
   inline_capacity_ = inline_capacity_for(p, shm_ != nullptr);
+  broadcast_inline_capacity_ = shm_ ? board_payload : inline_capacity_;
   if (!shm_) {
     outgoing_.assign(slot_bytes(), 0);
     exchange_.assign(slot_bytes() * p, 0);
@@ -623,7 +625,7 @@ void RingCommunicator::broadcast_host(const CallHeader& header, void* buf) {
   const int root = static_cast<int>(h.extra);
   const size_t es = dtype_size(dtype);
   const int64_t bytes = count * static_cast<int64_t>(es);
-  if (rides_inline(bytes)) {  // root's data rides in its header
+  if (broadcast_rides_inline(bytes)) {  // root's data rides in its header
     h.inline_bytes = bytes;
     const bool root_here = rank() == root;
     agree(h, nullptr, root_here ? buf : nullptr, root_here ? bytes : 0);

@@ -93,6 +93,9 @@ class RingCommunicator {
   // ... through shared memory. On 2 ranks the inline call wins over the ring up to
   // ~32 KiB (16 KiB: 4.9 us; 32 KiB: 7.8 us inline, 7.5 us as a ring; 64 KiB: 13.6 vs 12.4).
   static constexpr int64_t kShmInlineMaxBytes = 16 * 1024;
+  // A broadcast's payload is only the root's, which every other rank copies once: it
+  // rides in the root's board up to this many bytes (the boards are made that large).
+  static constexpr int64_t kShmBroadcastInlineBytes = 48 * 1024;
   // Phases that only copy (all-gather, broadcast) send chunks this many times larger
   // over MPI messages: with no arithmetic to keep in cache, fewer, larger messages win
   // (16 MiB all-gather on 2 ranks: 1.7-2.0 ms at 256 KiB chunks, 1.3-1.5 ms at 16 MiB).
@@ -213,8 +216,13 @@ class RingCommunicator {
   }
   // The largest allreduce, in bytes, done inside the header exchange (0 on one rank).
   int64_t inline_capacity() const { return inline_capacity_; }
+  int64_t broadcast_inline_capacity() const { return broadcast_inline_capacity_; }
   // Whether a call moving `bytes` per rank is done inside the header exchange, no ring.
   bool rides_inline(int64_t bytes) const { return size() > 1 && bytes <= inline_capacity_; }
+  // ... for a broadcast, whose only payload is the root's.
+  bool broadcast_rides_inline(int64_t bytes) const {
+    return size() > 1 && bytes <= broadcast_inline_capacity_;
+  }
 
   // Takes part in the header exchange of a call this rank has rejected, so that the
   // other ranks raise MismatchError instead of waiting for us forever.
@@ -380,6 +388,7 @@ class RingCommunicator {
   int64_t scratch_bytes_ = 0;
   std::vector<CallHeader> headers_;
   int64_t inline_capacity_ = 0;  // payload bytes a header message can carry
+  int64_t broadcast_inline_capacity_ = 0;  // ... the root's, of a broadcast
   int64_t device_host_reduce_bytes_ = kDeviceHostReduceBytes;
   // Without shared memory, agree() gathers size() slots of slot_bytes() into exchange_
   // from outgoing_ (with it, the boards of shm_ take their place).

@@ -147,12 +147,20 @@ def test_allgather_of_scalars_and_module_level(comm, world):
 
 @pytest.mark.parametrize("root", range(SIZE))
 def test_broadcast_from_every_root(root, small_chunks, world):
-    for n in around_inline_limit(small_chunks, 8, SIZES):
+    # Around both limits: the other calls' (16 KiB over shared memory) and broadcast's
+    # own (48 KiB: only the root's data rides in the header exchange).
+    core = small_chunks._core
+    own = max(core.broadcast_inline_capacity // 8, 1)
+    for n in around_inline_limit(small_chunks, 8, SIZES) + [own, own + 1]:
         x = rank_data(np.dtype(np.float64), n, salt=4)
         roots_data = world.bcast(x.copy(), root=root)
+        sent = core.ring_bytes_sent
         returned = small_chunks.broadcast(x, root=root)
         assert returned is x
         assert bitwise_equal(x, roots_data)
+        if SIZE > 1 and RANK == root:  # the header exchange up to the limit, the ring past it
+            inline = n * 8 <= core.broadcast_inline_capacity
+            assert (core.ring_bytes_sent == sent) == inline, n
 
 
 def test_broadcast_non_contiguous_and_shapes(comm, world):
