@@ -233,9 +233,7 @@ DepartureNote MpiTransport::first_departure(int64_t exchange) {
 
 void MpiTransport::check_departures() {
   stop_.check();
-  receive_notices();
-  DepartureNote reported;
-  for (const DepartureNote& note : departures_) reported.prefer(note, exchange_number_);
+  const DepartureNote reported = first_departure(exchange_number_);
   if (reported.holds_up(exchange_number_)) throw TimeoutError(reported.text());
 }
 

@@ -56,7 +56,8 @@ class MpiTransport final : public Transport {
   void set_timeout(double seconds) { timeout_s_ = seconds; }
   double timeout() const { return timeout_s_; }
   // The communicator's header exchange this rank is in, or whose ring it runs:
-  // departures are judged against it (DepartureNote::holds_up).
+  // departures are judged against it (DepartureNote::holds_up). A call starts here, so
+  // interrupts before it do not stop it (StopRequest::arm()).
   void set_exchange(int64_t n) {
     exchange_number_ = n;
     stop_.arm();
@@ -72,9 +73,12 @@ class MpiTransport final : public Transport {
   // notice. Waits check now and then; a ring call checks once at its end, as the
   // pending sends of a rank that left mid-call can complete a late rank's receives
   // with data the caller may have changed since.
-  // Also throws StoppedError once stop_soon() was called (from any thread).
+  // Also throws StoppedError once stop_soon() was called (from any thread), or the
+  // interrupt count moved during the call (see StopRequest).
   void check_departures() override;
   void stop_soon() { stop_.set(); }
+  // The shared-memory wire checks the same request (one per communicator).
+  const StopRequest& stop_request() const { return stop_; }
   // check_departures() if messages were sent or received since the last check (so
   // calls that did not use this wire pay nothing).
   void check_departures_after_use() {

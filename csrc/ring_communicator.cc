@@ -95,8 +95,7 @@ RingCommunicator::RingCommunicator(MPI_Comm user_comm, double timeout_s,
   const int p = size();
   const int64_t board_payload = std::max(inline_capacity_for(p, true), kShmBroadcastInlineBytes);
   shm_ = ShmChannel::create(transport_->comm(), kShmSlotBytes, kShmSlots,
-                            sizeof(CallHeader) + board_payload);
-  if (shm_) shm_->watch_interrupts(interrupts);
+                            sizeof(CallHeader) + board_payload, &transport_->stop_request());
   inline_capacity_ = inline_capacity_for(p, shm_ != nullptr);
   broadcast_inline_capacity_ = shm_ ? board_payload : inline_capacity_;
   if (!shm_) {
@@ -250,10 +249,7 @@ void RingCommunicator::leave() {
   if (size() > 1) depart(Departure::Left);
 }
 
-void RingCommunicator::stop_soon() {
-  transport_->stop_soon();
-  if (shm_) shm_->stop_soon();
-}
+void RingCommunicator::stop_soon() { transport_->stop_soon(); }
 
 DepartureNote RingCommunicator::first_departure(int64_t exchange) {
   DepartureNote first = transport_->first_departure(exchange);

@@ -32,7 +32,7 @@ bool shm_disabled_by_environment() {
 }  // namespace
 
 std::unique_ptr<ShmChannel> ShmChannel::create(MPI_Comm comm, int64_t slot_bytes, int slots,
-                                               int64_t board_bytes) {
+                                               int64_t board_bytes, const StopRequest* stop) {
   int rank = 0, size = 1;
   check_mpi(MPI_Comm_rank(comm, &rank), "MPI_Comm_rank", -1);
   check_mpi(MPI_Comm_size(comm, &size), "MPI_Comm_size", rank);
@@ -56,6 +56,7 @@ std::unique_ptr<ShmChannel> ShmChannel::create(MPI_Comm comm, int64_t slot_bytes
 
   std::unique_ptr<ShmChannel> channel(new ShmChannel());
   channel->comm_ = comm;
+  channel->stop_ = stop;
   channel->slot_bytes_ = slot_bytes;
   channel->slots_ = slots;
   channel->rank_ = rank;
@@ -162,10 +163,8 @@ void ShmChannel::look_around() const {
 }
 
 void ShmChannel::check_departures() const {
-  stop_.check();
-  DepartureNote reported;
-  for (int r = 0; r < static_cast<int>(departures_.size()); ++r)
-    reported.prefer(departure(r), exchange_);
+  if (stop_ != nullptr) stop_->check();
+  const DepartureNote reported = first_departure(exchange_);
   if (reported.holds_up(exchange_)) throw TimeoutError(reported.text());
 }
 

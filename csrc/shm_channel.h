@@ -32,9 +32,10 @@ class ShmChannel {
  public:
   // Collective over comm. Returns nullptr (on every rank alike) unless all ranks share
   // one node and the window could be made.
-  // board_bytes: the most exchange() will post per rank.
+  // board_bytes: the most exchange() will post per rank. stop: the MPI wire's, which
+  // this one's waits check too (see check_departures()); it must outlive the channel.
   static std::unique_ptr<ShmChannel> create(MPI_Comm comm, int64_t slot_bytes, int slots,
-                                            int64_t board_bytes);
+                                            int64_t board_bytes, const StopRequest* stop);
   ~ShmChannel();
   ShmChannel(const ShmChannel&) = delete;
   ShmChannel& operator=(const ShmChannel&) = delete;
@@ -53,10 +54,7 @@ class ShmChannel {
   void set_timeout(double seconds) { timeout_s_ = seconds; }
   // The communicator's header exchange this rank is in, or whose ring it runs (counted
   // over both wires): departures are judged against it (DepartureNote::holds_up).
-  void set_exchange(int64_t n) {
-    exchange_ = n;
-    stop_.arm();
-  }
+  void set_exchange(int64_t n) { exchange_ = n; }
   // This rank stops using the channel for good (`note`: why, how many exchanges it saw
   // through, whom it followed): tells every rank's waits, through a word of its own in
   // the window, and leaves the window to MPI_Finalize (freeing it would wait for the
@@ -65,12 +63,9 @@ class ShmChannel {
   // A note as the word leave() writes into the window (0: still in), and back.
   static uint64_t departure_word(const DepartureNote& note);
   static DepartureNote note_of_word(int rank, uint64_t word);
-  // Throws TimeoutError if a rank that holds up the current exchange has left.
-  // Also throws StoppedError once stop_soon() was called (from any thread).
+  // Throws TimeoutError if a rank that holds up the current exchange has left, and
+  // StoppedError once the StopRequest given to create() says so.
   void check_departures() const;
-  void stop_soon() { stop_.set(); }
-  // ... and once `interrupts` moves during a call (see StopRequest).
-  void watch_interrupts(const std::atomic<uint64_t>* interrupts) { stop_.watch(interrupts); }
   // Of the departures so far that hold up `exchange` (kAnyExchange: all), the one that
   // tells best where things went wrong (DepartureNote::prefer); rank -1 if none.
   DepartureNote first_departure(int64_t exchange = kAnyExchange) const;
@@ -123,7 +118,7 @@ class ShmChannel {
   std::vector<const uint64_t*> exchanged_;    // each rank's count of posted exchanges
   uint64_t* my_exchanged_ = nullptr;
   std::vector<const uint64_t*> departures_;   // each rank's departure word
-  StopRequest stop_;
+  const StopRequest* stop_ = nullptr;
   uint64_t* my_departure_ = nullptr;
   int64_t exchange_ = 0;  // see set_exchange()
   int64_t board_stride_ = 0;
