@@ -54,29 +54,38 @@ def op_code(op, context: str) -> int:
 def _op_text(op) -> str:
     """An op as a message shows it: mpi4py's predefined ops by name (their repr is an
     address)."""
-    try:
-        from mpi4py import MPI
-    except ImportError:  # pragma: no cover
-        return repr(op)
-    if isinstance(op, MPI.Op):
-        for name in ("LAND", "BAND", "LOR", "BOR", "LXOR", "BXOR", "MAXLOC", "MINLOC",
-                     "REPLACE", "NO_OP"):
-            if op == getattr(MPI, name, None):
-                return f"MPI.{name}"
-        return "(a user-defined MPI.Op)"
-    return repr(op)
+    name = _mpi_predefined_name(op)
+    if name is not None:
+        return f"MPI.{name}"
+    return "(a user-defined MPI.Op)" if _is_mpi_op(op) else repr(op)
 
 
 def _mpi_op_name(op):
     """Also accept mpi4py's MPI.SUM, MPI.PROD, MPI.MIN and MPI.MAX."""
+    name = _mpi_predefined_name(op)
+    return name.lower() if name in ("SUM", "PROD", "MIN", "MAX") else None
+
+
+# mpi4py's predefined ops, the ones ringreduce accepts first.
+_MPI_OP_NAMES = ("SUM", "PROD", "MIN", "MAX", "LAND", "BAND", "LOR", "BOR", "LXOR", "BXOR",
+                 "MAXLOC", "MINLOC", "REPLACE", "NO_OP")
+
+
+def _is_mpi_op(op) -> bool:
     try:
         from mpi4py import MPI
     except ImportError:  # pragma: no cover
+        return False
+    return isinstance(op, MPI.Op)
+
+
+def _mpi_predefined_name(op):
+    """"SUM" for MPI.SUM, and so on; None for anything else."""
+    if not _is_mpi_op(op):
         return None
-    if not isinstance(op, MPI.Op):
-        return None
-    for name, mpi_op in (("sum", MPI.SUM), ("prod", MPI.PROD), ("min", MPI.MIN), ("max", MPI.MAX)):
-        if op == mpi_op:
+    from mpi4py import MPI
+    for name in _MPI_OP_NAMES:
+        if op == getattr(MPI, name, None):
             return name
     return None
 
