@@ -13,6 +13,11 @@ import statistics
 from timing import human_bytes, human_time, size_axis
 
 
+def pick(results, nbytes: int, name: str) -> dict:
+    """One run's measurement of implementation `name` at `nbytes`."""
+    return next(r for r in results if r["bytes"] == nbytes and r["implementation"] == name)
+
+
 def plot(runs, path: str) -> None:
     """Speedup over MPI against size, one panel per collective: a dot per run, the
     median as a line, and 1.0x (as fast as MPI) marked."""
@@ -39,10 +44,8 @@ def plot(runs, path: str) -> None:
         sizes = sorted({r["bytes"] for r in results[0]})
         per_size = []
         for nbytes in sizes:
-            def time_of(run, name):
-                return next(r["time_s"] for r in run
-                            if r["bytes"] == nbytes and r["implementation"] == name)
-            speedups = [time_of(run, peer) / time_of(run, "ringreduce") for run in results]
+            speedups = [pick(run, nbytes, peer)["time_s"]
+                        / pick(run, nbytes, "ringreduce")["time_s"] for run in results]
             ax.scatter([nbytes] * len(speedups), speedups, s=14, color="tab:blue", alpha=0.6)
             per_size.append(statistics.median(speedups))
         ax.plot(sizes, per_size, color="tab:blue", label=f"median of {len(runs)} runs")
@@ -82,15 +85,15 @@ def main(paths: list[str], plot_path: str | None = None) -> None:
               + "".join(f" {v}: speedup, each run |" for v in variants))
         print("|---" * (len(names) + 3 + len(variants)) + "|")
         for nbytes in sorted({r["bytes"] for r in rows[0]}):
-            def pick(run, name):
-                return next(r for r in run if r["bytes"] == nbytes and r["implementation"] == name)
-            times = {n: statistics.median(pick(run, n)["time_s"] for run in rows) for n in names}
-            busbw = statistics.median(pick(run, "ringreduce")["busbw_GBps"] for run in rows)
-            speedups = [pick(run, peer)["time_s"] / pick(run, "ringreduce")["time_s"]
-                        for run in rows]
-            extra = "".join(
-                " " + ", ".join(f"{pick(run, peer)['time_s'] / pick(run, v)['time_s']:.2f}x"
-                                for run in rows) + " |" for v in variants)
+            def speedup(run, name):
+                return pick(run, nbytes, peer)["time_s"] / pick(run, nbytes, name)["time_s"]
+            times = {n: statistics.median(pick(run, nbytes, n)["time_s"] for run in rows)
+                     for n in names}
+            busbw = statistics.median(pick(run, nbytes, "ringreduce")["busbw_GBps"]
+                                      for run in rows)
+            speedups = [speedup(run, "ringreduce") for run in rows]
+            extra = "".join(" " + ", ".join(f"{speedup(run, v):.2f}x" for run in rows) + " |"
+                            for v in variants)
             print(f"| {human_bytes(nbytes)} | " + " | ".join(human_time(times[n]) for n in names)
                   + f" | {busbw:.2f} GB/s | " + ", ".join(f"{s:.2f}x" for s in speedups) + " |"
                   + extra)
