@@ -3,6 +3,7 @@ others waiting forever: after the Communicator's timeout they raise
 CollectiveTimeoutError saying whom they waited for, and a rank that joins late learns
 that the others gave up. Each test makes its own Communicator, as a timeout leaves it
 unusable, and waits for every rank (world.Barrier) before the next test starts."""
+import contextlib
 import gc
 import inspect
 import os
@@ -275,6 +276,20 @@ def test_an_error_leaving_a_with_block_stops_its_calls_in_flight(wire, world, mo
     world.Barrier()
 
 
+@contextlib.contextmanager
+def ctrl_c_soon():
+    """A SIGINT to this process 0.3 s in, as Ctrl-C would send; the block must be over
+    within 10 s (not after the 60 s timeouts the tests set)."""
+    ctrl_c = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT))
+    start = time.monotonic()
+    ctrl_c.start()
+    try:
+        yield
+    finally:
+        ctrl_c.cancel()
+    assert time.monotonic() - start < 10
+
+
 @needs_two
 @pytest.mark.parametrize("wire", ["shared memory", "MPI"])
 @pytest.mark.parametrize("mode", ["blocking", "async"])
@@ -289,10 +304,7 @@ def test_ctrl_c_stops_a_call_that_waits_for_ranks_that_will_not_come(mode, wire,
     ring.timeout = 60
     x = np.full(1 << 16, 1.0, np.float32)
     if RANK == 0:
-        ctrl_c = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT))
-        start = time.monotonic()
-        ctrl_c.start()
-        try:
+        with ctrl_c_soon():
             if mode == "blocking":
                 with pytest.raises(KeyboardInterrupt):
                     ring.allreduce(x)
@@ -302,9 +314,6 @@ def test_ctrl_c_stops_a_call_that_waits_for_ranks_that_will_not_come(mode, wire,
                     handle.wait()  # interrupted in Python; the call stops on its own
                 with pytest.raises(RuntimeError, match=r"interrupted \(SIGINT\)"):
                     handle.wait(10)
-        finally:
-            ctrl_c.cancel()
-        assert time.monotonic() - start < 10
         assert ring._core.departed
         world.Barrier()
     else:
@@ -320,15 +329,8 @@ def test_ctrl_c_stops_making_a_communicator_the_others_do_not_make(world):
     # (KeyboardInterrupt), not after the timeout. The others, coming late, complete its
     # pending duplicate and give up in turn, as after a timeout there.
     if RANK == 0:
-        ctrl_c = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT))
-        start = time.monotonic()
-        ctrl_c.start()
-        try:
-            with pytest.raises(KeyboardInterrupt):
-                rr.Communicator(timeout=60)
-        finally:
-            ctrl_c.cancel()
-        assert time.monotonic() - start < 10
+        with ctrl_c_soon(), pytest.raises(KeyboardInterrupt):
+            rr.Communicator(timeout=60)
         world.Barrier()
     else:
         world.Barrier()
