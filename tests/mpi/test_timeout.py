@@ -7,6 +7,7 @@ import contextlib
 import gc
 import inspect
 import os
+import re
 import signal
 import threading
 import time
@@ -34,14 +35,52 @@ needs_two = pytest.mark.skipif(SIZE == 1, reason="needs another rank to wait for
 
 def waited_for(message_pattern, call):
     """Runs call(), which must raise CollectiveTimeoutError matching the pattern after
-    about TIMEOUT seconds (not at once, and not much later)."""
+    about TIMEOUT seconds (not at once, and not much later).
+
+    The lower bound holds from the start of the rank whose clock ran out. That is this
+    rank, unless (on 3 ranks or more) the message relays another rank's "has given up":
+    that rank may have started its call a moment before this one, so its start is
+    checked later by relayed_waits_checked(), which every rank calls."""
     start = time.monotonic()
     with pytest.raises(rr.CollectiveTimeoutError, match=message_pattern) as info:
         call()
-    waited = time.monotonic() - start
-    assert TIMEOUT <= waited < TIMEOUT + 10, waited
+    end = time.monotonic()
     assert isinstance(info.value, TimeoutError)
-    return str(info.value)
+    message = str(info.value)
+    assert end - start < TIMEOUT + 10, end - start
+    relayed = re.search(r"rank (\d+) has given up", message)
+    if relayed and int(relayed.group(1)) != RANK:
+        relayed_waits.append((int(relayed.group(1)), end))
+    else:
+        assert end - start >= TIMEOUT, end - start
+    waits_started.append(start)
+    return message
+
+
+# This rank's waited_for() calls in the current test: when each started, and those
+# that ended on another rank's giving up, (that rank, when this one raised).
+waits_started = []
+relayed_waits = []
+
+
+@pytest.fixture(autouse=True)
+def every_relayed_wait_is_checked():
+    waits_started.clear()
+    relayed_waits.clear()
+    yield
+    assert not relayed_waits, "call relayed_waits_checked(world) at the end of the test"
+
+
+def relayed_waits_checked(world):
+    """Collective (a barrier too): checks each relayed wait against the start of the
+    rank that gave up. time.monotonic() is one clock for every process on a machine."""
+    host = MPI.Get_processor_name()
+    starts = world.allgather((host, waits_started[-1] if waits_started else None))
+    for giver, end in relayed_waits:
+        giver_host, giver_start = starts[giver]
+        assert giver_host == host and giver_start is not None, (giver, starts)
+        assert end - giver_start >= TIMEOUT, (giver, end - giver_start)
+    relayed_waits.clear()
 
 
 def raised_within(seconds, message_pattern, call):
@@ -162,7 +201,7 @@ def test_a_rank_that_stops_inside_the_ring_makes_its_neighbours_raise(wire, worl
     with pytest.raises(rr.CollectiveTimeoutError, match="gave up earlier"):
         ring.allreduce(x)
     closes_at_once(ring)
-    world.Barrier()
+    relayed_waits_checked(world)
 
 
 @needs_two
@@ -191,7 +230,7 @@ def test_a_late_rank_never_completes_a_call_the_others_gave_up(world, monkeypatc
         assert all(ref() is not None for ref in kept)
         world.Barrier()
     closes_at_once(ring)
-    world.Barrier()
+    relayed_waits_checked(world)
 
 
 @needs_two
@@ -410,7 +449,7 @@ def test_a_stuck_gpu_makes_the_other_ranks_raise(direct, world):
     else:
         waited_for(RING_WAIT, allreduce)
     closes_at_once(ring)
-    world.Barrier()
+    relayed_waits_checked(world)
 
 
 @needs_two
