@@ -1,4 +1,6 @@
 """reduce_scatter, allgather and broadcast."""
+import weakref
+
 import numpy as np
 import pytest
 from mpi4py import MPI
@@ -280,3 +282,58 @@ def test_rank_0_picks_the_wire_for_every_rank(world):
         shm_before = core.shm_bytes_sent
         assert bitwise_equal(ring.reduce_scatter(x), reference.reduce_scatter(x, "sum", world))
         assert core.shm_bytes_sent > shm_before
+
+
+def test_big_results_reuse_only_buffers_nothing_else_holds(comm, world, monkeypatch):
+    # Results without out= from MIN_BYTES on come from kept buffers (lowered here to
+    # keep the test small). A buffer is reused only once every result, view and
+    # buffer export of it is gone: results the caller keeps must never change.
+    monkeypatch.setattr(communicator._Results, "MIN_BYTES", 1 << 12)
+    last_handed_out = lambda: comm._results.buffers[-1]  # noqa: E731
+    kept = []
+    for step in range(6):
+        x = np.arange(1 << 16, dtype=np.float32) + RANK + 1000 * step  # too big for the header
+        gathered = comm.allgather(x)
+        assert gathered.base is last_handed_out()
+        summed = comm.allreduce(x)
+        assert summed.base is last_handed_out()
+        async_sum = comm.allreduce_async(x).wait()
+        assert async_sum.base is last_handed_out()
+        expected_gather = np.concatenate(world.allgather(x))
+        np.testing.assert_array_equal(summed, sum(world.allgather(x)))
+        np.testing.assert_array_equal(async_sum, summed)
+        # Kept whole, as a view, as a memoryview: each must keep its buffer out of use.
+        kept.append((gathered if step % 3 == 0 else gathered[1:] if step % 3 == 1
+                     else memoryview(gathered),
+                     expected_gather[1:] if step % 3 == 1 else expected_gather))
+        del gathered, summed, async_sum
+    for held, expected in kept:
+        np.testing.assert_array_equal(np.asarray(held), expected)
+    # A dropped result's buffer is handed out again.
+    summed = comm.allreduce(x)
+    buffer = weakref.ref(summed.base)
+    del summed
+    assert comm.allreduce(x).base is buffer()
+    small = comm.allreduce(np.ones(3))  # below MIN_BYTES: np.empty as before
+    assert small.flags.owndata
+
+
+def test_results_hands_out_a_buffer_again_only_when_it_is_alone():
+    results = communicator._Results()
+    big = results.MIN_BYTES // 8
+    address = lambda a: a.__array_interface__["data"][0]  # noqa: E731
+    a = results.empty((big,), np.float64)
+    b = results.empty((2, big // 2), np.int64)  # as many bytes: a's buffer is in use
+    assert not np.shares_memory(a, b) and b.shape == (2, big // 2) and b.dtype == np.int64
+    view = a[::2]
+    del a
+    c = results.empty(big, np.float64)  # the view holds a's buffer, b holds b's
+    assert not np.shares_memory(c, view) and not np.shares_memory(c, b)
+    assert len(results.buffers) == results.KEEP  # a's buffer is let go (the view keeps it)
+    b_address = address(b)
+    del b
+    d = results.empty((big,), np.int64)
+    assert address(d) == b_address  # nothing held b's buffer any more
+    np.testing.assert_array_equal(view, view)  # still readable, never handed out
+    e = results.empty(big // 2, np.float64)  # no kept buffer of its size: a new one
+    assert not np.shares_memory(e, d) and not np.shares_memory(e, c)
