@@ -59,7 +59,10 @@ class StallTimer {
 // Waiting on another rank: spin briefly (it is usually a few hundred cycles away), then
 // give the core away, which matters when there are more ranks than cores.
 inline void back_off(int* idle) {
-  if (++*idle < 64) {
+  // Counts up to 64 and stays there: a wait of 2^31 turns (minutes) must not wrap it
+  // back to spinning.
+  if (*idle < 64) {
+    ++*idle;
 #if defined(__x86_64__) || defined(__i386__)
     __builtin_ia32_pause();
 #endif
