@@ -69,8 +69,10 @@ def run_on_ranks(ranks: int, module: str, tmp_path: Path, timeout: float, extra=
             continue
         summaries[summary["rank"]] = summary
     if proc.returncode != 0:
+        failures = "".join(path.read_text() for path in sorted(report_dir.glob("rank*.failed")))
         raise AssertionError(f"{module} on {ranks} ranks failed (exit {proc.returncode}):\n"
-                             f"{output[-12000:]}")
+                             f"{output[-12000:]}" + (f"\nFailures reported:{failures[-12000:]}"
+                                                     if failures else ""))
     if sorted(summaries) != list(range(ranks)):
         raise AssertionError(f"{module} on {ranks} ranks: summaries from ranks "
                              f"{sorted(summaries)} only:\n{output[-6000:]}")

@@ -31,9 +31,16 @@ def pytest_runtest_makereport(item, call):
         elif report.outcome == "failed":
             _counts["failed"] += 1
     if report.failed and MPI.COMM_WORLD.Get_size() > 1:
-        sys.stderr.write(f"\n[rank {MPI.COMM_WORLD.Get_rank()}] FAILED {item.nodeid}\n"
-                         f"{report.longreprtext}\n")
+        text = f"\n[rank {MPI.COMM_WORLD.Get_rank()}] FAILED {item.nodeid}\n{report.longreprtext}\n"
+        sys.stderr.write(text)
         sys.stderr.flush()
+        # Also where the launcher looks: mpiexec may kill the job before it has passed
+        # on what this rank wrote last.
+        report_dir = os.environ.get("RINGREDUCE_TEST_REPORT_DIR")
+        if report_dir:
+            with open(os.path.join(report_dir, f"rank{MPI.COMM_WORLD.Get_rank()}.failed"),
+                      "a") as f:
+                f.write(text)
         MPI.COMM_WORLD.Abort(1)
 
 
