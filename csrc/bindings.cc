@@ -225,6 +225,9 @@ PYBIND11_MODULE(_core, m) {
       py::arg("n"), py::arg("seconds"), py::arg("every") = 0,
       "tests: the host emulation of a GPU stalls its n-th copy or kernel from now (0: none), "
       "then every `every`-th (0: only that one)");
+  m.def("set_creation_pause", &set_creation_pause, py::arg("step"), py::arg("seconds"),
+        "tests: the next Communicator made here pauses before step `step` of its making "
+        "after the duplicate (1: the barrier; 2, 3: the shared-memory wire's exchanges)");
   m.def("mpi_cuda_aware", &mpi_is_cuda_aware,
         "whether device pointers go to MPI directly (RINGREDUCE_CUDA_AWARE, else MPI's answer)");
   m.def("mpi_cuda_aware_reason", &mpi_cuda_aware_reason);

@@ -1,9 +1,12 @@
 #include "mpi_transport.h"
 
+#include <atomic>
+#include <chrono>
 #include <cstddef>
 #include <cstring>
 #include <mutex>
 #include <string>
+#include <thread>
 
 #include "errors.h"
 #include "waiting.h"
@@ -29,7 +32,21 @@ void abandon_duplicate(MPI_Request request) {
   abandoned_duplicates().push_back(request);
 }
 
+std::atomic<int> creation_pause_step{0};
+std::atomic<double> creation_pause_s{0};
+
 }  // namespace
+
+void set_creation_pause(int step, double seconds) {
+  creation_pause_s = seconds;
+  creation_pause_step = step;
+}
+
+void MpiTransport::begin_creation_step() {
+  if (++creation_steps_ != creation_pause_step.load()) return;
+  creation_pause_step = 0;
+  std::this_thread::sleep_for(std::chrono::duration<double>(creation_pause_s.load()));
+}
 
 void finish_abandoned_duplicates() {
   const std::lock_guard<std::mutex> hold(abandoned_lock);
@@ -103,9 +120,9 @@ MpiTransport::MpiTransport(MPI_Comm user_comm, double timeout_s,
   check(MPI_Comm_get_attr(comm_, MPI_TAG_UB, &tag_ub, &found), "MPI_Comm_get_attr(MPI_TAG_UB)");
   if (found && tag_ub) tag_ub_ = *tag_ub;
   check(MPI_Comm_set_name(comm_, "ringreduce"), "MPI_Comm_set_name");
-  // Every rank has its duplicate before anything blocking is made on it (the shared
-  // window): a rank that gave up on the duplicate must not leave the others there.
+  // Every rank has its duplicate before anything is made on it.
   if (size_ > 1) {
+    begin_creation_step();
     MPI_Request barrier = MPI_REQUEST_NULL;
     check(MPI_Ibarrier(comm_, &barrier), "MPI_Ibarrier");
     if (!wait_patiently(&barrier, "MPI_Test(MPI_Ibarrier)"))
@@ -201,6 +218,33 @@ void MpiTransport::allgather_bytes(const void* mine, void* all, int bytes) {
                        " (the timeout) for every rank to join this call (MPI cannot say which "
                        "have not): a rank skipped the call, or is stuck before it");
   std::memcpy(all, exchange_recv_.data(), exchange_recv_.size());
+}
+
+void MpiTransport::creation_allgather(const void* mine, void* all, int bytes) {
+  // Buffers of their own, let go of only once the exchange completed: after a timeout
+  // a late rank completes it, writing into them.
+  begin_creation_step();
+  auto* send = new char[bytes];
+  auto* recv = new char[static_cast<size_t>(bytes) * size_];
+  std::memcpy(send, mine, bytes);
+  MPI_Request request = MPI_REQUEST_NULL;
+  check(MPI_Iallgather(send, bytes, MPI_BYTE, recv, bytes, MPI_BYTE, comm_, &request),
+        "MPI_Iallgather");
+  bool done = false;
+  try {
+    done = wait_patiently(&request, "MPI_Test(MPI_Iallgather)");
+  } catch (...) {
+    comm_ = MPI_COMM_NULL;  // left to MPI_Finalize, with the pending exchange
+    throw;
+  }
+  if (!done) {
+    comm_ = MPI_COMM_NULL;
+    throw TimeoutError(creation_timeout_text(
+        "This rank's duplicate of the communicator passed is left to MPI_Finalize"));
+  }
+  std::memcpy(all, recv, static_cast<size_t>(bytes) * size_);
+  delete[] send;
+  delete[] recv;
 }
 
 void MpiTransport::receive_notices() {

@@ -22,15 +22,17 @@ void check_mpi(int rc, const char* call, int rank);
 // exit before MPI is finalised.
 void finish_abandoned_duplicates();
 
+// Tests: the next Communicator made in this process pauses `seconds` before step
+// `step` of its making after the duplicate (1: the barrier; 2, 3: the shared-memory
+// wire's two exchanges), as a rank held up there would; 0: none.
+void set_creation_pause(int step, double seconds);
+
 class MpiTransport final : public Transport {
  public:
   // Collective over user_comm: duplicates it (MPI_Comm_idup), then waits until every
-  // rank has its duplicate (MPI_Ibarrier), so that what is made on it next (blocking
-  // collectives) cannot wait for a rank that never comes. Each step throws TimeoutError
-  // after timeout_s without completing (<= 0: never): a rank that skipped making its
-  // Communicator ends the job with a message instead of a hang. (A rank whose barrier
-  // completes just as another's times out still goes on into the blocking part; that
-  // takes two ranks a whole timeout apart in finishing the duplicate.) The duplicate
+  // rank has its duplicate (MPI_Ibarrier). Each step throws TimeoutError after
+  // timeout_s without completing (<= 0: never): a rank that skipped making its
+  // Communicator ends the job with a message instead of a hang. The duplicate
   // that gave up stays pending on user_comm (MPI cannot cancel a collective), where a
   // rank that comes late completes it; one that never comes leaves user_comm unsafe
   // for further collectives, as it already is when ranks skip a collective. MPI must
@@ -95,6 +97,13 @@ class MpiTransport final : public Transport {
   int64_t bytes_sent() const { return bytes_sent_; }  // by send_right, ever
   // Every rank's `bytes` bytes, in rank order, on every rank.
   void allgather_bytes(const void* mine, void* all, int bytes);
+  // The same while the Communicator is being made (the shared-memory wire's set-up),
+  // timed like the duplicate: TimeoutError saying that not every rank made its
+  // Communicator. After a timeout (or a stop) the exchange stays pending, where a late
+  // rank completes it, and the duplicate is left to MPI_Finalize. Nothing made after
+  // the duplicate is made with a blocking collective, so no rank can wait without a
+  // timeout for one that gave up.
+  void creation_allgather(const void* mine, void* all, int bytes);
   // Frees the duplicate communicator now (collective); later use throws.
   void free();
 
@@ -122,6 +131,8 @@ class MpiTransport final : public Transport {
   bool used_ = false;  // messages posted since the last check_departures_after_use()
   int64_t exchange_number_ = 0;          // see set_exchange()
   std::vector<DepartureNote> departures_;  // every notice received
+  int creation_steps_ = 0;                 // begun after the duplicate (tests' pause)
+  void begin_creation_step();
   void receive_notices();
 };
 

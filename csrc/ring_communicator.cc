@@ -94,8 +94,8 @@ RingCommunicator::RingCommunicator(MPI_Comm user_comm, double timeout_s,
     : transport_(std::make_unique<MpiTransport>(user_comm, timeout_s, interrupts)) {
   const int p = size();
   const int64_t board_payload = std::max(inline_capacity_for(p, true), kShmBroadcastInlineBytes);
-  shm_ = ShmChannel::create(transport_->comm(), kShmSlotBytes, kShmSlots,
-                            sizeof(CallHeader) + board_payload, &transport_->stop_request());
+  shm_ = ShmChannel::create(*transport_, kShmSlotBytes, kShmSlots,
+                            sizeof(CallHeader) + board_payload);
   inline_capacity_ = inline_capacity_for(p, shm_ != nullptr);
   broadcast_inline_capacity_ = shm_ ? board_payload : inline_capacity_;
   if (!shm_) {
@@ -639,9 +639,9 @@ void RingCommunicator::broadcast_host(const CallHeader& header, void* buf) {
 void RingCommunicator::close() {
   if (closed_) return;
   if (!departed_ && broken_.empty() && size() > 1) {
-    // Freeing the window waits for every rank to free it, and a rank that will never
-    // come would leave us there for good: first every rank says it is closing, within
-    // the timeout, and the window is freed only once all have.
+    // Freeing the duplicate communicator is collective, and a rank that will never come
+    // could leave us there for good: first every rank says it is closing, within the
+    // timeout, and the duplicate is freed only once all have.
     try {
       agree(make_header(Collective::Close, DType::Float32, Op::Sum, 0, kDefaultChunkBytes));
     } catch (const MismatchError&) {

@@ -229,7 +229,7 @@ class RingCommunicator {
   void announce_invalid(Collective collective, int64_t chunk_bytes,
                         int64_t memory = kHostMemory);
 
-  // Frees the duplicate communicator and the shared-memory window (collective). Every
+  // Frees the duplicate communicator (collective) and unmaps the shared memory. Every
   // rank first says it is closing, within the timeout: if a rank has left (see
   // Departure), this frees nothing and returns; if one called a collective instead,
   // all raise MismatchError; if one does not come, TimeoutError. Later calls raise.

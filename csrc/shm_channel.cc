@@ -1,7 +1,15 @@
 #include "shm_channel.h"
 
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <random>
 #include <vector>
 
 #include "errors.h"
@@ -29,100 +37,150 @@ bool shm_disabled_by_environment() {
   return value != nullptr && std::strcmp(value, "0") == 0;
 }
 
+// What each rank says in the first step of making the channel.
+struct Offer {
+  char host[128];   // the machine: host name and boot id (which tell two hosts apart)
+  char name[64];    // this rank's shared-memory object
+  int32_t ready;    // 1: made and mapped, and this rank wants the wire
+  int32_t unused;
+};
+
+void machine_of_this_process(char* out, size_t size) {
+  char host[65] = {0};
+  gethostname(host, sizeof(host) - 1);
+  char boot[40] = {0};
+  if (FILE* f = std::fopen("/proc/sys/kernel/random/boot_id", "r")) {
+    if (std::fgets(boot, sizeof(boot), f) == nullptr) boot[0] = 0;
+    std::fclose(f);
+  }
+  std::snprintf(out, size, "%s/%s", host, boot);
+}
+
+// A name no other object has: this process, its rank, a count of the channels it made,
+// and a random part (pids repeat across containers that share /dev/shm).
+void new_object_name(int rank, char* out, size_t size) {
+  static std::atomic<uint64_t> made{0};
+  std::random_device random;
+  const uint64_t salt = (static_cast<uint64_t>(random()) << 32) ^ random();
+  std::snprintf(out, size, "/ringreduce-%d-%d-%llu-%016llx", static_cast<int>(getpid()), rank,
+                static_cast<unsigned long long>(made++), static_cast<unsigned long long>(salt));
+}
+
+// Maps `bytes` of the named object (making it first if `make`), or returns nullptr.
+char* map_object(const char* name, size_t bytes, bool make) {
+  const int fd = shm_open(name, make ? O_CREAT | O_EXCL | O_RDWR : O_RDWR, 0600);
+  if (fd < 0) return nullptr;
+  bool sized = true;
+  if (make) {
+#ifdef __linux__
+    // Every page now, so that a full /dev/shm fails here, not with SIGBUS mid-call.
+    sized = posix_fallocate(fd, 0, static_cast<off_t>(bytes)) == 0;
+#else
+    sized = ftruncate(fd, static_cast<off_t>(bytes)) == 0;
+#endif
+  } else {
+    struct stat st {};
+    sized = fstat(fd, &st) == 0 && static_cast<size_t>(st.st_size) == bytes;
+  }
+  void* base = sized ? mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0) : MAP_FAILED;
+  close(fd);
+  return base == MAP_FAILED ? nullptr : static_cast<char*>(base);
+}
+
 }  // namespace
 
-std::unique_ptr<ShmChannel> ShmChannel::create(MPI_Comm comm, int64_t slot_bytes, int slots,
-                                               int64_t board_bytes, const StopRequest* stop) {
-  int rank = 0, size = 1;
-  check_mpi(MPI_Comm_rank(comm, &rank), "MPI_Comm_rank", -1);
-  check_mpi(MPI_Comm_size(comm, &size), "MPI_Comm_size", rank);
+std::unique_ptr<ShmChannel> ShmChannel::create(MpiTransport& transport, int64_t slot_bytes,
+                                               int slots, int64_t board_bytes) {
+  const int rank = transport.rank(), size = transport.size();
   if (size == 1) return nullptr;
-
-  MPI_Comm node = MPI_COMM_NULL;
-  check_mpi(MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &node),
-            "MPI_Comm_split_type", rank);
-  check_mpi(MPI_Comm_set_errhandler(node, MPI_ERRORS_RETURN), "MPI_Comm_set_errhandler", rank);
-  int node_size = 0;
-  check_mpi(MPI_Comm_size(node, &node_size), "MPI_Comm_size", rank);
-  // With key = rank and the same members, node ranks equal our ranks, so the ring's
-  // neighbours are the same processes in both.
-  int usable = (node_size == size && !shm_disabled_by_environment()) ? 1 : 0;
-  int all_usable = 0;
-  check_mpi(MPI_Allreduce(&usable, &all_usable, 1, MPI_INT, MPI_MIN, comm), "MPI_Allreduce", rank);
-  if (!all_usable) {
-    MPI_Comm_free(&node);
-    return nullptr;
-  }
-
   std::unique_ptr<ShmChannel> channel(new ShmChannel());
-  channel->comm_ = comm;
-  channel->stop_ = stop;
+  channel->comm_ = transport.comm();
+  channel->stop_ = &transport.stop_request();
   channel->slot_bytes_ = slot_bytes;
   channel->slots_ = slots;
   channel->rank_ = rank;
   channel->board_stride_ = (board_bytes + kCounterBytes - 1) / kCounterBytes * kCounterBytes;
-  MPI_Info info;
-  check_mpi(MPI_Info_create(&info), "MPI_Info_create", rank);
-  MPI_Info_set(info, "alloc_shared_noncontig", "true");  // each rank's part on its own pages
-  void* base = nullptr;
   // Per rank: three counters (published, consumed, exchanged; the departure word beside
   // the last), two boards, the slots.
-  const MPI_Aint bytes = kCounterBytes * 3 + channel->board_stride_ * 2 + slot_bytes * slots;
-  const int rc = MPI_Win_allocate_shared(bytes, 1, info, node, &base, &channel->win_);
-  MPI_Info_free(&info);
-  check_mpi(rc, "MPI_Win_allocate_shared", rank);
-  check_mpi(MPI_Win_set_errhandler(channel->win_, MPI_ERRORS_RETURN), "MPI_Win_set_errhandler",
-            rank);
+  channel->part_bytes_ = static_cast<size_t>(kCounterBytes * 3 + channel->board_stride_ * 2 +
+                                             slot_bytes * slots);
+  channel->parts_.assign(size, nullptr);
 
-  auto query = [&](int r) {
-    MPI_Aint size_r = 0;
-    int disp_unit = 0;
-    void* ptr = nullptr;
-    check_mpi(MPI_Win_shared_query(channel->win_, r, &size_r, &disp_unit, &ptr),
-              "MPI_Win_shared_query", rank);
-    return static_cast<char*>(ptr);
-  };
-  const int64_t slots_at = kCounterBytes * 3 + channel->board_stride_ * 2;
-  std::vector<char*> parts(size);  // every rank's part of the window
-  for (int r = 0; r < size; ++r) {
-    parts[r] = r == rank ? static_cast<char*>(base) : query(r);
-    channel->exchanged_.push_back(reinterpret_cast<const uint64_t*>(parts[r] + 2 * kCounterBytes));
-    channel->departures_.push_back(reinterpret_cast<const uint64_t*>(parts[r] + kDepartureAt));
-    channel->boards_.push_back(parts[r] + 3 * kCounterBytes);
+  // Every rank's part is a POSIX shared-memory object that it makes, and the others map
+  // by name. Made without MPI's shared windows, whose making (like MPI_Comm_split_type)
+  // is a blocking collective: a rank that gave up on a step before it (a timeout, a
+  // Ctrl-C) would have left the others waiting there for good. The two steps here are
+  // timed exchanges instead; a rank that fails in one unlinks its object, so the others
+  // cannot map it and fall back together, or time out.
+  Offer mine{};
+  machine_of_this_process(mine.host, sizeof(mine.host));
+  new_object_name(rank, mine.name, sizeof(mine.name));
+  if (!shm_disabled_by_environment()) {
+    channel->parts_[rank] = map_object(mine.name, channel->part_bytes_, true);
+    if (channel->parts_[rank] == nullptr) shm_unlink(mine.name);  // made, not sized or mapped
+    mine.ready = channel->parts_[rank] != nullptr;
   }
-  char* mine = parts[rank];
-  char* left = parts[(rank + size - 1) % size];
-  char* right = parts[(rank + 1) % size];
-  channel->my_published_ = reinterpret_cast<uint64_t*>(mine);
-  channel->my_consumed_ = reinterpret_cast<uint64_t*>(mine + kCounterBytes);
-  channel->my_slots_ = mine + slots_at;
+  struct Unlink {  // own object: once every rank has mapped it, or on the way out
+    const char* name;
+    bool made;
+    ~Unlink() {
+      if (made) shm_unlink(name);
+    }
+  } unlink_mine{mine.name, mine.ready != 0};
+  std::vector<Offer> offers(size);
+  transport.creation_allgather(&mine, offers.data(), sizeof(Offer));
+  bool usable = true;
+  for (const Offer& offer : offers)
+    usable = usable && offer.ready && std::strcmp(offer.host, mine.host) == 0;
+  if (!usable) return nullptr;  // on every rank alike: all saw the same offers
+
+  // The machine's name can mislead (containers, separate /dev/shm): mapping decides.
+  int32_t mapped = 1;
+  for (int r = 0; r < size && mapped; ++r) {
+    if (r == rank) continue;
+    offers[r].name[sizeof(offers[r].name) - 1] = 0;
+    channel->parts_[r] = map_object(offers[r].name, channel->part_bytes_, false);
+    mapped = channel->parts_[r] != nullptr;
+  }
+  char* me = channel->parts_[rank];
+  __atomic_store_n(reinterpret_cast<uint64_t*>(me), 0, __ATOMIC_RELEASE);
+  __atomic_store_n(reinterpret_cast<uint64_t*>(me + kCounterBytes), 0, __ATOMIC_RELEASE);
+  __atomic_store_n(reinterpret_cast<uint64_t*>(me + 2 * kCounterBytes), 0, __ATOMIC_RELEASE);
+  __atomic_store_n(reinterpret_cast<uint64_t*>(me + kDepartureAt), 0, __ATOMIC_RELEASE);
+  std::vector<int32_t> all_mapped(size);
+  transport.creation_allgather(&mapped, all_mapped.data(), sizeof(mapped));
+  for (int32_t m : all_mapped)
+    if (!m) return nullptr;  // (the destructor unmaps what was mapped)
+
+  const int64_t slots_at = kCounterBytes * 3 + channel->board_stride_ * 2;
+  for (int r = 0; r < size; ++r) {
+    char* part = channel->parts_[r];
+    channel->exchanged_.push_back(reinterpret_cast<const uint64_t*>(part + 2 * kCounterBytes));
+    channel->departures_.push_back(reinterpret_cast<const uint64_t*>(part + kDepartureAt));
+    channel->boards_.push_back(part + 3 * kCounterBytes);
+  }
+  char* left = channel->parts_[(rank + size - 1) % size];
+  char* right = channel->parts_[(rank + 1) % size];
+  channel->my_published_ = reinterpret_cast<uint64_t*>(me);
+  channel->my_consumed_ = reinterpret_cast<uint64_t*>(me + kCounterBytes);
+  channel->my_slots_ = me + slots_at;
   channel->left_published_ = reinterpret_cast<const uint64_t*>(left);
   channel->left_slots_ = left + slots_at;
   channel->right_consumed_ = reinterpret_cast<const uint64_t*>(right + kCounterBytes);
-  __atomic_store_n(channel->my_published_, 0, __ATOMIC_RELEASE);
-  __atomic_store_n(channel->my_consumed_, 0, __ATOMIC_RELEASE);
-  channel->my_exchanged_ = reinterpret_cast<uint64_t*>(mine + 2 * kCounterBytes);
-  __atomic_store_n(channel->my_exchanged_, 0, __ATOMIC_RELEASE);
-  channel->my_departure_ = reinterpret_cast<uint64_t*>(mine + kDepartureAt);
-  __atomic_store_n(channel->my_departure_, 0, __ATOMIC_RELEASE);
-  // A passive-target epoch for the window's lifetime, as MPI's memory model asks for
-  // direct load/store access; the counters' atomics do the actual ordering.
-  check_mpi(MPI_Win_lock_all(MPI_MODE_NOCHECK, channel->win_), "MPI_Win_lock_all", rank);
-  check_mpi(MPI_Win_sync(channel->win_), "MPI_Win_sync", rank);
-  check_mpi(MPI_Barrier(node), "MPI_Barrier", rank);  // every counter is zero before use
-  MPI_Comm_free(&node);
+  channel->my_exchanged_ = reinterpret_cast<uint64_t*>(me + 2 * kCounterBytes);
+  channel->my_departure_ = reinterpret_cast<uint64_t*>(me + kDepartureAt);
   return channel;
 }
 
-ShmChannel::~ShmChannel() {
-  // MPI_Win_free is collective and may wait for the other ranks, which a destructor
-  // must never do; free() is the collective way out, MPI_Finalize the fallback.
-}
+ShmChannel::~ShmChannel() { free(); }
 
 void ShmChannel::free() {
-  if (win_ == MPI_WIN_NULL) return;
-  MPI_Win_unlock_all(win_);
-  check_mpi(MPI_Win_free(&win_), "MPI_Win_free", -1);
+  // Local: the others' mappings (and so what they read of ours, even after we left)
+  // stay valid until they unmap theirs.
+  for (char*& part : parts_) {
+    if (part != nullptr) munmap(part, part_bytes_);
+    part = nullptr;
+  }
 }
 
 void ShmChannel::exchange() {
@@ -195,9 +253,7 @@ DepartureNote ShmChannel::note_of_word(int r, uint64_t word) {
 }
 
 void ShmChannel::leave(const DepartureNote& note) {
-  const uint64_t word = departure_word(note);
-  __atomic_store_n(my_departure_, word, __ATOMIC_RELEASE);
-  win_ = MPI_WIN_NULL;
+  __atomic_store_n(my_departure_, departure_word(note), __ATOMIC_RELEASE);
 }
 
 bool ShmChannel::can_send() const {

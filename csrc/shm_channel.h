@@ -1,5 +1,6 @@
 // The intra-node wire: when every rank of the communicator is on one machine, chunks
-// travel through an MPI-3 shared-memory window instead of MPI messages. Each rank owns
+// travel through shared memory instead of MPI messages (a POSIX shared-memory object
+// per rank, which every rank maps; see create()). Each rank owns
 // a ring of `slots` chunk-sized slots that only it writes and only its right neighbour
 // reads, so the neighbour reduces straight from our memory, while the chunk is still
 // in cache, with no copy in between and no MPI call per chunk.
@@ -11,7 +12,7 @@
 //              (read by the left, to know which slot it may overwrite).
 // Both only grow, across calls, so neither side ever resets anything.
 //
-// The same window also carries every call's header exchange (see exchange()): each rank
+// The same memory also carries every call's header exchange (see exchange()): each rank
 // posts its header, and any small payload, on a board of its own that every rank reads,
 // which costs a few cache-line transfers instead of an MPI_Iallgather.
 #pragma once
@@ -28,14 +29,18 @@
 
 namespace ringreduce {
 
+class MpiTransport;
+
 class ShmChannel {
  public:
-  // Collective over comm. Returns nullptr (on every rank alike) unless all ranks share
-  // one node and the window could be made.
-  // board_bytes: the most exchange() will post per rank. stop: the MPI wire's, which
-  // this one's waits check too (see check_departures()); it must outlive the channel.
-  static std::unique_ptr<ShmChannel> create(MPI_Comm comm, int64_t slot_bytes, int slots,
-                                            int64_t board_bytes, const StopRequest* stop);
+  // Collective over the transport's communicator, timed as its making is (TimeoutError
+  // after its timeout; no blocking collective). Returns nullptr (on every rank alike)
+  // unless all ranks are on one machine and each could map every rank's memory.
+  // board_bytes: the most exchange() will post per rank. The transport's StopRequest is
+  // checked by this wire's waits too (see check_departures()): the transport must
+  // outlive the channel.
+  static std::unique_ptr<ShmChannel> create(MpiTransport& transport, int64_t slot_bytes,
+                                            int slots, int64_t board_bytes);
   ~ShmChannel();
   ShmChannel(const ShmChannel&) = delete;
   ShmChannel& operator=(const ShmChannel&) = delete;
@@ -48,7 +53,7 @@ class ShmChannel {
   void reduce_scatter(const RingSchedule& sched, DType dtype, Op op, const void* input,
                       void* out, void* own_out = nullptr);
   void allgather(const RingSchedule& sched, size_t elem_size, void* buf);
-  void free();  // collective; MPI_Win_free
+  void free();  // unmaps every rank's memory (not collective; the destructor does it too)
   // Waits on another rank throw TimeoutError after this many seconds without progress
   // (<= 0: never).
   void set_timeout(double seconds) { timeout_s_ = seconds; }
@@ -57,10 +62,9 @@ class ShmChannel {
   void set_exchange(int64_t n) { exchange_ = n; }
   // This rank stops using the channel for good (`note`: why, how many exchanges it saw
   // through, whom it followed): tells every rank's waits, through a word of its own in
-  // the window, and leaves the window to MPI_Finalize (freeing it would wait for the
-  // ranks in a call).
+  // its memory. The others keep reading it through their own mappings.
   void leave(const DepartureNote& note);
-  // A note as the word leave() writes into the window (0: still in), and back.
+  // A note as the word leave() writes into its memory (0: still in), and back.
   static uint64_t departure_word(const DepartureNote& note);
   static DepartureNote note_of_word(int rank, uint64_t word);
   // Throws TimeoutError if a rank that holds up the current exchange has left, and
@@ -104,7 +108,8 @@ class ShmChannel {
   void run_phase(const RingSchedule& sched, size_t elem_size, Phase phase,
                  OnReceive on_receive, SendSource send_source);
 
-  MPI_Win win_ = MPI_WIN_NULL;
+  std::vector<char*> parts_;  // every rank's memory, as mapped here
+  size_t part_bytes_ = 0;     // the size of each
   MPI_Comm comm_ = MPI_COMM_NULL;  // the communicator's own duplicate, to drive MPI on
   int64_t slot_bytes_ = 0;
   int slots_ = 0;

@@ -157,6 +157,39 @@ def test_a_rank_that_makes_its_communicator_too_late_makes_every_rank_raise(worl
         np.testing.assert_array_equal(ring.allreduce(np.ones(3)), np.full(3, SIZE))
 
 
+@needs_two
+@pytest.mark.parametrize("step", [1, 2, 3], ids=["barrier", "offers", "mapped"])
+def test_a_rank_held_up_while_making_its_communicator_leaves_no_one_waiting(step, world):
+    # The last rank has its duplicate, then is held up (4x the timeout) before a later
+    # step of making its Communicator: the barrier, or one of the shared-memory wire's
+    # two exchanges. The others give up there. Whatever they had posted before giving
+    # up completes the late rank's step, but nothing after it blocks without a timeout:
+    # the late rank raises too (before, it went on into MPI's blocking making of a
+    # shared window and waited there for good). After the last step it may instead get
+    # a Communicator, whose first call then times out, like any call a rank skipped.
+    late = RANK == SIZE - 1
+    if late:
+        _core.set_creation_pause(step, 4 * TIMEOUT)
+    start = time.monotonic()
+    try:
+        ring = rr.Communicator(timeout=TIMEOUT)
+    except rr.CollectiveTimeoutError as error:
+        assert "not every rank made its Communicator within 0.5 s" in str(error)
+        ring = None
+    finally:
+        _core.set_creation_pause(0, 0)
+    assert time.monotonic() - start < 4 * TIMEOUT + 10
+    if not late or step < 3:
+        assert ring is None
+    if ring is not None:
+        with pytest.raises(rr.CollectiveTimeoutError, match="not joined this call"):
+            ring.allreduce(np.ones(3))
+        closes_at_once(ring)
+    world.Barrier()
+    with rr.Communicator(timeout=TIMEOUT) as ring:  # and the next one works
+        np.testing.assert_array_equal(ring.allreduce(np.ones(3)), np.full(3, SIZE))
+
+
 def test_ranks_with_and_without_a_timeout_make_a_communicator_together(world):
     # Timed or not, every rank makes its duplicate the same (non-blocking) way: MPI
     # never pairs a blocking collective with a non-blocking one.
