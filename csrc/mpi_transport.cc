@@ -228,8 +228,12 @@ void MpiTransport::creation_allgather(const void* mine, void* all, int bytes) {
   auto* recv = new char[static_cast<size_t>(bytes) * size_];
   std::memcpy(send, mine, bytes);
   MPI_Request request = MPI_REQUEST_NULL;
-  check(MPI_Iallgather(send, bytes, MPI_BYTE, recv, bytes, MPI_BYTE, comm_, &request),
-        "MPI_Iallgather");
+  const int rc = MPI_Iallgather(send, bytes, MPI_BYTE, recv, bytes, MPI_BYTE, comm_, &request);
+  if (rc != MPI_SUCCESS) {  // nothing pending
+    delete[] send;
+    delete[] recv;
+    check(rc, "MPI_Iallgather");
+  }
   bool done = false;
   try {
     done = wait_patiently(&request, "MPI_Test(MPI_Iallgather)");

@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -40,7 +41,7 @@ bool shm_disabled_by_environment() {
 // What each rank says in the first step of making the channel.
 struct Offer {
   char host[128];   // the machine: host name and boot id (which tell two hosts apart)
-  char name[64];    // this rank's shared-memory object
+  char name[64];    // where the others open this rank's memory
   int32_t ready;    // 1: made and mapped, and this rank wants the wire
   int32_t unused;
 };
@@ -56,32 +57,74 @@ void machine_of_this_process(char* out, size_t size) {
   std::snprintf(out, size, "%s/%s", host, boot);
 }
 
-// A name no other object has: this process, its rank, a count of the channels it made,
-// and a random part (pids repeat across containers that share /dev/shm).
-void new_object_name(int rank, char* out, size_t size) {
-  static std::atomic<uint64_t> made{0};
-  std::random_device random;
-  const uint64_t salt = (static_cast<uint64_t>(random()) << 32) ^ random();
-  std::snprintf(out, size, "/ringreduce-%d-%d-%llu-%016llx", static_cast<int>(getpid()), rank,
-                static_cast<unsigned long long>(made++), static_cast<unsigned long long>(salt));
-}
-
-// Maps `bytes` of the named object (making it first if `make`), or returns nullptr.
-char* map_object(const char* name, size_t bytes, bool make) {
-  const int fd = shm_open(name, make ? O_CREAT | O_EXCL | O_RDWR : O_RDWR, 0600);
-  if (fd < 0) return nullptr;
-  bool sized = true;
-  if (make) {
+// This rank's memory, as a file the others open by `name` while this process holds it
+// open (then each maps it, and the name is no longer needed).
 #ifdef __linux__
-    // Every page now, so that a full /dev/shm fails here, not with SIGBUS mid-call.
-    sized = posix_fallocate(fd, 0, static_cast<off_t>(bytes)) == 0;
+// An anonymous memory file, which the others open through /proc: it has no name of its
+// own, so nothing is left behind in /dev/shm when the job is killed mid-creation.
+int make_memory_file(int /*rank*/, char* name, size_t size) {
+  const int fd = memfd_create("ringreduce", MFD_CLOEXEC);
+  if (fd >= 0) std::snprintf(name, size, "/proc/%d/fd/%d", static_cast<int>(getpid()), fd);
+  return fd;
+}
+int open_memory_file(const char* name) { return open(name, O_RDWR | O_CLOEXEC); }
+void forget_memory_file(const char* /*name*/) {}
 #else
-    sized = ftruncate(fd, static_cast<off_t>(bytes)) == 0;
-#endif
-  } else {
-    struct stat st {};
-    sized = fstat(fd, &st) == 0 && static_cast<size_t>(st.st_size) == bytes;
+// Elsewhere a POSIX shared-memory object, named by this process, its rank, a count of
+// the channels it made and a random part, and unlinked once all have mapped it.
+int make_memory_file(int rank, char* name, size_t size) {
+  static std::atomic<uint64_t> made{0};
+  uint64_t salt = static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
+  try {
+    std::random_device random;
+    salt ^= (static_cast<uint64_t>(random()) << 32) ^ random();
+  } catch (const std::exception&) {
   }
+  std::snprintf(name, size, "/ringreduce-%d-%d-%llu-%016llx", static_cast<int>(getpid()), rank,
+                static_cast<unsigned long long>(made++), static_cast<unsigned long long>(salt));
+  return shm_open(name, O_CREAT | O_EXCL | O_RDWR, 0600);
+}
+int open_memory_file(const char* name) { return shm_open(name, O_RDWR, 0); }
+void forget_memory_file(const char* name) { shm_unlink(name); }
+#endif
+
+// This rank's memory, made and mapped (nullptr if not), and let go of once every rank
+// has mapped it, or on the way out.
+struct OwnMemory {
+  Offer* offer;
+  int fd = -1;
+  char* make(int rank, size_t bytes) {
+    fd = make_memory_file(rank, offer->name, sizeof(offer->name));
+    if (fd < 0) return nullptr;
+#ifdef __linux__
+    // Every page now, so that a lack of memory fails here, not with SIGBUS mid-call.
+    const bool sized = posix_fallocate(fd, 0, static_cast<off_t>(bytes)) == 0;
+#else
+    const bool sized = ftruncate(fd, static_cast<off_t>(bytes)) == 0;
+#endif
+    void* base = sized ? mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0)
+                       : MAP_FAILED;
+    if (base == MAP_FAILED) {
+      let_go();
+      return nullptr;
+    }
+    return static_cast<char*>(base);
+  }
+  void let_go() {
+    if (fd < 0) return;
+    forget_memory_file(offer->name);
+    close(fd);
+    fd = -1;
+  }
+  ~OwnMemory() { let_go(); }
+};
+
+// Maps another rank's memory (of `bytes` bytes), or returns nullptr.
+char* map_others(const char* name, size_t bytes) {
+  const int fd = open_memory_file(name);
+  if (fd < 0) return nullptr;
+  struct stat st {};
+  const bool sized = fstat(fd, &st) == 0 && static_cast<size_t>(st.st_size) == bytes;
   void* base = sized ? mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0) : MAP_FAILED;
   close(fd);
   return base == MAP_FAILED ? nullptr : static_cast<char*>(base);
@@ -106,40 +149,35 @@ std::unique_ptr<ShmChannel> ShmChannel::create(MpiTransport& transport, int64_t 
                                              slot_bytes * slots);
   channel->parts_.assign(size, nullptr);
 
-  // Every rank's part is a POSIX shared-memory object that it makes, and the others map
-  // by name. Made without MPI's shared windows, whose making (like MPI_Comm_split_type)
-  // is a blocking collective: a rank that gave up on a step before it (a timeout, a
-  // Ctrl-C) would have left the others waiting there for good. The two steps here are
-  // timed exchanges instead; a rank that fails in one unlinks its object, so the others
-  // cannot map it and fall back together, or time out.
+  // Every rank's part is a memory file that it makes and the others map (see
+  // make_memory_file). Made without MPI's shared windows, whose making (like
+  // MPI_Comm_split_type) is a blocking collective: a rank that gave up on a step before
+  // it (a timeout, a Ctrl-C) would have left the others waiting there for good. The two
+  // steps here are timed exchanges instead; a rank that fails in one lets go of its
+  // file, so the others cannot map it and fall back together, or time out.
   Offer mine{};
   machine_of_this_process(mine.host, sizeof(mine.host));
-  new_object_name(rank, mine.name, sizeof(mine.name));
+  OwnMemory own{&mine};
   if (!shm_disabled_by_environment()) {
-    channel->parts_[rank] = map_object(mine.name, channel->part_bytes_, true);
-    if (channel->parts_[rank] == nullptr) shm_unlink(mine.name);  // made, not sized or mapped
+    channel->parts_[rank] = own.make(rank, channel->part_bytes_);
     mine.ready = channel->parts_[rank] != nullptr;
   }
-  struct Unlink {  // own object: once every rank has mapped it, or on the way out
-    const char* name;
-    bool made;
-    ~Unlink() {
-      if (made) shm_unlink(name);
-    }
-  } unlink_mine{mine.name, mine.ready != 0};
   std::vector<Offer> offers(size);
   transport.creation_allgather(&mine, offers.data(), sizeof(Offer));
   bool usable = true;
-  for (const Offer& offer : offers)
+  for (Offer& offer : offers) {
+    offer.host[sizeof(offer.host) - 1] = 0;
     usable = usable && offer.ready && std::strcmp(offer.host, mine.host) == 0;
+  }
   if (!usable) return nullptr;  // on every rank alike: all saw the same offers
 
-  // The machine's name can mislead (containers, separate /dev/shm): mapping decides.
+  // The machine's name can mislead (containers that do not see each other's processes
+  // or /dev/shm): mapping decides.
   int32_t mapped = 1;
   for (int r = 0; r < size && mapped; ++r) {
     if (r == rank) continue;
     offers[r].name[sizeof(offers[r].name) - 1] = 0;
-    channel->parts_[r] = map_object(offers[r].name, channel->part_bytes_, false);
+    channel->parts_[r] = map_others(offers[r].name, channel->part_bytes_);
     mapped = channel->parts_[r] != nullptr;
   }
   char* me = channel->parts_[rank];
@@ -181,6 +219,10 @@ void ShmChannel::free() {
     if (part != nullptr) munmap(part, part_bytes_);
     part = nullptr;
   }
+  // Nothing left to point into it (a departure check after close() finds no ranks).
+  exchanged_.clear();
+  departures_.clear();
+  boards_.clear();
 }
 
 void ShmChannel::exchange() {

@@ -1,9 +1,9 @@
 // The intra-node wire: when every rank of the communicator is on one machine, chunks
-// travel through shared memory instead of MPI messages (a POSIX shared-memory object
-// per rank, which every rank maps; see create()). Each rank owns
-// a ring of `slots` chunk-sized slots that only it writes and only its right neighbour
-// reads, so the neighbour reduces straight from our memory, while the chunk is still
-// in cache, with no copy in between and no MPI call per chunk.
+// travel through shared memory instead of MPI messages (a memory file per rank, which
+// every rank maps; see create()). Each rank owns a ring of `slots` chunk-sized slots
+// that only it writes and only its right neighbour reads, so the neighbour reduces
+// straight from our memory, while the chunk is still in cache, with no copy in between
+// and no MPI call per chunk.
 //
 // Two counters per rank, each written by one process only, make it a lock-free
 // single-producer single-consumer queue between neighbours:

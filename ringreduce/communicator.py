@@ -129,7 +129,7 @@ class _Results:
 
     def empty(self, shape, dtype) -> np.ndarray:
         dtype = np.dtype(dtype)
-        nbytes = math.prod(shape) * dtype.itemsize if isinstance(shape, tuple) else shape * dtype.itemsize
+        nbytes = (math.prod(shape) if isinstance(shape, tuple) else shape) * dtype.itemsize
         if nbytes < self.MIN_BYTES or _ALONE < 0:
             return np.empty(shape, dtype)
         with self.lock:

@@ -1,12 +1,16 @@
 """Whole jobs, launched by mpiexec, that must end rather than hang: an exception that
 leaves a `with rr.Communicator()` block on one rank (`python -m mpi4py` aborts the job;
 freeing the communicator is collective, and the other ranks are elsewhere, here in an
-allreduce), and a rank that never makes its Communicator. And one that must end
-cleanly: a creation that gave up leaves nothing behind for MPI_Finalize."""
+allreduce), and a rank that never makes its Communicator. And ones that must end
+cleanly: a creation that gave up leaves nothing behind for MPI_Finalize, and a job
+killed while making its Communicator leaves nothing in /dev/shm."""
+import os
 import signal
 import subprocess
 import sys
 import time
+
+import pytest
 
 from launch import job_env, mpiexec
 
@@ -119,6 +123,46 @@ def test_a_creation_that_gave_up_leaves_nothing_for_mpi_finalize_to_report(tmp_p
     assert done.returncode == 0, done.stderr
     assert done.stdout.count("raised:") == 2
     assert "pending" not in done.stderr, done.stderr
+
+
+KILLED_WHILE_MAKING = """
+from mpi4py import MPI
+import ringreduce as rr
+from ringreduce import _core
+
+if MPI.COMM_WORLD.Get_rank() == 1:
+    _core.set_creation_pause(3, 60)  # after every rank made and mapped its shared memory
+print("making", flush=True)
+rr.Communicator(timeout=120)
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm here")
+def test_a_job_killed_while_making_its_communicator_leaves_no_shared_memory(tmp_path):
+    # Killed (SIGTERM to mpiexec, as a batch system's time limit does) while every
+    # rank holds its shared memory and waits for the last exchange: nothing is left in
+    # /dev/shm. (Named objects, unlinked only at the end of the making, were left.)
+    script = tmp_path / "killed.py"
+    script.write_text(KILLED_WHILE_MAKING)
+    before = set(os.listdir("/dev/shm"))
+    job = subprocess.Popen([mpiexec(), "-n", "2", sys.executable, str(script)],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           env=job_env())
+    try:
+        said = ""
+        while said.count("making") < 2:
+            line = job.stdout.readline()
+            assert line, job.stderr.read()
+            said += line
+        time.sleep(1)  # both are in the making by now: rank 1 paused, rank 0 waiting
+        job.send_signal(signal.SIGTERM)
+        job.communicate(timeout=30)
+    finally:
+        if job.poll() is None:
+            job.kill()
+        subprocess.run(["pkill", "-9", "-f", str(script)])
+    left = [name for name in set(os.listdir("/dev/shm")) - before if "ringreduce" in name]
+    assert not left, left
 
 
 DEADLOCK = """
