@@ -42,7 +42,8 @@ DeviceCall device_call(RingCommunicator&, int ordinal, uintptr_t ready, uintptr_
 // once this thread runs Python again, which a call waiting for a rank that will not come
 // never does. So the handler Python installed is chained behind one that also counts
 // SIGINTs; the core's waits stop a call during which the count moved (StopRequest).
-// (A later signal.signal(SIGINT, ...) replaces it: calls then wait out their timeout.)
+// A later signal.signal(SIGINT, ...) replaces it, so making a Communicator chains it
+// again (calls in between wait out their timeout).
 std::atomic<uint64_t> sigints{0};
 struct sigaction python_sigint;
 
@@ -294,6 +295,7 @@ PYBIND11_MODULE(_core, m) {
   py::class_<RingCommunicator>(m, "RingCommunicator")
       .def(py::init([](uintptr_t comm_address, double timeout_s) {
              const MPI_Comm comm = comm_from_address(comm_address);
+             chain_sigint_handler();  // again, if Python's handler was replaced since
              py::gil_scoped_release nogil;  // it may wait for the other ranks
              return new RingCommunicator(comm, timeout_s, &sigints);
            }),

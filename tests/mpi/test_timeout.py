@@ -398,6 +398,28 @@ def test_ctrl_c_stops_a_call_that_waits_for_ranks_that_will_not_come(mode, wire,
 
 
 @needs_two
+def test_ctrl_c_still_stops_a_call_after_signal_signal_replaced_the_handler(world):
+    # signal.signal(SIGINT, ...) after importing ringreduce replaces the handler that
+    # counts SIGINTs for the core; making a Communicator puts it back in front.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        ring = rr.Communicator(timeout=60)
+        x = np.full(1 << 16, 1.0, np.float32)
+        if RANK == 0:
+            with ctrl_c_soon():
+                with pytest.raises(KeyboardInterrupt):
+                    ring.allreduce(x)
+            world.Barrier()
+        else:
+            world.Barrier()
+            raised_within(10, "rank 0 has left", lambda: ring.allreduce(x))
+        closes_at_once(ring)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    world.Barrier()
+
+
+@needs_two
 def test_ctrl_c_stops_making_a_communicator_the_others_do_not_make(world):
     # Making one waits for every rank too: a SIGINT ends rank 0's wait at once
     # (KeyboardInterrupt), not after the timeout. The others, coming late, complete its
