@@ -23,6 +23,9 @@ namespace ringreduce {
 namespace {
 
 constexpr int64_t kCounterBytes = 128;  // each counter on its own pair of cache lines
+// A random token of its maker, on the published counter's second line (read only while
+// the channel is made): a rank checks that the memory it mapped is the one offered.
+constexpr int64_t kTokenAt = 64;
 // The departure word shares the exchange counter's pair, on the second line: it is
 // written once, when its rank leaves.
 constexpr int64_t kDepartureAt = 2 * kCounterBytes + 64;
@@ -40,11 +43,36 @@ bool shm_disabled_by_environment() {
 
 // What each rank says in the first step of making the channel.
 struct Offer {
-  char host[128];   // the machine: host name and boot id (which tell two hosts apart)
-  char name[64];    // where the others open this rank's memory
-  int32_t ready;    // 1: made and mapped, and this rank wants the wire
+  char host[128];      // the machine: host name and boot id (which tell two hosts apart)
+  char name[64];       // where the others open this rank's memory
+  uint64_t token[2];   // what that memory holds at kTokenAt
+  int32_t ready;       // 1: made and mapped, and this rank wants the wire
   int32_t unused;
 };
+
+// 128 random bits (the clock, the pid and an address, should the system have no
+// random device).
+void random_token(uint64_t token[2]) {
+  token[0] = static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
+  token[1] = (static_cast<uint64_t>(getpid()) << 32) ^ reinterpret_cast<uintptr_t>(token);
+  try {
+    std::random_device random;
+    for (int i = 0; i < 2; ++i)
+      token[i] ^= (static_cast<uint64_t>(random()) << 32) ^ static_cast<uint64_t>(random());
+  } catch (const std::exception&) {
+  }
+}
+
+// A child made by fork() must not inherit the ring (it would see, and could write, the
+// counters of a communicator that is not its own).
+void not_for_children(void* base, size_t bytes) {
+#ifdef MADV_DONTFORK
+  madvise(base, bytes, MADV_DONTFORK);
+#else
+  (void)base;
+  (void)bytes;
+#endif
+}
 
 void machine_of_this_process(char* out, size_t size) {
   char host[65] = {0};
@@ -70,18 +98,15 @@ int make_memory_file(int /*rank*/, char* name, size_t size) {
 int open_memory_file(const char* name) { return open(name, O_RDWR | O_CLOEXEC); }
 void forget_memory_file(const char* /*name*/) {}
 #else
-// Elsewhere a POSIX shared-memory object, named by this process, its rank, a count of
-// the channels it made and a random part, and unlinked once all have mapped it.
-int make_memory_file(int rank, char* name, size_t size) {
+// Elsewhere a POSIX shared-memory object, named by this process, a count of the
+// channels it made and a random part (under 31 characters, macOS's limit), and
+// unlinked once all have mapped it.
+int make_memory_file(int /*rank*/, char* name, size_t size) {
   static std::atomic<uint64_t> made{0};
-  uint64_t salt = static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
-  try {
-    std::random_device random;
-    salt ^= (static_cast<uint64_t>(random()) << 32) ^ random();
-  } catch (const std::exception&) {
-  }
-  std::snprintf(name, size, "/ringreduce-%d-%d-%llu-%016llx", static_cast<int>(getpid()), rank,
-                static_cast<unsigned long long>(made++), static_cast<unsigned long long>(salt));
+  uint64_t salt[2];
+  random_token(salt);
+  std::snprintf(name, size, "/rr%x.%llx.%08x", static_cast<unsigned>(getpid()),
+                static_cast<unsigned long long>(made++), static_cast<unsigned>(salt[0]));
   return shm_open(name, O_CREAT | O_EXCL | O_RDWR, 0600);
 }
 int open_memory_file(const char* name) { return shm_open(name, O_RDWR, 0); }
@@ -108,6 +133,7 @@ struct OwnMemory {
       let_go();
       return nullptr;
     }
+    not_for_children(base, bytes);
     return static_cast<char*>(base);
   }
   void let_go() {
@@ -127,7 +153,9 @@ char* map_others(const char* name, size_t bytes) {
   const bool sized = fstat(fd, &st) == 0 && static_cast<size_t>(st.st_size) == bytes;
   void* base = sized ? mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0) : MAP_FAILED;
   close(fd);
-  return base == MAP_FAILED ? nullptr : static_cast<char*>(base);
+  if (base == MAP_FAILED) return nullptr;
+  not_for_children(base, bytes);
+  return static_cast<char*>(base);
 }
 
 }  // namespace
@@ -161,6 +189,10 @@ std::unique_ptr<ShmChannel> ShmChannel::create(MpiTransport& transport, int64_t 
   if (!shm_disabled_by_environment()) {
     channel->parts_[rank] = own.make(rank, channel->part_bytes_);
     mine.ready = channel->parts_[rank] != nullptr;
+    if (mine.ready) {
+      random_token(mine.token);
+      std::memcpy(channel->parts_[rank] + kTokenAt, mine.token, sizeof(mine.token));
+    }
   }
   std::vector<Offer> offers(size);
   transport.creation_allgather(&mine, offers.data(), sizeof(Offer));
@@ -172,13 +204,21 @@ std::unique_ptr<ShmChannel> ShmChannel::create(MpiTransport& transport, int64_t 
   if (!usable) return nullptr;  // on every rank alike: all saw the same offers
 
   // The machine's name can mislead (containers that do not see each other's processes
-  // or /dev/shm): mapping decides.
+  // or /dev/shm), and so can a name: in another pid namespace, /proc/<pid>/fd/<fd> may
+  // be some other process's file (even this rank's own). Mapping, and finding the
+  // offered token there, decides.
   int32_t mapped = 1;
   for (int r = 0; r < size && mapped; ++r) {
     if (r == rank) continue;
     offers[r].name[sizeof(offers[r].name) - 1] = 0;
-    channel->parts_[r] = map_others(offers[r].name, channel->part_bytes_);
-    mapped = channel->parts_[r] != nullptr;
+    char* part = map_others(offers[r].name, channel->part_bytes_);
+    if (part != nullptr &&
+        std::memcmp(part + kTokenAt, offers[r].token, sizeof(offers[r].token)) != 0) {
+      munmap(part, channel->part_bytes_);
+      part = nullptr;
+    }
+    channel->parts_[r] = part;
+    mapped = part != nullptr;
   }
   char* me = channel->parts_[rank];
   __atomic_store_n(reinterpret_cast<uint64_t*>(me), 0, __ATOMIC_RELEASE);

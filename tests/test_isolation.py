@@ -1,0 +1,55 @@
+"""Whole jobs whose ranks look like one machine but cannot share memory the usual way:
+the shared-memory wire must notice and leave the ranks to MPI, never compute with the
+wrong memory."""
+import subprocess
+import sys
+
+import pytest
+
+from launch import job_env, mpiexec
+
+ALIGNED_FDS = """
+import os
+import sys
+import numpy as np
+from mpi4py import MPI
+import ringreduce as rr
+
+# Each rank runs in a pid namespace of its own (so both are pid 1), and takes the same
+# file descriptors, so that the path one offers for its memory, /proc/1/fd/N, names
+# the other's own memory there.
+while (fd := os.open("/dev/null", os.O_RDONLY)) < 60:
+    pass
+os.close(fd)
+ring = rr.Communicator(timeout=60)
+rank = MPI.COMM_WORLD.Get_rank()
+with open(os.path.join(sys.argv[1], f"rank{rank}.txt"), "w") as said:
+    for n in (1, 1000):  # (small: MPICH's own single-copy path fails across namespaces)
+        result = ring.allreduce(np.full(n, rank + 1.0))
+        said.write(f"pid {os.getpid()} {ring.transport} result {np.unique(result)}\\n")
+"""
+
+
+def unshare_works() -> bool:
+    try:
+        return subprocess.run(["unshare", "-pf", "--mount-proc", "true"],
+                              capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+@pytest.mark.skipif(not unshare_works(), reason="no unshare with a pid namespace here")
+def test_ranks_in_pid_namespaces_of_their_own_never_map_each_others_memory_wrongly(tmp_path):
+    # The check that found this: both ranks mapped their own memory as the other's
+    # (the same /proc path in each namespace), and every sum came out wrong, silently.
+    script = tmp_path / "aligned.py"
+    script.write_text(ALIGNED_FDS)
+    done = subprocess.run([mpiexec(), "-n", "2", "unshare", "-pf", "--mount-proc",
+                           sys.executable, str(script), str(tmp_path)],
+                          capture_output=True, text=True, timeout=120, env=job_env())
+    assert done.returncode == 0, done.stderr[-4000:]
+    lines = [line for rank in (0, 1)
+             for line in (tmp_path / f"rank{rank}.txt").read_text().splitlines()]
+    assert len(lines) == 4, lines
+    assert all(line.startswith("pid 1 ") for line in lines), lines  # in namespaces indeed
+    assert all(line.endswith("result [3.]") for line in lines), lines
