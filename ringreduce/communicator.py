@@ -110,17 +110,21 @@ _ALONE = _references([object()], 0) if hasattr(sys, "getrefcount") else -1
 class _Results:
     """Where new results (calls without out=) come from.
 
-    Results of _Results.MIN_BYTES or more come from buffers kept across calls, the
-    last KEEP of them: a fresh array that big is a fresh mmap from the C library, and
-    the kernel zeroes every page of it at first touch, which cost a 64 MiB allgather on
-    2 ranks about 40% more time than the same call with out=. A buffer is handed out
-    again only once nothing but this list holds it: every result is a view of its
-    buffer (so it holds a reference), and so does every view or buffer export of a
-    result. Smaller results come from np.empty, whose memory the C library reuses
-    without faults. Used from the caller's thread and the worker's, hence the lock.
+    Results from MIN_BYTES to MAX_BYTES come from buffers kept across calls, the last
+    KEEP of them: a fresh array that big is a fresh mmap from the C library, and the
+    kernel zeroes every page of it at first touch, which cost a 64 MiB allgather on 2
+    ranks about 40% more time than the same call with out=. A buffer is handed out
+    again, for a result of the same size, only once nothing but this list holds it:
+    every result is a view of its buffer (so it holds a reference), and so does every
+    view or buffer export of a result. An idle buffer of another size is let go (sizes
+    that change would otherwise keep memory that is never reused), and bigger results
+    are not kept, so at most KEEP * MAX_BYTES stay allocated while the Communicator is
+    open. Smaller results come from np.empty, whose memory the C library reuses without
+    faults. Used from the caller's thread and the worker's, hence the lock.
     """
 
     MIN_BYTES = 32 << 20
+    MAX_BYTES = 256 << 20
     KEEP = 2
 
     def __init__(self):
@@ -130,19 +134,19 @@ class _Results:
     def empty(self, shape, dtype) -> np.ndarray:
         dtype = np.dtype(dtype)
         nbytes = (math.prod(shape) if isinstance(shape, tuple) else shape) * dtype.itemsize
-        if nbytes < self.MIN_BYTES or _ALONE < 0:
+        if not self.MIN_BYTES <= nbytes <= self.MAX_BYTES or _ALONE < 0:
             return np.empty(shape, dtype)
         with self.lock:
             buffers = self.buffers
-            for i in range(len(buffers)):
-                if buffers[i].nbytes == nbytes and _references(buffers, i) == _ALONE:
-                    buffers.append(buffers.pop(i))
-                    break
-            else:
-                buffers.append(np.empty(nbytes, np.uint8))
-                if len(buffers) > self.KEEP:
-                    del buffers[0]  # (freed once its last result is)
-            return buffers[-1].view(dtype).reshape(shape)
+            idle = [_references(buffers, i) == _ALONE for i in range(len(buffers))]
+            chosen = next((i for i in range(len(buffers))
+                           if idle[i] and buffers[i].nbytes == nbytes), None)
+            buffer = np.empty(nbytes, np.uint8) if chosen is None else buffers[chosen]
+            self.buffers = [b for i, b in enumerate(buffers)
+                            if i != chosen and not (idle[i] and b.nbytes != nbytes)]
+            self.buffers.append(buffer)
+            del self.buffers[:-self.KEEP]  # (each freed once its last result is)
+            return buffer.view(dtype).reshape(shape)
 
 
 class Handle:

@@ -299,14 +299,17 @@ def test_big_results_reuse_only_buffers_nothing_else_holds(comm, world, monkeypa
         assert summed.base is last_handed_out()
         async_sum = comm.allreduce_async(x).wait()
         assert async_sum.base is last_handed_out()
+        part = comm.reduce_scatter(x)
+        assert part.base is last_handed_out()
         expected_gather = np.concatenate(world.allgather(x))
         np.testing.assert_array_equal(summed, sum(world.allgather(x)))
         np.testing.assert_array_equal(async_sum, summed)
+        np.testing.assert_array_equal(part, np.array_split(summed, SIZE)[RANK])
         # Kept whole, as a view, as a memoryview: each must keep its buffer out of use.
         kept.append((gathered if step % 3 == 0 else gathered[1:] if step % 3 == 1
                      else memoryview(gathered),
                      expected_gather[1:] if step % 3 == 1 else expected_gather))
-        del gathered, summed, async_sum
+        del gathered, summed, async_sum, part
     for held, expected in kept:
         np.testing.assert_array_equal(np.asarray(held), expected)
     # A dropped result's buffer is handed out again.
@@ -323,6 +326,7 @@ def test_results_hands_out_a_buffer_again_only_when_it_is_alone():
     big = results.MIN_BYTES // 8
     address = lambda a: a.__array_interface__["data"][0]  # noqa: E731
     a = results.empty((big,), np.float64)
+    a[:] = 7.0
     b = results.empty((2, big // 2), np.int64)  # as many bytes: a's buffer is in use
     assert not np.shares_memory(a, b) and b.shape == (2, big // 2) and b.dtype == np.int64
     view = a[::2]
@@ -334,6 +338,12 @@ def test_results_hands_out_a_buffer_again_only_when_it_is_alone():
     del b
     d = results.empty((big,), np.int64)
     assert address(d) == b_address  # nothing held b's buffer any more
-    np.testing.assert_array_equal(view, view)  # still readable, never handed out
-    e = results.empty(big // 2, np.float64)  # no kept buffer of its size: a new one
-    assert not np.shares_memory(e, d) and not np.shares_memory(e, c)
+    assert not np.shares_memory(d, view)
+    assert (view == 7.0).all()  # a's buffer was never handed out again
+    # A result of another size: a new buffer, and the idle ones of other sizes go.
+    del c, d
+    e = results.empty(big * 2, np.float64)
+    assert [buffer.nbytes for buffer in results.buffers] == [e.nbytes]
+    # Beyond MAX_BYTES nothing is kept: a plain new array.
+    huge = results.empty(results.MAX_BYTES // 8 + 1, np.float64)
+    assert huge.flags.owndata and len(results.buffers) == 1
