@@ -275,6 +275,7 @@ class _Executor:
 
 
 _live: "weakref.WeakSet[Communicator]" = weakref.WeakSet()
+_PROCESS = os.getpid()  # MPI's process: a child made by fork() must leave MPI alone
 
 
 @atexit.register
@@ -282,6 +283,8 @@ def _finish_all():
     # Before mpi4py finalises MPI: let queued collectives finish, so that no thread is
     # inside MPI when MPI goes away. Freeing is collective, and ranks could reach here
     # with different communicators still open, so MPI_Finalize frees what is left.
+    if os.getpid() != _PROCESS:
+        return
     for comm in list(_live):
         comm._executor.finish()
     _core.finish_abandoned_duplicates()
@@ -584,6 +587,8 @@ class Communicator:
         """
         if self._closed:
             return
+        if self._forked_away():
+            return
         self._executor.finish()
         self._abandon()
         if not MPI.Is_finalized():
@@ -593,7 +598,7 @@ class Communicator:
         return self
 
     def __exit__(self, exc_type, exc, traceback):
-        if exc_type is None:
+        if exc_type is None or self._forked_away():
             self.close()
             return
         # An exception is leaving the block, maybe on this rank only, while the others
@@ -614,6 +619,16 @@ class Communicator:
                 self._core.leave()
         self._abandon()
 
+    def _forked_away(self) -> bool:
+        """In a child made by fork() (a data loader's worker, say): the Communicator
+        belongs to the parent, and its ring and MPI are the parent's to use. The child
+        drops its copy without a word to anyone (telling the others it left, as an
+        exception leaving its `with` block would, would break the parent's calls)."""
+        if os.getpid() == _PROCESS:
+            return False
+        self._closed = True
+        return True
+
     def _abandon(self) -> None:
         """Stop using this communicator, here only (close() also frees it, collectively)."""
         self._closed = True
@@ -622,6 +637,8 @@ class Communicator:
         _live.discard(self)
 
     def __del__(self):
+        if os.getpid() != _PROCESS:
+            return
         executor = getattr(self, "_executor", None)
         if executor is not None and executor.thread is not None:
             executor.stop()
@@ -630,9 +647,9 @@ class Communicator:
         # Python does for an unclosed file.
         if (getattr(self, "_closed", True) is False and getattr(self, "_warn_unclosed", True)
                 and not sys.is_finalizing()):
-            warnings.warn(f"{self!r} was never closed: its MPI communicator and shared-memory "
-                          "window stay allocated until MPI_Finalize. Call close() on every "
-                          "rank, or use `with rr.Communicator() as comm:`",
+            warnings.warn(f"{self!r} was never closed: its MPI communicator stays allocated "
+                          "until MPI_Finalize. Call close() on every rank, or use "
+                          "`with rr.Communicator() as comm:`",
                           ResourceWarning, source=self)
 
     # -- plumbing -------------------------------------------------------------------

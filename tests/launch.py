@@ -37,6 +37,12 @@ def job_env(extra: dict | None = None) -> dict:
     return {**os.environ, **(extra or {})}
 
 
+def failures_reported(report_dir: Path) -> str:
+    """What failing ranks wrote into the report directory (tests/mpi/conftest.py)."""
+    failures = "".join(path.read_text() for path in sorted(report_dir.glob("rank*.failed")))
+    return f"\nFailures reported:{failures[-12000:]}" if failures else ""
+
+
 def run_on_ranks(ranks: int, module: str, tmp_path: Path, timeout: float, extra=(),
                  env: dict | None = None) -> dict:
     """Runs tests/mpi/<module> on `ranks` ranks; returns the per-rank summaries."""
@@ -60,7 +66,8 @@ def run_on_ranks(ranks: int, module: str, tmp_path: Path, timeout: float, extra=
         kill_job(proc, marker)
         output, _ = proc.communicate()
         raise AssertionError(f"{module} on {ranks} ranks did not finish within {timeout} s "
-                             f"(a hang?). Output:\n{output[-6000:]}") from None
+                             f"(a hang?). Output:\n{output[-6000:]}"
+                             f"{failures_reported(report_dir)}") from None
     summaries = {}
     for path in report_dir.glob("rank*.json"):
         try:
@@ -69,10 +76,8 @@ def run_on_ranks(ranks: int, module: str, tmp_path: Path, timeout: float, extra=
             continue
         summaries[summary["rank"]] = summary
     if proc.returncode != 0:
-        failures = "".join(path.read_text() for path in sorted(report_dir.glob("rank*.failed")))
         raise AssertionError(f"{module} on {ranks} ranks failed (exit {proc.returncode}):\n"
-                             f"{output[-12000:]}" + (f"\nFailures reported:{failures[-12000:]}"
-                                                     if failures else ""))
+                             f"{output[-12000:]}{failures_reported(report_dir)}")
     if sorted(summaries) != list(range(ranks)):
         raise AssertionError(f"{module} on {ranks} ranks: summaries from ranks "
                              f"{sorted(summaries)} only:\n{output[-6000:]}")

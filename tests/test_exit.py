@@ -126,13 +126,14 @@ def test_a_creation_that_gave_up_leaves_nothing_for_mpi_finalize_to_report(tmp_p
 
 
 KILLED_WHILE_MAKING = """
+import os
 from mpi4py import MPI
 import ringreduce as rr
 from ringreduce import _core
 
 if MPI.COMM_WORLD.Get_rank() == 1:
     _core.set_creation_pause(3, 60)  # after every rank made and mapped its shared memory
-print("making", flush=True)
+print("making", os.getpid(), flush=True)
 rr.Communicator(timeout=120)
 """
 
@@ -149,12 +150,16 @@ def test_a_job_killed_while_making_its_communicator_leaves_no_shared_memory(tmp_
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                            env=job_env())
     try:
-        said = ""
-        while said.count("making") < 2:
+        pids = []
+        while len(pids) < 2:
             line = job.stdout.readline()
             assert line, job.stderr.read()
-            said += line
-        time.sleep(1)  # both are in the making by now: rank 1 paused, rank 0 waiting
+            pids += [int(word) for word in line.split() if word.isdigit()]
+        # Both made and mapped their memory (rank 1 then paused, rank 0 waits for it).
+        deadline = time.monotonic() + 30
+        while not all("ringreduce" in open(f"/proc/{pid}/maps").read() for pid in pids):
+            assert time.monotonic() < deadline, "the ranks never mapped their memory"
+            time.sleep(0.05)
         job.send_signal(signal.SIGTERM)
         job.communicate(timeout=30)
     finally:
@@ -163,6 +168,44 @@ def test_a_job_killed_while_making_its_communicator_leaves_no_shared_memory(tmp_
         subprocess.run(["pkill", "-9", "-f", str(script)])
     left = [name for name in set(os.listdir("/dev/shm")) - before if "ringreduce" in name]
     assert not left, left
+
+
+FORKED_CHILD = """
+import gc
+import os
+import numpy as np
+from mpi4py import MPI
+import ringreduce as rr
+
+rank = MPI.COMM_WORLD.Get_rank()
+with rr.Communicator(timeout=30) as ring:
+    status = 0
+    if rank == 0:
+        child = os.fork()
+        if child == 0:  # a worker that fails inside the parent's `with` block, then ends
+            try:
+                with ring:
+                    raise KeyError("in the child")
+            except KeyError:
+                pass
+            ring.close()
+            del ring
+            gc.collect()
+            os._exit(0)
+        status = os.waitpid(child, 0)[1]
+    total = ring.allreduce(np.ones(1 << 16))[0]
+    os.write(1, f"child {status} sum {total}\\n".encode())  # one write: lines whole
+"""
+
+
+@pytest.mark.parametrize("shm", ["1", "0"], ids=["shared memory", "MPI"])
+def test_a_forked_child_leaves_its_parents_communicator_alone(shm, tmp_path):
+    # The child's copy of the Communicator is not its own: an exception leaving the
+    # `with` block there must not tell the other ranks that rank 0 left (nor touch
+    # the ring's memory, which the child does not inherit).
+    done = run_script(tmp_path, "fork.py", FORKED_CHILD, env={"RINGREDUCE_SHM": shm})
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert done.stdout.count("child 0 sum 2.0") == 2, done.stdout  # (lines may interleave)
 
 
 DEADLOCK = """

@@ -75,6 +75,7 @@ def relayed_waits_checked(world):
     """Collective (a barrier too): checks each relayed wait against the start of the
     rank that gave up. time.monotonic() is one clock for every process on a machine."""
     host = MPI.Get_processor_name()
+    assert len(waits_started) <= 1, "one waited_for() per rank and test: its start is sent"
     starts = world.allgather((host, waits_started[-1] if waits_started else None))
     for giver, end in relayed_waits:
         giver_host, giver_start = starts[giver]
