@@ -307,6 +307,7 @@ PYBIND11_MODULE(_core, m) {
       .def_property("timeout", &RingCommunicator::timeout, &RingCommunicator::set_timeout,
                     "seconds a call waits on another rank before raising (<= 0: forever)")
       .def_property_readonly("transport", &RingCommunicator::transport_name)
+      .def_property_readonly("transport_reason", &RingCommunicator::transport_reason)
       .def_property_readonly("ring_bytes_sent", &RingCommunicator::ring_bytes_sent)
       .def_property_readonly("ring_steps", &RingCommunicator::ring_steps)
       .def_property_readonly("device_calls_on_host",

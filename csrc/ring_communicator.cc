@@ -1,5 +1,7 @@
 #include "ring_communicator.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cstdlib>
@@ -95,7 +97,7 @@ RingCommunicator::RingCommunicator(MPI_Comm user_comm, double timeout_s,
   const int p = size();
   const int64_t board_payload = std::max(inline_capacity_for(p, true), kShmBroadcastInlineBytes);
   shm_ = ShmChannel::create(*transport_, kShmSlotBytes, kShmSlots,
-                            sizeof(CallHeader) + board_payload);
+                            sizeof(CallHeader) + board_payload, &why_not_shared_memory_);
   inline_capacity_ = inline_capacity_for(p, shm_ != nullptr);
   broadcast_inline_capacity_ = shm_ ? board_payload : inline_capacity_;
   if (!shm_) {
@@ -258,6 +260,17 @@ DepartureNote RingCommunicator::first_departure(int64_t exchange) {
 }
 
 RingCommunicator::~RingCommunicator() {
+  if (getpid() != maker_pid_) {
+    // A copy in a child made by fork(): the MPI communicator, the shared memory (not
+    // mapped here: MADV_DONTFORK) and the GPU are the parent's. Freeing them would call
+    // MPI, or unmap whatever the child has mapped since at those addresses.
+    shm_.release();
+    transport_.release();
+    host_mirror_.release();
+    device_scratch_.release();
+    device_.release();
+    return;
+  }
   if (!departed_) return;
   // MPI may still read (sends) or write (a receive it could not cancel) these whenever
   // a late rank comes: they must outlive everything, so they are leaked.

@@ -13,6 +13,7 @@
 #pragma once
 
 #include <mpi.h>
+#include <unistd.h>
 
 #include <array>
 #include <cstdint>
@@ -131,6 +132,8 @@ class RingCommunicator {
   // "shared memory" when every rank is on one node (and RINGREDUCE_SHM is not 0): calls
   // up to kShmMaxBytes then use it; else "MPI".
   const char* transport_name() const { return shm_ ? "shared memory" : "MPI"; }
+  // Why the transport is MPI ("" when it is shared memory).
+  const std::string& transport_reason() const { return why_not_shared_memory_; }
   int size() const { return transport_->size(); }
 
   // out = OP over ranks of input; out may equal input. count elements on every rank.
@@ -378,6 +381,8 @@ class RingCommunicator {
   void release_device();
 
   std::unique_ptr<MpiTransport> transport_;
+  std::string why_not_shared_memory_;
+  const long maker_pid_ = static_cast<long>(getpid());  // see the destructor
   std::unique_ptr<Device> device_;            // null until the first device call
   std::unique_ptr<DeviceBuffer> host_mirror_;   // pinned: staged chunks, one place per chunk
   std::unique_ptr<DeviceBuffer> device_scratch_;  // received chunks (and direct-mode slots)

@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -47,7 +48,7 @@ struct Offer {
   char name[64];       // where the others open this rank's memory
   uint64_t token[2];   // what that memory holds at kTokenAt
   int32_t ready;       // 1: made and mapped, and this rank wants the wire
-  int32_t unused;
+  int32_t refused;     // if not: 1, RINGREDUCE_SHM=0 here; else errno of the making
 };
 
 // 128 random bits (the clock, the pid and an address, should the system have no
@@ -123,14 +124,18 @@ struct OwnMemory {
     if (fd < 0) return nullptr;
 #ifdef __linux__
     // Every page now, so that a lack of memory fails here, not with SIGBUS mid-call.
-    const bool sized = posix_fallocate(fd, 0, static_cast<off_t>(bytes)) == 0;
+    const int rc = posix_fallocate(fd, 0, static_cast<off_t>(bytes));  // (not in errno)
+    if (rc != 0) errno = rc;
+    const bool sized = rc == 0;
 #else
     const bool sized = ftruncate(fd, static_cast<off_t>(bytes)) == 0;
 #endif
     void* base = sized ? mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0)
                        : MAP_FAILED;
     if (base == MAP_FAILED) {
+      const int error = errno;  // (for the message; let_go() may change it)
       let_go();
+      errno = error;
       return nullptr;
     }
     not_for_children(base, bytes);
@@ -161,9 +166,13 @@ char* map_others(const char* name, size_t bytes) {
 }  // namespace
 
 std::unique_ptr<ShmChannel> ShmChannel::create(MpiTransport& transport, int64_t slot_bytes,
-                                               int slots, int64_t board_bytes) {
+                                               int slots, int64_t board_bytes,
+                                               std::string* why_not) {
   const int rank = transport.rank(), size = transport.size();
-  if (size == 1) return nullptr;
+  if (size == 1) {
+    *why_not = "one rank: no ring";
+    return nullptr;
+  }
   std::unique_ptr<ShmChannel> channel(new ShmChannel());
   channel->comm_ = transport.comm();
   channel->stop_ = &transport.stop_request();
@@ -186,9 +195,13 @@ std::unique_ptr<ShmChannel> ShmChannel::create(MpiTransport& transport, int64_t 
   Offer mine{};
   machine_of_this_process(mine.host, sizeof(mine.host));
   OwnMemory own{&mine};
-  if (!shm_disabled_by_environment()) {
+  if (shm_disabled_by_environment()) {
+    mine.refused = 1;
+  } else {
+    errno = 0;
     channel->parts_[rank] = own.make(rank, channel->part_bytes_);
     mine.ready = channel->parts_[rank] != nullptr;
+    if (!mine.ready) mine.refused = errno != 0 ? errno : -1;
     if (mine.ready) {
       random_token(mine.token);
       std::memcpy(channel->parts_[rank] + kTokenAt, mine.token, sizeof(mine.token));
@@ -196,18 +209,31 @@ std::unique_ptr<ShmChannel> ShmChannel::create(MpiTransport& transport, int64_t 
   }
   std::vector<Offer> offers(size);
   transport.creation_allgather(&mine, offers.data(), sizeof(Offer));
-  bool usable = true;
-  for (Offer& offer : offers) {
-    offer.host[sizeof(offer.host) - 1] = 0;
-    usable = usable && offer.ready && std::strcmp(offer.host, mine.host) == 0;
+  // On every rank alike: all saw the same offers.
+  for (int r = 0; r < size; ++r) {
+    offers[r].host[sizeof(offers[r].host) - 1] = 0;
+    if (offers[r].ready) continue;
+    *why_not = offers[r].refused == 1
+                   ? "RINGREDUCE_SHM=0 on rank " + std::to_string(r)
+                   : "rank " + std::to_string(r) + " could not make its shared memory (" +
+                         (offers[r].refused > 0 ? std::strerror(offers[r].refused)
+                                                : std::string("unknown error")) +
+                         ")";
+    return nullptr;
   }
-  if (!usable) return nullptr;  // on every rank alike: all saw the same offers
+  for (int r = 0; r < size; ++r) {
+    if (std::strcmp(offers[r].host, offers[0].host) == 0) continue;
+    *why_not = "the ranks are on more than one machine (rank 0 on " +
+               std::string(offers[0].host) + ", rank " + std::to_string(r) + " on " +
+               offers[r].host + ")";
+    return nullptr;
+  }
 
   // The machine's name can mislead (containers that do not see each other's processes
   // or /dev/shm), and so can a name: in another pid namespace, /proc/<pid>/fd/<fd> may
   // be some other process's file (even this rank's own). Mapping, and finding the
   // offered token there, decides.
-  int32_t mapped = 1;
+  int32_t mapped = 1, failed = -1;  // (failed: the rank whose memory this one could not map)
   for (int r = 0; r < size && mapped; ++r) {
     if (r == rank) continue;
     offers[r].name[sizeof(offers[r].name) - 1] = 0;
@@ -219,16 +245,22 @@ std::unique_ptr<ShmChannel> ShmChannel::create(MpiTransport& transport, int64_t 
     }
     channel->parts_[r] = part;
     mapped = part != nullptr;
+    if (!mapped) failed = r;
   }
   char* me = channel->parts_[rank];
   __atomic_store_n(reinterpret_cast<uint64_t*>(me), 0, __ATOMIC_RELEASE);
   __atomic_store_n(reinterpret_cast<uint64_t*>(me + kCounterBytes), 0, __ATOMIC_RELEASE);
   __atomic_store_n(reinterpret_cast<uint64_t*>(me + 2 * kCounterBytes), 0, __ATOMIC_RELEASE);
   __atomic_store_n(reinterpret_cast<uint64_t*>(me + kDepartureAt), 0, __ATOMIC_RELEASE);
-  std::vector<int32_t> all_mapped(size);
-  transport.creation_allgather(&mapped, all_mapped.data(), sizeof(mapped));
-  for (int32_t m : all_mapped)
-    if (!m) return nullptr;  // (the destructor unmaps what was mapped)
+  std::vector<int32_t> all_failed(size);
+  transport.creation_allgather(&failed, all_failed.data(), sizeof(failed));
+  for (int r = 0; r < size; ++r) {
+    if (all_failed[r] < 0) continue;
+    *why_not = "rank " + std::to_string(r) + " could not map the shared memory of rank " +
+               std::to_string(all_failed[r]) +
+               " (processes that cannot see each other's: other pid namespaces or users)";
+    return nullptr;  // (the destructor unmaps what was mapped)
+  }
 
   const int64_t slots_at = kCounterBytes * 3 + channel->board_stride_ * 2;
   for (int r = 0; r < size; ++r) {

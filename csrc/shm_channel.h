@@ -21,6 +21,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "dtype.h"
@@ -39,8 +40,10 @@ class ShmChannel {
   // board_bytes: the most exchange() will post per rank. The transport's StopRequest is
   // checked by this wire's waits too (see check_departures()): the transport must
   // outlive the channel.
+  // why_not: set, when it returns nullptr, to why (the same on every rank).
   static std::unique_ptr<ShmChannel> create(MpiTransport& transport, int64_t slot_bytes,
-                                            int slots, int64_t board_bytes);
+                                            int slots, int64_t board_bytes,
+                                            std::string* why_not);
   ~ShmChannel();
   ShmChannel(const ShmChannel&) = delete;
   ShmChannel& operator=(const ShmChannel&) = delete;

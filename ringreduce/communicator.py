@@ -278,6 +278,16 @@ _live: "weakref.WeakSet[Communicator]" = weakref.WeakSet()
 _PROCESS = os.getpid()  # MPI's process: a child made by fork() must leave MPI alone
 
 
+def _after_fork_in_child():
+    # Every Communicator here is the parent's: calls raise (a call would otherwise take
+    # the parent's place in the ring, with the child's data), and closing does nothing.
+    for comm in list(_live):
+        comm._closed = True
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 @atexit.register
 def _finish_all():
     # Before mpi4py finalises MPI: let queued collectives finish, so that no thread is
@@ -286,7 +296,8 @@ def _finish_all():
     if os.getpid() != _PROCESS:
         return
     for comm in list(_live):
-        comm._executor.finish()
+        if comm._pid == os.getpid():
+            comm._executor.finish()
     _core.finish_abandoned_duplicates()
 
 
@@ -370,6 +381,7 @@ class Communicator:
 
     def __init__(self, comm=None, *, chunk_bytes: int | None = None,
                  timeout: float | None = _FROM_ENVIRONMENT):
+        self._pid = os.getpid()  # the process it belongs to (see _forked_away)
         if comm is None:
             comm = MPI.COMM_WORLD
         if isinstance(comm, Communicator):
@@ -434,6 +446,12 @@ class Communicator:
     def transport(self) -> str:
         """How chunks travel: "shared memory" when all ranks share one node, else "MPI"."""
         return self._core.transport
+
+    @property
+    def transport_reason(self) -> str:
+        """Why chunks travel as MPI messages ("" when through shared memory): the same
+        on every rank, e.g. "the ranks are on more than one machine (...)"."""
+        return self._core.transport_reason
 
     @property
     def closed(self) -> bool:
@@ -624,7 +642,7 @@ class Communicator:
         belongs to the parent, and its ring and MPI are the parent's to use. The child
         drops its copy without a word to anyone (telling the others it left, as an
         exception leaving its `with` block would, would break the parent's calls)."""
-        if os.getpid() == _PROCESS:
+        if os.getpid() == self._pid:
             return False
         self._closed = True
         return True
@@ -637,7 +655,7 @@ class Communicator:
         _live.discard(self)
 
     def __del__(self):
-        if os.getpid() != _PROCESS:
+        if os.getpid() != getattr(self, "_pid", None):
             return
         executor = getattr(self, "_executor", None)
         if executor is not None and executor.thread is not None:
@@ -657,6 +675,10 @@ class Communicator:
     def _call(self, name, prepare, *args, wait):
         context = self._contexts[name]
         if self._closed:
+            if os.getpid() != self._pid:
+                raise ValueError(f"{context}: this Communicator belongs to process "
+                                 f"{self._pid}, of which this one is a child made by fork(); "
+                                 "MPI does not let a child use it")
             raise ValueError(f"{context}: this Communicator has been closed")
         try:
             run = prepare(context, *args)

@@ -172,6 +172,7 @@ def test_a_job_killed_while_making_its_communicator_leaves_no_shared_memory(tmp_
 
 FORKED_CHILD = """
 import gc
+import mmap
 import os
 import numpy as np
 from mpi4py import MPI
@@ -182,7 +183,17 @@ with rr.Communicator(timeout=30) as ring:
     status = 0
     if rank == 0:
         child = os.fork()
-        if child == 0:  # a worker that fails inside the parent's `with` block, then ends
+        if child == 0:  # a worker that calls, fails inside the parent's `with` block, ends
+            try:
+                ring.allreduce(np.ones(4))
+            except ValueError as error:
+                assert "child made by fork()" in str(error), error
+            else:
+                os._exit(3)  # it took the parent's place in the ring
+            # Memory of the child's own, where the ring was mapped in the parent (the
+            # child does not inherit those mappings): dropping the Communicator must
+            # not unmap it.
+            mine = [mmap.mmap(-1, 1 << 20) for _ in range(8)]
             try:
                 with ring:
                     raise KeyError("in the child")
@@ -191,7 +202,9 @@ with rr.Communicator(timeout=30) as ring:
             ring.close()
             del ring
             gc.collect()
-            os._exit(0)
+            for block in mine:
+                block[:8] = b"in child"
+            os._exit(0)  # (a normal exit would run MPI_Finalize here: mpi4py's doing)
         status = os.waitpid(child, 0)[1]
     total = ring.allreduce(np.ones(1 << 16))[0]
     os.write(1, f"child {status} sum {total}\\n".encode())  # one write: lines whole
@@ -200,9 +213,11 @@ with rr.Communicator(timeout=30) as ring:
 
 @pytest.mark.parametrize("shm", ["1", "0"], ids=["shared memory", "MPI"])
 def test_a_forked_child_leaves_its_parents_communicator_alone(shm, tmp_path):
-    # The child's copy of the Communicator is not its own: an exception leaving the
-    # `with` block there must not tell the other ranks that rank 0 left (nor touch
-    # the ring's memory, which the child does not inherit).
+    # The child's copy of the Communicator is not its own: a call there raises (it
+    # would take the parent's place in the ring), and an exception leaving the `with`
+    # block, close() and dropping it do nothing (they would tell the other ranks that
+    # rank 0 left, free the parent's MPI communicator, or unmap the child's own memory
+    # where the parent's ring is mapped).
     done = run_script(tmp_path, "fork.py", FORKED_CHILD, env={"RINGREDUCE_SHM": shm})
     assert done.returncode == 0, done.stderr[-4000:]
     assert done.stdout.count("child 0 sum 2.0") == 2, done.stdout  # (lines may interleave)

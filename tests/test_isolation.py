@@ -24,6 +24,7 @@ os.close(fd)
 ring = rr.Communicator(timeout=60)
 rank = MPI.COMM_WORLD.Get_rank()
 with open(os.path.join(sys.argv[1], f"rank{rank}.txt"), "w") as said:
+    said.write(ring.transport_reason + "\\n")
     for n in (1, 1000):  # (small: MPICH's own single-copy path fails across namespaces)
         result = ring.allreduce(np.full(n, rank + 1.0))
         said.write(f"pid {os.getpid()} {ring.transport} result {np.unique(result)}\\n")
@@ -48,8 +49,10 @@ def test_ranks_in_pid_namespaces_of_their_own_never_map_each_others_memory_wrong
                            sys.executable, str(script), str(tmp_path)],
                           capture_output=True, text=True, timeout=120, env=job_env())
     assert done.returncode == 0, done.stderr[-4000:]
-    lines = [line for rank in (0, 1)
-             for line in (tmp_path / f"rank{rank}.txt").read_text().splitlines()]
+    said = [(tmp_path / f"rank{rank}.txt").read_text().splitlines() for rank in (0, 1)]
+    for reason, *_ in said:  # the same on both
+        assert reason.startswith("rank 0 could not map the shared memory of rank 1"), said
+    lines = [line for lines in said for line in lines[1:]]
     assert len(lines) == 4, lines
     assert all(line.startswith("pid 1 ") for line in lines), lines  # in namespaces indeed
     assert all(line.endswith("result [3.]") for line in lines), lines

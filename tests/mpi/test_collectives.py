@@ -347,3 +347,20 @@ def test_results_hands_out_a_buffer_again_only_when_it_is_alone():
     # Beyond MAX_BYTES nothing is kept: a plain new array.
     huge = results.empty(results.MAX_BYTES // 8 + 1, np.float64)
     assert huge.flags.owndata and len(results.buffers) == 1
+
+
+def test_the_transport_says_why_it_is_mpi(world, monkeypatch):
+    monkeypatch.delenv("RINGREDUCE_SHM", raising=False)  # (this module also runs with 0)
+    with rr.Communicator() as ring:
+        if SIZE == 1:
+            assert (ring.transport, ring.transport_reason) == ("MPI", "one rank: no ring")
+        elif ring.transport == "shared memory":
+            assert ring.transport_reason == ""
+    if SIZE > 1:
+        # One rank turns shared memory off: every rank uses MPI, and says who did.
+        if RANK == SIZE - 1:
+            monkeypatch.setenv("RINGREDUCE_SHM", "0")
+        with rr.Communicator() as ring:
+            assert ring.transport == "MPI"
+            assert ring.transport_reason == f"RINGREDUCE_SHM=0 on rank {SIZE - 1}"
+            np.testing.assert_array_equal(ring.allreduce(np.ones(1 << 16)), SIZE)
