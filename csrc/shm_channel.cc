@@ -48,8 +48,10 @@ struct Offer {
   char name[64];       // where the others open this rank's memory
   uint64_t token[2];   // what that memory holds at kTokenAt
   int32_t ready;       // 1: made and mapped, and this rank wants the wire
-  int32_t refused;     // if not: 1, RINGREDUCE_SHM=0 here; else errno of the making
+  int32_t refused;     // if not: kTurnedOff, or the errno of the making (0: unknown)
 };
+
+constexpr int32_t kTurnedOff = -1;  // RINGREDUCE_SHM=0 on that rank
 
 // 128 random bits (the clock, the pid and an address, should the system have no
 // random device).
@@ -83,6 +85,7 @@ void machine_of_this_process(char* out, size_t size) {
     if (std::fgets(boot, sizeof(boot), f) == nullptr) boot[0] = 0;
     std::fclose(f);
   }
+  boot[std::strcspn(boot, "\n")] = 0;
   std::snprintf(out, size, "%s/%s", host, boot);
 }
 
@@ -196,12 +199,12 @@ std::unique_ptr<ShmChannel> ShmChannel::create(MpiTransport& transport, int64_t 
   machine_of_this_process(mine.host, sizeof(mine.host));
   OwnMemory own{&mine};
   if (shm_disabled_by_environment()) {
-    mine.refused = 1;
+    mine.refused = kTurnedOff;
   } else {
     errno = 0;
     channel->parts_[rank] = own.make(rank, channel->part_bytes_);
     mine.ready = channel->parts_[rank] != nullptr;
-    if (!mine.ready) mine.refused = errno != 0 ? errno : -1;
+    if (!mine.ready) mine.refused = errno;
     if (mine.ready) {
       random_token(mine.token);
       std::memcpy(channel->parts_[rank] + kTokenAt, mine.token, sizeof(mine.token));
@@ -213,7 +216,7 @@ std::unique_ptr<ShmChannel> ShmChannel::create(MpiTransport& transport, int64_t 
   for (int r = 0; r < size; ++r) {
     offers[r].host[sizeof(offers[r].host) - 1] = 0;
     if (offers[r].ready) continue;
-    *why_not = offers[r].refused == 1
+    *why_not = offers[r].refused == kTurnedOff
                    ? "RINGREDUCE_SHM=0 on rank " + std::to_string(r)
                    : "rank " + std::to_string(r) + " could not make its shared memory (" +
                          (offers[r].refused > 0 ? std::strerror(offers[r].refused)
