@@ -226,9 +226,15 @@ std::unique_ptr<ShmChannel> ShmChannel::create(MpiTransport& transport, int64_t 
   }
   for (int r = 0; r < size; ++r) {
     if (std::strcmp(offers[r].host, offers[0].host) == 0) continue;
-    *why_not = "the ranks are on more than one machine (rank 0 on " +
-               std::string(offers[0].host) + ", rank " + std::to_string(r) + " on " +
-               offers[r].host + ")";
+    const char* boot0 = std::strchr(offers[0].host, '/');
+    const char* boot = std::strchr(offers[r].host, '/');
+    const bool one_boot = boot0 != nullptr && boot != nullptr && boot0[1] != 0 &&
+                          std::strcmp(boot0, boot) == 0;
+    *why_not = std::string(one_boot ? "the ranks have different host names on one machine "
+                                      "(containers of their own?): "
+                                    : "the ranks are on more than one machine: ") +
+               "rank 0 on " + offers[0].host + ", rank " + std::to_string(r) + " on " +
+               offers[r].host + " (host/boot id)";
     return nullptr;
   }
 
@@ -261,7 +267,7 @@ std::unique_ptr<ShmChannel> ShmChannel::create(MpiTransport& transport, int64_t 
     if (all_failed[r] < 0) continue;
     *why_not = "rank " + std::to_string(r) + " could not map the shared memory of rank " +
                std::to_string(all_failed[r]) +
-               " (processes that cannot see each other's: other pid namespaces or users)";
+               " (e.g. processes in other pid namespaces, or of other users)";
     return nullptr;  // (the destructor unmaps what was mapped)
   }
 

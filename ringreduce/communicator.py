@@ -276,6 +276,7 @@ class _Executor:
 
 _live: "weakref.WeakSet[Communicator]" = weakref.WeakSet()
 _PROCESS = os.getpid()  # MPI's process: a child made by fork() must leave MPI alone
+_MPI_BEFORE_FORK = MPI.Is_initialized()  # (a child may run an MPI of its own only if not)
 
 
 def _after_fork_in_child():
@@ -382,6 +383,10 @@ class Communicator:
     def __init__(self, comm=None, *, chunk_bytes: int | None = None,
                  timeout: float | None = _FROM_ENVIRONMENT):
         self._pid = os.getpid()  # the process it belongs to (see _forked_away)
+        if self._pid != _PROCESS and _MPI_BEFORE_FORK:
+            raise ValueError(f"ringreduce.Communicator: process {self._pid} is a child made "
+                             f"by fork() of MPI's process {_PROCESS}; MPI does not let a "
+                             "child use it")
         if comm is None:
             comm = MPI.COMM_WORLD
         if isinstance(comm, Communicator):
@@ -450,7 +455,7 @@ class Communicator:
     @property
     def transport_reason(self) -> str:
         """Why chunks travel as MPI messages ("" when through shared memory): the same
-        on every rank, e.g. "the ranks are on more than one machine (...)"."""
+        on every rank, e.g. "the ranks are on more than one machine: ..."."""
         return self._core.transport_reason
 
     @property

@@ -184,12 +184,14 @@ with rr.Communicator(timeout=30) as ring:
     if rank == 0:
         child = os.fork()
         if child == 0:  # a worker that calls, fails inside the parent's `with` block, ends
-            try:
-                ring.allreduce(np.ones(4))
-            except ValueError as error:
-                assert "child made by fork()" in str(error), error
-            else:
-                os._exit(3)  # it took the parent's place in the ring
+            for call in (lambda: ring.allreduce(np.ones(4)), lambda: rr.allreduce(np.ones(4)),
+                         lambda: rr.Communicator()):
+                try:
+                    call()
+                except ValueError as error:
+                    assert "child made by fork()" in str(error), error
+                else:
+                    os._exit(3)  # it took the parent's place in the ring
             # Memory of the child's own, where the ring was mapped in the parent (the
             # child does not inherit those mappings): dropping the Communicator must
             # not unmap it.

@@ -31,6 +31,29 @@ with open(os.path.join(sys.argv[1], f"rank{rank}.txt"), "w") as said:
 """
 
 
+# What ringreduce asks of MPI in that job, without ringreduce: whether the MPI library
+# itself works between ranks in pid namespaces of their own (Open MPI 4.1's shared-memory
+# transport crashes there).
+MPI_ALONE = """
+import numpy as np
+from mpi4py import MPI
+dup = MPI.COMM_WORLD.Dup()
+dup.Ibarrier().Wait()
+mine, everyone = np.zeros(256, np.uint8), np.zeros(256 * dup.Get_size(), np.uint8)
+dup.Iallgather(mine, everyone).Wait()
+for n in (1, 1000):
+    dup.Allreduce(np.ones(n), np.empty(n))
+"""
+
+
+def in_namespaces(tmp_path, name, text, *args):
+    script = tmp_path / name
+    script.write_text(text)
+    return subprocess.run([mpiexec(), "-n", "2", "unshare", "-pf", "--mount-proc",
+                           sys.executable, str(script), *args],
+                          capture_output=True, text=True, timeout=120, env=job_env())
+
+
 def unshare_works() -> bool:
     try:
         return subprocess.run(["unshare", "-pf", "--mount-proc", "true"],
@@ -41,13 +64,15 @@ def unshare_works() -> bool:
 
 @pytest.mark.skipif(not unshare_works(), reason="no unshare with a pid namespace here")
 def test_ranks_in_pid_namespaces_of_their_own_never_map_each_others_memory_wrongly(tmp_path):
+    try:
+        alone = in_namespaces(tmp_path, "mpi_alone.py", MPI_ALONE)
+    except subprocess.TimeoutExpired:
+        alone = None
+    if alone is None or alone.returncode != 0:
+        pytest.skip("this MPI library does not work between pid namespaces by itself")
     # The check that found this: both ranks mapped their own memory as the other's
     # (the same /proc path in each namespace), and every sum came out wrong, silently.
-    script = tmp_path / "aligned.py"
-    script.write_text(ALIGNED_FDS)
-    done = subprocess.run([mpiexec(), "-n", "2", "unshare", "-pf", "--mount-proc",
-                           sys.executable, str(script), str(tmp_path)],
-                          capture_output=True, text=True, timeout=120, env=job_env())
+    done = in_namespaces(tmp_path, "aligned.py", ALIGNED_FDS, str(tmp_path))
     assert done.returncode == 0, done.stderr[-4000:]
     said = [(tmp_path / f"rank{rank}.txt").read_text().splitlines() for rank in (0, 1)]
     for reason, *_ in said:  # the same on both
