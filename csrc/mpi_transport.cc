@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cstddef>
 #include <cstring>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -221,34 +222,35 @@ void MpiTransport::allgather_bytes(const void* mine, void* all, int bytes) {
 }
 
 void MpiTransport::creation_allgather(const void* mine, void* all, int bytes) {
-  // Buffers of their own, let go of only once the exchange completed: after a timeout
-  // a late rank completes it, writing into them.
   begin_creation_step();
-  auto* send = new char[bytes];
-  auto* recv = new char[static_cast<size_t>(bytes) * size_];
-  std::memcpy(send, mine, bytes);
+  std::unique_ptr<char[]> send(new char[bytes]);
+  std::unique_ptr<char[]> recv(new char[static_cast<size_t>(bytes) * size_]);
+  std::memcpy(send.get(), mine, bytes);
   MPI_Request request = MPI_REQUEST_NULL;
-  const int rc = MPI_Iallgather(send, bytes, MPI_BYTE, recv, bytes, MPI_BYTE, comm_, &request);
-  if (rc != MPI_SUCCESS) {  // nothing pending
-    delete[] send;
-    delete[] recv;
-    check(rc, "MPI_Iallgather");
-  }
+  check(MPI_Iallgather(send.get(), bytes, MPI_BYTE, recv.get(), bytes, MPI_BYTE, comm_,
+                       &request),
+        "MPI_Iallgather");
+  // After a timeout or a stop the exchange stays pending, and a late rank completes it,
+  // writing into its buffers: they are let go of for good, and the duplicate is left
+  // to MPI_Finalize.
+  auto abandon = [&] {
+    send.release();
+    recv.release();
+    comm_ = MPI_COMM_NULL;
+  };
   bool done = false;
   try {
     done = wait_patiently(&request, "MPI_Test(MPI_Iallgather)");
   } catch (...) {
-    comm_ = MPI_COMM_NULL;  // left to MPI_Finalize, with the pending exchange
+    abandon();
     throw;
   }
   if (!done) {
-    comm_ = MPI_COMM_NULL;
+    abandon();
     throw TimeoutError(creation_timeout_text(
         "This rank's duplicate of the communicator passed is left to MPI_Finalize"));
   }
-  std::memcpy(all, recv, static_cast<size_t>(bytes) * size_);
-  delete[] send;
-  delete[] recv;
+  std::memcpy(all, recv.get(), static_cast<size_t>(bytes) * size_);
 }
 
 void MpiTransport::receive_notices() {

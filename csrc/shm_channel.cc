@@ -94,7 +94,7 @@ void machine_of_this_process(char* out, size_t size) {
 #ifdef __linux__
 // An anonymous memory file, which the others open through /proc: it has no name of its
 // own, so nothing is left behind in /dev/shm when the job is killed mid-creation.
-int make_memory_file(int /*rank*/, char* name, size_t size) {
+int make_memory_file(char* name, size_t size) {
   const int fd = memfd_create("ringreduce", MFD_CLOEXEC);
   if (fd >= 0) std::snprintf(name, size, "/proc/%d/fd/%d", static_cast<int>(getpid()), fd);
   return fd;
@@ -105,7 +105,7 @@ void forget_memory_file(const char* /*name*/) {}
 // Elsewhere a POSIX shared-memory object, named by this process, a count of the
 // channels it made and a random part (under 31 characters, macOS's limit), and
 // unlinked once all have mapped it.
-int make_memory_file(int /*rank*/, char* name, size_t size) {
+int make_memory_file(char* name, size_t size) {
   static std::atomic<uint64_t> made{0};
   uint64_t salt[2];
   random_token(salt);
@@ -122,8 +122,8 @@ void forget_memory_file(const char* name) { shm_unlink(name); }
 struct OwnMemory {
   Offer* offer;
   int fd = -1;
-  char* make(int rank, size_t bytes) {
-    fd = make_memory_file(rank, offer->name, sizeof(offer->name));
+  char* make(size_t bytes) {
+    fd = make_memory_file(offer->name, sizeof(offer->name));
     if (fd < 0) return nullptr;
 #ifdef __linux__
     // Every page now, so that a lack of memory fails here, not with SIGBUS mid-call.
@@ -202,7 +202,7 @@ std::unique_ptr<ShmChannel> ShmChannel::create(MpiTransport& transport, int64_t 
     mine.refused = kTurnedOff;
   } else {
     errno = 0;
-    channel->parts_[rank] = own.make(rank, channel->part_bytes_);
+    channel->parts_[rank] = own.make(channel->part_bytes_);
     mine.ready = channel->parts_[rank] != nullptr;
     if (!mine.ready) mine.refused = errno;
     if (mine.ready) {
@@ -256,11 +256,7 @@ std::unique_ptr<ShmChannel> ShmChannel::create(MpiTransport& transport, int64_t 
     mapped = part != nullptr;
     if (!mapped) failed = r;
   }
-  char* me = channel->parts_[rank];
-  __atomic_store_n(reinterpret_cast<uint64_t*>(me), 0, __ATOMIC_RELEASE);
-  __atomic_store_n(reinterpret_cast<uint64_t*>(me + kCounterBytes), 0, __ATOMIC_RELEASE);
-  __atomic_store_n(reinterpret_cast<uint64_t*>(me + 2 * kCounterBytes), 0, __ATOMIC_RELEASE);
-  __atomic_store_n(reinterpret_cast<uint64_t*>(me + kDepartureAt), 0, __ATOMIC_RELEASE);
+  // (Every counter and departure word starts at 0: a new memory file reads as zeros.)
   std::vector<int32_t> all_failed(size);
   transport.creation_allgather(&failed, all_failed.data(), sizeof(failed));
   for (int r = 0; r < size; ++r) {
@@ -272,6 +268,7 @@ std::unique_ptr<ShmChannel> ShmChannel::create(MpiTransport& transport, int64_t 
   }
 
   const int64_t slots_at = kCounterBytes * 3 + channel->board_stride_ * 2;
+  char* me = channel->parts_[rank];
   for (int r = 0; r < size; ++r) {
     char* part = channel->parts_[r];
     channel->exchanged_.push_back(reinterpret_cast<const uint64_t*>(part + 2 * kCounterBytes));
