@@ -280,8 +280,11 @@ _MPI_BEFORE_FORK = MPI.Is_initialized()  # (a child may run an MPI of its own on
 
 
 def _after_fork_in_child():
-    # Every Communicator here is the parent's: calls raise (a call would otherwise take
-    # the parent's place in the ring, with the child's data), and closing does nothing.
+    # Every Communicator here is the parent's: closed in the child, so calls raise (a
+    # call would otherwise take the parent's place in the ring, with the child's data),
+    # and close() or an exception leaving its `with` block does nothing (it would tell
+    # the other ranks that this rank left, or free the parent's MPI communicator).
+    # (The ones not in _live are closed already.)
     for comm in list(_live):
         comm._closed = True
 
@@ -297,8 +300,7 @@ def _finish_all():
     if os.getpid() != _PROCESS:
         return
     for comm in list(_live):
-        if comm._pid == os.getpid():
-            comm._executor.finish()
+        comm._executor.finish()
     _core.finish_abandoned_duplicates()
 
 
@@ -382,7 +384,7 @@ class Communicator:
 
     def __init__(self, comm=None, *, chunk_bytes: int | None = None,
                  timeout: float | None = _FROM_ENVIRONMENT):
-        self._pid = os.getpid()  # the process it belongs to (see _forked_away)
+        self._pid = os.getpid()  # the process it belongs to (see _after_fork_in_child)
         if self._pid != _PROCESS and _MPI_BEFORE_FORK:
             raise ValueError(f"ringreduce.Communicator: process {self._pid} is a child made "
                              f"by fork() of MPI's process {_PROCESS}; MPI does not let a "
@@ -610,8 +612,6 @@ class Communicator:
         """
         if self._closed:
             return
-        if self._forked_away():
-            return
         self._executor.finish()
         self._abandon()
         if not MPI.Is_finalized():
@@ -621,7 +621,7 @@ class Communicator:
         return self
 
     def __exit__(self, exc_type, exc, traceback):
-        if exc_type is None or self._forked_away():
+        if exc_type is None:
             self.close()
             return
         # An exception is leaving the block, maybe on this rank only, while the others
@@ -642,16 +642,6 @@ class Communicator:
                 self._core.leave()
         self._abandon()
 
-    def _forked_away(self) -> bool:
-        """In a child made by fork() (a data loader's worker, say): the Communicator
-        belongs to the parent, and its ring and MPI are the parent's to use. The child
-        drops its copy without a word to anyone (telling the others it left, as an
-        exception leaving its `with` block would, would break the parent's calls)."""
-        if os.getpid() == self._pid:
-            return False
-        self._closed = True
-        return True
-
     def _abandon(self) -> None:
         """Stop using this communicator, here only (close() also frees it, collectively)."""
         self._closed = True
@@ -661,7 +651,7 @@ class Communicator:
 
     def __del__(self):
         if os.getpid() != getattr(self, "_pid", None):
-            return
+            return  # a copy in a child made by fork(): its thread and MPI are the parent's
         executor = getattr(self, "_executor", None)
         if executor is not None and executor.thread is not None:
             executor.stop()
