@@ -38,6 +38,15 @@ def run_script(tmp_path, name, text, env=None, timeout=60):
         raise AssertionError("the job hung instead of ending") from None
 
 
+def start_script(tmp_path, name, text):
+    """The job running on 2 ranks, its output piped, for a test to act on as it goes."""
+    script = tmp_path / name
+    script.write_text(text)
+    return subprocess.Popen([mpiexec(), "-n", "2", sys.executable, str(script)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=job_env())
+
+
 def test_an_exception_leaving_a_with_block_on_one_rank_ends_the_job(tmp_path):
     start = time.monotonic()
     done = run_script(tmp_path, "leave.py", LEAVE_WITH_BLOCK)
@@ -143,12 +152,8 @@ def test_a_job_killed_while_making_its_communicator_leaves_no_shared_memory(tmp_
     # Killed (SIGTERM to mpiexec, as a batch system's time limit does) while every
     # rank holds its shared memory and waits for the last exchange: nothing is left in
     # /dev/shm. (Named objects, unlinked only at the end of the making, were left.)
-    script = tmp_path / "killed.py"
-    script.write_text(KILLED_WHILE_MAKING)
     before = set(os.listdir("/dev/shm"))
-    job = subprocess.Popen([mpiexec(), "-n", "2", sys.executable, str(script)],
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                           env=job_env())
+    job = start_script(tmp_path, "killed.py", KILLED_WHILE_MAKING)
     try:
         pids = []
         while len(pids) < 2:
@@ -165,7 +170,7 @@ def test_a_job_killed_while_making_its_communicator_leaves_no_shared_memory(tmp_
     finally:
         if job.poll() is None:
             job.kill()
-        subprocess.run(["pkill", "-9", "-f", str(script)])
+        subprocess.run(["pkill", "-9", "-f", str(tmp_path / "killed.py")])
     left = [name for name in set(os.listdir("/dev/shm")) - before if "ringreduce" in name]
     assert not left, left
 
@@ -242,11 +247,7 @@ def test_ctrl_c_ends_a_job_whose_ranks_wait_for_each_other(tmp_path):
     # mpiexec, which passes it on) stops both calls: each rank raises KeyboardInterrupt
     # where it waited, and the job ends. Before, Python's handler could not run until
     # the calls returned, and the job sat there until a second Ctrl-C killed it.
-    script = tmp_path / "deadlock.py"
-    script.write_text(DEADLOCK)
-    job = subprocess.Popen([mpiexec(), "-n", "2", sys.executable, str(script)],
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                           env=job_env())
+    job = start_script(tmp_path, "deadlock.py", DEADLOCK)
     try:
         said = ""
         while said.count("waiting") < 2:  # (the ranks' lines may interleave)
@@ -258,7 +259,7 @@ def test_ctrl_c_ends_a_job_whose_ranks_wait_for_each_other(tmp_path):
         job.send_signal(signal.SIGINT)
         _, stderr = job.communicate(timeout=30)
     except subprocess.TimeoutExpired:
-        subprocess.run(["pkill", "-9", "-f", str(script)])
+        subprocess.run(["pkill", "-9", "-f", str(tmp_path / "deadlock.py")])
         job.kill()
         raise AssertionError("the job went on waiting after Ctrl-C") from None
     assert job.returncode != 0
