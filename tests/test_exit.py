@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -38,13 +39,19 @@ def run_script(tmp_path, name, text, env=None, timeout=60):
         raise AssertionError("the job hung instead of ending") from None
 
 
-def start_script(tmp_path, name, text):
-    """The job running on 2 ranks, its output piped, for a test to act on as it goes."""
+def start_script(tmp_path, name, text, timeout=120):
+    """The job running on 2 ranks, its output piped, for a test to act on as it goes;
+    killed after `timeout` seconds whatever happens (a test reading its output would
+    otherwise wait for good on a job that hangs before it says anything)."""
     script = tmp_path / name
     script.write_text(text)
-    return subprocess.Popen([mpiexec(), "-n", "2", sys.executable, str(script)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=job_env())
+    job = subprocess.Popen([mpiexec(), "-n", "2", sys.executable, str(script)],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           env=job_env())
+    watchdog = threading.Timer(timeout, job.kill)
+    watchdog.daemon = True
+    watchdog.start()
+    return job
 
 
 def test_an_exception_leaving_a_with_block_on_one_rank_ends_the_job(tmp_path):
