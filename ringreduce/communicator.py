@@ -577,8 +577,7 @@ class Communicator:
                         if guess is None:
                             return gather_rows(core, x, rows, row_shape, dtype,
                                                self._chunk_bytes, out, self._results)
-                        row_elems, tag = (row_layout(row_shape) if row_shape
-                                          else (1, _NO_ROW_SHAPE_TAG))
+                        row_elems, tag = row_layout(row_shape)
                         counts = core.allgather_small(
                             x, rows, row_elems, tag, dtype, self._chunk_bytes,
                             -1 if out is None else out.shape[0], guess, guess.shape[0])
