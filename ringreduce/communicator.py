@@ -175,17 +175,25 @@ class Handle:
                 raise ValueError(f"Handle.wait: timeout must be >= 0 seconds, got {timeout}")
             if timeout >= threading.TIMEOUT_MAX:
                 timeout = None  # threading cannot wait that long, but can wait forever
-        if not self._work.finished.wait(timeout):
-            raise TimeoutError(f"ringreduce: collective still running after {timeout} s")
-        if self._work.error is not None:
-            raise self._work.error
-        return self._work.result
+        work = self._work
+        if not work.finished.is_set():
+            if os.getpid() != work.pid:
+                # The worker thread that would finish it exists only in the parent.
+                raise ValueError(f"Handle.wait: this collective runs in process "
+                                 f"{work.pid}, of which this one is a child made by "
+                                 "fork(); it cannot finish here")
+            if not work.finished.wait(timeout):
+                raise TimeoutError(f"ringreduce: collective still running after {timeout} s")
+        if work.error is not None:
+            raise work.error
+        return work.result
 
 
 class _Work:
-    __slots__ = ("core", "run", "result", "error", "finished", "cancelled")
+    __slots__ = ("core", "run", "result", "error", "finished", "cancelled", "pid")
 
     def __init__(self, core, run):
+        self.pid = os.getpid()  # the process whose worker thread runs it
         self.core = core
         self.run = run  # returns the collective's result
         self.result = None

@@ -27,11 +27,12 @@ with rr.Communicator() as ring:
 """
 
 
-def run_script(tmp_path, name, text, env=None, timeout=60):
+def run_script(tmp_path, name, text, env=None, timeout=60, args=()):
     script = tmp_path / name
     script.write_text(text)
     try:
-        return subprocess.run([mpiexec(), "-n", "2", sys.executable, "-m", "mpi4py", str(script)],
+        return subprocess.run([mpiexec(), "-n", "2", sys.executable, "-m", "mpi4py", str(script),
+                               *args],
                               capture_output=True, text=True, timeout=timeout,
                               env=job_env(env))
     except subprocess.TimeoutExpired:
@@ -186,24 +187,32 @@ FORKED_CHILD = """
 import gc
 import mmap
 import os
+import sys
+import time
 import numpy as np
 from mpi4py import MPI
 import ringreduce as rr
 
 rank = MPI.COMM_WORLD.Get_rank()
+child_ended = sys.argv[1]  # a file: rank 1 joins the pending call only once it exists
 with rr.Communicator(timeout=30) as ring:
     status = 0
     if rank == 0:
+        finished = ring.allreduce_async(np.ones(4))
+        finished.wait()
+        pending = ring.allreduce_async(np.full(4, 2.0))  # rank 1 is not there yet
         child = os.fork()
         if child == 0:  # a worker that calls, fails inside the parent's `with` block, ends
+            if finished.wait()[0] != 2.0:  # done before the fork: its result is here too
+                os._exit(4)
             for call in (lambda: ring.allreduce(np.ones(4)), lambda: rr.allreduce(np.ones(4)),
-                         lambda: rr.Communicator()):
+                         lambda: rr.Communicator(), pending.wait):
                 try:
                     call()
                 except ValueError as error:
                     assert "child made by fork()" in str(error), error
                 else:
-                    os._exit(3)  # it took the parent's place in the ring
+                    os._exit(3)  # it took the parent's place in the ring, or waited
             # Memory of the child's own, where the ring was mapped in the parent (the
             # child does not inherit those mappings): dropping the Communicator must
             # not unmap it.
@@ -220,6 +229,13 @@ with rr.Communicator(timeout=30) as ring:
                 block[:8] = b"in child"
             os._exit(0)  # (a normal exit would run MPI_Finalize here: mpi4py's doing)
         status = os.waitpid(child, 0)[1]
+        open(child_ended, "w").close()
+        assert pending.wait()[0] == 4.0
+    else:
+        ring.allreduce(np.ones(4))
+        while not os.path.exists(child_ended):
+            time.sleep(0.01)
+        ring.allreduce(np.full(4, 2.0))
     total = ring.allreduce(np.ones(1 << 16))[0]
     os.write(1, f"child {status} sum {total}\\n".encode())  # one write: lines whole
 """
@@ -231,8 +247,10 @@ def test_a_forked_child_leaves_its_parents_communicator_alone(shm, tmp_path):
     # would take the parent's place in the ring), and an exception leaving the `with`
     # block, close() and dropping it do nothing (they would tell the other ranks that
     # rank 0 left, free the parent's MPI communicator, or unmap the child's own memory
-    # where the parent's ring is mapped).
-    done = run_script(tmp_path, "fork.py", FORKED_CHILD, env={"RINGREDUCE_SHM": shm})
+    # where the parent's ring is mapped). Waiting on the parent's call in flight raises
+    # (the worker thread that would finish it is not in the child).
+    done = run_script(tmp_path, "fork.py", FORKED_CHILD, env={"RINGREDUCE_SHM": shm},
+                      args=[str(tmp_path / "child_ended")])
     assert done.returncode == 0, done.stderr[-4000:]
     assert done.stdout.count("child 0 sum 2.0") == 2, done.stdout  # (lines may interleave)
 
