@@ -1,7 +1,9 @@
 """Gradient compression for DistributedOptimizer.
 
 - ``"fp16"`` / ``"bf16"`` (strings): gradients travel as 16-bit floats. Each rank divides
-  by the number of ranks *before* the sum, so the sum on the wire stays in range.
+  by the number of ranks *before* the sum, so the sum on the wire stays in range; fp16
+  buckets are also multiplied by a power of two that keeps small gradients from rounding
+  to 0 (see DistributedOptimizer, ringreduce/optim.py).
 - ``PowerSGD(rank=r)``: low-rank compression of matrix-shaped gradients (Vogels et al.,
   2019). A gradient M (n x m, after error feedback) is approximated by P Q^T with
   P = M Q (n x r) and Q = M^T P (m x r), so (n + m) r numbers travel instead of n m.

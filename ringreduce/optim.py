@@ -14,6 +14,7 @@ with ``grad_ready`` the communication overlaps the rest of the backward pass.
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 import zlib
 
@@ -138,6 +139,36 @@ class Adam:
         self.v = [v.copy() for v in state["v"]]
 
 
+# float16 keeps 11 significant bits only between 6.1e-5 and 65504 (below, down to 6e-8,
+# ever fewer): gradients of 1e-6 lose most of their digits and smaller ones round to 0.
+# So an fp16 bucket travels multiplied by a power of two, its scale, chosen so that its
+# largest sum sits a little below _FP16_TOP. Every rank holds the same sums after an
+# all-reduce, so every rank picks the same next scale from them, without a message.
+# Sums that overflowed anyway (an inf, on every rank alike), or came out far too small,
+# are sent again with a scale the ranks agree on from their largest gradients, with
+# which no sum can overflow; so does a bucket's first all-reduce.
+_FP16_TOP = 2.0 ** 15        # (float16's largest finite number is 65504)
+_FP16_SCALES = (-40, 80)     # the scale's exponent stays within these
+
+
+def _fp16_scale_below(peak: float) -> float:
+    """The largest allowed power of two s with peak * s < _FP16_TOP."""
+    if not math.isfinite(peak):
+        return 1.0
+    if peak == 0:
+        return 2.0 ** _FP16_SCALES[1]
+    exponent = math.log2(_FP16_TOP) - math.frexp(peak)[1]  # peak < 2**frexp(peak)[1]
+    return 2.0 ** min(max(exponent, _FP16_SCALES[0]), _FP16_SCALES[1])
+
+
+def _fp16_top_exponent(wire) -> int:
+    """The largest float16 exponent field in wire: 31 if it holds an inf or NaN;
+    otherwise its largest magnitude is below 2 ** (field - 14)."""
+    if wire.size == 0:
+        return 0
+    return int((wire.view(np.uint16) & 0x7C00).max()) >> 10
+
+
 class _Bucket:
     """Gradients of a few parameters, packed back to back in one flat buffer."""
 
@@ -150,6 +181,10 @@ class _Bucket:
             offset += params[i].size
         self.buffer = xp.zeros(offset, params[indices[0]].dtype)
         self.wire = None if wire_dtype == self.buffer.dtype else xp.empty(offset, wire_dtype)
+        # float16 only: the power of two the gradients are multiplied by on the wire
+        # (see _FP16_TOP); None until the bucket's first all-reduce.
+        self.scaled = self.wire is not None and self.wire.dtype == np.float16
+        self.scale = None
         self.reported: set = set()
         self.handle = None
 
@@ -191,6 +226,9 @@ class DistributedOptimizer:
         self._accumulating = False   # inside no_sync()
         self._accumulated = False    # the buckets hold gradients from no_sync() steps
         self.bytes_sent = 0          # payload bytes this rank handed to allreduce
+        # fp16 sums are aimed below 2 ** _fp16_aim: headroom, as a partial sum of the
+        # ring can be up to p times the average and gradients change between steps.
+        self._fp16_aim = math.log2(_FP16_TOP) - 2 - math.ceil(math.log2(self.comm.size))
         self.comm_seconds = 0.0      # time step() spent waiting for communication
         self._check_same_model_everywhere()
 
@@ -318,14 +356,51 @@ class DistributedOptimizer:
             bucket.handle = self.comm.allreduce_async(bucket.buffer, op="avg", out=bucket.buffer)
             self.bytes_sent += bucket.buffer.nbytes
         else:
-            # Divide before the sum, so a 16-bit sum of p gradients cannot overflow.
-            bucket.wire[...] = bucket.buffer / self.comm.size  # the assignment rounds to 16 bits
-            bucket.handle = self.comm.allreduce_async(bucket.wire, op="sum", out=bucket.wire)
-            self.bytes_sent += bucket.wire.nbytes
+            if bucket.scaled and bucket.scale is None:
+                bucket.scale = self._agreed_fp16_scale(bucket)[0]
+            self._send_16_bit(bucket)
+
+    def _send_16_bit(self, bucket):
+        # Divide before the sum, so a 16-bit sum of p gradients cannot overflow.
+        factor = (bucket.scale if bucket.scaled else 1.0) / self.comm.size
+        bucket.wire[...] = bucket.buffer * factor  # the assignment rounds to 16 bits
+        bucket.handle = self.comm.allreduce_async(bucket.wire, op="sum", out=bucket.wire)
+        self.bytes_sent += bucket.wire.nbytes
+
+    def _agreed_fp16_scale(self, bucket) -> tuple[float, float]:
+        """A scale no partial sum can overflow with, and the largest gradient of all."""
+        # (Each rank sends its gradients divided by p, so every partial sum of the ring
+        # is at most the largest of them.)
+        xp = array_module(bucket.buffer)
+        mine = float(xp.abs(bucket.buffer).max()) if bucket.buffer.size else 0.0
+        peak = float(self.comm.allreduce(np.array([mine]), op="max")[0])
+        return _fp16_scale_below(peak), peak
+
+    def _unscale_fp16(self, bucket):
+        # Every rank holds the same sums, so every rank takes the same branches here.
+        top = _fp16_top_exponent(bucket.wire)  # the sums are below 2 ** (top - 14)
+        if top == 31 or top - 14 < self._fp16_aim - 10:
+            # Overflowed (an inf), or so far below the aim that small gradients lost
+            # their digits: send again, with a scale agreed from every rank's largest
+            # gradient (unless all are 0: then the sums are exact already).
+            bucket.scale, peak = self._agreed_fp16_scale(bucket)
+            if peak != 0:
+                self._send_16_bit(bucket)
+                bucket.handle.wait()
+                top = _fp16_top_exponent(bucket.wire)
+        bucket.buffer[...] = bucket.wire.astype(bucket.buffer.dtype)
+        bucket.buffer *= 1.0 / bucket.scale  # (a power of two: exact)
+        if top != 31:  # (an inf or NaN in the gradients themselves: keep the scale)
+            # Aim the next step's sums, which will be about as large as these, at
+            # 2 ** _fp16_aim.
+            bucket.scale = _fp16_scale_below(
+                2.0 ** (max(top, 1) - 14 + 15 - self._fp16_aim) / bucket.scale)
 
     def _finish(self, bucket, averaged):
         bucket.handle.wait()
-        if bucket.wire is not None:
+        if bucket.scaled:
+            self._unscale_fp16(bucket)
+        elif bucket.wire is not None:
             bucket.buffer[...] = bucket.wire.astype(bucket.buffer.dtype)
         for i in bucket.indices:
             averaged[i] = bucket.buffer[bucket.slices[i]].reshape(self.params[i].shape)

@@ -166,6 +166,28 @@ def test_16_bit_wire_does_not_overflow():
     np.testing.assert_allclose(params[0], -60000.0, rtol=1e-3)
 
 
+def test_fp16_wire_keeps_gradients_below_float16s_range():
+    # Steps of 1e-9 gradients (float16 rounds them to 0), then 1e3 (the scale the small
+    # ones set overflows: sent again), then tiny again; each comes out as the average.
+    params = [np.zeros(300, np.float32), np.zeros(5, np.float32)]
+    opt = DistributedOptimizer(SGD(params, lr=1.0), compression="fp16")
+    rng = np.random.default_rng(7)
+    for step, magnitude in enumerate([1e-9, 1e-9, 1e3, 3e-8, 0.0, 1e-6]):
+        everyone = [rng.uniform(-1, 1, (SIZE, p.size)) * magnitude for p in params]
+        before = [p.copy() for p in params]
+        sent = opt.bytes_sent
+        opt.step([g[RANK].astype(np.float32) for g in everyone])
+        for p, b, g in zip(params, before, everyone):
+            expected = (b - g.mean(axis=0)).astype(np.float32)
+            np.testing.assert_allclose(p, expected, rtol=2e-3, atol=magnitude * 1e-3,
+                                       err_msg=f"step {step}")
+        # Sent again: the 1e3 (overflowed), the 3e-8 (far below the 1e3's scale's aim),
+        # the 1e-6 (overflowed the scale of the 0s), not the 0s (exact anyway).
+        assert opt.bytes_sent - sent == 2 * 305 * (2 if step in (2, 3, 5) else 1), step
+    scales = {b.scale for b in opt._buckets}
+    assert all(s > 2.0 ** 20 for s in scales), scales  # set from the 1e-6 sums
+
+
 def test_powersgd_sends_fewer_bytes_and_keeps_replicas_equal():
     params = [np.zeros((64, 48)), np.zeros(48)]
     opt = DistributedOptimizer(SGD(params, lr=0.1), compression=PowerSGD(rank=2))
