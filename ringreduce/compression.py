@@ -45,6 +45,16 @@ class PowerSGD:
 
     def reduce(self, index: int, grad, comm) -> tuple[object, int]:
         """The rank-averaged low-rank approximation of grad, and the bytes this rank sent."""
+        call = self.start(index, grad, comm)
+        self.project(call, comm)
+        return self.finish(call)
+
+    # reduce() in three steps, so that a caller can overlap them with other work: start()
+    # hands P's all-reduce to the ring, project() waits for it and hands over Q's, and
+    # finish() waits for that. Every rank must make the same calls in the same order.
+
+    def start(self, index: int, grad, comm) -> "_LowRankCall":
+        """P = M Q (M: grad plus what earlier steps missed), averaged asynchronously."""
         xp = array_module(grad)
         n = grad.shape[0]
         matrix = grad.reshape(n, -1)
@@ -59,15 +69,25 @@ class PowerSGD:
             q = xp.asarray(np.random.default_rng(self.seed + index).standard_normal((m, r)))
             q = q.astype(matrix.dtype)
         p = matrix @ q
-        comm.allreduce(p, op="avg", out=p)
-        p = _orthonormal_columns(p, xp)
-        q = matrix.T @ p
-        comm.allreduce(q, op="avg", out=q)
-        approximation = p @ q.T
-        self._error[index] = matrix - approximation
-        self._q[index] = q
-        return approximation.reshape(grad.shape).astype(grad.dtype, copy=False), \
-            p.nbytes + q.nbytes
+        handle = comm.allreduce_async(p, op="avg", out=p)
+        return _LowRankCall(index, grad, matrix, p, handle)
+
+    def project(self, call: "_LowRankCall", comm) -> None:
+        """Once P is averaged: Q = M^T P, with P's columns made orthonormal, averaged
+        asynchronously."""
+        call.handle.wait()
+        call.p = _orthonormal_columns(call.p, array_module(call.p))
+        call.q = call.matrix.T @ call.p
+        call.handle = comm.allreduce_async(call.q, op="avg", out=call.q)
+
+    def finish(self, call: "_LowRankCall") -> tuple[object, int]:
+        """Once Q is averaged: the approximation P Q^T, and the bytes this rank sent."""
+        call.handle.wait()
+        approximation = call.p @ call.q.T
+        self._error[call.index] = call.matrix - approximation
+        self._q[call.index] = call.q
+        return approximation.reshape(call.grad.shape).astype(call.grad.dtype, copy=False), \
+            call.p.nbytes + call.q.nbytes
 
     def state_dict(self) -> dict:
         return {"rank": self.rank, "seed": self.seed, "q": dict(self._q),
@@ -76,6 +96,16 @@ class PowerSGD:
     def load_state_dict(self, state: dict) -> None:
         self.rank, self.seed = state["rank"], state["seed"]
         self._q, self._error = dict(state["q"]), dict(state["error"])
+
+
+class _LowRankCall:
+    """One gradient's PowerSGD all-reduces in flight (see PowerSGD.start)."""
+
+    __slots__ = ("index", "grad", "matrix", "p", "q", "handle")
+
+    def __init__(self, index, grad, matrix, p, handle):
+        self.index, self.grad, self.matrix, self.p, self.handle = index, grad, matrix, p, handle
+        self.q = None
 
 
 def _orthonormal_columns(p, xp):

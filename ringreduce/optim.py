@@ -222,7 +222,12 @@ class DistributedOptimizer:
         self._bucket_of = {i: b for b in self._buckets for i in b.indices}
         self._low_rank_sums: dict = {}       # index -> gradient (summed over micro-batches)
         self._low_rank_reported: set = set()  # reported in the current (micro-)step
-        self._next_to_start = 0      # buckets start in index order, on every rank alike
+        self._low_rank_calls: dict = {}      # index -> its PowerSGD all-reduces in flight
+        # The order all-reduces start in, the same on every rank: buckets and PowerSGD's
+        # matrices (as their index), last parameter first, as backward produces them.
+        units = [(max(b.indices), b) for b in self._buckets] + [(i, i) for i in self._low_rank]
+        self._units = [unit for _, unit in sorted(units, key=lambda u: -u[0])]
+        self._next_to_start = 0      # the first unit of _units not started yet
         self._accumulating = False   # inside no_sync()
         self._accumulated = False    # the buckets hold gradients from no_sync() steps
         self.bytes_sent = 0          # payload bytes this rank handed to allreduce
@@ -265,6 +270,8 @@ class DistributedOptimizer:
             earlier = self._low_rank_sums.get(index) if self._accumulated else None
             self._low_rank_sums[index] = grad.copy() if earlier is None else earlier + grad
             self._low_rank_reported.add(index)
+            if not self._accumulating:
+                self._start_complete_units()
             return
         bucket = self._bucket_of[index]
         if index in bucket.reported:
@@ -272,7 +279,7 @@ class DistributedOptimizer:
         self._add_to_bucket(bucket, index, grad)
         bucket.reported.add(index)
         if not self._accumulating:
-            self._start_complete_buckets()
+            self._start_complete_units()
 
     def step(self, grads=None) -> None:
         """Average the gradients across ranks and update the parameters.
@@ -301,13 +308,16 @@ class DistributedOptimizer:
         averaged = [None] * len(self.params)
         start = time.perf_counter()
         try:
-            self._start_complete_buckets()  # all are complete now
-            for b in self._buckets:
-                self._finish(b, averaged)
+            self._start_complete_units()  # all are complete now
+            for unit in self._units:  # (PowerSGD's second all-reduces queue after all)
+                if isinstance(unit, _Bucket):
+                    self._finish(unit, averaged)
+                else:
+                    call = self._low_rank_calls[unit]
+                    self.powersgd.project(call, self.comm)
+                    self.bytes_sent += call.q.nbytes
             for i in self._low_rank:
-                approximation, sent = self.powersgd.reduce(i, self._low_rank_sums[i], self.comm)
-                averaged[i] = approximation
-                self.bytes_sent += sent
+                averaged[i] = self.powersgd.finish(self._low_rank_calls[i])[0]
         finally:
             self.comm_seconds += time.perf_counter() - start
             self._new_step()  # also after an error, so the next step starts clean
@@ -326,13 +336,21 @@ class DistributedOptimizer:
 
     # -- plumbing -------------------------------------------------------------------
 
-    def _start_complete_buckets(self):
-        # Strictly in bucket order: ranks may finish gradients in different orders, but
-        # their all-reduces must pair up bucket by bucket.
-        while (self._next_to_start < len(self._buckets) and
-               len(self._buckets[self._next_to_start].reported)
-               == len(self._buckets[self._next_to_start].indices)):
-            self._start(self._buckets[self._next_to_start])
+    def _start_complete_units(self):
+        # Strictly in _units order: ranks may finish gradients in different orders, but
+        # their all-reduces must pair up one by one.
+        while self._next_to_start < len(self._units):
+            unit = self._units[self._next_to_start]
+            if isinstance(unit, _Bucket):
+                if len(unit.reported) < len(unit.indices):
+                    return
+                self._start(unit)
+            else:  # a matrix PowerSGD compresses: its first all-reduce (of P)
+                if unit not in self._low_rank_reported:
+                    return
+                call = self.powersgd.start(unit, self._low_rank_sums[unit], self.comm)
+                self._low_rank_calls[unit] = call
+                self.bytes_sent += call.p.nbytes
             self._next_to_start += 1
 
     def _new_step(self):
@@ -342,6 +360,7 @@ class DistributedOptimizer:
         self._next_to_start = 0
         self._low_rank_sums.clear()
         self._low_rank_reported.clear()
+        self._low_rank_calls.clear()
         self._accumulated = False
 
     def _add_to_bucket(self, bucket, index, grad):

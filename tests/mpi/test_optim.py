@@ -203,6 +203,35 @@ def test_powersgd_sends_fewer_bytes_and_keeps_replicas_equal():
     assert all(b == blobs[0] for b in blobs)
 
 
+def test_powersgd_starts_during_backward_in_the_same_order_on_every_rank():
+    # A matrix's first all-reduce (of P) starts as soon as its gradient is in, between
+    # the buckets', in the same order on every rank whatever order they report in; the
+    # parameters come out as with step(grads), bit for bit, and alike on every rank.
+    shapes = [(48,), (64, 48), (5,), (32, 40)]
+    params = [np.zeros(s) for s in shapes]
+    stepped = [np.zeros(s) for s in shapes]
+    opt = DistributedOptimizer(SGD(params, lr=0.1), bucket_mb=8 / 2**20,
+                               compression=PowerSGD(rank=2))
+    plain = DistributedOptimizer(SGD(stepped, lr=0.1), bucket_mb=8 / 2**20,
+                                 compression=PowerSGD(rank=2))
+    rng = np.random.default_rng(RANK)
+    for _ in range(3):
+        grads = [rng.standard_normal(s) for s in shapes]
+        order = [3, 2, 1, 0] if RANK % 2 == 0 else [1, 0, 3, 2]
+        sent = opt.bytes_sent
+        for i in order:
+            opt.grad_ready(i, grads[i])
+            if i == 3 or RANK % 2 == 0 and i == 1:  # P of 3; then 2's bucket, P of 1
+                assert opt.bytes_sent - sent == {3: 32 * 2 * 8, 1: (32 + 64) * 2 * 8 + 40}[i]
+        opt.step()
+        assert opt.bytes_sent - sent == (32 + 40 + 64 + 48) * 2 * 8 + (48 + 5) * 8
+        plain.step(grads)
+    for p, q in zip(params, stepped):
+        assert np.array_equal(p, q)
+        blobs = MPI.COMM_WORLD.allgather(p.tobytes())
+        assert all(b == blobs[0] for b in blobs)
+
+
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_powersgd_takes_16_bit_parameters(dtype):
     # numpy has no 16-bit linear algebra: the compression runs in float32, and the
