@@ -141,23 +141,31 @@ class Adam:
 
 # float16 keeps 11 significant bits only between 6.1e-5 and 65504 (below, down to 6e-8,
 # ever fewer): gradients of 1e-6 lose most of their digits and smaller ones round to 0.
-# So an fp16 bucket travels multiplied by a power of two, its scale, chosen so that its
-# largest sum sits a little below _FP16_TOP. Every rank holds the same sums after an
-# all-reduce, so every rank picks the same next scale from them, without a message.
-# Sums that overflowed anyway (an inf, on every rank alike), or came out far too small,
-# are sent again with a scale the ranks agree on from their largest gradients, with
-# which no sum can overflow; so does a bucket's first all-reduce.
-_FP16_TOP = 2.0 ** 15        # (float16's largest finite number is 65504)
+# So an fp16 bucket travels multiplied by a power of two, its scale. A bucket's first
+# all-reduce agrees on the scale from every rank's largest gradient (an 8-byte max): the
+# largest with which no partial sum of the ring can overflow. After that, every rank
+# holds the same sums, so every rank adjusts the scale from them alike, without a
+# message: down at once when the sums pass 2 ** aim (a little below float16's top, with
+# room for partial sums up to p times the average), up 2x after _FP16_GROW_AFTER steps
+# below it. Sums that overflowed anyway (an inf), or fell more than 2 ** _FP16_FALL
+# below the last step's (the first of a run of 0s too: they may have fallen that far),
+# agree on a scale again and, if it differs, are sent again. Overflowing in steps is
+# what a scale from the sums alone would do when each rank's gradient is far larger
+# than their average (ranks whose data pull different ways): hence the slow growth.
 _FP16_SCALES = (-40, 80)     # the scale's exponent stays within these
+_FP16_GROW_AFTER = 64        # steps without an overflow before the scale doubles
+_FP16_FALL = 10              # the sums' fall (in powers of 2) that makes ranks agree anew
 
 
-def _fp16_scale_below(peak: float) -> float:
-    """The largest allowed power of two s with peak * s < _FP16_TOP."""
-    if not math.isfinite(peak):
-        return 1.0
-    if peak == 0:
-        return 2.0 ** _FP16_SCALES[1]
-    exponent = math.log2(_FP16_TOP) - math.frexp(peak)[1]  # peak < 2**frexp(peak)[1]
+def _fp16_scale_below(peak: float) -> float | None:
+    """The largest allowed power of two s with peak * s < 2 ** 15; None for a peak of 0
+    or not finite (no scale to learn from it)."""
+    if peak == 0 or not math.isfinite(peak):
+        return None
+    return _fp16_clamped(15 - math.frexp(peak)[1])  # (peak < 2 ** frexp(peak)[1])
+
+
+def _fp16_clamped(exponent: int) -> float:
     return 2.0 ** min(max(exponent, _FP16_SCALES[0]), _FP16_SCALES[1])
 
 
@@ -169,10 +177,42 @@ def _fp16_top_exponent(wire) -> int:
     return int((wire.view(np.uint16) & 0x7C00).max()) >> 10
 
 
+class _Fp16Scale:
+    """An fp16 bucket's scale, and what it learnt from the sums so far."""
+
+    def __init__(self, ranks: int):
+        self.value = None         # until the ranks agree on one (from nonzero gradients)
+        self.last_top = None      # what the sums' top exponent is expected to be next
+        self.clean_steps = 0      # steps since the last change or overflow
+        self.zero_confirmed = False  # the ranks found all gradients 0, none since
+        # The sums are kept below 2 ** aim: a partial sum can be p times the average.
+        self.aim = 15 - 2 - math.ceil(math.log2(ranks))
+
+    def fell(self, top: int) -> bool:
+        return self.last_top is not None and top < self.last_top - _FP16_FALL
+
+    def learn(self, top: int) -> None:
+        """Adjust to the sums of this step, whose largest is below 2 ** (top - 14)."""
+        if top == 31:  # an inf or NaN in the gradients themselves: nothing to learn
+            self.last_top, self.clean_steps = None, 0
+            return
+        room = self.aim - (top - 14)  # doublings left before the sums pass the aim
+        change = 0
+        if room < 0:
+            change = room
+        elif room >= 1 and self.clean_steps + 1 >= _FP16_GROW_AFTER:
+            change = 1
+        exponent = math.frexp(self.value)[1] - 1
+        new = _fp16_clamped(exponent + change)
+        self.clean_steps = 0 if new != self.value else self.clean_steps + 1
+        self.last_top = top + math.frexp(new)[1] - 1 - exponent
+        self.value = new
+
+
 class _Bucket:
     """Gradients of a few parameters, packed back to back in one flat buffer."""
 
-    def __init__(self, indices, params, wire_dtype):
+    def __init__(self, indices, params, wire_dtype, ranks):
         self.indices = indices
         xp = array_module(params[indices[0]])
         self.slices, offset = {}, 0
@@ -181,10 +221,10 @@ class _Bucket:
             offset += params[i].size
         self.buffer = xp.zeros(offset, params[indices[0]].dtype)
         self.wire = None if wire_dtype == self.buffer.dtype else xp.empty(offset, wire_dtype)
-        # float16 only: the power of two the gradients are multiplied by on the wire
-        # (see _FP16_TOP); None until the bucket's first all-reduce.
+        # float16 only: the power of two the gradients travel multiplied by.
         self.scaled = self.wire is not None and self.wire.dtype == np.float16
-        self.scale = None
+        self.scale = _Fp16Scale(ranks) if self.scaled else None
+        self.sent_scale = 1.0  # the scale of the sums in wire
         self.reported: set = set()
         self.handle = None
 
@@ -218,7 +258,7 @@ class DistributedOptimizer:
         for indices in plan:
             members = [bucketed[j] for j in indices]
             wire = _compression.wire_dtype(cast, self.params[members[0]])
-            self._buckets.append(_Bucket(members, self.params, wire))
+            self._buckets.append(_Bucket(members, self.params, wire, self.comm.size))
         self._bucket_of = {i: b for b in self._buckets for i in b.indices}
         self._low_rank_sums: dict = {}       # index -> gradient (summed over micro-batches)
         self._low_rank_reported: set = set()  # reported in the current (micro-)step
@@ -231,9 +271,6 @@ class DistributedOptimizer:
         self._accumulating = False   # inside no_sync()
         self._accumulated = False    # the buckets hold gradients from no_sync() steps
         self.bytes_sent = 0          # payload bytes this rank handed to allreduce
-        # fp16 sums are aimed below 2 ** _fp16_aim: headroom, as a partial sum of the
-        # ring can be up to p times the average and gradients change between steps.
-        self._fp16_aim = math.log2(_FP16_TOP) - 2 - math.ceil(math.log2(self.comm.size))
         self.comm_seconds = 0.0      # time step() spent waiting for communication
         self._check_same_model_everywhere()
 
@@ -375,19 +412,24 @@ class DistributedOptimizer:
             bucket.handle = self.comm.allreduce_async(bucket.buffer, op="avg", out=bucket.buffer)
             self.bytes_sent += bucket.buffer.nbytes
         else:
-            if bucket.scaled and bucket.scale is None:
-                bucket.scale = self._agreed_fp16_scale(bucket)[0]
+            scale = bucket.scale
+            if bucket.scaled and scale.value is None and not scale.zero_confirmed:
+                scale.value, peak = self._agreed_fp16_scale(bucket)
+                scale.zero_confirmed = peak == 0
             self._send_16_bit(bucket)
 
     def _send_16_bit(self, bucket):
         # Divide before the sum, so a 16-bit sum of p gradients cannot overflow.
-        factor = (bucket.scale if bucket.scaled else 1.0) / self.comm.size
-        bucket.wire[...] = bucket.buffer * factor  # the assignment rounds to 16 bits
+        bucket.sent_scale = (bucket.scale.value if bucket.scaled else None) or 1.0
+        factor = bucket.sent_scale / self.comm.size
+        with np.errstate(over="ignore", invalid="ignore"):  # an inf is dealt with after
+            bucket.wire[...] = bucket.buffer * factor  # the assignment rounds to 16 bits
         bucket.handle = self.comm.allreduce_async(bucket.wire, op="sum", out=bucket.wire)
         self.bytes_sent += bucket.wire.nbytes
 
-    def _agreed_fp16_scale(self, bucket) -> tuple[float, float]:
-        """A scale no partial sum can overflow with, and the largest gradient of all."""
+    def _agreed_fp16_scale(self, bucket) -> tuple[float | None, float]:
+        """The largest scale with which no partial sum can overflow (None if all
+        gradients are 0 or one is not finite), and the largest gradient of all ranks."""
         # (Each rank sends its gradients divided by p, so every partial sum of the ring
         # is at most the largest of them.)
         xp = array_module(bucket.buffer)
@@ -397,23 +439,28 @@ class DistributedOptimizer:
 
     def _unscale_fp16(self, bucket):
         # Every rank holds the same sums, so every rank takes the same branches here.
+        scale = bucket.scale
         top = _fp16_top_exponent(bucket.wire)  # the sums are below 2 ** (top - 14)
-        if top == 31 or top - 14 < self._fp16_aim - 10:
-            # Overflowed (an inf), or so far below the aim that small gradients lost
-            # their digits: send again, with a scale agreed from every rank's largest
-            # gradient (unless all are 0: then the sums are exact already).
-            bucket.scale, peak = self._agreed_fp16_scale(bucket)
-            if peak != 0:
+        zero = top == 0 and not bucket.wire.any()
+        if zero:  # a run of 0s: the first is checked (they may have fallen that far)
+            check = not scale.zero_confirmed
+        else:  # overflowed, no scale yet, or fell so far that digits may have been lost
+            check = top == 31 or scale.value is None or scale.fell(top)
+        if check:  # send again if the ranks' largest gradients call for another scale
+            agreed, peak = self._agreed_fp16_scale(bucket)
+            scale.zero_confirmed = peak == 0
+            if agreed is not None and agreed != bucket.sent_scale:
+                scale.value = agreed
                 self._send_16_bit(bucket)
                 bucket.handle.wait()
                 top = _fp16_top_exponent(bucket.wire)
+                zero = top == 0 and not bucket.wire.any()
+            scale.clean_steps = 0
         bucket.buffer[...] = bucket.wire.astype(bucket.buffer.dtype)
-        bucket.buffer *= 1.0 / bucket.scale  # (a power of two: exact)
-        if top != 31:  # (an inf or NaN in the gradients themselves: keep the scale)
-            # Aim the next step's sums, which will be about as large as these, at
-            # 2 ** _fp16_aim.
-            bucket.scale = _fp16_scale_below(
-                2.0 ** (max(top, 1) - 14 + 15 - self._fp16_aim) / bucket.scale)
+        bucket.buffer *= 1.0 / bucket.sent_scale  # (a power of two: exact)
+        if not zero and scale.value is not None:  # (0s are exact at any scale: no news)
+            scale.zero_confirmed = False
+            scale.learn(top)
 
     def _finish(self, bucket, averaged):
         bucket.handle.wait()

@@ -2,6 +2,7 @@
 parameters after k steps as one process training on the whole batch."""
 import os
 import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -168,11 +169,12 @@ def test_16_bit_wire_does_not_overflow():
 
 def test_fp16_wire_keeps_gradients_below_float16s_range():
     # Steps of 1e-9 gradients (float16 rounds them to 0), then 1e3 (the scale the small
-    # ones set overflows: sent again), then tiny again; each comes out as the average.
+    # ones set overflows: sent again), then tiny again, 0 and 1e-4; each comes out as
+    # the average.
     params = [np.zeros(300, np.float32), np.zeros(5, np.float32)]
     opt = DistributedOptimizer(SGD(params, lr=1.0), compression="fp16")
     rng = np.random.default_rng(7)
-    for step, magnitude in enumerate([1e-9, 1e-9, 1e3, 3e-8, 0.0, 1e-6]):
+    for step, magnitude in enumerate([1e-9, 1e-9, 1e3, 3e-8, 0.0, 1e-4]):
         everyone = [rng.uniform(-1, 1, (SIZE, p.size)) * magnitude for p in params]
         before = [p.copy() for p in params]
         sent = opt.bytes_sent
@@ -181,11 +183,52 @@ def test_fp16_wire_keeps_gradients_below_float16s_range():
             expected = (b - g.mean(axis=0)).astype(np.float32)
             np.testing.assert_allclose(p, expected, rtol=2e-3, atol=magnitude * 1e-3,
                                        err_msg=f"step {step}")
-        # Sent again: the 1e3 (overflowed), the 3e-8 (far below the 1e3's scale's aim),
-        # the 1e-6 (overflowed the scale of the 0s), not the 0s (exact anyway).
+        # Sent again: the 1e3 (overflowed), the 3e-8 (fell far), the 1e-4 (overflowed
+        # the 3e-8's scale); not the 0s (exact with any scale).
         assert opt.bytes_sent - sent == 2 * 305 * (2 if step in (2, 3, 5) else 1), step
-    scales = {b.scale for b in opt._buckets}
-    assert all(s > 2.0 ** 20 for s in scales), scales  # set from the 1e-6 sums
+    scales = {b.scale.value for b in opt._buckets}
+    assert all(s > 2.0 ** 20 for s in scales), scales  # set from the 1e-4 gradients
+
+
+def test_fp16_scale_settles_without_resending_every_step():
+    # params[0]: every rank's data pulls its own way (the average is 1000x smaller than
+    # each rank's gradient), with an inf on rank 0 at one step. params[1]: used every
+    # third step only, and 0 otherwise. Neither may be sent again more than now and
+    # then, nor make the ranks agree on a scale more than that (params[1]: and once
+    # for each run of 0s); and no rank may warn or raise alone for its own overflow
+    # (numpy's error handling set to raise).
+    params = [np.zeros(100, np.float32), np.zeros(100, np.float32)]
+    opt = DistributedOptimizer(SGD(params, lr=1.0), bucket_mb=400 / 2**20, compression="fp16")
+    assert len(opt._buckets) == 2
+    agreements = []
+    agree = opt._agreed_fp16_scale
+    opt._agreed_fp16_scale = lambda bucket: agreements.append(bucket) or agree(bucket)
+    rng = np.random.default_rng(RANK)
+    resent, steps = 0, 200
+    with np.errstate(all="raise"), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for step in range(steps):
+            own = (RANK - (SIZE - 1) / 2) + 1e-3 * rng.uniform(0.5, 1.5, 100)
+            if step == 100 and RANK == 0:
+                own[7] = np.inf
+            used = 1e-2 * rng.uniform(-1, 1, 100) if step % 3 == 0 else np.zeros(100)
+            sent = opt.bytes_sent
+            before = [p.copy() for p in params]
+            opt.step([own.astype(np.float32), used.astype(np.float32)])
+            resent += (opt.bytes_sent - sent) // 400 - 1
+            for p, b, g in zip(params, before, [own, used]):
+                everyone = np.array(MPI.COMM_WORLD.allgather(g))
+                if step != 100 or p is params[1]:  # (float16 rounds each rank's part)
+                    np.testing.assert_allclose(p, b - everyone.mean(axis=0), rtol=1e-3,
+                                               atol=2e-3 * np.abs(everyone).max())
+            if step == 100:
+                assert np.isinf(params[0][7]) and np.isfinite(np.delete(params[0], 7)).all()
+                params[0][7] = 0.0
+    # (Counted on 1-4 ranks: no resends; 2 agreements for params[0], 68 for params[1].)
+    assert resent <= steps // 64 + 3, resent
+    pulled = sum(b is opt._bucket_of[0] for b in agreements)
+    assert pulled <= steps // 64 + 4, pulled
+    assert len(agreements) - pulled <= steps // 3 + 4, len(agreements) - pulled
 
 
 def test_powersgd_sends_fewer_bytes_and_keeps_replicas_equal():
