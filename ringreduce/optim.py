@@ -141,28 +141,33 @@ class Adam:
 
 # float16 keeps 11 significant bits only between 6.1e-5 and 65504 (below, down to 6e-8,
 # ever fewer): gradients of 1e-6 lose most of their digits and smaller ones round to 0.
-# So an fp16 bucket travels multiplied by a power of two, its scale. A bucket's first
-# all-reduce agrees on the scale from every rank's largest gradient (an 8-byte max): the
-# largest with which no partial sum of the ring can overflow. After that, every rank
-# holds the same sums, so every rank adjusts the scale from them alike, without a
-# message: down at once when the sums pass 2 ** aim (a little below float16's top, with
-# room for partial sums up to p times the average), up 2x after _FP16_GROW_AFTER steps
-# below it. Sums that overflowed anyway (an inf), or fell more than 2 ** _FP16_FALL
-# below the last step's (the first of a run of 0s too: they may have fallen that far),
-# agree on a scale again and, if it differs, are sent again. Overflowing in steps is
-# what a scale from the sums alone would do when each rank's gradient is far larger
-# than their average (ranks whose data pull different ways): hence the slow growth.
+# So an fp16 bucket travels multiplied by a power of two, its scale. The ranks agree on
+# it from every rank's largest gradient (an 8-byte max): the largest scale with which no
+# partial sum of the ring passes 2 ** 12 (8x below float16's top: room for the next
+# step's gradients to grow). Every rank then holds the same sums, so every rank adjusts
+# the scale from them alike, without a message: down at once when the sums pass 2 ** aim
+# (room for partial sums up to p times the average too), up 2x after _FP16_GROW_AFTER
+# steps below it. Growing slowly, not straight to where the sums say, is what keeps
+# ranks whose own gradients are far larger than their average (data pulling different
+# ways) from overflowing at every step. The ranks agree again, and send again if the
+# scale differs, when the sums overflowed anyway (an inf), or fell 2 ** _FP16_FALL
+# below where they were when the scale last changed (or all the way to 0: once per run
+# of 0s); and, for the next step only, when they sit 2 ** _FP16_FAR below the aim after
+# a change (a spike gone) or after falling that far since the ranks last agreed (a
+# decline faster than the growth).
 _FP16_SCALES = (-40, 80)     # the scale's exponent stays within these
-_FP16_GROW_AFTER = 64        # steps without an overflow before the scale doubles
-_FP16_FALL = 10              # the sums' fall (in powers of 2) that makes ranks agree anew
+_FP16_GROW_AFTER = 64        # steps without a change before the scale doubles
+_FP16_FALL = 10              # how far the sums may fall (powers of 2) before ranks agree
+_FP16_FAR = 3                # how far below the aim the sums may sit after a change
 
 
 def _fp16_scale_below(peak: float) -> float | None:
-    """The largest allowed power of two s with peak * s < 2 ** 15; None for a peak of 0
-    or not finite (no scale to learn from it)."""
+    """The largest allowed power of two s with peak * s < 2 ** 13 (float16's top is
+    65504: room for gradients 4x larger at the next step); None for a peak of 0 or not
+    finite (no scale to learn from it)."""
     if peak == 0 or not math.isfinite(peak):
         return None
-    return _fp16_clamped(15 - math.frexp(peak)[1])  # (peak < 2 ** frexp(peak)[1])
+    return _fp16_clamped(12 - math.frexp(peak)[1])  # (peak < 2 ** frexp(peak)[1])
 
 
 def _fp16_clamped(exponent: int) -> float:
@@ -178,24 +183,51 @@ def _fp16_top_exponent(wire) -> int:
 
 
 class _Fp16Scale:
-    """An fp16 bucket's scale, and what it learnt from the sums so far."""
+    """An fp16 bucket's scale, and what it learnt from the sums so far. Its decisions
+    depend on the sums and the agreed peaks only, which are the same on every rank."""
 
     def __init__(self, ranks: int):
-        self.value = None         # until the ranks agree on one (from nonzero gradients)
-        self.last_top = None      # what the sums' top exponent is expected to be next
-        self.clean_steps = 0      # steps since the last change or overflow
-        self.zero_confirmed = False  # the ranks found all gradients 0, none since
+        self.value = None          # until the ranks agree on one (from nonzero gradients)
+        self.zero_confirmed = False  # the ranks found all gradients 0, and none since
+        self.settled = False       # agreed on since the scale last changed
+        self.ref_top = None        # the sums' top exponent when the scale last changed
+        self.clean_steps = 0       # steps since the scale last changed
         # The sums are kept below 2 ** aim: a partial sum can be p times the average.
-        self.aim = 15 - 2 - math.ceil(math.log2(ranks))
+        self.aim = 15 - 3 - math.ceil(math.log2(ranks))
 
-    def fell(self, top: int) -> bool:
-        return self.last_top is not None and top < self.last_top - _FP16_FALL
+    def sending(self) -> float:
+        """The scale to send with. With none agreed yet, because all gradients were 0:
+        the largest, so that any that are not show up in the sums."""
+        if self.value is not None:
+            return self.value
+        return 2.0 ** _FP16_SCALES[1] if self.zero_confirmed else 1.0
 
-    def learn(self, top: int) -> None:
-        """Adjust to the sums of this step, whose largest is below 2 ** (top - 14)."""
+    def must_agree(self, top: int, zero: bool) -> bool:
+        """Before these sums are used: should the ranks agree, and send again?"""
+        if zero:
+            return not self.zero_confirmed
+        return top == 31 or self.value is None or (
+            self.ref_top is not None and top < self.ref_top - _FP16_FALL)
+
+    def adopt(self, agreed: float | None, peak: float, top: int | None = None) -> None:
+        """Take the scale the ranks agreed on; top: of the sums sent with the scale now
+        held, if known (else the next sums tell)."""
+        self.zero_confirmed = peak == 0
+        if agreed is not None:
+            if agreed != self.value:
+                self.value, self.ref_top, self.clean_steps = agreed, None, 0
+            else:
+                self.ref_top = top
+            self.settled = True
+
+    def learn(self, top: int) -> bool:
+        """Adjust to this step's sums, which are below 2 ** (top - 14) and were sent
+        with the scale. True if the ranks should agree on the next step's."""
+        self.zero_confirmed = False
         if top == 31:  # an inf or NaN in the gradients themselves: nothing to learn
-            self.last_top, self.clean_steps = None, 0
-            return
+            return False
+        if self.ref_top is None:
+            self.ref_top = top
         room = self.aim - (top - 14)  # doublings left before the sums pass the aim
         change = 0
         if room < 0:
@@ -204,9 +236,15 @@ class _Fp16Scale:
             change = 1
         exponent = math.frexp(self.value)[1] - 1
         new = _fp16_clamped(exponent + change)
-        self.clean_steps = 0 if new != self.value else self.clean_steps + 1
-        self.last_top = top + math.frexp(new)[1] - 1 - exponent
-        self.value = new
+        if new == self.value:
+            self.clean_steps += 1
+            # Far below the aim after a change (a spike gone), or having fallen far
+            # since the ranks last agreed (a decline faster than the growth).
+            return room >= _FP16_FAR and (not self.settled or top <= self.ref_top - _FP16_FAR)
+        change = math.frexp(new)[1] - 1 - exponent
+        self.value, self.ref_top, self.clean_steps = new, top + change, 0
+        self.settled = False
+        return room - change >= _FP16_FAR
 
 
 class _Bucket:
@@ -265,7 +303,8 @@ class DistributedOptimizer:
         self._low_rank_calls: dict = {}      # index -> its PowerSGD all-reduces in flight
         # The order all-reduces start in, the same on every rank: buckets and PowerSGD's
         # matrices (as their index), last parameter first, as backward produces them.
-        units = [(max(b.indices), b) for b in self._buckets] + [(i, i) for i in self._low_rank]
+        # (A bucket is complete when its first parameter is in.)
+        units = [(min(b.indices), b) for b in self._buckets] + [(i, i) for i in self._low_rank]
         self._units = [unit for _, unit in sorted(units, key=lambda u: -u[0])]
         self._next_to_start = 0      # the first unit of _units not started yet
         self._accumulating = False   # inside no_sync()
@@ -414,13 +453,12 @@ class DistributedOptimizer:
         else:
             scale = bucket.scale
             if bucket.scaled and scale.value is None and not scale.zero_confirmed:
-                scale.value, peak = self._agreed_fp16_scale(bucket)
-                scale.zero_confirmed = peak == 0
+                scale.adopt(*self._agreed_fp16_scale(bucket))
             self._send_16_bit(bucket)
 
     def _send_16_bit(self, bucket):
         # Divide before the sum, so a 16-bit sum of p gradients cannot overflow.
-        bucket.sent_scale = (bucket.scale.value if bucket.scaled else None) or 1.0
+        bucket.sent_scale = bucket.scale.sending() if bucket.scaled else 1.0
         factor = bucket.sent_scale / self.comm.size
         with np.errstate(over="ignore", invalid="ignore"):  # an inf is dealt with after
             bucket.wire[...] = bucket.buffer * factor  # the assignment rounds to 16 bits
@@ -442,25 +480,19 @@ class DistributedOptimizer:
         scale = bucket.scale
         top = _fp16_top_exponent(bucket.wire)  # the sums are below 2 ** (top - 14)
         zero = top == 0 and not bucket.wire.any()
-        if zero:  # a run of 0s: the first is checked (they may have fallen that far)
-            check = not scale.zero_confirmed
-        else:  # overflowed, no scale yet, or fell so far that digits may have been lost
-            check = top == 31 or scale.value is None or scale.fell(top)
-        if check:  # send again if the ranks' largest gradients call for another scale
-            agreed, peak = self._agreed_fp16_scale(bucket)
-            scale.zero_confirmed = peak == 0
-            if agreed is not None and agreed != bucket.sent_scale:
-                scale.value = agreed
+        if scale.must_agree(top, zero):
+            scale.adopt(*self._agreed_fp16_scale(bucket), None if zero else top)
+            if scale.sending() != bucket.sent_scale:  # send again, with the agreed scale
                 self._send_16_bit(bucket)
                 bucket.handle.wait()
                 top = _fp16_top_exponent(bucket.wire)
                 zero = top == 0 and not bucket.wire.any()
-            scale.clean_steps = 0
+        # Sums of 0 are exact at any scale, and tell nothing about it.
+        if not zero and scale.value is not None and scale.learn(top):
+            scale.adopt(*self._agreed_fp16_scale(bucket))  # for the next step
+        # (Only now: agreeing reads this rank's gradients from the buffer.)
         bucket.buffer[...] = bucket.wire.astype(bucket.buffer.dtype)
         bucket.buffer *= 1.0 / bucket.sent_scale  # (a power of two: exact)
-        if not zero and scale.value is not None:  # (0s are exact at any scale: no news)
-            scale.zero_confirmed = False
-            scale.learn(top)
 
     def _finish(self, bucket, averaged):
         bucket.handle.wait()

@@ -44,8 +44,8 @@ def test_compression_reaches_close_to_uncompressed_accuracy(compression, uncompr
     sent, full = history["bytes_sent_per_rank"], uncompressed["bytes_sent_per_rank"]
     if compression == "powersgd":
         assert sent < 0.35 * full, (sent, full)
-    else:
-        assert sent * 4 == full  # float64 gradients travel as 16 bits
+    else:  # float64 gradients travel as 16 bits (fp16: a bucket that overflowed twice)
+        assert full <= sent * 4 <= 1.01 * full, (sent, full)
 
 
 def test_the_gpu_option_without_a_gpu_says_so():

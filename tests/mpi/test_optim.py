@@ -231,6 +231,33 @@ def test_fp16_scale_settles_without_resending_every_step():
     assert len(agreements) - pulled <= steps // 3 + 4, len(agreements) - pulled
 
 
+def test_fp16_scale_follows_a_zero_start_a_spike_and_a_slow_decline():
+    # One bucket: 100 gradients of about 1 and 100 of about 1e-5 (float16 keeps both
+    # only with a scale within a few powers of 2 of the largest). Step 0 is all 0 (no
+    # scale to agree on); one step has a 1e3x spike; then the gradients shrink 1e4-fold
+    # over 640 steps, used one step in four (0 in between). The small ones must come
+    # out right at every step but the spike and the one after it.
+    params = [np.zeros(200, np.float32)]
+    opt = DistributedOptimizer(SGD(params, lr=1.0), compression="fp16")
+    rng = np.random.default_rng(RANK)
+    off = []
+    for step in range(800):
+        size = 1.0 if step < 160 else 1e-4 ** ((step - 160) / 640)
+        g = np.concatenate([rng.uniform(0.5, 1, 100), rng.uniform(0.5, 1, 100) * 1e-5]) * size
+        if step == 0 or step >= 160 and step % 4:
+            g[:] = 0
+        if step == 50:
+            g[:100] *= 1e3
+        params[0][:] = 0  # (so that the update is exactly what arrived)
+        opt.step([g.astype(np.float32)])
+        average = np.mean(MPI.COMM_WORLD.allgather(g.astype(np.float32)), axis=0)
+        small = -params[0][100:]
+        if np.any(average[100:]) and np.abs(small / average[100:] - 1).max() > 2e-3:
+            off.append(step)
+        assert np.all(small[average[100:] == 0] == 0), step
+    assert set(off) <= {50, 51}, off  # the spike, and the step after it
+
+
 def test_powersgd_sends_fewer_bytes_and_keeps_replicas_equal():
     params = [np.zeros((64, 48)), np.zeros(48)]
     opt = DistributedOptimizer(SGD(params, lr=0.1), compression=PowerSGD(rank=2))
@@ -246,26 +273,34 @@ def test_powersgd_sends_fewer_bytes_and_keeps_replicas_equal():
     assert all(b == blobs[0] for b in blobs)
 
 
-def test_powersgd_starts_during_backward_in_the_same_order_on_every_rank():
-    # A matrix's first all-reduce (of P) starts as soon as its gradient is in, between
-    # the buckets', in the same order on every rank whatever order they report in; the
-    # parameters come out as with step(grads), bit for bit, and alike on every rank.
+@pytest.mark.parametrize("bucket_mb", [8 / 2**20, 25.0], ids=["a bucket each", "one bucket"])
+def test_powersgd_starts_during_backward_in_the_same_order_on_every_rank(bucket_mb):
+    # A matrix's first all-reduce (of P) starts as soon as its gradient is in, in its
+    # place among the buckets' (which is where their first parameter is), in the same
+    # order on every rank whatever order they report in; the parameters come out as
+    # with step(grads), bit for bit, and alike on every rank.
     shapes = [(48,), (64, 48), (5,), (32, 40)]
     params = [np.zeros(s) for s in shapes]
     stepped = [np.zeros(s) for s in shapes]
-    opt = DistributedOptimizer(SGD(params, lr=0.1), bucket_mb=8 / 2**20,
+    opt = DistributedOptimizer(SGD(params, lr=0.1), bucket_mb=bucket_mb,
                                compression=PowerSGD(rank=2))
-    plain = DistributedOptimizer(SGD(stepped, lr=0.1), bucket_mb=8 / 2**20,
+    plain = DistributedOptimizer(SGD(stepped, lr=0.1), bucket_mb=bucket_mb,
                                  compression=PowerSGD(rank=2))
+    one_bucket = len(opt._buckets) == 1
+    # Bytes handed over at each report, in backward's order (even ranks): P of 3, the
+    # bucket of 2 (if it has one of its own), P of 1, the bucket of 0 (and of 2).
+    expected = {3: 32 * 2 * 8, 2: 0 if one_bucket else 5 * 8, 1: 64 * 2 * 8,
+                0: (48 + 5 if one_bucket else 48) * 8}
     rng = np.random.default_rng(RANK)
     for _ in range(3):
         grads = [rng.standard_normal(s) for s in shapes]
         order = [3, 2, 1, 0] if RANK % 2 == 0 else [1, 0, 3, 2]
         sent = opt.bytes_sent
         for i in order:
+            before = opt.bytes_sent
             opt.grad_ready(i, grads[i])
-            if i == 3 or RANK % 2 == 0 and i == 1:  # P of 3; then 2's bucket, P of 1
-                assert opt.bytes_sent - sent == {3: 32 * 2 * 8, 1: (32 + 64) * 2 * 8 + 40}[i]
+            if RANK % 2 == 0:
+                assert opt.bytes_sent - before == expected[i], i
         opt.step()
         assert opt.bytes_sent - sent == (32 + 40 + 64 + 48) * 2 * 8 + (48 + 5) * 8
         plain.step(grads)
