@@ -158,13 +158,13 @@ class Adam:
 _FP16_SCALES = (-40, 80)     # the scale's exponent stays within these
 _FP16_GROW_AFTER = 64        # steps without a change before the scale doubles
 _FP16_FALL = 10              # how far the sums may fall (powers of 2) before ranks agree
-_FP16_FAR = 3                # how far below the aim the sums may sit after a change
+_FP16_FAR = 3                # how far below the aim, or their last level, sums may sit
 
 
 def _fp16_scale_below(peak: float) -> float | None:
-    """The largest allowed power of two s with peak * s < 2 ** 13 (float16's top is
-    65504: room for gradients 4x larger at the next step); None for a peak of 0 or not
-    finite (no scale to learn from it)."""
+    """The largest allowed power of two s with peak * s < 2 ** 12 (8x below float16's
+    top, 65504: room for gradients 8x larger at the next step); None for a peak of 0 or
+    not finite (no scale to learn from it)."""
     if peak == 0 or not math.isfinite(peak):
         return None
     return _fp16_clamped(12 - math.frexp(peak)[1])  # (peak < 2 ** frexp(peak)[1])
@@ -190,7 +190,7 @@ class _Fp16Scale:
         self.value = None          # until the ranks agree on one (from nonzero gradients)
         self.zero_confirmed = False  # the ranks found all gradients 0, and none since
         self.settled = False       # agreed on since the scale last changed
-        self.ref_top = None        # the sums' top exponent when the scale last changed
+        self.ref_top = None        # the sums' top exponent at the last change or agreement
         self.clean_steps = 0       # steps since the scale last changed
         # The sums are kept below 2 ** aim: a partial sum can be p times the average.
         self.aim = 15 - 3 - math.ceil(math.log2(ranks))
@@ -466,7 +466,7 @@ class DistributedOptimizer:
         self.bytes_sent += bucket.wire.nbytes
 
     def _agreed_fp16_scale(self, bucket) -> tuple[float | None, float]:
-        """The largest scale with which no partial sum can overflow (None if all
+        """The largest scale with which no partial sum passes 2 ** 12 (None if all
         gradients are 0 or one is not finite), and the largest gradient of all ranks."""
         # (Each rank sends its gradients divided by p, so every partial sum of the ring
         # is at most the largest of them.)
@@ -481,8 +481,9 @@ class DistributedOptimizer:
         top = _fp16_top_exponent(bucket.wire)  # the sums are below 2 ** (top - 14)
         zero = top == 0 and not bucket.wire.any()
         if scale.must_agree(top, zero):
-            scale.adopt(*self._agreed_fp16_scale(bucket), None if zero else top)
-            if scale.sending() != bucket.sent_scale:  # send again, with the agreed scale
+            scale.adopt(*self._agreed_fp16_scale(bucket), None if zero or top == 31 else top)
+            # Send again with the agreed scale (0s that are 0 everywhere: no need).
+            if scale.sending() != bucket.sent_scale and not (zero and scale.zero_confirmed):
                 self._send_16_bit(bucket)
                 bucket.handle.wait()
                 top = _fp16_top_exponent(bucket.wire)
