@@ -224,7 +224,7 @@ def test_fp16_scale_settles_without_resending_every_step():
             if step == 100:
                 assert np.isinf(params[0][7]) and np.isfinite(np.delete(params[0], 7)).all()
                 params[0][7] = 0.0
-    # (Counted on 1-4 ranks: no resends; 2 agreements for params[0], 68 for params[1].)
+    # (Counted on 1-4 ranks: no resends; 2-5 agreements for params[0], 68 for params[1].)
     assert resent <= steps // 64 + 3, resent
     pulled = sum(b is opt._bucket_of[0] for b in agreements)
     assert pulled <= steps // 64 + 4, pulled
