@@ -459,7 +459,8 @@ class DistributedOptimizer:
     def _send_16_bit(self, bucket):
         # Divide before the sum, so a 16-bit sum of p gradients cannot overflow.
         bucket.sent_scale = bucket.scale.sending() if bucket.scaled else 1.0
-        factor = bucket.sent_scale / self.comm.size
+        # (In the buffer's dtype: numpy and cupy then round the product alike.)
+        factor = bucket.buffer.dtype.type(bucket.sent_scale / self.comm.size)
         with np.errstate(over="ignore", invalid="ignore"):  # an inf is dealt with after
             bucket.wire[...] = bucket.buffer * factor  # the assignment rounds to 16 bits
         bucket.handle = self.comm.allreduce_async(bucket.wire, op="sum", out=bucket.wire)
