@@ -174,12 +174,11 @@ def _fp16_clamped(exponent: int) -> float:
     return 2.0 ** min(max(exponent, _FP16_SCALES[0]), _FP16_SCALES[1])
 
 
-def _fp16_top_exponent(wire) -> int:
-    """The largest float16 exponent field in wire: 31 if it holds an inf or NaN;
-    otherwise its largest magnitude is below 2 ** (field - 14)."""
-    if wire.size == 0:
-        return 0
-    return int((wire.view(np.uint16) & 0x7C00).max()) >> 10
+def _fp16_sums(wire) -> tuple[int, bool]:
+    """The largest float16 exponent field in wire (31 if it holds an inf or NaN;
+    otherwise its largest magnitude is below 2 ** (field - 14)), and whether all are 0."""
+    top = int((wire.view(np.uint16) & 0x7C00).max()) >> 10 if wire.size else 0
+    return top, top == 0 and not wire.any()
 
 
 class _Fp16Scale:
@@ -260,8 +259,8 @@ class _Bucket:
         self.buffer = xp.zeros(offset, params[indices[0]].dtype)
         self.wire = None if wire_dtype == self.buffer.dtype else xp.empty(offset, wire_dtype)
         # float16 only: the power of two the gradients travel multiplied by.
-        self.scaled = self.wire is not None and self.wire.dtype == np.float16
-        self.scale = _Fp16Scale(ranks) if self.scaled else None
+        scaled = self.wire is not None and self.wire.dtype == np.float16
+        self.scale = _Fp16Scale(ranks) if scaled else None
         self.sent_scale = 1.0  # the scale of the sums in wire
         self.reported: set = set()
         self.handle = None
@@ -452,13 +451,13 @@ class DistributedOptimizer:
             self.bytes_sent += bucket.buffer.nbytes
         else:
             scale = bucket.scale
-            if bucket.scaled and scale.value is None and not scale.zero_confirmed:
+            if scale is not None and scale.value is None and not scale.zero_confirmed:
                 scale.adopt(*self._agreed_fp16_scale(bucket))
             self._send_16_bit(bucket)
 
     def _send_16_bit(self, bucket):
         # Divide before the sum, so a 16-bit sum of p gradients cannot overflow.
-        bucket.sent_scale = bucket.scale.sending() if bucket.scaled else 1.0
+        bucket.sent_scale = bucket.scale.sending() if bucket.scale is not None else 1.0
         # (In the buffer's dtype: numpy and cupy then round the product alike.)
         factor = bucket.buffer.dtype.type(bucket.sent_scale / self.comm.size)
         with np.errstate(over="ignore", invalid="ignore"):  # an inf is dealt with after
@@ -479,16 +478,14 @@ class DistributedOptimizer:
     def _unscale_fp16(self, bucket):
         # Every rank holds the same sums, so every rank takes the same branches here.
         scale = bucket.scale
-        top = _fp16_top_exponent(bucket.wire)  # the sums are below 2 ** (top - 14)
-        zero = top == 0 and not bucket.wire.any()
+        top, zero = _fp16_sums(bucket.wire)  # the sums are below 2 ** (top - 14)
         if scale.must_agree(top, zero):
             scale.adopt(*self._agreed_fp16_scale(bucket), None if zero or top == 31 else top)
             # Send again with the agreed scale (0s that are 0 everywhere: no need).
             if scale.sending() != bucket.sent_scale and not (zero and scale.zero_confirmed):
                 self._send_16_bit(bucket)
                 bucket.handle.wait()
-                top = _fp16_top_exponent(bucket.wire)
-                zero = top == 0 and not bucket.wire.any()
+                top, zero = _fp16_sums(bucket.wire)
         # Sums of 0 are exact at any scale, and tell nothing about it.
         if not zero and scale.value is not None and scale.learn(top):
             scale.adopt(*self._agreed_fp16_scale(bucket))  # for the next step
@@ -498,7 +495,7 @@ class DistributedOptimizer:
 
     def _finish(self, bucket, averaged):
         bucket.handle.wait()
-        if bucket.scaled:
+        if bucket.scale is not None:
             self._unscale_fp16(bucket)
         elif bucket.wire is not None:
             bucket.buffer[...] = bucket.wire.astype(bucket.buffer.dtype)
