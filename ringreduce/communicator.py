@@ -192,8 +192,8 @@ class Handle:
 class _Work:
     __slots__ = ("core", "run", "result", "error", "finished", "cancelled", "pid")
 
-    def __init__(self, core, run):
-        self.pid = os.getpid()  # the process whose worker thread runs it
+    def __init__(self, core, run, pid):
+        self.pid = pid  # the process whose worker thread runs it
         self.core = core
         self.run = run  # returns the collective's result
         self.result = None
@@ -700,7 +700,7 @@ class Communicator:
             with executor.running:
                 if not executor.queue:
                     return keeping_on_departure(self._core, run)
-        work = _Work(self._core, run)
+        work = _Work(self._core, run, self._pid)  # (calls in a fork()ed child raised)
         executor.submit(work)
         handle = Handle(work)
         return handle.wait() if wait else handle
