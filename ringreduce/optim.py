@@ -152,9 +152,11 @@ class Adam:
 # ways) from overflowing at every step. The ranks agree again, and send again if the
 # scale differs, when the sums overflowed anyway (an inf), or fell 2 ** _FP16_FALL
 # below where they were when the scale last changed (or all the way to 0: once per run
-# of 0s); and, for the next step only, when they sit 2 ** _FP16_FAR below the aim after
-# a change (a spike gone) or after falling that far since the ranks last agreed (a
-# decline faster than the growth).
+# of 0s; for the rest of the run one more element counts the ranks whose gradients are
+# not all 0, so that ones far too small for the scale are not taken for 0s); and, for
+# the next step only, when they sit 2 ** _FP16_FAR below the aim after a change (a
+# spike gone) or after falling that far since the ranks last agreed (a decline faster
+# than the growth).
 _FP16_SCALES = (-40, 80)     # the scale's exponent stays within these
 _FP16_GROW_AFTER = 64        # steps without a change before the scale doubles
 _FP16_FALL = 10              # how far the sums may fall (powers of 2) before ranks agree
@@ -201,10 +203,11 @@ class _Fp16Scale:
             return self.value
         return 2.0 ** _FP16_SCALES[1] if self.zero_confirmed else 1.0
 
-    def must_agree(self, top: int, zero: bool) -> bool:
-        """Before these sums are used: should the ranks agree, and send again?"""
+    def must_agree(self, top: int, zero: bool, lost: bool = False) -> bool:
+        """Before these sums are used: should the ranks agree, and send again? lost: the
+        sums are 0 but some rank's gradients are not."""
         if zero:
-            return not self.zero_confirmed
+            return not self.zero_confirmed or lost
         return top == 31 or self.value is None or (
             self.ref_top is not None and top < self.ref_top - _FP16_FALL)
 
@@ -262,6 +265,12 @@ class _Bucket:
         scaled = self.wire is not None and self.wire.dtype == np.float16
         self.scale = _Fp16Scale(ranks) if scaled else None
         self.sent_scale = 1.0  # the scale of the sums in wire
+        # float16 only: the wire and one more element, which counts the ranks whose
+        # gradients are not all 0 (sent only while the ranks hold them all 0).
+        self.counted = xp.empty(offset + 1, wire_dtype) if scaled else None
+        if scaled:
+            self.wire = self.counted[:offset]
+        self.sent_count = False
         self.reported: set = set()
         self.handle = None
 
@@ -462,8 +471,16 @@ class DistributedOptimizer:
         factor = bucket.buffer.dtype.type(bucket.sent_scale / self.comm.size)
         with np.errstate(over="ignore", invalid="ignore"):  # an inf is dealt with after
             bucket.wire[...] = bucket.buffer * factor  # the assignment rounds to 16 bits
-        bucket.handle = self.comm.allreduce_async(bucket.wire, op="sum", out=bucket.wire)
-        self.bytes_sent += bucket.wire.nbytes
+        wire = bucket.wire
+        # After the ranks found all gradients 0, sums of 0 are trusted without asking;
+        # but gradients far smaller than the scale can hold sum to 0 too. The count of
+        # ranks with any that are not 0 tells them apart.
+        bucket.sent_count = bucket.scale is not None and bucket.scale.zero_confirmed
+        if bucket.sent_count:
+            bucket.counted[-1:] = bucket.buffer.any()
+            wire = bucket.counted
+        bucket.handle = self.comm.allreduce_async(wire, op="sum", out=wire)
+        self.bytes_sent += wire.nbytes
 
     def _agreed_fp16_scale(self, bucket) -> tuple[float | None, float]:
         """The largest scale with which no partial sum passes 2 ** 12 (None if all
@@ -479,7 +496,8 @@ class DistributedOptimizer:
         # Every rank holds the same sums, so every rank takes the same branches here.
         scale = bucket.scale
         top, zero = _fp16_sums(bucket.wire)  # the sums are below 2 ** (top - 14)
-        if scale.must_agree(top, zero):
+        lost = zero and bucket.sent_count and bool(bucket.counted[-1] != 0)
+        if scale.must_agree(top, zero, lost):
             scale.adopt(*self._agreed_fp16_scale(bucket), None if zero or top == 31 else top)
             # Send again with the agreed scale (0s that are 0 everywhere: no need).
             if scale.sending() != bucket.sent_scale and not (zero and scale.zero_confirmed):

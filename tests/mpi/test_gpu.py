@@ -231,21 +231,25 @@ def test_allreduce_gradients_and_the_distributed_optimizer_on_cupy(world):
 
 def test_fp16_and_powersgd_compression_on_cupy_as_on_the_host(world):
     # fp16: gradients of 1e-9, which arrive only through the bucket's scale, as on the
-    # host to float16's precision. PowerSGD: its first all-reduce starts in grad_ready
-    # on the GPU too; cuSOLVER's QR is not LAPACK's, so close rather than bit for bit.
+    # host to float16's precision; then 0s, and 1e-16 (0 at that scale: found through
+    # the count of ranks with gradients, resent alike). PowerSGD: its first all-reduce
+    # starts in grad_ready on the GPU too; cuSOLVER's QR is not LAPACK's, so close
+    # rather than bit for bit.
     from ringreduce.compression import PowerSGD
     from ringreduce.optim import SGD, DistributedOptimizer
 
     shapes = [(30, 20), (20,), (20, 10), (10,)]
-    for make, magnitude, rtol in ((lambda: "fp16", 1e-9, 2e-3),
-                                  (lambda: PowerSGD(rank=2), 1.0, 1e-4)):
+    for make, magnitudes, rtol in ((lambda: "fp16", [1e-9, 0.0, 0.0, 1e-16], 2e-3),
+                                   (lambda: PowerSGD(rank=2), [1.0] * 3, 1e-4)):
         host_params = [np.zeros(s, np.float32) for s in shapes]
         gpu_params = [cupy.zeros(s, np.float32) for s in shapes]
         host_opt = DistributedOptimizer(SGD(host_params, lr=1.0), bucket_mb=0.001,
                                         compression=make())
         gpu_opt = DistributedOptimizer(SGD(gpu_params, lr=1.0), bucket_mb=0.001,
                                        compression=make())
-        for k in range(3):
+        for k, magnitude in enumerate(magnitudes):
+            for p in host_params + gpu_params:
+                p[...] = 0  # (so that the update is exactly what arrived)
             step_grads = [magnitude * rank_data(np.dtype(np.float32), int(np.prod(s)),
                                                 salt=20 * k + i).reshape(s)
                           for i, s in enumerate(shapes)]
@@ -253,9 +257,11 @@ def test_fp16_and_powersgd_compression_on_cupy_as_on_the_host(world):
             for i in reversed(range(len(shapes))):
                 gpu_opt.grad_ready(i, cupy.asarray(step_grads[i]))
             gpu_opt.step()
-        for h, d in zip(host_params, gpu_params):
-            assert np.abs(h).max() > 0
-            np.testing.assert_allclose(cupy.asnumpy(d), h, rtol=rtol, atol=rtol * magnitude)
+            assert gpu_opt.bytes_sent == host_opt.bytes_sent, k
+            for h, d in zip(host_params, gpu_params):
+                assert (np.abs(h).max() > 0) == (magnitude > 0)
+                np.testing.assert_allclose(cupy.asnumpy(d), h, rtol=rtol,
+                                           atol=rtol * magnitude)
 
 
 def test_the_digits_example_trains_the_same_on_the_gpu():

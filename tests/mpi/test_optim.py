@@ -169,25 +169,31 @@ def test_16_bit_wire_does_not_overflow():
 
 def test_fp16_wire_keeps_gradients_below_float16s_range():
     # Steps of 1e-9 gradients (float16 rounds them to 0), then 1e3 (the scale the small
-    # ones set overflows: sent again), then tiny again, 0 and 1e-4; each comes out as
-    # the average.
+    # ones set overflows: sent again), then tiny again, 0 and 1e-4; then 0s and 1e-16
+    # (0 at the 1e-4's scale, after 0s the ranks trust); each comes out as the average.
     params = [np.zeros(300, np.float32), np.zeros(5, np.float32)]
     opt = DistributedOptimizer(SGD(params, lr=1.0), compression="fp16")
     rng = np.random.default_rng(7)
-    for step, magnitude in enumerate([1e-9, 1e-9, 1e3, 3e-8, 0.0, 1e-4]):
+    magnitudes = [1e-9, 1e-9, 1e3, 3e-8, 0.0, 1e-4, 0.0, 0.0, 1e-16, 0.0, 0.0]
+    for step, magnitude in enumerate(magnitudes):
         everyone = [rng.uniform(-1, 1, (SIZE, p.size)) * magnitude for p in params]
-        before = [p.copy() for p in params]
+        for p in params:
+            p[...] = 0  # (so that the update is exactly what arrived)
         sent = opt.bytes_sent
         opt.step([g[RANK].astype(np.float32) for g in everyone])
-        for p, b, g in zip(params, before, everyone):
-            expected = (b - g.mean(axis=0)).astype(np.float32)
+        for p, g in zip(params, everyone):
+            expected = -g.mean(axis=0).astype(np.float32)
             np.testing.assert_allclose(p, expected, rtol=2e-3, atol=magnitude * 1e-3,
                                        err_msg=f"step {step}")
         # Sent again: the 1e3 (overflowed), the 3e-8 (fell far), the 1e-4 (overflowed
-        # the 3e-8's scale); not the 0s (exact with any scale).
-        assert opt.bytes_sent - sent == 2 * 305 * (2 if step in (2, 3, 5) else 1), step
+        # the 3e-8's scale), the 1e-16 (0, but counted); not the 0s (exact with any
+        # scale). After a step of 0s, each bucket carries one more element: the count.
+        resent = step in (2, 3, 5, 8)
+        counted = step > 0 and magnitudes[step - 1] == 0.0
+        assert opt.bytes_sent - sent == (
+            2 * 305 * (1 + resent) + 2 * len(opt._buckets) * counted), step
     scales = {b.scale.value for b in opt._buckets}
-    assert all(s > 2.0 ** 20 for s in scales), scales  # set from the 1e-4 gradients
+    assert all(s > 2.0 ** 60 for s in scales), scales  # set from the 1e-16 gradients
 
 
 def test_fp16_scale_settles_without_resending_every_step():
