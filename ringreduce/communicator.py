@@ -500,7 +500,10 @@ class Communicator:
                            else self._results.empty(x.shape, x.dtype))
                 with self._executor.running:
                     if not self._executor.queue:
-                        self._core.allreduce(x, out, codes[0], codes[1], self._chunk_bytes)
+                        if self.size > 1:
+                            self._core.allreduce(x, out, codes[0], codes[1], self._chunk_bytes)
+                        elif out is not x:  # one rank: x reduced with nothing is x (x / 1 too)
+                            out[...] = x
                         return out
         return self._call("allreduce", self._prepare_allreduce, x, op, out, wait=True)
 
@@ -541,6 +544,10 @@ class Communicator:
                         self._core.reduce_scatter(x, result, codes[0], codes[1],
                                                   self._chunk_bytes, result)
                         return result
+        if self.size == 1:
+            done = self._one_rank_copy(x, out, op)
+            if done is not None:
+                return done
         return self._call("reduce_scatter", self._prepare_reduce_scatter, x, op, out, wait=True)
 
     def allgather(self, x, out=None):
@@ -593,7 +600,38 @@ class Communicator:
                             return guess
                         return gather_rest(core, x, counts, row_shape, row_elems, dtype, out,
                                            self._results)
+        if self.size == 1:
+            done = self._one_rank_copy(x, out)
+            if done is not None:
+                return done
         return self._call("allgather", self._prepare_allgather, x, out, wait=True)
+
+    def _one_rank_copy(self, x, out, op=None):
+        """reduce_scatter (with op) or allgather on one rank, where either is a copy of x
+        (x reduced with nothing is x; x / 1 too): done here for the common case, a
+        contiguous numpy x of at least one dimension and an out= (if any) that needs no
+        further checks, as the general path would take a few times MPI's time for it.
+        None for anything else, which the general path serves (or rejects)."""
+        if not (type(x) is np.ndarray and x.ndim and x.flags.c_contiguous
+                and not self._executor.queue and not self._closed):
+            return None
+        if op is None:
+            valid = t.native_dtype_code(x.dtype) is not None
+            shape = x.shape
+        else:
+            try:
+                valid = t.validated_pairs[x.dtype, op] is not None
+            except (KeyError, TypeError):
+                valid = False
+            shape = (x.size,)
+        if not valid or out is not None and not t.is_plain_out(out, x, shape, overlap_ok=True):
+            return None
+        with self._executor.running:
+            if self._executor.queue:
+                return None
+            result = self._results.empty(shape, x.dtype) if out is None else out
+            result[...] = x.reshape(shape)  # (numpy copies through a buffer if they overlap)
+            return result
 
     def broadcast(self, x, root: int = 0):
         """Overwrite x on every rank with root's x, in place; return x."""
@@ -606,7 +644,8 @@ class Communicator:
             if dtype is not None:
                 with self._executor.running:
                     if not self._executor.queue:
-                        self._core.broadcast(x, dtype, root, self._chunk_bytes)
+                        if self.size > 1:  # (one rank: x is root's x)
+                            self._core.broadcast(x, dtype, root, self._chunk_bytes)
                         return x
         return self._call("broadcast", self._prepare_broadcast, x, root, wait=True)
 

@@ -220,7 +220,13 @@ def test_reduce_scatter_into_out_in_place_and_overlapping(comm, world):
     assert comm.reduce_scatter(inplace, out=block) is block
     assert bitwise_equal(block, expected)
     if SIZE == 1:
-        return  # the block is all of x: nothing to overlap
+        # The block is all of x: out can overlap it only shifted (and allgather's too,
+        # which one rank serves as a copy, like this).
+        for call in (comm.reduce_scatter, comm.allgather):
+            both = np.append(x, 0.0)
+            assert call(both[:n], out=both[1:]).base is both
+            assert bitwise_equal(both[1:], expected), call
+        return
     # out overlapping x one element off its own block: x must all be read first
     shifted = x.copy()
     start = offset + 1 if offset + 1 + count <= n else offset - 1
