@@ -304,6 +304,8 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("size", &RingCommunicator::size)
       .def_property_readonly("closed", &RingCommunicator::closed)
       .def_property_readonly("departed", &RingCommunicator::departed)
+      .def("check_usable", &RingCommunicator::check_usable,
+           "raise as a call would after an earlier error (the one-rank shortcuts use it)")
       .def_property("timeout", &RingCommunicator::timeout, &RingCommunicator::set_timeout,
                     "seconds a call waits on another rank before raising (<= 0: forever)")
       .def_property_readonly("transport", &RingCommunicator::transport_name)

@@ -432,7 +432,7 @@ void RingCommunicator::allreduce_host(const CallHeader& header, const void* inpu
     run_tuned(Collective::AllReduce, bytes, shm, [&] {
       run_reduce_scatter(sched, dtype, op, input, out, shm);
       const Span mine = sched.segment(rank());
-      if (op == Op::Avg)
+      if (op == Op::Avg && size() > 1)  // (x / 1 is x: one rank keeps its NaNs' bits)
         divide(dtype, static_cast<char*>(out) + mine.offset * es, mine.count, size());
       run_allgather(sched, es, out, shm);
     });
@@ -493,7 +493,7 @@ void RingCommunicator::reduce_scatter_host(const CallHeader& header, const void*
   guarded("reduce_scatter", [&] {
     run_tuned(Collective::ReduceScatter, bytes, shm, [&] {
       run_reduce_scatter(sched, dtype, op, input, work, shm, own_out);
-      if (op == Op::Avg) {
+      if (op == Op::Avg && size() > 1) {
         const Span mine = sched.segment(rank());
         divide(dtype, ReduceTarget(sched, es, work, own_out).own(), mine.count, size());
       }

@@ -241,6 +241,8 @@ class RingCommunicator {
   // This rank has left the communicator (a timeout, an error in a call, leave()): the
   // buffers of the call it left in may still be read or written by MPI, for good.
   bool departed() const { return departed_; }
+  // Throws what every call throws after this communicator was closed, gave up or broke.
+  void check_usable() const;
   // Stops using the communicator on this rank only, and tells the others (Departure::
   // Left), so that their waits on this rank raise at once and their close() frees
   // nothing that would wait for it. For a rank that will not close() with the others
@@ -277,7 +279,6 @@ class RingCommunicator {
   void allgather_inline(void* out, const std::vector<int64_t>& row_counts, int64_t row_elems,
                         size_t elem_size);
   RecvSlots recv_slots(const RingSchedule& sched, size_t elem_size);
-  void check_usable() const;
   // Runs a phase that moves data. An error there may leave messages in flight (and, on
   // a GPU, copies), after which the communicator cannot be trusted again: the error's
   // text goes into broken_, and every later call raises it. A timeout gives up.

@@ -502,8 +502,10 @@ class Communicator:
                     if not self._executor.queue:
                         if self.size > 1:
                             self._core.allreduce(x, out, codes[0], codes[1], self._chunk_bytes)
-                        elif out is not x:  # one rank: x reduced with nothing is x (x / 1 too)
-                            out[...] = x
+                        else:  # one rank: x reduced with nothing is x (x / 1 too)
+                            self._core.check_usable()
+                            if out is not x:
+                                out[...] = x
                         return out
         return self._call("allreduce", self._prepare_allreduce, x, op, out, wait=True)
 
@@ -629,6 +631,7 @@ class Communicator:
         with self._executor.running:
             if self._executor.queue:
                 return None
+            self._core.check_usable()  # (raises as the core would after an earlier error)
             result = self._results.empty(shape, x.dtype) if out is None else out
             result[...] = x.reshape(shape)  # (numpy copies through a buffer if they overlap)
             return result
@@ -644,8 +647,10 @@ class Communicator:
             if dtype is not None:
                 with self._executor.running:
                     if not self._executor.queue:
-                        if self.size > 1:  # (one rank: x is root's x)
+                        if self.size > 1:
                             self._core.broadcast(x, dtype, root, self._chunk_bytes)
+                        else:  # one rank: x is root's x
+                            self._core.check_usable()
                         return x
         return self._call("broadcast", self._prepare_broadcast, x, root, wait=True)
 
