@@ -98,3 +98,17 @@ def test_close_finishes_work_in_flight(world):
     for i, h in enumerate(handles):
         assert h.done()
         np.testing.assert_array_equal(h.wait(), np.full(1000, float(i * SIZE)))
+
+
+def test_one_rank_async_calls_are_done_when_they_return():
+    # One rank waits for no one: no worker thread, no handoff (some 50 us a call).
+    if SIZE > 1:
+        pytest.skip("one rank only")
+    with rr.Communicator(MPI.COMM_WORLD) as comm:
+        x = rank_data(np.dtype(np.float64), 100)
+        handles = [comm.allreduce_async(x, op=op) for op in ("sum", "avg", "max")]
+        assert all(h.done() for h in handles)
+        assert all(bitwise_equal(h.wait(), x) for h in handles)
+        with pytest.raises(ValueError, match="op"):
+            comm.allreduce_async(x, op="mean")
+        assert comm._executor.thread is None
