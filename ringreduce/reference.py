@@ -85,6 +85,8 @@ def _raw(segment: np.ndarray) -> np.ndarray:
 def _divide(segment: np.ndarray, size: int) -> None:
     # Complex numbers divide each component (numpy's complex division would
     # multiply by 1/size instead, rounding differently).
+    if size == 1:
+        return  # x / 1 is x (and a signalling NaN keeps its bits, as in the core)
     parts = segment.view(segment.real.dtype) if np.iscomplexobj(segment) else segment
     np.true_divide(parts, size, out=parts)
 

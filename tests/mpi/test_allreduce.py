@@ -133,18 +133,20 @@ def test_nan_propagates(op, small_chunks, world):
     assert not np.isnan(np.delete(y, [0, 17, 49])).any()
 
 
-def test_one_rank_returns_x_itself_bit_for_bit(comm):
+def test_one_rank_returns_x_itself_bit_for_bit(comm, world):
     # On one rank every reduction of x is x, avg too (x / 1): a strided x (the general
-    # path, through the core) and a contiguous one (the short path, a copy in Python)
-    # must give the same bits, a signalling NaN's included.
+    # path, through the core), a contiguous one (the short path, a copy in Python) and
+    # the reference must give the same bits, a signalling NaN's included.
     if SIZE > 1:
         pytest.skip("one rank only")
     x = np.array([0x7F800001, 0xFFC00002, 0x3F800000], np.uint32).view(np.float32)
     strided = np.repeat(x, 2)[::2]
-    for call in (comm.allreduce, comm.reduce_scatter):
+    for call, ref in ((comm.allreduce, reference.allreduce),
+                      (comm.reduce_scatter, reference.reduce_scatter)):
         for op in ("avg", "sum", "max"):
             assert bitwise_equal(call(strided, op=op), x), (call, op)
             assert bitwise_equal(call(x, op=op), x), (call, op)
+            assert bitwise_equal(ref(x, op, world), x), (ref, op)
 
 
 def test_float16_rounds_once_per_step_like_the_reference(small_chunks, world):

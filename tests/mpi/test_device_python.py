@@ -74,6 +74,21 @@ def test_async_calls_complete_in_order(ring):
         assert bitwise_equal(cp.asnumpy(h.wait()), reference.allreduce(a, "sum"))
 
 
+def test_one_rank_still_hands_gpu_async_calls_to_the_worker():
+    # One rank runs a host array's async call at once; a GPU array's call would wait
+    # there for the work queued on the caller's stream, which the caller need not.
+    if SIZE > 1:
+        pytest.skip("one rank only")
+    with rr.Communicator() as comm:
+        if not comm._executor.threaded:
+            pytest.skip("MPI without MPI_THREAD_MULTIPLE: no worker thread")
+        assert comm.allreduce_async(np.ones(3)).done()
+        assert comm._executor.thread is None
+        assert bitwise_equal(cp.asnumpy(comm.allreduce_async(cp.asarray(np.ones(3))).wait()),
+                             np.ones(3))
+        assert comm._executor.thread is not None
+
+
 def test_reduce_scatter_allgather_broadcast(ring, world):
     x = rank_data(np.dtype(np.float32), 1001, salt=3)
     part = ring.reduce_scatter(cp.asarray(x), op="avg")
