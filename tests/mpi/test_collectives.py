@@ -318,11 +318,15 @@ def test_big_results_reuse_only_buffers_nothing_else_holds(comm, world, monkeypa
         del gathered, summed, async_sum, part
     for held, expected in kept:
         np.testing.assert_array_equal(np.asarray(held), expected)
-    # A dropped result's buffer is handed out again.
+    # A dropped result's buffer is handed out again. (Held: the other kept buffer's
+    # result, so that the dropped one's is the only idle one.)
+    held = comm.allreduce(x)
     summed = comm.allreduce(x)
+    assert len(comm._results.buffers) == communicator._Results.KEEP == 2
     buffer = weakref.ref(summed.base)
     del summed
     assert comm.allreduce(x).base is buffer()
+    assert held.base is not buffer()
     small = comm.allreduce(np.ones(3))  # below MIN_BYTES: np.empty as before
     assert small.flags.owndata
 
