@@ -202,11 +202,12 @@ class _Work:
         self.cancelled = None  # the error to raise instead, if set before it starts
 
     def execute(self):
+        run, self.run = self.run, None  # (a Handle kept for its result keeps no inputs)
         if self.cancelled is not None:
             self.error = self.cancelled
         else:
             try:
-                self.result = keeping_on_departure(self.core, self.run)
+                self.result = keeping_on_departure(self.core, run)
             except BaseException as error:  # handed to whoever waits
                 self.error = error
         self.finished.set()
@@ -277,6 +278,9 @@ class _Executor:
                 return
             with self.running:
                 work.execute()
+            # Not kept until the next call comes: its result may be big (or a kept
+            # buffer that a new result could reuse once its caller drops it).
+            del work
             with self.changed:
                 self.queue.popleft()
                 self.changed.notify_all()
@@ -752,7 +756,7 @@ class Communicator:
                         return keeping_on_departure(self._core, run)
                     # An error is raised by wait(), as the worker's would be; but
                     # Ctrl-C (KeyboardInterrupt) here and now, as a blocking call's.
-                    work = _Work(self._core, run, self._pid)
+                    work = _Work(self._core, None, self._pid)
                     try:
                         work.result = keeping_on_departure(self._core, run)
                     except Exception as error:

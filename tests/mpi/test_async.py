@@ -1,4 +1,6 @@
 """allreduce_async: many in flight, results in order, errors at wait()."""
+import weakref
+
 import numpy as np
 import pytest
 from mpi4py import MPI
@@ -112,3 +114,20 @@ def test_one_rank_async_calls_are_done_when_they_return():
         with pytest.raises(ValueError, match="op"):
             comm.allreduce_async(x, op="mean")
         assert comm._executor.thread is None
+
+
+def test_a_finished_call_keeps_no_arrays_but_its_result_in_its_handle():
+    # Neither a Handle kept for its result nor the worker thread, once it is done,
+    # keeps the call's input alive, nor its result once the Handle is dropped.
+    with rr.Communicator(MPI.COMM_WORLD) as comm:
+        for size in (10, 1 << 16):  # in the header exchange, and the ring
+            x = rank_data(np.dtype(np.float64), size)
+            x_alive = weakref.ref(x)
+            handle = comm.allreduce_async(x)
+            result = handle.wait()
+            del x
+            assert x_alive() is None
+            result_alive = weakref.ref(result)
+            del result, handle
+            comm._executor.drain()  # (the worker is done with it once the queue is empty)
+            assert result_alive() is None
