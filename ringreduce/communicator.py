@@ -736,7 +736,7 @@ class Communicator:
             # Still take part in the header exchange, so that the other ranks raise
             # MismatchError naming this rank instead of waiting for it forever.
             core, collective, chunk = self._core, _COLLECTIVES[name], self._chunk_bytes
-            self._run(lambda: core.announce_invalid(collective, chunk), wait=True)
+            self._run(lambda: core.announce_invalid(collective, chunk), wait=True, at_once=True)
             raise
         # One rank waits for no one, so an asynchronous call on host arrays is done at
         # once, in this thread: handing it to the worker thread costs some 50 us. (Not
@@ -745,9 +745,11 @@ class Communicator:
         at_once = wait or self.size == 1 and not _device.is_device_array(args[0])
         return self._run(run, wait, at_once)
 
-    def _run(self, run, wait, at_once=None):
+    def _run(self, run, wait: bool, at_once: bool):
+        """run() now, in this thread, if at_once and nothing is in flight (else on the
+        worker thread); its result (wait), or a Handle."""
         executor = self._executor
-        if (wait if at_once is None else at_once) and not executor.queue:
+        if at_once and not executor.queue:
             # Nothing in flight: run in this thread, the cheapest way. The lock keeps
             # the worker from starting a newly queued item meanwhile.
             with executor.running:
