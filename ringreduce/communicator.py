@@ -668,9 +668,14 @@ class Communicator:
         if self._closed:
             return
         self._executor.finish()
-        self._abandon()
-        if not MPI.Is_finalized():
-            self._core.close()
+        # A blocking call another thread runs now ends first: closing under it would
+        # send this rank's part of the close into that call's exchange with the others.
+        with self._executor.running:
+            if self._closed:
+                return
+            self._abandon()
+            if not MPI.Is_finalized():
+                self._core.close()
 
     def __enter__(self):
         return self

@@ -1,4 +1,6 @@
 """allreduce_async: many in flight, results in order, errors at wait()."""
+import threading
+import time
 import weakref
 
 import numpy as np
@@ -131,3 +133,30 @@ def test_a_finished_call_keeps_no_arrays_but_its_result_in_its_handle():
             del result, handle
             comm._executor.drain()  # (the worker is done with it once the queue is empty)
             assert result_alive() is None
+
+
+def test_close_lets_a_call_another_thread_runs_end_first(world):
+    # Rank 0 closes while a thread of its own waits in a call the others join later:
+    # the close waits for that call, instead of sending its part of the close into the
+    # call's exchange (before, both ranks timed out).
+    if SIZE == 1:
+        pytest.skip("needs another rank to wait for")
+    comm = rr.Communicator(MPI.COMM_WORLD, timeout=10)
+    x = np.full(1000, RANK + 1.0)
+    expected = np.full(1000, SIZE * (SIZE + 1) / 2)
+    if RANK == 0:
+        results = []
+        caller = threading.Thread(target=lambda: results.append(comm.allreduce(x)))
+        caller.start()
+        time.sleep(0.2)
+        start = time.monotonic()
+        comm.close()
+        assert time.monotonic() - start < 5
+        caller.join()
+        assert bitwise_equal(results[0], expected)
+    else:
+        time.sleep(0.6)
+        assert bitwise_equal(comm.allreduce(x), expected)
+        comm.close()
+    assert comm.closed
+    world.Barrier()
