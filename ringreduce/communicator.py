@@ -224,7 +224,10 @@ class _Executor:
         self.threaded = threaded  # False: MPI lacks THREAD_MULTIPLE, run everything inline
         self.queue: collections.deque[_Work | None] = collections.deque()
         self.changed = threading.Condition()
-        self.running = threading.Lock()  # held while the core runs a collective
+        # Held while the core runs a collective. Reentrant: a signal handler that calls
+        # close() while its thread holds it (a call just returned from the core) must
+        # not wait for itself.
+        self.running = threading.RLock()
         self.thread: threading.Thread | None = None
 
     def submit(self, work: _Work) -> None:

@@ -1,4 +1,5 @@
 """allreduce_async: many in flight, results in order, errors at wait()."""
+import signal
 import threading
 import time
 import weakref
@@ -160,3 +161,26 @@ def test_close_lets_a_call_another_thread_runs_end_first(world):
         comm.close()
     assert comm.closed
     world.Barrier()
+
+
+def test_close_from_a_signal_handler_in_the_middle_of_a_call_does_not_hang():
+    # A SIGALRM handler closes the Communicator while the main thread is in a call,
+    # holding the lock close() takes (after a lock that was not reentrant, this hung
+    # for good whenever the signal came while the core ran). A few tries, as the
+    # signal may also come between calls.
+    if SIZE > 1:
+        pytest.skip("one rank: closing is collective")
+    x = np.ones(1 << 22)[::2]  # strided: the general path, with a copy in the core call
+    previous = signal.getsignal(signal.SIGALRM)
+    try:
+        for _ in range(5):
+            comm = rr.Communicator(MPI.COMM_WORLD)
+            signal.signal(signal.SIGALRM, lambda signum, frame: comm.close())
+            signal.setitimer(signal.ITIMER_REAL, 0.01)
+            with pytest.raises(ValueError, match="closed"):
+                for _ in range(10_000):
+                    comm.allreduce(x)
+            assert comm.closed
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
