@@ -93,6 +93,15 @@ def raised_within(seconds, message_pattern, call):
     assert time.monotonic() - start < seconds
 
 
+def free_here(lock) -> bool:
+    """Whether this thread can take lock (an RLock, which has no locked()): False while
+    another thread holds it."""
+    if lock.acquire(blocking=False):
+        lock.release()
+        return True
+    return False
+
+
 def a_ring_over(wire, monkeypatch, **kwargs):
     # The wire is chosen when the Communicator is made (RINGREDUCE_SHM=0: MPI only).
     # Made with time to spare (4 ranks on 2 cores, arriving from the last test, once
@@ -334,7 +343,7 @@ def test_an_error_leaving_a_with_block_stops_its_calls_in_flight(wire, world, mo
                 running = ring.allreduce_async(x)
                 queued = ring.allreduce_async(x)
                 deadline = time.monotonic() + 10
-                while not ring._executor.running.locked():  # the worker has started it
+                while free_here(ring._executor.running):  # until the worker has started it
                     assert time.monotonic() < deadline
                     time.sleep(0.001)
                 time.sleep(0.05)  # and is waiting in its header exchange
