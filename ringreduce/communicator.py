@@ -201,14 +201,16 @@ class _Work:
         self.finished = threading.Event()
         self.cancelled = None  # the error to raise instead, if set before it starts
 
-    def execute(self):
+    def execute(self, catching=BaseException):
+        """Runs it; what it raises of `catching` is handed to whoever waits (anything
+        else propagates here: Ctrl-C in the caller's own thread)."""
         run, self.run = self.run, None  # (a Handle kept for its result keeps no inputs)
         if self.cancelled is not None:
             self.error = self.cancelled
         else:
             try:
                 self.result = keeping_on_departure(self.core, run)
-            except BaseException as error:  # handed to whoever waits
+            except catching as error:
                 self.error = error
         self.finished.set()
 
@@ -766,12 +768,8 @@ class Communicator:
                         return keeping_on_departure(self._core, run)
                     # An error is raised by wait(), as the worker's would be; but
                     # Ctrl-C (KeyboardInterrupt) here and now, as a blocking call's.
-                    work = _Work(self._core, None, self._pid)
-                    try:
-                        work.result = keeping_on_departure(self._core, run)
-                    except Exception as error:
-                        work.error = error
-                    work.finished.set()
+                    work = _Work(self._core, run, self._pid)
+                    work.execute(catching=Exception)
                     return Handle(work)
         work = _Work(self._core, run, self._pid)  # (calls in a fork()ed child raised)
         executor.submit(work)
