@@ -203,7 +203,7 @@ class _Fp16Scale:
             return self.value
         return 2.0 ** _FP16_SCALES[1] if self.zero_confirmed else 1.0
 
-    def must_agree(self, top: int, zero: bool, lost: bool = False) -> bool:
+    def must_agree(self, top: int, zero: bool, lost: bool) -> bool:
         """Before these sums are used: should the ranks agree, and send again? lost: the
         sums are 0 but some rank's gradients are not."""
         if zero:
