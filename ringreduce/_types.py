@@ -90,16 +90,12 @@ def _mpi_predefined_name(op):
     return None
 
 
-_CODE_BY_DTYPE = {np.dtype(name): code for name, code in _DTYPE_CODES.items()
-                  if name != "bfloat16"}
+# Native dtype -> its code: the table the fast path (the core's FastPath) looks dtypes
+# up in too. A non-native dtype never compares equal to these, so it is not found.
+dtype_codes = {np.dtype(name): code for name, code in _DTYPE_CODES.items()
+               if name != "bfloat16"}
 if _BFLOAT16 is not None:
-    _CODE_BY_DTYPE[_BFLOAT16] = _DTYPE_CODES["bfloat16"]
-
-
-# dtype -> its code, or None for an unsupported or non-native one (the table holds
-# native dtypes only, and a non-native one never compares equal to them): the fast
-# paths' check, in 35 ns.
-native_dtype_code = _CODE_BY_DTYPE.get
+    dtype_codes[_BFLOAT16] = _DTYPE_CODES["bfloat16"]
 
 
 _SHAPE_DIM_BITS = 20  # the tag's layout: see CallHeader::shape_tag in ring_communicator.h
@@ -121,7 +117,7 @@ def shape_tag(row_shape: tuple) -> int:
 
 def dtype_code(dtype: np.dtype, argument: str, context: str) -> int:
     # A dict lookup: comparing dtypes with == costs microseconds per call.
-    code = _CODE_BY_DTYPE.get(dtype)
+    code = dtype_codes.get(dtype)
     if code is None:
         raise TypeError(f"{context}: {argument} has dtype {dtype}, which is not supported; "
                         f"supported dtypes: {', '.join(supported_dtypes())}")
@@ -137,7 +133,9 @@ def check_op_for_dtype(op: int, dtype_code: int, context: str) -> None:
                                  f"{name} ({why})")
 
 
-validated_pairs: dict = {}  # (native dtype, op string) -> (dtype code, op code), once valid
+# (native dtype, op string) -> (dtype code, op code), once valid: what the fast path
+# (the core's FastPath) takes without further checks.
+validated_pairs: dict = {}
 
 
 def reduction_codes(dtype: np.dtype, op, context: str) -> tuple[int, int]:
@@ -219,24 +217,6 @@ def check_out(out, shape: tuple, dtype: np.dtype, context: str, array_type=np.nd
     if isinstance(out, np.ndarray) and not out.flags.writeable:
         raise ValueError(f"{context}: out is read-only")
     return out
-
-
-def is_plain_out(out, x: np.ndarray, shape=None, any_rows=False, overlap_ok=False) -> bool:
-    """out is a valid output for x by the check_out() rules, checked quickly. shape:
-    the result's (default: x's); any_rows: out may have any number of rows of that
-    shape (allgather's). Unless overlap_ok, out must not share memory with x."""
-    if not (type(out) is np.ndarray and out.dtype == x.dtype and out.flags.c_contiguous
-            and out.flags.writeable):
-        return False
-    shape = x.shape if shape is None else shape
-    if any_rows:
-        if out.ndim != len(shape) or out.shape[1:] != shape[1:]:
-            return False
-    elif out.shape != shape:
-        return False
-    # Two arrays that own their memory cannot overlap; views need the real check.
-    return (overlap_ok or out.base is None and x.base is None
-            or not np.may_share_memory(x, out))
 
 
 def same_buffer(a: np.ndarray, b: np.ndarray) -> bool:

@@ -304,6 +304,7 @@ def _after_fork_in_child():
     # (The ones not in _live are closed already.)
     for comm in list(_live):
         comm._closed = True
+        comm._fast = None
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
@@ -434,9 +435,7 @@ class Communicator:
         self._direct = None  # see _cuda_direct()
         self._scratch = _Scratch()
         self._results = _Results()  # results without out=: big ones reuse kept buffers
-        # Calls up to this many bytes ride in the header exchange (no ring, no workspace);
-        # the fast paths below serve them.
-        self._inline_bytes = self._core.inline_capacity if self.size > 1 else -1
+        self._fast = self._make_fast_path()  # the common case of every call (None: closed)
         self._contexts = {name: t.where(self.rank, self.size, name) for name in _COLLECTIVES}
         _live.add(self)
 
@@ -465,6 +464,9 @@ class Communicator:
     @chunk_bytes.setter
     def chunk_bytes(self, value: int) -> None:
         self._chunk_bytes = _checked_chunk_bytes(value)
+        fast = self._fast
+        if fast is not None:
+            fast.chunk_bytes = self._chunk_bytes
 
     @property
     def transport(self) -> str:
@@ -493,29 +495,11 @@ class Communicator:
         Returns a new array shaped like x, or ``out`` (which may be x itself, for an
         in-place reduction). x is never modified unless it is ``out``.
         """
-        # The common case, checked in a few attribute lookups: a latency-bound small
-        # allreduce costs about as much in Python as in MPI. Anything else (or a
-        # dtype/op pair not yet validated once) takes the general path below.
-        if (type(x) is np.ndarray and x.flags.c_contiguous and not self._executor.queue
-                and not self._closed):
-            try:
-                codes = t.validated_pairs[x.dtype, op]
-            except (KeyError, TypeError):
-                codes = None
-            if codes is not None and (out is None or out is x and x.flags.writeable
-                                      or t.is_plain_out(out, x)):
-                if out is None:  # (np.empty at once for small x: every 0.1 us counts)
-                    out = (np.empty(x.shape, x.dtype) if x.nbytes < _Results.MIN_BYTES
-                           else self._results.empty(x.shape, x.dtype))
-                with self._executor.running:
-                    if not self._executor.queue:
-                        if self.size > 1:
-                            self._core.allreduce(x, out, codes[0], codes[1], self._chunk_bytes)
-                        else:  # one rank: x reduced with nothing is x (x / 1 too)
-                            self._core.check_usable()
-                            if out is not x:
-                                out[...] = x
-                        return out
+        fast = self._fast  # (None once closed)
+        if fast is not None:
+            result = fast.allreduce(x, op, out)
+            if result is not None:
+                return result
         return self._call("allreduce", self._prepare_allreduce, x, op, out, wait=True)
 
     def allreduce_async(self, x, op="sum", out=None) -> Handle:
@@ -533,32 +517,11 @@ class Communicator:
         The ring needs a workspace as large as x; the Communicator keeps the largest
         one it has needed (numpy inputs) until it is closed.
         """
-        # The fast path, as in allreduce: a contiguous numpy x small enough to ride in the
-        # header exchange (so no workspace), a dtype and op validated before, an out= (if
-        # any) that needs no checks beyond a few attributes.
-        if (type(x) is np.ndarray and x.nbytes <= self._inline_bytes and x.flags.c_contiguous
-                and not self._executor.queue and not self._closed):
-            try:
-                codes = t.validated_pairs[x.dtype, op]
-            except (KeyError, TypeError):
-                codes = None
-            base, extra = divmod(x.size, self.size)
-            count = base + (self.rank < extra)
-            # out may overlap x: the call copies x into its header before writing out
-            if out is not None and not t.is_plain_out(out, x, (count,), overlap_ok=True):
-                codes = None
-            if codes is not None:
-                with self._executor.running:
-                    if not self._executor.queue:
-                        result = np.empty(count, x.dtype) if out is None else out
-                        # work is never touched by a call in the header exchange
-                        self._core.reduce_scatter(x, result, codes[0], codes[1],
-                                                  self._chunk_bytes, result)
-                        return result
-        if self.size == 1:
-            done = self._one_rank_copy(x, out, op)
-            if done is not None:
-                return done
+        fast = self._fast
+        if fast is not None:
+            result = fast.reduce_scatter(x, op, out)
+            if result is not None:
+                return result
         return self._call("reduce_scatter", self._prepare_reduce_scatter, x, op, out, wait=True)
 
     def allgather(self, x, out=None):
@@ -569,98 +532,20 @@ class Communicator:
         its rows must add up to all ranks' rows, which every rank checks before any data
         moves. x may be out's own block of rows (gathering in place).
         """
-        # The fast path: a contiguous numpy x of at least one dimension, small enough for
-        # its rows to ride in the header exchange, an out= (if any) that needs no checks
-        # beyond a few attributes (the core checks its rows, and x may be a part of it).
-        if (type(x) is np.ndarray and x.ndim and x.nbytes <= self._inline_bytes
-                and x.flags.c_contiguous and not self._executor.queue and not self._closed):
-            dtype = t.native_dtype_code(x.dtype)
-            if x.ndim == 1:  # (len() and no slicing: 0.1 us less than shape[0], shape[1:])
-                rows, row_shape = len(x), ()
-            else:
-                rows, row_shape = x.shape[0], x.shape[1:]
-            # A guess at the result: out=, or this rank's rows times the ranks. The
-            # exchange fills it in the same step if every rank's rows add up to it, and
-            # the call is done: a third of a small call saved. Only below the size at
-            # which gather_output() confirms, as whether a call confirms must not depend
-            # on a guess ranks may differ in.
-            guess = None
-            if out is not None:
-                if not t.is_plain_out(out, x, any_rows=True, overlap_ok=True):
-                    dtype = None
-                elif out.nbytes < _CONFIRM_BYTES:
-                    guess = out
-            elif dtype is not None and x.nbytes * self.size < _CONFIRM_BYTES:
-                try:  # (an int shape for 1-D x: a tuple costs a tenth of a microsecond)
-                    total = rows * self.size
-                    guess = np.empty((total,) + row_shape if row_shape else total, x.dtype)
-                except MemoryError:
-                    dtype = None  # the general path, which tells the other ranks
-            if dtype is not None:
-                core = self._core
-                with self._executor.running:
-                    if not self._executor.queue:
-                        if guess is None:
-                            return gather_rows(core, x, rows, row_shape, dtype,
-                                               self._chunk_bytes, out, self._results)
-                        row_elems, tag = row_layout(row_shape)
-                        counts = core.allgather_small(
-                            x, rows, row_elems, tag, dtype, self._chunk_bytes,
-                            -1 if out is None else out.shape[0], guess, guess.shape[0])
-                        if counts is None:  # the exchange filled the guess
-                            return guess
-                        return gather_rest(core, x, counts, row_shape, row_elems, dtype, out,
-                                           self._results)
-        if self.size == 1:
-            done = self._one_rank_copy(x, out)
-            if done is not None:
-                return done
+        fast = self._fast
+        if fast is not None:
+            result = fast.allgather(x, out)
+            if result is not None:
+                return result
         return self._call("allgather", self._prepare_allgather, x, out, wait=True)
-
-    def _one_rank_copy(self, x, out, op=None):
-        """reduce_scatter (with op) or allgather on one rank, where either is a copy of x
-        (x reduced with nothing is x; x / 1 too): done here for the common case, a
-        contiguous numpy x of at least one dimension and an out= (if any) that needs no
-        further checks, as the general path would take a few times MPI's time for it.
-        None for anything else, which the general path serves (or rejects)."""
-        if not (type(x) is np.ndarray and x.ndim and x.flags.c_contiguous
-                and not self._executor.queue and not self._closed):
-            return None
-        if op is None:
-            valid = t.native_dtype_code(x.dtype) is not None
-            shape = x.shape
-        else:
-            try:
-                valid = t.validated_pairs[x.dtype, op] is not None
-            except (KeyError, TypeError):
-                valid = False
-            shape = (x.size,)
-        if not valid or out is not None and not t.is_plain_out(out, x, shape, overlap_ok=True):
-            return None
-        with self._executor.running:
-            if self._executor.queue:
-                return None
-            self._core.check_usable()  # (raises as the core would after an earlier error)
-            result = self._results.empty(shape, x.dtype) if out is None else out
-            result[...] = x.reshape(shape)  # (numpy copies through a buffer if they overlap)
-            return result
 
     def broadcast(self, x, root: int = 0):
         """Overwrite x on every rank with root's x, in place; return x."""
-        # The fast path: a contiguous numpy x that this rank may write (or only reads, as
-        # root), a supported dtype, a plain int root of this communicator.
-        if (type(x) is np.ndarray and type(root) is int and 0 <= root < self.size
-                and x.flags.c_contiguous and (x.flags.writeable or root == self.rank)
-                and not self._executor.queue and not self._closed):
-            dtype = t.native_dtype_code(x.dtype)
-            if dtype is not None:
-                with self._executor.running:
-                    if not self._executor.queue:
-                        if self.size > 1:
-                            self._core.broadcast(x, dtype, root, self._chunk_bytes)
-                        else:  # one rank: x is root's x
-                            self._core.check_usable()
-                        return x
+        fast = self._fast
+        if fast is not None:
+            result = fast.broadcast(x, root)
+            if result is not None:
+                return result
         return self._call("broadcast", self._prepare_broadcast, x, root, wait=True)
 
     def close(self) -> None:
@@ -710,6 +595,7 @@ class Communicator:
     def _abandon(self) -> None:
         """Stop using this communicator, here only (close() also frees it, collectively)."""
         self._closed = True
+        self._fast = None
         self._scratch = _Scratch()
         self._results = _Results()
         _live.discard(self)
@@ -731,6 +617,23 @@ class Communicator:
                           ResourceWarning, source=self)
 
     # -- plumbing -------------------------------------------------------------------
+
+    def _make_fast_path(self):
+        """The core's FastPath, which serves the common case of each collective (a
+        contiguous numpy array, a dtype and op validated once by the general path, an
+        out= that needs no further checks, nothing in flight) without Python's checks,
+        which cost a small call as much as its exchange; it returns None for anything
+        else, which the general path serves. It holds none of this Communicator, only
+        what the calls need (no cycle: a dropped Communicator still warns at once)."""
+        core, results = self._core, self._results
+
+        def gather_rest_here(source, counts, row_shape, row_elems, dtype, out):
+            return gather_rest(core, source, counts, row_shape, row_elems, dtype, out, results)
+
+        executor = self._executor
+        return _core.FastPath(core, executor.queue, executor.running, t.validated_pairs,
+                              t.dtype_codes, t.shape_tag, results.empty, gather_rest_here,
+                              self._chunk_bytes, _Results.MIN_BYTES, _CONFIRM_BYTES)
 
     def _call(self, name, prepare, *args, wait):
         context = self._contexts[name]
