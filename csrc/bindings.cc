@@ -1,6 +1,8 @@
 // The one file that knows about Python: converts arrays to (pointer, count, dtype),
 // releases the GIL around the core, and maps C++ exceptions to Python ones. It
-// decides nothing; validation lives in ringreduce/ and the algorithm in the core.
+// decides nothing: validation lives in ringreduce/ (FastPath below only recognises the
+// calls that ringreduce/'s checks would pass, from its tables) and the algorithm in the
+// core.
 #include <mpi.h>
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
@@ -292,7 +294,9 @@ class FastPath {
   struct Running {
     explicit Running(FastPath& path) : path(path) {
       if (PyObject_Length(path.queue_.ptr()) != 0) return;  // (a deque: no error)
-      path.acquire_();
+      PyObject* acquired = PyObject_CallNoArgs(path.acquire_.ptr());  // (a signal may raise)
+      if (acquired == nullptr) throw py::error_already_set();
+      Py_DECREF(acquired);
       held = PyObject_Length(path.queue_.ptr()) == 0 && !path.core_->closed();
       if (!held) release();
     }
