@@ -10,6 +10,7 @@
 
 #include <signal.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <cstring>
@@ -154,13 +155,14 @@ class FastPath {
     }
     Running running(*this);
     if (!running.held) return py::none();
+    const int64_t chunk = chunk_bytes;  // (read here, with the GIL)
     py::object result = out.is_none() ? new_result(a, a.nd, a.dims) : py::reinterpret_borrow<py::object>(out);
     if (!result) return py::none();
     void* dst = Array(result).data;
     if (core_->size() > 1) {
       const int64_t n = a.size();
       keeping_on_departure(*core_, {x, result}, [&] {
-        core_->allreduce(a.data, dst, n, DType(dtype), Op(reduce_op), chunk_bytes);
+        core_->allreduce(a.data, dst, n, DType(dtype), Op(reduce_op), chunk);
       });
     } else {  // one rank: x reduced with nothing is x (x / 1 too)
       core_->check_usable();
@@ -183,11 +185,12 @@ class FastPath {
     if (!out.is_none() && !is_plain_out(out, a, 1, &count, false, true)) return py::none();
     Running running(*this);
     if (!running.held) return py::none();
+    const int64_t chunk = chunk_bytes;  // (read here, with the GIL)
     py::object result = out.is_none() ? new_result(a, 1, &count) : py::reinterpret_borrow<py::object>(out);
     if (!result) return py::none();
     void* dst = Array(result).data;
     keeping_on_departure(*core_, {x, result}, [&] {
-      core_->reduce_scatter(a.data, dst, n, DType(dtype), Op(reduce_op), chunk_bytes, dst);
+      core_->reduce_scatter(a.data, dst, n, DType(dtype), Op(reduce_op), chunk, dst);
     });
     return result;
   }
@@ -217,16 +220,18 @@ class FastPath {
     const int64_t tag = a.nd == 1 ? no_row_shape_tag_ : shape_tag_(row_shape(a)).cast<int64_t>();
     Running running(*this);
     if (!running.held) return py::none();
+    const int64_t chunk = chunk_bytes;  // (read here, with the GIL)
     if (!guess) {
-      std::vector<int64_t> dims(a.dims, a.dims + a.nd);
+      int64_t dims[kMaxDims];
+      std::copy(a.dims, a.dims + a.nd, dims);
       dims[0] = rows * core_->size();
-      guess = new_result(a, a.nd, dims.data());
+      guess = new_result(a, a.nd, dims);
       if (!guess) return py::none();
     }
     const Array into(guess);
     std::vector<int64_t> counts;
     const bool done = keeping_on_departure(*core_, {x, guess}, [&] {
-      counts = core_->allgather_counts(rows, row_elems, tag, DType(dtype), chunk_bytes,
+      counts = core_->allgather_counts(rows, row_elems, tag, DType(dtype), chunk,
                                        kHostMemory, out.is_none() ? -1 : into.dims[0], a.data);
       return core_->allgather_from_counts(into.data, into.dims[0], counts, row_elems,
                                           DType(dtype));
@@ -250,10 +255,11 @@ class FastPath {
     if (!a.writeable() && root != core_->rank()) return py::none();
     Running running(*this);
     if (!running.held) return py::none();
+    const int64_t chunk = chunk_bytes;  // (read here, with the GIL)
     if (core_->size() > 1) {
       const int64_t n = a.size();
       keeping_on_departure(*core_, {x}, [&] {
-        core_->broadcast(a.data, n, DType(dtype), static_cast<int>(root), chunk_bytes);
+        core_->broadcast(a.data, n, DType(dtype), static_cast<int>(root), chunk);
       });
     } else {  // one rank: x is root's x
       core_->check_usable();
@@ -288,6 +294,7 @@ class FastPath {
     int64_t itemsize;
   };
   static_assert(sizeof(Py_intptr_t) == sizeof(int64_t), "numpy's dimensions as int64");
+  static constexpr int kMaxDims = 64;  // numpy's NPY_MAXDIMS (32 before numpy 2)
 
   // The executor's lock, if nothing is queued: held while the core runs the call, so
   // that the worker thread (or another caller) does not run one meanwhile.
@@ -305,12 +312,20 @@ class FastPath {
     }
     void release() {
       // Also while an exception unwinds this call: keep Python's error indicator as it is.
+#if PY_VERSION_HEX >= 0x030C0000
+      PyObject* pending = PyErr_GetRaisedException();
+#else
       PyObject *type, *value, *traceback;
       PyErr_Fetch(&type, &value, &traceback);
+#endif
       PyObject* ok = PyObject_CallNoArgs(path.release_.ptr());
       if (ok == nullptr) PyErr_WriteUnraisable(path.release_.ptr());
       Py_XDECREF(ok);
+#if PY_VERSION_HEX >= 0x030C0000
+      PyErr_SetRaisedException(pending);
+#else
       PyErr_Restore(type, value, traceback);
+#endif
     }
     FastPath& path;
     bool held = false;
@@ -324,14 +339,16 @@ class FastPath {
   }
 
   // out is a valid result for x by the Python layer's check_out() rules: a plain
-  // writeable array of x's very dtype object (another object of the same dtype takes
-  // the general path) shaped `nd` x `dims` (any_rows: any number of rows of that shape).
+  // writeable array of x's dtype shaped `nd` x `dims` (any_rows: any number of rows of
+  // that shape).
   // Unless overlap_ok, it shares no memory with x, or is x's own memory exactly.
   static bool is_plain_out(py::handle out, const Array& x, int nd, const int64_t* dims,
                            bool any_rows, bool overlap_ok) {
     if (!is_plain(out)) return false;
     const Array o(out);
-    if (!o.writeable() || o.descr != x.descr || o.nd != nd) return false;
+    if (!o.writeable() || o.nd != nd) return false;
+    if (o.descr != x.descr && !py::detail::npy_api::get().PyArray_EquivTypes_(o.descr, x.descr))
+      return false;
     for (int i = any_rows ? 1 : 0; i < nd; ++i)
       if (o.dims[i] != dims[i]) return false;
     if (overlap_ok) return true;
@@ -353,7 +370,10 @@ class FastPath {
   // (dtype, op) codes of a pair the Python layer has validated (and noted) before.
   bool reduction_codes(py::handle x, py::handle op, int* dtype, int* reduce_op) const {
     PyObject* key = PyTuple_Pack(2, py::detail::array_proxy(x.ptr())->descr, op.ptr());
-    if (key == nullptr) throw py::error_already_set();
+    if (key == nullptr) {
+      clear_memory_error();
+      return false;
+    }
     PyObject* codes = PyDict_GetItemWithError(validated_pairs_.ptr(), key);  // borrowed
     Py_DECREF(key);
     if (codes == nullptr || !PyTuple_Check(codes) || PyTuple_GET_SIZE(codes) != 2) {
@@ -383,7 +403,7 @@ class FastPath {
       for (int i = 0; i < nd; ++i) shape[i] = py::int_(dims[i]);
       PyObject* array = PyObject_CallFunctionObjArgs(results_empty_.ptr(), shape.ptr(), x.descr,
                                                      nullptr);
-      if (array == nullptr) PyErr_Clear();
+      if (array == nullptr) clear_memory_error();
       return py::reinterpret_steal<py::object>(array);
     }
     const auto& api = py::detail::npy_api::get();
@@ -391,8 +411,15 @@ class FastPath {
     PyObject* array = api.PyArray_NewFromDescr_(
         api.PyArray_Type_, x.descr, nd,
         reinterpret_cast<Py_intptr_t*>(const_cast<int64_t*>(dims)), nullptr, nullptr, 0, nullptr);
-    if (array == nullptr) PyErr_Clear();
+    if (array == nullptr) clear_memory_error();
     return py::reinterpret_steal<py::object>(array);
+  }
+
+  // After an allocation failed: a MemoryError is cleared, for the general path to meet
+  // (and tell the other ranks); anything else (Ctrl-C in _Results.empty) is raised.
+  static void clear_memory_error() {
+    if (!PyErr_ExceptionMatches(PyExc_MemoryError)) throw py::error_already_set();
+    PyErr_Clear();
   }
 
   // reduce_scatter or allgather on one rank, where either is a copy of x into a result
@@ -627,8 +654,6 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("size", &RingCommunicator::size)
       .def_property_readonly("closed", &RingCommunicator::closed)
       .def_property_readonly("departed", &RingCommunicator::departed)
-      .def("check_usable", &RingCommunicator::check_usable,
-           "raise as a call would after an earlier error (the one-rank shortcuts use it)")
       .def_property("timeout", &RingCommunicator::timeout, &RingCommunicator::set_timeout,
                     "seconds a call waits on another rank before raising (<= 0: forever)")
       .def_property_readonly("transport", &RingCommunicator::transport_name)
@@ -706,31 +731,6 @@ PYBIND11_MODULE(_core, m) {
            py::arg("rows"), py::arg("row_elems"), py::arg("shape_tag"), py::arg("dtype"),
            py::arg("chunk_bytes"), py::arg("out_rows") = -1, py::arg("device") = false,
            py::arg("x") = py::none())
-      .def("allgather_small",
-           [](RingCommunicator& self, py::array x, int64_t rows, int64_t row_elems,
-              int64_t shape_tag, int dtype, int64_t chunk_bytes, int64_t out_rows,
-              py::array into, int64_t into_rows) {
-             // allgather_counts() on host rows, then, in the same call, the copy out
-             // into `into` (out=, or a result allocated for a guessed size) if the rows
-             // came along and into_rows is right: None if that happened, else the
-             // counts (no tuple to build: this is the hot path of small calls).
-             const int64_t es = static_cast<int64_t>(dtype_size(DType(dtype)));
-             check_buffer(self,
-                          x.nbytes() == rows * row_elems * es &&
-                              into.nbytes() >= into_rows * row_elems * es,
-                          Collective::AllGather, chunk_bytes,
-                          "x does not hold its rows, or the result does not hold its own");
-             const void* rows_data = x.data();
-             void* dst = into.mutable_data();
-             std::vector<int64_t> counts;
-             const bool done = keeping_on_departure(self, {x, into}, [&] {
-               counts = self.allgather_counts(rows, row_elems, shape_tag, DType(dtype),
-                                              chunk_bytes, kHostMemory, out_rows, rows_data);
-               return self.allgather_from_counts(dst, into_rows, counts, row_elems,
-                                                 DType(dtype));
-             });
-             return done ? py::object(py::none()) : py::object(py::cast(counts));
-           })
       .def("allgather_confirm",
            [](RingCommunicator& self, bool ok, int64_t out_bytes) {
              py::gil_scoped_release nogil;

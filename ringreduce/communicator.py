@@ -27,7 +27,9 @@ from . import _types as t
 from ._arrays import keeping_on_departure
 
 _COLLECTIVES = dict(_core.COLLECTIVES)
-_CONFIRM_BYTES = 1 << 20  # allgather outputs at least this big are confirmed (see below)
+# allgather outputs at least this big are confirmed (see below); each Communicator's
+# FastPath reads it when the Communicator is made (tests lower it before that).
+_CONFIRM_BYTES = 1 << 20
 
 
 def gather_output(core, allocate, nbytes: int):
@@ -63,7 +65,7 @@ def row_layout(row_shape: tuple) -> tuple[int, int]:
 def gather_rows(core, source, rows, row_shape, dtype, chunk, out, results):
     """allgather of a contiguous host array: every rank's row count first (with the
     rows themselves when they are small enough to ride along), then the result, then
-    the ring. (The fast path in Communicator.allgather saves a step more.)"""
+    the ring. (The core's FastPath saves a step more for small calls.)"""
     row_elems, tag = row_layout(row_shape)
     out_rows = -1 if out is None else out.shape[0]
     # The result's size is known only once every rank has said its row count (and the

@@ -92,6 +92,35 @@ def test_allgather_with_rows_in_and_out_of_the_header_exchange(small_chunks, wor
         assert bitwise_equal(out, np.concatenate(world.allgather(x))), f"rows={rows}"
 
 
+def test_the_common_calls_never_reach_the_general_path(world, monkeypatch):
+    # Once the general path has validated a dtype and op, the core's FastPath serves a
+    # contiguous numpy array with out= None, x itself or a plain array: the general
+    # path (Communicator._call, recorded here, and still run) is never called.
+    general = []
+    with rr.Communicator() as ring:
+        call = ring._call
+        monkeypatch.setattr(ring, "_call", lambda name, *args, **kwargs:
+                            general.append(name) or call(name, *args, **kwargs))
+        x = np.arange(6, dtype=np.float32) + RANK
+        total = sum(world.allgather(x))
+        np.testing.assert_array_equal(ring.allreduce(x), total)  # (validates float32, "sum")
+        general.clear()
+        np.testing.assert_array_equal(ring.allreduce(x, out=np.empty_like(x)), total)
+        y = x.copy()
+        assert ring.allreduce(y, out=y) is y
+        np.testing.assert_array_equal(y, total)
+        block = np.array_split(total, SIZE)[RANK]
+        np.testing.assert_array_equal(ring.reduce_scatter(x), block)
+        np.testing.assert_array_equal(ring.reduce_scatter(x, out=np.empty_like(block)), block)
+        gathered = np.concatenate(world.allgather(x))
+        np.testing.assert_array_equal(ring.allgather(x), gathered)
+        np.testing.assert_array_equal(ring.allgather(x, out=np.empty_like(gathered)), gathered)
+        np.testing.assert_array_equal(ring.broadcast(x.copy(), root=SIZE - 1), x + SIZE - 1 - RANK)
+        assert general == []
+        ring.allreduce(x[::2])  # not contiguous: the general path's
+        assert general == ["allreduce"]
+
+
 @pytest.mark.skipif(SIZE == 1, reason="one rank has no header exchange")
 def test_small_allgather_is_one_step_when_the_ranks_rows_match_the_guess(world, monkeypatch):
     # The fast path allocates the result for as many rows on every rank as on this

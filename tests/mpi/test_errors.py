@@ -408,3 +408,28 @@ def test_allgather_with_out_on_some_ranks_only(comm, world):
     result = comm.allgather(x, out=out)
     assert out is None or result is out
     np.testing.assert_array_equal(result[::1 << 15, 0], np.arange(SIZE))
+
+
+def test_an_interrupt_while_making_a_result_is_raised_not_swallowed(monkeypatch):
+    # The fast path takes a result it cannot allocate (MemoryError) to the general path;
+    # anything else raised there, as Ctrl-C's KeyboardInterrupt from the signal handler,
+    # is the caller's, at once. (Results from _Results here, lowered to take every size;
+    # both patched before the Communicator, whose fast path holds what they were then.)
+    from ringreduce import communicator
+
+    empty, interrupts = communicator._Results.empty, []
+
+    def interrupted_once(self, shape, dtype):
+        if interrupts:
+            raise interrupts.pop()
+        return empty(self, shape, dtype)
+
+    monkeypatch.setattr(communicator._Results, "MIN_BYTES", 0)
+    monkeypatch.setattr(communicator._Results, "empty", interrupted_once)
+    with rr.Communicator() as comm:
+        x = np.arange(5.0) + RANK
+        comm.allreduce(x[::-1])  # (validates float64 and "sum"; on the general path)
+        interrupts.append(KeyboardInterrupt("test: Ctrl-C"))
+        with pytest.raises(KeyboardInterrupt, match="test: Ctrl-C"):
+            comm.allreduce(x)
+        still_works(comm)
