@@ -201,14 +201,15 @@ class FastPath {
     const Array a(x);
     if (a.nd == 0) return py::none();
     if (core_->size() == 1) return one_rank_copy(x, a, out, a.nd, a.dims);
-    if (a.nbytes() > inline_bytes_) return py::none();
     const int64_t rows = a.dims[0];
     int64_t row_elems = 1;
     for (int i = 1; i < a.nd; ++i) row_elems *= a.dims[i];
-    // A guess at the result: out=, or this rank's rows times the ranks. The exchange
-    // fills it in the same step if every rank's rows add up to it, and the call is done.
-    // Only below the size at which the Python layer confirms that every rank has its
-    // result, as whether a call confirms must not depend on a guess ranks may differ in.
+    // A guess at the result: out=, or this rank's rows times the ranks. If every rank's
+    // rows add up to it, the exchange fills it in the same step (rows that ride along)
+    // or the ring does, and the call is done. Only below the size at which the Python
+    // layer confirms that every rank has its result, as whether a call confirms must
+    // not depend on a guess ranks may differ in (a guess that is right means a total
+    // below that size, which no rank confirms).
     py::object guess;
     if (!out.is_none()) {
       if (!is_plain_out(out, a, a.nd, a.dims, true, true)) return py::none();
@@ -233,8 +234,14 @@ class FastPath {
     const bool done = keeping_on_departure(*core_, {x, guess}, [&] {
       counts = core_->allgather_counts(rows, row_elems, tag, DType(dtype), chunk,
                                        kHostMemory, out.is_none() ? -1 : into.dims[0], a.data);
-      return core_->allgather_from_counts(into.data, into.dims[0], counts, row_elems,
-                                          DType(dtype));
+      if (core_->allgather_from_counts(into.data, into.dims[0], counts, row_elems,
+                                       DType(dtype)))
+        return true;
+      int64_t total = 0;
+      for (int64_t r : counts) total += r;
+      if (total != into.dims[0]) return false;
+      core_->allgather(a.data, into.data, counts, row_elems, DType(dtype));  // the ring
+      return true;
     });
     if (done) return guess;
     // The ranks' rows add up to something else: the rest of the call in Python, which

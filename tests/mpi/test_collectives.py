@@ -116,6 +116,14 @@ def test_the_common_calls_never_reach_the_general_path(world, monkeypatch):
         np.testing.assert_array_equal(ring.allgather(x), gathered)
         np.testing.assert_array_equal(ring.allgather(x, out=np.empty_like(gathered)), gathered)
         np.testing.assert_array_equal(ring.broadcast(x.copy(), root=SIZE - 1), x + SIZE - 1 - RANK)
+        # Rows too big to ride in the header exchange: the ring, into the guessed
+        # result when the ranks' rows add up to it, else into one of the right size.
+        big = rank_data(np.dtype(np.float32), 20000, salt=12)  # 80 KiB: over any inline limit
+        for rows in (20000, 20000 - RANK):
+            gathered = np.concatenate(world.allgather(big[:rows]))
+            assert bitwise_equal(ring.allgather(big[:rows]), gathered), rows
+            assert bitwise_equal(ring.allgather(big[:rows], out=np.empty_like(gathered)),
+                                 gathered), rows
         assert general == []
         ring.allreduce(x[::2])  # not contiguous: the general path's
         assert general == ["allreduce"]
