@@ -123,8 +123,8 @@ class FastPath {
  public:
   FastPath(py::object core, py::object queue, py::object running, py::dict validated_pairs,
            py::dict dtype_codes, py::object shape_tag, py::object results_empty,
-           py::object gather_rest, int64_t chunk_bytes, int64_t fresh_max_bytes,
-           int64_t confirm_bytes)
+           py::object scratch_get, py::object gather_rest, int64_t chunk_bytes,
+           int64_t fresh_max_bytes, int64_t confirm_bytes)
       : core_object_(core),
         core_(core.cast<RingCommunicator*>()),
         queue_(queue),
@@ -135,6 +135,7 @@ class FastPath {
         shape_tag_(shape_tag),
         no_row_shape_tag_(shape_tag(py::tuple()).cast<int64_t>()),
         results_empty_(results_empty),
+        scratch_get_(scratch_get),
         gather_rest_(gather_rest),
         chunk_bytes(chunk_bytes),
         fresh_max_bytes_(fresh_max_bytes),
@@ -177,20 +178,31 @@ class FastPath {
     const Array a(x);
     const int64_t n = a.size();
     if (core_->size() == 1) return one_rank_copy(x, a, out, 1, &n);
-    // Only calls that ride in the header exchange: no workspace, which the Python
-    // layer keeps.
-    if (a.nbytes() > inline_bytes_) return py::none();
     const int64_t count = RingCommunicator::segment_of(core_->rank(), core_->size(), n).count;
-    // out may overlap x: the call copies x into its header before writing out
-    if (!out.is_none() && !is_plain_out(out, a, 1, &count, false, true)) return py::none();
+    // A call that rides in the header exchange copies x there before it writes out, so
+    // out may overlap x; the ring reads x while it writes, so then out must not.
+    const bool inline_call = a.nbytes() <= inline_bytes_;
+    if (!out.is_none() && !is_plain_out(out, a, 1, &count, false, inline_call))
+      return py::none();
     Running running(*this);
     if (!running.held) return py::none();
     const int64_t chunk = chunk_bytes;  // (read here, with the GIL)
     py::object result = out.is_none() ? new_result(a, 1, &count) : py::reinterpret_borrow<py::object>(out);
     if (!result) return py::none();
+    // The ring's workspace, as big as x: the one the Python layer keeps (its _Scratch).
+    py::object work = result;
+    if (!inline_call) {
+      work = py::reinterpret_steal<py::object>(
+          PyObject_CallFunction(scratch_get_.ptr(), "L", static_cast<long long>(a.nbytes())));
+      if (!work) {
+        clear_memory_error();
+        return py::none();
+      }
+    }
     void* dst = Array(result).data;
-    keeping_on_departure(*core_, {x, result}, [&] {
-      core_->reduce_scatter(a.data, dst, n, DType(dtype), Op(reduce_op), chunk, dst);
+    void* workspace = Array(work).data;
+    keeping_on_departure(*core_, {x, result, work}, [&] {
+      core_->reduce_scatter(a.data, workspace, n, DType(dtype), Op(reduce_op), chunk, dst);
     });
     return result;
   }
@@ -450,7 +462,7 @@ class FastPath {
   py::dict validated_pairs_, dtype_codes_;
   py::object shape_tag_;
   int64_t no_row_shape_tag_;
-  py::object results_empty_, gather_rest_;
+  py::object results_empty_, scratch_get_, gather_rest_;
   int64_t fresh_max_bytes_, confirm_bytes_, inline_bytes_;
 };
 
@@ -642,7 +654,7 @@ PYBIND11_MODULE(_core, m) {
   py::class_<FastPath>(m, "FastPath",
                       "the common case of each collective without Python (None: not taken)")
       .def(py::init<py::object, py::object, py::object, py::dict, py::dict, py::object,
-                    py::object, py::object, int64_t, int64_t, int64_t>())
+                    py::object, py::object, py::object, int64_t, int64_t, int64_t>())
       .def_readwrite("chunk_bytes", &FastPath::chunk_bytes)
       .def("allreduce", &FastPath::allreduce)
       .def("reduce_scatter", &FastPath::reduce_scatter)

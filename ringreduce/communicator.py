@@ -634,7 +634,8 @@ class Communicator:
 
         executor = self._executor
         return _core.FastPath(core, executor.queue, executor.running, t.validated_pairs,
-                              t.dtype_codes, t.shape_tag, results.empty, gather_rest_here,
+                              t.dtype_codes, t.shape_tag, results.empty, self._scratch.get,
+                              gather_rest_here,
                               self._chunk_bytes, _Results.MIN_BYTES, _CONFIRM_BYTES)
 
     def _call(self, name, prepare, *args, wait):

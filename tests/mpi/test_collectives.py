@@ -124,6 +124,10 @@ def test_the_common_calls_never_reach_the_general_path(world, monkeypatch):
             assert bitwise_equal(ring.allgather(big[:rows]), gathered), rows
             assert bitwise_equal(ring.allgather(big[:rows], out=np.empty_like(gathered)),
                                  gathered), rows
+        whole = np.arange(20000, dtype=np.float32) + RANK  # (sums exact in any order)
+        block = np.array_split(sum(world.allgather(whole)), SIZE)[RANK]
+        np.testing.assert_array_equal(ring.reduce_scatter(whole), block)
+        np.testing.assert_array_equal(ring.reduce_scatter(whole, out=np.empty_like(block)), block)
         assert general == []
         ring.allreduce(x[::2])  # not contiguous: the general path's
         assert general == ["allreduce"]

@@ -346,6 +346,37 @@ def test_a_small_call_that_cannot_allocate_its_result_does_not_hang_the_others(
         still_works(comm)
 
 
+@needs_two
+def test_a_rank_without_the_rings_workspace_does_not_hang_the_others(monkeypatch):
+    # A reduce_scatter too big to ride in the header exchange needs a workspace as big
+    # as x; rank 1 cannot get one (patched before the Communicator, whose fast path
+    # holds the method it had then), and says so in the exchange.
+    from ringreduce import communicator
+
+    refused = []
+    get = communicator._Scratch.get
+
+    def get_unless_refused(self, nbytes):
+        if refused:
+            raise MemoryError("test: no workspace")
+        return get(self, nbytes)
+
+    monkeypatch.setattr(communicator._Scratch, "get", get_unless_refused)
+    with rr.Communicator() as comm:
+        x = np.ones(1 << 15)  # 256 KiB
+        comm.reduce_scatter(x)  # (validates float64 and "sum")
+        if RANK == 1:
+            refused.append(True)
+            with pytest.raises(MemoryError, match="test: no workspace"):
+                comm.reduce_scatter(x)
+            refused.clear()
+        else:
+            with pytest.raises(rr.MismatchError, match="rank 1 rejected"):
+                comm.reduce_scatter(x)
+        still_works(comm)
+        np.testing.assert_array_equal(comm.reduce_scatter(x), SIZE)
+
+
 def _copying_x_fails(communicator, monkeypatch):
     monkeypatch.setattr(communicator.t, "contiguous",
                         lambda a: (_ for _ in ()).throw(MemoryError("test: no copy")))
