@@ -198,6 +198,7 @@ class FastPath {
         clear_memory_error();
         return py::none();
       }
+      if (!is_plain(work) || Array(work).nbytes() < a.nbytes()) return py::none();
     }
     void* dst = Array(result).data;
     void* workspace = Array(work).data;

@@ -87,16 +87,18 @@ def gather_rest(core, source, counts, row_shape, row_elems, dtype, out, results)
 
 
 class _Scratch:
-    """A host buffer that grows on demand and is kept: reduce_scatter's workspace.
-    Written only inside a collective's run(), which the executor serialises."""
+    """A host buffer that grows on demand and is kept: reduce_scatter's workspace. Taken
+    when a call is prepared (maybe in two threads at once) and used while it runs, which
+    the executor serialises; a buffer replaced by a bigger one lives on in its views."""
 
     def __init__(self):
         self.buffer = np.empty(0, np.uint8)
 
     def get(self, nbytes: int) -> np.ndarray:
-        if self.buffer.nbytes < nbytes:
-            self.buffer = np.empty(nbytes, np.uint8)
-        return self.buffer[:nbytes]
+        buffer = self.buffer  # (once: another thread may replace it meanwhile)
+        if buffer.nbytes < nbytes:
+            buffer = self.buffer = np.empty(nbytes, np.uint8)
+        return buffer[:nbytes]
 
 
 def _references(objects: list, i: int) -> int:
