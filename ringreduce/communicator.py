@@ -1,7 +1,9 @@
 """The Python face of the ring: a Communicator over an mpi4py communicator.
 
 Every call validates its arguments here, then hands (pointer, count, dtype) to the
-C++ core, which releases the GIL while it runs. Asynchronous calls go to one worker
+C++ core, which releases the GIL while it runs. The common call (a contiguous numpy
+array of a dtype and op validated here before) goes straight to the binding's
+FastPath, which does the same checks without Python and hands anything else back. Asynchronous calls go to one worker
 thread per communicator and run in the order they were made, so every rank runs its
 collectives in the same order, as MPI requires; a blocking call made while
 asynchronous ones are in flight queues behind them.
@@ -65,7 +67,7 @@ def row_layout(row_shape: tuple) -> tuple[int, int]:
 def gather_rows(core, source, rows, row_shape, dtype, chunk, out, results):
     """allgather of a contiguous host array: every rank's row count first (with the
     rows themselves when they are small enough to ride along), then the result, then
-    the ring. (The core's FastPath saves a step more for small calls.)"""
+    the ring. (The core's FastPath, guessing the result's size, saves a step more.)"""
     row_elems, tag = row_layout(row_shape)
     out_rows = -1 if out is None else out.shape[0]
     # The result's size is known only once every rank has said its row count (and the
