@@ -125,7 +125,8 @@ class FastPath {
            py::dict dtype_codes, py::object shape_tag, py::object results_empty,
            py::object scratch_get, py::object gather_rest, int64_t chunk_bytes,
            int64_t fresh_max_bytes, int64_t confirm_bytes)
-      : core_object_(core),
+      : chunk_bytes(chunk_bytes),
+        core_object_(core),
         core_(core.cast<RingCommunicator*>()),
         queue_(queue),
         acquire_(running.attr("acquire")),
@@ -137,7 +138,6 @@ class FastPath {
         results_empty_(results_empty),
         scratch_get_(scratch_get),
         gather_rest_(gather_rest),
-        chunk_bytes(chunk_bytes),
         fresh_max_bytes_(fresh_max_bytes),
         confirm_bytes_(confirm_bytes),
         inline_bytes_(core_->size() > 1 ? core_->inline_capacity() : -1) {}
@@ -177,7 +177,7 @@ class FastPath {
     if (!is_plain(x) || !reduction_codes(x, op, &dtype, &reduce_op)) return py::none();
     const Array a(x);
     const int64_t n = a.size();
-    if (core_->size() == 1) return one_rank_copy(x, a, out, 1, &n);
+    if (core_->size() == 1) return one_rank_copy(a, out, 1, &n);
     const int64_t count = RingCommunicator::segment_of(core_->rank(), core_->size(), n).count;
     // A call that rides in the header exchange copies x there before it writes out, so
     // out may overlap x; the ring reads x while it writes, so then out must not.
@@ -213,7 +213,7 @@ class FastPath {
     if (!is_plain(x) || !dtype_code(x, &dtype)) return py::none();
     const Array a(x);
     if (a.nd == 0) return py::none();
-    if (core_->size() == 1) return one_rank_copy(x, a, out, a.nd, a.dims);
+    if (core_->size() == 1) return one_rank_copy(a, out, a.nd, a.dims);
     const int64_t rows = a.dims[0];
     int64_t row_elems = 1;
     for (int i = 1; i < a.nd; ++i) row_elems *= a.dims[i];
@@ -444,7 +444,7 @@ class FastPath {
 
   // reduce_scatter or allgather on one rank, where either is a copy of x into a result
   // shaped `nd` x `dims`; out may overlap x.
-  py::object one_rank_copy(py::handle x, const Array& a, py::handle out, int nd,
+  py::object one_rank_copy(const Array& a, py::handle out, int nd,
                            const int64_t* dims) {
     if (a.nd == 0) return py::none();
     if (!out.is_none() && !is_plain_out(out, a, nd, dims, false, true)) return py::none();
