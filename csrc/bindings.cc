@@ -139,8 +139,7 @@ class FastPath {
         scratch_get_(scratch_get),
         gather_rest_(gather_rest),
         fresh_max_bytes_(fresh_max_bytes),
-        confirm_bytes_(confirm_bytes),
-        inline_bytes_(core_->size() > 1 ? core_->inline_capacity() : -1) {}
+        confirm_bytes_(confirm_bytes) {}
 
   int64_t chunk_bytes;  // the Communicator's, kept in step by its setter
 
@@ -181,7 +180,7 @@ class FastPath {
     const int64_t count = RingCommunicator::segment_of(core_->rank(), core_->size(), n).count;
     // A call that rides in the header exchange copies x there before it writes out, so
     // out may overlap x; the ring reads x while it writes, so then out must not.
-    const bool inline_call = a.nbytes() <= inline_bytes_;
+    const bool inline_call = core_->rides_inline(a.nbytes());
     if (!out.is_none() && !is_plain_out(out, a, 1, &count, false, inline_call))
       return py::none();
     Running running(*this);
@@ -464,7 +463,7 @@ class FastPath {
   py::object shape_tag_;
   int64_t no_row_shape_tag_;
   py::object results_empty_, scratch_get_, gather_rest_;
-  int64_t fresh_max_bytes_, confirm_bytes_, inline_bytes_;
+  int64_t fresh_max_bytes_, confirm_bytes_;
 };
 
 std::string mpi_library_version() {
