@@ -17,6 +17,7 @@
 #include <optional>
 #include <vector>
 
+#include "copy.h"
 #include "cuda.h"
 #include "errors.h"
 #include "reduce.h"
@@ -166,7 +167,7 @@ class FastPath {
       });
     } else {  // one rank: x reduced with nothing is x (x / 1 too)
       core_->check_usable();
-      if (dst != a.data) std::memcpy(dst, a.data, a.nbytes());
+      copy_bytes(dst, a.data, a.nbytes());
     }
     return result;
   }
@@ -452,7 +453,7 @@ class FastPath {
     core_->check_usable();  // (raises as the core would after an earlier error)
     py::object result = out.is_none() ? new_result(a, nd, dims) : py::reinterpret_borrow<py::object>(out);
     if (!result) return py::none();
-    std::memmove(Array(result).data, a.data, a.nbytes());
+    copy_bytes(Array(result).data, a.data, a.nbytes());
     return result;
   }
 

@@ -9,6 +9,7 @@
 #include <functional>
 #include <map>
 
+#include "copy.h"
 #include "errors.h"
 #include "reduce.h"
 
@@ -313,14 +314,14 @@ int64_t RingCommunicator::agree(const CallHeader& mine, std::vector<CallHeader>*
     begin_exchange();
     char* board = shm_->next_board();
     std::memcpy(board, &sent, sizeof(CallHeader));
-    if (payload_bytes > 0) std::memcpy(board + sizeof(CallHeader), payload, payload_bytes);
+    if (payload_bytes > 0) copy_bytes(board + sizeof(CallHeader), payload, payload_bytes);
     guarded(collective, [&] { shm_->exchange(); });
     for (int r = 0; r < p; ++r) std::memcpy(&headers_[r], shm_->posted(r), sizeof(CallHeader));
   } else {
     const int64_t slot = slot_bytes();
     std::memcpy(outgoing_.data(), &sent, sizeof(CallHeader));
     if (payload_bytes > 0)
-      std::memcpy(outgoing_.data() + sizeof(CallHeader), payload, payload_bytes);
+      copy_bytes(outgoing_.data() + sizeof(CallHeader), payload, payload_bytes);
     // Only the bytes in use need to be right; the rest of the slot is ignored.
     begin_exchange();
     guarded(collective, [&] {
@@ -573,8 +574,7 @@ void RingCommunicator::allgather(const void* input, void* out,
                            ring_chunk_elems(pending_allgather_chunk_bytes_, es, shm));
   const Span mine = sched.segment(rank());
   char* dst = static_cast<char*>(out) + mine.offset * es;
-  // memmove: x may be a view into out (gathering in place).
-  if (mine.count > 0 && dst != input) std::memmove(dst, input, mine.count * es);
+  copy_bytes(dst, input, mine.count * es);  // x may be a view into out (gathering in place)
   // Rank 0 chose the wire for its guess of the size; what it learns counts only if the
   // true size is in the same class (and it did choose).
   const bool chosen = headers_[0].wire != -1 &&
@@ -608,7 +608,7 @@ void RingCommunicator::allgather_inline(void* out, const std::vector<int64_t>& r
   char* dst = static_cast<char*>(out);
   for (int r = 0; r < size(); ++r) {
     const size_t bytes = static_cast<size_t>(row_counts[r] * row_elems) * elem_size;
-    if (bytes > 0) std::memcpy(dst, inline_payload(r), bytes);
+    copy_bytes(dst, inline_payload(r), bytes);
     dst += bytes;
   }
 }
@@ -638,7 +638,7 @@ void RingCommunicator::broadcast_host(const CallHeader& header, void* buf) {
     h.inline_bytes = bytes;
     const bool root_here = rank() == root;
     agree(h, nullptr, root_here ? buf : nullptr, root_here ? bytes : 0);
-    if (!root_here && bytes > 0) std::memcpy(buf, inline_payload(root), bytes);
+    if (!root_here) copy_bytes(buf, inline_payload(root), bytes);
     return;
   }
   const int64_t elems = chunk_elems(agree(h), es);

@@ -5,6 +5,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "copy.h"
 #include "reduce.h"
 
 namespace ringreduce {
@@ -133,19 +134,19 @@ void ring_reduce_scatter(const RingSchedule& sched, Transport& transport, DType 
   ring_reduce_scatter(
       sched, transport, dtype_size(dtype), input, out, slots,
       [&](void* dst, const void* a, const void* b, int64_t n) { reduce(dtype, op, dst, a, b, n); },
-      [](void* dst, const void* src, int64_t bytes) { std::memcpy(dst, src, bytes); }, own_out);
+      [](void* dst, const void* src, int64_t bytes) { copy_bytes(dst, src, bytes); }, own_out);
 }
 
 void ring_reduce_scatter(const RingSchedule& sched, Transport& transport, size_t es,
                          const void* input, void* out, const RecvSlots& slots,
                          const ChunkReducer& reduce_chunk,
-                         const std::function<void(void*, const void*, int64_t)>& copy_bytes,
+                         const std::function<void(void*, const void*, int64_t)>& copy_own,
                          void* own_out) {
   const char* in = static_cast<const char*>(input);
   char* dst = static_cast<char*>(out);
   const ReduceTarget target(sched, es, out, own_out);
   if (sched.size() == 1) {
-    if (target.own() != input) copy_bytes(target.own(), input, sched.total_count() * es);
+    if (target.own() != input) copy_own(target.own(), input, sched.total_count() * es);
     return;
   }
   // Each rank receives every segment but one exactly once, and reduces it with its

@@ -125,7 +125,7 @@ void ring_reduce_scatter(const RingSchedule& schedule, Transport& transport, DTy
 void ring_reduce_scatter(const RingSchedule& schedule, Transport& transport, size_t elem_size,
                          const void* input, void* out, const RecvSlots& slots,
                          const ChunkReducer& reduce_chunk,
-                         const std::function<void(void*, const void*, int64_t)>& copy_bytes,
+                         const std::function<void(void*, const void*, int64_t)>& copy_own,
                          void* own_out = nullptr);
 
 // Where a reduce-scatter writes chunk `ch`: into own_out for this rank's own segment

@@ -14,6 +14,7 @@
 #include <random>
 #include <vector>
 
+#include "copy.h"
 #include "errors.h"
 #include "mpi_transport.h"
 #include "reduce.h"
@@ -415,7 +416,7 @@ void ShmChannel::run_phase(const RingSchedule& sched, size_t elem_size, Phase ph
         break;
       if (!can_send()) break;
       const Span ch = sched.chunk(u.segment, u.chunk);
-      std::memcpy(my_slot(sent_), send_source(u.step, ch), ch.count * elem_size);
+      copy_bytes(my_slot(sent_), send_source(u.step, ch), ch.count * elem_size);
       bytes_sent_ += ch.count * static_cast<int64_t>(elem_size);
       sent();
       ++next_send;
@@ -462,7 +463,7 @@ void ShmChannel::allgather(const RingSchedule& sched, size_t elem_size, void* bu
   run_phase(
       sched, elem_size, Phase::AllGather,
       [&](Span ch, const char* slot) {
-        std::memcpy(data + ch.offset * elem_size, slot, ch.count * elem_size);
+        copy_bytes(data + ch.offset * elem_size, slot, ch.count * elem_size);
       },
       [&](int, Span ch) { return data + ch.offset * elem_size; });
 }

@@ -415,3 +415,42 @@ def test_the_transport_says_why_it_is_mpi(world, monkeypatch):
             assert ring.transport == "MPI"
             assert ring.transport_reason == f"RINGREDUCE_SHM=0 on rank {SIZE - 1}"
             np.testing.assert_array_equal(ring.allreduce(np.ones(1 << 16)), SIZE)
+
+
+def _placed(buffer, address_mod_4k, nbytes):
+    """nbytes of `buffer` (uint8) starting at the given address modulo 4 KiB."""
+    start = (address_mod_4k - buffer.ctypes.data) % 4096
+    return buffer[start:start + nbytes]
+
+
+@pytest.mark.parametrize("gap", [1, 16, 63, 64, 2048])
+def test_copies_between_buffers_a_few_bytes_apart_modulo_4k(comm, world, gap):
+    # The core copies such pairs in pieces (csrc/copy.h: memcpy is 10-17x slower there
+    # on some CPUs). Every size around the piece and the limits, odd ones included,
+    # with out's own block `gap` bytes past x modulo 4 KiB.
+    arena = np.empty(4 << 20, np.uint8)
+    for nbytes in (2047, 2048, 2049, 12001, 300_003, (512 << 10) - 1, 600_001):
+        x = _placed(arena[:1 << 20], 100, nbytes)
+        x[:] = rank_data(np.dtype(np.uint8), nbytes, salt=gap)
+        expected = np.concatenate(world.allgather(x))
+        # out's own block starts RANK * nbytes into out
+        out = _placed(arena[1 << 20:], (100 + gap - RANK * nbytes) % 4096, SIZE * nbytes)
+        assert comm.allgather(x, out=out) is out
+        assert bitwise_equal(out, expected), nbytes
+        # reduce_scatter: one rank copies x into out; more take the ring
+        xs = np.frombuffer(x[:nbytes - nbytes % 4], np.float32)
+        xs[:] = rank_data(np.dtype(np.float32), xs.size, salt=gap)
+        offset, count = rr._core.segment_of(RANK, SIZE, xs.size)
+        block = np.frombuffer(_placed(arena[3 << 20:], (xs.ctypes.data + offset * 4 + gap)
+                                      % 4096, count * 4), np.float32)
+        assert comm.reduce_scatter(xs, out=block) is block
+        assert bitwise_equal(block, reference.reduce_scatter(xs, "sum", world)), nbytes
+        # allreduce: one rank copies x into out
+        summed = np.frombuffer(_placed(arena[2 << 20:], (xs.ctypes.data + gap) % 4096,
+                                       xs.nbytes), np.float32)
+        assert comm.allreduce(xs, out=summed) is summed
+        assert bitwise_equal(summed, reference.allreduce(xs, "sum", world)), nbytes
+        # broadcast writes the root's data (inline or from the ring) into x
+        root_data = world.bcast(x.copy(), root=0)
+        comm.broadcast(x, root=0)
+        assert bitwise_equal(x, root_data), nbytes

@@ -1,0 +1,48 @@
+// Copying a host buffer. Every copy of user data in the core goes through copy_bytes()
+// rather than memcpy, for one measured reason:
+//
+// glibc (2.36 here) copies sizes from a few KiB up to about the L2 cache's with the
+// `rep movsb` instruction. On the development machine's AMD EPYC, `rep movsb` runs
+// 10-17x slower when the destination lies 1-63 bytes past the source modulo 4 KiB
+// ("4K aliasing": the CPU matches loads against earlier stores by their offset within
+// a page, so each load waits on a store it does not depend on). A 32 KiB copy took
+// 12.7 us instead of 0.76 us. Where two buffers fall is up to the user's arrays (and
+// the allocator), so a benchmark saw `allgather(x, out=...)` of 64 KiB take 30 us with
+// one out= array and 10 us with another of the same shape. Copied in 2 KiB pieces,
+// below the size where glibc turns to `rep movsb`, the same copy takes glibc's vector
+// loop, which copies such a pair backwards and so never waits: 0.71 us.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+
+namespace ringreduce {
+
+// The offsets (destination minus source, modulo 4 KiB) at which memcpy may alias.
+constexpr uintptr_t kAliasingGap = 64;
+// Pieces this small never take `rep movsb` (its threshold is 2-8 KiB, by vector width).
+constexpr size_t kCopyPieceBytes = 2048;
+// From about the L2 cache's size glibc copies without `rep movsb` and does not alias,
+// while 2 KiB pieces then run slower than one memcpy (512 KiB: 37 us against 16 us).
+constexpr size_t kAliasingMaxBytes = 512 << 10;
+
+// memmove(dst, src, bytes), as fast as memcpy wherever the two buffers lie.
+inline void copy_bytes(void* dst, const void* src, size_t bytes) {
+  char* d = static_cast<char*>(dst);
+  const char* s = static_cast<const char*>(src);
+  if (bytes == 0 || d == s) return;
+  const uintptr_t gap = (reinterpret_cast<uintptr_t>(d) - reinterpret_cast<uintptr_t>(s)) & 4095;
+  const bool overlap = d < s + bytes && s < d + bytes;
+  if (overlap || gap == 0 || gap >= kAliasingGap || bytes <= kCopyPieceBytes ||
+      bytes >= kAliasingMaxBytes) {
+    std::memmove(d, s, bytes);
+    return;
+  }
+  for (size_t done = 0; done < bytes; done += kCopyPieceBytes) {
+    const size_t n = bytes - done < kCopyPieceBytes ? bytes - done : kCopyPieceBytes;
+    std::memcpy(d + done, s + done, n);
+  }
+}
+
+}  // namespace ringreduce
