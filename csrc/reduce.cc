@@ -2,14 +2,17 @@
 
 #include "reduce_ops.h"
 
+#include <atomic>
 #include <stdexcept>
 #include <string>
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
 #define RINGREDUCE_HAVE_F16C 1
+#define RINGREDUCE_HAVE_X86_DISPATCH 1
 #else
 #define RINGREDUCE_HAVE_F16C 0
+#define RINGREDUCE_HAVE_X86_DISPATCH 0
 #endif
 
 namespace ringreduce {
@@ -21,31 +24,71 @@ using namespace ops;
 // One loop per (type, op): simple enough for the compiler to vectorise. Only b is
 // restrict-qualified, because dst and a are the same buffer for in-place calls.
 template <typename T, template <typename> class OpT>
-void reduce_loop(void* dst_v, const void* a_v, const void* __restrict b_v, int64_t n) {
-  T* dst = static_cast<T*>(dst_v);
-  const T* a = static_cast<const T*>(a_v);
-  const T* __restrict b = static_cast<const T*>(b_v);
+__attribute__((always_inline)) inline void reduce_elements(T* dst, const T* a,
+                                                           const T* __restrict b, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = OpT<T>::apply(a[i], b[i]);
 }
 
+template <typename T, template <typename> class OpT>
+void reduce_loop(void* dst, const void* a, const void* __restrict b, int64_t n) {
+  reduce_elements<T, OpT>(static_cast<T*>(dst), static_cast<const T*>(a),
+                          static_cast<const T*>(b), n);
+}
+
+#if RINGREDUCE_HAVE_X86_DISPATCH
+// The same loop compiled for AVX2, chosen at run time where the CPU has it (the build
+// targets plain x86-64: SSE2). Measured here, medians of 15 alternating runs: bfloat16
+// sums take half the time at every size (64 KiB: 12.5 us against 24.4 us), where the
+// widening and rounding is the work; float32 and float64 of 4 KiB about half; from
+// 16 KiB on, which is what the ring reduces, they wait on the cache either way (0.9x-1.3x).
+// The same IEEE operations on each element, so the same bits (no FMA: the build has
+// -ffp-contract=off); tests/test_kernels.py holds both builds to numpy's.
+template <typename T, template <typename> class OpT>
+__attribute__((target("avx2"))) void reduce_loop_avx2(void* dst, const void* a,
+                                                      const void* __restrict b, int64_t n) {
+  reduce_elements<T, OpT>(static_cast<T*>(dst), static_cast<const T*>(a),
+                          static_cast<const T*>(b), n);
+}
+
+bool has_avx2() {
+  // Asked while the library loads (avx2_kernels below), maybe before libgcc has read
+  // the CPU's features: __builtin_cpu_init() reads them first.
+  static const bool supported = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") != 0;
+  }();
+  return supported;
+}
+
+std::atomic<bool> avx2_kernels{has_avx2()};
+#endif
+
 using ReduceFn = void (*)(void*, const void*, const void*, int64_t);
 
+template <typename T, template <typename> class OpT>
+ReduceFn loop_for() {
+#if RINGREDUCE_HAVE_X86_DISPATCH
+  if (avx2_kernels.load(std::memory_order_relaxed)) return &reduce_loop_avx2<T, OpT>;
+#endif
+  return &reduce_loop<T, OpT>;
+}
+
 template <typename T>
-constexpr ReduceFn kernel_for(Op op) {
+ReduceFn kernel_for(Op op) {
   switch (op) {
-    case Op::Sum: case Op::Avg: return &reduce_loop<T, SumOp>;
-    case Op::Prod: return &reduce_loop<T, ProdOp>;
-    case Op::Min: return &reduce_loop<T, MinOp>;
-    case Op::Max: return &reduce_loop<T, MaxOp>;
+    case Op::Sum: case Op::Avg: return loop_for<T, SumOp>();
+    case Op::Prod: return loop_for<T, ProdOp>();
+    case Op::Min: return loop_for<T, MinOp>();
+    case Op::Max: return loop_for<T, MaxOp>();
   }
   return nullptr;
 }
 
 template <typename R>
-constexpr ReduceFn complex_kernel_for(Op op) {
+ReduceFn complex_kernel_for(Op op) {
   switch (op) {
-    case Op::Sum: case Op::Avg: return &reduce_loop<Complex<R>, SumOp>;
-    case Op::Prod: return &reduce_loop<Complex<R>, ProdOp>;
+    case Op::Sum: case Op::Avg: return loop_for<Complex<R>, SumOp>();
+    case Op::Prod: return loop_for<Complex<R>, ProdOp>();
     default: return nullptr;  // no order on complex numbers
   }
 }
@@ -120,6 +163,16 @@ void reduce(DType dtype, Op op, void* dst, const void* a, const void* b, int64_t
     throw std::invalid_argument(std::string("reduce: op '") + op_name(op) +
                                 "' is not defined for dtype " + dtype_name(dtype));
   fn(dst, a, b, n);
+}
+
+bool use_avx2_kernels(bool on) {
+#if RINGREDUCE_HAVE_X86_DISPATCH
+  avx2_kernels = on && has_avx2();
+  return avx2_kernels;
+#else
+  (void)on;
+  return false;
+#endif
 }
 
 void divide(DType dtype, void* data, int64_t n, int64_t divisor) {

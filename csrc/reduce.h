@@ -19,6 +19,11 @@ namespace ringreduce {
 // dst = a OP b over n elements. Op::Avg reduces as Op::Sum (see divide()).
 void reduce(DType dtype, Op op, void* dst, const void* a, const void* b, int64_t n);
 
+// Whether reduce() runs its loops compiled for AVX2 (chosen at start where the CPU has
+// it) or for the baseline the build targets. Tests switch, to hold both to numpy's bits;
+// asking for AVX2 where the CPU lacks it leaves the baseline. Returns the setting now.
+bool use_avx2_kernels(bool on);
+
 // data /= divisor, element-wise; complex numbers divide each component. Used once,
 // on the rank's own fully reduced segment, to turn a sum into an average.
 void divide(DType dtype, void* data, int64_t n, int64_t divisor);

@@ -19,6 +19,17 @@ def dtype_of(name):
     return BFLOAT16 if name == "bfloat16" else np.dtype(name)
 
 
+@pytest.fixture(autouse=True, params=["avx2", "baseline"])
+def kernels(request):
+    """Every test runs with each build of the loops: AVX2 (where the CPU has it) and
+    the baseline, which a CPU without AVX2 runs."""
+    if request.param == "avx2" and not _core.use_avx2_kernels(True):
+        pytest.skip("this CPU has no AVX2")
+    _core.use_avx2_kernels(request.param == "avx2")
+    yield request.param
+    _core.use_avx2_kernels(True)
+
+
 def core_reduce(a, b, op):
     out = np.empty_like(a)
     _core.reduce(out, a, b, _core.DTYPES.index(a.dtype.name), _core.OPS.index(op))
