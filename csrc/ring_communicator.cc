@@ -641,11 +641,27 @@ void RingCommunicator::broadcast_host(const CallHeader& header, void* buf) {
     if (!root_here) copy_bytes(buf, inline_payload(root), bytes);
     return;
   }
+  // Only host calls may take shared memory: the ranks of a GPU call may differ in how
+  // they move it (staged here, or direct), and meet only on MPI messages.
+  const bool host = h.memory == kHostMemory;
+  if (host) propose_wire(&h, bytes);
   const int64_t elems = chunk_elems(agree(h), es);
+  const bool shm = host && agreed_shm(bytes);
   const int64_t chunk = copy_chunk_elems(elems, es);
+  auto ring = [&] {
+    if (shm) {
+      shm_->broadcast(root, buf, bytes);
+    } else {
+      ring_broadcast(rank(), size(), root, *transport_, buf, bytes,
+                     chunk * static_cast<int64_t>(es), kWindow);
+    }
+  };
   guarded("broadcast", [&] {
-    ring_broadcast(rank(), size(), root, *transport_, buf, bytes, chunk * static_cast<int64_t>(es),
-                   kWindow);
+    if (host) {
+      run_tuned(Collective::Broadcast, bytes, shm, ring);
+    } else {
+      ring();
+    }
   });
 }
 

@@ -5,6 +5,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <chrono>
@@ -389,42 +390,28 @@ void ShmChannel::sent() { __atomic_store_n(my_published_, ++sent_, __ATOMIC_RELE
 
 void ShmChannel::received() { __atomic_store_n(my_consumed_, ++received_, __ATOMIC_RELEASE); }
 
-// One ring phase as a polling loop: publish our next chunk when its data is ready and
-// the right neighbour has freed a slot; consume the left neighbour's next chunk when
-// it is published. The left neighbour publishes in exactly the order we consume
-// (the schedule is the same on both sides), and a chunk forwarded at step k+1 is the
-// one consumed at step k, so the loop always has something that will become possible.
-template <typename OnReceive, typename SendSource>
-void ShmChannel::run_phase(const RingSchedule& sched, size_t elem_size, Phase phase,
-                           OnReceive on_receive, SendSource send_source) {
-  const int steps = sched.steps_per_phase();
-  if (steps == 0) return;
-  const std::vector<ChunkRef> sends = sched.phase_chunks(phase, /*sending=*/true);
-  const std::vector<ChunkRef> recvs = sched.phase_chunks(phase, /*sending=*/false);
-  std::vector<int64_t> recv_step_start(steps, static_cast<int64_t>(recvs.size()));
-  for (int64_t i = static_cast<int64_t>(recvs.size()) - 1; i >= 0; --i)
-    recv_step_start[recvs[i].step] = i;  // where each step's receives begin
-  size_t next_send = 0, next_recv = 0;
+// The polling loop under every shared-memory call: publish our sends in order (send i
+// once ready(i, chunks received so far) and the right neighbour has freed a slot), and
+// consume the left neighbour's chunks in order as it publishes them. Each side of a
+// link runs the same plan, so the left neighbour publishes exactly what we consume,
+// in that order; and a send that waits on a receive waits on an earlier one, so the
+// loop always has something that will become possible.
+template <typename Ready, typename Send, typename Receive>
+void ShmChannel::pump(int64_t sends, int64_t recvs, int left, int right, Ready ready, Send send,
+                      Receive receive) {
+  int64_t next_send = 0, next_recv = 0;
   int idle = 0;
   StallTimer timer(timeout_s_);
-  while (next_send < sends.size() || next_recv < recvs.size()) {
+  while (next_send < sends || next_recv < recvs) {
     bool progressed = false;
-    while (next_send < sends.size()) {
-      const ChunkRef& u = sends[next_send];
-      // A forwarded chunk is ready once we have consumed (and reduced) it.
-      if (u.step > 0 && static_cast<int64_t>(next_recv) <= recv_step_start[u.step - 1] + u.chunk)
-        break;
-      if (!can_send()) break;
-      const Span ch = sched.chunk(u.segment, u.chunk);
-      copy_bytes(my_slot(sent_), send_source(u.step, ch), ch.count * elem_size);
-      bytes_sent_ += ch.count * static_cast<int64_t>(elem_size);
+    while (next_send < sends && ready(next_send, next_recv) && can_send()) {
+      bytes_sent_ += send(next_send, my_slot(sent_));
       sent();
       ++next_send;
       progressed = true;
     }
-    if (next_recv < recvs.size() && can_receive()) {
-      const ChunkRef& u = recvs[next_recv];
-      on_receive(sched.chunk(u.segment, u.chunk), left_slot(received_));
+    if (next_recv < recvs && can_receive()) {
+      receive(next_recv, left_slot(received_));
       received();
       ++next_recv;
       progressed = true;
@@ -436,12 +423,42 @@ void ShmChannel::run_phase(const RingSchedule& sched, size_t elem_size, Phase ph
       back_off(&idle);
       // A neighbour that left never moves again; nor, then, does the ring.
       if (timer.expired([&] { look_around(); })) {
-        const bool receiving = next_recv < recvs.size();
-        throw TimeoutError(neighbour_timeout_text(
-            timeout_s_, receiving ? sched.left() : sched.right(), receiving));
+        const bool receiving = next_recv < recvs;
+        throw TimeoutError(neighbour_timeout_text(timeout_s_, receiving ? left : right, receiving));
       }
     }
   }
+}
+
+// One ring phase: the schedule's chunks, sent and received step by step. A chunk
+// forwarded at step k+1 is the one consumed (and reduced) at step k.
+template <typename OnReceive, typename SendSource>
+void ShmChannel::run_phase(const RingSchedule& sched, size_t elem_size, Phase phase,
+                           OnReceive on_receive, SendSource send_source) {
+  const int steps = sched.steps_per_phase();
+  if (steps == 0) return;
+  const std::vector<ChunkRef> sends = sched.phase_chunks(phase, /*sending=*/true);
+  const std::vector<ChunkRef> recvs = sched.phase_chunks(phase, /*sending=*/false);
+  std::vector<int64_t> recv_step_start(steps, static_cast<int64_t>(recvs.size()));
+  for (int64_t i = static_cast<int64_t>(recvs.size()) - 1; i >= 0; --i)
+    recv_step_start[recvs[i].step] = i;  // where each step's receives begin
+  pump(
+      static_cast<int64_t>(sends.size()), static_cast<int64_t>(recvs.size()), sched.left(),
+      sched.right(),
+      [&](int64_t i, int64_t received) {
+        const ChunkRef& u = sends[i];
+        return u.step == 0 || received > recv_step_start[u.step - 1] + u.chunk;
+      },
+      [&](int64_t i, char* slot) {
+        const ChunkRef& u = sends[i];
+        const Span ch = sched.chunk(u.segment, u.chunk);
+        copy_bytes(slot, send_source(u.step, ch), ch.count * elem_size);
+        return ch.count * static_cast<int64_t>(elem_size);
+      },
+      [&](int64_t i, const char* slot) {
+        const ChunkRef& u = recvs[i];
+        on_receive(sched.chunk(u.segment, u.chunk), slot);
+      });
 }
 
 void ShmChannel::reduce_scatter(const RingSchedule& sched, DType dtype, Op op, const void* input,
@@ -466,6 +483,27 @@ void ShmChannel::allgather(const RingSchedule& sched, size_t elem_size, void* bu
         copy_bytes(data + ch.offset * elem_size, slot, ch.count * elem_size);
       },
       [&](int, Span ch) { return data + ch.offset * elem_size; });
+}
+
+void ShmChannel::broadcast(int root, void* buf, int64_t bytes) {
+  const int p = static_cast<int>(exchanged_.size());
+  if (p == 1 || bytes == 0) return;
+  // A chain, root -> root+1 -> ... -> root-1, slot by slot: each rank copies the chunk
+  // out of its left neighbour's slot into buf, and from there (still in cache) into
+  // its own slot for the right, unless the right is the root.
+  char* data = static_cast<char*>(buf);
+  const int position = ((rank_ - root) % p + p) % p;  // 0: the root
+  const int64_t chunks = (bytes + slot_bytes_ - 1) / slot_bytes_;
+  auto chunk_len = [&](int64_t c) { return std::min(slot_bytes_, bytes - c * slot_bytes_); };
+  pump(
+      position == p - 1 ? 0 : chunks, position == 0 ? 0 : chunks, (rank_ + p - 1) % p,
+      (rank_ + 1) % p,
+      [&](int64_t c, int64_t received) { return position == 0 || received > c; },
+      [&](int64_t c, char* slot) {
+        copy_bytes(slot, data + c * slot_bytes_, chunk_len(c));
+        return chunk_len(c);
+      },
+      [&](int64_t c, const char* slot) { copy_bytes(data + c * slot_bytes_, slot, chunk_len(c)); });
 }
 
 }  // namespace ringreduce

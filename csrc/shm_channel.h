@@ -56,6 +56,8 @@ class ShmChannel {
   void reduce_scatter(const RingSchedule& sched, DType dtype, Op op, const void* input,
                       void* out, void* own_out = nullptr);
   void allgather(const RingSchedule& sched, size_t elem_size, void* buf);
+  // buf's `bytes` from root to every rank, down the ring in slot-sized chunks.
+  void broadcast(int root, void* buf, int64_t bytes);
   void free();  // unmaps every rank's memory (not collective; the destructor does it too)
   // Waits on another rank throw TimeoutError after this many seconds without progress
   // (<= 0: never).
@@ -107,6 +109,9 @@ class ShmChannel {
   bool can_receive() const;   // the left neighbour has published our next chunk
   void sent();                // publish the chunk just written into my_slot(sent_)
   void received();            // release left_slot(received_)
+  template <typename Ready, typename Send, typename Receive>
+  void pump(int64_t sends, int64_t recvs, int left, int right, Ready ready, Send send,
+            Receive receive);
   template <typename OnReceive, typename SendSource>
   void run_phase(const RingSchedule& sched, size_t elem_size, Phase phase,
                  OnReceive on_receive, SendSource send_source);

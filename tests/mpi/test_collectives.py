@@ -325,6 +325,37 @@ def test_rank_0_picks_the_wire_for_every_rank(world):
         assert core.shm_bytes_sent > shm_before
 
 
+
+def test_broadcast_runs_down_the_shared_memory_slots_and_over_mpi_alike(world):
+    # Past the root's board, broadcast goes down the ring: through the shared-memory
+    # slots (64 KiB each, 8 per rank, so 1 MiB wraps them twice) unless rank 0's tuner
+    # says MPI. Both wires, every root, sizes around a slot (fewer than
+    # WireTuner.EXPLORE_EVERY calls of a size class: the tuner never tries the other wire).
+    with rr.Communicator() as ring:
+        if ring.transport != "shared memory":
+            pytest.skip("needs ranks that share memory")
+        core = ring._core
+        bc = rr._core.COLLECTIVES["broadcast"]
+        slot = 64 << 10
+        for nbytes in (core.broadcast_inline_capacity + 8, slot, slot + 8, 3 * slot - 8,
+                       (1 << 20) + 24):
+            for shm in (True, False):
+                if RANK == 0:  # as if this wire had been much faster lately
+                    for _ in range(3):
+                        core.record_wire_time(bc, nbytes, shm, 1e-9)
+                        core.record_wire_time(bc, nbytes, not shm, 1.0)
+                for root in range(SIZE):
+                    x = rank_data(np.dtype(np.float64), nbytes // 8, salt=root)
+                    roots_data = world.bcast(x.copy(), root=root)
+                    shm_before, all_before = core.shm_bytes_sent, core.ring_bytes_sent
+                    assert ring.broadcast(x, root=root) is x
+                    assert bitwise_equal(x, roots_data), (nbytes, shm, root)
+                    # every rank but the one left of the root passes the data on
+                    passes_on = SIZE > 1 and (RANK - root) % SIZE != SIZE - 1
+                    moved = core.ring_bytes_sent - all_before
+                    assert moved == (nbytes if passes_on else 0), (nbytes, shm, root)
+                    assert core.shm_bytes_sent - shm_before == (moved if shm else 0)
+
 def test_big_results_reuse_only_buffers_nothing_else_holds(world, monkeypatch):
     # Results without out= from MIN_BYTES on come from kept buffers (lowered here to
     # keep the test small, before the Communicator that reads it is made). A buffer is
