@@ -23,6 +23,7 @@
 #include "reduce.h"
 #include "ring_communicator.h"
 #include "ring_schedule.h"
+#include "shm_channel.h"
 #include "waiting.h"
 
 namespace py = pybind11;
@@ -586,6 +587,8 @@ PYBIND11_MODULE(_core, m) {
       py::arg("n"), py::arg("seconds"), py::arg("every") = 0,
       "tests: the host emulation of a GPU stalls its n-th copy or kernel from now (0: none), "
       "then every `every`-th (0: only that one)");
+  m.def("set_shm_broadcast_pause", &set_shm_broadcast_pause, py::arg("seconds"),
+        "tests: the next shared-memory broadcast here sleeps this long before its ring");
   m.def("set_creation_pause", &set_creation_pause, py::arg("step"), py::arg("seconds"),
         "tests: the next Communicator made here pauses before step `step` of its making "
         "after the duplicate (1: the barrier; 2, 3: the shared-memory wire's exchanges)");

@@ -645,13 +645,14 @@ void RingCommunicator::broadcast_host(const CallHeader& header, void* buf) {
   // they move it (staged here, or direct), and meet only on MPI messages.
   const bool host = h.memory == kHostMemory;
   if (host) propose_wire(&h, bytes);
-  const int64_t elems = chunk_elems(agree(h), es);
+  const int64_t agreed_chunk = agree(h);
   const bool shm = host && agreed_shm(bytes);
-  const int64_t chunk = copy_chunk_elems(elems, es);
   auto ring = [&] {
     if (shm) {
-      shm_->broadcast(root, buf, bytes);
+      shm_->broadcast(root, buf, bytes,
+                      ring_chunk_elems(agreed_chunk, es, true) * static_cast<int64_t>(es));
     } else {
+      const int64_t chunk = copy_chunk_elems(chunk_elems(agreed_chunk, es), es);
       ring_broadcast(rank(), size(), root, *transport_, buf, bytes,
                      chunk * static_cast<int64_t>(es), kWindow);
     }

@@ -13,6 +13,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <random>
+#include <thread>
 #include <vector>
 
 #include "copy.h"
@@ -395,10 +396,13 @@ void ShmChannel::received() { __atomic_store_n(my_consumed_, ++received_, __ATOM
 // consume the left neighbour's chunks in order as it publishes them. Each side of a
 // link runs the same plan, so the left neighbour publishes exactly what we consume,
 // in that order; and a send that waits on a receive waits on an earlier one, so the
-// loop always has something that will become possible.
+// loop always has something that will become possible. A rank that comes late, or
+// finishes late, to a call that another rank gave up raises too, even if the chunks
+// it needed were all in the slots: every rank's call fails alike.
 template <typename Ready, typename Send, typename Receive>
 void ShmChannel::pump(int64_t sends, int64_t recvs, int left, int right, Ready ready, Send send,
                       Receive receive) {
+  check_departures();
   int64_t next_send = 0, next_recv = 0;
   int idle = 0;
   StallTimer timer(timeout_s_);
@@ -428,6 +432,7 @@ void ShmChannel::pump(int64_t sends, int64_t recvs, int left, int right, Ready r
       }
     }
   }
+  check_departures();
 }
 
 // One ring phase: the schedule's chunks, sent and received step by step. A chunk
@@ -485,25 +490,46 @@ void ShmChannel::allgather(const RingSchedule& sched, size_t elem_size, void* bu
       [&](int, Span ch) { return data + ch.offset * elem_size; });
 }
 
-void ShmChannel::broadcast(int root, void* buf, int64_t bytes) {
+namespace {
+std::atomic<double> broadcast_pause_s{0};  // see set_shm_broadcast_pause()
+}  // namespace
+
+void set_shm_broadcast_pause(double seconds) { broadcast_pause_s = seconds; }
+
+void ShmChannel::broadcast(int root, void* buf, int64_t bytes, int64_t chunk_bytes) {
   const int p = static_cast<int>(exchanged_.size());
   if (p == 1 || bytes == 0) return;
-  // A chain, root -> root+1 -> ... -> root-1, slot by slot: each rank copies the chunk
+  if (const double pause = broadcast_pause_s.exchange(0); pause > 0)
+    std::this_thread::sleep_for(std::chrono::duration<double>(pause));
+  // A chain, root -> root+1 -> ... -> root-1, chunk by chunk: each rank copies the chunk
   // out of its left neighbour's slot into buf, and from there (still in cache) into
   // its own slot for the right, unless the right is the root.
   char* data = static_cast<char*>(buf);
   const int position = ((rank_ - root) % p + p) % p;  // 0: the root
-  const int64_t chunks = (bytes + slot_bytes_ - 1) / slot_bytes_;
-  auto chunk_len = [&](int64_t c) { return std::min(slot_bytes_, bytes - c * slot_bytes_); };
+  const int64_t chunk = std::max<int64_t>(1, std::min(chunk_bytes, slot_bytes_));
+  const int64_t chunks = (bytes + chunk - 1) / chunk;
+  auto chunk_len = [&](int64_t c) { return std::min(chunk, bytes - c * chunk); };
   pump(
       position == p - 1 ? 0 : chunks, position == 0 ? 0 : chunks, (rank_ + p - 1) % p,
       (rank_ + 1) % p,
       [&](int64_t c, int64_t received) { return position == 0 || received > c; },
       [&](int64_t c, char* slot) {
-        copy_bytes(slot, data + c * slot_bytes_, chunk_len(c));
+        copy_bytes(slot, data + c * chunk, chunk_len(c));
         return chunk_len(c);
       },
-      [&](int64_t c, const char* slot) { copy_bytes(data + c * slot_bytes_, slot, chunk_len(c)); });
+      [&](int64_t c, const char* slot) { copy_bytes(data + c * chunk, slot, chunk_len(c)); });
+  // The root is done once its chunks are in its slots, while up to a slot ring's worth
+  // may not have left yet. It waits for them: so its call lasts as long as the data's
+  // trip, as over MPI messages, which is what rank 0's tuner compares.
+  if (position == 0) {
+    int idle = 0;
+    StallTimer timer(timeout_s_);
+    while (__atomic_load_n(right_consumed_, __ATOMIC_ACQUIRE) < sent_) {
+      back_off(&idle);
+      if (timer.expired([&] { look_around(); }))
+        throw TimeoutError(neighbour_timeout_text(timeout_s_, (rank_ + 1) % p, false));
+    }
+  }
 }
 
 }  // namespace ringreduce

@@ -32,6 +32,10 @@ namespace ringreduce {
 
 class MpiTransport;
 
+// Tests: the next shared-memory broadcast in this process sleeps this long between its
+// header exchange and its ring, as a rank stuck there would.
+void set_shm_broadcast_pause(double seconds);
+
 class ShmChannel {
  public:
   // Collective over the transport's communicator, timed as its making is (TimeoutError
@@ -56,8 +60,9 @@ class ShmChannel {
   void reduce_scatter(const RingSchedule& sched, DType dtype, Op op, const void* input,
                       void* out, void* own_out = nullptr);
   void allgather(const RingSchedule& sched, size_t elem_size, void* buf);
-  // buf's `bytes` from root to every rank, down the ring in slot-sized chunks.
-  void broadcast(int root, void* buf, int64_t bytes);
+  // buf's `bytes` from root to every rank, down the ring in chunks of chunk_bytes (at
+  // most a slot; the same on every rank).
+  void broadcast(int root, void* buf, int64_t bytes, int64_t chunk_bytes);
   void free();  // unmaps every rank's memory (not collective; the destructor does it too)
   // Waits on another rank throw TimeoutError after this many seconds without progress
   // (<= 0: never).

@@ -250,6 +250,28 @@ def test_a_rank_that_stops_inside_the_ring_makes_its_neighbours_raise(wire, worl
     relayed_waits_checked(world)
 
 
+
+@needs_two
+def test_a_rank_that_stops_inside_a_broadcast_makes_the_root_raise(world, monkeypatch):
+    # 256 KiB: past the root's board, and few enough chunks that the root puts them all
+    # in its slots at once; it then waits for its right neighbour (rank 1) to take them,
+    # which stays away from the ring, after the header exchange, until the others gave up.
+    ring = a_ring_over("shared memory", monkeypatch)
+    x = np.full(1 << 16, RANK, np.float32)
+    if RANK == 1:
+        _core.set_shm_broadcast_pause(TIMEOUT + 2)
+        raised_within(TIMEOUT + 10, r"rank \d+ has given up", lambda: ring.broadcast(x, root=0))
+    else:
+        message = waited_for(RING_WAIT, lambda: ring.broadcast(x, root=0))
+        if RANK == 0:  # (on 3 ranks or more, rank 2, waiting on rank 1 too, may tell first)
+            assert ("rank 1 (the right neighbour) to take a chunk" in message
+                    or "has given up" in message), message
+    world.Barrier()
+    with pytest.raises(rr.CollectiveTimeoutError, match="gave up earlier"):
+        ring.allreduce(x)
+    closes_at_once(ring)
+    relayed_waits_checked(world)
+
 @needs_two
 def test_a_late_rank_never_completes_a_call_the_others_gave_up(world, monkeypatch):
     # Over MPI, the ranks that gave up leave their sends with MPI. Rows small enough to
