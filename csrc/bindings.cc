@@ -517,7 +517,8 @@ PYBIND11_MODULE(_core, m) {
       .def(py::init<>())
       .def("prefer_shm", &WireTuner::prefer_shm)
       .def("record", &WireTuner::record)
-      .def_readonly_static("EXPLORE_EVERY", &WireTuner::kExploreEvery);
+      .def_readonly_static("EXPLORE_EVERY", &WireTuner::kExploreEvery)
+      .def_readonly_static("FIRST_LOOK", &WireTuner::kFirstLook);
   m.doc() = "ringreduce's C++ core: ring collectives over MPI (use the ringreduce package)";
   py::register_exception<MismatchError>(m, "MismatchError", PyExc_RuntimeError);
   py::register_exception<MpiError>(m, "MPIError", PyExc_RuntimeError);

@@ -20,10 +20,14 @@ double WireTuner::Estimate::median() const {
 
 bool WireTuner::prefer_shm(int64_t bytes) {
   SizeClass& c = size_class(bytes);
+  ++c.calls;
+  // A size's second call tries MPI: a collective called only a few times (a broadcast
+  // of the initial weights) would otherwise never look past shared memory, which in
+  // the machine's slow phases takes 2-3x as long.
+  if (c.calls == kFirstLook && !c.mpi.measured()) return false;
   // Shared memory until MPI has been measured faster.
   const bool shm_faster = !c.mpi.measured() || !c.shm.measured() ||
                           c.shm.median() <= c.mpi.median();
-  ++c.calls;
   if (c.calls % kExploreEvery == 0) return !shm_faster;
   return shm_faster;
 }

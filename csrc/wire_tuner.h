@@ -6,7 +6,8 @@
 // some sizes MPI messages are simply faster (4 MiB allreduce: 380 us against 516 us).
 // Measuring beats guessing: the tuner keeps, per size class, each wire's last three
 // times per byte, sends each call the way whose median is lower, and now and then
-// sends one the other way to keep that wire's times fresh. The median of three lets
+// sends one the other way to keep that wire's times fresh (and a size's second call,
+// to have both wires' times early). The median of three lets
 // one odd call go by (this machine has many) and follows a real change in two.
 //
 // Pure bookkeeping, no MPI and no clock: the caller times its calls. Only rank 0's
@@ -21,6 +22,7 @@ namespace ringreduce {
 class WireTuner {
  public:
   static constexpr int kExploreEvery = 32;  // every 32nd call of a size tries the other wire
+  static constexpr int kFirstLook = 2;      // and the 2nd tries MPI, if it has no time yet
 
   // The wire for the next call of `bytes`: true for shared memory. Counts the call.
   bool prefer_shm(int64_t bytes);

@@ -3,6 +3,7 @@
 from ringreduce import _core
 
 EVERY = _core.WireTuner.EXPLORE_EVERY
+FIRST_LOOK = _core.WireTuner.FIRST_LOOK
 MIB = 1 << 20
 
 
@@ -13,8 +14,21 @@ def choices(tuner, nbytes, calls):
 def test_shared_memory_first_and_the_other_wire_now_and_then():
     tuner = _core.WireTuner()
     picks = choices(tuner, MIB, 3 * EVERY)
-    assert [i for i, shm in enumerate(picks) if not shm] == [EVERY - 1, 2 * EVERY - 1,
-                                                             3 * EVERY - 1]
+    assert [i for i, shm in enumerate(picks) if not shm] == [FIRST_LOOK - 1, EVERY - 1,
+                                                             2 * EVERY - 1, 3 * EVERY - 1]
+
+
+def test_a_few_calls_already_find_the_faster_wire():
+    # A collective called a few times only: its second call measures MPI.
+    tuner = _core.WireTuner()
+    assert run(tuner, 5, shm_us=263, mpi_us=88) == [True, False, False, False, False]
+    tuner = _core.WireTuner()
+    assert run(tuner, 5, shm_us=49, mpi_us=83) == [True, False, True, True, True]
+    # Once MPI has a time, the second call of the size is an ordinary one.
+    tuner = _core.WireTuner()
+    tuner.record(MIB, False, 83e-6)
+    tuner.record(MIB, True, 49e-6)
+    assert choices(tuner, MIB, 3) == [True, True, True]
 
 
 def run(tuner, calls, shm_us, mpi_us):
@@ -31,7 +45,7 @@ def test_the_faster_wire_wins_and_the_estimate_follows_a_change():
     tuner = _core.WireTuner()
     # The usual phase (times measured on the development machine): shared memory.
     picks = run(tuner, 4 * EVERY, shm_us=49, mpi_us=83)
-    assert picks.count(False) == 4  # only the looks at MPI
+    assert picks.count(False) == 5  # only the looks at MPI (the first, and every EVERY-th)
     # One odd slow call changes nothing...
     assert run(tuner, 1, shm_us=500, mpi_us=83) == [True]
     assert run(tuner, 3, shm_us=49, mpi_us=83) == [True] * 3
