@@ -518,7 +518,7 @@ PYBIND11_MODULE(_core, m) {
       .def("prefer_shm", &WireTuner::prefer_shm)
       .def("record", &WireTuner::record)
       .def_readonly_static("EXPLORE_EVERY", &WireTuner::kExploreEvery)
-      .def_readonly_static("FIRST_LOOK", &WireTuner::kFirstLook);
+      .def_readonly_static("LEARN_CALLS", &WireTuner::kLearnCalls);
   m.doc() = "ringreduce's C++ core: ring collectives over MPI (use the ringreduce package)";
   py::register_exception<MismatchError>(m, "MismatchError", PyExc_RuntimeError);
   py::register_exception<MpiError>(m, "MPIError", PyExc_RuntimeError);
