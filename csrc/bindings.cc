@@ -598,8 +598,8 @@ PYBIND11_MODULE(_core, m) {
   m.def("mpi_cuda_aware_reason", &mpi_cuda_aware_reason);
   m.def("op_supported", [](int dtype, int op) { return op_supported(DType(dtype), Op(op)); });
 
-  m.def("use_avx2_kernels", &use_avx2_kernels, py::arg("on"),
-        "reduce with the AVX2 loops (where the CPU has them) or the baseline; for tests");
+  m.def("use_cpu_kernels", &use_cpu_kernels, py::arg("on"),
+        "reduce with the loops chosen for this CPU (AVX2, F16C) or the baseline; for tests");
   m.def(
       "reduce",
       [](py::array out, py::array a, py::array b, int dtype, int op) {

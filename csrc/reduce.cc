@@ -51,24 +51,25 @@ __attribute__((target("avx2"))) void reduce_loop_avx2(void* dst, const void* a,
 }
 
 bool has_avx2() {
-  // Asked while the library loads (avx2_kernels below), maybe before libgcc has read
-  // the CPU's features: __builtin_cpu_init() reads them first.
   static const bool supported = [] {
-    __builtin_cpu_init();
+    __builtin_cpu_init();  // (harmless if libgcc has already read the CPU's features)
     return __builtin_cpu_supports("avx2") != 0;
   }();
   return supported;
 }
-
-std::atomic<bool> avx2_kernels{has_avx2()};
 #endif
+
+// Whether reduce() may take the loops chosen for this CPU (AVX2, F16C); see
+// use_cpu_kernels().
+std::atomic<bool> cpu_kernels{true};
 
 using ReduceFn = void (*)(void*, const void*, const void*, int64_t);
 
 template <typename T, template <typename> class OpT>
 ReduceFn loop_for() {
 #if RINGREDUCE_HAVE_X86_DISPATCH
-  if (avx2_kernels.load(std::memory_order_relaxed)) return &reduce_loop_avx2<T, OpT>;
+  if (cpu_kernels.load(std::memory_order_relaxed) && has_avx2())
+    return &reduce_loop_avx2<T, OpT>;
 #endif
   return &reduce_loop<T, OpT>;
 }
@@ -153,7 +154,8 @@ __attribute__((target("avx,f16c"))) void reduce_half_f16c(bool product, uint16_t
 void reduce(DType dtype, Op op, void* dst, const void* a, const void* b, int64_t n) {
   if (n <= 0) return;
 #if RINGREDUCE_HAVE_F16C
-  if (dtype == DType::Float16 && (op == Op::Sum || op == Op::Avg || op == Op::Prod) && has_f16c()) {
+  if (dtype == DType::Float16 && (op == Op::Sum || op == Op::Avg || op == Op::Prod) &&
+      cpu_kernels.load(std::memory_order_relaxed) && has_f16c()) {
     return reduce_half_f16c(op == Op::Prod, static_cast<uint16_t*>(dst),
                             static_cast<const uint16_t*>(a), static_cast<const uint16_t*>(b), n);
   }
@@ -165,12 +167,11 @@ void reduce(DType dtype, Op op, void* dst, const void* a, const void* b, int64_t
   fn(dst, a, b, n);
 }
 
-bool use_avx2_kernels(bool on) {
+bool use_cpu_kernels(bool on) {
+  cpu_kernels = on;
 #if RINGREDUCE_HAVE_X86_DISPATCH
-  avx2_kernels = on && has_avx2();
-  return avx2_kernels;
+  return on && (has_avx2() || has_f16c());
 #else
-  (void)on;
   return false;
 #endif
 }

@@ -19,10 +19,11 @@ namespace ringreduce {
 // dst = a OP b over n elements. Op::Avg reduces as Op::Sum (see divide()).
 void reduce(DType dtype, Op op, void* dst, const void* a, const void* b, int64_t n);
 
-// Whether reduce() runs its loops compiled for AVX2 (chosen at start where the CPU has
-// it) or for the baseline the build targets. Tests switch, to hold both to numpy's bits;
-// asking for AVX2 where the CPU lacks it leaves the baseline. Returns the setting now.
-bool use_avx2_kernels(bool on);
+// Whether reduce() may run the loops chosen at run time for this CPU (AVX2; float16
+// with F16C), as it does by default, or only those for the baseline the build targets.
+// Tests switch, to hold both to numpy's bits. Returns whether any CPU-specific loop is
+// in use now.
+bool use_cpu_kernels(bool on);
 
 // data /= divisor, element-wise; complex numbers divide each component. Used once,
 // on the rank's own fully reduced segment, to turn a sum into an average.

@@ -519,15 +519,23 @@ void ShmChannel::broadcast(int root, void* buf, int64_t bytes, int64_t chunk_byt
       },
       [&](int64_t c, const char* slot) { copy_bytes(data + c * chunk, slot, chunk_len(c)); });
   // The root is done once its chunks are in its slots, while up to a slot ring's worth
-  // may not have left yet. It waits for them: so its call lasts as long as the data's
-  // trip, as over MPI messages, which is what rank 0's tuner compares.
+  // may not have been taken yet. It waits until its right neighbour has taken them: so
+  // its call lasts, as over MPI messages, until the data has left it, and rank 0's
+  // tuner compares like with like.
   if (position == 0) {
     int idle = 0;
     StallTimer timer(timeout_s_);
-    while (__atomic_load_n(right_consumed_, __ATOMIC_ACQUIRE) < sent_) {
+    uint64_t taken = __atomic_load_n(right_consumed_, __ATOMIC_ACQUIRE);
+    while (taken < sent_) {
       back_off(&idle);
-      if (timer.expired([&] { look_around(); }))
+      const uint64_t now = __atomic_load_n(right_consumed_, __ATOMIC_ACQUIRE);
+      if (now != taken) {  // slow is not stuck: the timeout is for no progress
+        taken = now;
+        idle = 0;
+        timer.progressed();
+      } else if (timer.expired([&] { look_around(); })) {
         throw TimeoutError(neighbour_timeout_text(timeout_s_, (rank_ + 1) % p, false));
+      }
     }
   }
 }

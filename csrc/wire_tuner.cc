@@ -20,25 +20,20 @@ double WireTuner::Estimate::median() const {
 
 bool WireTuner::prefer_shm(int64_t bytes) {
   SizeClass& c = size_class(bytes);
-  ++c.calls;
-  bool shm = choose(c);
-  Estimate& e = shm ? c.shm : c.mpi;
-  // A wire's first call of a size is not timed: it pays for cold caches and, over MPI,
-  // for the library's own set-up (MPICH's first 1 MiB broadcasts took 400-580 us,
-  // against 140 us after).
-  if (e.used++ == 0) e.skip_next = true;
-  return shm;
+  // (Unless both wires have their times already: tests give them.)
+  if (++c.calls == 1) c.learning = c.shm.count < 3 || c.mpi.count < 3;
+  return choose(c);
 }
 
 bool WireTuner::choose(const SizeClass& c) {
-  // A size's first calls take the wires in turn, until each has its three times: a
-  // collective called only a few dozen times (a broadcast of the weights now and then)
-  // would otherwise look at MPI once or twice in all, and keep the slower wire, which
-  // in this machine's slow phases takes 2-3x as long.
-  if (c.calls <= kLearnCalls) {
-    const bool shm_turn = c.calls % 2 == 1;
-    if ((shm_turn ? c.shm : c.mpi).count < 3) return shm_turn;
-  }
+  // A size's first calls take the wires in turn, four each: a collective called only a
+  // few dozen times (a broadcast of the weights now and then) would otherwise look at
+  // MPI once or twice in all, and keep the slower wire, which in this machine's slow
+  // phases takes 2-3x as long. Of four, the last three count: a wire's first calls pay
+  // for cold caches and, over MPI, the library's own set-up (MPICH's first two 1 MiB
+  // broadcasts took 400-580 us, against 140 us after), and the median of the three
+  // lets the second go by too.
+  if (c.learning && c.calls <= kLearnCalls) return c.calls % 2 == 1;
   const bool shm_faster = !c.mpi.measured() || !c.shm.measured() ||
                           c.shm.median() <= c.mpi.median();
   if (c.calls % kExploreEvery == 0) return !shm_faster;
@@ -49,10 +44,6 @@ void WireTuner::record(int64_t bytes, bool shm, double seconds) {
   if (bytes <= 0) return;
   SizeClass& c = size_class(bytes);
   Estimate& e = shm ? c.shm : c.mpi;
-  if (e.skip_next) {
-    e.skip_next = false;
-    return;
-  }
   e.ns_per_byte[e.next] = seconds * 1e9 / static_cast<double>(bytes);
   e.next = (e.next + 1) % 3;
   e.count = std::min(e.count + 1, 3);

@@ -7,7 +7,7 @@
 // Measuring beats guessing: the tuner keeps, per size class, each wire's last three
 // times per byte, sends each call the way whose median is lower, and now and then
 // sends one the other way to keep that wire's times fresh. A size's first eight calls
-// alternate, to have both wires' times early, and a wire's first call is not timed. The median of three lets
+// alternate, to have both wires' times early. The median of three lets
 // one odd call go by (this machine has many) and follows a real change in two.
 //
 // Pure bookkeeping, no MPI and no clock: the caller times its calls. Only rank 0's
@@ -26,8 +26,7 @@ class WireTuner {
 
   // The wire for the next call of `bytes`: true for shared memory. Counts the call.
   bool prefer_shm(int64_t bytes);
-  // How long a call of `bytes` took on the wire it took (ignored for a wire's first call
-  // that prefer_shm() sent it: cold).
+  // How long a call of `bytes` took on the wire it took.
   void record(int64_t bytes, bool shm, double seconds);
   // k for calls of [2^k, 2^(k+1)) bytes: calls in one class share their times.
   static int size_class_of(int64_t bytes);
@@ -37,14 +36,13 @@ class WireTuner {
     std::array<double, 3> ns_per_byte{};
     int count = 0;  // how many are in (at most 3)
     int next = 0;   // where the next one goes
-    int64_t used = 0;        // calls sent this way
-    bool skip_next = false;  // the next time recorded is the first call's: not kept
     bool measured() const { return count > 0; }
     double median() const;
   };
   struct SizeClass {  // calls of [2^k, 2^(k+1)) bytes
     Estimate shm, mpi;
     int64_t calls = 0;
+    bool learning = false;  // its first kLearnCalls calls alternate (set on the first)
   };
   SizeClass& size_class(int64_t bytes);
   static bool choose(const SizeClass& c);  // prefer_shm() without the bookkeeping

@@ -19,15 +19,14 @@ def dtype_of(name):
     return BFLOAT16 if name == "bfloat16" else np.dtype(name)
 
 
-@pytest.fixture(autouse=True, params=["avx2", "baseline"])
+@pytest.fixture(autouse=True, params=["cpu", "baseline"])
 def kernels(request):
-    """Every test runs with each build of the loops: AVX2 (where the CPU has it) and
-    the baseline, which a CPU without AVX2 runs."""
-    if request.param == "avx2" and not _core.use_avx2_kernels(True):
-        pytest.skip("this CPU has no AVX2")
-    _core.use_avx2_kernels(request.param == "avx2")
+    """Every test runs with each build of the loops: those chosen for this CPU (AVX2,
+    float16 with F16C) and the baseline, which a CPU without them runs."""
+    if not _core.use_cpu_kernels(request.param == "cpu") and request.param == "cpu":
+        pytest.skip("this CPU has neither AVX2 nor F16C")
     yield request.param
-    _core.use_avx2_kernels(True)
+    _core.use_cpu_kernels(True)
 
 
 def core_reduce(a, b, op):

@@ -259,8 +259,14 @@ def test_a_rank_that_stops_inside_a_broadcast_makes_the_root_raise(world, monkey
     ring = a_ring_over("shared memory", monkeypatch)
     x = np.full(1 << 16, RANK, np.float32)
     if RANK == 1:
-        _core.set_shm_broadcast_pause(TIMEOUT + 2)
-        raised_within(TIMEOUT + 10, r"rank \d+ has given up", lambda: ring.broadcast(x, root=0))
+        # Long enough for rank 0's giving up to be there when it comes back (which it then
+        # raises, though all the chunks are in rank 0's slots).
+        _core.set_shm_broadcast_pause(TIMEOUT + 4)
+        try:
+            raised_within(TIMEOUT + 15, r"rank \d+ has given up",
+                          lambda: ring.broadcast(x, root=0))
+        finally:
+            _core.set_shm_broadcast_pause(0)
     else:
         message = waited_for(RING_WAIT, lambda: ring.broadcast(x, root=0))
         if RANK == 0:  # (on 3 ranks or more, rank 2, waiting on rank 1 too, may tell first)
