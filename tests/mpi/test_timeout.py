@@ -210,6 +210,15 @@ def test_ranks_with_and_without_a_timeout_make_a_communicator_together(world):
         np.testing.assert_array_equal(ring.allreduce(np.ones(3)), np.full(3, SIZE))
 
 
+def given_up_for_good(ring, world):
+    """After a call timed out: the communicator refuses the next call, closes at once,
+    and every relayed wait is checked (collective)."""
+    with pytest.raises(rr.CollectiveTimeoutError, match="gave up earlier"):
+        ring.allreduce(np.zeros(4, np.float32))
+    closes_at_once(ring)
+    relayed_waits_checked(world)
+
+
 def closes_at_once(ring):
     """close() returns, without waiting for ranks that have left."""
     start = time.monotonic()
@@ -244,10 +253,7 @@ def test_a_rank_that_stops_inside_the_ring_makes_its_neighbours_raise(wire, worl
                     or "rank 1 (the right neighbour) to take a chunk" in message
                     or "has given up" in message), message
         world.Barrier()
-    with pytest.raises(rr.CollectiveTimeoutError, match="gave up earlier"):
-        ring.allreduce(x)
-    closes_at_once(ring)
-    relayed_waits_checked(world)
+    given_up_for_good(ring, world)
 
 
 
@@ -273,10 +279,7 @@ def test_a_rank_that_stops_inside_a_broadcast_makes_the_root_raise(world, monkey
             assert ("rank 1 (the right neighbour) to take a chunk" in message
                     or "has given up" in message), message
     world.Barrier()
-    with pytest.raises(rr.CollectiveTimeoutError, match="gave up earlier"):
-        ring.allreduce(x)
-    closes_at_once(ring)
-    relayed_waits_checked(world)
+    given_up_for_good(ring, world)
 
 @needs_two
 def test_a_late_rank_never_completes_a_call_the_others_gave_up(world, monkeypatch):
