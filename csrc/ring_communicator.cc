@@ -132,7 +132,8 @@ RingSchedule RingCommunicator::agree_on_ring(CallHeader h, int64_t bytes, size_t
 
 template <typename Run>
 void RingCommunicator::run_tuned(Collective collective, int64_t bytes, bool shm, Run run) {
-  if (rank() != 0 || !tune_wire_ || !use_shm(bytes)) {
+  // Only calls whose wire rank 0's tuner chose (propose_wire()) teach it anything.
+  if (rank() != 0 || !tune_wire_ || !use_shm(bytes) || headers_[0].wire == -1) {
     run();
     return;
   }
@@ -576,10 +577,9 @@ void RingCommunicator::allgather(const void* input, void* out,
   char* dst = static_cast<char*>(out) + mine.offset * es;
   copy_bytes(dst, input, mine.count * es);  // x may be a view into out (gathering in place)
   // Rank 0 chose the wire for its guess of the size; what it learns counts only if the
-  // true size is in the same class (and it did choose).
-  const bool chosen = headers_[0].wire != -1 &&
-                      WireTuner::size_class_of(total_bytes) ==
-                          WireTuner::size_class_of(pending_allgather_tuned_bytes_);
+  // true size is in the same class (run_tuned() checks that it chose at all).
+  const bool chosen = WireTuner::size_class_of(total_bytes) ==
+                      WireTuner::size_class_of(pending_allgather_tuned_bytes_);
   auto ring = [&] { run_allgather(sched, es, out, shm); };
   guarded("allgather", [&] {
     if (chosen) {
@@ -657,13 +657,7 @@ void RingCommunicator::broadcast_host(const CallHeader& header, void* buf) {
                      chunk * static_cast<int64_t>(es), kWindow);
     }
   };
-  guarded("broadcast", [&] {
-    if (host) {
-      run_tuned(Collective::Broadcast, bytes, shm, ring);
-    } else {
-      ring();
-    }
-  });
+  guarded("broadcast", [&] { run_tuned(Collective::Broadcast, bytes, shm, ring); });
 }
 
 void RingCommunicator::close() {

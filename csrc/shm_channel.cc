@@ -399,15 +399,22 @@ void ShmChannel::received() { __atomic_store_n(my_consumed_, ++received_, __ATOM
 // loop always has something that will become possible. A rank that comes late, or
 // finishes late, to a call that another rank gave up raises too, even if the chunks
 // it needed were all in the slots: every rank's call fails alike.
+// until_taken: also wait until the right neighbour has taken every chunk we published.
 template <typename Ready, typename Send, typename Receive>
 void ShmChannel::pump(int64_t sends, int64_t recvs, int left, int right, Ready ready, Send send,
-                      Receive receive) {
+                      Receive receive, bool until_taken) {
   check_departures();
   int64_t next_send = 0, next_recv = 0;
   int idle = 0;
   StallTimer timer(timeout_s_);
-  while (next_send < sends || next_recv < recvs) {
+  uint64_t taken = __atomic_load_n(right_consumed_, __ATOMIC_ACQUIRE);
+  while (next_send < sends || next_recv < recvs || (until_taken && taken < sent_)) {
     bool progressed = false;
+    if (until_taken) {
+      const uint64_t now = __atomic_load_n(right_consumed_, __ATOMIC_ACQUIRE);
+      progressed = now != taken;
+      taken = now;
+    }
     while (next_send < sends && ready(next_send, next_recv) && can_send()) {
       bytes_sent_ += send(next_send, my_slot(sent_));
       sent();
@@ -517,27 +524,12 @@ void ShmChannel::broadcast(int root, void* buf, int64_t bytes, int64_t chunk_byt
         copy_bytes(slot, data + c * chunk, chunk_len(c));
         return chunk_len(c);
       },
-      [&](int64_t c, const char* slot) { copy_bytes(data + c * chunk, slot, chunk_len(c)); });
-  // The root is done once its chunks are in its slots, while up to a slot ring's worth
-  // may not have been taken yet. It waits until its right neighbour has taken them: so
-  // its call lasts, as over MPI messages, until the data has left it, and rank 0's
-  // tuner compares like with like.
-  if (position == 0) {
-    int idle = 0;
-    StallTimer timer(timeout_s_);
-    uint64_t taken = __atomic_load_n(right_consumed_, __ATOMIC_ACQUIRE);
-    while (taken < sent_) {
-      back_off(&idle);
-      const uint64_t now = __atomic_load_n(right_consumed_, __ATOMIC_ACQUIRE);
-      if (now != taken) {  // slow is not stuck: the timeout is for no progress
-        taken = now;
-        idle = 0;
-        timer.progressed();
-      } else if (timer.expired([&] { look_around(); })) {
-        throw TimeoutError(neighbour_timeout_text(timeout_s_, (rank_ + 1) % p, false));
-      }
-    }
-  }
+      [&](int64_t c, const char* slot) { copy_bytes(data + c * chunk, slot, chunk_len(c)); },
+      // The root is done once its chunks are in its slots, while up to a slot ring's
+      // worth may not have been taken yet. It waits until its right neighbour has taken
+      // them: so its call lasts, as over MPI messages, until the data has left it, and
+      // rank 0's tuner compares like with like.
+      /*until_taken=*/position == 0);
 }
 
 }  // namespace ringreduce

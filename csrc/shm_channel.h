@@ -116,7 +116,7 @@ class ShmChannel {
   void received();            // release left_slot(received_)
   template <typename Ready, typename Send, typename Receive>
   void pump(int64_t sends, int64_t recvs, int left, int right, Ready ready, Send send,
-            Receive receive);
+            Receive receive, bool until_taken = false);
   template <typename OnReceive, typename SendSource>
   void run_phase(const RingSchedule& sched, size_t elem_size, Phase phase,
                  OnReceive on_receive, SendSource send_source);

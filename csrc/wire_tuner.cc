@@ -20,19 +20,15 @@ double WireTuner::Estimate::median() const {
 
 bool WireTuner::prefer_shm(int64_t bytes) {
   SizeClass& c = size_class(bytes);
-  // (Unless both wires have their times already: tests give them.)
-  if (++c.calls == 1) c.learning = c.shm.count < 3 || c.mpi.count < 3;
-  return choose(c);
-}
-
-bool WireTuner::choose(const SizeClass& c) {
   // A size's first calls take the wires in turn, four each: a collective called only a
   // few dozen times (a broadcast of the weights now and then) would otherwise look at
   // MPI once or twice in all, and keep the slower wire, which in this machine's slow
   // phases takes 2-3x as long. Of four, the last three count: a wire's first calls pay
   // for cold caches and, over MPI, the library's own set-up (MPICH's first two 1 MiB
   // broadcasts took 400-580 us, against 140 us after), and the median of the three
-  // lets the second go by too.
+  // lets the second go by too. (Unless both wires have their times already: tests give
+  // them.)
+  if (++c.calls == 1) c.learning = c.shm.count < 3 || c.mpi.count < 3;
   if (c.learning && c.calls <= kLearnCalls) return c.calls % 2 == 1;
   const bool shm_faster = !c.mpi.measured() || !c.shm.measured() ||
                           c.shm.median() <= c.mpi.median();

@@ -45,7 +45,6 @@ class WireTuner {
     bool learning = false;  // its first kLearnCalls calls alternate (set on the first)
   };
   SizeClass& size_class(int64_t bytes);
-  static bool choose(const SizeClass& c);  // prefer_shm() without the bookkeeping
   std::array<SizeClass, 64> classes_{};
 };
 
