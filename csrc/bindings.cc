@@ -9,14 +9,20 @@
 #include <pybind11/stl.h>
 
 #include <signal.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <cstring>
+#include <memory>
+#include <mutex>
 #include <optional>
 #include <vector>
 
+#include "call_queue.h"
 #include "copy.h"
 #include "cuda.h"
 #include "errors.h"
@@ -114,6 +120,251 @@ auto keeping_on_departure(RingCommunicator& self, std::initializer_list<py::hand
   }
 }
 
+// References to Python objects dropped by a thread that does not hold the GIL (the
+// worker, finishing a call): released by the next caller from Python that comes by.
+class LaterReleases {
+ public:
+  void add(PyObject* object) {
+    if (object == nullptr) return;
+    if (PyGILState_Check()) {
+      Py_DECREF(object);
+      return;
+    }
+    std::lock_guard<std::mutex> lock(mutex_);
+    objects_.push_back(object);
+  }
+  void flush() {  // (with the GIL)
+    std::vector<PyObject*> objects;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      objects.swap(objects_);
+    }
+    for (PyObject* object : objects) Py_DECREF(object);
+  }
+
+ private:
+  std::mutex mutex_;
+  std::vector<PyObject*> objects_;
+};
+LaterReleases later_releases;
+
+// Waits (without the GIL) until done() or `seconds` have passed (no value: for good), in
+// slices, between which it runs Python's signal handlers: Ctrl-C raises
+// KeyboardInterrupt from the wait, as from Python's own. Whether done().
+template <typename Done, typename WaitFor>
+bool wait_interruptibly(std::optional<double> seconds, Done done, WaitFor wait_for) {
+  using Clock = std::chrono::steady_clock;
+  const auto start = Clock::now();
+  constexpr double kSlice = 0.05;
+  for (;;) {
+    if (done()) return true;
+    double slice = kSlice;
+    if (seconds) {
+      const double left = *seconds - std::chrono::duration<double>(Clock::now() - start).count();
+      if (left <= 0) return false;
+      slice = std::min(slice, left);
+    }
+    {
+      py::gil_scoped_release nogil;
+      if (wait_for(slice)) return true;
+    }
+    if (PyErr_CheckSignals() != 0) throw py::error_already_set();
+  }
+}
+
+// Takes the executor's RunningLock as Python's RLock.acquire() would: without the GIL
+// while it waits (its holder may need the GIL to finish), and raising what a signal
+// handler raises meanwhile. timeout: seconds (no value: for good).
+bool acquire_running(RunningLock& lock, bool blocking, std::optional<double> timeout) {
+  if (lock.try_lock()) return true;
+  if (!blocking) return false;
+  bool held = false;
+  wait_interruptibly(timeout, [&] { return held; }, [&](double slice) {
+    held = lock.try_lock_for(std::chrono::duration<double>(slice));
+    return held;
+  });
+  return held;
+}
+
+// A call the Python layer queued: its _Work, whose execute() runs it (and keeps its
+// result or error), with the GIL.
+class PythonCall : public CallQueue::Call {
+ public:
+  explicit PythonCall(py::object work) : work_(work.release().ptr()) {}
+  ~PythonCall() override { later_releases.add(work_); }
+  void run() override {
+    py::gil_scoped_acquire gil;
+    // The worker's Python thread state, made at its first Python call, is kept for the
+    // next ones (making one for every call costs some 20 us) until the thread ends.
+    if (!python_state_kept) {
+      gil.inc_ref();
+      python_state_kept = true;
+    }
+    PyObject* work = work_;
+    work_ = nullptr;
+    PyObject* done = PyObject_CallMethod(work, "execute", nullptr);
+    if (done == nullptr) PyErr_WriteUnraisable(work);  // (execute() catches everything)
+    Py_XDECREF(done);
+    Py_DECREF(work);  // not kept until the next call comes: its result may be big
+    later_releases.flush();
+  }
+  PyObject* work() const { return work_; }
+
+  // The worker thread ends (stop(), with the GIL released): lets go of its thread state.
+  static void thread_end() {
+    if (!python_state_kept) return;
+    py::gil_scoped_acquire gil;
+    gil.dec_ref();  // (and its destructor the last reference, which deletes the state)
+    python_state_kept = false;
+  }
+
+ private:
+  static thread_local bool python_state_kept;
+  PyObject* work_;  // (owned)
+};
+thread_local bool PythonCall::python_state_kept = false;
+
+// An allreduce of host arrays queued by FastPath::allreduce_async(): run on the worker
+// without Python, waited for through its Handle (the same interface as a _Work: done(),
+// wait(), outcome(), pid).
+class AsyncAllreduce : public CallQueue::Call {
+ public:
+  AsyncAllreduce(py::handle core, RingCommunicator* ring, py::handle x, py::handle result,
+                 const void* input, void* out, int64_t count, DType dtype, Op op,
+                 int64_t chunk_bytes)
+      : ring_(ring), input_(input), out_(out), count_(count), dtype_(dtype), op_(op),
+        chunk_bytes_(chunk_bytes), pid_(getpid()) {
+    core_ = core.inc_ref().ptr();
+    x_ = x.inc_ref().ptr();
+    result_ = result.inc_ref().ptr();
+  }
+  ~AsyncAllreduce() override {
+    later_releases.add(core_);
+    later_releases.add(cancelled_);
+    if (kept_) return;  // its rank left mid-call: MPI may still read or write them
+    later_releases.add(x_);
+    later_releases.add(result_);
+  }
+
+  void run() override {  // without the GIL
+    if (!cancelling_.load(std::memory_order_acquire)) {
+      const bool departed_before = ring_->departed();
+      try {
+        ring_->allreduce(input_, out_, count_, dtype_, op_, chunk_bytes_);
+      } catch (...) {
+        error_ = std::current_exception();
+        kept_ = ring_->departed() && !departed_before;
+      }
+      if (!kept_) {  // a finished call does not keep its input alive
+        later_releases.add(x_);
+        x_ = nullptr;
+      }
+    }
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      done_.store(true, std::memory_order_release);
+    }
+    finished_.notify_all();
+  }
+
+  // Instead of running, it will raise `error` (a Python exception), if not started yet.
+  void cancel(py::handle error) {
+    if (cancelled_ != nullptr) return;
+    cancelled_ = error.inc_ref().ptr();
+    cancelling_.store(true, std::memory_order_release);
+  }
+
+  bool done() const { return done_.load(std::memory_order_acquire); }
+  bool wait(std::optional<double> seconds) {
+    const bool done = wait_interruptibly(seconds, [&] { return this->done(); }, [&](double slice) {
+      std::unique_lock<std::mutex> lock(mutex_);
+      return finished_.wait_for(lock, std::chrono::duration<double>(slice),
+                                [&] { return this->done(); });
+    });
+    later_releases.flush();
+    return done;
+  }
+  // Once done: the result, or the error raised.
+  py::object outcome() {
+    later_releases.flush();
+    if (cancelling_.load(std::memory_order_acquire)) {
+      PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(cancelled_)), cancelled_);
+      throw py::error_already_set();
+    }
+    if (error_) std::rethrow_exception(error_);
+    return py::reinterpret_borrow<py::object>(result_);
+  }
+  long pid() const { return static_cast<long>(pid_); }
+
+ private:
+  RingCommunicator* ring_;
+  PyObject* core_;  // keeps ring_ alive (owned, as are the others)
+  PyObject* x_;
+  PyObject* result_;
+  PyObject* cancelled_ = nullptr;
+  std::atomic<bool> cancelling_{false};
+  const void* input_;
+  void* out_;
+  int64_t count_;
+  DType dtype_;
+  Op op_;
+  int64_t chunk_bytes_;
+  pid_t pid_;
+  std::exception_ptr error_;
+  bool kept_ = false;
+  std::atomic<bool> done_{false};
+  std::mutex mutex_;
+  std::condition_variable finished_;
+};
+
+// The CallQueue of a Communicator, as the Python layer's _Executor uses it.
+class Executor {
+ public:
+  Executor() : queue_(&PythonCall::thread_end) {}
+  ~Executor() {
+    if (PyGILState_Check()) {
+      py::gil_scoped_release nogil;  // (queued Python calls need it to finish)
+      queue_.stop();
+    }
+  }
+  CallQueue& queue() { return queue_; }
+  void push(py::object work) {
+    later_releases.flush();
+    queue_.push(std::make_shared<PythonCall>(work));
+  }
+  void push_async(const std::shared_ptr<AsyncAllreduce>& call) {
+    later_releases.flush();
+    queue_.push(call);
+  }
+  int64_t pending() const { return queue_.pending(); }
+  bool started() const { return queue_.started(); }
+  void drain() {
+    wait_interruptibly(std::nullopt, [&] { return queue_.pending() == 0; },
+                       [&](double slice) { return queue_.wait_idle(slice); });
+    later_releases.flush();
+  }
+  void cancel(py::handle error) {
+    queue_.for_each_waiting([&](CallQueue::Call& call) {
+      if (auto* python = dynamic_cast<PythonCall*>(&call)) {
+        py::handle(python->work()).attr("cancelled") = error;
+      } else if (auto* async = dynamic_cast<AsyncAllreduce*>(&call)) {
+        async->cancel(error);
+      }
+    });
+  }
+  void stop() {
+    {
+      py::gil_scoped_release nogil;
+      queue_.stop();
+    }
+    later_releases.flush();
+  }
+  std::shared_ptr<RunningLock> running() const { return queue_.running(); }
+
+ private:
+  CallQueue queue_;
+};
+
 // The common case of every collective, checked and run here without Python: a
 // contiguous numpy array of a dtype (and op) the Python layer has validated before, an
 // out= that needs no checks beyond a few fields, no asynchronous call in flight. The
@@ -123,16 +374,16 @@ auto keeping_on_departure(RingCommunicator& self, std::initializer_list<py::hand
 // layer's general path serves (or rejects) the call.
 class FastPath {
  public:
-  FastPath(py::object core, py::object queue, py::object running, py::dict validated_pairs,
+  FastPath(py::object core, py::object executor, bool threaded, py::dict validated_pairs,
            py::dict dtype_codes, py::object shape_tag, py::object results_empty,
            py::object scratch_get, py::object gather_rest, int64_t chunk_bytes,
            int64_t fresh_max_bytes, int64_t confirm_bytes)
       : chunk_bytes(chunk_bytes),
         core_object_(core),
         core_(core.cast<RingCommunicator*>()),
-        queue_(queue),
-        acquire_(running.attr("acquire")),
-        release_(running.attr("release")),
+        executor_object_(executor),
+        executor_(executor.cast<Executor*>()),
+        threaded_(threaded),
         validated_pairs_(validated_pairs),
         dtype_codes_(dtype_codes),
         shape_tag_(shape_tag),
@@ -171,6 +422,28 @@ class FastPath {
       copy_bytes(dst, a.data, a.nbytes());
     }
     return result;
+  }
+
+  // Queues the allreduce on the worker thread and returns its AsyncAllreduce; None for
+  // anything the general path serves (one rank, where it is done at once, included).
+  py::object allreduce_async(py::handle x, py::handle op, py::handle out) {
+    if (!threaded_ || core_->size() == 1 || core_->closed()) return py::none();
+    int dtype, reduce_op;
+    if (!is_plain(x) || !reduction_codes(x, op, &dtype, &reduce_op)) return py::none();
+    const Array a(x);
+    if (out.is_none()) {
+    } else if (out.is(x)) {
+      if (!a.writeable()) return py::none();
+    } else if (!is_plain_out(out, a, a.nd, a.dims, false, false)) {
+      return py::none();
+    }
+    py::object result = out.is_none() ? new_result(a, a.nd, a.dims) : py::reinterpret_borrow<py::object>(out);
+    if (!result) return py::none();
+    auto call = std::make_shared<AsyncAllreduce>(core_object_, core_, x, result, a.data,
+                                                 Array(result).data, a.size(), DType(dtype),
+                                                 Op(reduce_op), chunk_bytes);
+    executor_->push_async(call);
+    return py::cast(call);
   }
 
   py::object reduce_scatter(py::handle x, py::handle op, py::handle out) {
@@ -320,35 +593,16 @@ class FastPath {
   // The executor's lock, if nothing is queued: held while the core runs the call, so
   // that the worker thread (or another caller) does not run one meanwhile.
   struct Running {
-    explicit Running(FastPath& path) : path(path) {
-      if (PyObject_Length(path.queue_.ptr()) != 0) return;  // (a deque: no error)
-      PyObject* acquired = PyObject_CallNoArgs(path.acquire_.ptr());  // (a signal may raise)
-      if (acquired == nullptr) throw py::error_already_set();
-      Py_DECREF(acquired);
-      held = PyObject_Length(path.queue_.ptr()) == 0 && !path.core_->closed();
-      if (!held) release();
+    explicit Running(FastPath& path) : lock(*path.executor_->running()) {
+      if (path.executor_->pending() != 0) return;
+      acquire_running(lock, true, std::nullopt);  // (a signal handler may raise)
+      held = path.executor_->pending() == 0 && !path.core_->closed();
+      if (!held) lock.unlock();
     }
     ~Running() {
-      if (held) release();
+      if (held) lock.unlock();
     }
-    void release() {
-      // Also while an exception unwinds this call: keep Python's error indicator as it is.
-#if PY_VERSION_HEX >= 0x030C0000
-      PyObject* pending = PyErr_GetRaisedException();
-#else
-      PyObject *type, *value, *traceback;
-      PyErr_Fetch(&type, &value, &traceback);
-#endif
-      PyObject* ok = PyObject_CallNoArgs(path.release_.ptr());
-      if (ok == nullptr) PyErr_WriteUnraisable(path.release_.ptr());
-      Py_XDECREF(ok);
-#if PY_VERSION_HEX >= 0x030C0000
-      PyErr_SetRaisedException(pending);
-#else
-      PyErr_Restore(type, value, traceback);
-#endif
-    }
-    FastPath& path;
+    RunningLock& lock;
     bool held = false;
   };
 
@@ -460,7 +714,9 @@ class FastPath {
 
   py::object core_object_;  // keeps core_ alive
   RingCommunicator* core_;
-  py::object queue_, acquire_, release_;
+  py::object executor_object_;  // keeps executor_ alive
+  Executor* executor_;
+  bool threaded_;  // MPI has MPI_THREAD_MULTIPLE: asynchronous calls may go to the worker
   py::dict validated_pairs_, dtype_codes_;
   py::object shape_tag_;
   int64_t no_row_shape_tag_;
@@ -658,12 +914,40 @@ PYBIND11_MODULE(_core, m) {
     if (!finalized) finish_abandoned_duplicates();
   }, "completes what creations that gave up left pending, where late ranks came since");
 
+  py::class_<RunningLock, std::shared_ptr<RunningLock>>(
+      m, "RunningLock", "held while the core runs a collective (csrc/call_queue.h); an RLock's API")
+      .def("acquire", &acquire_running, py::arg("blocking") = true,
+           py::arg("timeout") = std::optional<double>())
+      .def("release", [](RunningLock& lock) { lock.unlock(); })
+      .def("__enter__", [](RunningLock& lock) { acquire_running(lock, true, std::nullopt); })
+      .def("__exit__", [](RunningLock& lock, py::args) {
+        lock.unlock();
+        return false;
+      });
+  py::class_<Executor>(m, "Executor",
+                       "the worker thread of a Communicator's asynchronous calls (csrc/call_queue.h)")
+      .def(py::init<>())
+      .def("push", &Executor::push, "queue a _Work, whose execute() the worker runs with the GIL")
+      .def("pending", &Executor::pending)
+      .def_property_readonly("started", &Executor::started)
+      .def("drain", &Executor::drain, "wait until nothing is queued")
+      .def("cancel", &Executor::cancel, "calls queued, not started, raise error instead")
+      .def("stop", &Executor::stop, "let queued calls run, then end the worker thread")
+      .def_property_readonly("running", &Executor::running);
+  py::class_<AsyncAllreduce, std::shared_ptr<AsyncAllreduce>>(
+      m, "AsyncAllreduce", "an allreduce of host arrays queued on the worker thread")
+      .def("done", &AsyncAllreduce::done)
+      .def("wait", &AsyncAllreduce::wait, py::arg("seconds") = std::optional<double>())
+      .def("outcome", &AsyncAllreduce::outcome)
+      .def_property_readonly("pid", &AsyncAllreduce::pid);
+
   py::class_<FastPath>(m, "FastPath",
                       "the common case of each collective without Python (None: not taken)")
-      .def(py::init<py::object, py::object, py::object, py::dict, py::dict, py::object,
+      .def(py::init<py::object, py::object, bool, py::dict, py::dict, py::object,
                     py::object, py::object, py::object, int64_t, int64_t, int64_t>())
       .def_readwrite("chunk_bytes", &FastPath::chunk_bytes)
       .def("allreduce", &FastPath::allreduce)
+      .def("allreduce_async", &FastPath::allreduce_async)
       .def("reduce_scatter", &FastPath::reduce_scatter)
       .def("allgather", &FastPath::allgather)
       .def("broadcast", &FastPath::broadcast);

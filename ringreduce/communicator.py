@@ -3,15 +3,15 @@
 Every call validates its arguments here, then hands (pointer, count, dtype) to the
 C++ core, which releases the GIL while it runs. The common call (a contiguous numpy
 array of a dtype and op validated here before) goes straight to the binding's
-FastPath, which does the same checks without Python and hands anything else back. Asynchronous calls go to one worker
-thread per communicator and run in the order they were made, so every rank runs its
-collectives in the same order, as MPI requires; a blocking call made while
-asynchronous ones are in flight queues behind them.
+FastPath, which does the same checks without Python and hands anything else back.
+Asynchronous calls go to one worker thread per communicator (the core's CallQueue; an
+allreduce of numpy arrays runs there without the GIL) and run in the order they were
+made, so every rank runs its collectives in the same order, as MPI requires; a
+blocking call made while asynchronous ones are in flight queues behind them.
 """
 from __future__ import annotations
 
 import atexit
-import collections
 import math
 import numbers
 import os
@@ -165,7 +165,7 @@ class Handle:
 
     def done(self) -> bool:
         """True once the collective has finished (successfully or not)."""
-        return self._work.finished.is_set()
+        return self._work.done()
 
     def wait(self, timeout: float | None = None):
         """Block until the collective finishes; return its result array.
@@ -181,18 +181,16 @@ class Handle:
                 raise ValueError(f"Handle.wait: timeout must be >= 0 seconds, got {timeout}")
             if timeout >= threading.TIMEOUT_MAX:
                 timeout = None  # threading cannot wait that long, but can wait forever
-        work = self._work
-        if not work.finished.is_set():
+        work = self._work  # a _Work, or the core's AsyncAllreduce
+        if not work.done():
             if os.getpid() != work.pid:
                 # The worker thread that would finish it exists only in the parent.
                 raise ValueError(f"Handle.wait: this collective runs in process "
                                  f"{work.pid}, of which this one is a child made by "
                                  "fork(); it cannot finish here")
-            if not work.finished.wait(timeout):
+            if not work.wait(timeout):
                 raise TimeoutError(f"ringreduce: collective still running after {timeout} s")
-        if work.error is not None:
-            raise work.error
-        return work.result
+        return work.outcome()
 
 
 class _Work:
@@ -206,6 +204,18 @@ class _Work:
         self.error = None
         self.finished = threading.Event()
         self.cancelled = None  # the error to raise instead, if set before it starts
+
+    def done(self) -> bool:
+        return self.finished.is_set()
+
+    def wait(self, timeout: float | None) -> bool:
+        return self.finished.wait(timeout)
+
+    def outcome(self):
+        """Once done: the result, or the error raised."""
+        if self.error is not None:
+            raise self.error
+        return self.result
 
     def execute(self, catching=BaseException):
         """Runs it; what it raises of `catching` is handed to whoever waits (anything
@@ -222,7 +232,9 @@ class _Work:
 
 
 class _Executor:
-    """Runs queued work items one at a time, in order, on a thread of its own.
+    """Runs queued work items one at a time, in order, on a thread of its own (the
+    core's CallQueue, csrc/call_queue.h): an allreduce of host arrays queued by the
+    FastPath runs there without the GIL, a _Work with it.
 
     Kept apart from Communicator so that the worker thread does not keep the
     communicator alive.
@@ -230,38 +242,35 @@ class _Executor:
 
     def __init__(self, threaded: bool):
         self.threaded = threaded  # False: MPI lacks THREAD_MULTIPLE, run everything inline
-        self.queue: collections.deque[_Work | None] = collections.deque()
-        self.changed = threading.Condition()
+        self.calls = _core.Executor()
         # Held while the core runs a collective. Reentrant: a signal handler that calls
         # close() while its thread holds it (a call just returned from the core) must
         # not wait for itself.
-        self.running = threading.RLock()
-        self.thread: threading.Thread | None = None
+        self.running = self.calls.running
+
+    @property
+    def busy(self) -> bool:
+        """Whether a call is queued or running on the worker thread."""
+        return self.calls.pending() > 0
+
+    @property
+    def started(self) -> bool:
+        """Whether the worker thread is running."""
+        return self.calls.started
 
     def submit(self, work: _Work) -> None:
         if not self.threaded:
             with self.running:
                 work.execute()
             return
-        with self.changed:
-            self.queue.append(work)
-            if self.thread is None:
-                self.thread = threading.Thread(target=self._loop, name="ringreduce-worker",
-                                               daemon=True)
-                self.thread.start()
-            self.changed.notify_all()
+        self.calls.push(work)
 
     def drain(self) -> None:
-        with self.changed:
-            while self.queue:
-                self.changed.wait()
+        self.calls.drain()
 
     def cancel(self, error: Exception) -> None:
         """Queued work that has not started yet will not: its wait() raises error."""
-        with self.changed:
-            for work in self.queue:
-                if work is not None:
-                    work.cancelled = error
+        self.calls.cancel(error)
 
     def finish(self) -> None:
         """Let queued work complete, then stop the worker thread."""
@@ -269,32 +278,7 @@ class _Executor:
         self.stop()
 
     def stop(self) -> None:
-        if self.thread is not None:
-            with self.changed:
-                self.queue.append(None)
-                self.changed.notify_all()
-            self.thread.join()
-            self.thread = None
-
-    def _loop(self):
-        while True:
-            with self.changed:
-                while not self.queue:
-                    self.changed.wait()
-                work = self.queue[0]
-            if work is None:
-                with self.changed:
-                    self.queue.popleft()
-                    self.changed.notify_all()
-                return
-            with self.running:
-                work.execute()
-            # Not kept until the next call comes: its result may be big (or a kept
-            # buffer that a new result could reuse once its caller drops it).
-            del work
-            with self.changed:
-                self.queue.popleft()
-                self.changed.notify_all()
+        self.calls.stop()
 
 
 _live: "weakref.WeakSet[Communicator]" = weakref.WeakSet()
@@ -514,6 +498,11 @@ class Communicator:
         Neither x nor out may be touched until then. Any number may be in flight;
         they complete in the order they were started.
         """
+        fast = self._fast
+        if fast is not None:
+            call = fast.allreduce_async(x, op, out)
+            if call is not None:
+                return Handle(call)
         return self._call("allreduce", self._prepare_allreduce, x, op, out, wait=False)
 
     def reduce_scatter(self, x, op="sum", out=None):
@@ -610,7 +599,7 @@ class Communicator:
         if os.getpid() != getattr(self, "_pid", None):
             return  # a copy in a child made by fork(): its thread and MPI are the parent's
         executor = getattr(self, "_executor", None)
-        if executor is not None and executor.thread is not None:
+        if executor is not None and executor.started:
             executor.stop()
         # Freeing is collective, and garbage collection runs at different times on
         # different ranks, so a dropped Communicator cannot free itself: say so, as
@@ -637,7 +626,7 @@ class Communicator:
             return gather_rest(core, source, counts, row_shape, row_elems, dtype, out, results)
 
         executor = self._executor
-        return _core.FastPath(core, executor.queue, executor.running, t.validated_pairs,
+        return _core.FastPath(core, executor.calls, executor.threaded, t.validated_pairs,
                               t.dtype_codes, t.shape_tag, results.empty, self._scratch.get,
                               gather_rest_here,
                               self._chunk_bytes, _Results.MIN_BYTES, _CONFIRM_BYTES)
@@ -659,7 +648,8 @@ class Communicator:
             self._run(lambda: core.announce_invalid(collective, chunk), wait=True, at_once=True)
             raise
         # One rank waits for no one, so an asynchronous call on host arrays is done at
-        # once, in this thread: handing it to the worker thread costs some 50 us. (Not
+        # once, in this thread: handing it to the worker thread costs more than the call
+        # itself (some 15 us; a small call on one rank takes about 1 us). (Not
         # on a GPU, where the call waits for the work queued on the caller's stream,
         # which the caller need not wait for.)
         at_once = wait or self.size == 1 and not _device.is_device_array(args[0])
@@ -669,11 +659,11 @@ class Communicator:
         """run() now, in this thread, if at_once and nothing is in flight (else on the
         worker thread); its result (wait), or a Handle."""
         executor = self._executor
-        if at_once and not executor.queue:
+        if at_once and not executor.busy:
             # Nothing in flight: run in this thread, the cheapest way. The lock keeps
             # the worker from starting a newly queued item meanwhile.
             with executor.running:
-                if not executor.queue:
+                if not executor.busy:
                     if wait:
                         return keeping_on_departure(self._core, run)
                     # An error is raised by wait(), as the worker's would be; but

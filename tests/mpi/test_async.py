@@ -1,5 +1,6 @@
 """allreduce_async: many in flight, results in order, errors at wait()."""
 import signal
+import sys
 import threading
 import time
 import weakref
@@ -9,11 +10,71 @@ import pytest
 from mpi4py import MPI
 
 import ringreduce as rr
+from ringreduce import _core
 
 from helpers import bitwise_equal, rank_data
 
 SIZE = MPI.COMM_WORLD.Get_size()
 RANK = MPI.COMM_WORLD.Get_rank()
+
+
+def on_the_worker_without_python(handle) -> bool:
+    """Whether the FastPath queued the call: it runs on the worker without the GIL."""
+    return isinstance(handle._work, _core.AsyncAllreduce)
+
+
+def needs_a_worker(comm):
+    if SIZE == 1:
+        pytest.skip("one rank runs host calls at once")
+    if not comm._executor.threaded:
+        pytest.skip("MPI without MPI_THREAD_MULTIPLE: asynchronous calls run inline")
+
+
+def test_calls_queued_without_python_and_with_it_run_in_order(comm):
+    # Contiguous numpy arrays of a dtype and op seen before go to the worker from the
+    # FastPath; others (strided, a dtype not seen yet) as Python work; blocking calls
+    # between them queue behind them too. All in one order, on every rank.
+    needs_a_worker(comm)
+    a = rank_data(np.dtype(np.float32), 5000)
+    b = rank_data(np.dtype(np.float64), 4000, salt=1)
+    c = rank_data(np.dtype(np.int32), 3, salt=2)
+    expected = [comm.allreduce(a), comm.allreduce(b[::2]), comm.allreduce(a, op="max"),
+                comm.allreduce(c, op="prod")]
+    out = np.empty_like(a)
+    handles = [comm.allreduce_async(a), comm.allreduce_async(b[::2])]
+    blocking = comm.allreduce(a, op="max")
+    handles += [comm.allreduce_async(c, op="prod"), comm.allreduce_async(a, out=out)]
+    gathered = comm.allgather(np.array([RANK]))
+    assert [on_the_worker_without_python(h) for h in handles] == [True, False, True, True]
+    assert handles[3].wait() is out
+    for h, want in zip(handles, [expected[0], expected[1], expected[3], expected[0]]):
+        assert bitwise_equal(h.wait(), want)
+    assert bitwise_equal(blocking, expected[2])
+    np.testing.assert_array_equal(gathered, np.arange(SIZE))
+
+
+def test_calls_on_the_worker_finish_while_this_thread_holds_the_gil(comm):
+    # The worker needs no GIL for an allreduce of host arrays: the calls finish while
+    # this thread runs Python without a pause. A worker that took the GIL before or
+    # after each call (as a Python thread does) would wait out the switch interval,
+    # set here to 5 s, for every one of them.
+    needs_a_worker(comm)
+    x = rank_data(np.dtype(np.float32), 1 << 16)
+    expected = comm.allreduce(x)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(5.0)
+    try:
+        start = time.monotonic()
+        handles = [comm.allreduce_async(x) for _ in range(4)]
+        while not handles[-1].done() and time.monotonic() - start < 4:
+            pass
+        done = handles[-1].done()
+    finally:
+        sys.setswitchinterval(interval)
+    assert all(on_the_worker_without_python(h) for h in handles)
+    assert done, "the worker waited for this thread's GIL"
+    for h in handles:
+        assert bitwise_equal(h.wait(), expected)
 
 
 def test_many_in_flight_waited_in_any_order(small_chunks, comm):
@@ -116,7 +177,7 @@ def test_one_rank_async_calls_are_done_when_they_return():
         assert all(bitwise_equal(h.wait(), x) for h in handles)
         with pytest.raises(ValueError, match="op"):
             comm.allreduce_async(x, op="mean")
-        assert comm._executor.thread is None
+        assert not comm._executor.started
 
 
 def test_a_finished_call_keeps_no_arrays_but_its_result_in_its_handle():

@@ -83,10 +83,10 @@ def test_one_rank_still_hands_gpu_async_calls_to_the_worker():
         if not comm._executor.threaded:
             pytest.skip("MPI without MPI_THREAD_MULTIPLE: no worker thread")
         assert comm.allreduce_async(np.ones(3)).done()
-        assert comm._executor.thread is None
+        assert not comm._executor.started
         assert bitwise_equal(cp.asnumpy(comm.allreduce_async(cp.asarray(np.ones(3))).wait()),
                              np.ones(3))
-        assert comm._executor.thread is not None
+        assert comm._executor.started
 
 
 def test_reduce_scatter_allgather_broadcast(ring, world):

@@ -311,6 +311,35 @@ def test_a_late_rank_never_completes_a_call_the_others_gave_up(world, monkeypatc
 
 
 @needs_two
+def test_the_arrays_of_an_async_call_given_up_outlive_it(world, monkeypatch):
+    # As for a blocking call: x and the result of an allreduce that the worker ran
+    # without Python, and gave up, stay alive after its Handle is gone, since MPI may
+    # still read them (pending sends) when the late rank comes.
+    ring = a_ring_over("MPI", monkeypatch)
+    if not ring._executor.threaded:
+        pytest.skip("MPI without MPI_THREAD_MULTIPLE: asynchronous calls run inline")
+    x = async_input("FastPath")
+    out = np.empty_like(x)
+    stopper = SIZE - 1
+    if RANK == stopper:
+        world.Barrier()
+        raised_within(TIMEOUT + 10, r"rank \d+ has given up", lambda: ring.allreduce(x))
+    else:
+        handle = ring.allreduce_async(x, out=out)
+        assert queued_by("FastPath", handle)
+        with pytest.raises(rr.CollectiveTimeoutError):
+            handle.wait()
+        kept = [weakref.ref(x), weakref.ref(out)]
+        del x, out, handle
+        gc.collect()
+        ring._executor.drain()
+        assert all(ref() is not None for ref in kept)
+        world.Barrier()
+    closes_at_once(ring)
+    relayed_waits_checked(world)
+
+
+@needs_two
 @pytest.mark.parametrize("wire", ["shared memory", "MPI"])
 def test_ranks_without_a_timeout_learn_that_a_rank_gave_up(wire, world, monkeypatch):
     # Only rank 0 has a timeout; the others would wait forever for the last rank, which
@@ -354,9 +383,24 @@ def test_an_error_leaving_a_with_block_tells_the_others(wire, world, monkeypatch
     world.Barrier()
 
 
+def async_input(path):
+    """An array for a ring call (not one done in the header) that allreduce_async
+    queues as `path` says: from the FastPath (runs without Python), or as Python work."""
+    if path == "FastPath":
+        rr._types.reduction_codes(np.dtype(np.float32), "sum", "test")  # (seen before)
+        return np.full(1 << 16, 1.0, np.float32)
+    return np.full(1 << 17, 1.0, np.float32)[::2]  # strided: the general path
+
+
+def queued_by(path, handle):
+    return isinstance(handle._work, _core.AsyncAllreduce) == (path == "FastPath")
+
+
 @needs_two
 @pytest.mark.parametrize("wire", ["shared memory", "MPI"])
-def test_an_error_leaving_a_with_block_stops_its_calls_in_flight(wire, world, monkeypatch):
+@pytest.mark.parametrize("path", ["FastPath", "Python"])
+def test_an_error_leaving_a_with_block_stops_its_calls_in_flight(path, wire, world,
+                                                                 monkeypatch):
     # The last rank has an allreduce running on its worker thread (waiting for the
     # others, who are elsewhere) and another queued when an exception leaves its `with`
     # block: the running one stops at once, the queued one never starts, and the rank
@@ -366,13 +410,14 @@ def test_an_error_leaving_a_with_block_stops_its_calls_in_flight(wire, world, mo
     if not ring._executor.threaded:
         pytest.skip("MPI without MPI_THREAD_MULTIPLE: asynchronous calls run inline")
     ring.timeout = 60
-    x = np.full(1 << 16, 1.0, np.float32)  # a ring call, not one done in the header
+    x = async_input(path)
     if RANK == SIZE - 1:
         start = time.monotonic()
         with pytest.raises(KeyError):
             with ring:
                 running = ring.allreduce_async(x)
                 queued = ring.allreduce_async(x)
+                assert queued_by(path, running) and queued_by(path, queued)
                 deadline = time.monotonic() + 10
                 while free_here(ring._executor.running):  # until the worker has started it
                     assert time.monotonic() < deadline
@@ -384,7 +429,7 @@ def test_an_error_leaving_a_with_block_stops_its_calls_in_flight(wire, world, mo
             running.wait(0)
         with pytest.raises(ValueError, match="never ran: an exception left"):
             queued.wait(0)
-        assert ring.closed and ring._core.departed and ring._executor.thread is None
+        assert ring.closed and ring._core.departed and not ring._executor.started
         world.Barrier()
     else:
         world.Barrier()
@@ -410,14 +455,14 @@ def ctrl_c_soon():
 
 @needs_two
 @pytest.mark.parametrize("wire", ["shared memory", "MPI"])
-@pytest.mark.parametrize("mode", ["blocking", "async"])
+@pytest.mark.parametrize("mode", ["blocking", "async, FastPath", "async, Python"])
 def test_ctrl_c_stops_a_call_that_waits_for_ranks_that_will_not_come(mode, wire, world,
                                                                     monkeypatch):
     # Rank 0 calls alone; a SIGINT to it (Ctrl-C) stops the call at its next look around
     # instead of after the timeout: KeyboardInterrupt on the main thread, and the rank
     # leaves, so the others' next call raises at once.
     ring = a_ring_over(wire, monkeypatch)
-    if mode == "async" and not ring._executor.threaded:
+    if mode != "blocking" and not ring._executor.threaded:
         pytest.skip("MPI without MPI_THREAD_MULTIPLE: asynchronous calls run inline")
     ring.timeout = 60
     x = np.full(1 << 16, 1.0, np.float32)
@@ -427,7 +472,9 @@ def test_ctrl_c_stops_a_call_that_waits_for_ranks_that_will_not_come(mode, wire,
                 with pytest.raises(KeyboardInterrupt):
                     ring.allreduce(x)
             else:
-                handle = ring.allreduce_async(x)
+                path = mode.split(", ")[1]
+                handle = ring.allreduce_async(async_input(path))
+                assert queued_by(path, handle)
                 with pytest.raises(KeyboardInterrupt):
                     handle.wait()  # interrupted in Python; the call stops on its own
                 with pytest.raises(RuntimeError, match=r"interrupted \(SIGINT\)"):

@@ -1,0 +1,84 @@
+// The worker thread behind asynchronous calls: one per communicator, running calls one
+// after another in the order they were queued, so that every rank runs its collectives
+// in the same order, as MPI requires.
+//
+// Why in C++: a Python worker thread needs the GIL before and after every call. While
+// the caller is busy in Python (the rest of the backward pass, say), it holds the GIL
+// for up to its switch interval (5 ms) at a time, and each handoff costs some 30 us more
+// on a busy machine; meanwhile the other ranks wait in the ring. Here a call on host
+// arrays runs from queue to completion without the GIL; only calls the Python layer
+// queues as Python (GPU arrays, the general path) take it.
+#pragma once
+
+#include <sys/types.h>
+
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <thread>
+
+namespace ringreduce {
+
+// Held while the core runs a collective, by the worker or by a caller that runs one in
+// its own thread (when nothing is queued): the core runs one call at a time. Reentrant
+// for its thread, as a signal handler may close a communicator while its thread holds it.
+using RunningLock = std::recursive_timed_mutex;
+
+class CallQueue {
+ public:
+  class Call {
+   public:
+    virtual ~Call() = default;
+    virtual void run() = 0;  // on the worker thread, holding running()
+  };
+
+  // thread_end: run by the worker thread as it ends (its last use of anything).
+  explicit CallQueue(std::function<void()> thread_end = nullptr)
+      : state_(std::make_shared<State>()) {
+    state_->thread_end = std::move(thread_end);
+  }
+  ~CallQueue() { stop(); }
+  CallQueue(const CallQueue&) = delete;
+  CallQueue& operator=(const CallQueue&) = delete;
+
+  // Queues call after those queued before; starts the worker thread if it is not running.
+  void push(std::shared_ptr<Call> call);
+  // Calls queued and not finished (the one running among them).
+  int64_t pending() const;
+  bool started() const;
+  // Waits until nothing is pending, for at most `seconds`; whether nothing is.
+  bool wait_idle(double seconds) const;
+  // f(call) for each queued call that has not started (under the queue's lock: f must not
+  // wait for the worker).
+  void for_each_waiting(const std::function<void(Call&)>& f);
+  // Lets the queued calls run, then ends the worker thread (push() starts a new one).
+  // Called by the worker itself (a call that drops the last reference to its
+  // communicator), it returns at once, and the thread ends after the queue is empty.
+  // In a child made by fork(), where the thread does not exist, it only forgets it.
+  void stop();
+  const std::shared_ptr<RunningLock>& running() const { return state_->running; }
+
+ private:
+  // What the worker thread uses, which it keeps alive until it ends.
+  struct State {
+    std::mutex mutex;
+    std::condition_variable changed;
+    std::deque<std::shared_ptr<Call>> queue;  // the front one is running, or next
+    bool front_started = false;
+    bool stopping = false;
+    bool detached = false;  // the thread stopped itself (see stop())
+    std::unique_ptr<std::thread> thread;
+    pid_t owner = 0;  // the process the thread runs in
+    std::function<void()> thread_end;
+    std::shared_ptr<RunningLock> running = std::make_shared<RunningLock>();
+  };
+  static void start(const std::shared_ptr<State>& state);  // (under its mutex)
+  static void loop(const std::shared_ptr<State>& state);
+
+  std::shared_ptr<State> state_;
+};
+
+}  // namespace ringreduce

@@ -1,0 +1,107 @@
+"""The worker thread behind asynchronous calls (csrc/call_queue.h, through the binding's
+Executor), with Python work items and no MPI: order, draining, cancelling, stopping,
+and its RunningLock, which must behave as the RLock it replaced."""
+import threading
+import time
+
+import pytest
+
+from ringreduce import _core
+
+
+class Work:
+    """What the Executor runs for the Python layer: an object with execute()."""
+
+    def __init__(self, log, name, action=None):
+        self.log, self.name, self.action, self.cancelled = log, name, action, None
+
+    def execute(self):
+        if self.cancelled is not None:
+            self.log.append((self.name, "cancelled"))
+            return
+        if self.action is not None:
+            self.action()
+        self.log.append((self.name, threading.get_ident()))
+
+
+def test_runs_work_in_order_on_one_thread_of_its_own():
+    executor, log = _core.Executor(), []
+    assert not executor.started
+    for i in range(50):
+        executor.push(Work(log, i))
+    assert executor.started
+    executor.drain()
+    assert executor.pending() == 0
+    assert [name for name, _ in log] == list(range(50))
+    threads = {thread for _, thread in log}
+    assert len(threads) == 1 and threading.get_ident() not in threads
+    executor.stop()
+    assert not executor.started
+    executor.push(Work(log, "after stop"))  # a new thread
+    executor.stop()  # runs what was queued first
+    assert log[-1][0] == "after stop" and not executor.started
+
+
+def test_cancel_reaches_only_work_that_has_not_started():
+    executor, log = _core.Executor(), []
+    started, release = threading.Event(), threading.Event()
+    executor.push(Work(log, "running", lambda: (started.set(), release.wait(10))))
+    assert started.wait(10)
+    queued = [Work(log, i) for i in range(3)]
+    for work in queued:
+        executor.push(work)
+    error = ValueError("never ran")
+    executor.cancel(error)
+    release.set()
+    executor.drain()
+    assert log[0][0] == "running" and log[0][1] != "cancelled"
+    assert log[1:] == [(i, "cancelled") for i in range(3)]
+    assert all(work.cancelled is error for work in queued)
+    executor.stop()
+
+
+def test_the_running_lock_is_held_by_the_worker_while_it_runs_work():
+    executor, log = _core.Executor(), []
+    running = executor.running
+    started, release = threading.Event(), threading.Event()
+    executor.push(Work(log, "holds", lambda: (started.set(), release.wait(10))))
+    assert started.wait(10)
+    assert not running.acquire(blocking=False)  # the worker holds it
+    assert not running.acquire(timeout=0.1)
+    release.set()
+    assert running.acquire(timeout=10)
+    # Reentrant for its thread, as an RLock: the worker now waits for it.
+    with running:
+        executor.push(Work(log, "waits"))
+        time.sleep(0.2)
+        assert [name for name, _ in log] == ["holds"]
+    running.release()
+    executor.drain()
+    assert [name for name, _ in log] == ["holds", "waits"]
+    executor.stop()
+
+
+def test_a_worker_that_stops_its_own_queue_does_not_wait_for_itself():
+    # As when work on the worker drops the last reference to its Communicator, whose
+    # __del__ stops the worker: joining itself would never end (or abort the process).
+    executor, log = _core.Executor(), []
+    executor.push(Work(log, "stops", executor.stop))
+    executor.push(Work(log, "next"))
+    executor.drain()
+    assert [name for name, _ in log] == ["stops", "next"]
+    deadline = time.monotonic() + 10
+    while executor.started and time.monotonic() < deadline:
+        time.sleep(0.01)
+    executor.push(Work(log, "later"))  # the queue still works
+    executor.drain()
+    assert [name for name, _ in log] == ["stops", "next", "later"]
+    executor.stop()
+
+
+def test_dropping_an_executor_lets_its_queued_work_finish_first():
+    log = []
+    executor = _core.Executor()
+    for i in range(5):
+        executor.push(Work(log, i, lambda: time.sleep(0.01)))
+    del executor
+    assert [name for name, _ in log] == list(range(5))
