@@ -92,3 +92,25 @@ def test_bench_gpu_runs_over_the_emulated_gpu(tmp_path):
                            cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert again.returncode == 0, again.stderr
     assert (tmp_path / "again.png").stat().st_size > 0
+
+
+def test_bench_async_runs_and_writes_every_candidate(tmp_path):
+    result = tmp_path / "async.json"
+    done = subprocess.run(
+        [mpiexec(), "-n", "2", sys.executable, "-m", "mpi4py", "benchmarks/bench_async.py",
+         "--sizes", "64,20K", "--buckets", "3", "--compute-us", "10", "--repeats", "2",
+         "--no-gloo", "--json", str(result)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, env=job_env())
+    assert done.returncode == 0, done.stdout + done.stderr
+    data = json.loads(result.read_text())
+    assert data["buckets"] == 3 and data["compute_us"] == 10
+    seen = {(r["implementation"], r["bytes"]) for r in data["results"]}
+    for name in ("ringreduce async", "ringreduce blocking", "MPI_Iallreduce"):
+        for nbytes in (64, 20 << 10):
+            assert (name, nbytes) in seen
+    assert all(r["time_s"] > 0 for r in data["results"])
+    assert "| 20 KiB |" in done.stdout
+    bad = subprocess.run(
+        [mpiexec(), "-n", "1", sys.executable, "-m", "mpi4py", "benchmarks/bench_async.py",
+         "--buckets", "0"], cwd=ROOT, capture_output=True, text=True, timeout=120, env=job_env())
+    assert bad.returncode != 0 and "--buckets must be at least 1" in bad.stderr

@@ -1,0 +1,143 @@
+"""Asynchronous allreduce beside its peers, timed in one run:
+
+    mpiexec -n 2 python -m mpi4py benchmarks/bench_async.py --json out.json
+
+One step is what a data-parallel optimizer does with its gradient buckets: start an
+allreduce of each of --buckets buffers (in place), optionally with --compute-us of
+Python work before each start (the backward pass producing the next bucket, holding
+the GIL as pure-Python code does), then wait for them all. Timed alternately, step by
+step: ringreduce's allreduce_async, ringreduce's blocking allreduce (the same work
+after each compute), the MPI library's MPI_Iallreduce through mpi4py (Waitall at the
+end) and torch.distributed's gloo all_reduce(async_op=True) where torch is installed.
+Reported: the median time per step (the slowest rank's), and ringreduce's speedup over
+MPI_Iallreduce.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+import ringreduce as rr
+from bench_allreduce import machine, parse_size, progress
+from timing import human_bytes, human_time, start_gloo, time_alternating
+
+world = MPI.COMM_WORLD
+rank, size = world.Get_rank(), world.Get_size()
+
+DEFAULT_SIZES = [8, 4 << 10, 64 << 10, 1 << 20, 16 << 20]
+
+
+def busy_python(seconds: float) -> None:
+    """Pure-Python work for `seconds`: it holds the GIL throughout."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def candidates(comm, nbytes: int, buckets: int, compute_s: float, gloo) -> dict:
+    count = max(1, nbytes // 4)
+    # Zeros: sums in place, step after step, stay finite.
+    ours, blocking, mpi = ([np.zeros(count, np.float32) for _ in range(buckets)]
+                           for _ in range(3))
+
+    def compute():
+        if compute_s > 0:
+            busy_python(compute_s)
+
+    def ringreduce_async():
+        handles = []
+        for b in ours:
+            compute()
+            handles.append(comm.allreduce_async(b, out=b))
+        for h in handles:
+            h.wait()
+
+    def ringreduce_blocking():
+        for b in blocking:
+            compute()
+            comm.allreduce(b, out=b)
+
+    def mpi_iallreduce():
+        requests = []
+        for b in mpi:
+            compute()
+            requests.append(world.Iallreduce(MPI.IN_PLACE, b, op=MPI.SUM))
+        MPI.Request.Waitall(requests)
+
+    found = {"ringreduce async": ringreduce_async, "ringreduce blocking": ringreduce_blocking,
+             "MPI_Iallreduce": mpi_iallreduce}
+    if gloo is not None:
+        torch, dist = gloo
+        tensors = [torch.zeros(count) for _ in range(buckets)]
+
+        def gloo_async():
+            works = []
+            for t in tensors:
+                compute()
+                works.append(dist.all_reduce(t, async_op=True))
+            for w in works:
+                w.wait()
+
+        found["gloo async"] = gloo_async
+    return found
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Rank 0 prints the table. The defaults take about a minute on 2 ranks.")
+    parser.add_argument("--sizes", help="comma-separated bytes per bucket, e.g. 8,64K,1M "
+                        f"(default: {','.join(human_bytes(n).replace(' ', '') for n in DEFAULT_SIZES)})")
+    parser.add_argument("--buckets", type=int, default=8, help="allreduces in flight per step "
+                        "(default: 8)")
+    parser.add_argument("--compute-us", type=float, default=0.0,
+                        help="Python work before each start, in microseconds (default: 0)")
+    parser.add_argument("--repeats", type=int, default=15,
+                        help="timed runs per size; the median is reported (default: 15)")
+    parser.add_argument("--no-gloo", action="store_true", help="skip torch's gloo")
+    parser.add_argument("--json", help="write every measurement here")
+    args = parser.parse_args()
+    if args.buckets < 1:
+        parser.error("--buckets must be at least 1")
+    if args.compute_us < 0:
+        parser.error("--compute-us must be >= 0")
+    sizes = [parse_size(s) for s in args.sizes.split(",")] if args.sizes else DEFAULT_SIZES
+
+    comm = rr.Communicator()
+    gloo = None if args.no_gloo else start_gloo()
+    comm.allreduce(np.zeros(1, np.float32))  # (the FastPath serves a dtype and op seen before)
+    rows = []
+    for done, nbytes in enumerate(sizes):
+        progress(done, len(sizes), f"{args.buckets} x {human_bytes(nbytes)}")
+        steps = max(1, min(100, (16 << 20) // (nbytes * args.buckets)))
+        times = time_alternating(candidates(comm, nbytes, args.buckets, args.compute_us * 1e-6,
+                                            gloo), repeats=args.repeats, inner=steps)
+        for name, seconds in times.items():
+            rows.append({"bytes": max(1, nbytes // 4) * 4, "implementation": name,
+                         "time_s": seconds, "speedup_vs_mpi": times["MPI_Iallreduce"] / seconds})
+    progress(len(sizes), len(sizes), "done")
+    if rank == 0:
+        names = list(dict.fromkeys(r["implementation"] for r in rows))
+        print(f"# {size} ranks, float32, {args.buckets} allreduces in flight per step, "
+              f"{args.compute_us:g} us of Python before each; median time per step")
+        print("| bucket | " + " | ".join(names) + " | async speedup vs MPI_Iallreduce |")
+        print("|---" * (len(names) + 2) + "|")
+        for nbytes in dict.fromkeys(r["bytes"] for r in rows):
+            mine = {r["implementation"]: r for r in rows if r["bytes"] == nbytes}
+            print(f"| {human_bytes(nbytes)} | "
+                  + " | ".join(human_time(mine[n]["time_s"]) for n in names)
+                  + f" | {mine['ringreduce async']['speedup_vs_mpi']:.2f}x |")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"ranks": size, "dtype": "float32", "buckets": args.buckets,
+                           "compute_us": args.compute_us, "repeats": args.repeats,
+                           "machine": machine(), "mpi": MPI.Get_library_version().splitlines()[0],
+                           "date": time.strftime("%Y-%m-%d"), "results": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
