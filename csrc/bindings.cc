@@ -8,6 +8,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <pthread.h>
 #include <signal.h>
 #include <unistd.h>
 
@@ -133,6 +134,12 @@ class LaterReleases {
     std::lock_guard<std::mutex> lock(mutex_);
     objects_.push_back(object);
   }
+  // In a child made by fork(): the parent's worker may have held the lock. What it
+  // listed is forgotten (not released: that thread's objects are the parent's business).
+  void after_fork_in_child() {
+    new (&mutex_) std::mutex();
+    new (&objects_) std::vector<PyObject*>();
+  }
   void flush() {  // (with the GIL)
     std::vector<PyObject*> objects;
     {
@@ -239,6 +246,9 @@ class AsyncAllreduce : public CallQueue::Call {
     result_ = result.inc_ref().ptr();
   }
   ~AsyncAllreduce() override {
+    // In a child made by fork(), a thread of the parent's may have been waiting on the
+    // condition: destroying it would wait for that thread for good.
+    if (getpid() != pid_) (void)finished_.release();
     later_releases.add(core_);
     later_releases.add(cancelled_);
     if (kept_) return;  // its rank left mid-call: MPI may still read or write them
@@ -264,7 +274,7 @@ class AsyncAllreduce : public CallQueue::Call {
       std::lock_guard<std::mutex> lock(mutex_);
       done_.store(true, std::memory_order_release);
     }
-    finished_.notify_all();
+    finished_->notify_all();
   }
 
   // Instead of running, it will raise `error` (a Python exception), if not started yet.
@@ -278,8 +288,8 @@ class AsyncAllreduce : public CallQueue::Call {
   bool wait(std::optional<double> seconds) {
     const bool done = wait_interruptibly(seconds, [&] { return this->done(); }, [&](double slice) {
       std::unique_lock<std::mutex> lock(mutex_);
-      return finished_.wait_for(lock, std::chrono::duration<double>(slice),
-                                [&] { return this->done(); });
+      return finished_->wait_for(lock, std::chrono::duration<double>(slice),
+                                 [&] { return this->done(); });
     });
     later_releases.flush();
     return done;
@@ -314,7 +324,7 @@ class AsyncAllreduce : public CallQueue::Call {
   bool kept_ = false;
   std::atomic<bool> done_{false};
   std::mutex mutex_;
-  std::condition_variable finished_;
+  std::unique_ptr<std::condition_variable> finished_ = std::make_unique<std::condition_variable>();
 };
 
 // The CallQueue of a Communicator, as the Python layer's _Executor uses it.
@@ -734,6 +744,7 @@ std::string mpi_library_version() {
 }  // namespace
 
 PYBIND11_MODULE(_core, m) {
+  pthread_atfork(nullptr, nullptr, [] { later_releases.after_fork_in_child(); });
   py::class_<StallTimer>(m, "StallTimer",
                          "How long a wait has gone without progress (csrc/waiting.h)")
       .def(py::init<double>(), py::arg("seconds"))

@@ -47,14 +47,23 @@ void CallQueue::for_each_waiting(const std::function<void(Call&)>& f) {
 
 void CallQueue::stop() {
   State& s = *state_;
+  const pid_t owner = s.owner.load();
+  if (owner != 0 && owner != getpid()) {
+    // A child made by fork(), where only the forking thread lives on: the worker is
+    // the parent's, and its lock and condition may be as that thread left them (held,
+    // or waited on, which would make destroying them wait for good). So the State is
+    // never freed here.
+    if (!s.forgotten) {
+      s.forgotten = true;
+      (void)s.thread.release();
+      new std::shared_ptr<State>(state_);  // (leaked on purpose)
+    }
+    return;
+  }
   std::unique_ptr<std::thread> thread;
   {
     std::lock_guard<std::mutex> lock(s.mutex);
     if (s.thread == nullptr || s.stopping) return;
-    if (getpid() != s.owner) {
-      (void)s.thread.release();  // the parent's thread: nothing here to join
-      return;
-    }
     s.stopping = true;
     thread = std::move(s.thread);
   }

@@ -12,6 +12,7 @@
 
 #include <sys/types.h>
 
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -57,7 +58,7 @@ class CallQueue {
   // Lets the queued calls run, then ends the worker thread (push() starts a new one).
   // Called by the worker itself (a call that drops the last reference to its
   // communicator), it returns at once, and the thread ends after the queue is empty.
-  // In a child made by fork(), where the thread does not exist, it only forgets it.
+  // In a child made by fork(), where the thread does not exist, it touches nothing.
   void stop();
   const std::shared_ptr<RunningLock>& running() const { return state_->running; }
 
@@ -71,7 +72,8 @@ class CallQueue {
     bool stopping = false;
     bool detached = false;  // the thread stopped itself (see stop())
     std::unique_ptr<std::thread> thread;
-    pid_t owner = 0;  // the process the thread runs in
+    std::atomic<pid_t> owner{0};  // the process the thread runs in
+    bool forgotten = false;       // (in a child made by fork(): see stop())
     std::function<void()> thread_end;
     std::shared_ptr<RunningLock> running = std::make_shared<RunningLock>();
   };

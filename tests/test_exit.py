@@ -223,7 +223,7 @@ with rr.Communicator(timeout=30) as ring:
             except KeyError:
                 pass
             ring.close()
-            del ring
+            del ring, finished, pending  # (the worker and its locks are the parent's)
             gc.collect()
             for block in mine:
                 block[:8] = b"in child"
