@@ -127,7 +127,10 @@ class LaterReleases {
  public:
   void add(PyObject* object) {
     if (object == nullptr) return;
-    if (PyGILState_Check()) {
+    // Every other thread that lets go of a call does so from Python, with the GIL.
+    // (Not PyGILState_Check(), which says yes to every thread once a subinterpreter
+    // exists.)
+    if (!CallQueue::on_worker_thread()) {
       Py_DECREF(object);
       return;
     }
@@ -183,11 +186,16 @@ bool wait_interruptibly(std::optional<double> seconds, Done done, WaitFor wait_f
 // while it waits (its holder may need the GIL to finish), and raising what a signal
 // handler raises meanwhile. timeout: seconds (no value: for good).
 bool acquire_running(RunningLock& lock, bool blocking, std::optional<double> timeout) {
+  if (timeout && *timeout < 0) {
+    if (*timeout != -1) throw py::value_error("timeout value must be a non-negative number");
+    timeout.reset();  // (-1: for good, as RLock.acquire's default)
+  }
+  if (!blocking && timeout) throw py::value_error("can't specify a timeout for a non-blocking call");
   if (lock.try_lock()) return true;
   if (!blocking) return false;
   bool held = false;
   wait_interruptibly(timeout, [&] { return held; }, [&](double slice) {
-    held = lock.try_lock_for(std::chrono::duration<double>(slice));
+    held = lock.try_lock_for(slice);
     return held;
   });
   return held;
@@ -331,11 +339,9 @@ class AsyncAllreduce : public CallQueue::Call {
 class Executor {
  public:
   Executor() : queue_(&PythonCall::thread_end) {}
-  ~Executor() {
-    if (PyGILState_Check()) {
-      py::gil_scoped_release nogil;  // (queued Python calls need it to finish)
-      queue_.stop();
-    }
+  ~Executor() {  // (from Python, with the GIL)
+    py::gil_scoped_release nogil;  // (queued Python calls need it to finish)
+    queue_.stop();
   }
   CallQueue& queue() { return queue_; }
   void push(py::object work) {
@@ -604,6 +610,7 @@ class FastPath {
   // that the worker thread (or another caller) does not run one meanwhile.
   struct Running {
     explicit Running(FastPath& path) : lock(*path.executor_->running()) {
+      later_releases.flush();  // (what finished calls let go of, big results too)
       if (path.executor_->pending() != 0) return;
       acquire_running(lock, true, std::nullopt);  // (a signal handler may raise)
       held = path.executor_->pending() == 0 && !path.core_->closed();
@@ -929,7 +936,11 @@ PYBIND11_MODULE(_core, m) {
       m, "RunningLock", "held while the core runs a collective (csrc/call_queue.h); an RLock's API")
       .def("acquire", &acquire_running, py::arg("blocking") = true,
            py::arg("timeout") = std::optional<double>())
-      .def("release", [](RunningLock& lock) { lock.unlock(); })
+      .def("release",
+           [](RunningLock& lock) {
+             if (!lock.held_here()) throw std::runtime_error("cannot release un-acquired lock");
+             lock.unlock();
+           })
       .def("__enter__", [](RunningLock& lock) { acquire_running(lock, true, std::nullopt); })
       .def("__exit__", [](RunningLock& lock, py::args) {
         lock.unlock();

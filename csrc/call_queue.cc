@@ -6,13 +6,26 @@
 
 namespace ringreduce {
 
+namespace {
+thread_local bool worker_thread = false;
+}  // namespace
+
+bool CallQueue::on_worker_thread() { return worker_thread; }
+
 void CallQueue::push(std::shared_ptr<Call> call) {
   State& s = *state_;
   {
     std::lock_guard<std::mutex> lock(s.mutex);
     s.queue.push_back(std::move(call));
     // (While stop() waits, its thread runs this call before it ends.)
-    if (s.thread == nullptr && !s.stopping) start(state_);
+    if (s.thread == nullptr && !s.stopping) {
+      try {
+        start(state_);
+      } catch (...) {  // no thread (std::system_error): the call must not run later either
+        s.queue.pop_back();
+        throw;
+      }
+    }
   }
   s.changed.notify_all();
 }
@@ -81,6 +94,7 @@ void CallQueue::stop() {
 }
 
 void CallQueue::loop(const std::shared_ptr<State>& state) {
+  worker_thread = true;
   State& s = *state;
   for (;;) {
     std::shared_ptr<Call> call;

@@ -13,6 +13,7 @@
 #include <sys/types.h>
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -25,8 +26,30 @@ namespace ringreduce {
 
 // Held while the core runs a collective, by the worker or by a caller that runs one in
 // its own thread (when nothing is queued): the core runs one call at a time. Reentrant
-// for its thread, as a signal handler may close a communicator while its thread holds it.
-using RunningLock = std::recursive_timed_mutex;
+// for its thread, as a signal handler may close a communicator while its thread holds
+// it; it knows its holder, so that a release by another thread can be refused.
+class RunningLock {
+ public:
+  bool try_lock() { return note(mutex_.try_lock()); }
+  bool try_lock_for(double seconds) {
+    return note(mutex_.try_lock_for(std::chrono::duration<double>(seconds)));
+  }
+  void lock() { note((mutex_.lock(), true)); }
+  void unlock() {  // (only by its holder)
+    if (--depth_ == 0) holder_.store(std::thread::id());
+    mutex_.unlock();
+  }
+  bool held_here() const { return holder_.load() == std::this_thread::get_id(); }
+
+ private:
+  bool note(bool locked) {
+    if (locked && depth_++ == 0) holder_.store(std::this_thread::get_id());
+    return locked;
+  }
+  std::recursive_timed_mutex mutex_;
+  std::atomic<std::thread::id> holder_{};
+  int depth_ = 0;  // (changed only by the holder, under mutex_)
+};
 
 class CallQueue {
  public:
@@ -61,6 +84,9 @@ class CallQueue {
   // In a child made by fork(), where the thread does not exist, it touches nothing.
   void stop();
   const std::shared_ptr<RunningLock>& running() const { return state_->running; }
+  // Whether this thread is a CallQueue's worker (which holds no GIL but when a call
+  // takes it).
+  static bool on_worker_thread();
 
  private:
   // What the worker thread uses, which it keeps alive until it ends.

@@ -158,10 +158,11 @@ class _Results:
 class Handle:
     """A collective in flight. ``wait()`` returns its result (or raises its error)."""
 
-    __slots__ = ("_work",)
+    __slots__ = ("_work", "_error")
 
     def __init__(self, work: "_Work"):
         self._work = work
+        self._error = None  # what the call raised, raised again by every wait()
 
     def done(self) -> bool:
         """True once the collective has finished (successfully or not)."""
@@ -190,7 +191,13 @@ class Handle:
                                  "fork(); it cannot finish here")
             if not work.wait(timeout):
                 raise TimeoutError(f"ringreduce: collective still running after {timeout} s")
-        return work.outcome()
+        if self._error is not None:
+            raise self._error
+        try:
+            return work.outcome()
+        except Exception as error:  # (the core's error is made anew each time)
+            self._error = error
+            raise
 
 
 class _Work:

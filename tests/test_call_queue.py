@@ -105,3 +105,29 @@ def test_dropping_an_executor_lets_its_queued_work_finish_first():
         executor.push(Work(log, i, lambda: time.sleep(0.01)))
     del executor
     assert [name for name, _ in log] == list(range(5))
+
+
+def test_the_running_lock_answers_as_an_rlock_does():
+    running = _core.Executor().running
+    assert running.acquire(timeout=-1)  # (RLock's default: for good)
+    running.release()
+    with pytest.raises(ValueError, match="non-blocking"):
+        running.acquire(False, 1)
+    with pytest.raises(ValueError, match="non-negative"):
+        running.acquire(timeout=-2)
+    with pytest.raises(RuntimeError, match="un-acquired"):
+        running.release()  # not held
+    assert running.acquire()
+    elsewhere = []
+
+    def release_elsewhere():
+        try:
+            running.release()
+        except RuntimeError as error:
+            elsewhere.append(error)
+
+    thread = threading.Thread(target=release_elsewhere)
+    thread.start()
+    thread.join()
+    assert elsewhere and "un-acquired" in str(elsewhere[0])  # held by this thread
+    running.release()

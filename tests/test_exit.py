@@ -255,6 +255,42 @@ def test_a_forked_child_leaves_its_parents_communicator_alone(shm, tmp_path):
     assert done.stdout.count("child 0 sum 2.0") == 2, done.stdout  # (lines may interleave)
 
 
+SUBINTERPRETER = """
+import sys
+import numpy as np
+from mpi4py import MPI
+import ringreduce as rr
+import _xxsubinterpreters
+
+_xxsubinterpreters.create()  # after which PyGILState_Check() says yes on every thread
+with rr.Communicator() as comm:
+    x = np.ones(16, np.float32)
+    comm.allreduce(x)  # (the FastPath queues the asynchronous calls of a pair seen before)
+    before = sys.getrefcount(x)
+    for _ in range(5000):
+        handle = comm.allreduce_async(x)
+        while not handle.done():
+            for _ in range(50):
+                y = x  # this thread changes x's count while the worker lets go of x
+                del y
+        handle.wait()
+        del handle
+    comm._executor.drain()
+    print("references gained:", sys.getrefcount(x) - before, flush=True)
+"""
+
+
+def test_the_worker_never_drops_a_reference_without_the_gil(tmp_path):
+    # The worker thread lets go of a finished call's input without the GIL: it must
+    # leave that to a thread with the GIL, whatever PyGILState_Check() says (with a
+    # subinterpreter about, it says yes everywhere: a Py_DECREF from the worker then
+    # raced this thread's, and x's count drifted by hundreds).
+    pytest.importorskip("_xxsubinterpreters")
+    done = run_script(tmp_path, "subinterpreter.py", SUBINTERPRETER, timeout=240)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert done.stdout.count("references gained: 0\n") == 2, done.stdout
+
+
 DEADLOCK = """
 import numpy as np
 from mpi4py import MPI

@@ -46,6 +46,11 @@ def test_calls_queued_without_python_and_with_it_run_in_order(comm):
     handles += [comm.allreduce_async(c, op="prod"), comm.allreduce_async(a, out=out)]
     gathered = comm.allgather(np.array([RANK]))
     assert [on_the_worker_without_python(h) for h in handles] == [True, False, True, True]
+    # They finish in the order they were made: whatever is done is always a prefix.
+    while not handles[-1].done():
+        done = [h.done() for h in handles]
+        assert done == sorted(done, reverse=True), done
+        time.sleep(0.0001)
     assert handles[3].wait() is out
     for h, want in zip(handles, [expected[0], expected[1], expected[3], expected[0]]):
         assert bitwise_equal(h.wait(), want)
@@ -116,12 +121,17 @@ def test_blocking_calls_queue_behind_async_ones(comm):
 def test_mismatch_surfaces_at_wait_and_the_queue_goes_on(comm):
     if SIZE < 2:
         pytest.skip("needs two ranks to disagree")
+    comm.allreduce(np.ones(3))  # (float64 sums seen before: the FastPath queues them)
     first = comm.allreduce_async(rank_data(np.dtype(np.float32), 20))
     bad = comm.allreduce_async(np.ones(5 + RANK))
     after = comm.allreduce_async(np.ones(5))
     assert first.wait().shape == (20,)
-    with pytest.raises(rr.MismatchError, match="count"):
+    with pytest.raises(rr.MismatchError, match="count") as raised:
         bad.wait()
+    with pytest.raises(rr.MismatchError) as again:
+        bad.wait()
+    assert again.value is raised.value  # one error, as a _Work keeps it
+    assert on_the_worker_without_python(bad) == comm._executor.threaded
     np.testing.assert_array_equal(after.wait(), np.full(5, float(SIZE)))
 
 
