@@ -48,41 +48,34 @@ def candidates(comm, nbytes: int, buckets: int, compute_s: float, gloo) -> dict:
         if compute_s > 0:
             busy_python(compute_s)
 
-    def ringreduce_async():
-        handles = []
-        for b in ours:
+    def step(buffers, start, finish):
+        """compute, then start(buffer), for each buffer; then finish(what they returned)."""
+        started = []
+        for b in buffers:
             compute()
-            handles.append(comm.allreduce_async(b, out=b))
+            started.append(start(b))
+        finish(started)
+
+    def wait_each(handles):
         for h in handles:
             h.wait()
 
+    def ringreduce_async():
+        step(ours, lambda b: comm.allreduce_async(b, out=b), wait_each)
+
     def ringreduce_blocking():
-        for b in blocking:
-            compute()
-            comm.allreduce(b, out=b)
+        step(blocking, lambda b: comm.allreduce(b, out=b), lambda results: None)
 
     def mpi_iallreduce():
-        requests = []
-        for b in mpi:
-            compute()
-            requests.append(world.Iallreduce(MPI.IN_PLACE, b, op=MPI.SUM))
-        MPI.Request.Waitall(requests)
+        step(mpi, lambda b: world.Iallreduce(MPI.IN_PLACE, b, op=MPI.SUM), MPI.Request.Waitall)
 
     found = {"ringreduce async": ringreduce_async, "ringreduce blocking": ringreduce_blocking,
              "MPI_Iallreduce": mpi_iallreduce}
     if gloo is not None:
         torch, dist = gloo
         tensors = [torch.zeros(count) for _ in range(buckets)]
-
-        def gloo_async():
-            works = []
-            for t in tensors:
-                compute()
-                works.append(dist.all_reduce(t, async_op=True))
-            for w in works:
-                w.wait()
-
-        found["gloo async"] = gloo_async
+        found["gloo async"] = lambda: step(
+            tensors, lambda t: dist.all_reduce(t, async_op=True), wait_each)
     return found
 
 

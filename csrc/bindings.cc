@@ -414,14 +414,8 @@ class FastPath {
 
   py::object allreduce(py::handle x, py::handle op, py::handle out) {
     int dtype, reduce_op;
-    if (!is_plain(x) || !reduction_codes(x, op, &dtype, &reduce_op)) return py::none();
+    if (!allreduce_arguments(x, op, out, &dtype, &reduce_op)) return py::none();
     const Array a(x);
-    if (out.is_none()) {
-    } else if (out.is(x)) {
-      if (!a.writeable()) return py::none();
-    } else if (!is_plain_out(out, a, a.nd, a.dims, false, false)) {
-      return py::none();
-    }
     Running running(*this);
     if (!running.held) return py::none();
     const int64_t chunk = chunk_bytes;  // (read here, with the GIL)
@@ -445,14 +439,8 @@ class FastPath {
   py::object allreduce_async(py::handle x, py::handle op, py::handle out) {
     if (!threaded_ || core_->size() == 1 || core_->closed()) return py::none();
     int dtype, reduce_op;
-    if (!is_plain(x) || !reduction_codes(x, op, &dtype, &reduce_op)) return py::none();
+    if (!allreduce_arguments(x, op, out, &dtype, &reduce_op)) return py::none();
     const Array a(x);
-    if (out.is_none()) {
-    } else if (out.is(x)) {
-      if (!a.writeable()) return py::none();
-    } else if (!is_plain_out(out, a, a.nd, a.dims, false, false)) {
-      return py::none();
-    }
     py::object result = out.is_none() ? new_result(a, a.nd, a.dims) : py::reinterpret_borrow<py::object>(out);
     if (!result) return py::none();
     auto call = std::make_shared<AsyncAllreduce>(core_object_, core_, x, result, a.data,
@@ -622,6 +610,16 @@ class FastPath {
     RunningLock& lock;
     bool held = false;
   };
+
+  // x, op and out as the Python layer would take them for an allreduce; their codes.
+  bool allreduce_arguments(py::handle x, py::handle op, py::handle out, int* dtype,
+                           int* reduce_op) const {
+    if (!is_plain(x) || !reduction_codes(x, op, dtype, reduce_op)) return false;
+    if (out.is_none()) return true;
+    const Array a(x);
+    if (out.is(x)) return a.writeable();
+    return is_plain_out(out, a, a.nd, a.dims, false, false);
+  }
 
   // Exactly numpy.ndarray (no subclass: a masked array has its own rules), C-contiguous.
   static bool is_plain(py::handle h) {
