@@ -441,6 +441,7 @@ class FastPath {
     int dtype, reduce_op;
     if (!allreduce_arguments(x, op, out, &dtype, &reduce_op)) return py::none();
     const Array a(x);
+    later_releases.flush();  // (a kept buffer a finished call let go of may serve again)
     py::object result = out.is_none() ? new_result(a, a.nd, a.dims) : py::reinterpret_borrow<py::object>(out);
     if (!result) return py::none();
     auto call = std::make_shared<AsyncAllreduce>(core_object_, core_, x, result, a.data,
