@@ -299,10 +299,10 @@ class AsyncAllreduce : public CallQueue::Call {
       return finished_->wait_for(lock, std::chrono::duration<double>(slice),
                                  [&] { return this->done(); });
     });
-    later_releases.flush();
     return done;
   }
-  // Once done: the result, or the error raised.
+  // Once done: the result, or the error raised. (Releases what finished calls let go
+  // of, the input of this one among them.)
   py::object outcome() {
     later_releases.flush();
     if (cancelling_.load(std::memory_order_acquire)) {
@@ -343,13 +343,11 @@ class Executor {
     py::gil_scoped_release nogil;  // (queued Python calls need it to finish)
     queue_.stop();
   }
-  CallQueue& queue() { return queue_; }
   void push(py::object work) {
     later_releases.flush();
     queue_.push(std::make_shared<PythonCall>(work));
   }
-  void push_async(const std::shared_ptr<AsyncAllreduce>& call) {
-    later_releases.flush();
+  void push_async(const std::shared_ptr<AsyncAllreduce>& call) {  // (its caller flushed)
     queue_.push(call);
   }
   int64_t pending() const { return queue_.pending(); }

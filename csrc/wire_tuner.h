@@ -22,7 +22,7 @@ namespace ringreduce {
 class WireTuner {
  public:
   static constexpr int kExploreEvery = 32;  // every 32nd call of a size tries the other wire
-  static constexpr int kLearnCalls = 8;  // a size's first calls alternate, shm first (see choose())
+  static constexpr int kLearnCalls = 8;  // a size's first calls alternate, shm first (see prefer_shm())
 
   // The wire for the next call of `bytes`: true for shared memory. Counts the call.
   bool prefer_shm(int64_t bytes);

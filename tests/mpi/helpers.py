@@ -136,3 +136,9 @@ def check_gpu_argument_errors(comm, cp):
         comm.allreduce(cp.asarray(np.zeros(3, np.int32)), op="avg")
     with pytest.raises(ValueError, match="root"):
         comm.broadcast(dx, root=comm.size)
+
+
+def on_the_worker_without_python(handle) -> bool:
+    """Whether the FastPath queued the allreduce_async of this handle: it runs on the
+    worker thread without the GIL (else it was queued as Python work, or ran at once)."""
+    return isinstance(handle._work, rr._core.AsyncAllreduce)

@@ -10,17 +10,11 @@ import pytest
 from mpi4py import MPI
 
 import ringreduce as rr
-from ringreduce import _core
 
-from helpers import bitwise_equal, rank_data
+from helpers import bitwise_equal, on_the_worker_without_python, rank_data
 
 SIZE = MPI.COMM_WORLD.Get_size()
 RANK = MPI.COMM_WORLD.Get_rank()
-
-
-def on_the_worker_without_python(handle) -> bool:
-    """Whether the FastPath queued the call: it runs on the worker without the GIL."""
-    return isinstance(handle._work, _core.AsyncAllreduce)
 
 
 def needs_a_worker(comm):

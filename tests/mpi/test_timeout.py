@@ -20,6 +20,8 @@ from mpi4py import MPI
 import ringreduce as rr
 from ringreduce import _core, communicator
 
+from helpers import on_the_worker_without_python
+
 SIZE = MPI.COMM_WORLD.Get_size()
 RANK = MPI.COMM_WORLD.Get_rank()
 TIMEOUT = 0.5
@@ -393,7 +395,7 @@ def async_input(path):
 
 
 def queued_by(path, handle):
-    return isinstance(handle._work, _core.AsyncAllreduce) == (path == "FastPath")
+    return on_the_worker_without_python(handle) == (path == "FastPath")
 
 
 @needs_two
