@@ -7,7 +7,7 @@ up on a shared machine, measured for minutes on end:
 Round after round (each implementation first in its turn): a 1 MiB reduce_scatter and a 4 MiB allreduce by ringreduce
 choosing its wire (the default), by ringreduce always through shared memory
 (RINGREDUCE_SHM=1), by ringreduce always over MPI messages (RINGREDUCE_SHM=0, which
-also exchanges its call headers by MPI_Allgather and inlines only 256 bytes), and by
+also exchanges its call headers by MPI_Iallgather and inlines only 256 bytes), and by
 the MPI library itself. Each point is the slowest rank's mean over a batch of calls.
 Rounds in which shared memory alone took over twice its median time are counted as the
 machine's slow phases, and summarised apart.
