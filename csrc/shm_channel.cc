@@ -351,8 +351,10 @@ void ShmChannel::check_departures() const {
 
 DepartureNote ShmChannel::first_departure(int64_t exchange) const {
   DepartureNote first;
+  // Not this rank's own word: its own timeout is no other rank's departure (close()
+  // would take it for one, and return as if another rank had left).
   for (int r = 0; r < static_cast<int>(departures_.size()); ++r)
-    first.prefer(departure(r), exchange);
+    if (r != rank_) first.prefer(departure(r), exchange);
   return first;
 }
 

@@ -80,8 +80,9 @@ class ShmChannel {
   // Throws TimeoutError if a rank that holds up the current exchange has left, and
   // StoppedError once the StopRequest given to create() says so.
   void check_departures() const;
-  // Of the departures so far that hold up `exchange` (kAnyExchange: all), the one that
-  // tells best where things went wrong (DepartureNote::prefer); rank -1 if none.
+  // Of the other ranks' departures so far that hold up `exchange` (kAnyExchange: all),
+  // the one that tells best where things went wrong (DepartureNote::prefer); rank -1 if
+  // none.
   DepartureNote first_departure(int64_t exchange = kAnyExchange) const;
 
   // An all-gather through the boards: fill next_board() (at most board_bytes), then

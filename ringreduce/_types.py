@@ -152,8 +152,9 @@ def reduction_codes(dtype: np.dtype, op, context: str) -> tuple[int, int]:
 
 
 def as_input_array(x, argument: str, context: str) -> np.ndarray:
-    """x as a numpy array of native byte order (a copy only where needed)."""
-    if type(x) is np.ndarray and x.dtype.isnative:  # the common case, kept cheap
+    """x as a numpy array, x itself if it is one (of any byte order and layout: see
+    readable() and native())."""
+    if type(x) is np.ndarray:  # the common case, kept cheap
         return x
     reject_masked(x, argument, context)
     if hasattr(x, "__cuda_array_interface__") and not isinstance(x, np.ndarray):
@@ -165,9 +166,22 @@ def as_input_array(x, argument: str, context: str) -> np.ndarray:
         array = np.asarray(x)
     except Exception as error:  # e.g. ragged nested lists
         raise TypeError(f"{context}: {argument} cannot be read as an array: {error}") from None
-    if not array.dtype.isnative:
-        array = array.astype(array.dtype.newbyteorder("="))
     return array
+
+
+def native(dtype: np.dtype) -> np.dtype:
+    """dtype in this machine's byte order: what the core computes in, and results are."""
+    return dtype if dtype.isnative else dtype.newbyteorder("=")
+
+
+def readable(array: np.ndarray) -> bool:
+    """Whether the core can read array as it is (else it reads readable_copy(array))."""
+    return array.dtype.isnative and array.flags.c_contiguous
+
+
+def readable_copy(array: np.ndarray) -> np.ndarray:
+    """A copy of array in C order and native byte order, shaped like it."""
+    return np.array(array, dtype=native(array.dtype), order="C")
 
 
 def reject_masked(x, argument: str, context: str) -> None:
@@ -186,10 +200,6 @@ def check_root(root, size: int, context: str) -> None:
     if not 0 <= root < size:
         raise ValueError(f"{context}: root {root} is not a rank of this communicator "
                          f"(0..{size - 1})")
-
-
-def contiguous(array: np.ndarray) -> np.ndarray:
-    return array if array.flags.c_contiguous else np.ascontiguousarray(array).reshape(array.shape)
 
 
 def check_out(out, shape: tuple, dtype: np.dtype, context: str, array_type=np.ndarray,

@@ -180,6 +180,7 @@ class Handle:
                                 f"got {type(timeout).__name__}")
             if not timeout >= 0:  # (NaN too)
                 raise ValueError(f"Handle.wait: timeout must be >= 0 seconds, got {timeout}")
+            timeout = float(timeout)  # (threading takes no numpy.float32 or Fraction)
             if timeout >= threading.TIMEOUT_MAX:
                 timeout = None  # threading cannot wait that long, but can wait forever
         work = self._work  # a _Work, or the core's AsyncAllreduce
@@ -429,10 +430,11 @@ class Communicator:
         self.size: int = self._core.size
         self._executor = _Executor(threaded=MPI.Query_thread() == MPI.THREAD_MULTIPLE)
         self._closed = False
+        self._closing = False  # close() has begun: no more calls
         self._direct = None  # see _cuda_direct()
         self._scratch = _Scratch()
         self._results = _Results()  # results without out=: big ones reuse kept buffers
-        self._fast = self._make_fast_path()  # the common case of every call (None: closed)
+        self._fast = self._make_fast_path()  # the common case of every call (None: closing)
         self._contexts = {name: t.where(self.rank, self.size, name) for name in _COLLECTIVES}
         _live.add(self)
 
@@ -492,7 +494,7 @@ class Communicator:
         Returns a new array shaped like x, or ``out`` (which may be x itself, for an
         in-place reduction). x is never modified unless it is ``out``.
         """
-        fast = self._fast  # (None once closed)
+        fast = self._fast  # (None once closing)
         if fast is not None:
             result = fast.allreduce(x, op, out)
             if result is not None:
@@ -559,7 +561,19 @@ class Communicator:
         """
         if self._closed:
             return
-        self._executor.finish()
+        # No call starts here from now on (another thread's raises ValueError), so that
+        # the calls in flight finish and the close takes its turn after them, even while
+        # another thread would go on making calls.
+        self._closing = True
+        fast, self._fast = self._fast, None
+        try:
+            self._executor.finish()
+        except BaseException:  # Ctrl-C: not closed, so usable as before
+            self._closing = False
+            if fast is not None:
+                fast.chunk_bytes = self._chunk_bytes
+            self._fast = fast
+            raise
         # A blocking call another thread runs now ends first: closing under it would
         # send this rank's part of the close into that call's exchange with the others.
         with self._executor.running:
@@ -646,6 +660,8 @@ class Communicator:
                                  f"{self._pid}, of which this one is a child made by fork(); "
                                  "MPI does not let a child use it")
             raise ValueError(f"{context}: this Communicator has been closed")
+        if self._closing:
+            raise ValueError(f"{context}: this Communicator is being closed (by another thread)")
         try:
             run = prepare(context, *args)
         except Exception:  # TypeError, ValueError, a MemoryError copying x, ...
@@ -683,6 +699,18 @@ class Communicator:
         handle = Handle(work)
         return handle.wait() if wait else handle
 
+    def _input_copy(self, x, name: str, chunk: int) -> np.ndarray:
+        """A copy of x that the core can read (C-contiguous, native byte order), made as
+        the call runs: after the calls queued before it, which may still write x's
+        memory. A rank without the memory for it takes part in the call's header
+        exchange before raising, as one that rejects its arguments does, so that the
+        others raise too instead of waiting for it."""
+        try:
+            return t.readable_copy(x)
+        except MemoryError:
+            self._core.announce_invalid(_COLLECTIVES[name], chunk)
+            raise
+
     def _cuda_direct(self) -> bool:
         """Whether GPU buffers go to MPI as they are (a CUDA-aware MPI) or are staged
         through pinned host memory. Asked once; ranks may differ."""
@@ -694,19 +722,21 @@ class Communicator:
         if _device.is_device_array(x):
             return _device.prepare_allreduce(self, context, x, op, out)
         x = t.as_input_array(x, "x", context)
-        dtype, op = t.reduction_codes(x.dtype, op, context)
-        source = t.contiguous(x)
+        native = t.native(x.dtype)
+        dtype, op = t.reduction_codes(native, op, context)
         if out is None:
-            out = self._results.empty(x.shape, x.dtype)
+            out = self._results.empty(x.shape, native)
         else:
-            t.check_out(out, x.shape, x.dtype, context)
-            if (source is not out and np.may_share_memory(source, out)
-                    and not t.same_buffer(source, out)):
-                source = source.copy()  # overlapping, not identical: the ring would read its own writes
+            t.check_out(out, x.shape, native, context)
+        # A copy, also where x overlaps out other than as the same buffer: the ring
+        # would read its own writes.
+        copy = not t.readable(x) or (x is not out and np.may_share_memory(x, out)
+                                     and not t.same_buffer(x, out))
         chunk = self._chunk_bytes
         core = self._core
 
         def run():
+            source = self._input_copy(x, "allreduce", chunk) if copy else x
             core.allreduce(source, out, dtype, op, chunk)
             return out
 
@@ -716,27 +746,29 @@ class Communicator:
         if _device.is_device_array(x):
             return _device.prepare_reduce_scatter(self, context, x, op, out)
         x = t.as_input_array(x, "x", context)
-        dtype, op = t.reduction_codes(x.dtype, op, context)
+        native = t.native(x.dtype)
+        dtype, op = t.reduction_codes(native, op, context)
         offset, count = _core.segment_of(self.rank, self.size, x.size)
         if out is None:
-            out = self._results.empty(count, x.dtype)
+            out = self._results.empty(count, native)
         else:
-            t.check_out(out, (count,), x.dtype, context)
-        source = t.contiguous(x)
+            t.check_out(out, (count,), native, context)
+        copy = not t.readable(x)
         chunk = self._chunk_bytes
         core = self._core
         # The ring needs a whole buffer's worth of partial sums; reusing one spares a
         # fresh array, and its page faults, every call. Taken here, so that a rank
         # without the memory says so in the header exchange (runs are serialised, and
         # a buffer replaced by a bigger one lives on in the views taken of it).
-        work = self._scratch.get(x.nbytes).view(x.dtype)
+        work = self._scratch.get(x.nbytes).view(native)
 
         # The block goes straight into out, unless out shares memory with x other than
         # as x's own block (then the ring could overwrite input it has yet to read).
-        direct = not np.may_share_memory(out, source) or t.same_buffer(
-            out, source.reshape(-1)[offset:offset + count])
+        direct = copy or not np.may_share_memory(out, x) or t.same_buffer(
+            out, x.reshape(-1)[offset:offset + count])
 
         def run():
+            source = self._input_copy(x, "reduce_scatter", chunk) if copy else x
             if direct:
                 core.reduce_scatter(source, work, dtype, op, chunk, out)
             else:
@@ -750,16 +782,22 @@ class Communicator:
         if _device.is_device_array(x):
             return _device.prepare_allgather(self, context, x, out)
         x = t.as_input_array(x, "x", context)
-        dtype = t.dtype_code(x.dtype, "x", context)
-        source = t.contiguous(x)
+        native = t.native(x.dtype)
+        dtype = t.dtype_code(native, "x", context)
         rows = 1 if x.ndim == 0 else x.shape[0]
         row_shape = tuple(x.shape[1:])
         if out is not None:
-            t.check_out(out, (None,) + row_shape, x.dtype, context)
+            t.check_out(out, (None,) + row_shape, native, context)
+        copy = not t.readable(x)
         chunk = self._chunk_bytes
         core = self._core
         results = self._results
-        return lambda: gather_rows(core, source, rows, row_shape, dtype, chunk, out, results)
+
+        def run():
+            source = self._input_copy(x, "allgather", chunk) if copy else x
+            return gather_rows(core, source, rows, row_shape, dtype, chunk, out, results)
+
+        return run
 
     def _prepare_broadcast(self, context, x, root):
         if _device.is_device_array(x):
@@ -775,12 +813,13 @@ class Communicator:
         t.check_root(root, self.size, context)
         if self.rank != root and not x.flags.writeable:
             raise ValueError(f"{context}: x is read-only, but broadcast writes root's data into it")
-        buffer = x if x.flags.c_contiguous else np.ascontiguousarray(x)
+        copy = not x.flags.c_contiguous
         chunk = self._chunk_bytes
         core = self._core
         root = int(root)
 
         def run():
+            buffer = self._input_copy(x, "broadcast", chunk) if copy else x
             core.broadcast(buffer, dtype, root, chunk)
             if buffer is not x and self.rank != root:  # root's x may be read-only
                 x[...] = buffer.reshape(x.shape)

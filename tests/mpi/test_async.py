@@ -1,9 +1,11 @@
 """allreduce_async: many in flight, results in order, errors at wait()."""
+import re
 import signal
 import sys
 import threading
 import time
 import weakref
+from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -146,6 +148,96 @@ def test_wait_with_timeout_and_done(comm):
                        (True, TypeError)]:
         with pytest.raises(error, match="timeout must be"):
             h.wait(bad)  # checked even when the call is done
+
+
+def test_wait_takes_any_real_number_of_seconds(comm):
+    # As threading's own waits take only int and float: numpy's and Fraction's seconds
+    # must reach them as floats, on the FastPath's handles and the Python layer's alike.
+    if SIZE == 1:
+        pytest.skip("needs a rank to wait for")
+    comm.allreduce(np.ones(3))
+    for x in (np.ones(1000), np.ones(2000)[::2]):  # the FastPath's call, then a _Work
+        if RANK == SIZE - 1:
+            time.sleep(0.5)  # the others' calls wait for this rank's
+        h = comm.allreduce_async(x)
+        try:
+            h.wait(timeout=np.float32(0.01))
+            assert RANK == SIZE - 1, "done before the last rank started it"
+        except TimeoutError as error:
+            assert "still running" in str(error)
+        np.testing.assert_array_equal(h.wait(timeout=Fraction(60)), np.full(1000, float(SIZE)))
+
+
+@pytest.mark.parametrize("collective", ["allreduce", "allreduce_async", "reduce_scatter",
+                                        "allgather", "broadcast"])
+@pytest.mark.parametrize("layout", ["strided", "other byte order"])
+def test_a_queued_call_reads_its_input_after_the_calls_before_it(collective, layout, comm):
+    # Calls run in order, and each reads x as it runs: also an x that must be copied
+    # first (strided, or not in native byte order), which was once copied when the call
+    # was made, before the call queued ahead of it had written the memory x views.
+    needs_a_worker(comm)
+    if layout == "other byte order" and collective == "broadcast":
+        pytest.skip("broadcast works in place and takes native byte order only")
+    dtype = np.dtype(np.int32)
+    a = rank_data(dtype, 100_000)
+    reduced = comm.allreduce(a)  # (int32 sums: the FastPath queues the next one)
+
+    def view(b):
+        return b[::2] if layout == "strided" else b.view(dtype.newbyteorder())
+
+    def run(x):
+        if collective == "allreduce_async":
+            return comm.allreduce_async(x).wait()
+        if collective == "broadcast":
+            return comm.broadcast(x, root=0).copy()
+        return getattr(comm, collective)(x)
+
+    want = run(view(reduced.copy()))  # with nothing in flight
+    b = a.copy()
+    if RANK == SIZE - 1:
+        time.sleep(0.3)  # so that on the other ranks the first call is still waiting
+    first = comm.allreduce_async(b, out=b)
+    assert on_the_worker_without_python(first)
+    got = run(view(b))
+    assert first.wait() is b
+    assert bitwise_equal(got, want)
+    if collective == "broadcast":
+        assert bitwise_equal(b, reduced)  # root's, which is this rank's
+
+
+def test_close_refuses_calls_other_threads_make_meanwhile(world):
+    # close() lets the calls in flight finish; another thread that goes on making calls
+    # meanwhile must not keep it from ever getting its turn (it once did).
+    if SIZE == 1:
+        pytest.skip("one rank runs host calls at once: nothing stays in flight")
+    ring = rr.Communicator(timeout=20)
+    ring.allreduce(np.ones(8))
+    refused = []
+    give_up_at = time.monotonic() + 15  # (so that a failure does not hang the job)
+
+    def make_calls():
+        x = np.ones(8)
+        while time.monotonic() < give_up_at:
+            try:
+                ring.allreduce_async(x)
+            except ValueError as error:
+                refused.append(error)
+                return
+
+    caller = threading.Thread(target=make_calls)
+    caller.start()
+    time.sleep(0.2)
+    start = time.monotonic()
+    try:
+        ring.close()
+    except (rr.MismatchError, rr.CollectiveTimeoutError):
+        pass  # the ranks' threads made different numbers of calls before the close
+    took = time.monotonic() - start
+    caller.join()
+    assert ring.closed
+    assert took < 10, took
+    assert refused and re.search("being closed|has been closed", str(refused[0])), refused
+    world.Barrier()
 
 
 def test_python_keeps_running_while_the_ring_works(comm):

@@ -561,6 +561,23 @@ def test_close_where_others_call_a_collective_raises_everywhere(wire, world, mon
     world.Barrier()
 
 
+@needs_two
+@pytest.mark.parametrize("wire", ["shared memory", "MPI"])
+def test_close_raises_when_a_rank_never_closes(wire, world, monkeypatch):
+    # close() times out like any call: it must say so, not return as if it had freed
+    # everything (on shared memory it once took its own departure for another rank's).
+    ring = a_ring_over(wire, monkeypatch)
+    if RANK == 0:
+        waited_for(r"ringreduce.close .*(not joined this call within 0.5 s|waited 0.5 s "
+                   r"\(the timeout\) for every rank to join)", ring.close)
+        assert ring.closed
+        world.Barrier()
+    else:
+        world.Barrier()  # (rank 0 has given up)
+        closes_at_once(ring)
+    world.Barrier()
+
+
 def test_close_waits_for_every_rank_and_frees(world):
     # The common case: ranks reach close() at different times, all within the timeout.
     ring = rr.Communicator(timeout=30)
