@@ -64,6 +64,19 @@ def row_layout(row_shape: tuple) -> tuple[int, int]:
     return math.prod(row_shape), t.shape_tag(row_shape)  # math.prod: np.prod costs us
 
 
+def input_copy(core, x, name: str, chunk: int) -> np.ndarray:
+    """A copy of x that the core can read (C-contiguous, native byte order), made as a
+    call runs: after the calls queued before it, which may still write x's memory. A
+    rank without the memory for it takes part in the call's header exchange before
+    raising, as one that rejects its arguments does, so that the others raise too
+    instead of waiting for it."""
+    try:
+        return t.readable_copy(x)
+    except MemoryError:
+        core.announce_invalid(_COLLECTIVES[name], chunk)
+        raise
+
+
 def gather_rows(core, source, rows, row_shape, dtype, chunk, out, results):
     """allgather of a contiguous host array: every rank's row count first (with the
     rows themselves when they are small enough to ride along), then the result, then
@@ -699,18 +712,6 @@ class Communicator:
         handle = Handle(work)
         return handle.wait() if wait else handle
 
-    def _input_copy(self, x, name: str, chunk: int) -> np.ndarray:
-        """A copy of x that the core can read (C-contiguous, native byte order), made as
-        the call runs: after the calls queued before it, which may still write x's
-        memory. A rank without the memory for it takes part in the call's header
-        exchange before raising, as one that rejects its arguments does, so that the
-        others raise too instead of waiting for it."""
-        try:
-            return t.readable_copy(x)
-        except MemoryError:
-            self._core.announce_invalid(_COLLECTIVES[name], chunk)
-            raise
-
     def _cuda_direct(self) -> bool:
         """Whether GPU buffers go to MPI as they are (a CUDA-aware MPI) or are staged
         through pinned host memory. Asked once; ranks may differ."""
@@ -736,7 +737,7 @@ class Communicator:
         core = self._core
 
         def run():
-            source = self._input_copy(x, "allreduce", chunk) if copy else x
+            source = input_copy(core, x, "allreduce", chunk) if copy else x
             core.allreduce(source, out, dtype, op, chunk)
             return out
 
@@ -768,7 +769,7 @@ class Communicator:
             out, x.reshape(-1)[offset:offset + count])
 
         def run():
-            source = self._input_copy(x, "reduce_scatter", chunk) if copy else x
+            source = input_copy(core, x, "reduce_scatter", chunk) if copy else x
             if direct:
                 core.reduce_scatter(source, work, dtype, op, chunk, out)
             else:
@@ -794,7 +795,7 @@ class Communicator:
         results = self._results
 
         def run():
-            source = self._input_copy(x, "allgather", chunk) if copy else x
+            source = input_copy(core, x, "allgather", chunk) if copy else x
             return gather_rows(core, source, rows, row_shape, dtype, chunk, out, results)
 
         return run
@@ -815,13 +816,13 @@ class Communicator:
             raise ValueError(f"{context}: x is read-only, but broadcast writes root's data into it")
         copy = not x.flags.c_contiguous
         chunk = self._chunk_bytes
-        core = self._core
+        core, rank = self._core, self.rank  # (a queued call keeps no Communicator alive)
         root = int(root)
 
         def run():
-            buffer = self._input_copy(x, "broadcast", chunk) if copy else x
+            buffer = input_copy(core, x, "broadcast", chunk) if copy else x
             core.broadcast(buffer, dtype, root, chunk)
-            if buffer is not x and self.rank != root:  # root's x may be read-only
+            if buffer is not x and rank != root:  # root's x may be read-only
                 x[...] = buffer.reshape(x.shape)
             return x
 
