@@ -53,7 +53,10 @@ def mpi_flags(mpicc):
 
 def find_nvcc():
     """(nvcc, CUDA home) if the CUDA build is wanted and possible, else None."""
-    wanted = os.environ.get("RINGREDUCE_CUDA", "auto")
+    wanted = os.environ.get("RINGREDUCE_CUDA") or "auto"
+    if wanted not in ("auto", "0", "1"):
+        sys.exit(f"ringreduce: RINGREDUCE_CUDA must be 0 (no CUDA build), 1 (a CUDA build, "
+                 f"or fail) or unset (a CUDA build where nvcc is found); got {wanted!r}")
     if wanted == "0":
         return None
     homes = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"]

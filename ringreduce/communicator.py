@@ -388,13 +388,19 @@ def _checked_timeout(value) -> float:
     return 0.0 if math.isinf(value) else value
 
 
-def _check_shm_setting() -> None:
-    # Read by the core; a value it would take for "unset" must not pass silently.
+def _check_environment() -> None:
+    # Read by the core, which takes any value but 0 for 1: a value meant otherwise
+    # ("false", "no") must not pass silently.
     value = os.environ.get("RINGREDUCE_SHM")
     if value not in (None, "", "0", "1"):  # (empty: as unset, as the core reads it)
         raise ValueError(f"RINGREDUCE_SHM must be 0 (no shared memory) or 1 (shared memory "
                          f"for every call it can take, untimed), or unset (each call size "
                          f"timed on both wires); got {value!r}")
+    value = os.environ.get("RINGREDUCE_CUDA_AWARE")
+    if value not in (None, "", "0", "1"):
+        raise ValueError(f"RINGREDUCE_CUDA_AWARE must be 0 (GPU buffers staged through host "
+                         f"memory), 1 (handed to MPI as they are) or unset (as the MPI library "
+                         f"says it can); got {value!r}")
 
 
 class Communicator:
@@ -436,7 +442,7 @@ class Communicator:
         if timeout is _FROM_ENVIRONMENT:
             timeout = _default_timeout()
         timeout = _checked_timeout(timeout)
-        _check_shm_setting()
+        _check_environment()
         self._mpi_comm = comm
         self._core = _core.RingCommunicator(MPI._addressof(comm), timeout)
         self.rank: int = self._core.rank

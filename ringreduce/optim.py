@@ -57,6 +57,27 @@ def _check_grad(i, g, p, who):
                         f"dtype {p.dtype}")
 
 
+def _checked_state_arrays(state, key: str, params, who: str, optional=False) -> list:
+    """state[key]: one array per parameter, shaped and typed like it (None allowed where
+    optional), or a clear error before anything is loaded."""
+    where = f"{who}.load_state_dict"
+    if not isinstance(state, dict) or key not in state:
+        raise KeyError(f"{where}: the state has no {key!r} (is it a {who} state_dict()?)")
+    arrays = list(state[key])
+    if len(arrays) != len(params):
+        raise ValueError(f"{where}: state[{key!r}] holds {len(arrays)} arrays, for "
+                         f"{len(params)} parameters (a state of another model?)")
+    for i, (a, p) in enumerate(zip(arrays, params)):
+        if a is None and optional:
+            continue
+        if getattr(a, "shape", None) != p.shape or getattr(a, "dtype", None) != p.dtype:
+            raise ValueError(f"{where}: state[{key!r}][{i}] is "
+                             f"{getattr(a, 'shape', type(a).__name__)} "
+                             f"{getattr(a, 'dtype', '')}, but params[{i}] is {p.shape} "
+                             f"{p.dtype} (a state of another model?)")
+    return arrays
+
+
 class SGD:
     """Stochastic gradient descent with momentum and L2 weight decay, as torch.optim.SGD:
     g += weight_decay * p; buf = momentum * buf + g (buf = g at first); p -= lr * buf."""
@@ -91,10 +112,11 @@ class SGD:
                                      for b in self.momentum_buffers]}
 
     def load_state_dict(self, state: dict) -> None:
+        buffers = _checked_state_arrays(state, "momentum_buffers", self.params, "SGD",
+                                        optional=True)
         self.lr, self.momentum = state["lr"], state["momentum"]
         self.weight_decay = state["weight_decay"]
-        self.momentum_buffers = [None if b is None else b.copy()
-                                 for b in state["momentum_buffers"]]
+        self.momentum_buffers = [None if b is None else b.copy() for b in buffers]
 
 
 class Adam:
@@ -133,10 +155,12 @@ class Adam:
                 "m": [m.copy() for m in self.m], "v": [v.copy() for v in self.v]}
 
     def load_state_dict(self, state: dict) -> None:
+        m = _checked_state_arrays(state, "m", self.params, "Adam")
+        v = _checked_state_arrays(state, "v", self.params, "Adam")
         self.lr, self.betas, self.eps = state["lr"], tuple(state["betas"]), state["eps"]
         self.weight_decay, self.t = state["weight_decay"], state["t"]
-        self.m = [m.copy() for m in state["m"]]
-        self.v = [v.copy() for v in state["v"]]
+        self.m = [a.copy() for a in m]
+        self.v = [a.copy() for a in v]
 
 
 # float16 keeps 11 significant bits only between 6.1e-5 and 65504 (below, down to 6e-8,
@@ -355,7 +379,11 @@ class DistributedOptimizer:
             self._low_rank_sums[index] = grad.copy() if earlier is None else earlier + grad
             self._low_rank_reported.add(index)
             if not self._accumulating:
-                self._start_complete_units()
+                try:
+                    self._start_complete_units()
+                except BaseException:
+                    self._abandon_step()
+                    raise
             return
         bucket = self._bucket_of[index]
         if index in bucket.reported:
@@ -363,7 +391,11 @@ class DistributedOptimizer:
         self._add_to_bucket(bucket, index, grad)
         bucket.reported.add(index)
         if not self._accumulating:
-            self._start_complete_units()
+            try:
+                self._start_complete_units()
+            except BaseException:  # (an fp16 bucket's agreement on its scale, say)
+                self._abandon_step()
+                raise
 
     def step(self, grads=None) -> None:
         """Average the gradients across ranks and update the parameters.
@@ -384,6 +416,15 @@ class DistributedOptimizer:
             raise ValueError(f"DistributedOptimizer.step: no gradient reported for params "
                              f"{sorted(missing)} (call grad_ready for each, or step(grads))")
         if self._accumulating:  # one micro-batch done: keep the sums, send nothing
+            if self._next_to_start > 0:
+                # Their all-reduces have started (outside no_sync) and overwrite the
+                # sums with averages: nothing is left to accumulate.
+                self._abandon_step()
+                raise ValueError("DistributedOptimizer.step: called inside no_sync(), but "
+                                 "gradients of this step were given to grad_ready() outside "
+                                 "it, which started their all-reduce; this step's gradients "
+                                 "(and any accumulated before) are dropped. Give a step's "
+                                 "gradients and call its step() on the same side of no_sync()")
             self._accumulated = True
             for b in self._buckets:
                 b.reported.clear()
@@ -402,9 +443,12 @@ class DistributedOptimizer:
                     self.bytes_sent += call.q.nbytes
             for i in self._low_rank:
                 averaged[i] = self.powersgd.finish(self._low_rank_calls[i])[0]
+        except BaseException:
+            self._abandon_step()
+            raise
         finally:
             self.comm_seconds += time.perf_counter() - start
-            self._new_step()  # also after an error, so the next step starts clean
+        self._new_step()
         self.optimizer.step(averaged)
 
     def state_dict(self) -> dict:
@@ -436,6 +480,21 @@ class DistributedOptimizer:
                 self._low_rank_calls[unit] = call
                 self.bytes_sent += call.p.nbytes
             self._next_to_start += 1
+
+    def _abandon_step(self):
+        """After an error: the calls this step started finish (their errors, if any,
+        are the caller's business: they are not raised here), so that none of them
+        still writes into a bucket, or pairs with a later call of the other ranks; then
+        the next step starts clean."""
+        handles = [b.handle for b in self._buckets]
+        handles += [call.handle for call in self._low_rank_calls.values()]
+        for handle in handles:
+            if handle is not None:
+                try:
+                    handle.wait()
+                except Exception:
+                    pass
+        self._new_step()
 
     def _new_step(self):
         for b in self._buckets:
@@ -523,12 +582,19 @@ class DistributedOptimizer:
     def _check_same_model_everywhere(self):
         from .communicator import _core
 
+        # The parameters, and how their gradients travel (buckets, compression): ranks
+        # that differ in either would make different all-reduces, which pair up wrongly.
         # crc32, not hash(): Python salts string hashes differently in every process.
-        signature = repr([(tuple(p.shape), str(p.dtype)) for p in self.params]).encode()
-        everyone = self.comm.allgather(np.array([zlib.crc32(signature)], np.int64))
-        if len(set(everyone.tolist())) > 1:
-            differ = [r for r, s in enumerate(everyone.tolist()) if s != everyone[0]]
-            raise _core.MismatchError(
-                f"DistributedOptimizer (rank {self.comm.rank} of {self.comm.size}): ranks "
-                f"wrap different parameters (number, shapes or dtypes): ranks {differ} differ "
-                "from rank 0")
+        model = repr([(tuple(p.shape), str(p.dtype)) for p in self.params])
+        wire = repr([(b.indices, str(b.buffer.dtype), None if b.wire is None else str(b.wire.dtype))
+                     for b in self._buckets] + [self._low_rank, repr(self.powersgd)])
+        mine = [zlib.crc32(model.encode()), zlib.crc32(wire.encode())]
+        everyone = self.comm.allgather(np.array([mine], np.int64))
+        for column, what in [(0, "wrap different parameters (number, shapes or dtypes)"),
+                             (1, "send gradients differently (bucket_mb or compression)")]:
+            values = everyone[:, column].tolist()
+            differ = [r for r, s in enumerate(values) if s != values[0]]
+            if differ:
+                raise _core.MismatchError(
+                    f"DistributedOptimizer (rank {self.comm.rank} of {self.comm.size}): ranks "
+                    f"{what}: ranks {differ} differ from rank 0")

@@ -247,12 +247,15 @@ def test_bad_communicators_and_settings():
         rr.Communicator(chunk_bytes=1.5)
 
 
-def test_an_unknown_shared_memory_setting_is_refused(monkeypatch):
-    # Only 0 and 1 mean something; "off" must not silently mean "on".
+@pytest.mark.parametrize("variable", ["RINGREDUCE_SHM", "RINGREDUCE_CUDA_AWARE"])
+def test_an_unknown_setting_is_refused(variable, monkeypatch):
+    # Only 0 and 1 mean something; "off" must not silently mean "on" (as the core, which
+    # takes anything but 0 for 1, would read it).
     for value in ("off", "false", "yes", "2"):
-        monkeypatch.setenv("RINGREDUCE_SHM", value)
-        with pytest.raises(ValueError, match="RINGREDUCE_SHM must be 0"):
+        monkeypatch.setenv(variable, value)
+        with pytest.raises(ValueError, match=f"{variable} must be 0"):
             rr.Communicator()  # before anything collective
+        monkeypatch.delenv(variable)
 
 
 def test_closed_communicator_says_so():

@@ -99,6 +99,24 @@ def test_no_sync_with_grad_ready_accumulates_too():
         np.testing.assert_allclose(p, q, rtol=1e-12, atol=1e-14)
 
 
+def test_a_step_inside_no_sync_after_grad_ready_outside_it_raises_and_drops_it():
+    # grad_ready() outside no_sync() starts the all-reduces, which overwrite the local
+    # sums with averages: a step() inside no_sync() then has nothing left to accumulate
+    # (it once went on, racing those writes, and the replicas could differ).
+    params = [np.zeros(200_000), np.zeros(200_000)]
+    opt = DistributedOptimizer(SGD(params, lr=1.0), bucket_mb=1)
+    for i in (1, 0):
+        opt.grad_ready(i, np.full(200_000, 1.0 + RANK))
+    with opt.no_sync(), pytest.raises(ValueError, match="same side of no_sync"):
+        opt.step()
+    for i in (1, 0):  # the next step starts clean, on every rank alike
+        opt.grad_ready(i, np.full(200_000, 10.0 * (RANK + 1)))
+    opt.step()
+    want = -10.0 * (SIZE + 1) / 2  # the average of 10 * (r + 1) over the ranks
+    for p in params:
+        np.testing.assert_allclose(p, want, rtol=1e-15)
+
+
 def test_nested_no_sync_accumulates_until_the_outermost_ends():
     # As torch's no_sync: an inner block's end must not end the accumulation (before,
     # it did, and the next step inside the outer block synced and updated).
@@ -401,6 +419,25 @@ def test_ranks_with_different_models_are_told():
         DistributedOptimizer(SGD(params, lr=0.1))
 
 
+@pytest.mark.parametrize("differ", ["bucket_mb", "compression", "powersgd rank"])
+def test_ranks_that_send_gradients_differently_are_told(differ):
+    # Different buckets or compression make different all-reduces, which would pair up
+    # wrongly (and leave calls queued that pair with the next ones): caught up front.
+    if SIZE == 1:
+        pytest.skip("needs two ranks")
+    params = init_params(LAYERS, seed=1)
+    kwargs = {"bucket_mb": dict(bucket_mb=25.0 if RANK == 0 else 0.001),
+              "compression": dict(compression="fp16" if RANK == 0 else None),
+              "powersgd rank": dict(compression=PowerSGD(rank=1 + (RANK == 1)))}[differ]
+    with pytest.raises(rr.MismatchError, match=r"send gradients differently .*ranks \[1"):
+        DistributedOptimizer(SGD(params, lr=0.1), **kwargs)
+    # and the communicator still pairs calls up right
+    opt = DistributedOptimizer(SGD(params, lr=0.1))
+    x, y = my_shard(*data(0))
+    opt.step(loss_and_grads(params, x, y)[1])
+    np.testing.assert_array_equal(rr.allreduce(np.ones(3)), np.full(3, float(SIZE)))
+
+
 def test_state_dict_round_trip():
     params = init_params(LAYERS, seed=1)
     opt = DistributedOptimizer(Adam(params, lr=0.01))
@@ -415,6 +452,24 @@ def test_state_dict_round_trip():
     opt.step(loss_and_grads(params, x, y)[1])
     for p, q in zip(params, after_two):
         np.testing.assert_array_equal(p, q)
+
+
+@pytest.mark.parametrize("make", [lambda p: SGD(p, lr=0.1, momentum=0.9),
+                                  lambda p: Adam(p, lr=0.01)], ids=["SGD", "Adam"])
+def test_a_state_of_another_model_is_refused(make):
+    small = [np.zeros((4, 3))]
+    opt = make(small)
+    opt.step([np.ones((4, 3))])
+    saved = opt.state_dict()
+    for other in ([np.zeros((4, 3)), np.zeros(3)], [np.zeros((2, 2))],
+                  [np.zeros((4, 3), np.float32)]):
+        target = make(other)
+        with pytest.raises(ValueError, match="a state of another model"):
+            target.load_state_dict(saved)
+        with pytest.raises(ValueError, match="a state of another model"):
+            DistributedOptimizer(make(other)).load_state_dict({"optimizer": saved})
+    with pytest.raises(KeyError, match="state_dict"):
+        make(small).load_state_dict({"lr": 0.1})
 
 
 def test_allreduce_gradients_averages_in_place():
