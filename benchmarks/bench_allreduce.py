@@ -45,6 +45,24 @@ def parse_size(text: str) -> int:
     return int(text)
 
 
+def sizes_argument(parser, text, default: list) -> list:
+    """--sizes as byte counts (default if not given), each a whole number of float32
+    elements, or a usage error (on every rank, before anything collective)."""
+    if not text:
+        return default
+    sizes = []
+    for item in text.split(","):
+        try:
+            size = parse_size(item)
+        except (ValueError, OverflowError):
+            parser.error(f"--sizes: {item!r} is not a size (e.g. 8, 64K, 1M, 1.5G)")
+        if size < 4 or size % 4:
+            parser.error(f"--sizes: {item!r} is not a whole number of float32 elements "
+                         "(4 bytes), at least one")
+        sizes.append(size)
+    return sizes
+
+
 _last_line = [0.0]  # when progress() last wrote a line (not on a terminal)
 
 
@@ -117,7 +135,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.plot:  # on every rank, before any collective: not after the tables on rank 0 only
         import matplotlib  # noqa: F401
-    sizes = [parse_size(s) for s in args.sizes.split(",")] if args.sizes else DEFAULT_SIZES
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
+    sizes = sizes_argument(parser, args.sizes, DEFAULT_SIZES)
 
     comm = rr.Communicator()
     gloo = None if args.no_gloo else start_gloo()

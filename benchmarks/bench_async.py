@@ -22,7 +22,7 @@ import numpy as np
 from mpi4py import MPI
 
 import ringreduce as rr
-from bench_allreduce import machine, parse_size, progress
+from bench_allreduce import machine, progress, sizes_argument
 from timing import human_bytes, human_time, start_gloo, time_alternating
 
 world = MPI.COMM_WORLD
@@ -96,9 +96,11 @@ def main() -> None:
     args = parser.parse_args()
     if args.buckets < 1:
         parser.error("--buckets must be at least 1")
-    if args.compute_us < 0:
+    if not 0 <= args.compute_us < float("inf"):
         parser.error("--compute-us must be >= 0")
-    sizes = [parse_size(s) for s in args.sizes.split(",")] if args.sizes else DEFAULT_SIZES
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
+    sizes = sizes_argument(parser, args.sizes, DEFAULT_SIZES)
 
     comm = rr.Communicator()
     gloo = None if args.no_gloo else start_gloo()

@@ -181,6 +181,8 @@ def main():
                         help="only draw --plot from an earlier run's --json (no GPU needed)")
     parser.add_argument("--note", default="", help="added to the plot's title, e.g. 'MPS'")
     args = parser.parse_args()
+    if args.repeats < 1 or not 4 <= args.min_bytes <= args.max_bytes or args.big_chunk < 1:
+        parser.error("need --repeats >= 1, 4 <= --min-bytes <= --max-bytes, --big-chunk >= 1")
     if args.replot:
         with open(args.replot) as f:
             rows = json.load(f)["rows"]

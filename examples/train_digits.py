@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -146,6 +147,20 @@ def main():
     parser.add_argument("--json", help="write the history here")
     parser.add_argument("--plot", help="save the loss and accuracy curves here (PNG)")
     args = parser.parse_args()
+    # Checked here, on every rank alike, before anything collective: a usage error, not
+    # a traceback (or a run of 0 steps) on every rank.
+    size = MPI.COMM_WORLD.Get_size()
+    train_samples = int(0.8 * 1797)  # (load_digits_split's cut of the 1,797 images)
+    if args.epochs < 1 or args.hidden < 1:
+        parser.error("--epochs and --hidden must be at least 1")
+    if not 0 < args.lr < math.inf or not 0 <= args.momentum < math.inf:
+        parser.error("--lr must be a number above 0, and --momentum one of 0 or more")
+    if not 1 <= args.global_batch <= train_samples or args.global_batch % size:
+        parser.error(f"--global-batch must be from 1 to {train_samples} (the training "
+                     f"images) and divide evenly among the {size} rank(s)")
+    for path in (args.json, args.plot):
+        if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+            parser.error(f"the folder of {path!r} does not exist")
     compression = {"none": None, "fp16": "fp16", "bf16": "bf16",
                    "powersgd": PowerSGD(rank=4)}[args.compression]
     rank = MPI.COMM_WORLD.Get_rank()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 from dataclasses import dataclass, field
 
@@ -58,12 +59,12 @@ def explain(ranks: int = 4, count: int = 12, chunk_elems: int | None = None) -> 
     if ranks > MAX_RANKS:
         raise ValueError(f"ranks must be at most {MAX_RANKS} here, got {ranks}: the steps are for "
                          "reading (for bytes and times at any scale: python -m ringreduce sim)")
-    if isinstance(count, bool) or not isinstance(count, int) or count < 0:
-        raise ValueError(f"count must be a non-negative int, got {count!r}")
+    if isinstance(count, bool) or not isinstance(count, int) or not 0 <= count < 1 << 62:
+        raise ValueError(f"count must be an int from 0 to 2**62 - 1, got {count!r}")
     if chunk_elems is None:
         chunk_elems = max(1, -(-count // ranks))  # one chunk per segment
-    if chunk_elems < 1:
-        raise ValueError(f"chunk_elems must be >= 1, got {chunk_elems}")
+    if not 1 <= chunk_elems < 1 << 62:
+        raise ValueError(f"chunk_elems must be from 1 to 2**62 - 1, got {chunk_elems}")
     s0 = _core.RingSchedule(0, ranks, count, chunk_elems)
     if sum(s0.num_chunks(s) for s in range(ranks)) > MAX_CHUNKS:
         raise ValueError(f"{count} elements in chunks of {chunk_elems} make more than "
@@ -214,13 +215,25 @@ def main(argv=None) -> int:
                         help="elements per chunk (default: one chunk per segment)")
     parser.add_argument("--svg", metavar="FILE", help="also draw the steps (.svg, .png, .pdf)")
     args = parser.parse_args(argv)
+    if args.svg:  # (checked before the text is printed)
+        if os.path.splitext(args.svg)[1].lower() not in (".svg", ".png", ".pdf"):
+            parser.error(f"--svg: {args.svg!r} does not end in .svg, .png or .pdf")
+        if not os.path.isdir(os.path.dirname(os.path.abspath(args.svg))):
+            parser.error(f"--svg: the folder of {args.svg!r} does not exist")
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            parser.error("--svg needs matplotlib (pip install matplotlib)")
     try:
         e = explain(args.ranks, args.count, args.chunk)
     except ValueError as error:
         parser.error(str(error))
     print(format_text(e))
     if args.svg:
-        draw(e, args.svg)
+        try:
+            draw(e, args.svg)
+        except OSError as error:
+            parser.error(f"--svg: cannot write {args.svg!r}: {error}")
         print(f"\nfigure: {args.svg}")
     return 0
 

@@ -24,6 +24,10 @@ from dataclasses import dataclass
 
 from . import _core
 
+# The ring is simulated rank by rank and step by step: p * 2(p-1) segments, some 15 s
+# for 2048 ranks. The formulas of docs/cost-model.md take any p.
+MAX_RANKS = 4096
+
 # Defaults of the order of one machine's shared memory (fitted on the development
 # machine, see docs/performance.md); pass your network's values for a cluster.
 ALPHA, BETA, GAMMA = 2e-6, 1.2e-10, 1.6e-10
@@ -130,6 +134,11 @@ def main(argv=None) -> int:
         parser.error(f"--bytes: {args.bytes!r} is not a size (e.g. 8, 64K, 100M, 1.5G)")
     if any(p < 1 for p in args.ranks) or nbytes < 0:
         parser.error("ranks must be >= 1 and bytes >= 0")
+    if max(args.ranks) > MAX_RANKS:
+        parser.error(f"--ranks: at most {MAX_RANKS} (the ring is simulated rank by rank, step "
+                     "by step; for more, the formulas in docs/cost-model.md)")
+    if nbytes % 4:
+        parser.error(f"--bytes: {nbytes} is not a whole number of float32 elements (4 bytes)")
     for name in ("alpha", "beta", "gamma"):
         if not 0 <= getattr(args, name) < float("inf"):  # (NaN too)
             parser.error(f"--{name} must be a finite number of seconds >= 0")

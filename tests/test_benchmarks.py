@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from launch import job_env, mpiexec
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -114,3 +116,24 @@ def test_bench_async_runs_and_writes_every_candidate(tmp_path):
         [mpiexec(), "-n", "1", sys.executable, "-m", "mpi4py", "benchmarks/bench_async.py",
          "--buckets", "0"], cwd=ROOT, capture_output=True, text=True, timeout=120, env=job_env())
     assert bad.returncode != 0 and "--buckets must be at least 1" in bad.stderr
+
+
+@pytest.mark.parametrize("script, argv, message", [
+    ("benchmarks/bench_allreduce.py", ["--sizes", "1.5.3K"], "'1.5.3K' is not a size"),
+    ("benchmarks/bench_allreduce.py", ["--sizes", "64,"], "'' is not a size"),
+    ("benchmarks/bench_allreduce.py", ["--sizes", "6"], "not a whole number of float32"),
+    ("benchmarks/bench_allreduce.py", ["--repeats", "0"], "--repeats must be at least 1"),
+    ("benchmarks/bench_async.py", ["--sizes", "0"], "not a whole number of float32"),
+    ("benchmarks/bench_async.py", ["--compute-us", "nan"], "--compute-us must be >= 0"),
+    ("examples/train_digits.py", ["--epochs", "0"], "--epochs and --hidden must be"),
+    ("examples/train_digits.py", ["--global-batch", "100000"], "--global-batch must be"),
+    ("examples/train_digits.py", ["--lr", "nan"], "--lr must be a number above 0"),
+    ("examples/train_digits.py", ["--json", "/nonexistent-folder/h.json"], "does not exist"),
+])
+def test_command_lines_refuse_bad_arguments_before_any_work(script, argv, message):
+    # A usage error at once (on one rank here; under mpiexec, on every rank alike), not
+    # a traceback after the Communicator is made, or a run of 0 steps.
+    done = subprocess.run([sys.executable, str(ROOT / script), *argv], capture_output=True,
+                          text=True, timeout=120, env=job_env())
+    assert done.returncode == 2, done.stderr
+    assert message in done.stderr and "Traceback" not in done.stderr

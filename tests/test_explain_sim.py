@@ -85,6 +85,12 @@ def test_sim_command_line():
     (["sim", "--beta", "nan"], "--beta must be a finite number"),
     (["explain", "--ranks", "500"], "at most 32 here"),
     (["explain", "--count", "100000000", "--chunk", "1"], "more than 4096 chunks"),
+    (["sim", "--bytes", "6"], "not a whole number of float32 elements"),
+    (["sim", "--ranks", "4", "5000"], "--ranks: at most 4096"),
+    (["explain", "--count", str(1 << 63)], "count must be an int from 0 to 2**62 - 1"),
+    (["explain", "--chunk", str(1 << 63)], "chunk_elems must be from 1 to 2**62 - 1"),
+    (["explain", "--svg", "/nonexistent-folder/ring.svg"], "does not exist"),
+    (["explain", "--svg", "ring.xyz"], "does not end in .svg, .png or .pdf"),
     (["bogus"], "usage: python -m ringreduce"),
 ])
 def test_command_lines_refuse_what_they_cannot_do(argv, message):
