@@ -84,8 +84,16 @@ class PowerSGD:
         """Once Q is averaged: the approximation P Q^T, and the bytes this rank sent."""
         call.handle.wait()
         approximation = call.p @ call.q.T
-        self._error[call.index] = call.matrix - approximation
-        self._q[call.index] = call.q
+        if bool(array_module(call.q).isfinite(call.q).all()):
+            self._error[call.index] = call.matrix - approximation
+            self._q[call.index] = call.q
+        else:
+            # An inf or NaN on any rank reaches every rank's Q, the same on all. It is
+            # passed on, as it came; kept (in Q or the error fed back), it would spoil
+            # every step after. So the next step starts afresh, on every rank alike: Q
+            # from the seed again, nothing fed back.
+            self._q.pop(call.index, None)
+            self._error.pop(call.index, None)
         return approximation.reshape(call.grad.shape).astype(call.grad.dtype, copy=False), \
             call.p.nbytes + call.q.nbytes
 

@@ -371,6 +371,23 @@ def test_powersgd_with_error_feedback_converges_to_the_average():
     assert errors[100] < 0.1 * errors[1]
 
 
+def test_powersgd_recovers_after_an_inf_or_nan_on_one_rank():
+    # A non-finite gradient on rank 0 at step 1 passes on as it came (NaN everywhere,
+    # as for the other wires), but then the steps are finite again and as from a fresh
+    # start, instead of NaN for good from Q and the error fed back.
+    grads = [np.random.default_rng([RANK, s]).standard_normal((20, 30)) for s in range(4)]
+    spoiled = [g.copy() for g in grads]
+    if RANK == 0:
+        spoiled[1][3, 4] = np.nan
+    fresh, compressor = PowerSGD(rank=2), PowerSGD(rank=2)
+    with rr.Communicator() as ring:
+        results = [compressor.reduce(0, g, ring)[0] for g in spoiled]
+        expected = [fresh.reduce(0, g, ring)[0] for g in grads[2:]]  # a fresh start
+    assert np.isfinite(results[0]).all() and not np.isfinite(results[1]).all()
+    for got, want in zip(results[2:], expected):
+        np.testing.assert_array_equal(got, want)
+
+
 def test_misuse_gets_clear_errors():
     params = [np.zeros((3, 2)), np.zeros(2)]
     opt = DistributedOptimizer(SGD(params, lr=0.1))
