@@ -451,6 +451,13 @@ class DistributedOptimizer:
         self._new_step()
         self.optimizer.step(averaged)
 
+    def zero_grad(self) -> None:
+        """Forget the gradients given since the last step, and those accumulated in
+        no_sync(): after an exception in the middle of a backward pass, say. All-reduces
+        they started finish first (every rank must make the same calls: call it on
+        every rank alike)."""
+        self._abandon_step()
+
     def state_dict(self) -> dict:
         state = {"optimizer": self.optimizer.state_dict()}
         if self.powersgd is not None:

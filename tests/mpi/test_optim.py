@@ -117,6 +117,22 @@ def test_a_step_inside_no_sync_after_grad_ready_outside_it_raises_and_drops_it()
         np.testing.assert_allclose(p, want, rtol=1e-15)
 
 
+def test_zero_grad_forgets_a_step_begun():
+    # After an exception halfway through backward: gradients given (on top of sums
+    # accumulated in no_sync; two of the three buckets' all-reduces started) are
+    # forgotten, and the next step is as if they had never been.
+    params = [np.zeros(1000), np.zeros(1000), np.zeros(1000)]
+    opt = DistributedOptimizer(SGD(params, lr=1.0), bucket_mb=0.01)
+    with opt.no_sync():
+        opt.step([np.full(1000, 5.0)] * 3)
+    opt.grad_ready(2, np.full(1000, 7.0))  # one parameter a bucket: each one sent
+    opt.grad_ready(1, np.full(1000, 7.0))
+    opt.zero_grad()
+    opt.step([np.full(1000, RANK + 1.0)] * 3)
+    for p in params:
+        np.testing.assert_array_equal(p, -(SIZE + 1) / 2)
+
+
 def test_nested_no_sync_accumulates_until_the_outermost_ends():
     # As torch's no_sync: an inner block's end must not end the accumulation (before,
     # it did, and the next step inside the outer block synced and updated).
