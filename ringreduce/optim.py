@@ -489,10 +489,10 @@ class DistributedOptimizer:
             self._next_to_start += 1
 
     def _abandon_step(self):
-        """After an error: the calls this step started finish (their errors, if any,
-        are the caller's business: they are not raised here), so that none of them
-        still writes into a bucket, or pairs with a later call of the other ranks; then
-        the next step starts clean."""
+        """After an error: the calls this step started finish (what they raise is
+        dropped: the caller is handling an error already), so that none of them still
+        writes into a bucket, or pairs with a later call of the other ranks; then the
+        next step starts clean."""
         handles = [b.handle for b in self._buckets]
         handles += [call.handle for call in self._low_rank_calls.values()]
         for handle in handles:
