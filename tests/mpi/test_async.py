@@ -213,7 +213,7 @@ def test_close_refuses_calls_other_threads_make_meanwhile(world):
     ring = rr.Communicator(timeout=20)
     ring.allreduce(np.ones(8))
     refused = []
-    give_up_at = time.monotonic() + 15  # (so that a failure does not hang the job)
+    give_up_at = time.monotonic() + 60  # (so that a failure does not hang the job)
 
     def make_calls():
         x = np.ones(8)
@@ -235,7 +235,7 @@ def test_close_refuses_calls_other_threads_make_meanwhile(world):
     took = time.monotonic() - start
     caller.join()
     assert ring.closed
-    assert took < 10, took
+    assert took < 30, took  # (not until the caller gave up)
     assert refused and re.search("being closed|has been closed", str(refused[0])), refused
     world.Barrier()
 
