@@ -193,10 +193,12 @@ class Handle:
                                 f"got {type(timeout).__name__}")
             if not timeout >= 0:  # (NaN too)
                 raise ValueError(f"Handle.wait: timeout must be >= 0 seconds, got {timeout}")
-            if timeout >= threading.TIMEOUT_MAX:
-                timeout = None  # threading cannot wait that long, but can wait forever
-            else:
-                timeout = float(timeout)  # (threading takes no numpy.float32 or Fraction)
+            try:
+                seconds = float(timeout)  # (threading takes no numpy.float32 or Fraction)
+            except OverflowError:  # (2 ** 2000)
+                seconds = math.inf
+            # threading cannot wait that long, but can wait forever
+            timeout = None if seconds >= threading.TIMEOUT_MAX else seconds
         work = self._work  # a _Work, or the core's AsyncAllreduce
         if not work.done():
             if os.getpid() != work.pid:

@@ -78,6 +78,14 @@ def _checked_state_arrays(state, key: str, params, who: str, optional=False) -> 
     return arrays
 
 
+def _quietly(f, *args):
+    """f(*args), or None if it raises an Exception (see DistributedOptimizer._abandon_step)."""
+    try:
+        return f(*args)
+    except Exception:
+        return None
+
+
 class SGD:
     """Stochastic gradient descent with momentum and L2 weight decay, as torch.optim.SGD:
     g += weight_decay * p; buf = momentum * buf + g (buf = g at first); p -= lr * buf."""
@@ -453,9 +461,9 @@ class DistributedOptimizer:
 
     def zero_grad(self) -> None:
         """Forget the gradients given since the last step, and those accumulated in
-        no_sync(): after an exception in the middle of a backward pass, say. All-reduces
-        they started finish first (every rank must make the same calls: call it on
-        every rank alike)."""
+        no_sync(): after an exception in the middle of a backward pass, say. Collective
+        (call it on every rank): ranks that got to different points first make the rest
+        of the step's all-reduces, with 0s, so that every rank has made the same ones."""
         self._abandon_step()
 
     def state_dict(self) -> dict:
@@ -489,19 +497,39 @@ class DistributedOptimizer:
             self._next_to_start += 1
 
     def _abandon_step(self):
-        """After an error: the calls this step started finish (what they raise is
-        dropped: the caller is handling an error already), so that none of them still
-        writes into a bucket, or pairs with a later call of the other ranks; then the
-        next step starts clean."""
-        handles = [b.handle for b in self._buckets]
-        handles += [call.handle for call in self._low_rank_calls.values()]
-        for handle in handles:
+        """Ends the step begun, after an error or at zero_grad(), so that the next one
+        starts clean on every rank alike. The ranks may have got to different points
+        (an exception halfway through backward), so each makes the rest of the step's
+        all-reduces, with 0s for the gradients not given: then every rank has made the
+        same calls, and none pairs with a call of the next step elsewhere. All are
+        waited for (none still writes into a bucket), what they raise is dropped (the
+        caller is handling an error already), and their results are thrown away.
+        Inside no_sync(), where no rank has started any, it makes none."""
+        if not self._accumulating or self._next_to_start > 0:
+            self._make_the_rest_of_the_calls()
+        for handle in [b.handle for b in self._buckets] + [
+                call.handle for call in self._low_rank_calls.values()]:
             if handle is not None:
-                try:
-                    handle.wait()
-                except Exception:
-                    pass
+                _quietly(handle.wait)
         self._new_step()
+
+    def _make_the_rest_of_the_calls(self):
+        """The all-reduces of this step that this rank has not made yet, in their order
+        (see _abandon_step)."""
+        for unit in self._units[self._next_to_start:]:
+            if isinstance(unit, _Bucket):
+                unit.buffer[...] = 0
+                _quietly(self._start, unit)
+            else:
+                zeros = array_module(self.params[unit]).zeros_like(self.params[unit])
+                call = _quietly(self.powersgd.start, unit, zeros, self.comm)
+                if call is not None:
+                    self._low_rank_calls[unit] = call
+        self._next_to_start = len(self._units)
+        for unit in self._units:  # PowerSGD's second all-reduces, as step() makes them
+            call = self._low_rank_calls.get(unit) if not isinstance(unit, _Bucket) else None
+            if call is not None and call.q is None:
+                _quietly(self.powersgd.project, call, self.comm)
 
     def _new_step(self):
         for b in self._buckets:

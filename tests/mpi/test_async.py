@@ -4,6 +4,7 @@ import signal
 import sys
 import threading
 import time
+import warnings
 import weakref
 from fractions import Fraction
 
@@ -142,8 +143,11 @@ def test_wait_with_timeout_and_done(comm):
     h = comm.allreduce_async(np.ones(10))
     np.testing.assert_array_equal(h.wait(timeout=60), np.full(10, float(SIZE)))
     assert h.done()
-    for forever in (float("inf"), 1e300, 2 ** 2000):  # beyond what threading can wait: forever
-        np.testing.assert_array_equal(h.wait(timeout=forever), np.full(10, float(SIZE)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (np.float16 compared with threading's limit warned)
+        for forever in (float("inf"), 1e300, 2 ** 2000, np.float16(60000)):  # (beyond what
+            # threading can wait: forever)
+            np.testing.assert_array_equal(h.wait(timeout=forever), np.full(10, float(SIZE)))
     for bad, error in [(-1, ValueError), (float("nan"), ValueError), ("1", TypeError),
                        (True, TypeError)]:
         with pytest.raises(error, match="timeout must be"):
