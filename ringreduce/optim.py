@@ -79,7 +79,7 @@ def _checked_state_arrays(state, key: str, params, who: str, optional=False) -> 
 
 
 def _quietly(f, *args):
-    """f(*args), or None if it raises an Exception (see DistributedOptimizer._abandon_step)."""
+    """f(*args), or None if it raises an Exception (see DistributedOptimizer.abandon_step)."""
     try:
         return f(*args)
     except Exception:
@@ -390,7 +390,7 @@ class DistributedOptimizer:
                 try:
                     self._start_complete_units()
                 except BaseException:
-                    self._abandon_step()
+                    self.abandon_step()
                     raise
             return
         bucket = self._bucket_of[index]
@@ -402,7 +402,7 @@ class DistributedOptimizer:
             try:
                 self._start_complete_units()
             except BaseException:  # (an fp16 bucket's agreement on its scale, say)
-                self._abandon_step()
+                self.abandon_step()
                 raise
 
     def step(self, grads=None) -> None:
@@ -427,7 +427,7 @@ class DistributedOptimizer:
             if self._next_to_start > 0:
                 # Their all-reduces have started (outside no_sync) and overwrite the
                 # sums with averages: nothing is left to accumulate.
-                self._abandon_step()
+                self.abandon_step()
                 raise ValueError("DistributedOptimizer.step: called inside no_sync(), but "
                                  "gradients of this step were given to grad_ready() outside "
                                  "it, which started their all-reduce; this step's gradients "
@@ -452,19 +452,12 @@ class DistributedOptimizer:
             for i in self._low_rank:
                 averaged[i] = self.powersgd.finish(self._low_rank_calls[i])[0]
         except BaseException:
-            self._abandon_step()
+            self.abandon_step()
             raise
         finally:
             self.comm_seconds += time.perf_counter() - start
         self._new_step()
         self.optimizer.step(averaged)
-
-    def zero_grad(self) -> None:
-        """Forget the gradients given since the last step, and those accumulated in
-        no_sync(): after an exception in the middle of a backward pass, say. Collective
-        (call it on every rank): ranks that got to different points first make the rest
-        of the step's all-reduces, with 0s, so that every rank has made the same ones."""
-        self._abandon_step()
 
     def state_dict(self) -> dict:
         state = {"optimizer": self.optimizer.state_dict()}
@@ -496,15 +489,17 @@ class DistributedOptimizer:
                 self.bytes_sent += call.p.nbytes
             self._next_to_start += 1
 
-    def _abandon_step(self):
-        """Ends the step begun, after an error or at zero_grad(), so that the next one
-        starts clean on every rank alike. The ranks may have got to different points
-        (an exception halfway through backward), so each makes the rest of the step's
-        all-reduces, with 0s for the gradients not given: then every rank has made the
-        same calls, and none pairs with a call of the next step elsewhere. All are
-        waited for (none still writes into a bucket), what they raise is dropped (the
-        caller is handling an error already), and their results are thrown away.
-        Inside no_sync(), where no rank has started any, it makes none."""
+    def abandon_step(self) -> None:
+        """Drop the step begun, without an update: the gradients given since the last
+        step, and those accumulated in no_sync(). For after an exception halfway
+        through backward; after an error inside step() or grad_ready() it is done
+        already. Collective: ranks may have got to different points, so each makes the
+        rest of the step's all-reduces, with 0s for the gradients not given, and every
+        rank has then made the same calls (none pairs with a call of the next step
+        elsewhere). All are waited for, what they raise is dropped, and their results
+        are thrown away. Inside no_sync(), where no rank has started any, it makes
+        none. (Not a zero_grad() to call before every step: outside no_sync() it costs
+        a step's all-reduces.)"""
         if not self._accumulating or self._next_to_start > 0:
             self._make_the_rest_of_the_calls()
         for handle in [b.handle for b in self._buckets] + [
@@ -515,7 +510,7 @@ class DistributedOptimizer:
 
     def _make_the_rest_of_the_calls(self):
         """The all-reduces of this step that this rank has not made yet, in their order
-        (see _abandon_step)."""
+        (see abandon_step)."""
         for unit in self._units[self._next_to_start:]:
             if isinstance(unit, _Bucket):
                 unit.buffer[...] = 0

@@ -118,9 +118,9 @@ def test_a_step_inside_no_sync_after_grad_ready_outside_it_raises_and_drops_it()
 
 
 @pytest.mark.parametrize("compression", [None, "fp16", "powersgd"])
-def test_zero_grad_after_ranks_stopped_at_different_points(compression):
+def test_abandon_step_after_ranks_stopped_at_different_points(compression):
     # An exception halfway through backward leaves ranks at different points: here
-    # even ranks gave two gradients (two buckets started), odd ranks one. zero_grad()
+    # even ranks gave two gradients (two buckets started), odd ranks one. abandon_step()
     # makes the rest of the step's all-reduces, so that the next step's pair up (they
     # once paired with the leftover ones: replicas differed, silently).
     if SIZE == 1:
@@ -131,7 +131,7 @@ def test_zero_grad_after_ranks_stopped_at_different_points(compression):
     opt.grad_ready(2, np.full((20, 30), 7.0))
     if RANK % 2 == 0:
         opt.grad_ready(1, np.full((20, 30), 7.0))
-    opt.zero_grad()
+    opt.abandon_step()
     for _ in range(2):
         opt.step([np.full((20, 30), RANK + 1.0)] * 3)
     everyone = MPI.COMM_WORLD.allgather([p.tobytes() for p in params])
@@ -140,7 +140,7 @@ def test_zero_grad_after_ranks_stopped_at_different_points(compression):
         np.testing.assert_allclose(p, -2 * (SIZE + 1) / 2, rtol=1e-3)
 
 
-def test_zero_grad_forgets_a_step_begun():
+def test_abandon_step_forgets_a_step_begun():
     # After an exception halfway through backward: gradients given (on top of sums
     # accumulated in no_sync; two of the three buckets' all-reduces started) are
     # forgotten, and the next step is as if they had never been.
@@ -150,7 +150,7 @@ def test_zero_grad_forgets_a_step_begun():
         opt.step([np.full(1000, 5.0)] * 3)
     opt.grad_ready(2, np.full(1000, 7.0))  # one parameter a bucket: each one sent
     opt.grad_ready(1, np.full(1000, 7.0))
-    opt.zero_grad()
+    opt.abandon_step()
     opt.step([np.full(1000, RANK + 1.0)] * 3)
     for p in params:
         np.testing.assert_array_equal(p, -(SIZE + 1) / 2)
