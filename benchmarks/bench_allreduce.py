@@ -147,7 +147,7 @@ def main() -> None:
              if n in COLLECTIVE_SIZES or args.sizes]
     for done, (collective, nbytes) in enumerate(jobs):
         progress(done, len(jobs), f"{collective} {human_bytes(nbytes)}")
-        count = max(1, nbytes // 4)
+        count = nbytes // 4  # (whole float32 elements: see sizes_argument)
         x = np.random.default_rng(rank).standard_normal(count).astype(np.float32)
         if collective == "allreduce":
             candidates = allreduce_candidates(comm, x, gloo, not args.no_reference)
@@ -158,7 +158,7 @@ def main() -> None:
         peer = next(name for name in times if name.startswith("MPI_"))
         for name, seconds in times.items():
             algbw, busbw = bus_bandwidth(count * 4, seconds, size, collective)
-            rows.append({"collective": collective, "bytes": count * 4, "implementation": name,
+            rows.append({"collective": collective, "bytes": nbytes, "implementation": name,
                          "time_s": seconds, "algbw_GBps": algbw / 1e9, "busbw_GBps": busbw / 1e9,
                          "speedup_vs_mpi": times[peer] / seconds})
     progress(len(jobs), len(jobs), "done")

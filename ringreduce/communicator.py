@@ -391,19 +391,22 @@ def _checked_timeout(value) -> float:
     return 0.0 if math.isinf(value) else value
 
 
+# The core's switches, read as 0 or 1 (anything but 0 counts as 1), and what each value
+# means.
+_SWITCHES = {
+    "RINGREDUCE_SHM": "0 (no shared memory) or 1 (shared memory for every call it can "
+                      "take, untimed), or unset (each call size timed on both wires)",
+    "RINGREDUCE_CUDA_AWARE": "0 (GPU buffers staged through host memory), 1 (handed to MPI "
+                             "as they are) or unset (as the MPI library says it can)",
+}
+
+
 def _check_environment() -> None:
-    # Read by the core, which takes any value but 0 for 1: a value meant otherwise
-    # ("false", "no") must not pass silently.
-    value = os.environ.get("RINGREDUCE_SHM")
-    if value not in (None, "", "0", "1"):  # (empty: as unset, as the core reads it)
-        raise ValueError(f"RINGREDUCE_SHM must be 0 (no shared memory) or 1 (shared memory "
-                         f"for every call it can take, untimed), or unset (each call size "
-                         f"timed on both wires); got {value!r}")
-    value = os.environ.get("RINGREDUCE_CUDA_AWARE")
-    if value not in (None, "", "0", "1"):
-        raise ValueError(f"RINGREDUCE_CUDA_AWARE must be 0 (GPU buffers staged through host "
-                         f"memory), 1 (handed to MPI as they are) or unset (as the MPI library "
-                         f"says it can); got {value!r}")
+    # A value meant otherwise ("false", "no") must not pass silently as 1.
+    for name, meaning in _SWITCHES.items():
+        value = os.environ.get(name)
+        if value not in (None, "", "0", "1"):  # (empty: as unset, as the core reads it)
+            raise ValueError(f"{name} must be {meaning}; got {value!r}")
 
 
 class Communicator:
