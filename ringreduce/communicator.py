@@ -331,9 +331,26 @@ def _finish_all():
     # with different communicators still open, so MPI_Finalize frees what is left.
     if os.getpid() != _PROCESS:
         return
+    failing = _uncaught_exception()
     for comm in list(_live):
-        comm._executor.finish()
+        if failing is None:
+            comm._executor.finish()
+        else:
+            # The process ends on an exception, which may have been raised on this rank
+            # only, while the others wait for it in a collective: as when an exception
+            # leaves a `with` block, leave, so that they raise at once instead of waiting
+            # out their timeout (and MPI_Finalize here, waiting for them, with them).
+            comm._leave(f"an uncaught {type(failing).__name__} ended the process first")
     _core.finish_abandoned_duplicates()
+
+
+def _uncaught_exception() -> BaseException | None:
+    """The exception ending the process, if one does: Python prints it and keeps it in
+    sys.last_value before it runs the atexit functions. (In an interactive session that
+    is any earlier error, which ended nothing.) sys.exit() sets nothing."""
+    if hasattr(sys, "ps1"):
+        return None
+    return getattr(sys, "last_value", None)
 
 
 def _checked_chunk_bytes(value) -> int:
@@ -622,11 +639,15 @@ class Communicator:
         # Asynchronous calls still queued never start; one running on the worker thread
         # stops at its next wait (which makes this rank leave), or ends. Only then may
         # this thread use the core, which is not thread-safe.
+        self._leave("an exception left the Communicator's `with` block first")
+
+    def _leave(self, why: str) -> None:
+        """Stop using this communicator on this rank only, and tell the others. Queued
+        asynchronous calls never start (their wait() raises ValueError, saying why)."""
         if not self._closed and not MPI.Is_finalized():
             executor = self._executor
-            executor.cancel(ValueError(
-                f"ringreduce: a collective of {self!r} never ran: an exception left the "
-                "Communicator's `with` block first, and this rank left the communicator"))
+            executor.cancel(ValueError(f"ringreduce: a collective of {self!r} never ran: "
+                                       f"{why}, and this rank left the communicator"))
             self._core.stop_soon()
             executor.finish()
             with executor.running:

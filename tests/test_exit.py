@@ -1,7 +1,8 @@
 """Whole jobs, launched by mpiexec, that must end rather than hang: an exception that
 leaves a `with rr.Communicator()` block on one rank (`python -m mpi4py` aborts the job;
 freeing the communicator is collective, and the other ranks are elsewhere, here in an
-allreduce), and a rank that never makes its Communicator. And ones that must end
+allreduce), an uncaught exception ending one rank's process (without `-m mpi4py`),
+and a rank that never makes its Communicator. And ones that must end
 cleanly: a creation that gave up leaves nothing behind for MPI_Finalize, and a job
 killed while making its Communicator leaves nothing in /dev/shm."""
 import os
@@ -27,12 +28,14 @@ with rr.Communicator() as ring:
 """
 
 
-def run_script(tmp_path, name, text, env=None, timeout=60, args=()):
+def run_script(tmp_path, name, text, env=None, timeout=60, args=(), abort_on_exception=True):
+    """The job on 2 ranks; by default run by `python -m mpi4py`, which ends the job
+    (MPI_Abort) when an exception is not caught."""
     script = tmp_path / name
     script.write_text(text)
+    python = [sys.executable, "-m", "mpi4py"] if abort_on_exception else [sys.executable]
     try:
-        return subprocess.run([mpiexec(), "-n", "2", sys.executable, "-m", "mpi4py", str(script),
-                               *args],
+        return subprocess.run([mpiexec(), "-n", "2", *python, str(script), *args],
                               capture_output=True, text=True, timeout=timeout,
                               env=job_env(env))
     except subprocess.TimeoutExpired:
@@ -94,6 +97,40 @@ def test_an_exception_leaving_a_with_block_with_calls_in_flight_lets_the_job_end
     assert "rank 0 went on" in done.stdout
     assert "terminate" not in done.stderr
     assert time.monotonic() - start < 30
+
+
+UNCAUGHT = """
+import numpy as np
+import ringreduce as rr
+
+ring = rr.Communicator(timeout=300)
+ring.allreduce(np.ones(10))
+if ring.rank == 1:
+    if IN_FLIGHT:  # the first may complete; the rest never start
+        handles = [ring.allreduce_async(np.ones(1000)) for _ in range(3)]
+    raise KeyError("only on rank 1")
+for call in range(4):
+    try:
+        ring.allreduce(np.ones(1000))  # waits for rank 1
+    except rr.CollectiveTimeoutError as error:
+        print("rank 0:", error)
+        break
+"""
+
+
+@pytest.mark.parametrize("in_flight", [False, True], ids=["idle", "calls in flight"])
+@pytest.mark.parametrize("shm", ["1", "0"], ids=["shared memory", "MPI"])
+def test_an_uncaught_exception_on_one_rank_ends_the_job(tmp_path, shm, in_flight):
+    # Without `python -m mpi4py` nothing aborts the job: rank 1, exiting, waited in
+    # MPI_Finalize while rank 0 waited for it in the allreduce, for the whole timeout.
+    start = time.monotonic()
+    done = run_script(tmp_path, "uncaught.py", f"IN_FLIGHT = {in_flight}\n" + UNCAUGHT,
+                      env={"RINGREDUCE_SHM": shm}, abort_on_exception=False)
+    assert done.returncode != 0
+    assert "KeyError: 'only on rank 1'" in done.stderr
+    assert "rank 0: ringreduce.allreduce (rank 0 of 2): rank 1 has left" in done.stdout, done
+    assert "terminate" not in done.stderr
+    assert time.monotonic() - start < 60
 
 
 SKIP_CREATION = """
