@@ -764,7 +764,8 @@ PYBIND11_MODULE(_core, m) {
   py::enum_<Departure>(m, "Departure", "Why a rank left a communicator (csrc/waiting.h)")
       .value("GAVE_UP", Departure::GaveUp)
       .value("LEFT", Departure::Left)
-      .value("FOLLOWED", Departure::Followed);
+      .value("FOLLOWED", Departure::Followed)
+      .value("UNCLOSED", Departure::Unclosed);
   py::class_<DepartureNote>(m, "DepartureNote",
                             "What a rank that left tells the others (csrc/waiting.h)")
       .def(py::init([](int rank, Departure why, int64_t completed, int cause,
@@ -1144,6 +1145,8 @@ PYBIND11_MODULE(_core, m) {
            })
       .def("leave", &RingCommunicator::leave,
            "stop using it on this rank only, and tell the others (see ring_communicator.h)")
+      .def("leave_unclosed", &RingCommunicator::leave_unclosed,
+           "at a normal exit: stop using it, and tell the ranks on shared memory")
       .def("stop_soon", &RingCommunicator::stop_soon,
            "from any thread: the call in flight stops at its next wait, and this rank leaves");
 }

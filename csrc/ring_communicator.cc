@@ -253,6 +253,17 @@ void RingCommunicator::leave() {
   if (size() > 1) depart(Departure::Left);
 }
 
+void RingCommunicator::leave_unclosed() {
+  if (closed_ || departed_ || size() == 1 || !shm_) return;
+  // (Not departed_: no message of this rank's is in flight, so nothing must outlive it.)
+  closed_ = true;
+  DepartureNote note;
+  note.rank = rank();
+  note.why = Departure::Unclosed;
+  note.completed = exchanges_;
+  shm_->leave(note);
+}
+
 void RingCommunicator::stop_soon() { transport_->stop_soon(); }
 
 DepartureNote RingCommunicator::first_departure(int64_t exchange) {
@@ -273,6 +284,7 @@ RingCommunicator::~RingCommunicator() {
     device_.release();
     return;
   }
+  leave_unclosed();  // dropped unclosed: a rank still calling would wait for this one
   if (!departed_) return;
   // MPI may still read (sends) or write (a receive it could not cancel) these whenever
   // a late rank comes: they must outlive everything, so they are leaked.

@@ -248,6 +248,12 @@ class RingCommunicator {
   // nothing that would wait for it. For a rank that will not close() with the others
   // (an exception on its way out).
   void leave();
+  // At a normal exit, or when dropped (the destructor), every call of this rank
+  // finished and the communicator not closed: stops using it, and tells the ranks on
+  // shared memory (Departure::Unclosed), so that one waiting for this rank in a call
+  // it never made raises at once. Over MPI messages it tells no one: a notice never
+  // received would be left unmatched at MPI_Finalize, which MPI forbids.
+  void leave_unclosed();
   // Thread-safe: asks the call this rank runs on another thread to stop at its next
   // look around (every few hundred idle turns of a wait), with StoppedError; the rank
   // then leaves, as after any error in a call. A call that never waits may finish.

@@ -33,10 +33,11 @@ constexpr int64_t kTokenAt = 64;
 // The departure word shares the exchange counter's pair, on the second line: it is
 // written once, when its rank leaves.
 constexpr int64_t kDepartureAt = 2 * kCounterBytes + 64;
-// The word's fields, from the lowest bit: why (2 bits), cause_why (2), cause + 1 (12;
+// The word's fields, from the lowest bit: why (3 bits), cause_why (3), cause + 1 (12;
 // 0 when not known, as for a rank beyond the field: every rank here is on one machine),
-// completed (48: years of calls).
-constexpr int kCauseShift = 4;
+// completed (46: years of calls).
+constexpr int kWhyBits = 3;
+constexpr int kCauseShift = 2 * kWhyBits;
 constexpr int kCauseBits = 12;
 constexpr int kCompletedShift = kCauseShift + kCauseBits;
 
@@ -362,15 +363,16 @@ uint64_t ShmChannel::departure_word(const DepartureNote& note) {
   const uint64_t cause = static_cast<uint64_t>(note.cause + 1);
   return (static_cast<uint64_t>(note.completed) << kCompletedShift) |
          (cause < (1u << kCauseBits) ? cause << kCauseShift : 0) |
-         (static_cast<uint64_t>(note.cause_why) << 2) | static_cast<uint64_t>(note.why);
+         (static_cast<uint64_t>(note.cause_why) << kWhyBits) | static_cast<uint64_t>(note.why);
 }
 
 DepartureNote ShmChannel::note_of_word(int r, uint64_t word) {
   DepartureNote note;
   if (word != 0) {
     note.rank = r;
-    note.why = static_cast<Departure>(word & 3);
-    note.cause_why = static_cast<Departure>((word >> 2) & 3);
+    constexpr uint64_t kWhyMask = (1u << kWhyBits) - 1;
+    note.why = static_cast<Departure>(word & kWhyMask);
+    note.cause_why = static_cast<Departure>((word >> kWhyBits) & kWhyMask);
     note.cause = static_cast<int>((word >> kCauseShift) & ((1u << kCauseBits) - 1)) - 1;
     note.completed = static_cast<int64_t>(word >> kCompletedShift);
   }

@@ -79,6 +79,8 @@ enum class Departure : int {
   Left = 2,      // an error in a call, an exception left its `with` block, or close()
                  // met a collective
   Followed = 3,  // it learnt that another rank had left (its note names that one)
+  Unclosed = 4,  // its process ended, or dropped the communicator, without closing it,
+                 // every call of its own finished (told on shared memory only)
 };
 
 // What a rank that left tells the others: why, and how many of the communicator's
@@ -125,7 +127,11 @@ struct DepartureNote {
     return why == Departure::GaveUp ? " has given up on this communicator (a timeout there)"
            : why == Departure::Left ? " has left this communicator (an error there, or close() "
                                       "where this rank called a collective)"
-                                    : " has left this communicator, after another rank did";
+           : why == Departure::Unclosed
+               ? " has stopped using this communicator without closing it (its process "
+                 "ended, or dropped the Communicator), after fewer calls on it than this "
+                 "rank made"
+               : " has left this communicator, after another rank did";
   }
 };
 

@@ -335,6 +335,12 @@ def _finish_all():
     for comm in list(_live):
         if failing is None:
             comm._executor.finish()
+            # A rank that comes to a call this one never made (an uneven last step)
+            # then raises at once, on shared memory, instead of waiting out its timeout.
+            with comm._executor.running:
+                if not comm._closed and not MPI.Is_finalized():
+                    comm._core.leave_unclosed()
+            comm._abandon()
         else:
             # The process ends on an exception, which may have been raised on this rank
             # only, while the others wait for it in a collective: as when an exception

@@ -47,7 +47,8 @@ def test_no_timeout_never_expires_but_still_checks_for_departures():
     assert len(checks) == 10  # waits look for ranks that left on these turns, timeout or not
 
 
-GAVE_UP, LEFT, FOLLOWED = _core.Departure.GAVE_UP, _core.Departure.LEFT, _core.Departure.FOLLOWED
+GAVE_UP, LEFT, FOLLOWED, UNCLOSED = (_core.Departure.GAVE_UP, _core.Departure.LEFT,
+                                    _core.Departure.FOLLOWED, _core.Departure.UNCLOSED)
 NONE = _core.DepartureNote(-1, GAVE_UP, 0)
 
 
@@ -88,7 +89,8 @@ def test_the_report_names_the_rank_that_left_first():
     (GAVE_UP, 0, -1, GAVE_UP),
     (LEFT, 12345, -1, GAVE_UP),
     (FOLLOWED, 1, 0, GAVE_UP),
-    (FOLLOWED, (1 << 48) - 1, 4094, LEFT),  # the largest of each field
+    (FOLLOWED, (1 << 46) - 1, 4094, LEFT),  # the largest of each field
+    (UNCLOSED, 3, 4094, UNCLOSED),
 ])
 def test_a_note_comes_back_whole_from_its_shared_memory_word(why, completed, cause, cause_why):
     note = _core.DepartureNote(5, why, completed, cause, cause_why)

@@ -11,6 +11,7 @@ import re
 import signal
 import threading
 import time
+import warnings
 import weakref
 
 import numpy as np
@@ -383,6 +384,36 @@ def test_an_error_leaving_a_with_block_tells_the_others(wire, world, monkeypatch
         raised_within(10, f"rank {SIZE - 1} has left", lambda: ring.allreduce(x))
         closes_at_once(ring)
     world.Barrier()
+
+
+@needs_two
+@pytest.mark.parametrize("wire", ["shared memory", "MPI"])
+def test_a_rank_that_drops_its_communicator_unclosed_is_reported_on_shared_memory(
+        wire, world, monkeypatch):
+    # The last rank makes fewer calls, then drops the Communicator without close() (at
+    # the end of `python -m mpi4py script.py` the script's globals go so): on shared
+    # memory the others, in a call it will never make, raise at once (over MPI messages
+    # they wait out their timeout, which nothing there can shorten without a message
+    # that might never be received), and their close() frees nothing.
+    ring = a_ring_over(wire, monkeypatch)
+    x = np.full(1 << 10, 1.0, np.float32)
+    ring.allreduce(x)
+    if RANK == SIZE - 1:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ResourceWarning)
+            del ring
+            gc.collect()
+    elif wire == "shared memory":
+        ring.timeout = 60
+        raised_within(10, f"rank {SIZE - 1} has stopped using this communicator without "
+                      r"closing it \(its process ended, or dropped the Communicator\), "
+                      "after fewer calls on it than this rank made", lambda: ring.allreduce(x))
+        closes_at_once(ring)
+    else:
+        waited_for(f"rank {SIZE - 1} has not joined|waited 0.5 s|{RING_WAIT}",
+                   lambda: ring.allreduce(x))
+        ring._abandon()
+    relayed_waits_checked(world)
 
 
 def async_input(path):
