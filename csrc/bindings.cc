@@ -939,6 +939,8 @@ PYBIND11_MODULE(_core, m) {
              if (!lock.held_here()) throw std::runtime_error("cannot release un-acquired lock");
              lock.unlock();
            })
+      .def("held_by_a_caller", &RunningLock::held_by_a_caller,
+           "whether a thread other than the worker holds it (running a blocking call)")
       .def("__enter__", [](RunningLock& lock) { acquire_running(lock, true, std::nullopt); })
       .def("__exit__", [](RunningLock& lock, py::args) {
         lock.unlock();

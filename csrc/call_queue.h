@@ -24,6 +24,8 @@
 
 namespace ringreduce {
 
+bool on_call_queue_worker();  // CallQueue::on_worker_thread(), for RunningLock
+
 // Held while the core runs a collective, by the worker or by a caller that runs one in
 // its own thread (when nothing is queued): the core runs one call at a time. Reentrant
 // for its thread, as a signal handler may close a communicator while its thread holds
@@ -40,14 +42,23 @@ class RunningLock {
     mutex_.unlock();
   }
   bool held_here() const { return holder_.load() == std::this_thread::get_id(); }
+  // Whether a thread other than a CallQueue's worker holds it: one running a blocking
+  // call (at exit, only a daemon thread can).
+  bool held_by_a_caller() const {
+    return holder_.load() != std::thread::id() && !worker_holds_.load();
+  }
 
  private:
   bool note(bool locked) {
-    if (locked && depth_++ == 0) holder_.store(std::this_thread::get_id());
+    if (locked && depth_++ == 0) {
+      worker_holds_.store(on_call_queue_worker());
+      holder_.store(std::this_thread::get_id());
+    }
     return locked;
   }
   std::recursive_timed_mutex mutex_;
   std::atomic<std::thread::id> holder_{};
+  std::atomic<bool> worker_holds_{false};
   int depth_ = 0;  // (changed only by the holder, under mutex_)
 };
 

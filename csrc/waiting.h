@@ -153,8 +153,8 @@ class StopRequest {
   void check() const {
     if (requested_.load(std::memory_order_acquire))
       throw StoppedError("stopped on this rank, which is leaving the communicator (in Python: "
-                         "an exception left the Communicator's `with` block while this call "
-                         "was in flight)");
+                         "an exception left the Communicator's `with` block, or the process "
+                         "is ending, while this call was in flight)");
     if (interrupts_ != nullptr && interrupts_->load(std::memory_order_relaxed) != armed_at_)
       throw StoppedError("interrupted (SIGINT) on this rank, which is leaving the "
                          "communicator");

@@ -334,13 +334,7 @@ def _finish_all():
     failing = _uncaught_exception()
     for comm in list(_live):
         if failing is None:
-            comm._executor.finish()
-            # A rank that comes to a call this one never made (an uneven last step)
-            # then raises at once, on shared memory, instead of waiting out its timeout.
-            with comm._executor.running:
-                if not comm._closed and not MPI.Is_finalized():
-                    comm._core.leave_unclosed()
-            comm._abandon()
+            comm._finish_at_exit()
         else:
             # The process ends on an exception, which may have been raised on this rank
             # only, while the others wait for it in a collective: as when an exception
@@ -647,10 +641,35 @@ class Communicator:
         # this thread use the core, which is not thread-safe.
         self._leave("an exception left the Communicator's `with` block first")
 
+    def _finish_at_exit(self) -> None:
+        """At a normal exit: finish the queued calls, then tell the ranks on shared
+        memory that this one makes no more (a rank that comes to a call this one never
+        made, an uneven last step, then raises at once instead of at its timeout)."""
+        if self._closed or MPI.Is_finalized():
+            return
+        self._refuse_calls()
+        executor = self._executor
+        if executor.running.held_by_a_caller():
+            # A daemon thread (the only kind left now) is inside a blocking call. Python
+            # stops daemon threads where they are; a thread stopped inside the core,
+            # without the GIL, would end the process (std::terminate) as it wakes. So
+            # its call stops at its next wait, and this rank leaves, as after an error.
+            self._core.stop_soon()
+        executor.finish()
+        with executor.running:
+            self._core.leave_unclosed()
+        self._abandon()
+
+    def _refuse_calls(self) -> None:
+        """From now on no call starts (another thread's raises ValueError)."""
+        self._closing = True
+        self._fast = None
+
     def _leave(self, why: str) -> None:
         """Stop using this communicator on this rank only, and tell the others. Queued
         asynchronous calls never start (their wait() raises ValueError, saying why)."""
         if not self._closed and not MPI.Is_finalized():
+            self._refuse_calls()
             executor = self._executor
             executor.cancel(ValueError(f"ringreduce: a collective of {self!r} never ran: "
                                        f"{why}, and this rank left the communicator"))

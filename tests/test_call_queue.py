@@ -65,11 +65,14 @@ def test_the_running_lock_is_held_by_the_worker_while_it_runs_work():
     running = executor.running
     started, release = threading.Event(), threading.Event()
     executor.push(Work(log, "holds", lambda: (started.set(), release.wait(10))))
+    assert not running.held_by_a_caller()
     assert started.wait(10)
     assert not running.acquire(blocking=False)  # the worker holds it
     assert not running.acquire(timeout=0.1)
+    assert not running.held_by_a_caller()  # (at exit, its calls are left to finish)
     release.set()
     assert running.acquire(timeout=10)
+    assert running.held_by_a_caller()  # (at exit, a daemon thread's call is stopped)
     # Reentrant for its thread, as an RLock: the worker now waits for it.
     with running:
         executor.push(Work(log, "waits"))

@@ -2,8 +2,8 @@
 leaves a `with rr.Communicator()` block on one rank (`python -m mpi4py` aborts the job;
 freeing the communicator is collective, and the other ranks are elsewhere, here in an
 allreduce), an uncaught exception ending one rank's process (without `-m mpi4py`),
-a rank that never makes its Communicator, and one that ends its script while another
-makes one more call. And ones that must end
+a rank that never makes its Communicator, one that ends its script while another
+makes one more call, and one that ends with a daemon thread inside a call. And ones that must end
 cleanly: a creation that gave up leaves nothing behind for MPI_Finalize, and a job
 killed while making its Communicator leaves nothing in /dev/shm."""
 import os
@@ -166,6 +166,40 @@ def test_a_rank_that_exits_with_fewer_calls_is_reported_at_once_on_shared_memory
             "communicator without closing it (its process ended, or dropped the Communicator), "
             "after fewer calls on it than this rank made") in done.stdout, done
     assert "rank 0 waited 0 s" in done.stdout
+
+
+DAEMON_IN_A_CALL = """
+import threading
+import time
+import numpy as np
+import ringreduce as rr
+
+ring = rr.Communicator(timeout=300)
+x = np.ones(SIZE)
+
+def sync_forever():
+    while True:
+        ring.allreduce(x)
+
+threading.Thread(target=sync_forever, daemon=True).start()
+time.sleep(1.0 + 0.3 * ring.rank)  # the ranks end at different times
+print("rank", ring.rank, "exits", flush=True)
+"""
+
+
+@pytest.mark.parametrize("size", [1000, 1 << 20])
+@pytest.mark.parametrize("shm", ["1", "0"], ids=["shared memory", "MPI"])
+def test_a_daemon_thread_inside_a_call_at_exit_ends_with_the_process(tmp_path, shm, size):
+    # Python stops daemon threads where they are as it finalises; one stopped inside a
+    # call (without the GIL, in C++) ended the process with std::terminate as it woke,
+    # while MPI_Finalize ran. Its call is now stopped at exit, and the rank leaves.
+    start = time.monotonic()
+    done = run_script(tmp_path, "daemon.py", f"SIZE = {size}\n" + DAEMON_IN_A_CALL,
+                      env={"RINGREDUCE_SHM": shm}, abort_on_exception=False)
+    assert done.returncode == 0, done.stderr
+    assert "rank 0 exits" in done.stdout and "rank 1 exits" in done.stdout
+    assert "terminate" not in done.stderr
+    assert time.monotonic() - start < 60
 
 
 SKIP_CREATION = """
