@@ -338,7 +338,8 @@ class AsyncAllreduce : public CallQueue::Call {
 // The CallQueue of a Communicator, as the Python layer's _Executor uses it.
 class Executor {
  public:
-  Executor() : queue_(&PythonCall::thread_end) {}
+  explicit Executor(std::shared_ptr<RunningLock> running)
+      : queue_(&PythonCall::thread_end, std::move(running)) {}
   ~Executor() {  // (from Python, with the GIL)
     py::gil_scoped_release nogil;  // (queued Python calls need it to finish)
     queue_.stop();
@@ -932,6 +933,7 @@ PYBIND11_MODULE(_core, m) {
 
   py::class_<RunningLock, std::shared_ptr<RunningLock>>(
       m, "RunningLock", "held while the core runs a collective (csrc/call_queue.h); an RLock's API")
+      .def(py::init<>())
       .def("acquire", &acquire_running, py::arg("blocking") = true,
            py::arg("timeout") = std::optional<double>())
       .def("release",
@@ -948,7 +950,8 @@ PYBIND11_MODULE(_core, m) {
       });
   py::class_<Executor>(m, "Executor",
                        "the worker thread of a Communicator's asynchronous calls (csrc/call_queue.h)")
-      .def(py::init<>())
+      .def(py::init<std::shared_ptr<RunningLock>>(), py::arg("running") = nullptr,
+           "running: a RunningLock shared with other executors (none: one of its own)")
       .def("push", &Executor::push, "queue a _Work, whose execute() the worker runs with the GIL")
       .def("pending", &Executor::pending)
       .def_property_readonly("started", &Executor::started)

@@ -71,9 +71,13 @@ class CallQueue {
   };
 
   // thread_end: run by the worker thread as it ends (its last use of anything).
-  explicit CallQueue(std::function<void()> thread_end = nullptr)
+  // running: the lock to hold while a call runs, if shared with other queues (none:
+  // one of its own).
+  explicit CallQueue(std::function<void()> thread_end = nullptr,
+                     std::shared_ptr<RunningLock> running = nullptr)
       : state_(std::make_shared<State>()) {
     state_->thread_end = std::move(thread_end);
+    if (running) state_->running = std::move(running);
   }
   ~CallQueue() { stop(); }
   CallQueue(const CallQueue&) = delete;

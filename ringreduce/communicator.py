@@ -255,6 +255,25 @@ class _Work:
         self.finished.set()
 
 
+# MPI without THREAD_MULTIPLE lets one thread at a time call it (SERIALIZED), or only
+# the main thread (FUNNELED, SINGLE). Every Communicator then holds this one lock while
+# it calls MPI (making, calls, closing), so that ringreduce keeps the rule itself: its
+# MPI calls are all inside its own. The program keeps its own MPI calls apart from them.
+_SERIAL = _core.RunningLock()
+_THREAD_LEVELS = {MPI.THREAD_SINGLE: "MPI_THREAD_SINGLE", MPI.THREAD_FUNNELED: "MPI_THREAD_FUNNELED",
+                  MPI.THREAD_SERIALIZED: "MPI_THREAD_SERIALIZED"}
+
+
+def _check_thread(context: str) -> None:
+    """Raises unless MPI lets this thread call it."""
+    level = MPI.Query_thread()
+    if level < MPI.THREAD_SERIALIZED and not MPI.Is_thread_main():
+        raise ValueError(f"{context}: MPI was initialised with {_THREAD_LEVELS[level]}, which "
+                         "lets only the main thread call MPI; make ringreduce calls from the "
+                         "main thread, or initialise MPI with MPI_THREAD_MULTIPLE (mpi4py's "
+                         "default: mpi4py.rc.thread_level = 'multiple')")
+
+
 class _Executor:
     """Runs queued work items one at a time, in order, on a thread of its own (the
     core's CallQueue, csrc/call_queue.h): an allreduce of host arrays queued by the
@@ -266,7 +285,7 @@ class _Executor:
 
     def __init__(self, threaded: bool):
         self.threaded = threaded  # False: MPI lacks THREAD_MULTIPLE, run everything inline
-        self.calls = _core.Executor()
+        self.calls = _core.Executor() if threaded else _core.Executor(running=_SERIAL)
         # Held while the core runs a collective. Reentrant: a signal handler that calls
         # close() while its thread holds it (a call just returned from the core) must
         # not wait for itself.
@@ -467,10 +486,16 @@ class Communicator:
         timeout = _checked_timeout(timeout)
         _check_environment()
         self._mpi_comm = comm
-        self._core = _core.RingCommunicator(MPI._addressof(comm), timeout)
+        threaded = MPI.Query_thread() == MPI.THREAD_MULTIPLE
+        if threaded:
+            self._core = _core.RingCommunicator(MPI._addressof(comm), timeout)
+        else:
+            _check_thread("ringreduce.Communicator")
+            with _SERIAL:
+                self._core = _core.RingCommunicator(MPI._addressof(comm), timeout)
         self.rank: int = self._core.rank
         self.size: int = self._core.size
-        self._executor = _Executor(threaded=MPI.Query_thread() == MPI.THREAD_MULTIPLE)
+        self._executor = _Executor(threaded)
         self._closed = False
         self._closing = False  # close() has begun: no more calls
         self._direct = None  # see _cuda_direct()
@@ -603,6 +628,8 @@ class Communicator:
         """
         if self._closed:
             return
+        if not self._executor.threaded:
+            _check_thread("ringreduce.close")
         # No call starts here from now on (another thread's raises ValueError), so that
         # the calls in flight finish and the close takes its turn after them, even while
         # another thread would go on making calls.
@@ -718,6 +745,8 @@ class Communicator:
             return gather_rest(core, source, counts, row_shape, row_elems, dtype, out, results)
 
         executor = self._executor
+        if MPI.Query_thread() < MPI.THREAD_SERIALIZED:
+            return None  # (every call checks its thread, in Python)
         return _core.FastPath(core, executor.calls, executor.threaded, t.validated_pairs,
                               t.dtype_codes, t.shape_tag, results.empty, self._scratch.get,
                               gather_rest_here,
@@ -733,6 +762,8 @@ class Communicator:
             raise ValueError(f"{context}: this Communicator has been closed")
         if self._closing:
             raise ValueError(f"{context}: this Communicator is being closed (by another thread)")
+        if not self._executor.threaded:
+            _check_thread(context)
         try:
             run = prepare(context, *args)
         except Exception:  # TypeError, ValueError, a MemoryError copying x, ...

@@ -1,0 +1,85 @@
+"""Whole jobs whose MPI was initialised without MPI_THREAD_MULTIPLE (mpi4py asks for it
+by default): ringreduce must keep MPI's rule for the level itself, as its MPI calls are
+all inside its own. SERIALIZED: one thread at a time, across every Communicator (two
+threads calling two Communicators at once segfaulted, lost a message or got an
+internal MPI error). FUNNELED and SINGLE: the main thread only, so a call from another
+thread raises ValueError before it touches MPI."""
+import subprocess
+import sys
+
+import pytest
+
+from launch import job_env, mpiexec
+
+JOB = """
+import sys
+import threading
+import time
+import mpi4py
+mpi4py.rc.thread_level = sys.argv[1]
+from mpi4py import MPI
+import numpy as np
+import ringreduce as rr
+
+a, b = rr.Communicator(timeout=60), rr.Communicator(timeout=60)
+x = np.arange(1000.0)
+assert (a.allreduce(x) == 2 * x).all()
+assert (a.allreduce_async(x).wait() == 2 * x).all()  # (run at once, in this thread)
+
+# While a thread is inside a call on one Communicator, no other thread of the rank
+# may enter MPI through another: the rank that is not late sits in `a` meanwhile.
+inside = threading.Event()
+def try_b():
+    inside.wait(10)
+    time.sleep(0.2)
+    held = not b._executor.running.acquire(blocking=False)
+    if not held:
+        b._executor.running.release()
+    print(f"rank {a.rank}: another Communicator was {'' if held else 'not '}held", flush=True)
+if a.rank == 0:
+    t = threading.Thread(target=try_b)
+    t.start()
+    inside.set()
+    a.allreduce(x)  # rank 1 joins a second later
+    t.join()
+else:
+    time.sleep(1.0)
+    a.allreduce(x)
+
+said = []
+def from_another_thread():
+    try:
+        said.append(f"worked: {(b.allreduce(x) == 2 * x).all()}")
+    except ValueError as error:
+        said.append(f"ValueError: {error}")
+t = threading.Thread(target=from_another_thread)
+t.start()
+t.join()
+print(f"rank {a.rank}: from another thread: {said[0]}", flush=True)
+a.close()
+b.close()
+print(f"rank {a.rank}: done", flush=True)
+"""
+
+
+@pytest.mark.parametrize("level", ["serialized", "funneled", "single"])
+def test_calls_keep_the_mpi_thread_level(level, tmp_path):
+    script = tmp_path / "levels.py"
+    script.write_text(JOB)
+    try:
+        done = subprocess.run([mpiexec(), "-n", "2", sys.executable, "-m", "mpi4py", str(script),
+                               level], capture_output=True, text=True, timeout=120,
+                              env=job_env())
+    except subprocess.TimeoutExpired:
+        subprocess.run(["pkill", "-f", str(script)])
+        raise AssertionError("the job hung instead of ending") from None
+    assert done.returncode == 0, done.stderr
+    assert "rank 0: another Communicator was held" in done.stdout, done.stdout
+    for rank in (0, 1):
+        if level == "serialized":
+            assert f"rank {rank}: from another thread: worked: True" in done.stdout
+        else:
+            assert (f"rank {rank}: from another thread: ValueError: ringreduce.allreduce "
+                    f"(rank {rank} of 2): MPI was initialised with MPI_THREAD_{level.upper()}, "
+                    "which lets only the main thread call MPI") in done.stdout, done.stdout
+        assert f"rank {rank}: done" in done.stdout
