@@ -197,9 +197,16 @@ Span RingCommunicator::segment_of(int rank, int size, int64_t count) {
 void RingCommunicator::check_usable() const {
   if (closed_) throw std::invalid_argument("this ringreduce Communicator has been closed");
   if (gave_up_) throw TimeoutError("this ringreduce Communicator gave up earlier: " + broken_);
-  if (!broken_.empty())
+  if (broken_by_mpi_)
     throw MpiError("this ringreduce Communicator is unusable after an earlier MPI error: " +
                    broken_);
+  if (!broken_.empty())
+    throw std::runtime_error("this ringreduce Communicator is unusable after an earlier "
+                             "error on this rank: " + broken_);
+  // Every wait drives MPI now and then, which after MPI_Finalize ends the process.
+  int finalized = 0;
+  MPI_Finalized(&finalized);
+  if (finalized) throw MpiError("MPI has been finalised (MPI.Finalize()): no call can follow");
 }
 
 void RingCommunicator::set_timeout(double seconds) {

@@ -304,6 +304,7 @@ class RingCommunicator {
       // tell them, so they raise at once instead of after their timeout (which also
       // leaves what MPI still holds of this call to MPI_Finalize).
       broken_ = e.what();
+      broken_by_mpi_ = dynamic_cast<const MpiError*>(&e) != nullptr;
       if (size() > 1) depart(Departure::Left);
       throw;
     }
@@ -408,7 +409,8 @@ class RingCommunicator {
   std::vector<char> outgoing_;
   std::vector<char> inline_scratch_;  // two accumulators for allreduce_inline()
   bool closed_ = false;
-  std::string broken_;  // set when an MPI error left messages in flight
+  std::string broken_;  // set when an error in a call (MPI's or another) left it unusable
+  bool broken_by_mpi_ = false;  // (an MpiError did)
   bool gave_up_ = false;  // ... after a timeout (see give_up())
   bool departed_ = false;  // this rank has left (depart())
   int64_t exchanges_ = 0;  // header exchanges begun (begin_exchange())

@@ -202,6 +202,41 @@ def test_a_daemon_thread_inside_a_call_at_exit_ends_with_the_process(tmp_path, s
     assert time.monotonic() - start < 60
 
 
+AFTER_FINALIZE = """
+import numpy as np
+from mpi4py import MPI
+import ringreduce as rr
+
+ring = rr.Communicator(timeout=60)
+ring.allreduce(np.ones(3))
+MPI.Finalize()
+for name, call in [("small", lambda: ring.allreduce(np.ones(3))),
+                   ("large", lambda: ring.allreduce(np.ones(1 << 20))),
+                   ("async", lambda: ring.allreduce_async(np.ones(1 << 20)).wait()),
+                   ("allgather", lambda: ring.allgather(np.ones(3)))]:
+    try:
+        call()
+        print(f"{name} returned", flush=True)
+    except rr.MPIError as error:
+        print(f"{name} raised {error}", flush=True)
+ring.close()
+print("closed", flush=True)
+"""
+
+
+@pytest.mark.parametrize("shm", ["1", "0"], ids=["shared memory", "MPI"])
+def test_calls_after_mpi_finalize_raise(tmp_path, shm):
+    # Before, a wait drove MPI (MPI_Iprobe) after MPI_Finalize, which ends the process
+    # without a word from Python, and a small call returned a result.
+    done = run_script(tmp_path, "finalized.py", AFTER_FINALIZE, env={"RINGREDUCE_SHM": shm},
+                      abort_on_exception=False)
+    assert done.returncode == 0, done.stderr
+    for name in ("small", "large", "async", "allgather"):
+        assert done.stdout.count(f"{name} raised ") == 2, done.stdout
+    assert "MPI has been finalised" in done.stdout
+    assert done.stdout.count("closed") == 2
+
+
 SKIP_CREATION = """
 import time
 import numpy as np

@@ -513,6 +513,11 @@ def test_ctrl_c_stops_a_call_that_waits_for_ranks_that_will_not_come(mode, wire,
                 with pytest.raises(RuntimeError, match=r"interrupted \(SIGINT\)"):
                     handle.wait(10)
         assert ring._core.departed
+        # Later calls say why, and that it was no MPI error (it once said it was).
+        with pytest.raises(RuntimeError, match=r"unusable after an earlier error on this "
+                           r"rank: interrupted \(SIGINT\)") as later:
+            ring.allreduce(x)
+        assert not isinstance(later.value, rr.MPIError)
         world.Barrier()
     else:
         world.Barrier()
