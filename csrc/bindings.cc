@@ -57,7 +57,7 @@ DeviceCall device_call(RingCommunicator&, int ordinal, uintptr_t ready, uintptr_
 // never does. So the handler Python installed is chained behind one that also counts
 // SIGINTs; the core's waits stop a call during which the count moved (StopRequest).
 // A later signal.signal(SIGINT, ...) replaces it, so making a Communicator chains it
-// again (calls in between wait out their timeout).
+// again (calls in between wait out their timeout), if Python's handler is its default.
 std::atomic<uint64_t> sigints{0};
 struct sigaction python_sigint;
 
@@ -69,7 +69,16 @@ extern "C" void count_sigint(int signal, siginfo_t* info, void* context) {
     python_sigint.sa_handler(signal);
 }
 
+// Whether Python's SIGINT handler is its default, which raises KeyboardInterrupt. A
+// handler of the program's own (a graceful stop that sets a flag, say) decides for
+// itself what a SIGINT does: a call must not be stopped under it.
+bool python_default_sigint() {
+  py::module_ signal = py::module_::import("signal");
+  return signal.attr("getsignal")(SIGINT).is(signal.attr("default_int_handler"));
+}
+
 void chain_sigint_handler() {
+  if (!python_default_sigint()) return;
   struct sigaction current;
   if (sigaction(SIGINT, nullptr, &current) != 0) return;
   const bool handled = (current.sa_flags & SA_SIGINFO)

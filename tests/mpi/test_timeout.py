@@ -549,6 +549,32 @@ def test_ctrl_c_still_stops_a_call_after_signal_signal_replaced_the_handler(worl
 
 
 @needs_two
+def test_a_sigint_handler_of_the_programs_own_decides_what_ctrl_c_does(world):
+    # A graceful stop: the program's handler notes the SIGINT and the call in flight
+    # goes on. (Installed before the Communicator was made, it once had the call
+    # stopped, and the rank leave the communicator.)
+    noted = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: noted.append(signum))
+    try:
+        ring = rr.Communicator(timeout=60)
+        x = np.full(1 << 16, 1.0, np.float32)
+        if RANK == 0:
+            ctrl_c = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT))
+            ctrl_c.start()
+            result = ring.allreduce(x)  # the others join a second later
+            ctrl_c.join()
+            assert noted == [signal.SIGINT]
+        else:
+            time.sleep(1.0)
+            result = ring.allreduce(x)
+        assert (result == SIZE).all()
+        ring.close()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    world.Barrier()
+
+
+@needs_two
 def test_ctrl_c_stops_making_a_communicator_the_others_do_not_make(world):
     # Making one waits for every rank too: a SIGINT ends rank 0's wait at once
     # (KeyboardInterrupt), not after the timeout. The others, coming late, complete its
