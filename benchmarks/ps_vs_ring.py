@@ -71,7 +71,7 @@ def main():
     if rank != 0:
         return
     n = x.nbytes
-    print(f"{size} ranks, {n / 2**20:g} MiB per rank (N); bytes each rank moved, in units of N")
+    print(f"{size} ranks, {n / 2**20:g} MiB per rank (N); bytes each rank moved, in units of N\n")
     print("| rank | ring: sent | ring: received | parameter server: sent | parameter server: "
           "received |\n|---|---|---|---|---|")
     for r, (rs, rr_), (ps, pr) in rows:

@@ -175,7 +175,7 @@ class Adam:
 # ever fewer): gradients of 1e-6 lose most of their digits and smaller ones round to 0.
 # So an fp16 bucket travels multiplied by a power of two, its scale. The ranks agree on
 # it from every rank's largest gradient (an 8-byte max): the largest scale with which no
-# partial sum of the ring passes 2 ** 12 (8x below float16's top: room for the next
+# partial sum of the ring passes 2 ** 12 (16x below float16's top: room for the next
 # step's gradients to grow). Every rank then holds the same sums, so every rank adjusts
 # the scale from them alike, without a message: down at once when the sums pass 2 ** aim
 # (room for partial sums up to p times the average too), up 2x after _FP16_GROW_AFTER
@@ -196,8 +196,8 @@ _FP16_FAR = 3                # how far below the aim, or their last level, sums 
 
 
 def _fp16_scale_below(peak: float) -> float | None:
-    """The largest allowed power of two s with peak * s < 2 ** 12 (8x below float16's
-    top, 65504: room for gradients 8x larger at the next step); None for a peak of 0 or
+    """The largest allowed power of two s with peak * s < 2 ** 12 (16x below float16's
+    top, 65504: room for gradients 16x larger at the next step); None for a peak of 0 or
     not finite (no scale to learn from it)."""
     if peak == 0 or not math.isfinite(peak):
         return None
