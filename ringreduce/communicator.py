@@ -264,9 +264,9 @@ _THREAD_LEVELS = {MPI.THREAD_SINGLE: "MPI_THREAD_SINGLE", MPI.THREAD_FUNNELED: "
                   MPI.THREAD_SERIALIZED: "MPI_THREAD_SERIALIZED"}
 
 
-def _check_thread(context: str) -> None:
-    """Raises unless MPI lets this thread call it."""
-    level = MPI.Query_thread()
+def _check_thread(context: str, level: int) -> None:
+    """Raises unless MPI, initialised at `level` (below THREAD_MULTIPLE), lets this
+    thread call it."""
     if level < MPI.THREAD_SERIALIZED and not MPI.Is_thread_main():
         raise ValueError(f"{context}: MPI was initialised with {_THREAD_LEVELS[level]}, which "
                          "lets only the main thread call MPI; make ringreduce calls from the "
@@ -486,11 +486,12 @@ class Communicator:
         timeout = _checked_timeout(timeout)
         _check_environment()
         self._mpi_comm = comm
-        threaded = MPI.Query_thread() == MPI.THREAD_MULTIPLE
+        self._thread_level = MPI.Query_thread()
+        threaded = self._thread_level == MPI.THREAD_MULTIPLE
         if threaded:
             self._core = _core.RingCommunicator(MPI._addressof(comm), timeout)
         else:
-            _check_thread("ringreduce.Communicator")
+            _check_thread("ringreduce.Communicator", self._thread_level)
             with _SERIAL:
                 self._core = _core.RingCommunicator(MPI._addressof(comm), timeout)
         self.rank: int = self._core.rank
@@ -629,7 +630,7 @@ class Communicator:
         if self._closed:
             return
         if not self._executor.threaded:
-            _check_thread("ringreduce.close")
+            _check_thread("ringreduce.close", self._thread_level)
         # No call starts here from now on (another thread's raises ValueError), so that
         # the calls in flight finish and the close takes its turn after them, even while
         # another thread would go on making calls.
@@ -745,7 +746,7 @@ class Communicator:
             return gather_rest(core, source, counts, row_shape, row_elems, dtype, out, results)
 
         executor = self._executor
-        if MPI.Query_thread() < MPI.THREAD_SERIALIZED:
+        if self._thread_level < MPI.THREAD_SERIALIZED:
             return None  # (every call checks its thread, in Python)
         return _core.FastPath(core, executor.calls, executor.threaded, t.validated_pairs,
                               t.dtype_codes, t.shape_tag, results.empty, self._scratch.get,
@@ -763,7 +764,7 @@ class Communicator:
         if self._closing:
             raise ValueError(f"{context}: this Communicator is being closed (by another thread)")
         if not self._executor.threaded:
-            _check_thread(context)
+            _check_thread(context, self._thread_level)
         try:
             run = prepare(context, *args)
         except Exception:  # TypeError, ValueError, a MemoryError copying x, ...
