@@ -21,6 +21,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <thread>
 #include <vector>
 
 #include "call_queue.h"
@@ -51,6 +52,23 @@ DeviceCall device_call(RingCommunicator&, int ordinal, uintptr_t ready, uintptr_
   return DeviceCall{ordinal, emulate, reinterpret_cast<void*>(ready),
                     reinterpret_cast<void*>(stream), direct};
 }
+
+// Threads inside ringreduce without the GIL. Python, finalising, ends a thread that
+// takes the GIL back (pthread_exit); inside C++ frames that ends the process
+// (std::terminate). So the exit waits until none is left in here (see
+// wait_until_no_thread_without_gil), having stopped what they were doing.
+std::atomic<int> threads_without_gil{0};
+
+struct CountedWithoutGil {
+  CountedWithoutGil() { threads_without_gil.fetch_add(1); }
+  ~CountedWithoutGil() { threads_without_gil.fetch_sub(1); }
+};
+
+// py::gil_scoped_release, counted until the GIL is back (members end in reverse order).
+class WithoutGil {
+  CountedWithoutGil counted_;
+  py::gil_scoped_release release_;
+};
 
 // Ctrl-C: Python's SIGINT handler only notes the signal, and raises KeyboardInterrupt
 // once this thread runs Python again, which a call waiting for a rank that will not come
@@ -106,7 +124,7 @@ void check_buffer(RingCommunicator& self, bool fits, Collective collective, int6
                   const char* what) {
   if (fits) return;
   {
-    py::gil_scoped_release nogil;
+    WithoutGil nogil;
     self.announce_invalid(collective, chunk_bytes);
   }
   throw std::invalid_argument(std::string(collective_name(collective)) + ": " + what);
@@ -121,7 +139,7 @@ auto keeping_on_departure(RingCommunicator& self, std::initializer_list<py::hand
                           F&& call) {
   const bool departed_before = self.departed();
   try {
-    py::gil_scoped_release nogil;
+    WithoutGil nogil;
     return call();
   } catch (...) {
     if (self.departed() && !departed_before)
@@ -184,7 +202,7 @@ bool wait_interruptibly(std::optional<double> seconds, Done done, WaitFor wait_f
       slice = std::min(slice, left);
     }
     {
-      py::gil_scoped_release nogil;
+      WithoutGil nogil;
       if (wait_for(slice)) return true;
     }
     if (PyErr_CheckSignals() != 0) throw py::error_already_set();
@@ -350,7 +368,7 @@ class Executor {
   explicit Executor(std::shared_ptr<RunningLock> running)
       : queue_(&PythonCall::thread_end, std::move(running)) {}
   ~Executor() {  // (from Python, with the GIL)
-    py::gil_scoped_release nogil;  // (queued Python calls need it to finish)
+    WithoutGil nogil;  // (queued Python calls need it to finish)
     queue_.stop();
   }
   void push(py::object work) {
@@ -378,7 +396,7 @@ class Executor {
   }
   void stop() {
     {
-      py::gil_scoped_release nogil;
+      WithoutGil nogil;
       queue_.stop();
     }
     later_releases.flush();
@@ -817,6 +835,19 @@ PYBIND11_MODULE(_core, m) {
     }
   });
   chain_sigint_handler();
+  m.def(
+      "wait_until_no_thread_without_gil",
+      [](double seconds) {
+        py::gil_scoped_release nogil;  // (not counted: the caller's own)
+        const auto end = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
+        while (threads_without_gil.load() > 0) {
+          if (std::chrono::steady_clock::now() >= end) return false;
+          std::this_thread::sleep_for(std::chrono::milliseconds(1));
+        }
+        return true;
+      },
+      "at exit: waits (at most `seconds`) until no other thread is inside ringreduce without "
+      "the GIL; whether none is");
 
   py::list dtypes, ops;
   for (int d = 0; d < kNumDTypes; ++d) dtypes.append(dtype_name(static_cast<DType>(d)));
@@ -838,7 +869,7 @@ PYBIND11_MODULE(_core, m) {
   m.def(
       "cuda_reduce",
       [](uintptr_t dst, uintptr_t a, uintptr_t b, int64_t n, int dtype, int op, uintptr_t stream) {
-        py::gil_scoped_release nogil;
+        WithoutGil nogil;
         cuda::reduce(DType(dtype), Op(op), reinterpret_cast<void*>(dst),
                      reinterpret_cast<const void*>(a), reinterpret_cast<const void*>(b), n,
                      reinterpret_cast<void*>(stream));
@@ -848,7 +879,7 @@ PYBIND11_MODULE(_core, m) {
   m.def(
       "cuda_divide",
       [](uintptr_t data, int64_t n, int dtype, int64_t divisor, uintptr_t stream) {
-        py::gil_scoped_release nogil;
+        WithoutGil nogil;
         cuda::divide(DType(dtype), reinterpret_cast<void*>(data), n, divisor,
                      reinterpret_cast<void*>(stream));
         cuda::synchronize(reinterpret_cast<void*>(stream));
@@ -889,7 +920,7 @@ PYBIND11_MODULE(_core, m) {
         const void* pa = a.data();
         const void* pb = b.data();
         const int64_t n = out.size();
-        py::gil_scoped_release nogil;
+        WithoutGil nogil;
         reduce(DType(dtype), Op(op), dst, pa, pb, n);
       },
       "out = a OP b with the core's kernels (contiguous arrays of one dtype, checked by the caller)");
@@ -898,7 +929,7 @@ PYBIND11_MODULE(_core, m) {
       [](py::array data, int dtype, int64_t divisor) {
         void* p = data.mutable_data();
         const int64_t n = data.size();
-        py::gil_scoped_release nogil;
+        WithoutGil nogil;
         divide(DType(dtype), p, n, divisor);
       },
       "data /= divisor in place with the core's kernels");
@@ -990,7 +1021,7 @@ PYBIND11_MODULE(_core, m) {
       .def(py::init([](uintptr_t comm_address, double timeout_s) {
              const MPI_Comm comm = comm_from_address(comm_address);
              chain_sigint_handler();  // again, if Python's handler was replaced since
-             py::gil_scoped_release nogil;  // it may wait for the other ranks
+             WithoutGil nogil;  // it may wait for the other ranks
              return new RingCommunicator(comm, timeout_s, &sigints);
            }),
            py::arg("comm_address"), py::arg("timeout_s"))
@@ -1077,7 +1108,7 @@ PYBIND11_MODULE(_core, m) {
            py::arg("x") = py::none())
       .def("allgather_confirm",
            [](RingCommunicator& self, bool ok, int64_t out_bytes) {
-             py::gil_scoped_release nogil;
+             WithoutGil nogil;
              self.allgather_confirm(ok, out_bytes);
            })
       .def("allgather",
@@ -1100,7 +1131,7 @@ PYBIND11_MODULE(_core, m) {
            })
       .def("announce_invalid",
            [](RingCommunicator& self, int collective, int64_t chunk_bytes, bool device) {
-             py::gil_scoped_release nogil;
+             WithoutGil nogil;
              self.announce_invalid(Collective(collective), chunk_bytes,
                                    device ? kDeviceMemory : kHostMemory);
            },
@@ -1111,7 +1142,7 @@ PYBIND11_MODULE(_core, m) {
            [](RingCommunicator& self, uintptr_t in, uintptr_t out, int64_t count, int dtype,
               int op, int64_t chunk_bytes, int ordinal, uintptr_t ready, uintptr_t stream,
               bool direct, bool emulate) {
-             py::gil_scoped_release nogil;
+             WithoutGil nogil;
              self.allreduce_device(device_call(self, ordinal, ready, stream, direct, emulate),
                                    ptr<const void>(in), ptr<void>(out), count, DType(dtype),
                                    Op(op), chunk_bytes);
@@ -1120,7 +1151,7 @@ PYBIND11_MODULE(_core, m) {
            [](RingCommunicator& self, uintptr_t in, uintptr_t work, int64_t count, int dtype,
               int op, int64_t chunk_bytes, int ordinal, uintptr_t ready, uintptr_t stream,
               bool direct, bool emulate) {
-             py::gil_scoped_release nogil;
+             WithoutGil nogil;
              self.reduce_scatter_device(
                  device_call(self, ordinal, ready, stream, direct, emulate), ptr<const void>(in),
                  ptr<void>(work), count, DType(dtype), Op(op), chunk_bytes);
@@ -1128,7 +1159,7 @@ PYBIND11_MODULE(_core, m) {
       .def("reserve_staging",
            [](RingCommunicator& self, int64_t bytes, int ordinal, uintptr_t ready,
               uintptr_t stream, bool direct, bool emulate) {
-             py::gil_scoped_release nogil;
+             WithoutGil nogil;
              self.reserve_staging(device_call(self, ordinal, ready, stream, direct, emulate),
                                   bytes);
            })
@@ -1136,7 +1167,7 @@ PYBIND11_MODULE(_core, m) {
            [](RingCommunicator& self, uintptr_t in, uintptr_t out,
               const std::vector<int64_t>& row_counts, int64_t row_elems, int dtype, bool out_ready,
               int ordinal, uintptr_t ready, uintptr_t stream, bool direct, bool emulate) {
-             py::gil_scoped_release nogil;
+             WithoutGil nogil;
              self.allgather_device(device_call(self, ordinal, ready, stream, direct, emulate),
                                    ptr<const void>(in), ptr<void>(out), row_counts, row_elems,
                                    DType(dtype), out_ready);
@@ -1145,7 +1176,7 @@ PYBIND11_MODULE(_core, m) {
            [](RingCommunicator& self, uintptr_t buf, int64_t count, int dtype, int root,
               int64_t chunk_bytes, int ordinal, uintptr_t ready, uintptr_t stream, bool direct,
               bool emulate) {
-             py::gil_scoped_release nogil;
+             WithoutGil nogil;
              self.broadcast_device(device_call(self, ordinal, ready, stream, direct, emulate),
                                    ptr<void>(buf), count, DType(dtype), root, chunk_bytes);
            })
@@ -1154,7 +1185,7 @@ PYBIND11_MODULE(_core, m) {
       })
       .def("close",
            [](RingCommunicator& self) {
-             py::gil_scoped_release nogil;
+             WithoutGil nogil;
              self.close();
            })
       .def("leave", &RingCommunicator::leave,

@@ -134,9 +134,12 @@ MpiTransport::MpiTransport(MPI_Comm user_comm, double timeout_s,
 
 MpiTransport::~MpiTransport() {
   // A destructor cannot report errors; after MPI_Finalize the handle is gone anyway.
-  int finalized = 1;
+  // Below MPI_THREAD_MULTIPLE it may run on a thread MPI does not allow (garbage
+  // collection runs anywhere), so MPI_Finalize frees the handle then.
+  int finalized = 1, level = MPI_THREAD_SINGLE;
   MPI_Finalized(&finalized);
-  if (!finalized && comm_ != MPI_COMM_NULL) MPI_Comm_free(&comm_);
+  if (!finalized) MPI_Query_thread(&level);
+  if (!finalized && level == MPI_THREAD_MULTIPLE && comm_ != MPI_COMM_NULL) MPI_Comm_free(&comm_);
 }
 
 void MpiTransport::free() {

@@ -60,7 +60,7 @@ struct CallHeader {
   int64_t wire = -1;        // rank 0's: kWireShm or kWireMpi for this call's ring (see WireTuner)
   int64_t host_limit = 0;   // GPU buffers: the sender's device_host_reduce_bytes (which
                             // decides the path of every GPU call), so it must agree
-  static constexpr int64_t kMagic = 0x52494e4752454434;  // "RINGRED4"
+  static constexpr int64_t kMagic = 0x52494e4752454435;  // "RINGRED5"
 };
 
 constexpr int64_t kWireShm = 0, kWireMpi = 1;

@@ -351,7 +351,18 @@ def _finish_all():
     if os.getpid() != _PROCESS:
         return
     failing = _uncaught_exception()
-    for comm in list(_live):
+    comms = [comm for comm in list(_live) if not comm._closed]
+    for comm in comms:
+        comm._refuse_calls()
+        if comm._executor.running.held_by_a_caller():
+            # A daemon thread (the only kind left now) is inside a blocking call. Python
+            # stops daemon threads where they are; one stopped inside the core, without
+            # the GIL, ends the process (std::terminate). So its call stops at its next
+            # wait, and this rank leaves, as after an error. (First for every
+            # Communicator: below THREAD_MULTIPLE they share one lock, and a call on one
+            # would hold up finishing the others.)
+            comm._core.stop_soon()
+    for comm in comms:
         if failing is None:
             comm._finish_at_exit()
         else:
@@ -360,7 +371,11 @@ def _finish_all():
             # leaves a `with` block, leave, so that they raise at once instead of waiting
             # out their timeout (and MPI_Finalize here, waiting for them, with them).
             comm._leave(f"an uncaught {type(failing).__name__} ended the process first")
-    _core.finish_abandoned_duplicates()
+    # Daemon threads that were waiting to run a call (for the lock, say) come out now
+    # that every Communicator is closed here: let them, before Python stops them.
+    _core.wait_until_no_thread_without_gil(10.0)
+    with _SERIAL:
+        _core.finish_abandoned_duplicates()
 
 
 def _uncaught_exception() -> BaseException | None:
@@ -677,13 +692,9 @@ class Communicator:
             return
         self._refuse_calls()
         executor = self._executor
-        if executor.running.held_by_a_caller():
-            # A daemon thread (the only kind left now) is inside a blocking call. Python
-            # stops daemon threads where they are; a thread stopped inside the core,
-            # without the GIL, would end the process (std::terminate) as it wakes. So
-            # its call stops at its next wait, and this rank leaves, as after an error.
-            self._core.stop_soon()
         executor.finish()
+        # A daemon thread's call that began after _finish_all looked stops too.
+        self._core.stop_soon()
         with executor.running:
             self._core.leave_unclosed()
         self._abandon()

@@ -96,7 +96,7 @@ def test_an_exception_leaving_a_with_block_with_calls_in_flight_lets_the_job_end
     done = run_script(tmp_path, "in_flight.py", LEAVE_WITH_CALLS_IN_FLIGHT)
     assert done.returncode == 0, done.stderr
     assert "rank 0 went on" in done.stdout
-    assert "terminate" not in done.stderr
+    assert "terminate called" not in done.stderr
     assert time.monotonic() - start < 30
 
 
@@ -130,7 +130,7 @@ def test_an_uncaught_exception_on_one_rank_ends_the_job(tmp_path, shm, in_flight
     assert done.returncode != 0
     assert "KeyError: 'only on rank 1'" in done.stderr
     assert "rank 0: ringreduce.allreduce (rank 0 of 2): rank 1 has left" in done.stdout, done
-    assert "terminate" not in done.stderr
+    assert "terminate called" not in done.stderr
     assert time.monotonic() - start < 60
 
 
@@ -171,34 +171,44 @@ def test_a_rank_that_exits_with_fewer_calls_is_reported_at_once_on_shared_memory
 DAEMON_IN_A_CALL = """
 import threading
 import time
+import mpi4py
+mpi4py.rc.thread_level = LEVEL
 import numpy as np
 import ringreduce as rr
 
-ring = rr.Communicator(timeout=300)
+rings = [rr.Communicator(timeout=300) for _ in range(RINGS)]
+ring = rings[-1]  # (below THREAD_MULTIPLE all share one lock: the last is finished last)
 x = np.ones(SIZE)
 
 def sync_forever():
     while True:
         ring.allreduce(x)
 
-threading.Thread(target=sync_forever, daemon=True).start()
+for _ in range(DAEMONS):  # a second waits to run its call while the first runs one
+    threading.Thread(target=sync_forever, daemon=True).start()
 time.sleep(1.0 + 0.3 * ring.rank)  # the ranks end at different times
 print("rank", ring.rank, "exits", flush=True)
 """
 
 
-@pytest.mark.parametrize("size", [1000, 1 << 20])
+@pytest.mark.parametrize("case", [
+    ("multiple", 1, 1, 1000), ("multiple", 1, 1, 1 << 20), ("multiple", 1, 2, 1000),
+    ("serialized", 3, 1, 1000)], ids=["one daemon", "one daemon, 4 MiB", "two daemons",
+                                      "serialized, 3 Communicators"])
 @pytest.mark.parametrize("shm", ["1", "0"], ids=["shared memory", "MPI"])
-def test_a_daemon_thread_inside_a_call_at_exit_ends_with_the_process(tmp_path, shm, size):
+def test_a_daemon_thread_inside_a_call_at_exit_ends_with_the_process(tmp_path, shm, case):
     # Python stops daemon threads where they are as it finalises; one stopped inside a
-    # call (without the GIL, in C++) ended the process with std::terminate as it woke,
-    # while MPI_Finalize ran. Its call is now stopped at exit, and the rank leaves.
+    # call (without the GIL, in C++), or waiting to run one, ended the process with
+    # std::terminate as it woke, while MPI_Finalize ran. Its call is now stopped at
+    # exit, and the rank leaves; the exit waits for such threads to come out.
+    level, rings, daemons, size = case
     start = time.monotonic()
-    done = run_script(tmp_path, "daemon.py", f"SIZE = {size}\n" + DAEMON_IN_A_CALL,
-                      env={"RINGREDUCE_SHM": shm}, abort_on_exception=False)
+    done = run_script(tmp_path, "daemon.py",
+                      f"LEVEL, RINGS, DAEMONS, SIZE = {level!r}, {rings}, {daemons}, {size}\n"
+                      + DAEMON_IN_A_CALL, env={"RINGREDUCE_SHM": shm}, abort_on_exception=False)
     assert done.returncode == 0, done.stderr
     assert "rank 0 exits" in done.stdout and "rank 1 exits" in done.stdout
-    assert "terminate" not in done.stderr
+    assert "terminate called" not in done.stderr
     assert time.monotonic() - start < 60
 
 
