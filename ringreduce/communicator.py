@@ -363,14 +363,12 @@ def _finish_all():
             # would hold up finishing the others.)
             comm._core.stop_soon()
     for comm in comms:
-        if failing is None:
-            comm._finish_at_exit()
-        else:
-            # The process ends on an exception, which may have been raised on this rank
-            # only, while the others wait for it in a collective: as when an exception
-            # leaves a `with` block, leave, so that they raise at once instead of waiting
-            # out their timeout (and MPI_Finalize here, waiting for them, with them).
-            comm._leave(f"an uncaught {type(failing).__name__} ended the process first")
+        # The process may end on an exception raised on this rank only, while the others
+        # wait for it in a collective: as when an exception leaves a `with` block, leave
+        # then, so that they raise at once instead of waiting out their timeout (and
+        # MPI_Finalize here, waiting for them, with them).
+        comm._leave(None if failing is None else
+                    f"an uncaught {type(failing).__name__} ended the process first")
     # Daemon threads that were waiting to run a call (for the lock, say) come out now
     # that every Communicator is closed here: let them, before Python stops them.
     _core.wait_until_no_thread_without_gil(10.0)
@@ -684,38 +682,31 @@ class Communicator:
         # this thread use the core, which is not thread-safe.
         self._leave("an exception left the Communicator's `with` block first")
 
-    def _finish_at_exit(self) -> None:
-        """At a normal exit: finish the queued calls, then tell the ranks on shared
-        memory that this one makes no more (a rank that comes to a call this one never
-        made, an uneven last step, then raises at once instead of at its timeout)."""
-        if self._closed or MPI.Is_finalized():
-            return
-        self._refuse_calls()
-        executor = self._executor
-        executor.finish()
-        # A daemon thread's call that began after _finish_all looked stops too.
-        self._core.stop_soon()
-        with executor.running:
-            self._core.leave_unclosed()
-        self._abandon()
-
     def _refuse_calls(self) -> None:
         """From now on no call starts (another thread's raises ValueError)."""
         self._closing = True
         self._fast = None
 
-    def _leave(self, why: str) -> None:
+    def _leave(self, why: str | None) -> None:
         """Stop using this communicator on this rank only, and tell the others. Queued
-        asynchronous calls never start (their wait() raises ValueError, saying why)."""
+        asynchronous calls never start (their wait() raises ValueError, saying why).
+        why None, at a normal exit: they finish first, and only the ranks on shared
+        memory learn that this one makes no more calls (a rank that comes to a call
+        this one never made, an uneven last step, then raises at once)."""
         if not self._closed and not MPI.Is_finalized():
             self._refuse_calls()
             executor = self._executor
-            executor.cancel(ValueError(f"ringreduce: a collective of {self!r} never ran: "
-                                       f"{why}, and this rank left the communicator"))
-            self._core.stop_soon()
+            if why is not None:
+                executor.cancel(ValueError(f"ringreduce: a collective of {self!r} never ran: "
+                                           f"{why}, and this rank left the communicator"))
+                self._core.stop_soon()
             executor.finish()
+            self._core.stop_soon()  # (a call a daemon thread began since, at exit)
             with executor.running:
-                self._core.leave()
+                if why is None:
+                    self._core.leave_unclosed()
+                else:
+                    self._core.leave()
         self._abandon()
 
     def _abandon(self) -> None:
