@@ -12,8 +12,6 @@ thread_local bool worker_thread = false;
 
 bool CallQueue::on_worker_thread() { return worker_thread; }
 
-bool on_call_queue_worker() { return worker_thread; }
-
 void CallQueue::push(std::shared_ptr<Call> call) {
   State& s = *state_;
   {

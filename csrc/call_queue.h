@@ -24,8 +24,6 @@
 
 namespace ringreduce {
 
-bool on_call_queue_worker();  // CallQueue::on_worker_thread(), for RunningLock
-
 // Held while the core runs a collective, by the worker or by a caller that runs one in
 // its own thread (when nothing is queued): the core runs one call at a time. Reentrant
 // for its thread, as a signal handler may close a communicator while its thread holds
@@ -49,13 +47,7 @@ class RunningLock {
   }
 
  private:
-  bool note(bool locked) {
-    if (locked && depth_++ == 0) {
-      worker_holds_.store(on_call_queue_worker());
-      holder_.store(std::this_thread::get_id());
-    }
-    return locked;
-  }
+  bool note(bool locked);  // (after CallQueue, whose worker it tells apart)
   std::recursive_timed_mutex mutex_;
   std::atomic<std::thread::id> holder_{};
   std::atomic<bool> worker_holds_{false};
@@ -123,5 +115,13 @@ class CallQueue {
 
   std::shared_ptr<State> state_;
 };
+
+inline bool RunningLock::note(bool locked) {
+  if (locked && depth_++ == 0) {
+    worker_holds_.store(CallQueue::on_worker_thread());
+    holder_.store(std::this_thread::get_id());
+  }
+  return locked;
+}
 
 }  // namespace ringreduce

@@ -12,6 +12,7 @@ blocking call made while asynchronous ones are in flight queues behind them.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import math
 import numbers
 import os
@@ -501,12 +502,9 @@ class Communicator:
         self._mpi_comm = comm
         self._thread_level = MPI.Query_thread()
         threaded = self._thread_level == MPI.THREAD_MULTIPLE
-        if threaded:
+        _check_thread("ringreduce.Communicator", self._thread_level)
+        with contextlib.nullcontext() if threaded else _SERIAL:
             self._core = _core.RingCommunicator(MPI._addressof(comm), timeout)
-        else:
-            _check_thread("ringreduce.Communicator", self._thread_level)
-            with _SERIAL:
-                self._core = _core.RingCommunicator(MPI._addressof(comm), timeout)
         self.rank: int = self._core.rank
         self.size: int = self._core.size
         self._executor = _Executor(threaded)

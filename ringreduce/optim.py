@@ -386,18 +386,12 @@ class DistributedOptimizer:
             earlier = self._low_rank_sums.get(index) if self._accumulated else None
             self._low_rank_sums[index] = grad.copy() if earlier is None else earlier + grad
             self._low_rank_reported.add(index)
-            if not self._accumulating:
-                try:
-                    self._start_complete_units()
-                except BaseException:
-                    self.abandon_step()
-                    raise
-            return
-        bucket = self._bucket_of[index]
-        if index in bucket.reported:
-            raise ValueError(f"{who}: params[{index}] was reported twice in one step")
-        self._add_to_bucket(bucket, index, grad)
-        bucket.reported.add(index)
+        else:
+            bucket = self._bucket_of[index]
+            if index in bucket.reported:
+                raise ValueError(f"{who}: params[{index}] was reported twice in one step")
+            self._add_to_bucket(bucket, index, grad)
+            bucket.reported.add(index)
         if not self._accumulating:
             try:
                 self._start_complete_units()

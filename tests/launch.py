@@ -37,6 +37,21 @@ def job_env(extra: dict | None = None) -> dict:
     return {**os.environ, **(extra or {})}
 
 
+def run_script(tmp_path, name, text, env=None, timeout=60, args=(), abort_on_exception=True):
+    """The job on 2 ranks; by default run by `python -m mpi4py`, which ends the job
+    (MPI_Abort) when an exception is not caught."""
+    script = tmp_path / name
+    script.write_text(text)
+    python = [sys.executable, "-m", "mpi4py"] if abort_on_exception else [sys.executable]
+    try:
+        return subprocess.run([mpiexec(), "-n", "2", *python, str(script), *args],
+                              capture_output=True, text=True, timeout=timeout,
+                              env=job_env(env))
+    except subprocess.TimeoutExpired:
+        subprocess.run(["pkill", "-f", str(script)])
+        raise AssertionError("the job hung instead of ending") from None
+
+
 def failures_reported(report_dir: Path) -> str:
     """What failing ranks wrote into the report directory (tests/mpi/conftest.py)."""
     failures = "".join(path.read_text() for path in sorted(report_dir.glob("rank*.failed")))

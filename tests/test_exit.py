@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from launch import job_env, mpiexec
+from launch import job_env, mpiexec, run_script
 
 LEAVE_WITH_BLOCK = """
 import numpy as np
@@ -27,21 +27,6 @@ with rr.Communicator() as ring:
         raise KeyError("only on rank 1")
     ring.allreduce(np.ones(10))  # rank 0 waits here for rank 1
 """
-
-
-def run_script(tmp_path, name, text, env=None, timeout=60, args=(), abort_on_exception=True):
-    """The job on 2 ranks; by default run by `python -m mpi4py`, which ends the job
-    (MPI_Abort) when an exception is not caught."""
-    script = tmp_path / name
-    script.write_text(text)
-    python = [sys.executable, "-m", "mpi4py"] if abort_on_exception else [sys.executable]
-    try:
-        return subprocess.run([mpiexec(), "-n", "2", *python, str(script), *args],
-                              capture_output=True, text=True, timeout=timeout,
-                              env=job_env(env))
-    except subprocess.TimeoutExpired:
-        subprocess.run(["pkill", "-f", str(script)])
-        raise AssertionError("the job hung instead of ending") from None
 
 
 def start_script(tmp_path, name, text, timeout=120):

@@ -4,12 +4,9 @@ all inside its own. SERIALIZED: one thread at a time, across every Communicator 
 threads calling two Communicators at once segfaulted, lost a message or got an
 internal MPI error). FUNNELED and SINGLE: the main thread only, so a call from another
 thread raises ValueError before it touches MPI."""
-import subprocess
-import sys
-
 import pytest
 
-from launch import job_env, mpiexec
+from launch import run_script
 
 JOB = """
 import sys
@@ -64,15 +61,7 @@ print(f"rank {a.rank}: done", flush=True)
 
 @pytest.mark.parametrize("level", ["serialized", "funneled", "single"])
 def test_calls_keep_the_mpi_thread_level(level, tmp_path):
-    script = tmp_path / "levels.py"
-    script.write_text(JOB)
-    try:
-        done = subprocess.run([mpiexec(), "-n", "2", sys.executable, "-m", "mpi4py", str(script),
-                               level], capture_output=True, text=True, timeout=120,
-                              env=job_env())
-    except subprocess.TimeoutExpired:
-        subprocess.run(["pkill", "-f", str(script)])
-        raise AssertionError("the job hung instead of ending") from None
+    done = run_script(tmp_path, "levels.py", JOB, timeout=120, args=(level,))
     assert done.returncode == 0, done.stderr
     assert "rank 0: another Communicator was held" in done.stdout, done.stdout
     for rank in (0, 1):
