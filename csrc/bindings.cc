@@ -963,7 +963,19 @@ PYBIND11_MODULE(_core, m) {
       .def("reduce_scatter_send_segment", &RingSchedule::reduce_scatter_send_segment)
       .def("reduce_scatter_recv_segment", &RingSchedule::reduce_scatter_recv_segment)
       .def("allgather_send_segment", &RingSchedule::allgather_send_segment)
-      .def("allgather_recv_segment", &RingSchedule::allgather_recv_segment);
+      .def("allgather_recv_segment", &RingSchedule::allgather_recv_segment)
+      // Every chunk one rank sends (or receives) in a phase, in the order the core moves
+      // them: (step, segment, chunk) triples, for the pipeline's timeline in ringreduce.sim.
+      .def("phase_chunks", [](const RingSchedule& s, const std::string& phase, bool sending) {
+        if (phase != "reduce_scatter" && phase != "allgather")
+          throw py::value_error("phase must be 'reduce_scatter' or 'allgather', got '" + phase +
+                                "'");
+        py::list chunks;
+        for (const ChunkRef& c : s.phase_chunks(
+                 phase == "reduce_scatter" ? Phase::ReduceScatter : Phase::AllGather, sending))
+          chunks.append(py::make_tuple(c.step, c.segment, c.chunk));
+        return chunks;
+      }, py::arg("phase"), py::arg("sending"));
 
   m.def("finish_abandoned_duplicates", [] {
     int finalized = 1;

@@ -1,6 +1,7 @@
 """All-reduce at any scale, without a cluster: bytes, steps and modelled time.
 
     python -m ringreduce sim --ranks 1024 --bytes 100M [--alpha 5e-6 --beta 1e-10 --gamma 1e-10]
+    python -m ringreduce sim --ranks 3 --bytes 12M --chunk 1M [--timeline pipeline.svg]
 
 The ring is simulated by running ringreduce's own RingSchedule (the C++ class the core
 runs) for every virtual rank, step by step, so the traffic it reports is the traffic the
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 from dataclasses import dataclass
 
@@ -108,6 +110,159 @@ def recursive_doubling(ranks: int, count: int, elem_size: int = 4, alpha=ALPHA, 
 ALGORITHMS = {"ring": ring, "naive": naive, "recursive-doubling": recursive_doubling}
 
 
+@dataclass
+class Busy:
+    """One piece of work in the pipeline's timeline."""
+    rank: int
+    resource: str  # "link": sending to the right neighbour; "cpu": reducing what arrived
+    phase: str  # "reduce-scatter" or "all-gather"
+    step: int  # from 0, within the phase
+    segment: int
+    chunk: int
+    start: float  # seconds
+    end: float
+
+
+@dataclass
+class Timeline:
+    ranks: int
+    count: int
+    elem_size: int
+    chunk_elems: int
+    seconds: float  # modelled time of the whole all-reduce
+    busy: list  # of Busy, in the order each rank's link and cpu do them
+
+
+# The timeline is worked out chunk by chunk for every rank: about 4 p^2 C entries for C
+# chunks per segment.
+MAX_TIMELINE_ENTRIES = 2_000_000
+
+
+def chunks_per_segment(ranks: int, count: int, chunk_elems: int) -> int:
+    """Chunks in the largest segment (at least 1)."""
+    largest_segment = -(-count // ranks)
+    return max(1, -(-largest_segment // max(1, chunk_elems)))
+
+
+def timeline_entries(ranks: int, count: int, chunk_elems: int) -> int:
+    """How many pieces of work pipeline() would work out (to refuse a huge one first)."""
+    return 4 * ranks * max(0, ranks - 1) * chunks_per_segment(ranks, count, chunk_elems)
+
+
+def pipeline(ranks: int, count: int, chunk_elems: int, elem_size: int = 4, alpha=ALPHA,
+             beta=BETA, gamma=GAMMA) -> Timeline:
+    """When every chunk moves and is reduced, in the pipelined ring the core runs.
+
+    Each rank has a link to its right neighbour, which sends one chunk at a time
+    (alpha + bytes * beta), and a CPU, which reduces each chunk that arrives during
+    reduce-scatter (bytes * gamma; all-gather only copies, and a chunk lands where it
+    belongs). Both take the chunks in the order RingSchedule.phase_chunks gives, the
+    order the core uses. A chunk can go on to the next rank once it has arrived and,
+    in reduce-scatter, been reduced; so while a rank reduces chunk c, chunk c+1 is
+    already on the wire. With one chunk per segment nothing overlaps, and the time is
+    that of ring() above.
+    """
+    if chunk_elems < 1:
+        raise ValueError(f"chunk_elems must be at least 1, got {chunk_elems}")
+    if timeline_entries(ranks, count, chunk_elems) > MAX_TIMELINE_ENTRIES:
+        raise ValueError(f"{ranks} ranks with {count} elements in chunks of {chunk_elems} make "
+                         f"more than {MAX_TIMELINE_ENTRIES:,} pieces of work to follow: use "
+                         "larger chunks or fewer ranks")
+    schedules = [_core.RingSchedule(r, ranks, count, chunk_elems) for r in range(ranks)]
+    busy = []
+    link_free = [0.0] * ranks
+    cpu_free = [0.0] * ranks
+    # ready[r][(segment, chunk)]: when rank r has this chunk ready to send on (arrived
+    # and, in reduce-scatter, reduced). All-gather's first step sends the segment the
+    # rank owns, ready once reduce-scatter's last step has reduced it.
+    ready = [{} for _ in range(ranks)]
+    for s in schedules:  # reduce-scatter's first step sends the rank's own data
+        seg = s.reduce_scatter_send_segment(0)
+        ready[s.rank].update({(seg, c): 0.0 for c in range(s.num_chunks(seg))})
+    for phase, name in (("reduce_scatter", "reduce-scatter"), ("allgather", "all-gather")):
+        sends = [s.phase_chunks(phase, True) for s in schedules]
+        receives = [s.phase_chunks(phase, False) for s in schedules]
+        for k in range(ranks - 1):
+            arrived = [{} for _ in range(ranks)]
+            for s in schedules:
+                for step, seg, c in sends[s.rank]:
+                    if step != k:
+                        continue
+                    nbytes = s.chunk(seg, c)[1] * elem_size
+                    start = max(link_free[s.rank], ready[s.rank][(seg, c)])
+                    link_free[s.rank] = start + alpha + nbytes * beta
+                    arrived[s.right][(seg, c)] = link_free[s.rank]
+                    busy.append(Busy(s.rank, "link", name, k, seg, c, start,
+                                     link_free[s.rank]))
+            for s in schedules:
+                for step, seg, c in receives[s.rank]:
+                    if step != k:
+                        continue
+                    at = arrived[s.rank][(seg, c)]
+                    if phase == "reduce_scatter":
+                        start = max(cpu_free[s.rank], at)
+                        cpu_free[s.rank] = start + s.chunk(seg, c)[1] * elem_size * gamma
+                        busy.append(Busy(s.rank, "cpu", name, k, seg, c, start,
+                                         cpu_free[s.rank]))
+                        at = cpu_free[s.rank]
+                    ready[s.rank][(seg, c)] = at
+    seconds = max((b.end for b in busy), default=0.0)
+    return Timeline(ranks, count, elem_size, chunk_elems, seconds, busy)
+
+
+def draw_timeline(timelines: list, path: str) -> None:
+    """The timelines one above another, on one time axis (SVG, PNG or PDF)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    ranks = timelines[0].ranks
+    fig, axes = plt.subplots(len(timelines), 1, sharex=True, squeeze=False,
+                             figsize=(10, 0.55 * 2 * ranks * len(timelines) + 1.6))
+    colors = plt.get_cmap("tab10")
+    unit, scale = ("ms", 1e3) if max(t.seconds for t in timelines) >= 1e-3 else ("us", 1e6)
+    for ax, t in zip(axes[:, 0], timelines):
+        rows = [(r, what) for r in range(ranks) for what in ("link", "cpu")]
+        for b in t.busy:
+            y = rows.index((b.rank, b.resource))
+            gather = b.phase == "all-gather"
+            ax.broken_barh([((b.start) * scale, (b.end - b.start) * scale)], (y - 0.4, 0.8),
+                           facecolor=colors(b.segment % 10), edgecolor="black", linewidth=0.4,
+                           alpha=0.45 if gather else 0.95, hatch="//" if gather else None)
+            if (b.end - b.start) / t.seconds > 0.035:  # label the bars wide enough
+                ax.text((b.start + b.end) / 2 * scale, y, f"S{b.segment}.{b.chunk}",
+                        ha="center", va="center", fontsize=6)
+        ax.set_yticks(range(len(rows)))
+        ax.set_yticklabels([f"rank {r} " + ("sends" if what == "link" else "reduces")
+                            for r, what in rows], fontsize=8)
+        ax.invert_yaxis()
+        chunks = chunks_per_segment(ranks, t.count, t.chunk_elems)
+        ax.set_title(f"chunks of {_size(t.chunk_elems * t.elem_size)} ({chunks} per segment): "
+                     f"{t.seconds * scale:.2f} {unit}", fontsize=9, loc="left")
+        ax.axvline(t.seconds * scale, color="gray", linestyle=":", linewidth=1)
+    axes[-1, 0].set_xlabel(f"modelled time ({unit})")
+    key = [Patch(facecolor=colors(s % 10), label=f"S{s}") for s in range(min(ranks, 10))]
+    key += [Patch(facecolor="white", edgecolor="black", label="reduce-scatter"),
+            Patch(facecolor="white", edgecolor="black", hatch="//", label="all-gather")]
+    fig.legend(handles=key, loc="lower center", fontsize=7, ncol=len(key))
+    t = timelines[0]
+    fig.suptitle(f"Ring all-reduce of {_size(t.count * t.elem_size)} on {ranks} ranks, "
+                 "chunk by chunk (alpha-beta-gamma model; label: segment.chunk)",
+                 fontsize=9, x=0.01, ha="left")
+    fig.tight_layout(rect=(0, 0.03, 1, 0.97))
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def _size(nbytes: int) -> str:
+    for unit, factor in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= factor and nbytes % (factor // 8) == 0:
+            return f"{nbytes / factor:g} {unit}"
+    return f"{nbytes} B"
+
+
 def parse_bytes(text: str) -> int:
     units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
     text = text.strip().upper().removesuffix("B").removesuffix("I")
@@ -127,6 +282,12 @@ def main(argv=None) -> int:
     parser.add_argument("--alpha", type=float, default=ALPHA, help="seconds per message")
     parser.add_argument("--beta", type=float, default=BETA, help="seconds per byte moved")
     parser.add_argument("--gamma", type=float, default=GAMMA, help="seconds per byte reduced")
+    parser.add_argument("--chunk", nargs="+", default=[], metavar="SIZE",
+                        help="also model the ring pipelined in chunks of each SIZE, chunk by "
+                             "chunk (the ring row above has one chunk per segment)")
+    parser.add_argument("--timeline", metavar="FILE",
+                        help="draw the pipeline, one chunk per segment above each --chunk "
+                             "(one --ranks value, at most 8; .svg, .png or .pdf)")
     args = parser.parse_args(argv)
     try:
         nbytes = parse_bytes(args.bytes)
@@ -142,7 +303,38 @@ def main(argv=None) -> int:
     for name in ("alpha", "beta", "gamma"):
         if not 0 <= getattr(args, name) < float("inf"):  # (NaN too)
             parser.error(f"--{name} must be a finite number of seconds >= 0")
+    chunks = []
+    for text in args.chunk:
+        try:
+            chunks.append(parse_bytes(text))
+        except (ValueError, OverflowError):
+            parser.error(f"--chunk: {text!r} is not a size (e.g. 64K, 1M)")
+        if chunks[-1] < 4 or chunks[-1] % 4:
+            parser.error(f"--chunk: {text!r} is not a whole number of float32 elements (4 bytes)")
     count = nbytes // 4
+    if args.timeline:
+        if not chunks:
+            parser.error("--timeline needs --chunk")
+        if len(args.ranks) != 1 or not 2 <= args.ranks[0] <= 8:
+            parser.error("--timeline draws one ring of 2 to 8 ranks: give one --ranks value")
+        most = max(chunks_per_segment(args.ranks[0], count, c // 4) for c in chunks)
+        if most > 64:
+            parser.error(f"--timeline draws at most 64 chunks per segment, not {most}: use "
+                         "larger chunks or fewer bytes")
+        if os.path.splitext(args.timeline)[1].lower() not in (".svg", ".png", ".pdf"):
+            parser.error(f"--timeline: {args.timeline!r} does not end in .svg, .png or .pdf")
+        if not os.path.isdir(os.path.dirname(os.path.abspath(args.timeline))):
+            parser.error(f"--timeline: the folder of {args.timeline!r} does not exist")
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            parser.error("--timeline needs matplotlib (pip install matplotlib)")
+    for p in args.ranks if chunks else []:
+        for c in chunks:
+            if timeline_entries(p, count, c // 4) > MAX_TIMELINE_ENTRIES:
+                parser.error(f"--chunk {_size(c)}: {p} ranks and {_size(nbytes)} make more than "
+                             f"{MAX_TIMELINE_ENTRIES:,} pieces of work to follow chunk by "
+                             "chunk; use larger chunks, fewer ranks or fewer bytes")
     print(f"all-reduce of {nbytes} bytes (float32) per rank; alpha={args.alpha:g} s, "
           f"beta={args.beta:g} s/B, gamma={args.gamma:g} s/B")
     print("| ranks | algorithm | steps | most bytes sent by one rank | modelled time |")
@@ -152,6 +344,22 @@ def main(argv=None) -> int:
             r = fn(p, count, 4, args.alpha, args.beta, args.gamma)
             print(f"| {p} | {r.algorithm} | {r.steps} | {r.max_bytes_sent:,} | "
                   f"{r.seconds * 1e3:.3f} ms |")
+            if name == "ring":
+                for c in chunks:
+                    t = pipeline(p, count, c // 4, 4, args.alpha, args.beta, args.gamma)
+                    print(f"| {p} | ring in chunks of {_size(c)} | {r.steps} | "
+                          f"{r.max_bytes_sent:,} | {t.seconds * 1e3:.3f} ms |")
+    if args.timeline:
+        p = args.ranks[0]
+        drawn = [pipeline(p, count, max(1, -(-count // p)), 4, args.alpha, args.beta,
+                          args.gamma)]
+        drawn += [pipeline(p, count, c // 4, 4, args.alpha, args.beta, args.gamma)
+                  for c in chunks]
+        try:
+            draw_timeline(drawn, args.timeline)
+        except OSError as error:
+            parser.error(f"--timeline: cannot write {args.timeline!r}: {error}")
+        print(f"\nfigure: {args.timeline}")
     return 0
 
 

@@ -32,8 +32,9 @@ if [ "${1:-}" = "--measured" ]; then
 fi
 
 # Computed from the code and from the results above (after them, so that a --measured
-# run draws its own): the explainer's ring, the cost model, the digits runs.
+# run draws its own): the explainer's ring, the pipeline, the cost model, the digits runs.
 $PY -m ringreduce explain --ranks 4 --count 12 --svg "$OUT/ring_4_ranks.svg" > /dev/null
+$PY -m ringreduce sim --ranks 3 --bytes 12M --chunk 1M --timeline "$OUT/pipeline_3_ranks.png" > /dev/null
 $PY benchmarks/plot_cost_model.py --model benchmarks/results/model_p2.json \
     --measured 'benchmarks/results/allreduce_p2_run*.json' --plot "$OUT/cost_model_ranks.png" > /dev/null
 $PY benchmarks/summarize.py benchmarks/results/allreduce_p2_run*.json \

@@ -91,6 +91,14 @@ def test_sim_command_line():
     (["explain", "--chunk", str(1 << 63)], "chunk_elems must be from 1 to 2**62 - 1"),
     (["explain", "--svg", "/nonexistent-folder/ring.svg"], "does not exist"),
     (["explain", "--svg", "ring.xyz"], "does not end in .svg, .png or .pdf"),
+    (["sim", "--chunk", "6"], "--chunk: '6' is not a whole number of float32 elements"),
+    (["sim", "--chunk", "1X"], "--chunk: '1X' is not a size"),
+    (["sim", "--ranks", "64", "--bytes", "1G", "--chunk", "4K"], "more than 2,000,000 pieces"),
+    (["sim", "--timeline", "t.svg"], "--timeline needs --chunk"),
+    (["sim", "--ranks", "3", "4", "--chunk", "1K", "--timeline", "t.svg"], "one --ranks value"),
+    (["sim", "--ranks", "9", "--chunk", "1K", "--timeline", "t.svg"], "2 to 8 ranks"),
+    (["sim", "--ranks", "3", "--chunk", "1M", "--timeline", "t.xyz"], "does not end in .svg"),
+    (["sim", "--ranks", "2", "--chunk", "64K", "--timeline", "t.svg"], "at most 64 chunks per"),
     (["bogus"], "usage: python -m ringreduce"),
 ])
 def test_command_lines_refuse_what_they_cannot_do(argv, message):
@@ -106,3 +114,101 @@ def test_explain_shows_up_to_its_chunk_cap_exactly():
     assert len(explain(3, 4096, 1).steps) == 4  # 4096 chunks: shown
     with pytest.raises(ValueError, match="more than 4096 chunks"):
         explain(3, 4097, 1)
+
+
+def test_the_schedule_gives_its_chunks_in_the_order_explain_shows():
+    e = explain(3, 10, chunk_elems=2)
+    s = __import__("ringreduce")._core.RingSchedule(1, 3, 10, 2)
+    sent = s.phase_chunks("reduce_scatter", True)
+    rs_steps = [step for step in e.steps if step.phase == "reduce-scatter"]
+    assert [s.chunk(seg, c) for _, seg, c in sent] == [
+        tuple(ch) for step in rs_steps for ch in step.transfers[1].chunks]
+    assert [(k, seg) for k, seg, _ in s.phase_chunks("allgather", False)] == [
+        (k, (1 - 1 - k) % 3) for k in range(2) for _ in range(s.num_chunks((1 - 1 - k) % 3))]
+    with pytest.raises(ValueError, match="phase must be"):
+        s.phase_chunks("all-gather", True)
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 3, 4, 5])
+def test_pipeline_with_one_chunk_per_segment_is_the_step_by_step_ring(ranks):
+    count = ranks * 1000
+    one = sim.pipeline(ranks, count, 1000)
+    assert one.seconds == pytest.approx(sim.ring(ranks, count).seconds, rel=1e-12)
+    assert len([b for b in one.busy if b.resource == "link"]) == ranks * 2 * (ranks - 1)
+
+
+@pytest.mark.parametrize("ranks,chunks", [(2, 4), (3, 1), (3, 5), (4, 8)])
+def test_pipeline_without_reducing_keeps_every_link_busy(ranks, chunks):
+    # With nothing to reduce, each link sends its 2(p-1) segments back to back.
+    segment, alpha, beta = 1200 * chunks, 3e-6, 2e-10
+    t = sim.pipeline(ranks, ranks * segment, 1200, 4, alpha, beta, 0.0)
+    expected = 2 * (ranks - 1) * (chunks * alpha + segment * 4 * beta)
+    assert t.seconds == pytest.approx(expected, rel=1e-12)
+
+
+@pytest.mark.parametrize("ranks,count,chunk", [(2, 4096, 100), (3, 3 << 20, 1 << 18),
+                                               (3, 10, 2), (4, 7, 1), (5, 100_003, 999)])
+def test_pipeline_follows_every_chunk_from_rank_to_rank(ranks, count, chunk):
+    t = sim.pipeline(ranks, count, chunk)
+    schedules = [__import__("ringreduce")._core.RingSchedule(r, ranks, count, chunk)
+                 for r in range(ranks)]
+    phases = (("reduce-scatter", "reduce_scatter"), ("all-gather", "allgather"))
+    for r, s in enumerate(schedules):
+        for resource in ("link", "cpu"):
+            mine = [b for b in t.busy if b.rank == r and b.resource == resource]
+            # one after another, in the order the core takes them
+            assert all(a.end <= b.start + 1e-15 for a, b in zip(mine, mine[1:]))
+            order = [(name, *ref) for name, phase in phases
+                     for ref in s.phase_chunks(phase, resource == "link")
+                     if resource == "link" or name == "reduce-scatter"]
+            assert [(b.phase, b.step, b.segment, b.chunk) for b in mine] == order
+    sends = {(b.rank, b.phase, b.step, b.segment, b.chunk): b for b in t.busy
+             if b.resource == "link"}
+    reduces = {(b.rank, b.phase, b.step, b.segment, b.chunk): b for b in t.busy
+               if b.resource == "cpu"}
+    for (r, phase, k, seg, c), b in reduces.items():  # reduced after it arrived
+        assert b.start >= sends[((r - 1) % ranks, phase, k, seg, c)].end
+    for (r, phase, k, seg, c), b in sends.items():  # sent on after it arrived (and reduced)
+        if phase == "reduce-scatter" and k > 0:
+            assert b.start >= reduces[(r, phase, k - 1, seg, c)].end
+        elif phase == "all-gather" and k > 0:
+            assert b.start >= sends[((r - 1) % ranks, phase, k - 1, seg, c)].end
+        elif phase == "all-gather" and ranks > 1:
+            assert b.start >= reduces[(r, "reduce-scatter", ranks - 2, seg, c)].end
+    link_work = max(sum(b.end - b.start for b in sends.values() if b.rank == r)
+                    for r in range(ranks))
+    assert t.seconds >= link_work * (1 - 1e-12)
+    assert t.seconds <= sim.ring(ranks, count).seconds + 2 * (ranks - 1) * count * sim.ALPHA
+
+
+def test_pipelining_pays_until_chunks_cost_more_in_messages_than_they_overlap():
+    count = 3 << 20  # 12 MiB on 3 ranks, the docs' figure
+    one, quarter, tiny = (sim.pipeline(3, count, c).seconds for c in (1 << 20, 1 << 18, 1 << 12))
+    assert quarter < 0.7 * one  # reducing chunk c while chunk c+1 travels
+    assert tiny > quarter  # 2 us a message, 768 chunks a phase
+
+
+def test_sim_command_line_models_and_draws_the_pipeline(tmp_path):
+    figure = tmp_path / "pipeline.svg"
+    done = subprocess.run([sys.executable, "-m", "ringreduce", "sim", "--ranks", "3", "--bytes",
+                           "12M", "--chunk", "1M", "256K", "--timeline", str(figure)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    one = sim.pipeline(3, 3 << 20, 1 << 20).seconds
+    assert f"| 3 | ring | 4 | 16,777,216 | {one * 1e3:.3f} ms |" in done.stdout
+    chunked = sim.pipeline(3, 3 << 20, 1 << 18).seconds
+    assert f"| 3 | ring in chunks of 1 MiB | 4 | 16,777,216 | {chunked * 1e3:.3f} ms |" in done.stdout
+    assert "| 3 | ring in chunks of 256 KiB |" in done.stdout
+    assert figure.read_text().lstrip().startswith(("<?xml", "<svg"))
+
+
+def test_the_pipeline_table_in_the_docs_is_what_the_simulator_says():
+    from pathlib import Path
+
+    page = (Path(__file__).resolve().parent.parent / "docs" / "ring.md").read_text()
+    header = next(line for line in page.splitlines() if line.startswith("| chunk |"))
+    times = next(line for line in page.splitlines() if line.startswith("| modelled time |"))
+    sizes = [cell.split(" (")[0] for cell in header.strip("|").split("|")[1:]]
+    for size, shown in zip(sizes, times.strip("|").split("|")[1:], strict=True):
+        chunk = sim.parse_bytes(size.replace(" ", "")) // 4
+        assert shown.strip() == f"{sim.pipeline(3, 3 << 20, chunk).seconds * 1e3:.2f} ms", size
