@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -50,3 +52,20 @@ def test_readme_example_runs_on_two_ranks(tmp_path):
     outputs = [(tmp_path / f"out{r}.txt").read_text().split(None, 1) for r in (0, 1)]
     assert [rank for rank, _ in outputs] == ["0", "1"]
     assert outputs[0][1] == outputs[1][1]  # the same numbers on both ranks
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 3, 4])
+def test_the_training_script_gives_the_output_shown_on_any_number_of_ranks(tmp_path, ranks):
+    sys.path.insert(0, str(ROOT / "tests"))
+    from launch import job_env, mpiexec
+
+    page = (ROOT / "docs" / "training.md").read_text()
+    code = re.search(r"```python\n(# train\.py:.*?)```", page, re.S).group(1)
+    shown = re.search(r"```console\n\$ mpiexec -n 3 python -m mpi4py train.py\n(.*?)```",
+                      page, re.S).group(1)
+    (tmp_path / "train.py").write_text(code)
+    done = subprocess.run([mpiexec(), "-n", str(ranks), sys.executable, "-m", "mpi4py",
+                           "train.py"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=180, env=job_env())
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout == shown
