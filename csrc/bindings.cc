@@ -861,6 +861,9 @@ PYBIND11_MODULE(_core, m) {
   m.attr("COLLECTIVES") = collectives;
   m.attr("DEFAULT_CHUNK_BYTES") = RingCommunicator::kDefaultChunkBytes;
   m.attr("MAX_CHUNK_BYTES") = Transport::kMaxMessageBytes;
+  // Over MPI messages the all-gather, which only copies, takes chunks this many times
+  // the reduce-scatter's (see RingCommunicator::copy_chunk_elems; ringreduce.sim models it).
+  m.attr("COPY_CHUNK_FACTOR") = RingCommunicator::kCopyChunkFactor;
   m.def("mpi_library_version", &mpi_library_version,
         "MPI_Get_library_version() of the MPI this extension was linked against");
   m.def("cuda_built", &cuda::built, "whether this build has CUDA kernels");

@@ -30,8 +30,9 @@ from . import _core
 # for 2048 ranks. The formulas of docs/cost-model.md take any p.
 MAX_RANKS = 4096
 
-# Defaults of the order of one machine's shared memory (fitted on the development
-# machine, see docs/performance.md); pass your network's values for a cluster.
+# Defaults: MPI messages between two processes of one machine (alpha and beta fitted
+# with mpi4py's Sendrecv, gamma with the core's float32 sum, on the development
+# machine: see docs/cost-model.md); pass your network's values for a cluster.
 ALPHA, BETA, GAMMA = 2e-6, 1.2e-10, 1.6e-10
 
 
@@ -110,11 +111,11 @@ def recursive_doubling(ranks: int, count: int, elem_size: int = 4, alpha=ALPHA, 
 ALGORITHMS = {"ring": ring, "naive": naive, "recursive-doubling": recursive_doubling}
 
 
-@dataclass
+@dataclass(slots=True)
 class Busy:
     """One piece of work in the pipeline's timeline."""
     rank: int
-    resource: str  # "link": sending to the right neighbour; "cpu": reducing what arrived
+    resource: str  # "link": sending to the right neighbour; "cpu": adding what arrived
     phase: str  # "reduce-scatter" or "all-gather"
     step: int  # from 0, within the phase
     segment: int
@@ -128,14 +129,16 @@ class Timeline:
     ranks: int
     count: int
     elem_size: int
-    chunk_elems: int
+    chunk_elems: int  # reduce-scatter's chunks (at most a segment)
+    allgather_chunk_elems: int  # all-gather's
     seconds: float  # modelled time of the whole all-reduce
     busy: list  # of Busy, in the order each rank's link and cpu do them
 
 
-# The timeline is worked out chunk by chunk for every rank: about 4 p^2 C entries for C
-# chunks per segment.
-MAX_TIMELINE_ENTRIES = 2_000_000
+# The timeline is worked out chunk by chunk for every rank (see timeline_entries());
+# a million entries take a few seconds and some 100 MB.
+MAX_TIMELINE_ENTRIES = 1_000_000
+MAX_CHUNK_ELEMS = (1 << 62) - 1
 
 
 def chunks_per_segment(ranks: int, count: int, chunk_elems: int) -> int:
@@ -144,70 +147,95 @@ def chunks_per_segment(ranks: int, count: int, chunk_elems: int) -> int:
     return max(1, -(-largest_segment // max(1, chunk_elems)))
 
 
-def timeline_entries(ranks: int, count: int, chunk_elems: int) -> int:
-    """How many pieces of work pipeline() would work out (to refuse a huge one first)."""
-    return 4 * ranks * max(0, ranks - 1) * chunks_per_segment(ranks, count, chunk_elems)
+def timeline_entries(ranks: int, count: int, chunk_elems: int,
+                     allgather_chunk_elems: int | None = None) -> int:
+    """How many pieces of work pipeline() would work out (to refuse a huge one first):
+    every rank sends and adds each reduce-scatter chunk, and sends each all-gather one."""
+    gather = chunk_elems if allgather_chunk_elems is None else allgather_chunk_elems
+    return ranks * max(0, ranks - 1) * (2 * chunks_per_segment(ranks, count, chunk_elems) +
+                                        chunks_per_segment(ranks, count, gather))
+
+
+def _chunk_elems(value, name: str, count: int, ranks: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_CHUNK_ELEMS:
+        raise ValueError(f"{name} must be an int from 1 to 2**62 - 1, got {value!r}")
+    return min(value, max(1, -(-count // ranks)))  # (larger is one chunk per segment)
 
 
 def pipeline(ranks: int, count: int, chunk_elems: int, elem_size: int = 4, alpha=ALPHA,
-             beta=BETA, gamma=GAMMA) -> Timeline:
-    """When every chunk moves and is reduced, in the pipelined ring the core runs.
+             beta=BETA, gamma=GAMMA, allgather_chunk_elems: int | None = None) -> Timeline:
+    """When every chunk moves and is added, in the pipelined ring the core runs.
 
     Each rank has a link to its right neighbour, which sends one chunk at a time
-    (alpha + bytes * beta), and a CPU, which reduces each chunk that arrives during
-    reduce-scatter (bytes * gamma; all-gather only copies, and a chunk lands where it
-    belongs). Both take the chunks in the order RingSchedule.phase_chunks gives, the
-    order the core uses. A chunk can go on to the next rank once it has arrived and,
-    in reduce-scatter, been reduced; so while a rank reduces chunk c, chunk c+1 is
-    already on the wire. With one chunk per segment nothing overlaps, and the time is
-    that of ring() above.
+    (alpha + bytes * beta), and a CPU, which adds each chunk that arrives during
+    reduce-scatter into its own copy (bytes * gamma; all-gather only copies, and a chunk
+    lands where it belongs). Both take the chunks in the order RingSchedule.phase_chunks
+    gives, the order the core uses. A chunk can go on to the next rank once it has
+    arrived and, in reduce-scatter, been added: so while a rank adds chunk c, chunk c+1
+    is already on the wire. As in the core, a rank starts its all-gather once its own
+    reduce-scatter is over (its last chunk sent and added).
+
+    allgather_chunk_elems: the all-gather's chunks (default: chunk_elems, as through
+    shared memory; over MPI messages the core takes _core.COPY_CHUNK_FACTOR times larger
+    ones, since copying has no work to overlap and each chunk costs alpha).
+    With one chunk per segment nothing overlaps: the time is that of ring() (count > 0).
+    Left out: the receive window (a few chunks ahead), and what sharing a machine's
+    memory costs a rank that sends and adds at once.
     """
-    if chunk_elems < 1:
-        raise ValueError(f"chunk_elems must be at least 1, got {chunk_elems}")
-    if timeline_entries(ranks, count, chunk_elems) > MAX_TIMELINE_ENTRIES:
+    if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
+        raise ValueError(f"ranks must be a positive int, got {ranks!r}")
+    if isinstance(count, bool) or not isinstance(count, int) or not 0 <= count < 1 << 62:
+        raise ValueError(f"count must be an int from 0 to 2**62 - 1, got {count!r}")
+    chunk_elems = _chunk_elems(chunk_elems, "chunk_elems", count, ranks)
+    gather_elems = _chunk_elems(chunk_elems if allgather_chunk_elems is None
+                                else allgather_chunk_elems, "allgather_chunk_elems", count, ranks)
+    if timeline_entries(ranks, count, chunk_elems, gather_elems) > MAX_TIMELINE_ENTRIES:
         raise ValueError(f"{ranks} ranks with {count} elements in chunks of {chunk_elems} make "
                          f"more than {MAX_TIMELINE_ENTRIES:,} pieces of work to follow: use "
                          "larger chunks or fewer ranks")
-    schedules = [_core.RingSchedule(r, ranks, count, chunk_elems) for r in range(ranks)]
     busy = []
     link_free = [0.0] * ranks
     cpu_free = [0.0] * ranks
-    # ready[r][(segment, chunk)]: when rank r has this chunk ready to send on (arrived
-    # and, in reduce-scatter, reduced). All-gather's first step sends the segment the
-    # rank owns, ready once reduce-scatter's last step has reduced it.
-    ready = [{} for _ in range(ranks)]
-    for s in schedules:  # reduce-scatter's first step sends the rank's own data
-        seg = s.reduce_scatter_send_segment(0)
-        ready[s.rank].update({(seg, c): 0.0 for c in range(s.num_chunks(seg))})
-    for phase, name in (("reduce_scatter", "reduce-scatter"), ("allgather", "all-gather")):
+    for phase, name, elems in (("reduce_scatter", "reduce-scatter", chunk_elems),
+                               ("allgather", "all-gather", gather_elems)):
+        schedules = [_core.RingSchedule(r, ranks, count, elems) for r in range(ranks)]
         sends = [s.phase_chunks(phase, True) for s in schedules]
         receives = [s.phase_chunks(phase, False) for s in schedules]
+        # ready[r][(segment, chunk)]: when rank r can send this chunk on. A phase's
+        # first step sends the rank's own data: in reduce-scatter its input, at once; in
+        # all-gather the segment it owns, once its reduce-scatter is over.
+        ready = []
+        for s in schedules:
+            first = getattr(s, f"{phase}_send_segment")(0)
+            at = 0.0 if phase == "reduce_scatter" else max(link_free[s.rank], cpu_free[s.rank])
+            ready.append({(first, c): at for c in range(s.num_chunks(first))})
+        sent = [0] * ranks  # how far each rank is in its list of sends, and of receives
+        taken = [0] * ranks
         for k in range(ranks - 1):
             arrived = [{} for _ in range(ranks)]
+            for s in schedules:  # the lists are in step order: this step's are next
+                r, mine = s.rank, sends[s.rank]
+                while sent[r] < len(mine) and mine[sent[r]][0] == k:
+                    _, seg, c = mine[sent[r]]
+                    sent[r] += 1
+                    start = max(link_free[r], ready[r][(seg, c)])
+                    link_free[r] = start + alpha + s.chunk(seg, c)[1] * elem_size * beta
+                    arrived[s.right][(seg, c)] = link_free[r]
+                    busy.append(Busy(r, "link", name, k, seg, c, start, link_free[r]))
             for s in schedules:
-                for step, seg, c in sends[s.rank]:
-                    if step != k:
-                        continue
-                    nbytes = s.chunk(seg, c)[1] * elem_size
-                    start = max(link_free[s.rank], ready[s.rank][(seg, c)])
-                    link_free[s.rank] = start + alpha + nbytes * beta
-                    arrived[s.right][(seg, c)] = link_free[s.rank]
-                    busy.append(Busy(s.rank, "link", name, k, seg, c, start,
-                                     link_free[s.rank]))
-            for s in schedules:
-                for step, seg, c in receives[s.rank]:
-                    if step != k:
-                        continue
-                    at = arrived[s.rank][(seg, c)]
+                r, mine = s.rank, receives[s.rank]
+                while taken[r] < len(mine) and mine[taken[r]][0] == k:
+                    _, seg, c = mine[taken[r]]
+                    taken[r] += 1
+                    at = arrived[r][(seg, c)]
                     if phase == "reduce_scatter":
-                        start = max(cpu_free[s.rank], at)
-                        cpu_free[s.rank] = start + s.chunk(seg, c)[1] * elem_size * gamma
-                        busy.append(Busy(s.rank, "cpu", name, k, seg, c, start,
-                                         cpu_free[s.rank]))
-                        at = cpu_free[s.rank]
-                    ready[s.rank][(seg, c)] = at
+                        start = max(cpu_free[r], at)
+                        cpu_free[r] = start + s.chunk(seg, c)[1] * elem_size * gamma
+                        busy.append(Busy(r, "cpu", name, k, seg, c, start, cpu_free[r]))
+                        at = cpu_free[r]
+                    ready[r][(seg, c)] = at
     seconds = max((b.end for b in busy), default=0.0)
-    return Timeline(ranks, count, elem_size, chunk_elems, seconds, busy)
+    return Timeline(ranks, count, elem_size, chunk_elems, gather_elems, seconds, busy)
 
 
 def draw_timeline(timelines: list, path: str) -> None:
@@ -222,7 +250,8 @@ def draw_timeline(timelines: list, path: str) -> None:
     fig, axes = plt.subplots(len(timelines), 1, sharex=True, squeeze=False,
                              figsize=(10, 0.55 * 2 * ranks * len(timelines) + 1.6))
     colors = plt.get_cmap("tab10")
-    unit, scale = ("ms", 1e3) if max(t.seconds for t in timelines) >= 1e-3 else ("us", 1e6)
+    longest = max(t.seconds for t in timelines)
+    unit, scale = ("ms", 1e3) if longest >= 1e-3 else ("us", 1e6)
     for ax, t in zip(axes[:, 0], timelines):
         rows = [(r, what) for r in range(ranks) for what in ("link", "cpu")]
         for b in t.busy:
@@ -231,16 +260,20 @@ def draw_timeline(timelines: list, path: str) -> None:
             ax.broken_barh([((b.start) * scale, (b.end - b.start) * scale)], (y - 0.4, 0.8),
                            facecolor=colors(b.segment % 10), edgecolor="black", linewidth=0.4,
                            alpha=0.45 if gather else 0.95, hatch="//" if gather else None)
-            if (b.end - b.start) / t.seconds > 0.035:  # label the bars wide enough
+            if b.end - b.start > 0.035 * longest:  # label the bars wide enough
                 ax.text((b.start + b.end) / 2 * scale, y, f"S{b.segment}.{b.chunk}",
                         ha="center", va="center", fontsize=6)
         ax.set_yticks(range(len(rows)))
-        ax.set_yticklabels([f"rank {r} " + ("sends" if what == "link" else "reduces")
+        ax.set_yticklabels([f"rank {r} " + ("sends" if what == "link" else "adds")
                             for r, what in rows], fontsize=8)
         ax.invert_yaxis()
-        chunks = chunks_per_segment(ranks, t.count, t.chunk_elems)
-        ax.set_title(f"chunks of {_size(t.chunk_elems * t.elem_size)} ({chunks} per segment): "
-                     f"{t.seconds * scale:.2f} {unit}", fontsize=9, loc="left")
+        def chunking(elems):
+            return (f"{_size(elems * t.elem_size)} chunks "
+                    f"({chunks_per_segment(ranks, t.count, elems)} per segment)")
+        title = f"reduce-scatter in {chunking(t.chunk_elems)}"
+        if t.allgather_chunk_elems != t.chunk_elems:
+            title += f", all-gather in {chunking(t.allgather_chunk_elems)}"
+        ax.set_title(f"{title}: {t.seconds * scale:.2f} {unit}", fontsize=9, loc="left")
         ax.axvline(t.seconds * scale, color="gray", linestyle=":", linewidth=1)
     axes[-1, 0].set_xlabel(f"modelled time ({unit})")
     key = [Patch(facecolor=colors(s % 10), label=f"S{s}") for s in range(min(ranks, 10))]
@@ -285,6 +318,10 @@ def main(argv=None) -> int:
     parser.add_argument("--chunk", nargs="+", default=[], metavar="SIZE",
                         help="also model the ring pipelined in chunks of each SIZE, chunk by "
                              "chunk (the ring row above has one chunk per segment)")
+    parser.add_argument("--allgather-factor", type=int, default=_core.COPY_CHUNK_FACTOR,
+                        metavar="N",
+                        help="with --chunk: all-gather's chunks are N times reduce-scatter's "
+                             "(as the core's over MPI messages; 1: as through shared memory)")
     parser.add_argument("--timeline", metavar="FILE",
                         help="draw the pipeline, one chunk per segment above each --chunk "
                              "(one --ranks value, at most 8; .svg, .png or .pdf)")
@@ -311,7 +348,15 @@ def main(argv=None) -> int:
             parser.error(f"--chunk: {text!r} is not a size (e.g. 64K, 1M)")
         if chunks[-1] < 4 or chunks[-1] % 4:
             parser.error(f"--chunk: {text!r} is not a whole number of float32 elements (4 bytes)")
+        if chunks[-1] // 4 > MAX_CHUNK_ELEMS:
+            parser.error(f"--chunk: {text!r} is more than 2**62 - 1 float32 elements")
+    if not 1 <= args.allgather_factor <= 1 << 20:
+        parser.error("--allgather-factor must be from 1 to 2**20")
     count = nbytes // 4
+
+    def gather_elems(chunk_bytes):
+        return min(chunk_bytes // 4 * args.allgather_factor, MAX_CHUNK_ELEMS)
+
     if args.timeline:
         if not chunks:
             parser.error("--timeline needs --chunk")
@@ -323,20 +368,28 @@ def main(argv=None) -> int:
                          "larger chunks or fewer bytes")
         if os.path.splitext(args.timeline)[1].lower() not in (".svg", ".png", ".pdf"):
             parser.error(f"--timeline: {args.timeline!r} does not end in .svg, .png or .pdf")
-        if not os.path.isdir(os.path.dirname(os.path.abspath(args.timeline))):
+        folder = os.path.dirname(os.path.abspath(args.timeline))
+        if not os.path.isdir(folder):
             parser.error(f"--timeline: the folder of {args.timeline!r} does not exist")
+        if not os.access(folder, os.W_OK):
+            parser.error(f"--timeline: cannot write into the folder of {args.timeline!r}")
         try:
             import matplotlib  # noqa: F401
         except ImportError:
             parser.error("--timeline needs matplotlib (pip install matplotlib)")
-    for p in args.ranks if chunks else []:
-        for c in chunks:
-            if timeline_entries(p, count, c // 4) > MAX_TIMELINE_ENTRIES:
-                parser.error(f"--chunk {_size(c)}: {p} ranks and {_size(nbytes)} make more than "
-                             f"{MAX_TIMELINE_ENTRIES:,} pieces of work to follow chunk by "
-                             "chunk; use larger chunks, fewer ranks or fewer bytes")
+    # Every row of --chunk is worked out chunk by chunk: all of them together are capped.
+    entries = sum(timeline_entries(p, count, c // 4, gather_elems(c))
+                  for p in args.ranks for c in chunks)
+    if entries > MAX_TIMELINE_ENTRIES:
+        parser.error(f"--chunk: {len(args.ranks)} ring size(s) and {_size(nbytes)} in such "
+                     f"chunks make more than {MAX_TIMELINE_ENTRIES:,} pieces of work to follow "
+                     "chunk by chunk; use larger chunks, fewer ranks or fewer bytes")
+    pipelined = {(p, c): pipeline(p, count, c // 4, 4, args.alpha, args.beta, args.gamma,
+                                  gather_elems(c)) for p in args.ranks for c in chunks}
     print(f"all-reduce of {nbytes} bytes (float32) per rank; alpha={args.alpha:g} s, "
           f"beta={args.beta:g} s/B, gamma={args.gamma:g} s/B")
+    if chunks:
+        print(f"(ring in chunks: all-gather in chunks {args.allgather_factor} times larger)")
     print("| ranks | algorithm | steps | most bytes sent by one rank | modelled time |")
     print("|---|---|---|---|---|")
     for p in args.ranks:
@@ -346,15 +399,14 @@ def main(argv=None) -> int:
                   f"{r.seconds * 1e3:.3f} ms |")
             if name == "ring":
                 for c in chunks:
-                    t = pipeline(p, count, c // 4, 4, args.alpha, args.beta, args.gamma)
+                    t = pipelined[(p, c)]
                     print(f"| {p} | ring in chunks of {_size(c)} | {r.steps} | "
                           f"{r.max_bytes_sent:,} | {t.seconds * 1e3:.3f} ms |")
     if args.timeline:
         p = args.ranks[0]
         drawn = [pipeline(p, count, max(1, -(-count // p)), 4, args.alpha, args.beta,
                           args.gamma)]
-        drawn += [pipeline(p, count, c // 4, 4, args.alpha, args.beta, args.gamma)
-                  for c in chunks]
+        drawn += [pipelined[(p, c)] for c in chunks]
         try:
             draw_timeline(drawn, args.timeline)
         except OSError as error:

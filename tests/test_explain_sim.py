@@ -93,7 +93,11 @@ def test_sim_command_line():
     (["explain", "--svg", "ring.xyz"], "does not end in .svg, .png or .pdf"),
     (["sim", "--chunk", "6"], "--chunk: '6' is not a whole number of float32 elements"),
     (["sim", "--chunk", "1X"], "--chunk: '1X' is not a size"),
-    (["sim", "--ranks", "64", "--bytes", "1G", "--chunk", "4K"], "more than 2,000,000 pieces"),
+    (["sim", "--ranks", "64", "--bytes", "1G", "--chunk", "4K"], "more than 1,000,000 pieces"),
+    (["sim", "--ranks", "700", "--bytes", "4M", "--chunk", "4M"], "more than 1,000,000 pieces"),
+    (["sim", "--ranks", "3", "--bytes", "12M", "--chunk", "99999999999999999996"],
+     "more than 2**62 - 1 float32 elements"),
+    (["sim", "--chunk", "1M", "--allgather-factor", "0"], "--allgather-factor must be"),
     (["sim", "--timeline", "t.svg"], "--timeline needs --chunk"),
     (["sim", "--ranks", "3", "4", "--chunk", "1K", "--timeline", "t.svg"], "one --ranks value"),
     (["sim", "--ranks", "9", "--chunk", "1K", "--timeline", "t.svg"], "2 to 8 ranks"),
@@ -146,60 +150,96 @@ def test_pipeline_without_reducing_keeps_every_link_busy(ranks, chunks):
     assert t.seconds == pytest.approx(expected, rel=1e-12)
 
 
-@pytest.mark.parametrize("ranks,count,chunk", [(2, 4096, 100), (3, 3 << 20, 1 << 18),
-                                               (3, 10, 2), (4, 7, 1), (5, 100_003, 999)])
-def test_pipeline_follows_every_chunk_from_rank_to_rank(ranks, count, chunk):
-    t = sim.pipeline(ranks, count, chunk)
-    schedules = [__import__("ringreduce")._core.RingSchedule(r, ranks, count, chunk)
-                 for r in range(ranks)]
-    phases = (("reduce-scatter", "reduce_scatter"), ("all-gather", "allgather"))
-    for r, s in enumerate(schedules):
+@pytest.mark.parametrize("ranks,count,chunk,gather", [
+    (2, 4096, 100, None), (3, 3 << 20, 1 << 18, None), (3, 3 << 20, 1 << 16, 1 << 22),
+    (3, 10, 2, 3), (4, 7, 1, None), (5, 100_003, 999, 5000), (3, 2, 1, None)])
+def test_pipeline_follows_every_chunk_from_rank_to_rank(ranks, count, chunk, gather):
+    core = __import__("ringreduce")._core
+    t = sim.pipeline(ranks, count, chunk, allgather_chunk_elems=gather)
+    phases = (("reduce-scatter", "reduce_scatter", chunk),
+              ("all-gather", "allgather", chunk if gather is None else gather))
+    for r in range(ranks):
         for resource in ("link", "cpu"):
             mine = [b for b in t.busy if b.rank == r and b.resource == resource]
             # one after another, in the order the core takes them
             assert all(a.end <= b.start + 1e-15 for a, b in zip(mine, mine[1:]))
-            order = [(name, *ref) for name, phase in phases
-                     for ref in s.phase_chunks(phase, resource == "link")
+            order = [(name, *ref) for name, phase, elems in phases
+                     for ref in core.RingSchedule(r, ranks, count, elems).phase_chunks(
+                         phase, resource == "link")
                      if resource == "link" or name == "reduce-scatter"]
             assert [(b.phase, b.step, b.segment, b.chunk) for b in mine] == order
+        # all-gather starts once this rank's reduce-scatter is over, as in the core
+        gathered = [b.start for b in t.busy if b.rank == r and b.phase == "all-gather"]
+        scattered = [b.end for b in t.busy if b.rank == r and b.phase == "reduce-scatter"]
+        assert not gathered or min(gathered) >= max(scattered)
     sends = {(b.rank, b.phase, b.step, b.segment, b.chunk): b for b in t.busy
              if b.resource == "link"}
     reduces = {(b.rank, b.phase, b.step, b.segment, b.chunk): b for b in t.busy
                if b.resource == "cpu"}
-    for (r, phase, k, seg, c), b in reduces.items():  # reduced after it arrived
+    for (r, phase, k, seg, c), b in reduces.items():  # added after it arrived
         assert b.start >= sends[((r - 1) % ranks, phase, k, seg, c)].end
-    for (r, phase, k, seg, c), b in sends.items():  # sent on after it arrived (and reduced)
+    for (r, phase, k, seg, c), b in sends.items():  # sent on after it arrived (and was added)
         if phase == "reduce-scatter" and k > 0:
             assert b.start >= reduces[(r, phase, k - 1, seg, c)].end
         elif phase == "all-gather" and k > 0:
             assert b.start >= sends[((r - 1) % ranks, phase, k - 1, seg, c)].end
-        elif phase == "all-gather" and ranks > 1:
-            assert b.start >= reduces[(r, "reduce-scatter", ranks - 2, seg, c)].end
+    # Never longer than sending each step's chunks one after another once the step
+    # before has ended everywhere; never shorter than the busiest link's work.
+    largest = -(-count // ranks) * 4
+    chunks = [sim.chunks_per_segment(ranks, count, e) for _, _, e in phases]
+    serial = (ranks - 1) * (chunks[0] * sim.ALPHA + largest * (sim.BETA + sim.GAMMA)) + \
+        (ranks - 1) * (chunks[1] * sim.ALPHA + largest * sim.BETA)
+    assert t.seconds <= serial * (1 + 1e-12)
     link_work = max(sum(b.end - b.start for b in sends.values() if b.rank == r)
                     for r in range(ranks))
     assert t.seconds >= link_work * (1 - 1e-12)
-    assert t.seconds <= sim.ring(ranks, count).seconds + 2 * (ranks - 1) * count * sim.ALPHA
 
 
 def test_pipelining_pays_until_chunks_cost_more_in_messages_than_they_overlap():
     count = 3 << 20  # 12 MiB on 3 ranks, the docs' figure
-    one, quarter, tiny = (sim.pipeline(3, count, c).seconds for c in (1 << 20, 1 << 18, 1 << 12))
-    assert quarter < 0.7 * one  # reducing chunk c while chunk c+1 travels
-    assert tiny > quarter  # 2 us a message, 768 chunks a phase
+    factor = __import__("ringreduce")._core.COPY_CHUNK_FACTOR
+
+    def modelled(chunk):
+        return sim.pipeline(3, count, chunk, allgather_chunk_elems=chunk * factor).seconds
+
+    one, quarter, tiny = modelled(1 << 20), modelled(1 << 18), modelled(1 << 10)
+    assert quarter < 0.75 * one  # adding chunk c while chunk c+1 travels
+    assert tiny > quarter  # 2 us a message, 1024 chunks a segment
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1 << 62, 2.5, True])
+def test_pipeline_refuses_chunks_it_cannot_cut(bad):
+    with pytest.raises(ValueError, match="chunk_elems must be an int from 1 to 2\\*\\*62 - 1"):
+        sim.pipeline(3, 100, bad)
+    with pytest.raises(ValueError, match="allgather_chunk_elems must be"):
+        sim.pipeline(3, 100, 10, allgather_chunk_elems=bad)
+
+
+def test_pipeline_of_nothing_or_of_one_rank_takes_no_time():
+    assert sim.pipeline(3, 0, 1).seconds == 0.0 and sim.pipeline(3, 0, 1).busy == []
+    assert sim.pipeline(1, 1000, 10).seconds == 0.0
 
 
 def test_sim_command_line_models_and_draws_the_pipeline(tmp_path):
     figure = tmp_path / "pipeline.svg"
     done = subprocess.run([sys.executable, "-m", "ringreduce", "sim", "--ranks", "3", "--bytes",
-                           "12M", "--chunk", "1M", "256K", "--timeline", str(figure)],
+                           "12M", "--chunk", "1M", "256K", "--allgather-factor", "4",
+                           "--timeline", str(figure)],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     one = sim.pipeline(3, 3 << 20, 1 << 20).seconds
     assert f"| 3 | ring | 4 | 16,777,216 | {one * 1e3:.3f} ms |" in done.stdout
-    chunked = sim.pipeline(3, 3 << 20, 1 << 18).seconds
+    chunked = sim.pipeline(3, 3 << 20, 1 << 18, allgather_chunk_elems=1 << 20).seconds
     assert f"| 3 | ring in chunks of 1 MiB | 4 | 16,777,216 | {chunked * 1e3:.3f} ms |" in done.stdout
     assert "| 3 | ring in chunks of 256 KiB |" in done.stdout
+    assert "all-gather in chunks 4 times larger" in done.stdout
     assert figure.read_text().lstrip().startswith(("<?xml", "<svg"))
+    # With nothing to take time, nothing to divide by.
+    free = subprocess.run([sys.executable, "-m", "ringreduce", "sim", "--ranks", "2", "--bytes",
+                           "1M", "--chunk", "256K", "--alpha", "0", "--beta", "0", "--gamma",
+                           "0", "--timeline", str(tmp_path / "free.png")],
+                          capture_output=True, text=True, timeout=120)
+    assert free.returncode == 0, free.stderr
 
 
 def test_the_pipeline_table_in_the_docs_is_what_the_simulator_says():
@@ -209,6 +249,8 @@ def test_the_pipeline_table_in_the_docs_is_what_the_simulator_says():
     header = next(line for line in page.splitlines() if line.startswith("| chunk |"))
     times = next(line for line in page.splitlines() if line.startswith("| modelled time |"))
     sizes = [cell.split(" (")[0] for cell in header.strip("|").split("|")[1:]]
+    factor = __import__("ringreduce")._core.COPY_CHUNK_FACTOR  # the command's default
     for size, shown in zip(sizes, times.strip("|").split("|")[1:], strict=True):
         chunk = sim.parse_bytes(size.replace(" ", "")) // 4
-        assert shown.strip() == f"{sim.pipeline(3, 3 << 20, chunk).seconds * 1e3:.2f} ms", size
+        t = sim.pipeline(3, 3 << 20, chunk, allgather_chunk_elems=chunk * factor)
+        assert shown.strip() == f"{t.seconds * 1e3:.2f} ms", size
