@@ -254,3 +254,10 @@ def test_the_pipeline_table_in_the_docs_is_what_the_simulator_says():
         chunk = sim.parse_bytes(size.replace(" ", "")) // 4
         t = sim.pipeline(3, 3 << 20, chunk, allgather_chunk_elems=chunk * factor)
         assert shown.strip() == f"{t.seconds * 1e3:.2f} ms", size
+
+    def reduce_scatter_ms(chunk):  # when the last rank's reduce-scatter is over
+        t = sim.pipeline(3, 3 << 20, chunk, allgather_chunk_elems=chunk * factor)
+        return max(b.end for b in t.busy if b.phase == "reduce-scatter") * 1e3
+
+    said = f"takes {reduce_scatter_ms(1 << 18):.2f} ms instead of {reduce_scatter_ms(1 << 20):.2f} ms"
+    assert said in " ".join(page.split()), said
