@@ -267,12 +267,9 @@ def draw_timeline(timelines: list, path: str) -> None:
         ax.set_yticklabels([f"rank {r} " + ("sends" if what == "link" else "adds")
                             for r, what in rows], fontsize=8)
         ax.invert_yaxis()
-        def chunking(elems):
-            return (f"{_size(elems * t.elem_size)} chunks "
-                    f"({chunks_per_segment(ranks, t.count, elems)} per segment)")
-        title = f"reduce-scatter in {chunking(t.chunk_elems)}"
+        title = f"reduce-scatter in {_chunking(t, t.chunk_elems)}"
         if t.allgather_chunk_elems != t.chunk_elems:
-            title += f", all-gather in {chunking(t.allgather_chunk_elems)}"
+            title += f", all-gather in {_chunking(t, t.allgather_chunk_elems)}"
         ax.set_title(f"{title}: {t.seconds * scale:.2f} {unit}", fontsize=9, loc="left")
         ax.axvline(t.seconds * scale, color="gray", linestyle=":", linewidth=1)
     axes[-1, 0].set_xlabel(f"modelled time ({unit})")
@@ -287,6 +284,11 @@ def draw_timeline(timelines: list, path: str) -> None:
     fig.tight_layout(rect=(0, 0.03, 1, 0.97))
     fig.savefig(path)
     plt.close(fig)
+
+
+def _chunking(t: Timeline, elems: int) -> str:
+    return (f"{_size(elems * t.elem_size)} chunks "
+            f"({chunks_per_segment(t.ranks, t.count, elems)} per segment)")
 
 
 def _size(nbytes: int) -> str:
