@@ -379,9 +379,13 @@ def _finish_all():
 
 def _uncaught_exception() -> BaseException | None:
     """The exception ending the process, if one does: Python prints it and keeps it in
-    sys.last_value before it runs the atexit functions. (In an interactive session that
-    is any earlier error, which ended nothing.) sys.exit() sets nothing."""
+    sys.last_value before it runs the atexit functions. sys.exit() sets nothing. In an
+    interactive session, or an IPython kernel (Jupyter, an ipyparallel engine), it is
+    any earlier error, which ended nothing."""
     if hasattr(sys, "ps1"):
+        return None
+    ipython = sys.modules.get("IPython")
+    if ipython is not None and getattr(ipython, "get_ipython", lambda: None)() is not None:
         return None
     return getattr(sys, "last_value", None)
 

@@ -119,6 +119,41 @@ def test_an_uncaught_exception_on_one_rank_ends_the_job(tmp_path, shm, in_flight
     assert time.monotonic() - start < 60
 
 
+STALE_ERROR = """
+import sys
+import time
+import types
+import numpy as np
+import ringreduce as rr
+
+if KERNEL:  # as in an IPython kernel: an error of an earlier cell, which ended nothing
+    sys.modules["IPython"] = types.SimpleNamespace(get_ipython=lambda: object())
+    sys.last_value = KeyError("an earlier cell's")
+ring = rr.Communicator(timeout=60)
+if ring.rank == 0:
+    time.sleep(1.0)  # rank 1 reaches its exit with both calls still to run
+    for h in [ring.allreduce_async(np.ones(100_000)), ring.allreduce_async(np.ones(10))]:
+        try:
+            print("rank 0:", h.wait()[0])
+        except rr.CollectiveTimeoutError as error:
+            print("rank 0:", error)
+else:
+    ring.allreduce_async(np.ones(100_000))
+    ring.allreduce_async(np.ones(10))  # and exits: a normal exit finishes them first
+"""
+
+
+@pytest.mark.parametrize("kernel", [True, False], ids=["IPython kernel", "script"])
+def test_an_earlier_error_that_ended_nothing_does_not_make_the_exit_leave(tmp_path, kernel):
+    # A normal exit finishes the calls queued; an uncaught exception leaves instead. An
+    # error kept in sys.last_value by an IPython kernel is not one (it ended nothing):
+    # taken for one, it dropped the exiting engine's queued calls.
+    done = run_script(tmp_path, "stale.py", f"KERNEL = {kernel}\n" + STALE_ERROR,
+                      env={"RINGREDUCE_SHM": "1"}, abort_on_exception=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count("rank 0: 2.0") == 2, done.stdout
+
+
 EXTRA_CALL = """
 import time
 import numpy as np
