@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from ringreduce import sim
+from ringreduce import _core, sim
 from ringreduce.explain import explain, format_text
 
 
@@ -122,7 +122,7 @@ def test_explain_shows_up_to_its_chunk_cap_exactly():
 
 def test_the_schedule_gives_its_chunks_in_the_order_explain_shows():
     e = explain(3, 10, chunk_elems=2)
-    s = __import__("ringreduce")._core.RingSchedule(1, 3, 10, 2)
+    s = _core.RingSchedule(1, 3, 10, 2)
     sent = s.phase_chunks("reduce_scatter", True)
     rs_steps = [step for step in e.steps if step.phase == "reduce-scatter"]
     assert [s.chunk(seg, c) for _, seg, c in sent] == [
@@ -154,7 +154,6 @@ def test_pipeline_without_reducing_keeps_every_link_busy(ranks, chunks):
     (2, 4096, 100, None), (3, 3 << 20, 1 << 18, None), (3, 3 << 20, 1 << 16, 1 << 22),
     (3, 10, 2, 3), (4, 7, 1, None), (5, 100_003, 999, 5000), (3, 2, 1, None)])
 def test_pipeline_follows_every_chunk_from_rank_to_rank(ranks, count, chunk, gather):
-    core = __import__("ringreduce")._core
     t = sim.pipeline(ranks, count, chunk, allgather_chunk_elems=gather)
     phases = (("reduce-scatter", "reduce_scatter", chunk),
               ("all-gather", "allgather", chunk if gather is None else gather))
@@ -164,7 +163,7 @@ def test_pipeline_follows_every_chunk_from_rank_to_rank(ranks, count, chunk, gat
             # one after another, in the order the core takes them
             assert all(a.end <= b.start + 1e-15 for a, b in zip(mine, mine[1:]))
             order = [(name, *ref) for name, phase, elems in phases
-                     for ref in core.RingSchedule(r, ranks, count, elems).phase_chunks(
+                     for ref in _core.RingSchedule(r, ranks, count, elems).phase_chunks(
                          phase, resource == "link")
                      if resource == "link" or name == "reduce-scatter"]
             assert [(b.phase, b.step, b.segment, b.chunk) for b in mine] == order
@@ -197,7 +196,7 @@ def test_pipeline_follows_every_chunk_from_rank_to_rank(ranks, count, chunk, gat
 
 def test_pipelining_pays_until_chunks_cost_more_in_messages_than_they_overlap():
     count = 3 << 20  # 12 MiB on 3 ranks, the docs' figure
-    factor = __import__("ringreduce")._core.COPY_CHUNK_FACTOR
+    factor = _core.COPY_CHUNK_FACTOR
 
     def modelled(chunk):
         return sim.pipeline(3, count, chunk, allgather_chunk_elems=chunk * factor).seconds
@@ -249,7 +248,7 @@ def test_the_pipeline_table_in_the_docs_is_what_the_simulator_says():
     header = next(line for line in page.splitlines() if line.startswith("| chunk |"))
     times = next(line for line in page.splitlines() if line.startswith("| modelled time |"))
     sizes = [cell.split(" (")[0] for cell in header.strip("|").split("|")[1:]]
-    factor = __import__("ringreduce")._core.COPY_CHUNK_FACTOR  # the command's default
+    factor = _core.COPY_CHUNK_FACTOR  # the command's default
     for size, shown in zip(sizes, times.strip("|").split("|")[1:], strict=True):
         chunk = sim.parse_bytes(size.replace(" ", "")) // 4
         t = sim.pipeline(3, 3 << 20, chunk, allgather_chunk_elems=chunk * factor)
