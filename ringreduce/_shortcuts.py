@@ -3,28 +3,37 @@
 per mpi4py communicator and kept for later calls (creation is collective)."""
 from __future__ import annotations
 
-import weakref
-
 from mpi4py import MPI
 
 from .communicator import Communicator
 
-_cache: dict[int, tuple] = {}  # id(mpi4py comm) -> (weakref to it, Communicator)
+# The Communicator made for an MPI communicator hangs on the communicator itself, as an
+# MPI attribute: every mpi4py object for the same communicator (a new one per call, as
+# petsc4py's tompi4py() gives) finds it, a Dup() or a new communicator at a reused
+# handle does not, and one the user frees drops it. _made keeps each alive, here, until
+# the process ends (closing is collective), and so out of MPI_Finalize, which deletes
+# some communicators' attributes.
+_keyval = None
+_made: list = []
 
 
 def _communicator(comm) -> Communicator:
+    global _keyval
     if isinstance(comm, Communicator):
         return comm
     if comm is None:
         comm = MPI.COMM_WORLD
-    entry = _cache.get(id(comm))
-    if entry is not None and entry[0]() is comm and not entry[1].closed:
-        return entry[1]
-    ring = Communicator(comm)
-    # Ours, not the caller's: no ResourceWarning if a reused id() replaces it (closing
-    # it is collective, and ids are reused at different times on different ranks).
-    ring._warn_unclosed = False
-    _cache[id(comm)] = (weakref.ref(comm), ring)
+    if not isinstance(comm, MPI.Comm) or comm == MPI.COMM_NULL or comm.Is_inter():
+        return Communicator(comm)  # (which says what is wrong with it)
+    if _keyval is None:
+        _keyval = MPI.Comm.Create_keyval()
+    ring = comm.Get_attr(_keyval)
+    if ring is None or ring.closed:
+        ring = Communicator(comm)
+        # Ours, not the caller's: no ResourceWarning for it (closing is collective).
+        ring._warn_unclosed = False
+        comm.Set_attr(_keyval, ring)
+        _made.append(ring)
     return ring
 
 

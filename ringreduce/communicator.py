@@ -493,9 +493,11 @@ class Communicator:
                             f"got {type(comm).__name__}")
         if comm == MPI.COMM_NULL:
             raise ValueError("ringreduce.Communicator: comm is MPI.COMM_NULL")
-        if not isinstance(comm, MPI.Intracomm):
+        if isinstance(comm, MPI.Intercomm) or comm.Is_inter():
             raise TypeError(f"ringreduce.Communicator: comm must be an intracommunicator, "
-                            f"got {type(comm).__name__}")
+                            f"got an intercommunicator ({type(comm).__name__})")
+        if not isinstance(comm, MPI.Intracomm):
+            comm = MPI.Intracomm(comm)  # (an MPI.Comm of an intracommunicator)
         # Checked before the collective part, so that a bad value leaves nothing behind.
         self._chunk_bytes = (_core.DEFAULT_CHUNK_BYTES if chunk_bytes is None
                              else _checked_chunk_bytes(chunk_bytes))
