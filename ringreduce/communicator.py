@@ -732,8 +732,9 @@ class Communicator:
         # Python does for an unclosed file.
         if (getattr(self, "_closed", True) is False and getattr(self, "_warn_unclosed", True)
                 and not sys.is_finalizing()):
-            warnings.warn(f"{self!r} was never closed: its MPI communicator stays allocated "
-                          "until MPI_Finalize. Call close() on every rank, or use "
+            warnings.warn(f"{self!r} was never closed: its MPI communicator is freed only "
+                          "when garbage collection finds it (below MPI_THREAD_MULTIPLE, at "
+                          "MPI_Finalize). Call close() on every rank, or use "
                           "`with rr.Communicator() as comm:`",
                           ResourceWarning, source=self)
 
