@@ -1,6 +1,6 @@
 """Module-level collectives: ``rr.allreduce(x)`` means
 ``rr.Communicator(comm or MPI.COMM_WORLD).allreduce(x)``, with one Communicator made
-per mpi4py communicator and kept for later calls (creation is collective)."""
+per MPI communicator and kept for later calls (creation is collective)."""
 from __future__ import annotations
 
 from mpi4py import MPI
