@@ -106,9 +106,36 @@ RingCommunicator::RingCommunicator(MPI_Comm user_comm, double timeout_s,
     exchange_.assign(slot_bytes() * p, 0);
   }
   inline_scratch_.assign(2 * inline_capacity_, 0);
+  world_ranks_note_ = world_ranks_note(user_comm);
   const char* shm_setting = std::getenv("RINGREDUCE_SHM");
   tune_wire_ = shm_setting == nullptr || std::strcmp(shm_setting, "1") != 0;
   set_timeout(timeout_s);
+}
+
+std::string RingCommunicator::world_ranks_note(MPI_Comm comm) {
+  // Messages name ranks of this communicator; mpiexec labels output by MPI_COMM_WORLD's.
+  // On a sub-communicator the two differ, and "rank 1" would point at another process.
+  int same = MPI_UNEQUAL;
+  MPI_Comm_compare(comm, MPI_COMM_WORLD, &same);
+  if (same == MPI_IDENT || same == MPI_CONGRUENT) return "";
+  int p = 0;
+  MPI_Comm_size(comm, &p);
+  constexpr int kShown = 16;
+  const int shown = std::min(p, kShown);
+  MPI_Group group, world;
+  MPI_Comm_group(comm, &group);
+  MPI_Comm_group(MPI_COMM_WORLD, &world);
+  std::vector<int> ranks(shown), in_world(shown, MPI_UNDEFINED);
+  for (int r = 0; r < shown; ++r) ranks[r] = r;
+  MPI_Group_translate_ranks(group, shown, ranks.data(), world, in_world.data());
+  MPI_Group_free(&group);
+  MPI_Group_free(&world);
+  std::string text = " [ranks of this communicator; in MPI_COMM_WORLD: ";
+  for (int r = 0; r < shown; ++r)
+    text += (r ? ", " : "") + std::to_string(r) + " is " +
+            (in_world[r] == MPI_UNDEFINED ? std::string("not in it")
+                                          : std::to_string(in_world[r]));
+  return text + (p > shown ? ", ...]" : "]");
 }
 
 void RingCommunicator::propose_wire(CallHeader* h, int64_t bytes) {
@@ -219,6 +246,7 @@ void RingCommunicator::give_up(const char* collective, const TimeoutError& e) {
   broken_ = std::string("ringreduce.") + collective + " (rank " + std::to_string(rank()) +
             " of " + std::to_string(size()) + "): " + e.what();
   depart(first_departure().rank >= 0 ? Departure::Followed : Departure::GaveUp);
+  broken_ += world_ranks_note_;
   throw TimeoutError(broken_ +
                      ". This Communicator can no longer be used on this rank; to go on, make a "
                      "new one on every rank (Communicator(timeout=...) sets the timeout)");
@@ -411,7 +439,7 @@ int64_t RingCommunicator::agree(const CallHeader& mine, std::vector<CallHeader>*
                        ": ranks disagree (raised on rank " + std::to_string(rank()) + " of " +
                        std::to_string(p) + "): ";
     for (size_t i = 0; i < problems.size(); ++i) text += (i ? ". " : "") + problems[i];
-    throw MismatchError(text);
+    throw MismatchError(text + world_ranks_note_);
   }
   return headers_[0].chunk_bytes;
 }

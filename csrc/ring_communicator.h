@@ -390,6 +390,10 @@ class RingCommunicator {
 
   std::unique_ptr<MpiTransport> transport_;
   std::string why_not_shared_memory_;
+  // On a communicator other than MPI_COMM_WORLD (or a copy of it), what its ranks are
+  // there, added to error messages; "" on the world.
+  static std::string world_ranks_note(MPI_Comm comm);
+  std::string world_ranks_note_;
   const long maker_pid_ = static_cast<long>(getpid());  // see the destructor
   std::unique_ptr<Device> device_;            // null until the first device call
   std::unique_ptr<DeviceBuffer> host_mirror_;   // pinned: staged chunks, one place per chunk

@@ -124,6 +124,26 @@ def test_small_and_large_counts_on_different_ranks(comm):
 
 
 @needs_two
+def test_messages_on_a_sub_communicator_say_where_its_ranks_are_in_the_world(comm):
+    # The communicator's rank 1 is another process than mpiexec's rank 1: say which.
+    count = 3 if RANK == 0 else 4
+    with pytest.raises(rr.MismatchError) as on_world:
+        comm.allreduce(np.ones(count, np.float32))
+    assert "MPI_COMM_WORLD" not in str(on_world.value)
+    backwards = MPI.COMM_WORLD.Split(0, key=-RANK)  # its rank 0 is the world's last
+    try:
+        with rr.Communicator(backwards) as ring:
+            with pytest.raises(rr.MismatchError) as on_sub:
+                ring.allreduce(np.ones(count, np.float32))
+        where = ", ".join(f"{r} is {SIZE - 1 - r}" for r in range(SIZE))
+        assert str(on_sub.value).endswith(
+            f" [ranks of this communicator; in MPI_COMM_WORLD: {where}]"), str(on_sub.value)
+    finally:
+        backwards.Free()
+    still_works(comm)
+
+
+@needs_two
 def test_different_collectives_are_a_mismatch(comm):
     with pytest.raises(rr.MismatchError, match="collective"):
         if RANK == 0:
