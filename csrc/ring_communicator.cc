@@ -244,9 +244,8 @@ void RingCommunicator::set_timeout(double seconds) {
 void RingCommunicator::give_up(const char* collective, const TimeoutError& e) {
   gave_up_ = true;
   broken_ = std::string("ringreduce.") + collective + " (rank " + std::to_string(rank()) +
-            " of " + std::to_string(size()) + "): " + e.what();
+            " of " + std::to_string(size()) + "): " + e.what() + world_ranks_note_;
   depart(first_departure().rank >= 0 ? Departure::Followed : Departure::GaveUp);
-  broken_ += world_ranks_note_;
   throw TimeoutError(broken_ +
                      ". This Communicator can no longer be used on this rank; to go on, make a "
                      "new one on every rank (Communicator(timeout=...) sets the timeout)");
