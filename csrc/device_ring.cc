@@ -109,7 +109,7 @@ void staged_phase(const RingSchedule& sched, Transport& transport, Device& dev, 
     }
     if (!transport.test(recv_requests[next % window])) {
       if (timer.expired([&] { transport.check_departures(); }))
-        throw TimeoutError(neighbour_timeout_text(timeout_s, sched.left(), true));
+        throw neighbour_timeout(timeout_s, sched.left(), true);
       back_off(&idle);
       continue;
     }

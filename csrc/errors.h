@@ -30,9 +30,14 @@ struct OutOfMemoryError : std::runtime_error {
 // A rank waited longer than the communicator's timeout for another rank: one that
 // skipped the call, or is stuck elsewhere (Python: ringreduce.CollectiveTimeoutError,
 // a TimeoutError). Messages or chunks may be left in flight, so the communicator is
-// unusable afterwards.
+// unusable afterwards. waited_for: the rank whose absence ran the clock out, where the
+// wait knows it (a neighbour in the ring, the first rank missing from a shared-memory
+// header exchange); the rank passes it on when it gives up, so that a rank that learns
+// of that before its own timeout can name the absent rank too.
 struct TimeoutError : std::runtime_error {
-  using std::runtime_error::runtime_error;
+  explicit TimeoutError(const std::string& what, int waited_for = -1)
+      : std::runtime_error(what), waited_for(waited_for) {}
+  int waited_for;
 };
 
 // A call stopped while it waited (StopRequest in waiting.h): another thread of this rank

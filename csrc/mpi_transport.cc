@@ -189,8 +189,8 @@ bool MpiTransport::wait_patiently(MPI_Request* request, const char* call) {
 void MpiTransport::wait(Request request) {
   if (wait_patiently(&requests_[request], "MPI_Test")) return;
   const bool send = is_send_[request];
-  throw TimeoutError(neighbour_timeout_text(
-      timeout_s_, send ? (rank_ + 1) % size_ : (rank_ + size_ - 1) % size_, !send));
+  throw neighbour_timeout(timeout_s_, send ? (rank_ + 1) % size_ : (rank_ + size_ - 1) % size_,
+                          !send);
 }
 
 bool MpiTransport::test(Request request) {

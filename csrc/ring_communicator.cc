@@ -245,13 +245,16 @@ void RingCommunicator::give_up(const char* collective, const TimeoutError& e) {
   gave_up_ = true;
   broken_ = std::string("ringreduce.") + collective + " (rank " + std::to_string(rank()) +
             " of " + std::to_string(size()) + "): " + e.what() + world_ranks_note_;
-  depart(first_departure().rank >= 0 ? Departure::Followed : Departure::GaveUp);
+  if (first_departure().rank >= 0)
+    depart(Departure::Followed);
+  else
+    depart(Departure::GaveUp, e.waited_for);
   throw TimeoutError(broken_ +
                      ". This Communicator can no longer be used on this rank; to go on, make a "
                      "new one on every rank (Communicator(timeout=...) sets the timeout)");
 }
 
-void RingCommunicator::depart(Departure why) {
+void RingCommunicator::depart(Departure why, int waited_for) {
   if (departed_) return;
   departed_ = true;
   // A call that failed here (a timeout too sets broken_) was not seen through, so the
@@ -260,6 +263,7 @@ void RingCommunicator::depart(Departure why) {
   note.rank = rank();
   note.why = why;
   note.completed = exchanges_ - (broken_.empty() ? 0 : 1);
+  if (why == Departure::GaveUp) note.cause = waited_for;
   if (why == Departure::Followed) {
     // Whom it follows: a rank that held up this call, rather than one that left
     // after finishing it; else any that left.

@@ -314,7 +314,8 @@ class RingCommunicator {
   [[noreturn]] void give_up(const char* collective, const TimeoutError& e);
   // Tells the other ranks this one has left, and leaves what MPI still holds to
   // MPI_Finalize; from then on nothing this rank sent from or received into is freed.
-  void depart(Departure why);
+  // waited_for: GaveUp's absent rank, where known (TimeoutError::waited_for).
+  void depart(Departure why, int waited_for = -1);
   // Before each header exchange, on either wire: counts it, and tells the wires.
   void begin_exchange();
   // Of the departures seen so far that hold up `exchange` (kAnyExchange: all), the one

@@ -327,7 +327,8 @@ void ShmChannel::exchange() {
         const std::vector<int> missing = ranks_where([&](uint64_t n) { return n < exchanges_; });
         throw TimeoutError(describe_ranks(missing) + (missing.size() == 1 ? " has" : " have") +
                            " not joined this call within " + seconds_text(timeout_s_) +
-                           " (the timeout): a rank skipped the call, or is stuck before it");
+                           " (the timeout): a rank skipped the call, or is stuck before it",
+                           missing.empty() ? -1 : missing.front());
       }
     }
   }
@@ -439,7 +440,7 @@ void ShmChannel::pump(int64_t sends, int64_t recvs, int left, int right, Ready r
       // A neighbour that left never moves again; nor, then, does the ring.
       if (timer.expired([&] { look_around(); })) {
         const bool receiving = next_recv < recvs;
-        throw TimeoutError(neighbour_timeout_text(timeout_s_, receiving ? left : right, receiving));
+        throw neighbour_timeout(timeout_s_, receiving ? left : right, receiving);
       }
     }
   }

@@ -93,7 +93,10 @@ struct DepartureNote {
   int rank = -1;  // -1: none
   Departure why = Departure::GaveUp;
   int64_t completed = 0;
-  int cause = -1;  // Followed: the rank that left first (-1: not known), and why
+  // Followed: the rank that left first (-1: not known), and why. GaveUp: the rank it
+  // waited for (-1: not known), so that a rank that waited for the same one and learns
+  // of this first still names it.
+  int cause = -1;
   Departure cause_why = Departure::GaveUp;
 
   bool holds_up(int64_t exchange) const { return rank >= 0 && completed < exchange; }
@@ -118,7 +121,12 @@ struct DepartureNote {
   }
   std::string text() const {
     const DepartureNote first = origin();
-    std::string said = "rank " + std::to_string(first.rank) + what(first.why);
+    std::string said = "rank " + std::to_string(first.rank);
+    if (first.why == Departure::GaveUp && first.cause >= 0)
+      said += " has given up on this communicator (a timeout there, waiting for rank " +
+              std::to_string(first.cause) + ")";
+    else
+      said += what(first.why);
     if (first.rank != rank)
       said += "; rank " + std::to_string(rank) + " left after it and said so";
     return said;
@@ -173,13 +181,14 @@ inline std::string seconds_text(double seconds) {
   return text;
 }
 
-// The message of a ring wait that timed out: on the left neighbour's next chunk
-// (receiving), or on the right neighbour taking ours (sending).
-inline std::string neighbour_timeout_text(double seconds, int neighbour, bool receiving) {
-  return "waited " + seconds_text(seconds) + " (the timeout) for rank " +
-         std::to_string(neighbour) +
-         (receiving ? " (the left neighbour) to send a chunk"
-                    : " (the right neighbour) to take a chunk");
+// A ring wait that timed out: on the left neighbour's next chunk (receiving), or on the
+// right neighbour taking ours (sending).
+inline TimeoutError neighbour_timeout(double seconds, int neighbour, bool receiving) {
+  return TimeoutError("waited " + seconds_text(seconds) + " (the timeout) for rank " +
+                          std::to_string(neighbour) +
+                          (receiving ? " (the left neighbour) to send a chunk"
+                                     : " (the right neighbour) to take a chunk"),
+                      neighbour);
 }
 
 }  // namespace ringreduce

@@ -85,8 +85,26 @@ def test_the_report_names_the_rank_that_left_first():
         "rank 0 has given up on this communicator (a timeout there)")
 
 
+def test_a_rank_that_gave_up_is_reported_with_the_rank_it_waited_for():
+    gave_up = _core.DepartureNote(0, GAVE_UP, 3, cause=2)
+    assert gave_up.text() == (
+        "rank 0 has given up on this communicator (a timeout there, waiting for rank 2)")
+    assert gave_up.origin().text() == gave_up.text()
+    # A rank that followed it passes on who gave up; whom that one waited for has no
+    # room in its note.
+    followed = _core.DepartureNote(1, FOLLOWED, 3, cause=0, cause_why=GAVE_UP)
+    assert followed.text() == ("rank 0 has given up on this communicator (a timeout there); "
+                               "rank 1 left after it and said so")
+    # Still the first that did not merely follow, whatever it carries.
+    best = _core.DepartureNote(-1, GAVE_UP, 0)
+    for note in (followed, gave_up):
+        best.prefer(note, 4)  # both saw 3 exchanges through: they hold up a 4th
+    assert best.rank == 0 and best.cause == 2
+
+
 @pytest.mark.parametrize("why, completed, cause, cause_why", [
     (GAVE_UP, 0, -1, GAVE_UP),
+    (GAVE_UP, 7, 3, GAVE_UP),
     (LEFT, 12345, -1, GAVE_UP),
     (FOLLOWED, 1, 0, GAVE_UP),
     (FOLLOWED, (1 << 46) - 1, 4094, LEFT),  # the largest of each field

@@ -344,23 +344,28 @@ def test_the_arrays_of_an_async_call_given_up_outlive_it(world, monkeypatch):
 
 @needs_two
 @pytest.mark.parametrize("wire", ["shared memory", "MPI"])
-def test_ranks_without_a_timeout_learn_that_a_rank_gave_up(wire, world, monkeypatch):
+def test_ranks_without_a_timeout_learn_that_a_rank_gave_up_and_on_whom(wire, world,
+                                                                       monkeypatch):
     # Only rank 0 has a timeout; the others would wait forever for the last rank, which
-    # stays away, were it not for rank 0 telling them it has given up.
+    # stays away, were it not for rank 0 telling them it has given up. They name the
+    # rank it waited for, as their own timeout would have, where rank 0 knew it: a
+    # shared-memory header exchange sees who is missing, MPI_Iallgather does not.
     ring = a_ring_over(wire, monkeypatch)
     ring.timeout = TIMEOUT if RANK == 0 else None
     x = np.full(1 << 16, 1.0, np.float32)  # a ring call, not one done in the header
     stopper = SIZE - 1
+    on_whom = f", waiting for rank {stopper}" if wire == "shared memory" else ""
+    gave_up = re.escape(f"rank 0 has given up on this communicator (a timeout there{on_whom})")
     if RANK == stopper:
         world.Barrier()
-        raised_within(TIMEOUT, "rank 0 has given up", lambda: ring.allreduce(x))
+        raised_within(TIMEOUT, gave_up, lambda: ring.allreduce(x))
     elif RANK == 0:
         # The last rank never joins: rank 0 waits in the header exchange.
         waited_for(r"not joined this call|for every rank to join this call",
                    lambda: ring.allreduce(x))
         world.Barrier()
     else:
-        raised_within(TIMEOUT + 10, "rank 0 has given up", lambda: ring.allreduce(x))
+        raised_within(TIMEOUT + 10, gave_up, lambda: ring.allreduce(x))
         world.Barrier()
     closes_at_once(ring)
     world.Barrier()
