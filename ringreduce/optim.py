@@ -208,6 +208,12 @@ def _fp16_clamped(exponent: int) -> float:
     return 2.0 ** min(max(exponent, _FP16_SCALES[0]), _FP16_SCALES[1])
 
 
+def _fp16_top(value: float) -> int:
+    """The float16 exponent field of a value (0 below float16's normal range), as
+    _fp16_sums gives it for the largest of the sums."""
+    return min(max(math.frexp(value)[1] + 14, 0), 30)
+
+
 def _fp16_sums(wire) -> tuple[int, bool]:
     """The largest float16 exponent field in wire (31 if it holds an inf or NaN;
     otherwise its largest magnitude is below 2 ** (field - 14)), and whether all are 0."""
@@ -224,6 +230,7 @@ class _Fp16Scale:
         self.zero_confirmed = False  # the ranks found all gradients 0, and none since
         self.settled = False       # agreed on since the scale last changed
         self.ref_top = None        # the sums' top exponent at the last change or agreement
+        self.ref_estimated = False  # ref_top is the agreed peak's, until sums are seen
         self.clean_steps = 0       # steps since the scale last changed
         # The sums are kept below 2 ** aim: a partial sum can be p times the average.
         self.aim = 15 - 3 - math.ceil(math.log2(ranks))
@@ -248,10 +255,16 @@ class _Fp16Scale:
         held, if known (else the next sums tell)."""
         self.zero_confirmed = peak == 0
         if agreed is not None:
-            if agreed != self.value:
-                self.value, self.ref_top, self.clean_steps = agreed, None, 0
+            changed = agreed != self.value
+            if changed:
+                self.value, self.clean_steps = agreed, 0
+            if top is not None and not changed:
+                self.ref_top, self.ref_estimated = top, False
             else:
-                self.ref_top = top
+                # Until sums sent with this scale are seen, the top the agreed peak
+                # allows stands for them: sums that fell far below it make the ranks
+                # agree again, rather than become the level later falls are judged by.
+                self.ref_top, self.ref_estimated = _fp16_top(peak * agreed), True
             self.settled = True
 
     def learn(self, top: int) -> bool:
@@ -260,8 +273,8 @@ class _Fp16Scale:
         self.zero_confirmed = False
         if top == 31:  # an inf or NaN in the gradients themselves: nothing to learn
             return False
-        if self.ref_top is None:
-            self.ref_top = top
+        if self.ref_top is None or self.ref_estimated:
+            self.ref_top, self.ref_estimated = top, False
         room = self.aim - (top - 14)  # doublings left before the sums pass the aim
         change = 0
         if room < 0:

@@ -321,6 +321,24 @@ def test_fp16_scale_follows_a_zero_start_a_spike_and_a_slow_decline():
     assert set(off) <= {50, 51}, off  # the spike, and the step after it
 
 
+def test_fp16_sums_that_fall_far_right_after_the_ranks_agreed_make_them_agree_again():
+    # Gradients of about 1, then 1e-2: sums far below the scale's aim, so the ranks
+    # agree on a larger scale for the next step. Then 1e-12 at once, which that scale
+    # leaves as float16 subnormals: the ranks must agree again rather than take those
+    # sums as the level later falls are judged by (they did, and lost most digits of
+    # every gradient for the 64 steps until the scale grew).
+    params = [np.zeros(100, np.float32)]
+    opt = DistributedOptimizer(SGD(params, lr=1.0), compression="fp16")
+    rng = np.random.default_rng(RANK)
+    for step, magnitude in enumerate([1.0, 1e-2, 1e-12, 1e-12, 1e-12, 1e-6, 1e-6]):
+        g = (rng.standard_normal(100) * magnitude).astype(np.float32)
+        params[0][:] = 0  # (so that the update is exactly what arrived)
+        opt.step([g])
+        average = np.mean(MPI.COMM_WORLD.allgather(g.astype(np.float64)), axis=0)
+        np.testing.assert_allclose(-params[0], average, rtol=0,
+                                   atol=2e-3 * np.abs(average).max(), err_msg=f"step {step}")
+
+
 def test_powersgd_sends_fewer_bytes_and_keeps_replicas_equal():
     params = [np.zeros((64, 48)), np.zeros(48)]
     opt = DistributedOptimizer(SGD(params, lr=0.1), compression=PowerSGD(rank=2))
