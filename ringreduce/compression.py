@@ -33,6 +33,12 @@ class PowerSGD:
         self.seed = seed
         self._q: dict[int, object] = {}      # parameter index -> Q (m x r), warm start
         self._error: dict[int, object] = {}  # parameter index -> what was not sent yet
+        # The DistributedOptimizer whose gradients it compresses (one at most: the state
+        # above is keyed by its parameter indices).
+        self._user = None  # (a weakref.ref)
+
+    def __getstate__(self):  # (a copy, pickled, compresses no one's gradients yet)
+        return {**self.__dict__, "_user": None}
 
     def __repr__(self):
         return f"PowerSGD(rank={self.rank})"

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+import weakref
 import zlib
 
 import numpy as np
@@ -339,6 +340,12 @@ class DistributedOptimizer:
         check_bucket_mb(bucket_mb, "DistributedOptimizer")
         self.compression = compression
         self.powersgd = compression if isinstance(compression, _compression.PowerSGD) else None
+        user = self.powersgd and self.powersgd._user and self.powersgd._user()
+        if user is not None:
+            raise ValueError("DistributedOptimizer: this PowerSGD object already compresses "
+                             "another DistributedOptimizer's gradients, and it keeps state "
+                             "for each parameter index (the error fed back, the last Q): "
+                             "give each DistributedOptimizer a PowerSGD(...) of its own")
         cast = None if self.powersgd else compression  # PowerSGD sends the rest as is
         # Matrices PowerSGD compresses skip the buckets; everything else is bucketed.
         self._low_rank = [i for i, p in enumerate(self.params)
@@ -365,6 +372,8 @@ class DistributedOptimizer:
         self.bytes_sent = 0          # payload bytes this rank handed to allreduce
         self.comm_seconds = 0.0      # time step() spent waiting for communication
         self._check_same_model_everywhere()
+        if self.powersgd is not None:
+            self.powersgd._user = weakref.ref(self)
 
     # -- public ---------------------------------------------------------------------
 
@@ -473,11 +482,42 @@ class DistributedOptimizer:
         return state
 
     def load_state_dict(self, state: dict) -> None:
+        """Loads a state_dict(): the optimizer's, and PowerSGD's, which is this rank's
+        own (what its approximations missed): each rank loads the state it saved."""
+        if not isinstance(state, dict) or "optimizer" not in state:
+            raise KeyError("DistributedOptimizer.load_state_dict: the state has no "
+                           "'optimizer' (is it a DistributedOptimizer state_dict()?)")
+        if self.powersgd is not None and "powersgd" in state:
+            self._check_powersgd_state(state["powersgd"])  # before anything is loaded
         self.optimizer.load_state_dict(state["optimizer"])
         if self.powersgd is not None and "powersgd" in state:
             self.powersgd.load_state_dict(state["powersgd"])
 
     # -- plumbing -------------------------------------------------------------------
+
+    def _check_powersgd_state(self, state):
+        where = "DistributedOptimizer.load_state_dict"
+        if not isinstance(state, dict) or not {"rank", "q", "error"} <= state.keys():
+            raise KeyError(f"{where}: state['powersgd'] is not a PowerSGD state_dict()")
+        if state["rank"] != self.powersgd.rank:
+            raise ValueError(f"{where}: the state is PowerSGD(rank={state['rank']})'s, and this "
+                             f"optimizer's is PowerSGD(rank={self.powersgd.rank}), which the "
+                             "ranks agreed on when it was made")
+        for key in ("q", "error"):
+            for index, array in dict(state[key]).items():
+                if index not in self._low_rank:
+                    raise ValueError(f"{where}: state['powersgd'][{key!r}] has an array for "
+                                     f"params[{index}], which this optimizer's PowerSGD does "
+                                     "not compress (a state of another model?)")
+                n = self.params[index].shape[0]
+                m = self.params[index].size // n
+                shape = (m, min(self.powersgd.rank, n, m)) if key == "q" else (n, m)
+                if getattr(array, "shape", None) != shape:
+                    raise ValueError(f"{where}: state['powersgd'][{key!r}][{index}] is "
+                                     f"{getattr(array, 'shape', type(array).__name__)}, "
+                                     f"but for params[{index}] "
+                                     f"{tuple(self.params[index].shape)} it is {shape} "
+                                     "(a state of another model?)")
 
     def _start_complete_units(self):
         # Strictly in _units order: ranks may finish gradients in different orders, but

@@ -546,6 +546,53 @@ def test_a_state_of_another_model_is_refused(make):
         make(small).load_state_dict({"lr": 0.1})
 
 
+def test_one_powersgd_object_compresses_one_optimizers_gradients():
+    # Its state is keyed by parameter index: shared, one model's error feedback and Q
+    # went into another's (a model whose gradients were all 0 moved), or broke on
+    # another shape. Once the first optimizer is gone the object may serve again.
+    import copy
+    import gc
+    import pickle
+
+    psgd = PowerSGD(rank=2)
+    first = DistributedOptimizer(SGD([np.zeros((40, 30))], lr=1.0), compression=psgd)
+    first.step([np.ones((40, 30))])
+    with pytest.raises(ValueError, match="a PowerSGD.* of its own"):
+        DistributedOptimizer(SGD([np.zeros((40, 30))], lr=1.0), compression=psgd)
+    for twin in (copy.deepcopy(psgd), pickle.loads(pickle.dumps(psgd))):
+        DistributedOptimizer(SGD([np.zeros((40, 30))], lr=1.0), compression=twin)
+    del first
+    gc.collect()
+    again = DistributedOptimizer(SGD([np.zeros((40, 30))], lr=1.0), compression=psgd)
+    again.step([np.ones((40, 30))])
+
+
+def test_a_powersgd_state_of_another_model_is_refused_before_anything_is_loaded():
+    def made(shape, rank=2):
+        params = [np.zeros(shape)]
+        opt = DistributedOptimizer(SGD(params, lr=0.1, momentum=0.9),
+                                   compression=PowerSGD(rank=rank))
+        opt.step([np.ones(shape)])
+        return opt
+
+    saved = made((40, 30)).state_dict()
+    for shape, rank, match in [((50, 20), 2, r"\['q'\]\[0\] is \(30, 2\), but for params\[0\] "
+                                              r"\(50, 20\) it is \(20, 2\)"),
+                               ((40, 30), 3, r"PowerSGD\(rank=2\)'s"),
+                               ((40, 2), 2, "does not compress")]:
+        target = made(shape, rank)
+        before = target.state_dict()
+        with pytest.raises(ValueError, match=match):
+            target.load_state_dict({"optimizer": before["optimizer"],
+                                    "powersgd": saved["powersgd"]})
+        after = target.state_dict()
+        assert after["powersgd"]["q"].get(0) is before["powersgd"]["q"].get(0)  # not loaded
+        assert after["powersgd"]["q"].get(0) is not saved["powersgd"]["q"][0]
+    with pytest.raises(KeyError, match="DistributedOptimizer state_dict"):
+        made((40, 30)).load_state_dict(saved["optimizer"])
+    made((40, 30)).load_state_dict(saved)  # its own model's: loads
+
+
 def test_allreduce_gradients_averages_in_place():
     grads = [np.full((3, 4), float(RANK)), np.arange(5, dtype=np.float32) * (RANK + 1),
              np.full(7, RANK, np.float64)[::2]]
