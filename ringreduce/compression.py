@@ -59,8 +59,10 @@ class PowerSGD:
     # hands P's all-reduce to the ring, project() waits for it and hands over Q's, and
     # finish() waits for that. Every rank must make the same calls in the same order.
 
-    def start(self, index: int, grad, comm) -> "_LowRankCall":
-        """P = M Q (M: grad plus what earlier steps missed), averaged asynchronously."""
+    def start(self, index: int, grad, comm, op: str = "avg") -> "_LowRankCall":
+        """P = M Q (M: grad plus what earlier steps missed), averaged asynchronously.
+        (op: DistributedOptimizer.abandon_step sends an abandoned step's with another,
+        so that a rank that steps cannot take them for its own step's.)"""
         xp = array_module(grad)
         n = grad.shape[0]
         matrix = grad.reshape(n, -1)
@@ -75,16 +77,16 @@ class PowerSGD:
             q = xp.asarray(np.random.default_rng(self.seed + index).standard_normal((m, r)))
             q = q.astype(matrix.dtype)
         p = matrix @ q
-        handle = comm.allreduce_async(p, op="avg", out=p)
+        handle = comm.allreduce_async(p, op=op, out=p)
         return _LowRankCall(index, grad, matrix, p, handle)
 
-    def project(self, call: "_LowRankCall", comm) -> None:
+    def project(self, call: "_LowRankCall", comm, op: str = "avg") -> None:
         """Once P is averaged: Q = M^T P, with P's columns made orthonormal, averaged
         asynchronously."""
         call.handle.wait()
         call.p = _orthonormal_columns(call.p, array_module(call.p))
         call.q = call.matrix.T @ call.p
-        call.handle = comm.allreduce_async(call.q, op="avg", out=call.q)
+        call.handle = comm.allreduce_async(call.q, op=op, out=call.q)
 
     def finish(self, call: "_LowRankCall") -> tuple[object, int]:
         """Once Q is averaged: the approximation P Q^T, and the bytes this rank sent."""

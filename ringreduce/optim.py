@@ -23,6 +23,7 @@ import numpy as np
 
 from . import compression as _compression
 from ._arrays import array_module
+from ._core import MismatchError
 from .gradients import check_bucket_mb, pack_plan
 
 
@@ -295,6 +296,12 @@ class _Fp16Scale:
         return room - change >= _FP16_FAR
 
 
+# The op of the all-reduces abandon_step() makes for a step: not the one a step sends
+# with, so that where other ranks make that step's calls to use them, every rank's
+# call raises MismatchError instead (their results are thrown away either way).
+_ABANDONED_OP = "prod"
+
+
 class _Bucket:
     """Gradients of a few parameters, packed back to back in one flat buffer."""
 
@@ -369,6 +376,7 @@ class DistributedOptimizer:
         self._next_to_start = 0      # the first unit of _units not started yet
         self._accumulating = False   # inside no_sync()
         self._accumulated = False    # the buckets hold gradients from no_sync() steps
+        self._abandoning = False     # inside abandon_step(): calls go with _ABANDONED_OP
         self.bytes_sent = 0          # payload bytes this rank handed to allreduce
         self.comm_seconds = 0.0      # time step() spent waiting for communication
         self._check_same_model_everywhere()
@@ -458,15 +466,32 @@ class DistributedOptimizer:
         start = time.perf_counter()
         try:
             self._start_complete_units()  # all are complete now
+            # Every all-reduce of the step completes before what only ranks that step
+            # do (an fp16 bucket's agreement on its scale): where another rank abandoned
+            # the step, its calls raise MismatchError here, on every rank (see
+            # _ABANDONED_OP), before this rank makes a call that rank never makes.
             for unit in self._units:  # (PowerSGD's second all-reduces queue after all)
                 if isinstance(unit, _Bucket):
-                    self._finish(unit, averaged)
+                    unit.handle.wait()
                 else:
                     call = self._low_rank_calls[unit]
                     self.powersgd.project(call, self.comm)
                     self.bytes_sent += call.q.nbytes
             for i in self._low_rank:
+                self._low_rank_calls[i].handle.wait()
+            for unit in self._units:
+                if isinstance(unit, _Bucket):
+                    self._finish(unit, averaged)
+            for i in self._low_rank:
                 averaged[i] = self.powersgd.finish(self._low_rank_calls[i])[0]
+        except MismatchError as error:
+            self.abandon_step()
+            raise MismatchError(
+                f"DistributedOptimizer.step (rank {self.comm.rank} of {self.comm.size}): this "
+                "step's all-reduces did not pair up with the other ranks', so it is dropped "
+                "here, without an update; the next step starts clean. Another rank abandoned "
+                "the step (abandon_step(), as after an exception in its backward pass), or "
+                f"made other calls in their place: {error}") from error
         except BaseException:
             self.abandon_step()
             raise
@@ -546,9 +571,19 @@ class DistributedOptimizer:
         elsewhere). All are waited for, what they raise is dropped, and their results
         are thrown away. Inside no_sync(), where no rank has started any, it makes
         none. (Not a zero_grad() to call before every step: outside no_sync() it costs
-        a step's all-reduces.)"""
+        a step's all-reduces.)
+
+        A rank may also abandon a step alone, while the others call step(): it makes
+        its calls with another op, so the others' step() raises MismatchError and
+        updates nothing (catch it, and go on with the next step). Unless it had given
+        every gradient already, which started all its calls as a step's: then the
+        others cannot tell, and step as usual, so every rank must abandon that step."""
         if not self._accumulating or self._next_to_start > 0:
-            self._make_the_rest_of_the_calls()
+            self._abandoning = True
+            try:
+                self._make_the_rest_of_the_calls()
+            finally:
+                self._abandoning = False
         for handle in [b.handle for b in self._buckets] + [
                 call.handle for call in self._low_rank_calls.values()]:
             if handle is not None:
@@ -564,14 +599,14 @@ class DistributedOptimizer:
                 _quietly(self._start, unit)
             else:
                 zeros = array_module(self.params[unit]).zeros_like(self.params[unit])
-                call = _quietly(self.powersgd.start, unit, zeros, self.comm)
+                call = _quietly(self.powersgd.start, unit, zeros, self.comm, _ABANDONED_OP)
                 if call is not None:
                     self._low_rank_calls[unit] = call
         self._next_to_start = len(self._units)
         for unit in self._units:  # PowerSGD's second all-reduces, as step() makes them
             call = self._low_rank_calls.get(unit) if not isinstance(unit, _Bucket) else None
             if call is not None and call.q is None:
-                _quietly(self.powersgd.project, call, self.comm)
+                _quietly(self.powersgd.project, call, self.comm, _ABANDONED_OP)
 
     def _new_step(self):
         for b in self._buckets:
@@ -592,7 +627,8 @@ class DistributedOptimizer:
 
     def _start(self, bucket):
         if bucket.wire is None:
-            bucket.handle = self.comm.allreduce_async(bucket.buffer, op="avg", out=bucket.buffer)
+            op = _ABANDONED_OP if self._abandoning else "avg"
+            bucket.handle = self.comm.allreduce_async(bucket.buffer, op=op, out=bucket.buffer)
             self.bytes_sent += bucket.buffer.nbytes
         else:
             scale = bucket.scale
@@ -615,7 +651,8 @@ class DistributedOptimizer:
         if bucket.sent_count:
             bucket.counted[-1:] = bucket.buffer.any()
             wire = bucket.counted
-        bucket.handle = self.comm.allreduce_async(wire, op="sum", out=wire)
+        op = _ABANDONED_OP if self._abandoning else "sum"
+        bucket.handle = self.comm.allreduce_async(wire, op=op, out=wire)
         self.bytes_sent += wire.nbytes
 
     def _agreed_fp16_scale(self, bucket) -> tuple[float | None, float]:

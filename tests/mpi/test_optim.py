@@ -140,6 +140,42 @@ def test_abandon_step_after_ranks_stopped_at_different_points(compression):
         np.testing.assert_allclose(p, -2 * (SIZE + 1) / 2, rtol=1e-3)
 
 
+@pytest.mark.parametrize("compression", [None, "fp16", "powersgd"])
+def test_a_step_one_rank_abandons_is_dropped_on_every_rank(compression):
+    # The last rank meets an exception in its backward pass at step 1, after its first
+    # gradient, and abandons the step; the others call step(). Their step() must raise
+    # and update nothing (it applied the abandoning rank's 0s as gradients, and the
+    # replicas split, silently), and the steps after go on together.
+    if SIZE == 1:
+        pytest.skip("needs a rank that steps while another abandons")
+    dtype = np.float32 if compression == "fp16" else np.float64
+    params = [np.zeros((20, 30), dtype) for _ in range(3)]
+    opt = DistributedOptimizer(SGD(params, lr=1.0), bucket_mb=0.001, compression=(
+        PowerSGD(rank=1) if compression == "powersgd" else compression))
+    quitter = SIZE - 1
+    for step in range(4):
+        grad = np.full((20, 30), step + RANK + 1.0, dtype)  # (rank 1: PowerSGD's exact)
+        try:
+            opt.grad_ready(2, grad)
+            if step == 1 and RANK == quitter:
+                raise ArithmeticError("a bad batch")
+            opt.grad_ready(1, grad)
+            opt.grad_ready(0, grad)
+            opt.step()
+        except ArithmeticError:
+            opt.abandon_step()
+        except rr.MismatchError as error:
+            assert step == 1 and RANK != quitter, (step, error)
+            assert "Another rank abandoned the step" in str(error)
+        else:
+            assert step != 1, "a step another rank abandoned went through"
+    everyone = MPI.COMM_WORLD.allgather([p.tobytes() for p in params])
+    assert all(mine == everyone[0] for mine in everyone)  # identical replicas
+    applied = sum(step + (SIZE + 1) / 2 for step in (0, 2, 3))  # the average gradients
+    for p in params:
+        np.testing.assert_allclose(p, -applied, rtol=1e-3)
+
+
 def test_abandon_step_forgets_a_step_begun():
     # After an exception halfway through backward: gradients given (on top of sums
     # accumulated in no_sync; two of the three buckets' all-reduces started) are
