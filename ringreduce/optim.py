@@ -191,7 +191,10 @@ class Adam:
 # the next step only, when they sit 2 ** _FP16_FAR below the aim after a change (a
 # spike gone) or after falling that far since the ranks last agreed (a decline faster
 # than the growth).
-_FP16_SCALES = (-40, 80)     # the scale's exponent stays within these
+# The scale's exponent stays within these: gradients up to about 5e33 (2 ** 112) keep
+# their digits, and the factor each rank multiplies by, scale / p, stays a normal
+# float32 (it once stopped at 2 ** -40: gradients from about 1e17 came back as infs).
+_FP16_SCALES = (-100, 80)
 _FP16_GROW_AFTER = 64        # steps without a change before the scale doubles
 _FP16_FALL = 10              # how far the sums may fall (powers of 2) before ranks agree
 _FP16_FAR = 3                # how far below the aim, or their last level, sums may sit
@@ -639,10 +642,15 @@ class DistributedOptimizer:
     def _send_16_bit(self, bucket):
         # Divide before the sum, so a 16-bit sum of p gradients cannot overflow.
         bucket.sent_scale = bucket.scale.sending() if bucket.scale is not None else 1.0
-        # (In the buffer's dtype: numpy and cupy then round the product alike.)
-        factor = bucket.buffer.dtype.type(bucket.sent_scale / self.comm.size)
+        # In the buffer's dtype, so that numpy and cupy round the product alike; but
+        # at least float32: a 16-bit factor of 1/3 is itself rounded (bfloat16: 0.334),
+        # which made every gradient arrive that much too large.
+        buffer = bucket.buffer
+        if buffer.dtype.itemsize < 4:
+            buffer = buffer.astype(np.float32)
+        factor = buffer.dtype.type(bucket.sent_scale / self.comm.size)
         with np.errstate(over="ignore", invalid="ignore"):  # an inf is dealt with after
-            bucket.wire[...] = bucket.buffer * factor  # the assignment rounds to 16 bits
+            bucket.wire[...] = buffer * factor  # the assignment rounds to 16 bits
         wire = bucket.wire
         # After the ranks found all gradients 0, sums of 0 are trusted without asking;
         # but gradients far smaller than the scale can hold sum to 0 too. The count of
