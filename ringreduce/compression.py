@@ -40,8 +40,8 @@ class PowerSGD:
     def __getstate__(self):  # (a copy, pickled, compresses no one's gradients yet)
         return {**self.__dict__, "_user": None}
 
-    def __repr__(self):
-        return f"PowerSGD(rank={self.rank})"
+    def __repr__(self):  # (ranks compare it when a DistributedOptimizer is made)
+        return f"PowerSGD(rank={self.rank}, seed={self.seed})"
 
     def compresses(self, shape: tuple) -> bool:
         if len(shape) < 2:

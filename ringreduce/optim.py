@@ -36,6 +36,9 @@ def _check_params(params, who: str) -> list:
             raise TypeError(f"{who}: params[{i}] is a {type(p).__name__}, not an array")
         if p.dtype.kind != "f" and p.dtype.name != "bfloat16":
             raise TypeError(f"{who}: params[{i}] has dtype {p.dtype}; parameters must be floats")
+        if not getattr(getattr(p, "flags", None), "writeable", True):  # (cupy's always are)
+            raise ValueError(f"{who}: params[{i}] is read-only; steps update parameters in "
+                             "place")
     return params
 
 

@@ -531,6 +531,11 @@ def test_misuse_gets_clear_errors():
         DistributedOptimizer(SGD([np.zeros(2)], lr=0.1), compression="int8")
     with pytest.raises(TypeError, match="floats"):
         SGD([np.zeros(2, np.int32)], lr=0.1)
+    frozen = np.zeros(2)
+    frozen.flags.writeable = False
+    for make in (lambda: SGD([np.zeros(2), frozen], lr=0.1), lambda: Adam([frozen])):
+        with pytest.raises(ValueError, match=r"params\[\d\] is read-only"):
+            make()
     with pytest.raises(TypeError, match=r"grads\[0\] is a list, not an array"):
         opt.step([[1.0, 2.0], np.zeros(2)])
     with pytest.raises(TypeError, match="must have .params and .step"):
@@ -556,7 +561,8 @@ def test_ranks_with_different_models_are_told():
         DistributedOptimizer(SGD(params, lr=0.1))
 
 
-@pytest.mark.parametrize("differ", ["bucket_mb", "compression", "powersgd rank"])
+@pytest.mark.parametrize("differ", ["bucket_mb", "compression", "powersgd rank",
+                                    "powersgd seed"])
 def test_ranks_that_send_gradients_differently_are_told(differ):
     # Different buckets or compression make different all-reduces, which would pair up
     # wrongly (and leave calls queued that pair with the next ones): caught up front.
@@ -565,7 +571,8 @@ def test_ranks_that_send_gradients_differently_are_told(differ):
     params = init_params(LAYERS, seed=1)
     kwargs = {"bucket_mb": dict(bucket_mb=25.0 if RANK == 0 else 0.001),
               "compression": dict(compression="fp16" if RANK == 0 else None),
-              "powersgd rank": dict(compression=PowerSGD(rank=1 + (RANK == 1)))}[differ]
+              "powersgd rank": dict(compression=PowerSGD(rank=1 + (RANK == 1))),
+              "powersgd seed": dict(compression=PowerSGD(seed=RANK))}[differ]
     with pytest.raises(rr.MismatchError, match=r"send gradients differently .*ranks \[1"):
         DistributedOptimizer(SGD(params, lr=0.1), **kwargs)
     # and the communicator still pairs calls up right
