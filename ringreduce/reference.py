@@ -1,6 +1,8 @@
 """Ring all-reduce in plain numpy over mpi4py point-to-point calls: the algorithm of
 ringreduce's C++ core, written to be read. The tests hold the core to the same answers
-bit for bit, so this file is also the core's specification.
+bit for bit, so this file is also the core's specification. (Except for the sign of a
+NaN: where one step makes a NaN (inf - inf) and a later one meets another, x86 keeps
+the sign of whichever operand the compiled loop put first; both are NaN.)
 
 Each of p ranks holds an array x. Cut it into p segments (like np.array_split). Every
 rank sends only to its right neighbour and receives only from its left one.
