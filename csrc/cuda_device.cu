@@ -18,20 +18,25 @@ class CudaDevice final : public Device {
  public:
   CudaDevice(int ordinal, int rank) : ordinal_(ordinal), rank_(rank) {
     begin(nullptr);
-    for (cudaStream_t& s : streams_)
-      check(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate");
-    cudaSetDevice(callers_device_);
+    try {
+      for (cudaStream_t& s : streams_)
+        check(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate");
+    } catch (...) {
+      give_back_device();
+      throw;
+    }
+    give_back_device();
   }
   ~CudaDevice() override {
     // No throwing here; at interpreter exit the driver may already be shutting down.
-    int current = ordinal_;
-    cudaGetDevice(&current);
-    cudaSetDevice(ordinal_);
+    // close() may run on any thread, with any GPU current (see give_back_device()).
+    callers_device_ = ordinal_;
+    cudaGetDevice(&callers_device_);
+    if (callers_device_ != ordinal_) cudaSetDevice(ordinal_);
     for (cudaStream_t s : streams_) cudaStreamSynchronize(s);
     for (cudaEvent_t e : events_) cudaEventDestroy(e);
     for (cudaStream_t s : streams_) cudaStreamDestroy(s);
-    cudaSetDevice(current);  // close() may run on any thread, with any GPU current
-    (void)cudaGetLastError();
+    give_back_device();
   }
 
   const char* name() const override { return "CUDA"; }
@@ -39,13 +44,19 @@ class CudaDevice final : public Device {
 
   void begin(void* ready) override {
     // cudaSetDevice is per thread, and calls may come from the async worker thread;
-    // end() gives the caller its current device back.
+    // end() gives the caller its current device back (see give_back_device()).
     check(cudaGetDevice(&callers_device_), "cudaGetDevice");
-    check(cudaSetDevice(ordinal_), "cudaSetDevice");
+    if (callers_device_ != ordinal_) check(cudaSetDevice(ordinal_), "cudaSetDevice");
     used_events_ = 0;
-    if (ready)
-      for (cudaStream_t s : streams_)
-        check(cudaStreamWaitEvent(s, static_cast<cudaEvent_t>(ready), 0), "cudaStreamWaitEvent");
+    try {
+      if (ready)
+        for (cudaStream_t s : streams_)
+          check(cudaStreamWaitEvent(s, static_cast<cudaEvent_t>(ready), 0),
+                "cudaStreamWaitEvent");
+    } catch (...) {  // (no end() or abandon() follows a begin() that failed)
+      give_back_device();
+      throw;
+    }
   }
 
   void end(void* user_stream) override {
@@ -53,14 +64,13 @@ class CudaDevice final : public Device {
     check(cudaStreamWaitEvent(static_cast<cudaStream_t>(user_stream), events_[all], 0),
           "cudaStreamWaitEvent(caller's stream)");
     check(cudaEventSynchronize(events_[all]), "cudaEventSynchronize");
-    check(cudaSetDevice(callers_device_), "cudaSetDevice");
+    if (callers_device_ != ordinal_) check(cudaSetDevice(callers_device_), "cudaSetDevice");
   }
 
   void abandon() override {
     // Our streams never wait on MPI, so this ends; errors are the failed call's own.
     for (cudaStream_t s : streams_) cudaStreamSynchronize(s);
-    cudaSetDevice(callers_device_);
-    (void)cudaGetLastError();
+    give_back_device();
   }
 
   void* alloc_host(int64_t bytes) override {
@@ -69,13 +79,21 @@ class CudaDevice final : public Device {
                 bytes, "pinned host memory");
     return p;
   }
-  void free_host(void* p) override { cudaFreeHost(p); }
+  // (Errors in freeing, as at exit while CUDA unloads, are not kept as this thread's
+  // last error, which a later kernel launch would report as its own.)
+  void free_host(void* p) override {
+    cudaFreeHost(p);
+    (void)cudaGetLastError();
+  }
   void* alloc_device(int64_t bytes) override {
     void* p = nullptr;
     check_alloc(cudaMalloc(&p, bytes > 0 ? bytes : 1), "cudaMalloc", bytes, "GPU memory");
     return p;
   }
-  void free_device(void* p) override { cudaFree(p); }
+  void free_device(void* p) override {
+    cudaFree(p);
+    (void)cudaGetLastError();
+  }
 
   void copy(Stream stream, void* dst, const void* src, int64_t bytes) override {
     if (bytes <= 0 || dst == src) return;
@@ -116,6 +134,14 @@ class CudaDevice final : public Device {
   }
 
  private:
+  // The caller's current GPU back, where begin() changed it; its errors are not the
+  // call's. Only where it changed: setting a GPU makes its CUDA context (CUDA 12),
+  // and the worker thread's "current GPU" before our first call is GPU 0, whichever
+  // GPU the rank uses (the Python side makes the array's GPU current there first).
+  void give_back_device() {
+    if (callers_device_ != ordinal_) cudaSetDevice(callers_device_);
+    (void)cudaGetLastError();
+  }
   [[noreturn]] void fail(const std::string& what) const {
     throw std::runtime_error("ringreduce: " + what + " on rank " + std::to_string(rank_) +
                              " (GPU " + std::to_string(ordinal_) + ")");

@@ -7,6 +7,7 @@
 
 #include "copy.h"
 #include "reduce.h"
+#include "waiting.h"
 
 namespace ringreduce {
 
@@ -189,9 +190,17 @@ void ring_broadcast(int rank, int size, int root, Transport& transport, void* bu
     // At most `window` chunks in flight, like everywhere else in the ring.
     std::vector<Transport::Request> sends(window);
     for (int64_t c = 0; c < num_chunks; ++c) {
-      if (hooks.ready_to_send)
+      if (hooks.ready_to_send) {
+        // This rank's own GPU copying the chunk out: no other rank to time out on, but
+        // a rank that left, or a stop (Ctrl-C), still ends the wait, and it backs off
+        // as every other wait does (ranks may share cores).
+        StallTimer never_expires(0);
+        int idle = 0;
         while (!hooks.ready_to_send(c)) {
+          back_off(&idle);
+          never_expires.expired([&] { transport.check_departures(); });
         }
+      }
       if (c >= window) transport.wait(sends[c % window]);
       sends[c % window] = transport.send_right(data + c * chunk_bytes, chunk_len(c), 0);
     }

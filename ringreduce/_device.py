@@ -12,6 +12,8 @@ numpy arrays.
 """
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 
 from . import _core
@@ -80,16 +82,28 @@ class _Launch:
     """Where and after what a call runs: x's GPU, the caller's current stream, and an
     event recorded on that stream now (so later work on it is not waited for)."""
 
-    __slots__ = ("cp", "device", "stream", "ready", "direct")
+    __slots__ = ("cp", "device", "stream", "ready", "direct", "caller")
 
     def __init__(self, cp, array, direct: bool):
         self.cp = cp
+        self.caller = threading.get_ident()
         self.device = array.device.id
         with cp.cuda.Device(self.device):
             self.stream = cp.cuda.get_current_stream()
             self.ready = cp.cuda.Event(block=False, disable_timing=True, interprocess=False)
             self.ready.record(self.stream)
         self.direct = direct
+
+    def on_its_device(self):
+        """First thing in run(). On ringreduce's worker thread (an asynchronous call, or
+        one queued behind it) x's GPU is made current, and stays so: the thread's
+        current GPU before is GPU 0, whichever GPU the rank uses, and switching back to
+        it (as `with cupy.cuda.Device(...)` or the core would, at the end) makes a CUDA
+        context there (CUDA 12 does, on cudaSetDevice): memory on GPU 0 for every
+        rank, and errors where GPUs are in exclusive-process mode. The caller's own
+        thread keeps its current GPU."""
+        if threading.get_ident() != self.caller:
+            self.cp.cuda.runtime.setDevice(self.device)
 
     def args(self):
         """The last five arguments of every *_device call of the core."""
@@ -137,6 +151,7 @@ def prepare_allreduce(comm, context, x, op, out):
     core, chunk, count = comm._core, comm.chunk_bytes, x.size
 
     def run():
+        launch.on_its_device()
         core.allreduce_device(source.data.ptr, out.data.ptr, count, dtype, op, chunk,
                               *launch.args())
         return out
@@ -159,6 +174,7 @@ def prepare_reduce_scatter(comm, context, x, op, out):
     core, chunk = comm._core, comm.chunk_bytes
 
     def run():
+        launch.on_its_device()
         core.reduce_scatter_device(source.data.ptr, work.data.ptr, x.size, dtype, op, chunk,
                                    *launch.args())
         with launch.context():
@@ -187,6 +203,7 @@ def prepare_allgather(comm, context, x, out):
     itemsize = x.dtype.itemsize
 
     def run():
+        launch.on_its_device()
         counts = core.allgather_counts(rows, row_elems, shape_tag, dtype, chunk, out_rows,
                                        device=True)
         total = sum(counts)
@@ -237,6 +254,7 @@ def prepare_broadcast(comm, context, x, root):
     core, chunk, root = comm._core, comm.chunk_bytes, int(root)
 
     def run():
+        launch.on_its_device()
         core.broadcast_device(buffer.data.ptr, array.size, dtype, root, chunk, *launch.args())
         if buffer is not array:
             with launch.context():

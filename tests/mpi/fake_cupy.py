@@ -6,6 +6,7 @@ in place, strides, the async worker, allgather's allocation) runs under MPI in C
 cupy and CUDA really do is for tests/mpi/test_gpu.py, on a GPU."""
 from __future__ import annotations
 
+import threading
 import types
 
 import numpy as np
@@ -121,12 +122,18 @@ class _Nothing:
         pass
 
 
+set_devices = []
+
 cuda = types.SimpleNamespace(
     Device=_Nothing, Event=_Nothing, Stream=_Nothing,
     get_current_stream=lambda: _Nothing(),
     get_elapsed_time=lambda start, stop: 1.0,  # ms; nothing is timed on the host
     runtime=types.SimpleNamespace(getDeviceCount=lambda: 1,
-                                  getDeviceProperties=lambda ordinal: {"name": b"emulated"}),
+                                  getDeviceProperties=lambda ordinal: {"name": b"emulated"},
+                                  # (thread, GPU) of each call, for tests to read
+                                  setDevice=lambda ordinal: set_devices.append(
+                                      (threading.get_ident(), ordinal)),
+                                  ),
     memory=types.SimpleNamespace(OutOfMemoryError=MemoryError),
 )
 

@@ -89,6 +89,28 @@ def test_one_rank_still_hands_gpu_async_calls_to_the_worker():
         assert comm._executor.started
 
 
+def test_the_worker_thread_makes_the_arrays_gpu_current_and_keeps_it(ring):
+    # A thread's current GPU is GPU 0 until it sets one, and on a real GPU switching
+    # back to it (after a call on the array's GPU) made a CUDA context on GPU 0 in
+    # every rank. So the worker sets the array's GPU before each call and never
+    # switches back, and the caller's own thread is left as it was. (The stand-in has
+    # one GPU: this checks who sets which, not the contexts.)
+    if not ring._executor.threaded:
+        pytest.skip("MPI without MPI_THREAD_MULTIPLE: no worker thread")
+    import threading
+
+    x = cp.asarray(rank_data(np.dtype(np.float32), 100))
+    ring.allreduce(x)  # on this thread (nothing queued)
+    assert all(thread != threading.get_ident() for thread, _ in cp.set_devices)
+    before = len(cp.set_devices)
+    handles = [ring.allreduce_async(x) for _ in range(3)]
+    for h in handles:
+        h.wait()
+    calls = cp.set_devices[before:]
+    assert len(calls) == len(handles), calls
+    assert all(thread != threading.get_ident() and gpu == x.device.id for thread, gpu in calls)
+
+
 def test_reduce_scatter_allgather_broadcast(ring, world):
     x = rank_data(np.dtype(np.float32), 1001, salt=3)
     part = ring.reduce_scatter(cp.asarray(x), op="avg")
