@@ -33,12 +33,17 @@ class PowerSGD:
         self.seed = seed
         self._q: dict[int, object] = {}      # parameter index -> Q (m x r), warm start
         self._error: dict[int, object] = {}  # parameter index -> what was not sent yet
-        # The DistributedOptimizer whose gradients it compresses (one at most: the state
-        # above is keyed by its parameter indices).
-        self._user = None  # (a weakref.ref)
 
-    def __getstate__(self):  # (a copy, pickled, compresses no one's gradients yet)
-        return {**self.__dict__, "_user": None}
+    # Whether a DistributedOptimizer has taken it: one may (the state above is keyed
+    # by its parameter indices), for good, so that every rank decides alike, whenever
+    # its garbage collector runs.
+    _taken = False
+
+    def __getstate__(self):
+        # A copy (copy, deepcopy, pickle) is free to be taken, with the state as it is
+        # now in dicts of its own.
+        return {**self.__dict__, "_taken": False, "_q": dict(self._q),
+                "_error": dict(self._error)}
 
     def __repr__(self):  # (ranks compare it when a DistributedOptimizer is made)
         return f"PowerSGD(rank={self.rank}, seed={self.seed})"

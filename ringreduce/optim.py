@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-import weakref
 import zlib
 
 import numpy as np
@@ -353,12 +352,12 @@ class DistributedOptimizer:
         check_bucket_mb(bucket_mb, "DistributedOptimizer")
         self.compression = compression
         self.powersgd = compression if isinstance(compression, _compression.PowerSGD) else None
-        user = self.powersgd and self.powersgd._user and self.powersgd._user()
-        if user is not None:
-            raise ValueError("DistributedOptimizer: this PowerSGD object already compresses "
-                             "another DistributedOptimizer's gradients, and it keeps state "
-                             "for each parameter index (the error fed back, the last Q): "
-                             "give each DistributedOptimizer a PowerSGD(...) of its own")
+        if self.powersgd is not None and self.powersgd._taken:
+            raise ValueError("DistributedOptimizer: this PowerSGD object was given to another "
+                             "DistributedOptimizer, and keeps state for its parameters (the "
+                             "error fed back, the last Q): give each DistributedOptimizer a "
+                             "PowerSGD(...) of its own (copy.deepcopy() of one carries its "
+                             "state over)")
         cast = None if self.powersgd else compression  # PowerSGD sends the rest as is
         # Matrices PowerSGD compresses skip the buckets; everything else is bucketed.
         self._low_rank = [i for i, p in enumerate(self.params)
@@ -387,7 +386,7 @@ class DistributedOptimizer:
         self.comm_seconds = 0.0      # time step() spent waiting for communication
         self._check_same_model_everywhere()
         if self.powersgd is not None:
-            self.powersgd._user = weakref.ref(self)
+            self.powersgd._taken = True
 
     # -- public ---------------------------------------------------------------------
 
@@ -528,7 +527,7 @@ class DistributedOptimizer:
 
     def _check_powersgd_state(self, state):
         where = "DistributedOptimizer.load_state_dict"
-        if not isinstance(state, dict) or not {"rank", "q", "error"} <= state.keys():
+        if not isinstance(state, dict) or not {"rank", "seed", "q", "error"} <= state.keys():
             raise KeyError(f"{where}: state['powersgd'] is not a PowerSGD state_dict()")
         if state["rank"] != self.powersgd.rank:
             raise ValueError(f"{where}: the state is PowerSGD(rank={state['rank']})'s, and this "
@@ -540,15 +539,19 @@ class DistributedOptimizer:
                     raise ValueError(f"{where}: state['powersgd'][{key!r}] has an array for "
                                      f"params[{index}], which this optimizer's PowerSGD does "
                                      "not compress (a state of another model?)")
-                n = self.params[index].shape[0]
-                m = self.params[index].size // n
+                param = self.params[index]
+                n = param.shape[0]
+                m = param.size // n
                 shape = (m, min(self.powersgd.rank, n, m)) if key == "q" else (n, m)
-                if getattr(array, "shape", None) != shape:
+                # (16-bit gradients are compressed in float32)
+                dtype = np.dtype(np.float32) if param.dtype.itemsize < 4 else param.dtype
+                if (getattr(array, "shape", None), getattr(array, "dtype", None)) != (
+                        shape, dtype):
                     raise ValueError(f"{where}: state['powersgd'][{key!r}][{index}] is "
-                                     f"{getattr(array, 'shape', type(array).__name__)}, "
-                                     f"but for params[{index}] "
-                                     f"{tuple(self.params[index].shape)} it is {shape} "
-                                     "(a state of another model?)")
+                                     f"{getattr(array, 'shape', type(array).__name__)} "
+                                     f"{getattr(array, 'dtype', '')}, but for params[{index}] "
+                                     f"{tuple(param.shape)} {param.dtype} it is {shape} "
+                                     f"{dtype} (a state of another model?)")
 
     def _start_complete_units(self):
         # Strictly in _units order: ranks may finish gradients in different orders, but
@@ -581,9 +584,10 @@ class DistributedOptimizer:
 
         A rank may also abandon a step alone, while the others call step(): it makes
         its calls with another op, so the others' step() raises MismatchError and
-        updates nothing (catch it, and go on with the next step). Unless it had given
-        every gradient already, which started all its calls as a step's: then the
-        others cannot tell, and step as usual, so every rank must abandon that step."""
+        updates nothing (catch it, and go on with the next step). Not inside
+        no_sync(), where it makes none, nor once it had given every gradient, which
+        started all its calls as a step's: there the others cannot tell, so every rank
+        must abandon that step (see docs/training.md)."""
         if not self._accumulating or self._next_to_start > 0:
             self._abandoning = True
             try:

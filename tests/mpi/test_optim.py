@@ -619,7 +619,10 @@ def test_a_state_of_another_model_is_refused(make):
 def test_one_powersgd_object_compresses_one_optimizers_gradients():
     # Its state is keyed by parameter index: shared, one model's error feedback and Q
     # went into another's (a model whose gradients were all 0 moved), or broke on
-    # another shape. Once the first optimizer is gone the object may serve again.
+    # another shape. It stays taken once given, even after that optimizer is gone
+    # (whether it is gone depends on when each rank's garbage collector runs, and all
+    # ranks must decide alike); a copy is free, with the state as it was, in dicts of
+    # its own.
     import copy
     import gc
     import pickle
@@ -627,14 +630,16 @@ def test_one_powersgd_object_compresses_one_optimizers_gradients():
     psgd = PowerSGD(rank=2)
     first = DistributedOptimizer(SGD([np.zeros((40, 30))], lr=1.0), compression=psgd)
     first.step([np.ones((40, 30))])
-    with pytest.raises(ValueError, match="a PowerSGD.* of its own"):
-        DistributedOptimizer(SGD([np.zeros((40, 30))], lr=1.0), compression=psgd)
-    for twin in (copy.deepcopy(psgd), pickle.loads(pickle.dumps(psgd))):
-        DistributedOptimizer(SGD([np.zeros((40, 30))], lr=1.0), compression=twin)
     del first
     gc.collect()
-    again = DistributedOptimizer(SGD([np.zeros((40, 30))], lr=1.0), compression=psgd)
-    again.step([np.ones((40, 30))])
+    with pytest.raises(ValueError, match="a PowerSGD.* of its own"):
+        DistributedOptimizer(SGD([np.zeros((40, 30))], lr=1.0), compression=psgd)
+    for twin in (copy.copy(psgd), copy.deepcopy(psgd), pickle.loads(pickle.dumps(psgd))):
+        assert twin._q.keys() == psgd._q.keys() == {0} and twin._q is not psgd._q
+        params = [np.zeros((40, 30))]
+        DistributedOptimizer(SGD(params, lr=1.0), compression=twin).step([np.zeros((40, 30))])
+        assert np.abs(params[0]).max() > 0  # the error fed back, carried over
+        assert twin._q[0] is not psgd._q[0]  # (its own state moved on, not psgd's)
 
 
 def test_a_powersgd_state_of_another_model_is_refused_before_anything_is_loaded():
@@ -646,8 +651,8 @@ def test_a_powersgd_state_of_another_model_is_refused_before_anything_is_loaded(
         return opt
 
     saved = made((40, 30)).state_dict()
-    for shape, rank, match in [((50, 20), 2, r"\['q'\]\[0\] is \(30, 2\), but for params\[0\] "
-                                              r"\(50, 20\) it is \(20, 2\)"),
+    for shape, rank, match in [((50, 20), 2, r"\['q'\]\[0\] is \(30, 2\) float64, but for "
+                                              r"params\[0\] \(50, 20\) float64 it is \(20, 2\)"),
                                ((40, 30), 3, r"PowerSGD\(rank=2\)'s"),
                                ((40, 2), 2, "does not compress")]:
         target = made(shape, rank)
@@ -660,6 +665,17 @@ def test_a_powersgd_state_of_another_model_is_refused_before_anything_is_loaded(
         assert after["powersgd"]["q"].get(0) is not saved["powersgd"]["q"][0]
     with pytest.raises(KeyError, match="DistributedOptimizer state_dict"):
         made((40, 30)).load_state_dict(saved["optimizer"])
+    target = made((40, 30))
+    lr = target.optimizer.lr
+    for bad in ({k: v for k, v in saved["powersgd"].items() if k != "seed"},):
+        with pytest.raises(KeyError, match="not a PowerSGD state_dict"):
+            target.load_state_dict({"optimizer": {**saved["optimizer"], "lr": lr + 1},
+                                    "powersgd": bad})
+    wrong_dtype = {**saved["powersgd"], "q": {0: saved["powersgd"]["q"][0].astype(np.float32)}}
+    with pytest.raises(ValueError, match=r"float32, but .* float64"):
+        target.load_state_dict({"optimizer": {**saved["optimizer"], "lr": lr + 1},
+                                "powersgd": wrong_dtype})
+    assert target.optimizer.lr == lr  # nothing loaded
     made((40, 30)).load_state_dict(saved)  # its own model's: loads
 
 
