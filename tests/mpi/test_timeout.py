@@ -373,6 +373,43 @@ def test_ranks_without_a_timeout_learn_that_a_rank_gave_up_and_on_whom(wire, wor
 
 @needs_two
 @pytest.mark.parametrize("wire", ["shared memory", "MPI"])
+def test_ranks_without_a_timeout_learn_whom_a_rank_waited_for_in_the_ring(wire, world,
+                                                                         monkeypatch):
+    # As above, but the last rank agrees on the call and then stays away from the ring:
+    # rank 0, the only one with a timeout, gives up on a neighbour, and the others'
+    # messages name the rank its own message names.
+    ring = a_ring_over(wire, monkeypatch, chunk_bytes=4096)
+    ring.timeout = TIMEOUT if RANK == 0 else None
+    x = np.full(1 << 16, RANK, np.float32)  # 256 KiB a rank: too big for the header
+    core = ring._core
+    counts = core.allgather_counts(1, x.size, hash((x.size,)) & 0x7FFFFFFFFFFFFFFF, FLOAT32,
+                                   4096, -1, False, x)
+    out = np.empty((SIZE, x.size), np.float32)
+    call = lambda: core.allgather(x, out, counts, x.size, FLOAT32)  # noqa: E731
+    gave_up = r"rank 0 has given up on this communicator \(a timeout there, waiting for rank (\d+)\)"
+    told = None
+    if RANK == SIZE - 1:
+        world.Barrier()
+        raised_within(TIMEOUT, gave_up, call)
+    elif RANK == 0:
+        message = waited_for(r"for rank \d+ \(the (left|right) neighbour\)", call)
+        told = int(re.search(r"for rank (\d+) \(the", message).group(1))
+        world.Barrier()
+    else:
+        start = time.monotonic()
+        with pytest.raises(rr.CollectiveTimeoutError, match=gave_up) as info:
+            call()
+        assert time.monotonic() - start < TIMEOUT + 10
+        told = int(re.search(gave_up, str(info.value)).group(1))
+        world.Barrier()
+    told_everywhere = world.allgather(told)
+    assert all(t in (None, told_everywhere[0]) for t in told_everywhere), told_everywhere
+    closes_at_once(ring)
+    relayed_waits_checked(world)
+
+
+@needs_two
+@pytest.mark.parametrize("wire", ["shared memory", "MPI"])
 def test_an_error_leaving_a_with_block_tells_the_others(wire, world, monkeypatch):
     # The last rank fails (on its own) and leaves its `with` block; the others, already
     # in an allreduce that will never see it, raise at once instead of after the
