@@ -215,12 +215,6 @@ def _fp16_clamped(exponent: int) -> float:
     return 2.0 ** min(max(exponent, _FP16_SCALES[0]), _FP16_SCALES[1])
 
 
-def _fp16_top(value: float) -> int:
-    """The float16 exponent field of a value (0 below float16's normal range), as
-    _fp16_sums gives it for the largest of the sums."""
-    return min(max(math.frexp(value)[1] + 14, 0), 30)
-
-
 def _fp16_sums(wire) -> tuple[int, bool]:
     """The largest float16 exponent field in wire (31 if it holds an inf or NaN;
     otherwise its largest magnitude is below 2 ** (field - 14)), and whether all are 0."""
@@ -237,7 +231,7 @@ class _Fp16Scale:
         self.zero_confirmed = False  # the ranks found all gradients 0, and none since
         self.settled = False       # agreed on since the scale last changed
         self.ref_top = None        # the sums' top exponent at the last change or agreement
-        self.ref_estimated = False  # ref_top is the agreed peak's, until sums are seen
+        self.ref_estimated = False  # ref_top is other sums' shifted, until sums are seen
         self.clean_steps = 0       # steps since the scale last changed
         # The sums are kept below 2 ** aim: a partial sum can be p times the average.
         self.aim = 15 - 3 - math.ceil(math.log2(ranks))
@@ -257,21 +251,26 @@ class _Fp16Scale:
         return top == 31 or self.value is None or (
             self.ref_top is not None and top < self.ref_top - _FP16_FALL)
 
-    def adopt(self, agreed: float | None, peak: float, top: int | None = None) -> None:
-        """Take the scale the ranks agreed on; top: of the sums sent with the scale now
-        held, if known (else the next sums tell)."""
+    def adopt(self, agreed: float | None, peak: float, top: int | None = None,
+              top_scale: float | None = None) -> None:
+        """Take the scale the ranks agreed on; top: of the latest sums, if known, sent
+        with top_scale."""
         self.zero_confirmed = peak == 0
         if agreed is not None:
-            changed = agreed != self.value
-            if changed:
+            if agreed != self.value:
                 self.value, self.clean_steps = agreed, 0
-            if top is not None and not changed:
-                self.ref_top, self.ref_estimated = top, False
+            # The level later falls are judged by: the latest sums, shifted to this
+            # scale if they were sent with another (until sums sent with this one are
+            # seen: learn()). It once stood unset after an agreement for the next step,
+            # and sums that fell far below it then became the level, unchecked. Without
+            # sums (the agreement is on this step's gradients, which are then sent with
+            # the scale) the first sums set it.
+            if top is None:
+                self.ref_top, self.ref_estimated = None, False
             else:
-                # Until sums sent with this scale are seen, the top the agreed peak
-                # allows stands for them: sums that fell far below it make the ranks
-                # agree again, rather than become the level later falls are judged by.
-                self.ref_top, self.ref_estimated = _fp16_top(peak * agreed), True
+                shift = math.frexp(agreed)[1] - math.frexp(top_scale)[1]
+                self.ref_top = min(max(top + shift, 0), 30)
+                self.ref_estimated = shift != 0
             self.settled = True
 
     def learn(self, top: int) -> bool:
@@ -686,7 +685,8 @@ class DistributedOptimizer:
         top, zero = _fp16_sums(bucket.wire)  # the sums are below 2 ** (top - 14)
         lost = zero and bucket.sent_count and bool(bucket.counted[-1] != 0)
         if scale.must_agree(top, zero, lost):
-            scale.adopt(*self._agreed_fp16_scale(bucket), None if zero or top == 31 else top)
+            scale.adopt(*self._agreed_fp16_scale(bucket), None if zero or top == 31 else top,
+                        bucket.sent_scale)
             # Send again with the agreed scale (0s that are 0 everywhere: no need).
             if scale.sending() != bucket.sent_scale and not (zero and scale.zero_confirmed):
                 self._send_16_bit(bucket)
@@ -694,7 +694,7 @@ class DistributedOptimizer:
                 top, zero = _fp16_sums(bucket.wire)
         # Sums of 0 are exact at any scale, and tell nothing about it.
         if not zero and scale.value is not None and scale.learn(top):
-            scale.adopt(*self._agreed_fp16_scale(bucket))  # for the next step
+            scale.adopt(*self._agreed_fp16_scale(bucket), top, bucket.sent_scale)  # (next step)
         # (Only now: agreeing reads this rank's gradients from the buffer.)
         bucket.buffer[...] = bucket.wire.astype(bucket.buffer.dtype)
         bucket.buffer *= 1.0 / bucket.sent_scale  # (a power of two: exact)
