@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from mpi4py import MPI
 
-from .communicator import Communicator
+from .communicator import Communicator, mpi_unusable_here
 
 # The Communicator made for an MPI communicator hangs on the communicator itself, as an
 # MPI attribute: every mpi4py object for the same communicator (a new one per call, as
@@ -23,8 +23,9 @@ def _communicator(comm) -> Communicator:
         return comm
     if comm is None:
         comm = MPI.COMM_WORLD
-    if not isinstance(comm, MPI.Comm) or comm == MPI.COMM_NULL or comm.Is_inter():
-        return Communicator(comm)  # (which says what is wrong with it)
+    if mpi_unusable_here() or not isinstance(comm, MPI.Comm) or comm == MPI.COMM_NULL \
+            or comm.Is_inter():
+        return Communicator(comm)  # (which says what is wrong, touching no MPI)
     if _keyval is None:
         _keyval = MPI.Comm.Create_keyval()
     ring = comm.Get_attr(_keyval)

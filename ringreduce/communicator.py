@@ -377,6 +377,33 @@ def _finish_all():
         _core.finish_abandoned_duplicates()
 
 
+def _at_mpi_finalize(comm, keyval, value):
+    # MPI_Finalize deletes MPI_COMM_SELF's attributes first, while MPI still works: a
+    # program that calls MPI.Finalize() itself, with calls in flight, has its
+    # Communicators finished here as at exit (the call running on the worker thread
+    # was inside MPI as MPI went away, and the process crashed). At exit they are
+    # finished already (_finish_all() runs before mpi4py finalises).
+    if not sys.is_finalizing():
+        _finish_all()
+
+
+def _finished_at_mpi_finalize():
+    """Once MPI is initialised (by the first Communicator, at the latest)."""
+    global _FINALIZE_KEYVAL
+    if _FINALIZE_KEYVAL is None:
+        _FINALIZE_KEYVAL = MPI.Comm.Create_keyval(delete_fn=_at_mpi_finalize)
+        MPI.COMM_SELF.Set_attr(_FINALIZE_KEYVAL, True)
+
+
+_FINALIZE_KEYVAL = None
+
+
+def mpi_unusable_here() -> bool:
+    """MPI has been finalised, or this is a child made by fork() of MPI's process: a
+    Communicator cannot be made (Communicator() says why, touching no MPI)."""
+    return MPI.Is_finalized() or (os.getpid() != _PROCESS and _MPI_BEFORE_FORK)
+
+
 def _uncaught_exception() -> BaseException | None:
     """The exception ending the process, if one does: Python prints it and keeps it in
     sys.last_value before it runs the atexit functions. sys.exit() sets nothing. In an
@@ -484,6 +511,9 @@ class Communicator:
             raise ValueError(f"ringreduce.Communicator: process {self._pid} is a child made "
                              f"by fork() of MPI's process {_PROCESS}; MPI does not let a "
                              "child use it")
+        if MPI.Is_finalized():
+            raise _core.MPIError("ringreduce.Communicator: MPI has been finalised "
+                                 "(MPI.Finalize()): no Communicator can be made")
         if comm is None:
             comm = MPI.COMM_WORLD
         if isinstance(comm, Communicator):
@@ -505,6 +535,7 @@ class Communicator:
             timeout = _default_timeout()
         timeout = _checked_timeout(timeout)
         _check_environment()
+        _finished_at_mpi_finalize()
         self._mpi_comm = comm
         self._thread_level = MPI.Query_thread()
         threaded = self._thread_level == MPI.THREAD_MULTIPLE
@@ -763,6 +794,9 @@ class Communicator:
     def _call(self, name, prepare, *args, wait):
         context = self._contexts[name]
         if self._closed:
+            if MPI.Is_finalized():  # (which finished every Communicator: see _finish_all)
+                raise _core.MPIError(f"{context}: MPI has been finalised (MPI.Finalize()): "
+                                     "no call can follow")
             if os.getpid() != self._pid:
                 raise ValueError(f"{context}: this Communicator belongs to process "
                                  f"{self._pid}, of which this one is a child made by fork(); "

@@ -239,11 +239,16 @@ import ringreduce as rr
 
 ring = rr.Communicator(timeout=60)
 ring.allreduce(np.ones(3))
+rr.allreduce(np.ones(3))  # (makes the module-level functions' Communicator)
 MPI.Finalize()
 for name, call in [("small", lambda: ring.allreduce(np.ones(3))),
                    ("large", lambda: ring.allreduce(np.ones(1 << 20))),
                    ("async", lambda: ring.allreduce_async(np.ones(1 << 20)).wait()),
-                   ("allgather", lambda: ring.allgather(np.ones(3)))]:
+                   ("allgather", lambda: ring.allgather(np.ones(3))),
+                   ("module-level", lambda: rr.allreduce(np.ones(3))),
+                   ("module-level on COMM_SELF", lambda: rr.allreduce(np.ones(3),
+                                                                      comm=MPI.COMM_SELF)),
+                   ("new Communicator", lambda: rr.Communicator())]:
     try:
         call()
         print(f"{name} returned", flush=True)
@@ -261,10 +266,36 @@ def test_calls_after_mpi_finalize_raise(tmp_path, shm):
     done = run_script(tmp_path, "finalized.py", AFTER_FINALIZE, env={"RINGREDUCE_SHM": shm},
                       abort_on_exception=False)
     assert done.returncode == 0, done.stderr
-    for name in ("small", "large", "async", "allgather"):
+    # (Making a Communicator, or the module-level functions' lookup of theirs, once
+    # called MPI first, which ended the process.)
+    for name in ("small", "large", "async", "allgather", "module-level",
+                 "module-level on COMM_SELF", "new Communicator"):
         assert done.stdout.count(f"{name} raised ") == 2, done.stdout
     assert "MPI has been finalised" in done.stdout
     assert done.stdout.count("closed") == 2
+
+
+IN_FLIGHT_AT_FINALIZE = """
+import numpy as np
+from mpi4py import MPI
+import ringreduce as rr
+
+rank = MPI.COMM_WORLD.Get_rank()
+ring = rr.Communicator(timeout=60)
+handles = [ring.allreduce_async(np.full(1 << 20, rank + 1.0)) for _ in range(4)]
+MPI.Finalize()
+print("results", [float(h.wait()[-1]) for h in handles], flush=True)
+"""
+
+
+@pytest.mark.parametrize("shm", ["1", "0"], ids=["shared memory", "MPI"])
+def test_mpi_finalize_with_calls_in_flight_finishes_them_first(tmp_path, shm):
+    # The call running on the worker thread was inside MPI as MPI_Finalize took it
+    # away: the process crashed (SIGSEGV, or MPICH's "after finalizing"), 3 runs in 4.
+    done = run_script(tmp_path, "in_flight.py", IN_FLIGHT_AT_FINALIZE,
+                      env={"RINGREDUCE_SHM": shm}, abort_on_exception=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count("results [3.0, 3.0, 3.0, 3.0]") == 2, done.stdout
 
 
 SKIP_CREATION = """
