@@ -1203,7 +1203,7 @@ PYBIND11_MODULE(_core, m) {
              WithoutGil nogil;
              self.close();
            })
-      .def("leave", &RingCommunicator::leave,
+      .def("leave", &RingCommunicator::leave, py::arg("over_mpi") = true,
            "stop using it on this rank only, and tell the others (see ring_communicator.h)")
       .def("leave_unclosed", &RingCommunicator::leave_unclosed,
            "at a normal exit: stop using it, and tell the ranks on shared memory")

@@ -254,7 +254,7 @@ void RingCommunicator::give_up(const char* collective, const TimeoutError& e) {
                      "new one on every rank (Communicator(timeout=...) sets the timeout)");
 }
 
-void RingCommunicator::depart(Departure why, int waited_for) {
+void RingCommunicator::depart(Departure why, int waited_for, bool over_mpi) {
   if (departed_) return;
   departed_ = true;
   // A call that failed here (a timeout too sets broken_) was not seen through, so the
@@ -276,7 +276,7 @@ void RingCommunicator::depart(Departure why, int waited_for) {
     }
   }
   if (shm_) shm_->leave(note);
-  transport_->leave(note);
+  if (over_mpi) transport_->leave(note);
 }
 
 void RingCommunicator::begin_exchange() {
@@ -285,10 +285,10 @@ void RingCommunicator::begin_exchange() {
   transport_->set_exchange(exchanges_);
 }
 
-void RingCommunicator::leave() {
+void RingCommunicator::leave(bool over_mpi) {
   if (closed_) return;
   closed_ = true;
-  if (size() > 1) depart(Departure::Left);
+  if (size() > 1) depart(Departure::Left, -1, over_mpi);
 }
 
 void RingCommunicator::leave_unclosed() {

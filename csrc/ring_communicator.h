@@ -246,8 +246,9 @@ class RingCommunicator {
   // Stops using the communicator on this rank only, and tells the others (Departure::
   // Left), so that their waits on this rank raise at once and their close() frees
   // nothing that would wait for it. For a rank that will not close() with the others
-  // (an exception on its way out).
-  void leave();
+  // (an exception on its way out). over_mpi false: the ranks on shared memory only
+  // (from a thread that MPI's thread level does not let call MPI).
+  void leave(bool over_mpi = true);
   // At a normal exit, or when dropped (the destructor), every call of this rank
   // finished and the communicator not closed: stops using it, and tells the ranks on
   // shared memory (Departure::Unclosed), so that one waiting for this rank in a call
@@ -315,7 +316,7 @@ class RingCommunicator {
   // Tells the other ranks this one has left, and leaves what MPI still holds to
   // MPI_Finalize; from then on nothing this rank sent from or received into is freed.
   // waited_for: GaveUp's absent rank, where known (TimeoutError::waited_for).
-  void depart(Departure why, int waited_for = -1);
+  void depart(Departure why, int waited_for = -1, bool over_mpi = true);
   // Before each header exchange, on either wire: counts it, and tells the wires.
   void begin_exchange();
   // Of the departures seen so far that hold up `exchange` (kAnyExchange: all), the one

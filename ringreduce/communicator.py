@@ -741,7 +741,11 @@ class Communicator:
                 if why is None:
                     self._core.leave_unclosed()
                 else:
-                    self._core.leave()
+                    # Below SERIALIZED only the main thread may call MPI (an exception
+                    # may leave a `with` block on another): then the ranks on shared
+                    # memory learn of it, the others at their timeout.
+                    self._core.leave(over_mpi=self._thread_level >= MPI.THREAD_SERIALIZED
+                                     or threading.current_thread() is threading.main_thread())
         self._abandon()
 
     def _abandon(self) -> None:

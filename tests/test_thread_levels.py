@@ -72,3 +72,49 @@ def test_calls_keep_the_mpi_thread_level(level, tmp_path):
                     f"(rank {rank} of 2): MPI was initialised with MPI_THREAD_{level.upper()}, "
                     "which lets only the main thread call MPI") in done.stdout, done.stdout
         assert f"rank {rank}: done" in done.stdout
+
+
+LEAVE_ON_A_THREAD = """
+import threading
+import time
+import mpi4py
+mpi4py.rc.thread_level = "funneled"
+from mpi4py import MPI
+import numpy as np
+import ringreduce as rr
+
+ring = rr.Communicator(timeout=30)
+ring.allreduce(np.ones(3))
+ring.timeout = 3
+if ring.rank == 1:
+    def fail_inside():
+        try:
+            with ring:
+                raise ArithmeticError("on a thread")
+        except ArithmeticError:
+            pass
+    thread = threading.Thread(target=fail_inside)
+    thread.start()
+    thread.join()
+MPI.COMM_WORLD.Barrier()
+if ring.rank == 0:
+    start = time.monotonic()
+    try:
+        ring.allreduce(np.ones(3))
+    except rr.CollectiveTimeoutError as error:
+        print(f"rank 0 raised after {time.monotonic() - start:.1f} s: {error}", flush=True)
+MPI.COMM_WORLD.Barrier()
+"""
+
+
+@pytest.mark.parametrize("shm", ["1", "0"], ids=["shared memory", "MPI"])
+def test_a_with_block_left_on_another_thread_keeps_funneled(shm, tmp_path):
+    # The departure notices are MPI messages, which only the main thread may send under
+    # FUNNELED: from another thread only the ranks on shared memory learn at once.
+    done = run_script(tmp_path, "leave_on_thread.py", LEAVE_ON_A_THREAD, timeout=120,
+                      env={"RINGREDUCE_SHM": shm})
+    assert done.returncode == 0, done.stderr
+    if shm == "1":
+        assert "rank 1 has left this communicator" in done.stdout, done.stdout
+    else:  # (it sent them, from that thread, before)
+        assert "has left" not in done.stdout and "(the timeout)" in done.stdout, done.stdout
