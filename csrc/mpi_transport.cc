@@ -96,10 +96,24 @@ MpiTransport::MpiTransport(MPI_Comm user_comm, double timeout_s,
   // (and this object is gone): so into a place that is never freed.
   auto* duplicate = new MPI_Comm(MPI_COMM_NULL);
   MPI_Request request = MPI_REQUEST_NULL;
-  check(MPI_Comm_idup(user_comm, duplicate, &request), "MPI_Comm_idup");
+  // MPI's own words for the likely cause of a failure here are "Other MPI error".
+  auto with_hint = [](const MpiError& e) {
+    return MpiError(std::string(e.what()) +
+                    " (MPI may have run out of communicators: each ringreduce Communicator "
+                    "holds one until close(), and one left by an exception in its `with` "
+                    "block, or after a timeout, until MPI_Finalize)");
+  };
+  try {
+    check(MPI_Comm_idup(user_comm, duplicate, &request), "MPI_Comm_idup");
+  } catch (const MpiError& e) {
+    throw with_hint(e);
+  }
   bool done = false;
   try {
     done = wait_patiently(&request, "MPI_Test(MPI_Comm_idup)");
+  } catch (const MpiError& e) {
+    abandon_duplicate(request);
+    throw with_hint(e);
   } catch (...) {
     abandon_duplicate(request);
     throw;
