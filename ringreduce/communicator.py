@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import math
 import numbers
 import os
@@ -377,12 +378,24 @@ def _finish_all():
         _core.finish_abandoned_duplicates()
 
 
+def _finalize_after_ringreduce(finalize=MPI.Finalize):
+    # A program that calls MPI.Finalize() itself, with calls in flight, has its
+    # Communicators finished first, as at exit: the call running on the worker thread
+    # was inside MPI as MPI went away, and the process crashed. (Before MPI_Finalize:
+    # from inside it, below, the worker's MPI calls could still crash MPICH there.)
+    if os.getpid() == _PROCESS and MPI.Is_initialized() and not MPI.Is_finalized():
+        _finish_all()
+    return finalize()
+
+
+MPI.Finalize = functools.wraps(MPI.Finalize)(_finalize_after_ringreduce)
+
+
 def _at_mpi_finalize(comm, keyval, value):
-    # MPI_Finalize deletes MPI_COMM_SELF's attributes first, while MPI still works: a
-    # program that calls MPI.Finalize() itself, with calls in flight, has its
-    # Communicators finished here as at exit (the call running on the worker thread
-    # was inside MPI as MPI went away, and the process crashed). At exit they are
-    # finished already (_finish_all() runs before mpi4py finalises).
+    # MPI_Finalize deletes MPI_COMM_SELF's attributes first, while MPI still works: for
+    # an MPI_Finalize that MPI.Finalize above did not see (the name bound before
+    # ringreduce was imported, say). At exit they are finished already (_finish_all()
+    # runs before mpi4py finalises).
     if not sys.is_finalizing():
         _finish_all()
 
