@@ -414,7 +414,7 @@ _FINALIZE_KEYVAL = None
 def mpi_unusable_here() -> bool:
     """MPI has been finalised, or this is a child made by fork() of MPI's process: a
     Communicator cannot be made (Communicator() says why, touching no MPI)."""
-    return MPI.Is_finalized() or (os.getpid() != _PROCESS and _MPI_BEFORE_FORK)
+    return (os.getpid() != _PROCESS and _MPI_BEFORE_FORK) or MPI.Is_finalized()
 
 
 def _uncaught_exception() -> BaseException | None:
@@ -548,12 +548,12 @@ class Communicator:
             timeout = _default_timeout()
         timeout = _checked_timeout(timeout)
         _check_environment()
-        _finished_at_mpi_finalize()
         self._mpi_comm = comm
         self._thread_level = MPI.Query_thread()
         threaded = self._thread_level == MPI.THREAD_MULTIPLE
         _check_thread("ringreduce.Communicator", self._thread_level)
         with contextlib.nullcontext() if threaded else _SERIAL:
+            _finished_at_mpi_finalize()
             self._core = _core.RingCommunicator(MPI._addressof(comm), timeout)
         self.rank: int = self._core.rank
         self.size: int = self._core.size
