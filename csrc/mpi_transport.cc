@@ -50,6 +50,9 @@ void MpiTransport::begin_creation_step() {
 }
 
 void finish_abandoned_duplicates() {
+  int finalized = 0;
+  MPI_Finalized(&finalized);  // (at exit after a program's own MPI.Finalize(), say)
+  if (finalized) return;
   const std::lock_guard<std::mutex> hold(abandoned_lock);
   std::vector<MPI_Request>& requests = abandoned_duplicates();
   for (size_t i = 0; i < requests.size();) {

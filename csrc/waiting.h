@@ -121,19 +121,17 @@ struct DepartureNote {
   }
   std::string text() const {
     const DepartureNote first = origin();
-    std::string said = "rank " + std::to_string(first.rank);
-    if (first.why == Departure::GaveUp && first.cause >= 0)
-      said += " has given up on this communicator (a timeout there, waiting for rank " +
-              std::to_string(first.cause) + ")";
-    else
-      said += what(first.why);
+    std::string said = "rank " + std::to_string(first.rank) + what(first.why, first.cause);
     if (first.rank != rank)
       said += "; rank " + std::to_string(rank) + " left after it and said so";
     return said;
   }
-  static const char* what(Departure why) {
-    return why == Departure::GaveUp ? " has given up on this communicator (a timeout there)"
-           : why == Departure::Left ? " has left this communicator (an error there, or close() "
+  // waited_for: GaveUp's cause.
+  static std::string what(Departure why, int waited_for) {
+    if (why == Departure::GaveUp)
+      return " has given up on this communicator (a timeout there" +
+             (waited_for >= 0 ? ", waiting for rank " + std::to_string(waited_for) : "") + ")";
+    return why == Departure::Left ? " has left this communicator (an error there, or close() "
                                       "where this rank called a collective)"
            : why == Departure::Unclosed
                ? " has stopped using this communicator without closing it (its process "

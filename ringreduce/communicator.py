@@ -329,6 +329,8 @@ class _Executor:
 _live: "weakref.WeakSet[Communicator]" = weakref.WeakSet()
 _PROCESS = os.getpid()  # MPI's process: a child made by fork() must leave MPI alone
 _MPI_BEFORE_FORK = MPI.Is_initialized()  # (a child may run an MPI of its own only if not)
+_FORK_CHILD = False  # this is a child made by fork() of MPI's process (os.getpid() costs
+                     # a system call, which the module-level functions make no room for)
 
 
 def _after_fork_in_child():
@@ -337,6 +339,8 @@ def _after_fork_in_child():
     # and close() or an exception leaving its `with` block does nothing (it would tell
     # the other ranks that this rank left, or free the parent's MPI communicator).
     # (The ones not in _live are closed already.)
+    global _FORK_CHILD
+    _FORK_CHILD = _MPI_BEFORE_FORK
     for comm in list(_live):
         comm._closed = True
         comm._fast = None
@@ -383,8 +387,7 @@ def _finalize_after_ringreduce(finalize=MPI.Finalize):
     # Communicators finished first, as at exit: the call running on the worker thread
     # was inside MPI as MPI went away, and the process crashed. (Before MPI_Finalize:
     # from inside it, below, the worker's MPI calls could still crash MPICH there.)
-    if os.getpid() == _PROCESS and MPI.Is_initialized() and not MPI.Is_finalized():
-        _finish_all()
+    _finish_all()
     return finalize()
 
 
@@ -414,7 +417,7 @@ _FINALIZE_KEYVAL = None
 def mpi_unusable_here() -> bool:
     """MPI has been finalised, or this is a child made by fork() of MPI's process: a
     Communicator cannot be made (Communicator() says why, touching no MPI)."""
-    return (os.getpid() != _PROCESS and _MPI_BEFORE_FORK) or MPI.Is_finalized()
+    return _FORK_CHILD or MPI.Is_finalized()
 
 
 def _uncaught_exception() -> BaseException | None:
