@@ -1206,7 +1206,13 @@ PYBIND11_MODULE(_core, m) {
       .def("leave", &RingCommunicator::leave, py::arg("over_mpi") = true,
            "stop using it on this rank only, and tell the others (see ring_communicator.h)")
       .def("leave_unclosed", &RingCommunicator::leave_unclosed,
-           "at a normal exit: stop using it, and tell the ranks on shared memory")
+           "when dropped unclosed: stop using it, and tell the ranks on shared memory")
+      .def("begin_close_at_exit", &RingCommunicator::begin_close_at_exit,
+           "at a normal exit: leave_unclosed() on shared memory; over MPI messages, start "
+           "a close with the others that a rank waiting in a call this one never made "
+           "meets (then it raises); true if finish_close_at_exit() must follow")
+      .def("finish_close_at_exit", &RingCommunicator::finish_close_at_exit,
+           "true once the close at exit begun is over (it waits for nothing)")
       .def("stop_soon", &RingCommunicator::stop_soon,
            "from any thread: the call in flight stops at its next wait, and this rank leaves");
 }

@@ -229,16 +229,31 @@ void MpiTransport::allgather_bytes(const void* mine, void* all, int bytes) {
   // the header exchange: 3.2 vs 3.7 us on 2 ranks). Through buffers of our own: after
   // a timeout the collective stays pending, and a rank that joins late completes it,
   // writing into them (see leave()).
-  exchange_send_.assign(static_cast<const char*>(mine), static_cast<const char*>(mine) + bytes);
-  exchange_recv_.resize(static_cast<size_t>(bytes) * size_);
-  check(MPI_Iallgather(exchange_send_.data(), bytes, MPI_BYTE, exchange_recv_.data(), bytes,
-                       MPI_BYTE, comm_, &exchange_),
-        "MPI_Iallgather");
+  start_allgather_bytes(mine, bytes);
   if (!wait_patiently(&exchange_, "MPI_Test(MPI_Iallgather)"))
     throw TimeoutError("waited " + seconds_text(timeout_s_) +
                        " (the timeout) for every rank to join this call (MPI cannot say which "
                        "have not): a rank skipped the call, or is stuck before it");
   std::memcpy(all, exchange_recv_.data(), exchange_recv_.size());
+}
+
+void MpiTransport::start_allgather_bytes(const void* mine, int bytes) {
+  exchange_send_.assign(static_cast<const char*>(mine), static_cast<const char*>(mine) + bytes);
+  exchange_recv_.resize(static_cast<size_t>(bytes) * size_);
+  check(MPI_Iallgather(exchange_send_.data(), bytes, MPI_BYTE, exchange_recv_.data(), bytes,
+                       MPI_BYTE, comm_, &exchange_),
+        "MPI_Iallgather");
+}
+
+bool MpiTransport::test_allgather_bytes(void* all) {
+  int done = 0;
+  check(MPI_Test(&exchange_, &done, MPI_STATUS_IGNORE), "MPI_Test(MPI_Iallgather)");
+  if (!done) {
+    check_notices();  // (not the stop request: the caller's loop sees an interrupt)
+    return false;
+  }
+  std::memcpy(all, exchange_recv_.data(), exchange_recv_.size());
+  return true;
 }
 
 void MpiTransport::creation_allgather(const void* mine, void* all, int bytes) {
@@ -303,6 +318,10 @@ DepartureNote MpiTransport::first_departure(int64_t exchange) {
 
 void MpiTransport::check_departures() {
   stop_.check();
+  check_notices();
+}
+
+void MpiTransport::check_notices() {
   const DepartureNote reported = first_departure(exchange_number_);
   if (reported.holds_up(exchange_number_)) throw TimeoutError(reported.text());
 }

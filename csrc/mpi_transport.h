@@ -78,6 +78,8 @@ class MpiTransport final : public Transport {
   // Also throws StoppedError once stop_soon() was called (from any thread), or the
   // interrupt count moved during the call (see StopRequest).
   void check_departures() override;
+  // check_departures() without the stop request.
+  void check_notices();
   void stop_soon() { stop_.set(); }
   // The shared-memory wire checks the same request (one per communicator).
   const StopRequest& stop_request() const { return stop_; }
@@ -89,6 +91,9 @@ class MpiTransport final : public Transport {
       check_departures();
     }
   }
+  // A departure learnt otherwise than from a notice (one every rank saw in a header
+  // exchange), judged as a notice would be.
+  void note_departure(const DepartureNote& note) { departures_.push_back(note); }
   // Of the notices received so far that hold up `exchange` (kAnyExchange: all), the one
   // that tells best where things went wrong (DepartureNote::prefer); rank -1 if none.
   DepartureNote first_departure(int64_t exchange = kAnyExchange);
@@ -97,6 +102,11 @@ class MpiTransport final : public Transport {
   int64_t bytes_sent() const { return bytes_sent_; }  // by send_right, ever
   // Every rank's `bytes` bytes, in rank order, on every rank.
   void allgather_bytes(const void* mine, void* all, int bytes);
+  // The same in two halves, for a caller that waits on several at once: start, then
+  // test until true (all filled in). test throws TimeoutError if a rank that holds up
+  // the exchange has left (it does not look at the stop request).
+  void start_allgather_bytes(const void* mine, int bytes);
+  bool test_allgather_bytes(void* all);
   // The same while the Communicator is being made (the shared-memory wire's set-up),
   // timed like the duplicate: TimeoutError saying that not every rank made its
   // Communicator. After a timeout (or a stop) the exchange stays pending, where a late

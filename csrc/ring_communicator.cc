@@ -245,8 +245,9 @@ void RingCommunicator::give_up(const char* collective, const TimeoutError& e) {
   gave_up_ = true;
   broken_ = std::string("ringreduce.") + collective + " (rank " + std::to_string(rank()) +
             " of " + std::to_string(size()) + "): " + e.what() + world_ranks_note_;
-  if (first_departure().rank >= 0)
-    depart(Departure::Followed);
+  const DepartureNote first = first_departure();
+  if (first.rank >= 0)
+    depart(Departure::Followed, -1, !first.seen_by_all);
   else
     depart(Departure::GaveUp, e.waited_for);
   throw TimeoutError(broken_ +
@@ -300,6 +301,72 @@ void RingCommunicator::leave_unclosed() {
   note.why = Departure::Unclosed;
   note.completed = exchanges_;
   shm_->leave(note);
+}
+
+bool RingCommunicator::begin_close_at_exit() {
+  if (closed_ || departed_ || !broken_.empty() || size() == 1) return false;
+  if (shm_) {
+    leave_unclosed();
+    return false;
+  }
+  // A rank that made more calls waits for this one in the next; nothing but this header
+  // can tell it, over MPI, without leaving a message unreceived (see check_closed_at_exit).
+  CallHeader h = make_header(Collective::Close, DType::Float32, Op::Sum, 0, kDefaultChunkBytes);
+  h.extra = CallHeader::kClosedAtExit;
+  std::memcpy(outgoing_.data(), &h, sizeof(CallHeader));
+  begin_exchange();
+  try {
+    transport_->start_allgather_bytes(outgoing_.data(), static_cast<int>(slot_bytes()));
+  } catch (const std::exception&) {
+    closed_ = true;  // (an MPI error: nothing more to do at exit)
+    return false;
+  }
+  return true;
+}
+
+bool RingCommunicator::finish_close_at_exit() {
+  if (closed_) return true;
+  try {
+    if (!transport_->test_allgather_bytes(exchange_.data())) return false;
+  } catch (const std::exception&) {
+    // Another rank left (it said why where it did), or an MPI error: the exchange stays
+    // pending, so its buffers must outlive it.
+    closed_ = true;
+    broken_ = "closed at exit";  // (not seen through: the others in it are held up)
+    depart(first_departure().rank >= 0 ? Departure::Followed : Departure::Left);
+    return true;
+  }
+  closed_ = true;
+  const int64_t slot = slot_bytes();
+  for (int r = 0; r < size(); ++r) {
+    CallHeader h;
+    std::memcpy(&h, exchange_.data() + r * slot, sizeof(CallHeader));
+    // A rank in a call raised, seeing this header: nothing is in flight, and nothing is
+    // freed that it would have to free too.
+    if (h.collective != static_cast<int64_t>(Collective::Close)) return true;
+  }
+  release_device();
+  transport_->free();
+  return true;
+}
+
+void RingCommunicator::check_closed_at_exit(const CallHeader& mine) {
+  if (mine.collective == static_cast<int64_t>(Collective::Close)) return;
+  bool gone = false;
+  for (int r = 0; r < size(); ++r) {
+    const CallHeader& h = headers_[r];
+    if (h.collective != static_cast<int64_t>(Collective::Close) ||
+        h.extra != CallHeader::kClosedAtExit)
+      continue;
+    DepartureNote note;
+    note.rank = r;
+    note.why = Departure::Unclosed;
+    note.completed = exchanges_ - 1;  // it saw every call before this one through
+    note.seen_by_all = true;
+    transport_->note_departure(note);
+    gone = true;
+  }
+  if (gone) transport_->check_departures();
 }
 
 void RingCommunicator::stop_soon() { transport_->stop_soon(); }
@@ -377,9 +444,10 @@ int64_t RingCommunicator::agree(const CallHeader& mine, std::vector<CallHeader>*
     begin_exchange();
     guarded(collective, [&] {
       transport_->allgather_bytes(outgoing_.data(), exchange_.data(), static_cast<int>(slot));
+      for (int r = 0; r < p; ++r)
+        std::memcpy(&headers_[r], exchange_.data() + r * slot, sizeof(CallHeader));
+      check_closed_at_exit(sent);
     });
-    for (int r = 0; r < p; ++r)
-      std::memcpy(&headers_[r], exchange_.data() + r * slot, sizeof(CallHeader));
   }
   if (all) *all = headers_;
   if (mine.invalid) return 0;  // the caller raises its own, more precise error

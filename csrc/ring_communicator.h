@@ -49,7 +49,8 @@ struct CallHeader {
   int64_t dtype = 0;
   int64_t op = 0;
   int64_t count = 0;        // elements; rows for allgather
-  int64_t extra = 0;        // root for broadcast; elements per row for allgather
+  int64_t extra = 0;        // root for broadcast; elements per row for allgather;
+                            // kClosedAtExit for a close at exit
   int64_t shape_tag = 0;    // allgather's row shape: bits 60-62 its dimensions (at most
                             // 3), each 20 bits from bit 0 up; or 7 there and a hash below
   int64_t chunk_bytes = 0;  // the pipeline chunk size asked for; rank 0's wins
@@ -61,6 +62,7 @@ struct CallHeader {
   int64_t host_limit = 0;   // GPU buffers: the sender's device_host_reduce_bytes (which
                             // decides the path of every GPU call), so it must agree
   static constexpr int64_t kMagic = 0x52494e4752454435;  // "RINGRED5"
+  static constexpr int64_t kClosedAtExit = 1;
 };
 
 constexpr int64_t kWireShm = 0, kWireMpi = 1;
@@ -249,12 +251,28 @@ class RingCommunicator {
   // (an exception on its way out). over_mpi false: the ranks on shared memory only
   // (from a thread that MPI's thread level does not let call MPI).
   void leave(bool over_mpi = true);
-  // At a normal exit, or when dropped (the destructor), every call of this rank
-  // finished and the communicator not closed: stops using it, and tells the ranks on
-  // shared memory (Departure::Unclosed), so that one waiting for this rank in a call
-  // it never made raises at once. Over MPI messages it tells no one: a notice never
-  // received would be left unmatched at MPI_Finalize, which MPI forbids.
+  // When dropped (the destructor), every call of this rank finished and the
+  // communicator not closed: stops using it, and tells the ranks on shared memory
+  // (Departure::Unclosed), so that one waiting for this rank in a call it never made
+  // raises at once. Over MPI messages it tells no one: a notice never received would be
+  // left unmatched at MPI_Finalize, which MPI forbids (the Python layer keeps a dropped
+  // one for begin_close_at_exit()).
   void leave_unclosed();
+  // At a normal exit, every call of this rank finished and the communicator not
+  // closed: on shared memory, leave_unclosed(). Over MPI messages, a header exchange
+  // marked "closed at exit" instead: it pairs with the others' close at exit or
+  // close() (then the duplicate is freed), or with the call a rank that made more calls
+  // waits in, which then raises TimeoutError naming this rank as gone, with no message
+  // left over (every rank saw the header). In two halves, so that a rank can wait on
+  // all its communicators at once (a rank that made one more call on the second waits
+  // for this one there, not in the first): begin_close_at_exit() is true if an exchange
+  // is now pending, and then finish_close_at_exit() true once it is over: every other
+  // rank closed, called, or left. Without the timeout: a rank still at work (rank 0
+  // writing the results, say) comes when done, or leaves after an error and says so, or
+  // ends without MPI_Finalize, which ends the job; giving up on it would only tell it
+  // that this rank gave up.
+  bool begin_close_at_exit();
+  bool finish_close_at_exit();
   // Thread-safe: asks the call this rank runs on another thread to stop at its next
   // look around (every few hundred idle turns of a wait), with StoppedError; the rank
   // then leaves, as after any error in a call. A call that never waits may finish.
@@ -313,6 +331,11 @@ class RingCommunicator {
   // After a TimeoutError in `collective`: this communicator is done for. Leaves it
   // (depart()) and rethrows with the call and the rank in the message.
   [[noreturn]] void give_up(const char* collective, const TimeoutError& e);
+  // In a header exchange: ranks whose header says they closed at exit (close_at_exit())
+  // while this rank makes a call are gone for good. Notes them as departed, as if they
+  // had said so (so that TimeoutError names them; every rank saw the same headers, so
+  // none is told), and throws that TimeoutError. Nothing if this rank closes too.
+  void check_closed_at_exit(const CallHeader& mine);
   // Tells the other ranks this one has left, and leaves what MPI still holds to
   // MPI_Finalize; from then on nothing this rank sent from or received into is freed.
   // waited_for: GaveUp's absent rank, where known (TimeoutError::waited_for).

@@ -80,7 +80,8 @@ enum class Departure : int {
                  // met a collective
   Followed = 3,  // it learnt that another rank had left (its note names that one)
   Unclosed = 4,  // its process ended, or dropped the communicator, without closing it,
-                 // every call of its own finished (told on shared memory only)
+                 // every call of its own finished (told on shared memory; over MPI
+                 // messages, at exit only, in a header exchange)
 };
 
 // What a rank that left tells the others: why, and how many of the communicator's
@@ -98,6 +99,9 @@ struct DepartureNote {
   // of this first still names it.
   int cause = -1;
   Departure cause_why = Departure::GaveUp;
+  // Learnt from a header exchange (a close at exit), which every rank in it saw: a rank
+  // that follows it need tell no one.
+  bool seen_by_all = false;
 
   bool holds_up(int64_t exchange) const { return rank >= 0 && completed < exchange; }
   // The departure that started it all, as far as this note knows: itself unless it

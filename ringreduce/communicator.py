@@ -14,11 +14,13 @@ from __future__ import annotations
 import atexit
 import contextlib
 import functools
+import itertools
 import math
 import numbers
 import os
 import sys
 import threading
+import time
 import warnings
 import weakref
 
@@ -327,6 +329,11 @@ class _Executor:
 
 
 _live: "weakref.WeakSet[Communicator]" = weakref.WeakSet()
+_made = itertools.count()  # Communicator._serial: the order this rank made them in
+# The cores of Communicators dropped unclosed whose wire is MPI messages, by _serial:
+# kept for close_at_exit(), the only way a rank waiting in a call this rank never made
+# can learn that it never will (and MPI_Finalize frees their MPI communicators).
+_dropped_over_mpi: "dict[int, _core.RingCommunicator]" = {}
 _PROCESS = os.getpid()  # MPI's process: a child made by fork() must leave MPI alone
 _MPI_BEFORE_FORK = MPI.Is_initialized()  # (a child may run an MPI of its own only if not)
 _FORK_CHILD = False  # this is a child made by fork() of MPI's process (os.getpid() costs
@@ -358,6 +365,8 @@ def _finish_all():
         return
     failing = _uncaught_exception()
     comms = [comm for comm in list(_live) if not comm._closed]
+    dropped = sorted(_dropped_over_mpi.items())
+    _dropped_over_mpi.clear()
     for comm in comms:
         comm._refuse_calls()
         if comm._executor.running.held_by_a_caller():
@@ -368,18 +377,52 @@ def _finish_all():
             # Communicator: below THREAD_MULTIPLE they share one lock, and a call on one
             # would hold up finishing the others.)
             comm._core.stop_soon()
-    for comm in comms:
-        # The process may end on an exception raised on this rank only, while the others
-        # wait for it in a collective: as when an exception leaves a `with` block, leave
-        # then, so that they raise at once instead of waiting out their timeout (and
-        # MPI_Finalize here, waiting for them, with them).
-        comm._leave(None if failing is None else
-                    f"an uncaught {type(failing).__name__} ended the process first")
+    # Over MPI messages each Communicator's close at exit waits for the others: begun on
+    # all before waiting on any, as another rank may wait for this one in a call on
+    # the second while this one would wait for it in the first.
+    closing = []  # (core, lock) of the closes at exit begun
+    try:
+        for _, comm in sorted([(comm._serial, comm) for comm in comms] + dropped,
+                              key=lambda made: made[0]):
+            if isinstance(comm, Communicator):
+                # The process may end on an exception raised on this rank only, while
+                # the others wait for it in a collective: as when an exception leaves a
+                # `with` block, leave then, so that they raise at once instead of waiting
+                # out their timeout (and MPI_Finalize here, waiting for them, with them).
+                if comm._leave(None if failing is None else
+                               f"an uncaught {type(failing).__name__} ended the process "
+                               "first"):
+                    closing.append((comm._core, comm._executor.running))
+            else:
+                with _SERIAL:
+                    if failing is not None:
+                        comm.leave()
+                    elif comm.begin_close_at_exit():
+                        closing.append((comm, _SERIAL))
+        _finish_closes_at_exit(closing)
+    except KeyboardInterrupt:  # Ctrl-C at exit: leave without waiting for the others
+        for core, lock in closing:
+            with lock:
+                core.leave()
     # Daemon threads that were waiting to run a call (for the lock, say) come out now
     # that every Communicator is closed here: let them, before Python stops them.
     _core.wait_until_no_thread_without_gil(10.0)
     with _SERIAL:
         _core.finish_abandoned_duplicates()
+
+
+def _finish_closes_at_exit(closing) -> None:
+    idle = 0
+    while closing:
+        still = []
+        for core, lock in closing:
+            with lock:
+                if not core.finish_close_at_exit():
+                    still.append((core, lock))
+        closing = still
+        idle += 1
+        if closing and idle > 100:  # (the others are not at their exit yet)
+            time.sleep(min(0.01, 1e-5 * idle))
 
 
 def _finalize_after_ringreduce(finalize=MPI.Finalize):
@@ -568,6 +611,7 @@ class Communicator:
         self._results = _Results()  # results without out=: big ones reuse kept buffers
         self._fast = self._make_fast_path()  # the common case of every call (None: closing)
         self._contexts = {name: t.where(self.rank, self.size, name) for name in _COLLECTIVES}
+        self._serial = next(_made)
         _live.add(self)
 
     # -- properties ---------------------------------------------------------------
@@ -738,12 +782,15 @@ class Communicator:
         self._closing = True
         self._fast = None
 
-    def _leave(self, why: str | None) -> None:
+    def _leave(self, why: str | None) -> bool:
         """Stop using this communicator on this rank only, and tell the others. Queued
         asynchronous calls never start (their wait() raises ValueError, saying why).
-        why None, at a normal exit: they finish first, and only the ranks on shared
-        memory learn that this one makes no more calls (a rank that comes to a call
-        this one never made, an uneven last step, then raises at once)."""
+        why None, at a normal exit: they finish first, and the others learn that this
+        rank makes no more calls (a rank that comes to a call this one never made, an
+        uneven last step, then raises at once): on shared memory at once; over MPI
+        messages in a close at exit, which this begins, and which the caller finishes
+        (core.finish_close_at_exit()) if this returns True."""
+        closing = False
         if not self._closed and not MPI.Is_finalized():
             self._refuse_calls()
             executor = self._executor
@@ -755,7 +802,7 @@ class Communicator:
             self._core.stop_soon()  # (a call a daemon thread began since, at exit)
             with executor.running:
                 if why is None:
-                    self._core.leave_unclosed()
+                    closing = self._core.begin_close_at_exit()
                 else:
                     # Below SERIALIZED only the main thread may call MPI (an exception
                     # may leave a `with` block on another): then the ranks on shared
@@ -763,6 +810,7 @@ class Communicator:
                     self._core.leave(over_mpi=self._thread_level >= MPI.THREAD_SERIALIZED
                                      or threading.current_thread() is threading.main_thread())
         self._abandon()
+        return closing
 
     def _abandon(self) -> None:
         """Stop using this communicator, here only (close() also frees it, collectively)."""
@@ -778,14 +826,18 @@ class Communicator:
         executor = getattr(self, "_executor", None)
         if executor is not None and executor.started:
             executor.stop()
+        core = getattr(self, "_core", None)
+        if (getattr(self, "_closed", True) is False and core is not None and core.size > 1
+                and core.transport == "MPI" and not core.departed and not sys.is_finalizing()):
+            _dropped_over_mpi[self._serial] = core
         # Freeing is collective, and garbage collection runs at different times on
         # different ranks, so a dropped Communicator cannot free itself: say so, as
         # Python does for an unclosed file.
         if (getattr(self, "_closed", True) is False and getattr(self, "_warn_unclosed", True)
                 and not sys.is_finalizing()):
             warnings.warn(f"{self!r} was never closed: its MPI communicator is freed only "
-                          "when garbage collection finds it (below MPI_THREAD_MULTIPLE, at "
-                          "MPI_Finalize). Call close() on every rank, or use "
+                          "when garbage collection finds it (below MPI_THREAD_MULTIPLE, or "
+                          "over MPI messages, at exit). Call close() on every rank, or use "
                           "`with rr.Communicator() as comm:`",
                           ResourceWarning, source=self)
 

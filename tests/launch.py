@@ -37,14 +37,15 @@ def job_env(extra: dict | None = None) -> dict:
     return {**os.environ, **(extra or {})}
 
 
-def run_script(tmp_path, name, text, env=None, timeout=60, args=(), abort_on_exception=True):
-    """The job on 2 ranks; by default run by `python -m mpi4py`, which ends the job
-    (MPI_Abort) when an exception is not caught."""
+def run_script(tmp_path, name, text, env=None, timeout=60, args=(), abort_on_exception=True,
+               ranks=2):
+    """The job (on 2 ranks unless told); by default run by `python -m mpi4py`, which
+    ends the job (MPI_Abort) when an exception is not caught."""
     script = tmp_path / name
     script.write_text(text)
     python = [sys.executable, "-m", "mpi4py"] if abort_on_exception else [sys.executable]
     try:
-        return subprocess.run([mpiexec(), "-n", "2", *python, str(script), *args],
+        return subprocess.run([mpiexec(), "-n", str(ranks), *python, str(script), *args],
                               capture_output=True, text=True, timeout=timeout,
                               env=job_env(env))
     except subprocess.TimeoutExpired:

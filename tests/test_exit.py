@@ -174,19 +174,93 @@ if ring.rank == 0:  # one call more than rank 1, which ends its script meanwhile
 
 
 @pytest.mark.parametrize("abort_on_exception", [False, True], ids=["python", "python -m mpi4py"])
-def test_a_rank_that_exits_with_fewer_calls_is_reported_at_once_on_shared_memory(
-        tmp_path, abort_on_exception):
+@pytest.mark.parametrize("shm", ["1", "0"], ids=["shared memory", "MPI"])
+def test_a_rank_that_exits_with_fewer_calls_is_reported_at_once(tmp_path, shm,
+                                                                abort_on_exception):
     # Uneven work (one more step on rank 0) used to leave rank 0 waiting out its
-    # timeout; over MPI messages it still does (a notice at exit would be left
-    # unmatched at MPI_Finalize on the ranks that are done). Under -m mpi4py the
-    # script's globals, the Communicator with them, are dropped before the exit.
-    done = run_script(tmp_path, "extra.py", EXTRA_CALL, env={"RINGREDUCE_SHM": "1"},
+    # timeout. On shared memory rank 1 marks itself gone; over MPI messages (where a
+    # notice at exit would be left unmatched at MPI_Finalize on the ranks that are done)
+    # its close at exit meets rank 0's call. Under -m mpi4py the script's globals, the
+    # Communicator with them, are dropped before the exit.
+    done = run_script(tmp_path, "extra.py", EXTRA_CALL, env={"RINGREDUCE_SHM": shm},
                       abort_on_exception=abort_on_exception)
     assert done.returncode == 0, done.stderr
     assert ("rank 0: ringreduce.allreduce (rank 0 of 2): rank 1 has stopped using this "
             "communicator without closing it (its process ended, or dropped the Communicator), "
             "after fewer calls on it than this rank made") in done.stdout, done
     assert "rank 0 waited 0 s" in done.stdout
+
+
+UNEVEN = """
+import time
+import numpy as np
+import ringreduce as rr
+
+first = rr.Communicator(timeout=300)
+second = rr.Communicator(timeout=300)
+first.allreduce(np.ones(10))
+second.allreduce(np.ones(10))
+last = first.size - 1
+if first.rank == last:
+    if DROP:
+        del first, second  # dropped unclosed: they close at exit
+        time.sleep(1)
+else:  # one call more than the last rank, on the second Communicator (made last)
+    start = time.monotonic()
+    try:
+        second.allreduce(np.ones(10))
+    except rr.CollectiveTimeoutError as error:
+        print(f"rank {second.rank}: {error}\\n", end="", flush=True)
+    print(f"rank {second.rank} waited {time.monotonic() - start:.0f} s\\n", end="", flush=True)
+"""
+
+
+@pytest.mark.parametrize("ranks, drop", [(2, False), (2, True), (3, False)],
+                         ids=["2 ranks", "2 ranks, dropped", "3 ranks"])
+@pytest.mark.parametrize("shm", ["1", "0"], ids=["shared memory", "MPI"])
+def test_ranks_waiting_in_a_call_that_an_exited_rank_never_made_raise_at_once(
+        tmp_path, shm, ranks, drop):
+    # Over MPI messages the last rank closes each Communicator at exit, all at once: a
+    # close that only waited for the first would wait for rank 0 there while rank 0
+    # waits in the second (as long as rank 0's timeout).
+    done = run_script(tmp_path, "uneven.py", f"DROP = {drop}\n" + UNEVEN,
+                      env={"RINGREDUCE_SHM": shm}, abort_on_exception=False, ranks=ranks)
+    assert done.returncode == 0, done.stderr
+    last = ranks - 1
+    for rank in range(last):
+        assert (f"rank {rank}: ringreduce.allreduce (rank {rank} of {ranks}): rank {last} has "
+                "stopped using this communicator without closing it") in done.stdout, done
+        waited = re.search(rf"rank {rank} waited (\d+) s", done.stdout)
+        assert waited and int(waited[1]) <= 1 + drop, done  # (a dropped one: 1 s later)
+
+
+AT_WORK = """
+import time
+import numpy as np
+import ringreduce as rr
+
+ring = rr.Communicator(timeout=1)
+ring.allreduce(np.ones(10))
+if ring.rank == 0:  # still at work (writing the results, say) well past the timeout
+    time.sleep(4)
+    if CLOSE:
+        ring.close()  # (pairs with the other's close at exit)
+print(f"rank {ring.rank} done\\n", end="", flush=True)
+"""
+
+
+@pytest.mark.parametrize("close", [False, True], ids=["exit", "close()"])
+@pytest.mark.parametrize("abort_on_exception", [False, True], ids=["python", "python -m mpi4py"])
+@pytest.mark.parametrize("shm", ["1", "0"], ids=["shared memory", "MPI"])
+def test_a_rank_at_work_past_the_timeout_after_another_ended_is_not_an_error(
+        tmp_path, shm, abort_on_exception, close):
+    # The close at exit over MPI messages waits without the timeout: giving up on rank 0
+    # would make rank 0's own exit (or close()) report that rank 1 gave up.
+    done = run_script(tmp_path, "at_work.py", f"CLOSE = {close}\n" + AT_WORK,
+                      env={"RINGREDUCE_SHM": shm}, abort_on_exception=abort_on_exception)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count(" done") == 2, done
+    assert "ringreduce" not in done.stderr and "Error" not in done.stderr, done.stderr
 
 
 DAEMON_IN_A_CALL = """
