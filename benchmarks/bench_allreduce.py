@@ -5,9 +5,10 @@
 For every size, alternately: ringreduce's allreduce (out-of-place and in place), the MPI
 library's own MPI_Allreduce through mpi4py (out-of-place), the numpy reference ring, and
 torch.distributed's gloo all_reduce (in place, as gloo only offers) where torch is
-installed. Then reduce_scatter, allgather and broadcast beside MPI's. Columns as
-nccl-tests print them: time, algbw = bytes/time, busbw = algbw * 2(p-1)/p for allreduce,
-(p-1)/p for reduce_scatter and allgather, 1 for broadcast; median over --repeats runs,
+installed. Then reduce_scatter, allgather and broadcast beside MPI's. The tables show
+the time and busbw as nccl-tests define it (the --json file has algbw too): algbw =
+bytes/time, busbw = algbw * 2(p-1)/p for allreduce, (p-1)/p for reduce_scatter and
+allgather (whose bytes are the output's), 1 for broadcast; median over --repeats runs,
 each run the slowest rank's time.
 """
 from __future__ import annotations
@@ -24,8 +25,8 @@ from mpi4py import MPI
 
 import ringreduce as rr
 from ringreduce import reference
-from timing import (bus_bandwidth, human_bytes, human_time, inner_iterations, save_size_plot,
-                    start_gloo, time_alternating)
+from timing import (at_least, bus_bandwidth, human_bytes, human_time, inner_iterations,
+                    output_file, save_size_plot, start_gloo, time_alternating)
 
 world = MPI.COMM_WORLD
 rank, size = world.Get_rank(), world.Get_size()
@@ -36,8 +37,9 @@ COLLECTIVE_SIZES = [64, 4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20]
 
 
 def parse_size(text: str) -> int:
-    units = {"B": 1, "K": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MIB": 1 << 20,
-             "G": 1 << 30, "GIB": 1 << 30}
+    """8, 64K, 1.5M, 1MiB, 1MB, 1G: K, M, G are powers of 1024 (as in `ringreduce sim`)."""
+    units = {"B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20,
+             "MB": 1 << 20, "MIB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30}
     text = text.strip().upper()
     for unit in sorted(units, key=len, reverse=True):
         if text.endswith(unit):
@@ -59,7 +61,8 @@ def sizes_argument(parser, text, default: list) -> list:
         if size < 4 or size % 4:
             parser.error(f"--sizes: {item!r} is not a whole number of float32 elements "
                          "(4 bytes), at least one")
-        sizes.append(size)
+        if size not in sizes:
+            sizes.append(size)
     return sizes
 
 
@@ -125,18 +128,17 @@ def main() -> None:
                "on 2 ranks.")
     parser.add_argument("--sizes", help="comma-separated byte sizes, e.g. 8,64K,1M,256M "
                         f"(default: {','.join(human_bytes(n).replace(' ', '') for n in DEFAULT_SIZES)})")
-    parser.add_argument("--repeats", type=int, default=9,
+    parser.add_argument("--repeats", type=at_least(1), default=9,
                         help="timed runs per size; the median is reported (default: 9)")
     parser.add_argument("--no-reference", action="store_true",
                         help="skip the numpy reference ring (slow at large sizes)")
     parser.add_argument("--no-gloo", action="store_true", help="skip torch's gloo")
-    parser.add_argument("--json", help="write every measurement here")
-    parser.add_argument("--plot", help="save busbw vs size here (PNG)")
+    parser.add_argument("--json", type=output_file(), help="write every measurement here")
+    parser.add_argument("--plot", type=output_file(plot=True),
+                        help="save busbw vs size here (PNG, or by its suffix: PDF, SVG, ...)")
     args = parser.parse_args()
     if args.plot:  # on every rank, before any collective: not after the tables on rank 0 only
         import matplotlib  # noqa: F401
-    if args.repeats < 1:
-        parser.error("--repeats must be at least 1")
     sizes = sizes_argument(parser, args.sizes, DEFAULT_SIZES)
 
     comm = rr.Communicator()
@@ -156,8 +158,10 @@ def main() -> None:
         times = time_alternating(candidates, repeats=args.repeats,
                                  inner=inner_iterations(nbytes))
         peer = next(name for name in times if name.startswith("MPI_"))
+        if collective == "allgather":  # (its output, the size reported: whole rows)
+            nbytes = count // size * size * 4
         for name, seconds in times.items():
-            algbw, busbw = bus_bandwidth(count * 4, seconds, size, collective)
+            algbw, busbw = bus_bandwidth(nbytes, seconds, size, collective)
             rows.append({"collective": collective, "bytes": nbytes, "implementation": name,
                          "time_s": seconds, "algbw_GBps": algbw / 1e9, "busbw_GBps": busbw / 1e9,
                          "speedup_vs_mpi": times[peer] / seconds})

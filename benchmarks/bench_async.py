@@ -23,7 +23,7 @@ from mpi4py import MPI
 
 import ringreduce as rr
 from bench_allreduce import machine, progress, sizes_argument
-from timing import human_bytes, human_time, start_gloo, time_alternating
+from timing import at_least, human_bytes, human_time, output_file, start_gloo, time_alternating
 
 world = MPI.COMM_WORLD
 rank, size = world.Get_rank(), world.Get_size()
@@ -89,10 +89,10 @@ def main() -> None:
                         "(default: 8)")
     parser.add_argument("--compute-us", type=float, default=0.0,
                         help="Python work before each start, in microseconds (default: 0)")
-    parser.add_argument("--repeats", type=int, default=15,
+    parser.add_argument("--repeats", type=at_least(1), default=15,
                         help="timed runs per size; the median is reported (default: 15)")
     parser.add_argument("--no-gloo", action="store_true", help="skip torch's gloo")
-    parser.add_argument("--json", help="write every measurement here")
+    parser.add_argument("--json", type=output_file(), help="write every measurement here")
     args = parser.parse_args()
     if args.buckets < 1:
         parser.error("--buckets must be at least 1")

@@ -185,15 +185,19 @@ def main():
         parser.error("need --repeats >= 1, 4 <= --min-bytes <= --max-bytes, --big-chunk >= 1")
     if args.replot:
         with open(args.replot) as f:
-            rows = json.load(f)["rows"]
+            run = json.load(f)
+        rows = run["rows"]
         names = [k for k, v in rows[0].items() if isinstance(v, dict)]
-        plot(rows, names, args.plot or "gpu.png", args.big_chunk, args.note)
+        # The run's own chunk size (runs before it was recorded used the default).
+        plot(rows, names, args.plot or "gpu.png", run.get("big_chunk", 4 << 20), args.note)
         return
     if args.plot:  # on every rank, before any collective: not after the tables on rank 0 only
         import matplotlib  # noqa: F401
 
-    import cupy as cp
-
+    try:
+        import cupy as cp
+    except ImportError as e:
+        sys.exit(f"bench_gpu.py needs cupy and a GPU ({e}); --replot RUN.json needs neither")
     if not rr.cuda_available():
         sys.exit(f"no usable GPU: {rr._core.cuda_status()}")
     device = RANK % cp.cuda.runtime.getDeviceCount()
@@ -281,7 +285,7 @@ def main():
     if RANK == 0:
         meta = {"host": platform.node(), "ranks": SIZE, "gpu": gpu, "mode": mode,
                 "mpi": MPI.Get_library_version().splitlines()[0], "rows": rows,
-                "others": others}
+                "others": others, "big_chunk": args.big_chunk}
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(meta, f, indent=1)

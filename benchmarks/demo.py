@@ -35,10 +35,16 @@ def verify() -> None:
                 x = (rng.standard_normal(count) * 100).astype(dtype)
                 y = comm.allreduce(x, op=op)
                 everyone = np.stack(world.allgather(x)) if count else np.zeros((size, 0), dtype)
-                expected = {"sum": np.sum, "max": np.max, "prod": np.prod,
-                            "avg": np.mean}[op](everyone.astype(np.complex128 if dtype ==
-                                                np.complex64 else np.float64), axis=0)
-                if not np.allclose(y, expected, rtol=1e-4, atol=1e-3):
+                reduce = {"sum": np.sum, "max": np.max, "prod": np.prod, "avg": np.mean}[op]
+                if np.issubdtype(dtype, np.integer):
+                    # In the dtype itself, exactly: a product of four ranks' values can
+                    # pass 2**31 and wrap, as it does in C (and in numpy).
+                    ok = np.array_equal(y, reduce(everyone, axis=0).astype(dtype))
+                else:
+                    wide = np.complex128 if dtype == np.complex64 else np.float64
+                    ok = np.allclose(y, reduce(everyone.astype(wide), axis=0),
+                                     rtol=1e-4, atol=1e-3)
+                if not ok:
                     print(f"rank {rank}: MISMATCH {np.dtype(dtype).name} {op} count={count}",
                           file=sys.stderr)
                     world.Abort(1)

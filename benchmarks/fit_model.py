@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 
 import numpy as np
@@ -21,7 +22,8 @@ from mpi4py import MPI
 
 import ringreduce as rr
 from ringreduce import _core
-from timing import human_bytes, human_time, inner_iterations, save_size_plot, time_alternating
+from timing import (at_least, human_bytes, human_time, inner_iterations, output_file,
+                    save_size_plot, time_alternating)
 
 world = MPI.COMM_WORLD
 rank, size = world.Get_rank(), world.Get_size()
@@ -46,12 +48,20 @@ def reduce_time(nbytes: int, repeats: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--json")
-    parser.add_argument("--plot")
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=at_least(1), default=7,
+                        help="timed runs of each measurement; the median is used (default: 7)")
+    parser.add_argument("--json", type=output_file(), help="write the fitted model here")
+    parser.add_argument("--plot", type=output_file(plot=True),
+                        help="save the model against the measurements here (PNG)")
     args = parser.parse_args()
+    if size < 2:
+        parser.error("run it on 2 ranks or more (mpiexec -n 2 ...): one rank sends nothing, "
+                     "and the model of its allreduce is 0")
 
+    if rank == 0:
+        print("timing Sendrecv and the reduce kernel ...", file=sys.stderr, flush=True)
     alpha = sendrecv_time(8, args.repeats)
     big = 64 << 20
     beta = (sendrecv_time(big, args.repeats) - alpha) / big
@@ -64,6 +74,8 @@ def main() -> None:
     comm = rr.Communicator()
     rows = []
     for n in SIZES:
+        if rank == 0:
+            print(f"timing allreduce of {human_bytes(n)} ...", file=sys.stderr, flush=True)
         x = np.random.default_rng(rank).standard_normal(n // 4).astype(np.float32)
         out = np.empty_like(x)
         measured = time_alternating({"rr": lambda: comm.allreduce(x, out=out)}, args.repeats,

@@ -13,7 +13,7 @@ import json
 import statistics
 
 from ringreduce import sim
-from timing import human_bytes
+from timing import human_bytes, output_file
 
 SIZES = [4 << 10, 1 << 20, 64 << 20]
 RANKS = [2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
@@ -21,13 +21,20 @@ STYLE = {"ring": "-", "naive": ":", "recursive doubling": "--"}
 
 
 def main():
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help="fit_model.py --json output")
     parser.add_argument("--measured", help="glob of bench_allreduce.py --json outputs")
-    parser.add_argument("--plot", required=True)
+    parser.add_argument("--plot", required=True, type=output_file(plot=True),
+                        help="save the figure here (PNG)")
     args = parser.parse_args()
-    fitted = json.load(open(args.model))
-    alpha, beta, gamma = fitted["alpha_s"], fitted["beta_s_per_byte"], fitted["gamma_s_per_byte"]
+    try:
+        with open(args.model) as f:
+            fitted = json.load(f)
+        alpha, beta, gamma = (fitted["alpha_s"], fitted["beta_s_per_byte"],
+                              fitted["gamma_s_per_byte"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        parser.error(f"--model {args.model}: not a fit_model.py --json file ({e!r})")
 
     import matplotlib
 

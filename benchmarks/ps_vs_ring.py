@@ -16,6 +16,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ringreduce import reference
+from timing import at_least, output_file
 
 world = MPI.COMM_WORLD
 rank, size = world.Get_rank(), world.Get_size()
@@ -58,10 +59,14 @@ def measure(fn, x, repeats):
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--mib", type=float, default=16.0, help="buffer size per rank")
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--plot")
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--mib", type=at_least(0, float), default=16.0,
+                        help="buffer size per rank, in MiB (default: 16)")
+    parser.add_argument("--repeats", type=at_least(1), default=5,
+                        help="timed runs of each; the median is reported (default: 5)")
+    parser.add_argument("--plot", type=output_file(plot=True),
+                        help="save the bytes each rank moved here (PNG)")
     args = parser.parse_args()
     x = np.random.default_rng(rank).standard_normal(int(args.mib * 2**20) // 4).astype(np.float32)
     ring_result, ring_traffic, ring_time = measure(reference.allreduce, x, args.repeats)

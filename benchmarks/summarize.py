@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import sys
 
-from timing import human_bytes, human_time, size_axis
+from timing import human_bytes, human_time, output_file, size_axis
 
 
 def pick(results, nbytes: int, name: str) -> dict:
@@ -67,8 +69,22 @@ def plot(runs, path: str) -> None:
     print(f"plot: {path}")
 
 
+def load(path: str) -> dict:
+    """One --json file of bench_allreduce.py; SystemExit saying what is wrong otherwise."""
+    try:
+        with open(path) as f:
+            run = json.load(f)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"summarize.py: cannot read {path}: {e}") from None
+    results = run.get("results") if isinstance(run, dict) else None
+    if not results or not all(isinstance(r, dict) and "collective" in r for r in results):
+        raise SystemExit(f"summarize.py: {path} is not a --json file of bench_allreduce.py "
+                         "(bench_async.py's, say, has no collectives to compare)")
+    return run
+
+
 def main(paths: list[str], plot_path: str | None = None) -> None:
-    runs = [json.load(open(p)) for p in paths]
+    runs = [load(p) for p in paths]
     print(f"{len(runs)} runs, {runs[0]['ranks']} ranks, float32; {runs[0]['machine']}; "
           f"{runs[0]['mpi']}\n")
     for collective in ("allreduce", "reduce_scatter", "allgather", "broadcast"):
@@ -108,6 +124,10 @@ if __name__ == "__main__":
                                             "benchmarks/results/allreduce_p2_run*.json")
     parser.add_argument("runs", nargs="+", metavar="RUN.json",
                         help="--json files of bench_allreduce.py, one per run")
-    parser.add_argument("--plot", help="also save speedup vs size, every run, here (PNG)")
+    parser.add_argument("--plot", type=output_file(plot=True),
+                        help="also save speedup vs size, every run, here (PNG)")
     args = parser.parse_args()
-    main(args.runs, args.plot)
+    try:
+        main(args.runs, args.plot)
+    except BrokenPipeError:  # piped into `head`, which stopped reading
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

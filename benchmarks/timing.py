@@ -4,11 +4,55 @@ runs is reported. Implementations are timed alternately, repeat by repeat, so th
 drift on a shared machine hits them all alike."""
 from __future__ import annotations
 
+import argparse
+import math
+import os
 import socket
 import statistics
 import time
 
 from mpi4py import MPI
+
+# What matplotlib's savefig writes (no suffix: PNG).
+PLOT_SUFFIXES = (".png", ".pdf", ".svg", ".jpg", ".jpeg", ".eps", ".ps", ".webp", ".tif",
+                 ".tiff", "")
+
+
+def output_file(plot: bool = False):
+    """An argparse type for --json and --plot: the folder must exist and be writable
+    (and a plot's suffix one matplotlib writes), checked when the arguments are read,
+    not after a run of minutes whose results would then be lost."""
+    def check(text: str) -> str:
+        folder = os.path.dirname(text) or "."
+        suffix = os.path.splitext(text)[1].lower()
+        if plot and suffix not in PLOT_SUFFIXES:
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: a plot is written as {', '.join(PLOT_SUFFIXES[:-1])}")
+        if os.path.isdir(text):
+            raise argparse.ArgumentTypeError(f"{text!r} is a folder; name a file")
+        if not os.path.isdir(folder):
+            raise argparse.ArgumentTypeError(f"{text!r}: no folder {folder!r}")
+        if not os.access(folder, os.W_OK):
+            raise argparse.ArgumentTypeError(f"{text!r}: cannot write in {folder!r}")
+        return text
+    return check
+
+
+def at_least(minimum, kind=int):
+    """An argparse type: a finite number of `kind`, at least `minimum` (or above it,
+    for a float minimum of 0)."""
+    def check(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'a whole' if kind is int else 'a'} "
+                                             "number") from None
+        above = kind is float and minimum == 0
+        if not math.isfinite(value) or value < minimum or (above and value == 0):
+            raise argparse.ArgumentTypeError(
+                f"must be {'above' if above else 'at least'} {minimum}, got {text}")
+        return value
+    return check
 
 
 def start_gloo(comm=MPI.COMM_WORLD):

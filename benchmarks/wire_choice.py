@@ -25,6 +25,7 @@ import numpy as np
 from mpi4py import MPI
 
 import ringreduce as rr
+from timing import at_least, output_file
 
 world = MPI.COMM_WORLD
 rank, size = world.Get_rank(), world.Get_size()
@@ -56,9 +57,11 @@ def timed(call, n):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--seconds", type=float, default=420)
-    parser.add_argument("--json", help="write every round here")
-    parser.add_argument("--plot", help="save the times against the clock here (PNG)")
+    parser.add_argument("--seconds", type=at_least(0, float), default=420,
+                        help="how long to alternate the ways (default: 420)")
+    parser.add_argument("--json", type=output_file(), help="write every round here")
+    parser.add_argument("--plot", type=output_file(plot=True),
+                        help="save the times against the clock here (PNG)")
     args = parser.parse_args()
 
     rings = {name: communicator(setting) for name, setting in WAYS.items()}
