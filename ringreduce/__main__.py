@@ -1,4 +1,5 @@
 """python -m ringreduce explain ... | python -m ringreduce sim ..."""
+import os
 import sys
 
 
@@ -7,6 +8,8 @@ def main(argv=None) -> int:
     commands = {"explain": "ringreduce.explain", "sim": "ringreduce.sim"}
     if not argv or argv[0] not in commands:
         asked = bool(argv) and argv[0] in ("-h", "--help")
+        if argv and not asked:
+            print(f"python -m ringreduce: no command {argv[0]!r}", file=sys.stderr)
         print("usage: python -m ringreduce {explain,sim} [options]   (--help after either)\n"
               "  explain  what every rank sends, receives and holds, step by step\n"
               "  sim      bytes, steps and modelled time of ring vs other algorithms at any "
@@ -14,7 +17,13 @@ def main(argv=None) -> int:
         return 0 if asked else 2
     import importlib
 
-    return importlib.import_module(commands[argv[0]]).main(argv[1:])
+    try:
+        return importlib.import_module(commands[argv[0]]).main(argv[1:])
+    except BrokenPipeError:
+        # Piped into `head` or `less`, which stopped reading: not an error. Python would
+        # report the broken pipe again when it flushes stdout at exit, so it goes nowhere.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ import argparse
 import math
 import os
 import sys
+import textwrap
 from dataclasses import dataclass, field
 
 from . import _core
@@ -107,10 +108,15 @@ def _sum(contributors, ranks) -> str:
 
 
 def format_text(e: Explanation) -> str:
-    lines = [f"Ring all-reduce of {e.count} elements on {e.ranks} ranks. Each rank sends to its "
-             f"right neighbour and receives from its left.",
-             f"The buffer is cut into {e.ranks} segments (like np.array_split), each into "
-             f"chunks of at most {e.chunk_elems} elements:"]
+    if e.ranks == 1:
+        ring = ("on 1 rank.",
+                "The buffer is one segment, in")
+    else:
+        ring = (f"on {e.ranks} ranks. Each rank sends to its right neighbour and receives "
+                "from its left.",
+                f"The buffer is cut into {e.ranks} segments (like np.array_split), each into")
+    lines = [f"Ring all-reduce of {e.count} elements {ring[0]}",
+             f"{ring[1]} chunks of at most {e.chunk_elems} elements:"]
     for s, span in enumerate(e.segments):
         lines.append(f"  S{s}: {_elements(span)}, {e.chunks_per_segment[s]} chunk(s)")
     if e.ranks == 1:
@@ -172,8 +178,13 @@ def draw(e: Explanation, path: str) -> None:
                                     connectionstyle="arc3,rad=-0.25", shrinkA=22, shrinkB=22,
                                     color="tab:red" if t.reduces else "tab:blue")
             ax.add_patch(arrow)
-            ax.text((x0 + x1) / 2 * 1.25, (y0 + y1) / 2 * 1.25, f"S{t.segment}", fontsize=8,
-                    ha="center", va="center", color=arrow.get_edgecolor())
+            # Just outside the arc's middle, on the side it bends to (arc3 bends by rad
+            # times the chord turned a quarter): two ranks' arrows, between the same
+            # two points, bend apart, and so do their labels.
+            bend = 0.25 * 0.75
+            ax.text((x0 + x1) / 2 - bend * (y1 - y0), (y0 + y1) / 2 + bend * (x1 - x0),
+                    f"S{t.segment}", fontsize=8, ha="center", va="center",
+                    color=arrow.get_edgecolor())
         for r, (x, y) in enumerate(where):
             ax.add_patch(plt.Circle((x, y), 0.2, color="lightgray", zorder=2))
             ax.text(x, y, f"{r}", ha="center", va="center", fontsize=10, zorder=3)
@@ -190,9 +201,10 @@ def draw(e: Explanation, path: str) -> None:
                 if e.ranks <= 8:
                     ax.text(left + width / 2, cy - 0.15, f"S{s}", ha="center", va="center",
                             fontsize=5, zorder=3)
-    fig.suptitle(f"Ring all-reduce, {e.ranks} ranks: red arrows reduce, blue arrows copy. "
-                 "By each rank, one square per segment: how many ranks' data its copy "
-                 "holds (yellow: all of them)", fontsize=9)
+    fig.suptitle(textwrap.fill(
+        f"Ring all-reduce, {e.ranks} ranks: red arrows reduce, blue arrows copy. By each "
+        "rank, one square per segment: how many ranks' data its copy holds (yellow: all "
+        "of them)", width=60 * columns), fontsize=9)
     fig.tight_layout(rect=(0, 0, 0.93, 1))
     # The colour key: ranks whose data a copy of a segment holds, 1 to p.
     key = fig.add_axes((0.945, 0.15, 0.012, 0.7))
@@ -212,7 +224,7 @@ def main(argv=None) -> int:
                         help=f"ranks in the ring (at most {MAX_RANKS})")
     parser.add_argument("--count", type=int, default=12, help="elements in the buffer")
     parser.add_argument("--chunk", type=int, default=None,
-                        help="elements per chunk (default: one chunk per segment)")
+                        help="elements per chunk (None: one chunk per segment)")
     parser.add_argument("--svg", metavar="FILE", help="also draw the steps (.svg, .png, .pdf)")
     args = parser.parse_args(argv)
     if args.svg:  # (checked before the text is printed)
@@ -224,12 +236,17 @@ def main(argv=None) -> int:
             import matplotlib  # noqa: F401
         except ImportError:
             parser.error("--svg needs matplotlib (pip install matplotlib)")
+    if args.chunk is not None and not 1 <= args.chunk < 1 << 62:
+        parser.error(f"--chunk must be from 1 to 2**62 - 1 elements, got {args.chunk}")
     try:
         e = explain(args.ranks, args.count, args.chunk)
     except ValueError as error:
         parser.error(str(error))
     print(format_text(e))
     if args.svg:
+        if len(e.steps) > 16:  # (some 3 s a panel)
+            print(f"\ndrawing {len(e.steps)} panels into {args.svg} ...", file=sys.stderr,
+                  flush=True)
         try:
             draw(e, args.svg)
         except OSError as error:

@@ -312,7 +312,7 @@ def main(argv=None) -> int:
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--ranks", type=int, nargs="+", default=[4, 64, 1024],
                         help="ring sizes to model, one row each")
-    parser.add_argument("--bytes", default="100M",
+    parser.add_argument("--bytes", default="100M", metavar="SIZE",
                         help="buffer size per rank, e.g. 8, 64K, 100M (K, M, G: powers of 1024)")
     parser.add_argument("--alpha", type=float, default=ALPHA, help="seconds per message")
     parser.add_argument("--beta", type=float, default=BETA, help="seconds per byte moved")
@@ -339,6 +339,8 @@ def main(argv=None) -> int:
                      "by step; for more, the formulas in docs/cost-model.md)")
     if nbytes % 4:
         parser.error(f"--bytes: {nbytes} is not a whole number of float32 elements (4 bytes)")
+    if nbytes // 4 > MAX_CHUNK_ELEMS:
+        parser.error(f"--bytes: {args.bytes!r} is more than 2**62 - 1 float32 elements")
     for name in ("alpha", "beta", "gamma"):
         if not 0 <= getattr(args, name) < float("inf"):  # (NaN too)
             parser.error(f"--{name} must be a finite number of seconds >= 0")

@@ -88,7 +88,7 @@ def test_sim_command_line():
     (["sim", "--bytes", "6"], "not a whole number of float32 elements"),
     (["sim", "--ranks", "4", "5000"], "--ranks: at most 4096"),
     (["explain", "--count", str(1 << 63)], "count must be an int from 0 to 2**62 - 1"),
-    (["explain", "--chunk", str(1 << 63)], "chunk_elems must be from 1 to 2**62 - 1"),
+    (["explain", "--chunk", str(1 << 63)], "--chunk must be from 1 to 2**62 - 1"),
     (["explain", "--svg", "/nonexistent-folder/ring.svg"], "does not exist"),
     (["explain", "--svg", "ring.xyz"], "does not end in .svg, .png or .pdf"),
     (["sim", "--chunk", "6"], "--chunk: '6' is not a whole number of float32 elements"),
