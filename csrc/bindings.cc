@@ -1205,6 +1205,10 @@ PYBIND11_MODULE(_core, m) {
            })
       .def("leave", &RingCommunicator::leave, py::arg("over_mpi") = true,
            "stop using it on this rank only, and tell the others (see ring_communicator.h)")
+      .def("tell_departure", &RingCommunicator::tell_departure,
+           "after leave(over_mpi=False), at exit: tell the ranks over MPI messages too")
+      .def("release_scratch", &RingCommunicator::release_scratch,
+           "free the ring's receive slots (a dropped communicator kept for its close)")
       .def("leave_unclosed", &RingCommunicator::leave_unclosed,
            "when dropped unclosed: stop using it, and tell the ranks on shared memory")
       .def("begin_close_at_exit", &RingCommunicator::begin_close_at_exit,

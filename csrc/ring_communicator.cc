@@ -277,7 +277,16 @@ void RingCommunicator::depart(Departure why, int waited_for, bool over_mpi) {
     }
   }
   if (shm_) shm_->leave(note);
-  if (over_mpi) transport_->leave(note);
+  if (over_mpi)
+    transport_->leave(note);
+  else
+    untold_.reset(new DepartureNote(note));
+}
+
+void RingCommunicator::tell_departure() {
+  if (!untold_) return;
+  transport_->leave(*untold_);
+  untold_.reset();
 }
 
 void RingCommunicator::begin_exchange() {

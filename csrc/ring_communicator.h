@@ -251,6 +251,16 @@ class RingCommunicator {
   // (an exception on its way out). over_mpi false: the ranks on shared memory only
   // (from a thread that MPI's thread level does not let call MPI).
   void leave(bool over_mpi = true);
+  // After leave(over_mpi = false), from a thread that may call MPI (at exit): tells the
+  // ranks over MPI messages too, which otherwise wait for this one for good in a close
+  // at exit. Nothing if there is nothing left to tell.
+  void tell_departure();
+  // Frees the receive slots of the ring (a chunk window): for a dropped communicator,
+  // kept only for its close at exit. Nothing may be in flight.
+  void release_scratch() {
+    scratch_.reset();
+    scratch_bytes_ = 0;
+  }
   // When dropped (the destructor), every call of this rank finished and the
   // communicator not closed: stops using it, and tells the ranks on shared memory
   // (Departure::Unclosed), so that one waiting for this rank in a call it never made
@@ -442,6 +452,7 @@ class RingCommunicator {
   bool broken_by_mpi_ = false;  // (an MpiError did)
   bool gave_up_ = false;  // ... after a timeout (see give_up())
   bool departed_ = false;  // this rank has left (depart())
+  std::unique_ptr<DepartureNote> untold_;  // depart()'s note, not yet sent over MPI
   int64_t exchanges_ = 0;  // header exchanges begun (begin_exchange())
   int64_t pending_allgather_chunk_bytes_ = kDefaultChunkBytes;  // from allgather_counts()
   int64_t pending_allgather_host_limit_ = 0;  // GPU allgather: the agreed host limit

@@ -330,10 +330,17 @@ class _Executor:
 
 _live: "weakref.WeakSet[Communicator]" = weakref.WeakSet()
 _made = itertools.count()  # Communicator._serial: the order this rank made them in
-# The cores of Communicators dropped unclosed whose wire is MPI messages, by _serial:
-# kept for close_at_exit(), the only way a rank waiting in a call this rank never made
-# can learn that it never will (and MPI_Finalize frees their MPI communicators).
+# The cores of Communicators dropped unclosed whose wire is MPI messages, by _serial,
+# kept for their close at exit, the only way a rank waiting in a call this rank never
+# made can learn that it never will: under THREAD_MULTIPLE begun when dropped, and
+# finished (freeing the MPI communicator) once every rank has closed or dropped it,
+# looked at whenever a Communicator is made, and at exit; else begun at exit.
+_dropped_closing: "dict[int, _core.RingCommunicator]" = {}
 _dropped_over_mpi: "dict[int, _core.RingCommunicator]" = {}
+_dropped_looking = threading.Lock()  # one thread at a time finishes _dropped_closing's
+# Cores that left on a thread MPI's level kept from telling the others (below
+# SERIALIZED): told at exit, on the main thread, before any close at exit waits for them.
+_untold_over_mpi: "list[_core.RingCommunicator]" = []
 _PROCESS = os.getpid()  # MPI's process: a child made by fork() must leave MPI alone
 _MPI_BEFORE_FORK = MPI.Is_initialized()  # (a child may run an MPI of its own only if not)
 _FORK_CHILD = False  # this is a child made by fork() of MPI's process (os.getpid() costs
@@ -364,9 +371,21 @@ def _finish_all():
     if os.getpid() != _PROCESS:
         return
     failing = _uncaught_exception()
+    if not MPI.Is_finalized():
+        with _SERIAL:
+            for core in _untold_over_mpi:
+                core.tell_departure()
+    _untold_over_mpi.clear()
     comms = [comm for comm in list(_live) if not comm._closed]
     dropped = sorted(_dropped_over_mpi.items())
     _dropped_over_mpi.clear()
+    with _dropped_looking:
+        closing = [(core, _dropped_looking) for core in _dropped_closing.values()]
+        _dropped_closing.clear()
+        if failing is not None:  # (leave, as every Communicator below: not wait)
+            for core, _ in closing:
+                core.leave()
+            closing = []
     for comm in comms:
         comm._refuse_calls()
         if comm._executor.running.held_by_a_caller():
@@ -379,11 +398,14 @@ def _finish_all():
             comm._core.stop_soon()
     # Over MPI messages each Communicator's close at exit waits for the others: begun on
     # all before waiting on any, as another rank may wait for this one in a call on
-    # the second while this one would wait for it in the first.
-    closing = []  # (core, lock) of the closes at exit begun
+    # the second while this one would wait for it in the first; and first on those with
+    # no calls in flight (which may wait for another rank's call on the second).
+    # closing: (core, lock) of the closes at exit begun
     try:
-        for _, comm in sorted([(comm._serial, comm) for comm in comms] + dropped,
-                              key=lambda made: made[0]):
+        for _, _, comm in sorted(
+                [(comm._executor.busy, comm._serial, comm) for comm in comms]
+                + [(False, serial, core) for serial, core in dropped],
+                key=lambda made: made[:2]):
             if isinstance(comm, Communicator):
                 # The process may end on an exception raised on this rank only, while
                 # the others wait for it in a collective: as when an exception leaves a
@@ -409,6 +431,17 @@ def _finish_all():
     _core.wait_until_no_thread_without_gil(10.0)
     with _SERIAL:
         _core.finish_abandoned_duplicates()
+
+
+def _finish_dropped_closes() -> None:
+    """Frees the Communicators dropped unclosed that every rank has closed or dropped."""
+    if _dropped_closing and _dropped_looking.acquire(blocking=False):
+        try:
+            for serial, core in list(_dropped_closing.items()):
+                if core.finish_close_at_exit():
+                    del _dropped_closing[serial]
+        finally:
+            _dropped_looking.release()
 
 
 def _finish_closes_at_exit(closing) -> None:
@@ -598,9 +631,11 @@ class Communicator:
         self._thread_level = MPI.Query_thread()
         threaded = self._thread_level == MPI.THREAD_MULTIPLE
         _check_thread("ringreduce.Communicator", self._thread_level)
+        _finish_dropped_closes()  # (their MPI communicators, before this takes one more)
         with contextlib.nullcontext() if threaded else _SERIAL:
             _finished_at_mpi_finalize()
             self._core = _core.RingCommunicator(MPI._addressof(comm), timeout)
+        self._serial = next(_made)  # (__del__ needs it once there is a core)
         self.rank: int = self._core.rank
         self.size: int = self._core.size
         self._executor = _Executor(threaded)
@@ -611,7 +646,6 @@ class Communicator:
         self._results = _Results()  # results without out=: big ones reuse kept buffers
         self._fast = self._make_fast_path()  # the common case of every call (None: closing)
         self._contexts = {name: t.where(self.rank, self.size, name) for name in _COLLECTIVES}
-        self._serial = next(_made)
         _live.add(self)
 
     # -- properties ---------------------------------------------------------------
@@ -806,9 +840,13 @@ class Communicator:
                 else:
                     # Below SERIALIZED only the main thread may call MPI (an exception
                     # may leave a `with` block on another): then the ranks on shared
-                    # memory learn of it, the others at their timeout.
-                    self._core.leave(over_mpi=self._thread_level >= MPI.THREAD_SERIALIZED
-                                     or threading.current_thread() is threading.main_thread())
+                    # memory learn of it, the others at their timeout, or at this
+                    # rank's exit, where the main thread tells them.
+                    over_mpi = (self._thread_level >= MPI.THREAD_SERIALIZED
+                                or threading.current_thread() is threading.main_thread())
+                    self._core.leave(over_mpi=over_mpi)
+                    if not over_mpi:
+                        _untold_over_mpi.append(self._core)
         self._abandon()
         return closing
 
@@ -828,8 +866,13 @@ class Communicator:
             executor.stop()
         core = getattr(self, "_core", None)
         if (getattr(self, "_closed", True) is False and core is not None and core.size > 1
-                and core.transport == "MPI" and not core.departed and not sys.is_finalizing()):
-            _dropped_over_mpi[self._serial] = core
+                and core.transport == "MPI" and not core.departed and not sys.is_finalizing()
+                and not MPI.Is_finalized()):
+            core.release_scratch()
+            if self._thread_level != MPI.THREAD_MULTIPLE:
+                _dropped_over_mpi[self._serial] = core  # (MPI on this thread: maybe not)
+            elif core.begin_close_at_exit():
+                _dropped_closing[self._serial] = core
         # Freeing is collective, and garbage collection runs at different times on
         # different ranks, so a dropped Communicator cannot free itself: say so, as
         # Python does for an unclosed file.

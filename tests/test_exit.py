@@ -263,6 +263,97 @@ def test_a_rank_at_work_past_the_timeout_after_another_ended_is_not_an_error(
     assert "ringreduce" not in done.stderr and "Error" not in done.stderr, done.stderr
 
 
+LEFT_ON_A_THREAD = """
+import mpi4py
+mpi4py.rc.thread_level = "funneled"
+import threading
+import numpy as np
+import ringreduce as rr
+
+ring = rr.Communicator(timeout=300)
+ring.allreduce(np.ones(10))
+if ring.rank == 1:  # leaves on a thread that may not call MPI: told at exit instead
+    def work():
+        try:
+            with ring:
+                raise ValueError("boom")
+        except ValueError:
+            pass
+    thread = threading.Thread(target=work)
+    thread.start()
+    thread.join()
+print(f"rank {ring.rank} ends\\n", end="", flush=True)
+"""
+
+
+def test_a_rank_that_left_on_a_thread_that_may_not_call_mpi_does_not_hold_up_the_exit(
+        tmp_path):
+    # Below SERIALIZED such a rank cannot tell the others then; rank 0's close at exit
+    # (over MPI messages) waited for it for good, until the main thread told them at exit.
+    done = run_script(tmp_path, "left_on_a_thread.py", LEFT_ON_A_THREAD,
+                      env={"RINGREDUCE_SHM": "0"}, abort_on_exception=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count(" ends") == 2, done
+
+
+DROPPED_IN_A_LOOP = """
+import resource
+import warnings
+import numpy as np
+import ringreduce as rr
+
+warnings.simplefilter("ignore", ResourceWarning)
+for i in range(2100):  # more than the MPI communicators MPICH has (2046 at most)
+    ring = rr.Communicator(timeout=60, chunk_bytes=4 << 20)
+    ring.allreduce(np.ones(1 << 20, np.float32))  # (its receive slots: 16 MiB)
+    del ring
+mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss >> 10
+print(f"made 2100, at most {mib} MiB\\n", end="", flush=True)
+"""
+
+
+def test_communicators_dropped_unclosed_over_mpi_are_freed_once_every_rank_drops_them(
+        tmp_path):
+    # Kept for their close at exit, they held their MPI communicators (the loop ran out
+    # at 2046) and receive slots (16 MiB each here) until the exit.
+    done = run_script(tmp_path, "dropped.py", DROPPED_IN_A_LOOP, env={"RINGREDUCE_SHM": "0"},
+                      timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count("made 2100") == 2, done
+    assert all(int(mib) < 1000 for mib in re.findall(r"at most (\d+) MiB", done.stdout)), done
+
+
+QUEUED_AT_EXIT = """
+import time
+import numpy as np
+import ringreduce as rr
+
+first = rr.Communicator(timeout=300)
+second = rr.Communicator(timeout=300)
+if first.rank == 0:  # queues a call on the first, which rank 1 makes only after ...
+    handle = first.allreduce_async(np.ones(10))
+else:  # ... one call more than rank 0 on the second
+    start = time.monotonic()
+    try:
+        second.allreduce(np.ones(10))
+    except rr.CollectiveTimeoutError as error:
+        print(f"rank 1: {error}\\n", end="", flush=True)
+    print(f"rank 1 waited {time.monotonic() - start:.0f} s\\n", end="", flush=True)
+    first.allreduce(np.ones(10))
+"""
+
+
+def test_a_close_at_exit_does_not_wait_for_calls_in_flight_on_another_communicator(tmp_path):
+    # Rank 0's call in flight on the first waits for rank 1, which waits in the second
+    # for rank 0: the second's close at exit is begun before the first's call is waited
+    # for (it waited out rank 1's timeout).
+    done = run_script(tmp_path, "queued.py", QUEUED_AT_EXIT, env={"RINGREDUCE_SHM": "0"},
+                      abort_on_exception=False)
+    assert done.returncode == 0, done.stderr
+    assert "rank 0 has stopped using this communicator without closing it" in done.stdout, done
+    assert "rank 1 waited 0 s" in done.stdout, done
+
+
 DAEMON_IN_A_CALL = """
 import threading
 import time
