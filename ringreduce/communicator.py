@@ -336,7 +336,7 @@ _made = itertools.count()  # Communicator._serial: the order this rank made them
 # finished (freeing the MPI communicator) once every rank has closed or dropped it,
 # looked at whenever a Communicator is made, and at exit; else begun at exit.
 _dropped_closing: "dict[int, _core.RingCommunicator]" = {}
-_dropped_over_mpi: "dict[int, _core.RingCommunicator]" = {}
+_dropped_over_mpi: "dict[int, tuple[_core.RingCommunicator, _Executor]]" = {}
 _dropped_looking = threading.Lock()  # one thread at a time finishes _dropped_closing's
 # Cores that left on a thread MPI's level kept from telling the others (below
 # SERIALIZED): told at exit, on the main thread, before any close at exit waits for them.
@@ -398,34 +398,55 @@ def _finish_all():
             comm._core.stop_soon()
     # Over MPI messages each Communicator's close at exit waits for the others: begun on
     # all before waiting on any, as another rank may wait for this one in a call on
-    # the second while this one would wait for it in the first; and first on those with
-    # no calls in flight (which may wait for another rank's call on the second).
-    # closing: (core, lock) of the closes at exit begun
+    # the second while this one would wait for it in the first; and on one with calls in
+    # flight only once they are over (they may wait for another rank's call on another,
+    # whose close must not wait for them).
+    # closing: (core, lock) of the closes at exit begun; busy: Communicators whose calls
+    # in flight come first
+    busy = []  # (executor, begin its close, leave on Ctrl-C)
+
+    def begin(comm):
+        if comm._leave(None):
+            closing.append((comm._core, comm._executor.running))
+
+    def begin_dropped(core, executor):
+        with executor.running:
+            if core.begin_close_at_exit():
+                closing.append((core, executor.running))
+
     try:
-        for _, _, comm in sorted(
-                [(comm._executor.busy, comm._serial, comm) for comm in comms]
-                + [(False, serial, core) for serial, core in dropped],
-                key=lambda made: made[:2]):
-            if isinstance(comm, Communicator):
+        for _, comm in sorted([(comm._serial, comm) for comm in comms] + dropped,
+                              key=lambda made: made[0]):
+            if not isinstance(comm, Communicator):
+                core, executor = comm
+                if failing is not None:
+                    core.stop_soon()  # (a call its worker thread runs: then it leaves)
+                    with executor.running:
+                        core.leave()
+                elif executor.busy:
+                    busy.append((executor, functools.partial(begin_dropped, core, executor),
+                                 core.stop_soon))
+                else:
+                    begin_dropped(core, executor)
+            elif failing is None and comm._executor.busy:
+                busy.append((comm._executor, functools.partial(begin, comm),
+                             functools.partial(comm._leave, "Ctrl-C (KeyboardInterrupt) at "
+                                               "exit")))
+            elif failing is None:
+                begin(comm)
+            else:
                 # The process may end on an exception raised on this rank only, while
                 # the others wait for it in a collective: as when an exception leaves a
                 # `with` block, leave then, so that they raise at once instead of waiting
                 # out their timeout (and MPI_Finalize here, waiting for them, with them).
-                if comm._leave(None if failing is None else
-                               f"an uncaught {type(failing).__name__} ended the process "
-                               "first"):
-                    closing.append((comm._core, comm._executor.running))
-            else:
-                with _SERIAL:
-                    if failing is not None:
-                        comm.leave()
-                    elif comm.begin_close_at_exit():
-                        closing.append((comm, _SERIAL))
-        _finish_closes_at_exit(closing)
+                comm._leave(f"an uncaught {type(failing).__name__} ended the process first")
+        _finish_closes_at_exit(closing, busy)
     except KeyboardInterrupt:  # Ctrl-C at exit: leave without waiting for the others
         for core, lock in closing:
             with lock:
                 core.leave()
+        for _, _, leave in busy:
+            leave()
     # Daemon threads that were waiting to run a call (for the lock, say) come out now
     # that every Communicator is closed here: let them, before Python stops them.
     _core.wait_until_no_thread_without_gil(10.0)
@@ -444,17 +465,21 @@ def _finish_dropped_closes() -> None:
             _dropped_looking.release()
 
 
-def _finish_closes_at_exit(closing) -> None:
+def _finish_closes_at_exit(closing: list, busy: list) -> None:
+    """Waits until the closes at exit begun (closing: (core, lock)) are over, beginning
+    those in `busy` ((executor, begin)) as their calls in flight end (both lists are
+    left with what is still to do, for a Ctrl-C)."""
     idle = 0
-    while closing:
-        still = []
-        for core, lock in closing:
+    while closing or busy:
+        for waiting in [waiting for waiting in busy if not waiting[0].busy]:
+            busy.remove(waiting)
+            waiting[1]()
+        for core, lock in list(closing):
             with lock:
-                if not core.finish_close_at_exit():
-                    still.append((core, lock))
-        closing = still
+                if core.finish_close_at_exit():
+                    closing.remove((core, lock))
         idle += 1
-        if closing and idle > 100:  # (the others are not at their exit yet)
+        if (closing or busy) and idle > 100:  # (the others are not at their exit yet)
             time.sleep(min(0.01, 1e-5 * idle))
 
 
@@ -868,11 +893,19 @@ class Communicator:
         if (getattr(self, "_closed", True) is False and core is not None and core.size > 1
                 and core.transport == "MPI" and not core.departed and not sys.is_finalizing()
                 and not MPI.Is_finalized()):
-            core.release_scratch()
-            if self._thread_level != MPI.THREAD_MULTIPLE:
-                _dropped_over_mpi[self._serial] = core  # (MPI on this thread: maybe not)
-            elif core.begin_close_at_exit():
-                _dropped_closing[self._serial] = core
+            if executor.busy:
+                # Dropped by the worker thread that runs its calls (its last one held
+                # the last reference), whose stop() above returned at once: the calls
+                # queued after it go on, and the close begins at exit, after them.
+                _dropped_over_mpi[self._serial] = (core, executor)
+            elif self._thread_level != MPI.THREAD_MULTIPLE:
+                # (MPI may not be called on this thread, where garbage collection ran.)
+                core.release_scratch()
+                _dropped_over_mpi[self._serial] = (core, executor)
+            else:
+                core.release_scratch()
+                if core.begin_close_at_exit():
+                    _dropped_closing[self._serial] = core
         # Freeing is collective, and garbage collection runs at different times on
         # different ranks, so a dropped Communicator cannot free itself: say so, as
         # Python does for an unclosed file.

@@ -354,6 +354,98 @@ def test_a_close_at_exit_does_not_wait_for_calls_in_flight_on_another_communicat
     assert "rank 1 waited 0 s" in done.stdout, done
 
 
+DROPPED_THEN_FAILED = """
+import sys
+import warnings
+import ringreduce as rr
+
+warnings.simplefilter("ignore", ResourceWarning)
+ring = rr.Communicator(timeout=300)
+if ring.rank == 0:
+    del ring  # its close begins ...
+    raise RuntimeError("rank 0 fails")  # ... and it leaves at exit, without finishing it
+print(f"rank {ring.rank} ends\\n", end="", flush=True)
+"""
+
+
+def test_a_rank_that_fails_after_dropping_a_communicator_does_not_hold_up_the_exit(tmp_path):
+    # Its departure counted the close it had begun as seen through: on 3 ranks (where
+    # MPI's allgather needs rank 0 to pass the others' parts on) they waited for good.
+    done = run_script(tmp_path, "dropped_then_failed.py", DROPPED_THEN_FAILED,
+                      env={"RINGREDUCE_SHM": "0"}, abort_on_exception=False, ranks=3)
+    assert "RuntimeError: rank 0 fails" in done.stderr, done
+
+
+DROPPED_BY_ITS_WORKER = """
+import threading
+import time
+import weakref
+import numpy as np
+import ringreduce as rr
+
+class Holding(np.ndarray):
+    pass
+
+comm = rr.Communicator(timeout=300)
+weakref.finalize(comm, lambda rank=comm.rank: print(
+    f"rank {rank} dropped it on {threading.current_thread().name}\\n", end="", flush=True))
+if comm.rank == 1:
+    time.sleep(1)  # (rank 0's calls are all queued when the first ends)
+x = Holding((1 << 16,))
+x[...] = 1.0
+x.comm = comm  # only the first call's input holds the Communicator on rank 0
+handles = [comm.allreduce_async(x), comm.allreduce_async(np.full(8, 2.0)),
+           comm.allreduce_async(np.full(8, 3.0))]
+kept = comm if comm.rank == 1 else None
+del x, comm  # rank 0's goes on the worker thread, after its first call, before the others
+results = [float(handle.wait()[0]) for handle in handles]
+print(f"results {results}\\n", end="", flush=True)
+"""
+
+
+def test_a_communicator_dropped_by_its_worker_thread_runs_its_queued_calls_then_closes(
+        tmp_path):
+    # Its close began when it was dropped, before the calls queued after the first: they
+    # waited out their timeout on rank 0, and rank 1's raised.
+    done = run_script(tmp_path, "dropped_by_worker.py", DROPPED_BY_ITS_WORKER,
+                      env={"RINGREDUCE_SHM": "0"}, abort_on_exception=False)
+    assert done.returncode == 0, done.stderr
+    assert "rank 0 dropped it on Dummy" in done.stdout, done  # (the worker thread)
+    assert done.stdout.count("results [2.0, 4.0, 6.0]") == 2, done
+
+
+BOTH_BUSY_AT_EXIT = """
+import time
+import numpy as np
+import ringreduce as rr
+
+first = rr.Communicator(timeout=300)
+second = rr.Communicator(timeout=300)
+if first.rank == 0:  # a call in flight on each at exit
+    handles = [first.allreduce_async(np.ones(10)), second.allreduce_async(np.ones(10))]
+else:  # the second's, then one more on the second, then the first's
+    time.sleep(0.5)
+    second.allreduce(np.ones(10))
+    start = time.monotonic()
+    try:
+        second.allreduce(np.ones(10))
+    except rr.CollectiveTimeoutError as error:
+        print(f"rank 1: {error}\\n", end="", flush=True)
+    print(f"rank 1 waited {time.monotonic() - start:.0f} s\\n", end="", flush=True)
+    first.allreduce(np.ones(10))
+"""
+
+
+def test_closes_at_exit_begin_as_the_calls_in_flight_on_each_end(tmp_path):
+    # The second's close waited behind the first's call, which waits for rank 1, which
+    # waited in the second (for rank 0's whole timeout).
+    done = run_script(tmp_path, "both_busy.py", BOTH_BUSY_AT_EXIT, env={"RINGREDUCE_SHM": "0"},
+                      abort_on_exception=False)
+    assert done.returncode == 0, done.stderr
+    assert "rank 0 has stopped using this communicator without closing it" in done.stdout, done
+    assert "rank 1 waited 0 s" in done.stdout, done
+
+
 DAEMON_IN_A_CALL = """
 import threading
 import time
