@@ -323,37 +323,6 @@ def test_communicators_dropped_unclosed_over_mpi_are_freed_once_every_rank_drops
     assert all(int(mib) < 1000 for mib in re.findall(r"at most (\d+) MiB", done.stdout)), done
 
 
-QUEUED_AT_EXIT = """
-import time
-import numpy as np
-import ringreduce as rr
-
-first = rr.Communicator(timeout=300)
-second = rr.Communicator(timeout=300)
-if first.rank == 0:  # queues a call on the first, which rank 1 makes only after ...
-    handle = first.allreduce_async(np.ones(10))
-else:  # ... one call more than rank 0 on the second
-    start = time.monotonic()
-    try:
-        second.allreduce(np.ones(10))
-    except rr.CollectiveTimeoutError as error:
-        print(f"rank 1: {error}\\n", end="", flush=True)
-    print(f"rank 1 waited {time.monotonic() - start:.0f} s\\n", end="", flush=True)
-    first.allreduce(np.ones(10))
-"""
-
-
-def test_a_close_at_exit_does_not_wait_for_calls_in_flight_on_another_communicator(tmp_path):
-    # Rank 0's call in flight on the first waits for rank 1, which waits in the second
-    # for rank 0: the second's close at exit is begun before the first's call is waited
-    # for (it waited out rank 1's timeout).
-    done = run_script(tmp_path, "queued.py", QUEUED_AT_EXIT, env={"RINGREDUCE_SHM": "0"},
-                      abort_on_exception=False)
-    assert done.returncode == 0, done.stderr
-    assert "rank 0 has stopped using this communicator without closing it" in done.stdout, done
-    assert "rank 1 waited 0 s" in done.stdout, done
-
-
 DROPPED_THEN_FAILED = """
 import sys
 import warnings
@@ -414,20 +383,23 @@ def test_a_communicator_dropped_by_its_worker_thread_runs_its_queued_calls_then_
     assert done.stdout.count("results [2.0, 4.0, 6.0]") == 2, done
 
 
-BOTH_BUSY_AT_EXIT = """
+IN_FLIGHT_AT_EXIT = """
 import time
 import numpy as np
 import ringreduce as rr
 
 first = rr.Communicator(timeout=300)
 second = rr.Communicator(timeout=300)
-if first.rank == 0:  # a call in flight on each at exit
-    handles = [first.allreduce_async(np.ones(10)), second.allreduce_async(np.ones(10))]
-else:  # the second's, then one more on the second, then the first's
+if first.rank == 0:  # at exit, a call in flight on the first (which rank 1 makes last)
+    handles = [first.allreduce_async(np.ones(10))]
+    if BOTH:  # and one on the second
+        handles.append(second.allreduce_async(np.ones(10)))
+else:
     time.sleep(0.5)
-    second.allreduce(np.ones(10))
+    if BOTH:
+        second.allreduce(np.ones(10))
     start = time.monotonic()
-    try:
+    try:  # one call more than rank 0 on the second
         second.allreduce(np.ones(10))
     except rr.CollectiveTimeoutError as error:
         print(f"rank 1: {error}\\n", end="", flush=True)
@@ -436,11 +408,13 @@ else:  # the second's, then one more on the second, then the first's
 """
 
 
-def test_closes_at_exit_begin_as_the_calls_in_flight_on_each_end(tmp_path):
-    # The second's close waited behind the first's call, which waits for rank 1, which
-    # waited in the second (for rank 0's whole timeout).
-    done = run_script(tmp_path, "both_busy.py", BOTH_BUSY_AT_EXIT, env={"RINGREDUCE_SHM": "0"},
-                      abort_on_exception=False)
+@pytest.mark.parametrize("both", [False, True], ids=["one in flight", "both in flight"])
+def test_closes_at_exit_begin_as_the_calls_in_flight_on_each_end(tmp_path, both):
+    # Rank 0's call in flight on the first waits for rank 1, which waits in the second
+    # for rank 0. The second's close at exit waited behind the first's call (for rank
+    # 0's whole timeout): now it begins once the second has no call in flight.
+    done = run_script(tmp_path, "in_flight.py", f"BOTH = {both}\n" + IN_FLIGHT_AT_EXIT,
+                      env={"RINGREDUCE_SHM": "0"}, abort_on_exception=False)
     assert done.returncode == 0, done.stderr
     assert "rank 0 has stopped using this communicator without closing it" in done.stdout, done
     assert "rank 1 waited 0 s" in done.stdout, done
