@@ -341,7 +341,7 @@ class RingCommunicator {
   // After a TimeoutError in `collective`: this communicator is done for. Leaves it
   // (depart()) and rethrows with the call and the rank in the message.
   [[noreturn]] void give_up(const char* collective, const TimeoutError& e);
-  // In a header exchange: ranks whose header says they closed at exit (close_at_exit())
+  // In a header exchange: ranks whose header says they closed at exit (begin_close_at_exit())
   // while this rank makes a call are gone for good. Notes them as departed, as if they
   // had said so (so that TimeoutError names them; every rank saw the same headers, so
   // none is told), and throws that TimeoutError. Nothing if this rank closes too.

@@ -81,7 +81,7 @@ enum class Departure : int {
   Followed = 3,  // it learnt that another rank had left (its note names that one)
   Unclosed = 4,  // its process ended, or dropped the communicator, without closing it,
                  // every call of its own finished (told on shared memory; over MPI
-                 // messages, at exit only, in a header exchange)
+                 // messages in a header exchange, at exit or as it is dropped)
 };
 
 // What a rank that left tells the others: why, and how many of the communicator's

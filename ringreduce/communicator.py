@@ -371,11 +371,6 @@ def _finish_all():
     if os.getpid() != _PROCESS:
         return
     failing = _uncaught_exception()
-    if not MPI.Is_finalized():
-        with _SERIAL:
-            for core in _untold_over_mpi:
-                core.tell_departure()
-    _untold_over_mpi.clear()
     comms = [comm for comm in list(_live) if not comm._closed]
     dropped = sorted(_dropped_over_mpi.items())
     _dropped_over_mpi.clear()
@@ -396,14 +391,19 @@ def _finish_all():
             # Communicator: below THREAD_MULTIPLE they share one lock, and a call on one
             # would hold up finishing the others.)
             comm._core.stop_soon()
+    if not MPI.Is_finalized():
+        with _SERIAL:  # (after the stops: a daemon thread's call may hold it)
+            for core in _untold_over_mpi:
+                core.tell_departure()
+    _untold_over_mpi.clear()
     # Over MPI messages each Communicator's close at exit waits for the others: begun on
     # all before waiting on any, as another rank may wait for this one in a call on
     # the second while this one would wait for it in the first; and on one with calls in
     # flight only once they are over (they may wait for another rank's call on another,
-    # whose close must not wait for them).
-    # closing: (core, lock) of the closes at exit begun; busy: Communicators whose calls
-    # in flight come first
-    busy = []  # (executor, begin its close, leave on Ctrl-C)
+    # whose close must not wait for them). closing: (core, lock) of the closes at exit
+    # begun; busy: (executor, begin its close, leave on Ctrl-C) of those with calls in
+    # flight.
+    busy = []
 
     def begin(comm):
         if comm._leave(None):
@@ -912,8 +912,9 @@ class Communicator:
         if (getattr(self, "_closed", True) is False and getattr(self, "_warn_unclosed", True)
                 and not sys.is_finalizing()):
             warnings.warn(f"{self!r} was never closed: its MPI communicator is freed only "
-                          "when garbage collection finds it (below MPI_THREAD_MULTIPLE, or "
-                          "over MPI messages, at exit). Call close() on every rank, or use "
+                          "when garbage collection finds it (below MPI_THREAD_MULTIPLE, at "
+                          "MPI_Finalize; over MPI messages, once every rank dropped it). Call "
+                          "close() on every rank, or use "
                           "`with rr.Communicator() as comm:`",
                           ResourceWarning, source=self)
 
