@@ -263,39 +263,6 @@ def test_a_rank_at_work_past_the_timeout_after_another_ended_is_not_an_error(
     assert "ringreduce" not in done.stderr and "Error" not in done.stderr, done.stderr
 
 
-LEFT_ON_A_THREAD = """
-import mpi4py
-mpi4py.rc.thread_level = "funneled"
-import threading
-import numpy as np
-import ringreduce as rr
-
-ring = rr.Communicator(timeout=300)
-ring.allreduce(np.ones(10))
-if ring.rank == 1:  # leaves on a thread that may not call MPI: told at exit instead
-    def work():
-        try:
-            with ring:
-                raise ValueError("boom")
-        except ValueError:
-            pass
-    thread = threading.Thread(target=work)
-    thread.start()
-    thread.join()
-print(f"rank {ring.rank} ends\\n", end="", flush=True)
-"""
-
-
-def test_a_rank_that_left_on_a_thread_that_may_not_call_mpi_does_not_hold_up_the_exit(
-        tmp_path):
-    # Below SERIALIZED such a rank cannot tell the others then; rank 0's close at exit
-    # (over MPI messages) waited for it for good, until the main thread told them at exit.
-    done = run_script(tmp_path, "left_on_a_thread.py", LEFT_ON_A_THREAD,
-                      env={"RINGREDUCE_SHM": "0"}, abort_on_exception=False)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.count(" ends") == 2, done
-
-
 DROPPED_IN_A_LOOP = """
 import resource
 import warnings
