@@ -25,6 +25,7 @@ from mpi4py import MPI
 
 import ringreduce as rr
 from ringreduce import reference
+from ringreduce.sim import parse_bytes
 from timing import (at_least, bus_bandwidth, human_bytes, human_time, inner_iterations,
                     output_file, save_size_plot, start_gloo, time_alternating)
 
@@ -36,17 +37,6 @@ DEFAULT_SIZES = [8, 64, 512, 4 << 10, 32 << 10, 64 << 10, 256 << 10, 1 << 20, 4 
 COLLECTIVE_SIZES = [64, 4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20]
 
 
-def parse_size(text: str) -> int:
-    """8, 64K, 1.5M, 1MiB, 1MB, 1G: K, M, G are powers of 1024 (as in `ringreduce sim`)."""
-    units = {"B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20,
-             "MB": 1 << 20, "MIB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30}
-    text = text.strip().upper()
-    for unit in sorted(units, key=len, reverse=True):
-        if text.endswith(unit):
-            return int(float(text[: -len(unit)]) * units[unit])
-    return int(text)
-
-
 def sizes_argument(parser, text, default: list) -> list:
     """--sizes as byte counts (default if not given), each a whole number of float32
     elements, or a usage error (on every rank, before anything collective)."""
@@ -55,7 +45,7 @@ def sizes_argument(parser, text, default: list) -> list:
     sizes = []
     for item in text.split(","):
         try:
-            size = parse_size(item)
+            size = parse_bytes(item)  # (K, M, G: powers of 1024, as `ringreduce sim`)
         except (ValueError, OverflowError):
             parser.error(f"--sizes: {item!r} is not a size (e.g. 8, 64K, 1M, 1.5G)")
         if size < 4 or size % 4:
