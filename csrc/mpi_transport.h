@@ -107,6 +107,8 @@ class MpiTransport final : public Transport {
   // the exchange has left (it does not look at the stop request).
   void start_allgather_bytes(const void* mine, int bytes);
   bool test_allgather_bytes(void* all);
+  // An exchange started and not yet over (until leave(), which keeps it pending).
+  bool exchange_pending() const { return exchange_ != MPI_REQUEST_NULL; }
   // The same while the Communicator is being made (the shared-memory wire's set-up),
   // timed like the duplicate: TimeoutError saying that not every rank made its
   // Communicator. After a timeout (or a stop) the exchange stays pending, where a late

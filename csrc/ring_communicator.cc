@@ -258,12 +258,13 @@ void RingCommunicator::give_up(const char* collective, const TimeoutError& e) {
 void RingCommunicator::depart(Departure why, int waited_for, bool over_mpi) {
   if (departed_) return;
   departed_ = true;
-  // A call that failed here (a timeout too sets broken_), or a close at exit begun, was
-  // not seen through, so the ranks still in it are held up.
+  // A call that failed here (a timeout too sets broken_), or a header exchange still
+  // pending (a close at exit begun), was not seen through, so the ranks still in it are
+  // held up.
   DepartureNote note;
   note.rank = rank();
   note.why = why;
-  note.completed = exchanges_ - (broken_.empty() && !closing_at_exit_ ? 0 : 1);
+  note.completed = exchanges_ - (broken_.empty() && !transport_->exchange_pending() ? 0 : 1);
   if (why == Departure::GaveUp) note.cause = waited_for;
   if (why == Departure::Followed) {
     // Whom it follows: a rank that held up this call, rather than one that left
@@ -330,7 +331,6 @@ bool RingCommunicator::begin_close_at_exit() {
     closed_ = true;  // (an MPI error: nothing more to do at exit)
     return false;
   }
-  closing_at_exit_ = true;
   return true;
 }
 
@@ -345,7 +345,6 @@ bool RingCommunicator::finish_close_at_exit() {
     depart(first_departure().rank >= 0 ? Departure::Followed : Departure::Left);
     return true;
   }
-  closing_at_exit_ = false;
   closed_ = true;
   const int64_t slot = slot_bytes();
   for (int r = 0; r < size(); ++r) {

@@ -453,7 +453,6 @@ class RingCommunicator {
   bool gave_up_ = false;  // ... after a timeout (see give_up())
   bool departed_ = false;  // this rank has left (depart())
   std::unique_ptr<DepartureNote> untold_;  // depart()'s note, not yet sent over MPI
-  bool closing_at_exit_ = false;  // begin_close_at_exit() began an exchange not yet over
   int64_t exchanges_ = 0;  // header exchanges begun (begin_exchange())
   int64_t pending_allgather_chunk_bytes_ = kDefaultChunkBytes;  // from allgather_counts()
   int64_t pending_allgather_host_limit_ = 0;  // GPU allgather: the agreed host limit
