@@ -22,6 +22,7 @@ import argparse
 import math
 import os
 import sys
+import time
 from dataclasses import dataclass
 
 from . import _core
@@ -52,8 +53,9 @@ class Result:
 
 
 def ring(ranks: int, count: int, elem_size: int = 4, alpha=ALPHA, beta=BETA,
-         gamma=GAMMA) -> Result:
-    """Runs RingSchedule for every virtual rank: what the core would send and when."""
+         gamma=GAMMA, progress=None) -> Result:
+    """Runs RingSchedule for every virtual rank: what the core would send and when.
+    progress, if given, is called as progress(steps done, steps in all) after each step."""
     schedules = [_core.RingSchedule(r, ranks, count, max(1, count)) for r in range(ranks)]
     sent = [0] * ranks
     received = [0] * ranks
@@ -72,6 +74,8 @@ def ring(ranks: int, count: int, elem_size: int = 4, alpha=ALPHA, beta=BETA,
             # Every rank works at once; a step lasts as long as its largest segment.
             seconds += alpha + slowest * beta + (slowest * gamma if reduces else 0.0)
             steps += 1
+            if progress is not None:
+                progress(steps, 2 * schedules[0].steps_per_phase)
     return Result("ring", ranks, count * elem_size, steps, sent, received, seconds)
 
 
@@ -306,6 +310,36 @@ def parse_bytes(text: str) -> int:
     return int(text)
 
 
+# From here on ring() runs for seconds (p * 2(p-1) schedule lookups: 10 s for 2048 ranks,
+# 40 s for 4096), so main() shows how far it is.
+SLOW_RING_RANKS = 1024
+
+
+class _StepProgress:
+    """A bar on stderr when it is a terminal, else a line every 5 s; gone when done."""
+
+    def __init__(self, what: str):
+        self.what, self.tty, self.last = what, sys.stderr.isatty(), -math.inf
+        self.filled = -1
+
+    def __call__(self, done: int, total: int) -> None:
+        if self.tty:
+            width = 30
+            filled = width * done // total
+            if filled == self.filled and done != total:
+                return
+            self.filled = filled
+            end = "\r" + " " * (len(self.what) + width + 20) + "\r" if done == total else ""
+            sys.stderr.write(f"\r{self.what} [{'#' * filled}{'.' * (width - filled)}] "
+                             f"{done}/{total} steps{end}")
+        elif done == total or time.monotonic() - self.last >= 5:
+            self.last = time.monotonic()
+            sys.stderr.write(f"{self.what}: {done}/{total} steps\n")
+        else:
+            return
+        sys.stderr.flush()
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ringreduce sim",
                                      description="Model all-reduce algorithms at any scale.",
@@ -398,7 +432,11 @@ def main(argv=None) -> int:
     print("|---|---|---|---|---|")
     for p in args.ranks:
         for name, fn in ALGORITHMS.items():
-            r = fn(p, count, 4, args.alpha, args.beta, args.gamma)
+            if name == "ring" and p >= SLOW_RING_RANKS:
+                r = ring(p, count, 4, args.alpha, args.beta, args.gamma,
+                         progress=_StepProgress(f"simulating the ring of {p} ranks"))
+            else:
+                r = fn(p, count, 4, args.alpha, args.beta, args.gamma)
             print(f"| {p} | {r.algorithm} | {r.steps} | {r.max_bytes_sent:,} | "
                   f"{r.seconds * 1e3:.3f} ms |")
             if name == "ring":

@@ -76,6 +76,17 @@ def test_sim_command_line():
                            "--bytes", "1M"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "| 1000 | ring | 1998 |" in done.stdout
+    assert done.stderr == ""  # (no progress for rings that take a moment)
+
+
+def test_sim_shows_how_far_a_large_ring_is_on_stderr():
+    done = subprocess.run([sys.executable, "-m", "ringreduce", "sim", "--ranks", "1024",
+                           "--bytes", "1M"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "| 1024 | ring | 2046 |" in done.stdout and "simulating" not in done.stdout
+    lines = done.stderr.splitlines()
+    assert lines[0] == "simulating the ring of 1024 ranks: 1/2046 steps", done.stderr
+    assert lines[-1] == "simulating the ring of 1024 ranks: 2046/2046 steps", done.stderr
 
 
 @pytest.mark.parametrize("argv, message", [
