@@ -23,8 +23,8 @@ from mpi4py import MPI
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import ringreduce as rr  # noqa: E402
-from timing import (bus_bandwidth, human_bytes, human_time, save_size_plot,  # noqa: E402
-                    start_gloo, time_alternating)
+from timing import (at_least, bus_bandwidth, byte_size, human_bytes, human_time,  # noqa: E402
+                    output_file, save_size_plot, start_gloo, time_alternating)
 
 world = MPI.COMM_WORLD
 RANK, SIZE = world.Get_rank(), world.Get_size()
@@ -165,14 +165,17 @@ def copy_rate(cp, nbytes: int, repeats: int = 5) -> float:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--min-bytes", type=int, default=1 << 10)
-    parser.add_argument("--max-bytes", type=int, default=1 << 30)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--big-chunk", type=int, default=4 << 20,
-                        help="a device ring column with this chunk size (bytes)")
-    parser.add_argument("--json")
-    parser.add_argument("--markdown")
-    parser.add_argument("--plot", help="busbw vs size, beside the copy rate (PNG)")
+    parser.add_argument("--min-bytes", type=byte_size(4, 4), default=1 << 10, metavar="SIZE",
+                        help="the first size, doubled up to --max-bytes (e.g. 1K)")
+    parser.add_argument("--max-bytes", type=byte_size(4, 4), default=1 << 30, metavar="SIZE",
+                        help="the largest size (e.g. 256M)")
+    parser.add_argument("--repeats", type=at_least(1), default=5)
+    parser.add_argument("--big-chunk", type=byte_size(1), default=4 << 20, metavar="SIZE",
+                        help="a device ring column with this chunk size (e.g. 4M)")
+    parser.add_argument("--json", type=output_file())
+    parser.add_argument("--markdown", type=output_file())
+    parser.add_argument("--plot", type=output_file(plot=True),
+                        help="busbw vs size, beside the copy rate")
     parser.add_argument("--no-gloo", action="store_true", help="skip torch's gloo")
     parser.add_argument("--others", action="store_true",
                         help="also reduce_scatter, allgather and broadcast at 64 KiB, "
@@ -181,12 +184,16 @@ def main():
                         help="only draw --plot from an earlier run's --json (no GPU needed)")
     parser.add_argument("--note", default="", help="added to the plot's title, e.g. 'MPS'")
     args = parser.parse_args()
-    if args.repeats < 1 or not 4 <= args.min_bytes <= args.max_bytes or args.big_chunk < 1:
-        parser.error("need --repeats >= 1, 4 <= --min-bytes <= --max-bytes, --big-chunk >= 1")
+    if args.min_bytes > args.max_bytes:
+        parser.error("--min-bytes is larger than --max-bytes")
     if args.replot:
-        with open(args.replot) as f:
-            run = json.load(f)
-        rows = run["rows"]
+        try:
+            with open(args.replot) as f:
+                run = json.load(f)
+            rows = run["rows"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            parser.error(f"--replot: {args.replot!r} is not a bench_gpu.py --json run "
+                         f"({type(e).__name__}: {e})")
         names = [k for k, v in rows[0].items() if isinstance(v, dict)]
         # The run's own chunk size (runs before it was recorded used the default).
         plot(rows, names, args.plot or "gpu.png", run.get("big_chunk", 4 << 20), args.note)

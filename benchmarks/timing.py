@@ -55,6 +55,25 @@ def at_least(minimum, kind=int):
     return check
 
 
+def byte_size(minimum: int, multiple: int = 1):
+    """An argparse type for a size in bytes, as `ringreduce sim` reads them (8, 64K,
+    1.5M, 1G: powers of 1024), at least `minimum` and a whole number of `multiple`."""
+    def check(text: str) -> int:
+        from ringreduce.sim import parse_bytes
+        try:
+            value = parse_bytes(text)
+        except (ValueError, OverflowError):
+            raise argparse.ArgumentTypeError(f"{text!r} is not a size (e.g. 4096, 64K, 1M, "
+                                             "1.5G)") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{text!r} is less than {human_bytes(minimum)}")
+        if value % multiple:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of "
+                                             f"{multiple}-byte elements")
+        return value
+    return check
+
+
 def start_gloo(comm=MPI.COMM_WORLD):
     """torch.distributed with gloo on the same ranks, or None without torch."""
     try:
