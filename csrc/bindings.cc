@@ -980,6 +980,10 @@ PYBIND11_MODULE(_core, m) {
         return chunks;
       }, py::arg("phase"), py::arg("sending"));
 
+  m.def("stop_creations_in_progress", &stop_creations_in_progress,
+        "stops the Communicators being made on other threads now at their next wait "
+        "(RuntimeError there): at exit, for daemon threads");
+
   m.def("finish_abandoned_duplicates", [] {
     int finalized = 1;
     MPI_Finalized(&finalized);

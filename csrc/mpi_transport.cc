@@ -33,6 +33,9 @@ void abandon_duplicate(MPI_Request request) {
   abandoned_duplicates().push_back(request);
 }
 
+// Bumped by stop_creations_in_progress(); each creation notes it when it starts.
+std::atomic<uint64_t> creation_stops{0};
+
 std::atomic<int> creation_pause_step{0};
 std::atomic<double> creation_pause_s{0};
 
@@ -42,6 +45,8 @@ void set_creation_pause(int step, double seconds) {
   creation_pause_s = seconds;
   creation_pause_step = step;
 }
+
+void stop_creations_in_progress() { creation_stops.fetch_add(1, std::memory_order_release); }
 
 void MpiTransport::begin_creation_step() {
   if (++creation_steps_ != creation_pause_step.load()) return;
@@ -77,6 +82,7 @@ void check_mpi(int rc, const char* call, int rank) {
 
 MpiTransport::MpiTransport(MPI_Comm user_comm, double timeout_s,
                            const std::atomic<uint64_t>* interrupts) {
+  creation_stops_at_start_ = creation_stops.load(std::memory_order_acquire);
   stop_.watch(interrupts);
   stop_.arm();
   int initialized = 0, finalized = 0;
@@ -318,6 +324,10 @@ DepartureNote MpiTransport::first_departure(int64_t exchange) {
 
 void MpiTransport::check_departures() {
   stop_.check();
+  if (creating_ && creation_stops.load(std::memory_order_acquire) != creation_stops_at_start_)
+    throw StoppedError("stopped while making a Communicator (rank " + std::to_string(rank_) +
+                       " of " + std::to_string(size_) + "): the process is ending, and a "
+                       "rank had not made its own yet");
   check_notices();
 }
 

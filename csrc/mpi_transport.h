@@ -22,6 +22,12 @@ void check_mpi(int rc, const char* call, int rank);
 // exit before MPI is finalised.
 void finish_abandoned_duplicates();
 
+// Stops every Communicator creation in progress in this process (on other threads) at
+// its next wait, with StoppedError; creations begun later go on. At exit: a daemon
+// thread still making one (waiting for ranks that never come) would otherwise be
+// inside MPI when MPI goes away.
+void stop_creations_in_progress();
+
 // Tests: the next Communicator made in this process pauses `seconds` before step
 // `step` of its making after the duplicate (1: the barrier; 2, 3: the shared-memory
 // wire's two exchanges), as a rank held up there would; 0: none.
@@ -81,6 +87,9 @@ class MpiTransport final : public Transport {
   // check_departures() without the stop request.
   void check_notices();
   void stop_soon() { stop_.set(); }
+  // The Communicator on this transport is made: from now on stop_creations_in_progress()
+  // leaves it alone.
+  void created() { creating_ = false; }
   // The shared-memory wire checks the same request (one per communicator).
   const StopRequest& stop_request() const { return stop_; }
   // check_departures() if messages were sent or received since the last check (so
@@ -140,6 +149,8 @@ class MpiTransport final : public Transport {
   int64_t bytes_sent_ = 0;
   double timeout_s_ = 0;
   StopRequest stop_;
+  bool creating_ = true;
+  uint64_t creation_stops_at_start_ = 0;  // see stop_creations_in_progress()
   bool used_ = false;  // messages posted since the last check_departures_after_use()
   int64_t exchange_number_ = 0;          // see set_exchange()
   std::vector<DepartureNote> departures_;  // every notice received

@@ -110,6 +110,7 @@ RingCommunicator::RingCommunicator(MPI_Comm user_comm, double timeout_s,
   const char* shm_setting = std::getenv("RINGREDUCE_SHM");
   tune_wire_ = shm_setting == nullptr || std::strcmp(shm_setting, "1") != 0;
   set_timeout(timeout_s);
+  transport_->created();
 }
 
 std::string RingCommunicator::world_ranks_note(MPI_Comm comm) {

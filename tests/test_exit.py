@@ -431,6 +431,56 @@ def test_a_daemon_thread_inside_a_call_at_exit_ends_with_the_process(tmp_path, s
     assert time.monotonic() - start < 60
 
 
+DAEMON_MAKING_ONE = """
+import threading
+import time
+import mpi4py
+mpi4py.rc.thread_level = LEVEL
+from mpi4py import MPI
+import numpy as np
+import ringreduce as rr
+
+metrics = MPI.COMM_WORLD.Dup()
+rank = metrics.rank
+
+def report():  # rank 1 never makes its Communicator for `metrics`
+    try:
+        if MODULE_LEVEL:
+            rr.allreduce(np.ones(3), comm=metrics)
+        else:
+            rr.Communicator(metrics, timeout=120)
+    except RuntimeError as error:
+        print(f"rank {rank}'s daemon: {error}\\n", end="", flush=True)
+
+if rank == 0:
+    threading.Thread(target=report, daemon=True).start()
+    time.sleep(0.5)
+print(f"rank {rank} exits\\n", end="", flush=True)
+"""
+
+
+@pytest.mark.parametrize("level, module_level", [
+    ("multiple", False), ("multiple", True), ("serialized", False)],
+    ids=["multiple", "module-level function", "serialized"])
+def test_a_daemon_thread_making_a_communicator_at_exit_stops(tmp_path, level, module_level):
+    # Such a thread waits for ranks that never come. The exit waited 10 s for it to come
+    # out of ringreduce, then finalised MPI under it: MPICH aborted the job ("Attempting
+    # to use an MPI routine ... after finalizing"). Under THREAD_SERIALIZED it held the
+    # lock the exit takes, for the creation's whole timeout. It now stops at its next
+    # wait, with an error that says why.
+    start = time.monotonic()
+    done = run_script(tmp_path, "daemon_making.py",
+                      f"LEVEL, MODULE_LEVEL = {level!r}, {module_level}\n" + DAEMON_MAKING_ONE,
+                      abort_on_exception=False, timeout=150)
+    took = time.monotonic() - start
+    assert done.returncode == 0, done.stderr
+    assert "rank 0 exits" in done.stdout and "rank 1 exits" in done.stdout, done
+    assert ("rank 0's daemon: stopped while making a Communicator (rank 0 of 2): the process "
+            "is ending" in done.stdout), done
+    assert "after finalizing" not in done.stderr, done.stderr
+    assert took < 8, took
+
+
 AFTER_FINALIZE = """
 import numpy as np
 from mpi4py import MPI
