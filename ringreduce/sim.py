@@ -274,7 +274,9 @@ def draw_timeline(timelines: list, path: str) -> None:
         title = f"reduce-scatter in {_chunking(t, t.chunk_elems)}"
         if t.allgather_chunk_elems != t.chunk_elems:
             title += f", all-gather in {_chunking(t, t.allgather_chunk_elems)}"
-        ax.set_title(f"{title}: {t.seconds * scale:.2f} {unit}", fontsize=9, loc="left")
+        scattered = max((b.end for b in t.busy if b.phase != "all-gather"), default=0.0)
+        ax.set_title(f"{title}: all-reduce {t.seconds * scale:.2f} {unit} (reduce-scatter "
+                     f"{scattered * scale:.2f} {unit})", fontsize=9, loc="left")
         ax.axvline(t.seconds * scale, color="gray", linestyle=":", linewidth=1)
     axes[-1, 0].set_xlabel(f"modelled time ({unit})")
     key = [Patch(facecolor=colors(s % 10), label=f"S{s}") for s in range(min(ranks, 10))]

@@ -257,7 +257,7 @@ def test_the_pipeline_table_in_the_docs_is_what_the_simulator_says():
 
     page = (Path(__file__).resolve().parent.parent / "docs" / "ring.md").read_text()
     header = next(line for line in page.splitlines() if line.startswith("| chunk |"))
-    times = next(line for line in page.splitlines() if line.startswith("| modelled time |"))
+    times = next(line for line in page.splitlines() if line.startswith("| modelled all-reduce time |"))
     sizes = [cell.split(" (")[0] for cell in header.strip("|").split("|")[1:]]
     factor = _core.COPY_CHUNK_FACTOR  # the command's default
     for size, shown in zip(sizes, times.strip("|").split("|")[1:], strict=True):
