@@ -14,6 +14,7 @@ import subprocess
 import sys
 from glob import glob
 
+import pybind11
 from pybind11.setup_helpers import Pybind11Extension, build_ext
 from setuptools import setup
 
@@ -106,6 +107,11 @@ class BuildWithCuda(build_ext):
         super().build_extension(ext)
 
 
+# Older pybind11 reads a dtype's itemsize at numpy 1's offset: under numpy 2 every array
+# would look 0 bytes long, and calls would return garbage.
+if tuple(int(part) for part in pybind11.__version__.split(".")[:2]) < (2, 12):
+    sys.exit(f"ringreduce: pybind11 {pybind11.__version__} cannot read numpy 2's dtypes; "
+             "install pybind11>=2.12 (pip install -U pybind11)")
 mpicc = find_mpicc()
 CUDA = find_nvcc()
 print(f"ringreduce: building against {mpicc}; CUDA: {CUDA[1] if CUDA else 'no'}")

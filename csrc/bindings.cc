@@ -776,6 +776,14 @@ std::string mpi_library_version() {
 }  // namespace
 
 PYBIND11_MODULE(_core, m) {
+  // pybind11 before 2.12 reads a dtype's itemsize at numpy 1's offset; under numpy 2 it
+  // reads 0, and every size and overlap check with it. Refuse to load rather than reduce
+  // the wrong bytes (setup.py refuses such a pybind11 too; this catches a stale build).
+  if (py::dtype::of<double>().itemsize() != sizeof(double))
+    throw py::import_error(
+        "ringreduce._core was built with a pybind11 that cannot read this numpy's dtypes "
+        "(itemsize of float64 reads " + std::to_string(py::dtype::of<double>().itemsize()) +
+        "); rebuild it with pybind11>=2.12");
   pthread_atfork(nullptr, nullptr, [] { later_releases.after_fork_in_child(); });
   py::class_<StallTimer>(m, "StallTimer",
                          "How long a wait has gone without progress (csrc/waiting.h)")

@@ -194,8 +194,9 @@ std::string MpiTransport::creation_timeout_text(const char* left) const {
   return "ringreduce.Communicator (rank " + std::to_string(rank_) + " of " +
          std::to_string(size_) + "): not every rank made its Communicator within " +
          seconds_text(timeout_s_) +
-         " (the timeout; MPI cannot say which have not): a rank skipped it, or is stuck "
-         "before it. " + left;
+         " (the timeout; MPI cannot say which have not): a rank skipped it, is stuck "
+         "before it, or failed and is ending (MPI_Finalize keeps such a rank until every "
+         "rank ends). " + left;
 }
 
 bool MpiTransport::wait_patiently(MPI_Request* request, const char* call) {

@@ -115,7 +115,7 @@ def recursive_doubling(ranks: int, count: int, elem_size: int = 4, alpha=ALPHA, 
 ALGORITHMS = {"ring": ring, "naive": naive, "recursive-doubling": recursive_doubling}
 
 
-@dataclass(slots=True)
+@dataclass
 class Busy:
     """One piece of work in the pipeline's timeline."""
     rank: int

@@ -260,7 +260,9 @@ def test_the_pipeline_table_in_the_docs_is_what_the_simulator_says():
     times = next(line for line in page.splitlines() if line.startswith("| modelled all-reduce time |"))
     sizes = [cell.split(" (")[0] for cell in header.strip("|").split("|")[1:]]
     factor = _core.COPY_CHUNK_FACTOR  # the command's default
-    for size, shown in zip(sizes, times.strip("|").split("|")[1:], strict=True):
+    shown_times = times.strip("|").split("|")[1:]
+    assert len(shown_times) == len(sizes)
+    for size, shown in zip(sizes, shown_times):
         chunk = sim.parse_bytes(size.replace(" ", "")) // 4
         t = sim.pipeline(3, 3 << 20, chunk, allgather_chunk_elems=chunk * factor)
         assert shown.strip() == f"{t.seconds * 1e3:.2f} ms", size
