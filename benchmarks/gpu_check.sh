@@ -35,8 +35,11 @@ SITE=$(echo "$PREFIX"/lib/python3*/site-packages)
 export PYTHONPATH="$SITE:$PWD" PATH="$PREFIX/bin:$PATH" MPICC="$PREFIX/bin/mpicc"
 export MPI4PY_LIBMPI="$PREFIX/lib/libmpi.so.12" OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1
 has() { "$PY" -c "import $1" >/dev/null 2>&1; }
-if ! has pybind11 || ! has pytest; then
-  echo "pybind11 or pytest missing: installing .whl/extra/"
+# setup.py refuses a pybind11 before 2.12 (it misreads numpy 2's dtypes).
+recent_pybind11() { "$PY" -c "import pybind11, sys
+sys.exit(tuple(int(p) for p in pybind11.__version__.split('.')[:2]) < (2, 12))" >/dev/null 2>&1; }
+if ! recent_pybind11 || ! has pytest; then
+  echo "pybind11 (2.12 or later) or pytest missing: installing .whl/extra/"
   ls .whl/extra/*.whl >/dev/null 2>&1 &&
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --ignore-installed \
       --prefix "$PREFIX" .whl/extra/*.whl
