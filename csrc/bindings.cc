@@ -988,9 +988,9 @@ PYBIND11_MODULE(_core, m) {
         return chunks;
       }, py::arg("phase"), py::arg("sending"));
 
-  m.def("stop_creations_in_progress", &stop_creations_in_progress,
-        "stops the Communicators being made on other threads now at their next wait "
-        "(RuntimeError there): at exit, for daemon threads");
+  m.def("stop_creations_on_other_threads", &stop_creations_on_other_threads,
+        "stops the Communicators being made on other threads, now or later, at their next "
+        "wait (RuntimeError there): at exit, for daemon threads");
 
   m.def("finish_abandoned_duplicates", [] {
     int finalized = 1;

@@ -33,8 +33,15 @@ void abandon_duplicate(MPI_Request request) {
   abandoned_duplicates().push_back(request);
 }
 
-// Bumped by stop_creations_in_progress(); each creation notes it when it starts.
-std::atomic<uint64_t> creation_stops{0};
+// Set by stop_creations_on_other_threads(), at exit, and never unset: a daemon thread
+// may begin a creation after that (one waiting for the lock of THREAD_SERIALIZED, say).
+std::atomic<bool> creations_stopped{false};
+std::atomic<std::thread::id> exiting_thread{};
+
+bool creation_stopped_on_this_thread() {
+  return creations_stopped.load(std::memory_order_acquire) &&
+         std::this_thread::get_id() != exiting_thread.load(std::memory_order_acquire);
+}
 
 std::atomic<int> creation_pause_step{0};
 std::atomic<double> creation_pause_s{0};
@@ -46,7 +53,10 @@ void set_creation_pause(int step, double seconds) {
   creation_pause_step = step;
 }
 
-void stop_creations_in_progress() { creation_stops.fetch_add(1, std::memory_order_release); }
+void stop_creations_on_other_threads() {
+  exiting_thread.store(std::this_thread::get_id(), std::memory_order_release);
+  creations_stopped.store(true, std::memory_order_release);
+}
 
 void MpiTransport::begin_creation_step() {
   if (++creation_steps_ != creation_pause_step.load()) return;
@@ -82,7 +92,6 @@ void check_mpi(int rc, const char* call, int rank) {
 
 MpiTransport::MpiTransport(MPI_Comm user_comm, double timeout_s,
                            const std::atomic<uint64_t>* interrupts) {
-  creation_stops_at_start_ = creation_stops.load(std::memory_order_acquire);
   stop_.watch(interrupts);
   stop_.arm();
   int initialized = 0, finalized = 0;
@@ -98,6 +107,7 @@ MpiTransport::MpiTransport(MPI_Comm user_comm, double timeout_s,
   // The same on the duplicate: known now for messages while it is being made.
   check_mpi(MPI_Comm_rank(user_comm, &rank_), "MPI_Comm_rank", -1);
   check_mpi(MPI_Comm_size(user_comm, &size_), "MPI_Comm_size", -1);
+  check_creation_stopped();
   finish_abandoned_duplicates();
   // Always the non-blocking duplicate, with or without a timeout: MPI never pairs a
   // blocking collective with a non-blocking one, and ranks may differ in their timeout.
@@ -325,11 +335,15 @@ DepartureNote MpiTransport::first_departure(int64_t exchange) {
 
 void MpiTransport::check_departures() {
   stop_.check();
-  if (creating_ && creation_stops.load(std::memory_order_acquire) != creation_stops_at_start_)
+  if (creating_) check_creation_stopped();
+  check_notices();
+}
+
+void MpiTransport::check_creation_stopped() const {
+  if (creation_stopped_on_this_thread())
     throw StoppedError("stopped while making a Communicator (rank " + std::to_string(rank_) +
                        " of " + std::to_string(size_) + "): the process is ending, and a "
                        "rank had not made its own yet");
-  check_notices();
 }
 
 void MpiTransport::check_notices() {

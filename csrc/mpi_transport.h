@@ -22,11 +22,12 @@ void check_mpi(int rc, const char* call, int rank);
 // exit before MPI is finalised.
 void finish_abandoned_duplicates();
 
-// Stops every Communicator creation in progress in this process (on other threads) at
-// its next wait, with StoppedError; creations begun later go on. At exit: a daemon
-// thread still making one (waiting for ranks that never come) would otherwise be
-// inside MPI when MPI goes away.
-void stop_creations_in_progress();
+// From now on, a Communicator being made in this process on any thread but this one
+// stops at its next wait, and one begun later at once, with StoppedError. At exit: a
+// daemon thread making one (waiting for ranks that never come) would otherwise be
+// inside MPI when MPI goes away. The exiting thread may still make one (an atexit
+// handler's).
+void stop_creations_on_other_threads();
 
 // Tests: the next Communicator made in this process pauses `seconds` before step
 // `step` of its making after the duplicate (1: the barrier; 2, 3: the shared-memory
@@ -86,8 +87,10 @@ class MpiTransport final : public Transport {
   void check_departures() override;
   // check_departures() without the stop request.
   void check_notices();
+  // Throws StoppedError if stop_creations_on_other_threads() applies to this thread.
+  void check_creation_stopped() const;
   void stop_soon() { stop_.set(); }
-  // The Communicator on this transport is made: from now on stop_creations_in_progress()
+  // The Communicator on this transport is made: from now on stop_creations_on_other_threads()
   // leaves it alone.
   void created() { creating_ = false; }
   // The shared-memory wire checks the same request (one per communicator).
@@ -150,7 +153,6 @@ class MpiTransport final : public Transport {
   double timeout_s_ = 0;
   StopRequest stop_;
   bool creating_ = true;
-  uint64_t creation_stops_at_start_ = 0;  // see stop_creations_in_progress()
   bool used_ = false;  // messages posted since the last check_departures_after_use()
   int64_t exchange_number_ = 0;          // see set_exchange()
   std::vector<DepartureNote> departures_;  // every notice received

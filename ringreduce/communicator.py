@@ -370,10 +370,10 @@ def _finish_all():
     # with different communicators still open, so MPI_Finalize frees what is left.
     if os.getpid() != _PROCESS:
         return
-    # A daemon thread still making a Communicator (for ranks that may never come) stops
-    # at its next wait: it would be inside MPI when MPI goes away, and under
-    # THREAD_SERIALIZED it holds the lock the closes below take.
-    _core.stop_creations_in_progress()
+    # A daemon thread making a Communicator (for ranks that may never come), now or
+    # later, stops at its next wait: it would be inside MPI when MPI goes away, and
+    # under THREAD_SERIALIZED it holds the lock the closes below take.
+    _core.stop_creations_on_other_threads()
     failing = _uncaught_exception()
     comms = [comm for comm in list(_live) if not comm._closed]
     dropped = sorted(_dropped_over_mpi.items())

@@ -432,53 +432,69 @@ def test_a_daemon_thread_inside_a_call_at_exit_ends_with_the_process(tmp_path, s
 
 
 DAEMON_MAKING_ONE = """
+import atexit
 import threading
 import time
 import mpi4py
 mpi4py.rc.thread_level = LEVEL
 from mpi4py import MPI
 import numpy as np
+
+exiting = threading.Event()
+if DURING_EXIT:  # registered before ringreduce's: runs after it, before MPI_Finalize
+    atexit.register(lambda: (exiting.set(), time.sleep(2)))
 import ringreduce as rr
 
-metrics = MPI.COMM_WORLD.Dup()
-rank = metrics.rank
+metrics = [MPI.COMM_WORLD.Dup() for _ in range(THREADS)]
+rank = MPI.COMM_WORLD.rank
 
-def report():  # rank 1 never makes its Communicator for `metrics`
+def report(i):  # rank 1 never makes its Communicator for `metrics[i]`
+    if DURING_EXIT:
+        exiting.wait()
     try:
         if MODULE_LEVEL:
-            rr.allreduce(np.ones(3), comm=metrics)
+            rr.allreduce(np.ones(3), comm=metrics[i])
         else:
-            rr.Communicator(metrics, timeout=120)
+            rr.Communicator(metrics[i], timeout=120)
     except RuntimeError as error:
-        print(f"rank {rank}'s daemon: {error}\\n", end="", flush=True)
+        print(f"rank {rank}'s daemon {i}: {error}\\n", end="", flush=True)
 
 if rank == 0:
-    threading.Thread(target=report, daemon=True).start()
+    for i in range(THREADS):
+        threading.Thread(target=report, args=(i,), daemon=True).start()
     time.sleep(0.5)
 print(f"rank {rank} exits\\n", end="", flush=True)
 """
 
 
-@pytest.mark.parametrize("level, module_level", [
-    ("multiple", False), ("multiple", True), ("serialized", False)],
-    ids=["multiple", "module-level function", "serialized"])
-def test_a_daemon_thread_making_a_communicator_at_exit_stops(tmp_path, level, module_level):
+@pytest.mark.parametrize("level, module_level, threads, during_exit", [
+    ("multiple", False, 1, False), ("multiple", True, 1, False),
+    ("serialized", False, 1, False), ("serialized", False, 2, False),
+    ("multiple", False, 1, True)],
+    ids=["multiple", "module-level function", "serialized",
+         "serialized, a second thread waiting for the lock", "begun during the exit"])
+def test_a_daemon_thread_making_a_communicator_at_exit_stops(tmp_path, level, module_level,
+                                                             threads, during_exit):
     # Such a thread waits for ranks that never come. The exit waited 10 s for it to come
     # out of ringreduce, then finalised MPI under it: MPICH aborted the job ("Attempting
     # to use an MPI routine ... after finalizing"). Under THREAD_SERIALIZED it held the
     # lock the exit takes, for the creation's whole timeout. It now stops at its next
-    # wait, with an error that says why.
+    # wait, with an error that says why; so does a creation begun once the exit has
+    # begun (a second thread that waited for the first one's lock, or one that started
+    # while the exit waited for something else).
     start = time.monotonic()
-    done = run_script(tmp_path, "daemon_making.py",
-                      f"LEVEL, MODULE_LEVEL = {level!r}, {module_level}\n" + DAEMON_MAKING_ONE,
+    settings = (f"LEVEL, MODULE_LEVEL, THREADS, DURING_EXIT = "
+                f"{level!r}, {module_level}, {threads}, {during_exit}\n")
+    done = run_script(tmp_path, "daemon_making.py", settings + DAEMON_MAKING_ONE,
                       abort_on_exception=False, timeout=150)
     took = time.monotonic() - start
     assert done.returncode == 0, done.stderr
     assert "rank 0 exits" in done.stdout and "rank 1 exits" in done.stdout, done
-    assert ("rank 0's daemon: stopped while making a Communicator (rank 0 of 2): the process "
-            "is ending" in done.stdout), done
+    for i in range(threads):
+        assert (f"rank 0's daemon {i}: stopped while making a Communicator (rank 0 of 2): "
+                "the process is ending" in done.stdout), done
     assert "after finalizing" not in done.stderr, done.stderr
-    assert took < 8, took
+    assert took < 8 + 2 * during_exit, took
 
 
 AFTER_FINALIZE = """
