@@ -170,8 +170,8 @@ def main():
     parser.add_argument("--max-bytes", type=byte_size(4, 4), default=1 << 30, metavar="SIZE",
                         help="the largest size (e.g. 256M)")
     parser.add_argument("--repeats", type=at_least(1), default=5)
-    parser.add_argument("--big-chunk", type=byte_size(1), default=4 << 20, metavar="SIZE",
-                        help="a device ring column with this chunk size (e.g. 4M)")
+    parser.add_argument("--big-chunk", type=byte_size(1, maximum=rr._core.MAX_CHUNK_BYTES),
+                        default=4 << 20, metavar="SIZE", help="a device ring column with this chunk size (e.g. 4M)")
     parser.add_argument("--json", type=output_file())
     parser.add_argument("--markdown", type=output_file())
     parser.add_argument("--plot", type=output_file(plot=True),
@@ -189,14 +189,11 @@ def main():
     if args.replot:
         try:
             with open(args.replot) as f:
-                run = json.load(f)
-            rows = run["rows"]
-        except (OSError, ValueError, KeyError, TypeError) as e:
+                rows, names, big_chunk = replot_rows(json.load(f))
+        except (OSError, ValueError) as e:
             parser.error(f"--replot: {args.replot!r} is not a bench_gpu.py --json run "
                          f"({type(e).__name__}: {e})")
-        names = [k for k, v in rows[0].items() if isinstance(v, dict)]
-        # The run's own chunk size (runs before it was recorded used the default).
-        plot(rows, names, args.plot or "gpu.png", run.get("big_chunk", 4 << 20), args.note)
+        plot(rows, names, args.plot or "gpu.png", big_chunk, args.note)
         return
     if args.plot:  # on every rank, before any collective: not after the tables on rank 0 only
         import matplotlib  # noqa: F401
@@ -311,6 +308,30 @@ def main():
         comm.close()
     if gloo is not None:
         gloo[1].destroy_process_group()
+
+
+def replot_rows(run):
+    """(rows, the methods measured, the run's chunk size) of an earlier --json run, or
+    ValueError saying what is missing."""
+    rows = run.get("rows") if isinstance(run, dict) else None
+    if not isinstance(rows, list) or not rows or not all(isinstance(r, dict) for r in rows):
+        raise ValueError("no 'rows': a list of one object per size")
+    known = set(labels(1))
+    names = [k for k, v in rows[0].items() if isinstance(v, dict) and k in known]
+    if not names:
+        raise ValueError(f"no measured method in its first row (one of {sorted(known)})")
+    for row in rows:
+        for key in ["bytes", "d2d_bytes_per_s", "ranks", "gpu"]:
+            if key not in row:
+                raise ValueError(f"a row without {key!r}")
+        for key in names:
+            if not isinstance(row.get(key), dict) or "busbw" not in row[key]:
+                raise ValueError(f"the row of {row['bytes']} bytes has no busbw for {key!r}")
+    # The run's own chunk size (runs before it was recorded used the default).
+    big_chunk = run.get("big_chunk", 4 << 20)
+    if not isinstance(big_chunk, int) or big_chunk < 1:
+        raise ValueError(f"big_chunk is {big_chunk!r}")
+    return rows, names, big_chunk
 
 
 def plot(rows, names, path, big_chunk, note=""):

@@ -55,9 +55,10 @@ def at_least(minimum, kind=int):
     return check
 
 
-def byte_size(minimum: int, multiple: int = 1):
+def byte_size(minimum: int, multiple: int = 1, maximum: int = None):
     """An argparse type for a size in bytes, as `ringreduce sim` reads them (8, 64K,
-    1.5M, 1G: powers of 1024), at least `minimum` and a whole number of `multiple`."""
+    1.5M, 1G: powers of 1024), at least `minimum`, at most `maximum` (if given) and a
+    whole number of `multiple`."""
     def check(text: str) -> int:
         from ringreduce.sim import parse_bytes
         try:
@@ -67,6 +68,8 @@ def byte_size(minimum: int, multiple: int = 1):
                                              "1.5G)") from None
         if value < minimum:
             raise argparse.ArgumentTypeError(f"{text!r} is less than {human_bytes(minimum)}")
+        if maximum is not None and value > maximum:
+            raise argparse.ArgumentTypeError(f"{text!r} is more than {human_bytes(maximum)}")
         if value % multiple:
             raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of "
                                              f"{multiple}-byte elements")

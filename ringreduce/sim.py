@@ -167,7 +167,8 @@ def _chunk_elems(value, name: str, count: int, ranks: int) -> int:
 
 
 def pipeline(ranks: int, count: int, chunk_elems: int, elem_size: int = 4, alpha=ALPHA,
-             beta=BETA, gamma=GAMMA, allgather_chunk_elems: int | None = None) -> Timeline:
+             beta=BETA, gamma=GAMMA, allgather_chunk_elems: int | None = None,
+             progress=None) -> Timeline:
     """When every chunk moves and is added, in the pipelined ring the core runs.
 
     Each rank has a link to its right neighbour, which sends one chunk at a time
@@ -185,6 +186,7 @@ def pipeline(ranks: int, count: int, chunk_elems: int, elem_size: int = 4, alpha
     With one chunk per segment nothing overlaps: the time is that of ring() (count > 0).
     Left out: the receive window (a few chunks ahead), and what sharing a machine's
     memory costs a rank that sends and adds at once.
+    progress, if given, is called as progress(steps done, steps in all) after each step.
     """
     if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
         raise ValueError(f"ranks must be a positive int, got {ranks!r}")
@@ -238,6 +240,8 @@ def pipeline(ranks: int, count: int, chunk_elems: int, elem_size: int = 4, alpha
                         busy.append(Busy(r, "cpu", name, k, seg, c, start, cpu_free[r]))
                         at = cpu_free[r]
                     ready[r][(seg, c)] = at
+            if progress is not None:
+                progress(k + 1 + (ranks - 1) * (phase == "allgather"), 2 * (ranks - 1))
     seconds = max((b.end for b in busy), default=0.0)
     return Timeline(ranks, count, elem_size, chunk_elems, gather_elems, seconds, busy)
 
@@ -318,13 +322,28 @@ SLOW_RING_RANKS = 1024
 
 
 class _StepProgress:
-    """A bar on stderr when it is a terminal, else a line every 5 s; gone when done."""
+    """A bar on stderr when it is a terminal, else a line every 5 s; gone when done.
+    Nothing until `after` seconds have gone by: most work is over sooner."""
 
-    def __init__(self, what: str):
-        self.what, self.tty, self.last = what, sys.stderr.isatty(), -math.inf
-        self.filled = -1
+    def __init__(self, what: str, after: float = 1.0):
+        self.what, self.filled = what, -1
+        self.tty = sys.stderr is not None and sys.stderr.isatty()
+        self.quiet = sys.stderr is None  # (pythonw, or stderr closed)
+        self.last = time.monotonic() + after - 5  # the first line `after` seconds in
+        self.shown = False
 
     def __call__(self, done: int, total: int) -> None:
+        if self.quiet:
+            return
+        if not self.shown and (done == total or time.monotonic() < self.last + 5):
+            return
+        self.shown = True
+        try:
+            self._show(done, total)
+        except (OSError, ValueError):  # stderr gone (a closed pipe): the work goes on
+            self.quiet = True
+
+    def _show(self, done: int, total: int) -> None:
         if self.tty:
             width = 30
             filled = width * done // total
@@ -425,7 +444,9 @@ def main(argv=None) -> int:
                      f"chunks make more than {MAX_TIMELINE_ENTRIES:,} pieces of work to follow "
                      "chunk by chunk; use larger chunks, fewer ranks or fewer bytes")
     pipelined = {(p, c): pipeline(p, count, c // 4, 4, args.alpha, args.beta, args.gamma,
-                                  gather_elems(c)) for p in args.ranks for c in chunks}
+                                  gather_elems(c), progress=_StepProgress(
+                                      f"modelling {p} ranks in chunks of {_size(c)}"))
+                 for p in args.ranks for c in chunks}
     print(f"all-reduce of {nbytes} bytes (float32) per rank; alpha={args.alpha:g} s, "
           f"beta={args.beta:g} s/B, gamma={args.gamma:g} s/B")
     if chunks:
@@ -434,9 +455,10 @@ def main(argv=None) -> int:
     print("|---|---|---|---|---|")
     for p in args.ranks:
         for name, fn in ALGORITHMS.items():
-            if name == "ring" and p >= SLOW_RING_RANKS:
+            if name == "ring":  # (from SLOW_RING_RANKS, shown at once: it takes seconds)
                 r = ring(p, count, 4, args.alpha, args.beta, args.gamma,
-                         progress=_StepProgress(f"simulating the ring of {p} ranks"))
+                         progress=_StepProgress(f"simulating the ring of {p} ranks",
+                                                after=0 if p >= SLOW_RING_RANKS else 1))
             else:
                 r = fn(p, count, 4, args.alpha, args.beta, args.gamma)
             print(f"| {p} | {r.algorithm} | {r.steps} | {r.max_bytes_sent:,} | "

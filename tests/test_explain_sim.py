@@ -1,4 +1,5 @@
 """The explainer and the simulator, in one process (their MPI check is in tests/mpi)."""
+import shlex
 import subprocess
 import sys
 
@@ -72,11 +73,11 @@ def test_ring_beats_naive_and_doubling_for_large_buffers_at_scale():
 
 
 def test_sim_command_line():
-    done = subprocess.run([sys.executable, "-m", "ringreduce", "sim", "--ranks", "8", "1000",
+    done = subprocess.run([sys.executable, "-m", "ringreduce", "sim", "--ranks", "8", "200",
                            "--bytes", "1M"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    assert "| 1000 | ring | 1998 |" in done.stdout
-    assert done.stderr == ""  # (no progress for rings that take a moment)
+    assert "| 200 | ring | 398 |" in done.stdout
+    assert done.stderr == ""  # (no progress for work over within a second)
 
 
 def test_sim_shows_how_far_a_large_ring_is_on_stderr():
@@ -87,6 +88,47 @@ def test_sim_shows_how_far_a_large_ring_is_on_stderr():
     lines = done.stderr.splitlines()
     assert lines[0] == "simulating the ring of 1024 ranks: 1/2046 steps", done.stderr
     assert lines[-1] == "simulating the ring of 1024 ranks: 2046/2046 steps", done.stderr
+
+
+def test_sim_runs_on_with_stderr_closed():
+    # The progress has nowhere to go; the table is what matters.
+    done = subprocess.run(f"{shlex.quote(sys.executable)} -m ringreduce sim --ranks 1024 "
+                          "--bytes 1M 2>&-", shell=True, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stdout
+    assert "| 1024 | ring | 2046 |" in done.stdout
+
+
+def test_step_progress_waits_then_shows_and_survives_a_gone_stderr(monkeypatch):
+    import io
+
+    shown = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", shown)
+    quick = sim._StepProgress("quick work", after=60)
+    for step in range(1, 11):
+        quick(step, 10)
+    assert shown.getvalue() == ""  # over before the minute it waits
+    slow = sim._StepProgress("slow work", after=0)
+    for step in range(1, 11):
+        slow(step, 10)
+    assert shown.getvalue() == "slow work: 1/10 steps\nslow work: 10/10 steps\n"
+
+    class ClosedPipe(io.StringIO):
+        def write(self, text):
+            raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(sys, "stderr", ClosedPipe())
+    gone = sim._StepProgress("work", after=0)
+    gone(1, 2)
+    gone(2, 2)
+    monkeypatch.setattr(sys, "stderr", None)
+    sim._StepProgress("work", after=0)(1, 2)
+
+
+def test_pipeline_reports_each_step_of_both_phases():
+    steps = []
+    sim.pipeline(3, 1000, 10, progress=lambda done, total: steps.append((done, total)))
+    assert steps == [(1, 4), (2, 4), (3, 4), (4, 4)]
 
 
 @pytest.mark.parametrize("argv, message", [
