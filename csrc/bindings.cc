@@ -801,7 +801,8 @@ PYBIND11_MODULE(_core, m) {
       .value("GAVE_UP", Departure::GaveUp)
       .value("LEFT", Departure::Left)
       .value("FOLLOWED", Departure::Followed)
-      .value("UNCLOSED", Departure::Unclosed);
+      .value("UNCLOSED", Departure::Unclosed)
+      .value("ENDED", Departure::Ended);
   py::class_<DepartureNote>(m, "DepartureNote",
                             "What a rank that left tells the others (csrc/waiting.h)")
       .def(py::init([](int rank, Departure why, int64_t completed, int cause,
@@ -1216,6 +1217,7 @@ PYBIND11_MODULE(_core, m) {
              self.close();
            })
       .def("leave", &RingCommunicator::leave, py::arg("over_mpi") = true,
+           py::arg("ending") = false,
            "stop using it on this rank only, and tell the others (see ring_communicator.h)")
       .def("tell_departure", &RingCommunicator::tell_departure,
            "after leave(over_mpi=False), at exit: tell the ranks over MPI messages too")

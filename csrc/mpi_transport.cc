@@ -6,6 +6,7 @@
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <thread>
 
@@ -37,6 +38,40 @@ void abandon_duplicate(MPI_Request request) {
 // may begin a creation after that (one waiting for the lock of THREAD_SERIALIZED, say).
 std::atomic<bool> creations_stopped{false};
 std::atomic<std::thread::id> exiting_thread{};
+
+// MPI_COMM_WORLD's ranks of the processes that departures said are ending on an
+// uncaught exception (see MpiTransport::note_ended).
+std::mutex ended_mutex;
+std::set<int> ended_world_ranks;
+
+// The ranks of `comm` in MPI_COMM_WORLD (MPI_UNDEFINED: not in it, as after a spawn).
+std::vector<int> world_ranks(MPI_Comm comm, const std::vector<int>& ranks) {
+  std::vector<int> in_world(ranks.size(), MPI_UNDEFINED);
+  MPI_Group group, world;
+  if (MPI_Comm_group(comm, &group) != MPI_SUCCESS) return in_world;
+  if (MPI_Comm_group(MPI_COMM_WORLD, &world) == MPI_SUCCESS) {
+    MPI_Group_translate_ranks(group, static_cast<int>(ranks.size()), ranks.data(), world,
+                              in_world.data());
+    MPI_Group_free(&world);
+  }
+  MPI_Group_free(&group);
+  return in_world;
+}
+
+// A rank of `comm` (of `size`) whose process is known to be ending, or -1.
+int ended_rank(MPI_Comm comm, int size) {
+  {
+    std::lock_guard<std::mutex> lock(ended_mutex);
+    if (ended_world_ranks.empty()) return -1;
+  }
+  std::vector<int> ranks(size);
+  for (int r = 0; r < size; ++r) ranks[r] = r;
+  const std::vector<int> in_world = world_ranks(comm, ranks);
+  std::lock_guard<std::mutex> lock(ended_mutex);
+  for (int r = 0; r < size; ++r)
+    if (in_world[r] != MPI_UNDEFINED && ended_world_ranks.count(in_world[r])) return r;
+  return -1;
+}
 
 bool creation_stopped_on_this_thread() {
   return creations_stopped.load(std::memory_order_acquire) &&
@@ -108,6 +143,13 @@ MpiTransport::MpiTransport(MPI_Comm user_comm, double timeout_s,
   check_mpi(MPI_Comm_rank(user_comm, &rank_), "MPI_Comm_rank", -1);
   check_mpi(MPI_Comm_size(user_comm, &size_), "MPI_Comm_size", -1);
   check_creation_stopped();
+  // Its duplicate would wait out the timeout for a rank that will never make it.
+  const int ended = ended_rank(user_comm, size_);
+  if (ended >= 0)
+    throw TimeoutError("ringreduce.Communicator (rank " + std::to_string(rank_) + " of " +
+                       std::to_string(size_) + "): rank " + std::to_string(ended) +
+                       DepartureNote::what(Departure::Ended, -1) +
+                       ", as a Communicator on this rank learnt. " + kEndedAdvice);
   finish_abandoned_duplicates();
   // Always the non-blocking duplicate, with or without a timeout: MPI never pairs a
   // blocking collective with a non-blocking one, and ranks may differ in their timeout.
@@ -349,6 +391,14 @@ void MpiTransport::check_creation_stopped() const {
 void MpiTransport::check_notices() {
   const DepartureNote reported = first_departure(exchange_number_);
   if (reported.holds_up(exchange_number_)) throw TimeoutError(reported.text());
+}
+
+void MpiTransport::note_ended(int rank) const {
+  if (comm_ == MPI_COMM_NULL) return;
+  const int in_world = world_ranks(comm_, {rank})[0];
+  if (in_world == MPI_UNDEFINED) return;
+  std::lock_guard<std::mutex> lock(ended_mutex);
+  ended_world_ranks.insert(in_world);
 }
 
 void MpiTransport::leave(const DepartureNote& note) {

@@ -29,6 +29,11 @@ void finish_abandoned_duplicates();
 // handler's).
 void stop_creations_on_other_threads();
 
+// What a rank that learns of another's process ending (Departure::Ended) can do.
+inline constexpr const char* kEndedAdvice =
+    "The job cannot go on without that rank: no Communicator with it can be made any more "
+    "(MPI_Finalize keeps its process until every rank ends), so let this rank end too";
+
 // Tests: the next Communicator made in this process pauses `seconds` before step
 // `step` of its making after the duplicate (1: the barrier; 2, 3: the shared-memory
 // wire's two exchanges), as a rank held up there would; 0: none.
@@ -78,6 +83,10 @@ class MpiTransport final : public Transport {
   // header exchange's buffers for ever (MPI forbids freeing a collective's request);
   // forgets the communicator, as freeing it would wait for the ranks still in a call.
   void leave(const DepartureNote& note);
+  // Notes that the process of `rank` (of this communicator) is ending on an uncaught
+  // exception: from now on, making a Communicator over any communicator it is in
+  // raises TimeoutError at once, where it would wait out its timeout for that rank.
+  void note_ended(int rank) const;
   // Throws TimeoutError if a rank that holds up the current exchange has sent its
   // notice. Waits check now and then; a ring call checks once at its end, as the
   // pending sends of a rank that left mid-call can complete a late rank's receives

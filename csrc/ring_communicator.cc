@@ -247,10 +247,14 @@ void RingCommunicator::give_up(const char* collective, const TimeoutError& e) {
   broken_ = std::string("ringreduce.") + collective + " (rank " + std::to_string(rank()) +
             " of " + std::to_string(size()) + "): " + e.what() + world_ranks_note_;
   const DepartureNote first = first_departure();
+  const DepartureNote origin = first.origin();
+  const bool ended = origin.rank >= 0 && origin.why == Departure::Ended;
+  if (ended) transport_->note_ended(origin.rank);  // (before leaving: it needs the comm)
   if (first.rank >= 0)
     depart(Departure::Followed, -1, !first.seen_by_all);
   else
     depart(Departure::GaveUp, e.waited_for);
+  if (ended) throw TimeoutError(broken_ + ". " + kEndedAdvice);
   throw TimeoutError(broken_ +
                      ". This Communicator can no longer be used on this rank; to go on, make a "
                      "new one on every rank (Communicator(timeout=...) sets the timeout)");
@@ -297,10 +301,10 @@ void RingCommunicator::begin_exchange() {
   transport_->set_exchange(exchanges_);
 }
 
-void RingCommunicator::leave(bool over_mpi) {
+void RingCommunicator::leave(bool over_mpi, bool ending) {
   if (closed_) return;
   closed_ = true;
-  if (size() > 1) depart(Departure::Left, -1, over_mpi);
+  if (size() > 1) depart(ending ? Departure::Ended : Departure::Left, -1, over_mpi);
 }
 
 void RingCommunicator::leave_unclosed() {

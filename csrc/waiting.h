@@ -82,6 +82,8 @@ enum class Departure : int {
   Unclosed = 4,  // its process ended, or dropped the communicator, without closing it,
                  // every call of its own finished (told on shared memory; over MPI
                  // messages in a header exchange, at exit or as it is dropped)
+  Ended = 5,     // an uncaught exception is ending its process: it makes no more calls,
+                 // nor any Communicator
 };
 
 // What a rank that left tells the others: why, and how many of the communicator's
@@ -141,6 +143,8 @@ struct DepartureNote {
                ? " has stopped using this communicator without closing it (its process "
                  "ended, or dropped the Communicator), after fewer calls on it than this "
                  "rank made"
+           : why == Departure::Ended
+               ? " has ended (an uncaught exception there ends its process)"
                : " has left this communicator, after another rank did";
   }
 };

@@ -383,7 +383,7 @@ def _finish_all():
         _dropped_closing.clear()
         if failing is not None:  # (leave, as every Communicator below: not wait)
             for core, _ in closing:
-                core.leave()
+                core.leave(ending=True)
             closing = []
     for comm in comms:
         comm._refuse_calls()
@@ -426,7 +426,7 @@ def _finish_all():
                 if failing is not None:
                     core.stop_soon()  # (a call its worker thread runs: then it leaves)
                     with executor.running:
-                        core.leave()
+                        core.leave(ending=True)
                 elif executor.busy:
                     busy.append((executor, functools.partial(begin_dropped, core, executor),
                                  core.stop_soon))
@@ -443,7 +443,8 @@ def _finish_all():
                 # the others wait for it in a collective: as when an exception leaves a
                 # `with` block, leave then, so that they raise at once instead of waiting
                 # out their timeout (and MPI_Finalize here, waiting for them, with them).
-                comm._leave(f"an uncaught {type(failing).__name__} ended the process first")
+                comm._leave(f"an uncaught {type(failing).__name__} ended the process first",
+                            ending=True)
         _finish_closes_at_exit(closing, busy)
     except KeyboardInterrupt:  # Ctrl-C at exit: leave without waiting for the others
         for core, lock in closing:
@@ -845,14 +846,15 @@ class Communicator:
         self._closing = True
         self._fast = None
 
-    def _leave(self, why: str | None) -> bool:
+    def _leave(self, why: str | None, ending: bool = False) -> bool:
         """Stop using this communicator on this rank only, and tell the others. Queued
         asynchronous calls never start (their wait() raises ValueError, saying why).
         why None, at a normal exit: they finish first, and the others learn that this
         rank makes no more calls (a rank that comes to a call this one never made, an
         uneven last step, then raises at once): on shared memory at once; over MPI
         messages in a close at exit, which this begins, and which the caller finishes
-        (core.finish_close_at_exit()) if this returns True."""
+        (core.finish_close_at_exit()) if this returns True. ending: an uncaught exception
+        is ending the process (the others learn that it makes no new Communicator)."""
         closing = False
         if not self._closed and not MPI.Is_finalized():
             self._refuse_calls()
@@ -873,7 +875,7 @@ class Communicator:
                     # rank's exit, where the main thread tells them.
                     over_mpi = (self._thread_level >= MPI.THREAD_SERIALIZED
                                 or threading.current_thread() is threading.main_thread())
-                    self._core.leave(over_mpi=over_mpi)
+                    self._core.leave(over_mpi=over_mpi, ending=ending)
                     if not over_mpi:
                         _untold_over_mpi.append(self._core)
         self._abandon()

@@ -115,8 +115,56 @@ def test_an_uncaught_exception_on_one_rank_ends_the_job(tmp_path, shm, in_flight
                       env={"RINGREDUCE_SHM": shm}, abort_on_exception=False)
     assert done.returncode != 0
     assert "KeyError: 'only on rank 1'" in done.stderr
-    assert "rank 0: ringreduce.allreduce (rank 0 of 2): rank 1 has left" in done.stdout, done
+    assert ("rank 0: ringreduce.allreduce (rank 0 of 2): rank 1 has ended (an uncaught "
+            "exception there ends its process). The job cannot go on" in done.stdout), done
     assert "terminate called" not in done.stderr
+    assert time.monotonic() - start < 60
+
+
+AFTER_A_RANK_ENDED = """
+import time
+import numpy as np
+from mpi4py import MPI
+import ringreduce as rr
+
+rank = MPI.COMM_WORLD.rank
+pair = MPI.COMM_WORLD.Split(0 if rank < 2 else MPI.UNDEFINED)  # (before rank 2 fails)
+ring = rr.Communicator(timeout=120)
+ring.allreduce(np.ones(10))
+if rank == 2:
+    raise KeyError("only on rank 2")
+try:
+    ring.allreduce(np.ones(1000))  # waits for rank 2
+except rr.CollectiveTimeoutError as error:
+    print(f"rank {rank}'s call: {error}\\n", end="", flush=True)
+start = time.monotonic()
+try:
+    rr.Communicator(timeout=120)  # every rank of COMM_WORLD: rank 2 never comes
+except rr.CollectiveTimeoutError as error:
+    print(f"rank {rank}'s new one, {time.monotonic() - start:.0f} s: {error}\\n", end="",
+          flush=True)
+with rr.Communicator(pair, timeout=120) as survivors:  # without rank 2: it can be made
+    print(f"rank {rank} with the survivors: {survivors.allreduce(np.ones(3))[0]}\\n", end="",
+          flush=True)
+"""
+
+
+@pytest.mark.parametrize("shm", ["1", "0"], ids=["shared memory", "MPI"])
+def test_no_communicator_with_a_rank_whose_process_is_ending_waits_for_it(tmp_path, shm):
+    # Making one on every rank after a rank failed waited out the timeout for it (its
+    # process waits in MPI_Finalize, where it will never make one); now the ranks that
+    # learnt it ended raise at once. Without that rank the others still can.
+    start = time.monotonic()
+    done = run_script(tmp_path, "after_ended.py", AFTER_A_RANK_ENDED, ranks=3,
+                      env={"RINGREDUCE_SHM": shm}, abort_on_exception=False, timeout=150)
+    assert done.returncode != 0 and "KeyError: 'only on rank 2'" in done.stderr
+    for rank in (0, 1):
+        assert f"rank {rank}'s call: ringreduce.allreduce (rank {rank} of 3): rank 2 has ended" \
+            in done.stdout, done
+        assert (f"rank {rank}'s new one, 0 s: ringreduce.Communicator (rank {rank} of 3): rank 2 "
+                "has ended (an uncaught exception there ends its process), as a Communicator "
+                "on this rank learnt" in done.stdout), done
+        assert f"rank {rank} with the survivors: 2.0" in done.stdout, done
     assert time.monotonic() - start < 60
 
 

@@ -47,8 +47,9 @@ def test_no_timeout_never_expires_but_still_checks_for_departures():
     assert len(checks) == 10  # waits look for ranks that left on these turns, timeout or not
 
 
-GAVE_UP, LEFT, FOLLOWED, UNCLOSED = (_core.Departure.GAVE_UP, _core.Departure.LEFT,
-                                    _core.Departure.FOLLOWED, _core.Departure.UNCLOSED)
+GAVE_UP, LEFT, FOLLOWED, UNCLOSED, ENDED = (
+    _core.Departure.GAVE_UP, _core.Departure.LEFT, _core.Departure.FOLLOWED,
+    _core.Departure.UNCLOSED, _core.Departure.ENDED)
 NONE = _core.DepartureNote(-1, GAVE_UP, 0)
 
 
@@ -102,6 +103,14 @@ def test_a_rank_that_gave_up_is_reported_with_the_rank_it_waited_for():
     assert best.rank == 0 and best.cause == 2
 
 
+def test_a_rank_whose_process_is_ending_is_reported_as_ended_through_its_followers():
+    ended = _core.DepartureNote(2, ENDED, 4)
+    assert ended.text() == "rank 2 has ended (an uncaught exception there ends its process)"
+    followed = _core.DepartureNote(0, FOLLOWED, 4, cause=2, cause_why=ENDED)
+    assert followed.origin().why == ENDED and followed.origin().rank == 2
+    assert followed.text().startswith("rank 2 has ended (an uncaught exception")
+
+
 @pytest.mark.parametrize("why, completed, cause, cause_why", [
     (GAVE_UP, 0, -1, GAVE_UP),
     (GAVE_UP, 7, 3, GAVE_UP),
@@ -109,6 +118,8 @@ def test_a_rank_that_gave_up_is_reported_with_the_rank_it_waited_for():
     (FOLLOWED, 1, 0, GAVE_UP),
     (FOLLOWED, (1 << 46) - 1, 4094, LEFT),  # the largest of each field
     (UNCLOSED, 3, 4094, UNCLOSED),
+    (ENDED, 9, -1, GAVE_UP),
+    (FOLLOWED, 9, 2, ENDED),
 ])
 def test_a_note_comes_back_whole_from_its_shared_memory_word(why, completed, cause, cause_why):
     note = _core.DepartureNote(5, why, completed, cause, cause_why)
