@@ -989,6 +989,9 @@ PYBIND11_MODULE(_core, m) {
         return chunks;
       }, py::arg("phase"), py::arg("sending"));
 
+  m.def("note_process_ending", &note_process_ending,
+        "an uncaught exception is ending this process: every Communicator left from now "
+        "on says so (Departure::Ended)");
   m.def("stop_creations_on_other_threads", &stop_creations_on_other_threads,
         "stops the Communicators being made on other threads, now or later, at their next "
         "wait (RuntimeError there): at exit, for daemon threads");
@@ -1217,7 +1220,6 @@ PYBIND11_MODULE(_core, m) {
              self.close();
            })
       .def("leave", &RingCommunicator::leave, py::arg("over_mpi") = true,
-           py::arg("ending") = false,
            "stop using it on this rank only, and tell the others (see ring_communicator.h)")
       .def("tell_departure", &RingCommunicator::tell_departure,
            "after leave(over_mpi=False), at exit: tell the ranks over MPI messages too")

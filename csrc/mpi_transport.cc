@@ -42,7 +42,10 @@ std::atomic<std::thread::id> exiting_thread{};
 // MPI_COMM_WORLD's ranks of the processes that departures said are ending on an
 // uncaught exception (see MpiTransport::note_ended).
 std::mutex ended_mutex;
-std::set<int> ended_world_ranks;
+std::set<int>& ended_world_ranks() {
+  static auto* ranks = new std::set<int>;  // never destroyed: used at exit
+  return *ranks;
+}
 
 // The ranks of `comm` in MPI_COMM_WORLD (MPI_UNDEFINED: not in it, as after a spawn).
 std::vector<int> world_ranks(MPI_Comm comm, const std::vector<int>& ranks) {
@@ -62,14 +65,14 @@ std::vector<int> world_ranks(MPI_Comm comm, const std::vector<int>& ranks) {
 int ended_rank(MPI_Comm comm, int size) {
   {
     std::lock_guard<std::mutex> lock(ended_mutex);
-    if (ended_world_ranks.empty()) return -1;
+    if (ended_world_ranks().empty()) return -1;
   }
   std::vector<int> ranks(size);
   for (int r = 0; r < size; ++r) ranks[r] = r;
   const std::vector<int> in_world = world_ranks(comm, ranks);
   std::lock_guard<std::mutex> lock(ended_mutex);
   for (int r = 0; r < size; ++r)
-    if (in_world[r] != MPI_UNDEFINED && ended_world_ranks.count(in_world[r])) return r;
+    if (in_world[r] != MPI_UNDEFINED && ended_world_ranks().count(in_world[r])) return r;
   return -1;
 }
 
@@ -145,11 +148,19 @@ MpiTransport::MpiTransport(MPI_Comm user_comm, double timeout_s,
   check_creation_stopped();
   // Its duplicate would wait out the timeout for a rank that will never make it.
   const int ended = ended_rank(user_comm, size_);
-  if (ended >= 0)
-    throw TimeoutError("ringreduce.Communicator (rank " + std::to_string(rank_) + " of " +
-                       std::to_string(size_) + "): rank " + std::to_string(ended) +
+  if (ended >= 0) {
+    // mpiexec labels output by MPI_COMM_WORLD's ranks; on a sub-communicator say both.
+    const std::vector<int> in_world = world_ranks(user_comm, {rank_, ended});
+    const auto world_note = [&](int r, int w) {
+      return w == r || w == MPI_UNDEFINED ? std::string()
+                                          : " (" + std::to_string(w) + " in MPI_COMM_WORLD)";
+    };
+    throw TimeoutError("ringreduce.Communicator (rank " + std::to_string(rank_) +
+                       world_note(rank_, in_world[0]) + " of " + std::to_string(size_) +
+                       "): rank " + std::to_string(ended) + world_note(ended, in_world[1]) +
                        DepartureNote::what(Departure::Ended, -1) +
                        ", as a Communicator on this rank learnt. " + kEndedAdvice);
+  }
   finish_abandoned_duplicates();
   // Always the non-blocking duplicate, with or without a timeout: MPI never pairs a
   // blocking collective with a non-blocking one, and ranks may differ in their timeout.
@@ -398,7 +409,7 @@ void MpiTransport::note_ended(int rank) const {
   const int in_world = world_ranks(comm_, {rank})[0];
   if (in_world == MPI_UNDEFINED) return;
   std::lock_guard<std::mutex> lock(ended_mutex);
-  ended_world_ranks.insert(in_world);
+  ended_world_ranks().insert(in_world);
 }
 
 void MpiTransport::leave(const DepartureNote& note) {

@@ -31,8 +31,9 @@ void stop_creations_on_other_threads();
 
 // What a rank that learns of another's process ending (Departure::Ended) can do.
 inline constexpr const char* kEndedAdvice =
-    "The job cannot go on without that rank: no Communicator with it can be made any more "
-    "(MPI_Finalize keeps its process until every rank ends), so let this rank end too";
+    "No Communicator with that rank can be made any more (MPI_Finalize keeps its process "
+    "until every rank ends): let this rank end too, or go on without it on a communicator "
+    "made before that leaves it out";
 
 // Tests: the next Communicator made in this process pauses `seconds` before step
 // `step` of its making after the duplicate (1: the barrier; 2, 3: the shared-memory

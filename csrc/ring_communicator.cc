@@ -70,7 +70,11 @@ std::string row_shape_text(const CallHeader& h) {
   return text + (dims == 1 ? ",)" : ")");
 }
 
+std::atomic<bool> process_ending{false};  // see note_process_ending()
+
 }  // namespace
+
+void note_process_ending() { process_ending.store(true, std::memory_order_release); }
 
 CallHeader make_header(Collective collective, DType dtype, Op op, int64_t count,
                        int64_t chunk_bytes, int64_t memory) {
@@ -266,6 +270,9 @@ void RingCommunicator::depart(Departure why, int waited_for, bool over_mpi) {
   // A call that failed here (a timeout too sets broken_), or a header exchange still
   // pending (a close at exit begun), was not seen through, so the ranks still in it are
   // held up.
+  // Whatever made it leave (a call stopped at exit, say), the others must know that
+  // this process is ending: then they make no new Communicator that waits for it.
+  if (process_ending.load(std::memory_order_acquire)) why = Departure::Ended;
   DepartureNote note;
   note.rank = rank();
   note.why = why;
@@ -301,10 +308,10 @@ void RingCommunicator::begin_exchange() {
   transport_->set_exchange(exchanges_);
 }
 
-void RingCommunicator::leave(bool over_mpi, bool ending) {
+void RingCommunicator::leave(bool over_mpi) {
   if (closed_) return;
   closed_ = true;
-  if (size() > 1) depart(ending ? Departure::Ended : Departure::Left, -1, over_mpi);
+  if (size() > 1) depart(Departure::Left, -1, over_mpi);
 }
 
 void RingCommunicator::leave_unclosed() {

@@ -85,6 +85,10 @@ struct DeviceCall {
   Device* device = nullptr;  // set when the call begins
 };
 
+// An uncaught exception is ending this process (at exit, before any Communicator is
+// left): from now on every departure says Departure::Ended.
+void note_process_ending();
+
 class RingCommunicator {
  public:
   static constexpr int64_t kDefaultChunkBytes = 256 * 1024;
@@ -249,10 +253,8 @@ class RingCommunicator {
   // Left), so that their waits on this rank raise at once and their close() frees
   // nothing that would wait for it. For a rank that will not close() with the others
   // (an exception on its way out). over_mpi false: the ranks on shared memory only
-  // (from a thread that MPI's thread level does not let call MPI). ending: the process
-  // is ending on an uncaught exception (Departure::Ended), so the others know that no
-  // new Communicator with this rank can be made.
-  void leave(bool over_mpi = true, bool ending = false);
+  // (from a thread that MPI's thread level does not let call MPI).
+  void leave(bool over_mpi = true);
   // After leave(over_mpi = false), from a thread that may call MPI (at exit): tells the
   // ranks over MPI messages too, which otherwise wait for this one for good in a close
   // at exit. Nothing if there is nothing left to tell.

@@ -122,7 +122,10 @@ struct DepartureNote {
     if (!other.holds_up(exchange)) return;
     if (!holds_up(exchange) || rank_of_preference() > other.rank_of_preference()) *this = other;
   }
+  // A note that a process is ending wins over any other: it is final and tells the
+  // most (one of the same rank's that came first, Unclosed over MPI say, is replaced).
   int rank_of_preference() const {  // lower is better
+    if (origin().why == Departure::Ended) return -1;
     return why != Departure::Followed ? 0 : cause >= 0 ? 1 : 2;
   }
   std::string text() const {

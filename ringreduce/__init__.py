@@ -29,7 +29,8 @@ MPIError.__doc__ = "An MPI call failed; the message carries MPI's own error stri
 CollectiveTimeoutError = _core.CollectiveTimeoutError
 CollectiveTimeoutError.__doc__ = (
     "A call waited longer than its Communicator's timeout for another rank (one that "
-    "skipped the call, or is stuck elsewhere); the Communicator is unusable afterwards. "
+    "skipped the call, or is stuck elsewhere), or learnt that the rank left, or is "
+    "ending, so that waiting longer is no use; the Communicator is unusable afterwards. "
     "A TimeoutError.")
 
 __version__ = "0.1.0"

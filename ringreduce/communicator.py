@@ -375,6 +375,11 @@ def _finish_all():
     # under THREAD_SERIALIZED it holds the lock the closes below take.
     _core.stop_creations_on_other_threads()
     failing = _uncaught_exception()
+    if failing is not None:
+        # Every Communicator this rank leaves from now on (a call stopped below
+        # included) tells the others that its process is ending: none can be made with
+        # it again, and they need not wait for it there.
+        _core.note_process_ending()
     comms = [comm for comm in list(_live) if not comm._closed]
     dropped = sorted(_dropped_over_mpi.items())
     _dropped_over_mpi.clear()
@@ -383,7 +388,7 @@ def _finish_all():
         _dropped_closing.clear()
         if failing is not None:  # (leave, as every Communicator below: not wait)
             for core, _ in closing:
-                core.leave(ending=True)
+                core.leave()
             closing = []
     for comm in comms:
         comm._refuse_calls()
@@ -426,7 +431,7 @@ def _finish_all():
                 if failing is not None:
                     core.stop_soon()  # (a call its worker thread runs: then it leaves)
                     with executor.running:
-                        core.leave(ending=True)
+                        core.leave()
                 elif executor.busy:
                     busy.append((executor, functools.partial(begin_dropped, core, executor),
                                  core.stop_soon))
@@ -443,8 +448,7 @@ def _finish_all():
                 # the others wait for it in a collective: as when an exception leaves a
                 # `with` block, leave then, so that they raise at once instead of waiting
                 # out their timeout (and MPI_Finalize here, waiting for them, with them).
-                comm._leave(f"an uncaught {type(failing).__name__} ended the process first",
-                            ending=True)
+                comm._leave(f"an uncaught {type(failing).__name__} ended the process first")
         _finish_closes_at_exit(closing, busy)
     except KeyboardInterrupt:  # Ctrl-C at exit: leave without waiting for the others
         for core, lock in closing:
@@ -846,15 +850,14 @@ class Communicator:
         self._closing = True
         self._fast = None
 
-    def _leave(self, why: str | None, ending: bool = False) -> bool:
+    def _leave(self, why: str | None) -> bool:
         """Stop using this communicator on this rank only, and tell the others. Queued
         asynchronous calls never start (their wait() raises ValueError, saying why).
         why None, at a normal exit: they finish first, and the others learn that this
         rank makes no more calls (a rank that comes to a call this one never made, an
         uneven last step, then raises at once): on shared memory at once; over MPI
         messages in a close at exit, which this begins, and which the caller finishes
-        (core.finish_close_at_exit()) if this returns True. ending: an uncaught exception
-        is ending the process (the others learn that it makes no new Communicator)."""
+        (core.finish_close_at_exit()) if this returns True."""
         closing = False
         if not self._closed and not MPI.Is_finalized():
             self._refuse_calls()
@@ -875,7 +878,7 @@ class Communicator:
                     # rank's exit, where the main thread tells them.
                     over_mpi = (self._thread_level >= MPI.THREAD_SERIALIZED
                                 or threading.current_thread() is threading.main_thread())
-                    self._core.leave(over_mpi=over_mpi, ending=ending)
+                    self._core.leave(over_mpi=over_mpi)
                     if not over_mpi:
                         _untold_over_mpi.append(self._core)
         self._abandon()

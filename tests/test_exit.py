@@ -116,7 +116,8 @@ def test_an_uncaught_exception_on_one_rank_ends_the_job(tmp_path, shm, in_flight
     assert done.returncode != 0
     assert "KeyError: 'only on rank 1'" in done.stderr
     assert ("rank 0: ringreduce.allreduce (rank 0 of 2): rank 1 has ended (an uncaught "
-            "exception there ends its process). The job cannot go on" in done.stdout), done
+            "exception there ends its process). No Communicator with that rank can be made" in
+            done.stdout), done
     assert "terminate called" not in done.stderr
     assert time.monotonic() - start < 60
 
@@ -132,9 +133,13 @@ pair = MPI.COMM_WORLD.Split(0 if rank < 2 else MPI.UNDEFINED)  # (before rank 2 
 ring = rr.Communicator(timeout=120)
 ring.allreduce(np.ones(10))
 if rank == 2:
+    if IN_FLIGHT:  # stopped at the exit, as the others come late to it (too large to
+        ring.allreduce_async(np.ones(1 << 18))  # be done in the header exchange)
     raise KeyError("only on rank 2")
+if IN_FLIGHT:
+    time.sleep(1)
 try:
-    ring.allreduce(np.ones(1000))  # waits for rank 2
+    ring.allreduce(np.ones(1 << 18))  # waits for rank 2
 except rr.CollectiveTimeoutError as error:
     print(f"rank {rank}'s call: {error}\\n", end="", flush=True)
 start = time.monotonic()
@@ -149,13 +154,17 @@ with rr.Communicator(pair, timeout=120) as survivors:  # without rank 2: it can 
 """
 
 
+@pytest.mark.parametrize("in_flight", [False, True], ids=["idle", "a call in flight"])
 @pytest.mark.parametrize("shm", ["1", "0"], ids=["shared memory", "MPI"])
-def test_no_communicator_with_a_rank_whose_process_is_ending_waits_for_it(tmp_path, shm):
+def test_no_communicator_with_a_rank_whose_process_is_ending_waits_for_it(tmp_path, shm,
+                                                                          in_flight):
     # Making one on every rank after a rank failed waited out the timeout for it (its
     # process waits in MPI_Finalize, where it will never make one); now the ranks that
-    # learnt it ended raise at once. Without that rank the others still can.
+    # learnt it ended raise at once. Without that rank the others still can. (A call in
+    # flight there, stopped at its exit, first said only that rank 2 had left.)
     start = time.monotonic()
-    done = run_script(tmp_path, "after_ended.py", AFTER_A_RANK_ENDED, ranks=3,
+    done = run_script(tmp_path, "after_ended.py", f"IN_FLIGHT = {in_flight}\n" +
+                      AFTER_A_RANK_ENDED, ranks=3,
                       env={"RINGREDUCE_SHM": shm}, abort_on_exception=False, timeout=150)
     assert done.returncode != 0 and "KeyError: 'only on rank 2'" in done.stderr
     for rank in (0, 1):
