@@ -171,7 +171,8 @@ def main():
                         help="the largest size (e.g. 256M)")
     parser.add_argument("--repeats", type=at_least(1), default=5)
     parser.add_argument("--big-chunk", type=byte_size(1, maximum=rr._core.MAX_CHUNK_BYTES),
-                        default=4 << 20, metavar="SIZE", help="a device ring column with this chunk size (e.g. 4M)")
+                        default=4 << 20, metavar="SIZE",
+                        help="a device ring column with this chunk size (e.g. 4M)")
     parser.add_argument("--json", type=output_file())
     parser.add_argument("--markdown", type=output_file())
     parser.add_argument("--plot", type=output_file(plot=True),

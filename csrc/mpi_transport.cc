@@ -47,20 +47,6 @@ std::set<int>& ended_world_ranks() {
   return *ranks;
 }
 
-// The ranks of `comm` in MPI_COMM_WORLD (MPI_UNDEFINED: not in it, as after a spawn).
-std::vector<int> world_ranks(MPI_Comm comm, const std::vector<int>& ranks) {
-  std::vector<int> in_world(ranks.size(), MPI_UNDEFINED);
-  MPI_Group group, world;
-  if (MPI_Comm_group(comm, &group) != MPI_SUCCESS) return in_world;
-  if (MPI_Comm_group(MPI_COMM_WORLD, &world) == MPI_SUCCESS) {
-    MPI_Group_translate_ranks(group, static_cast<int>(ranks.size()), ranks.data(), world,
-                              in_world.data());
-    MPI_Group_free(&world);
-  }
-  MPI_Group_free(&group);
-  return in_world;
-}
-
 // A rank of `comm` (of `size`) whose process is known to be ending, or -1.
 int ended_rank(MPI_Comm comm, int size) {
   {
@@ -85,6 +71,19 @@ std::atomic<int> creation_pause_step{0};
 std::atomic<double> creation_pause_s{0};
 
 }  // namespace
+
+std::vector<int> world_ranks(MPI_Comm comm, const std::vector<int>& ranks) {
+  std::vector<int> in_world(ranks.size(), MPI_UNDEFINED);
+  MPI_Group group, world;
+  if (MPI_Comm_group(comm, &group) != MPI_SUCCESS) return in_world;
+  if (MPI_Comm_group(MPI_COMM_WORLD, &world) == MPI_SUCCESS) {
+    MPI_Group_translate_ranks(group, static_cast<int>(ranks.size()), ranks.data(), world,
+                              in_world.data());
+    MPI_Group_free(&world);
+  }
+  MPI_Group_free(&group);
+  return in_world;
+}
 
 void set_creation_pause(int step, double seconds) {
   creation_pause_s = seconds;

@@ -29,6 +29,10 @@ void finish_abandoned_duplicates();
 // handler's).
 void stop_creations_on_other_threads();
 
+// The ranks `ranks` of `comm` in MPI_COMM_WORLD, where mpiexec's labels count
+// (MPI_UNDEFINED: not in it, as after a spawn).
+std::vector<int> world_ranks(MPI_Comm comm, const std::vector<int>& ranks);
+
 // What a rank that learns of another's process ending (Departure::Ended) can do.
 inline constexpr const char* kEndedAdvice =
     "No Communicator with that rank can be made any more (MPI_Finalize keeps its process "

@@ -127,14 +127,9 @@ std::string RingCommunicator::world_ranks_note(MPI_Comm comm) {
   MPI_Comm_size(comm, &p);
   constexpr int kShown = 16;
   const int shown = std::min(p, kShown);
-  MPI_Group group, world;
-  MPI_Comm_group(comm, &group);
-  MPI_Comm_group(MPI_COMM_WORLD, &world);
-  std::vector<int> ranks(shown), in_world(shown, MPI_UNDEFINED);
+  std::vector<int> ranks(shown);
   for (int r = 0; r < shown; ++r) ranks[r] = r;
-  MPI_Group_translate_ranks(group, shown, ranks.data(), world, in_world.data());
-  MPI_Group_free(&group);
-  MPI_Group_free(&world);
+  const std::vector<int> in_world = world_ranks(comm, ranks);
   std::string text = " [ranks of this communicator; in MPI_COMM_WORLD: ";
   for (int r = 0; r < shown; ++r)
     text += (r ? ", " : "") + std::to_string(r) + " is " +

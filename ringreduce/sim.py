@@ -329,13 +329,13 @@ class _StepProgress:
         self.what, self.filled = what, -1
         self.tty = sys.stderr is not None and sys.stderr.isatty()
         self.quiet = sys.stderr is None  # (pythonw, or stderr closed)
-        self.last = time.monotonic() + after - 5  # the first line `after` seconds in
-        self.shown = False
+        self.show_from = time.monotonic() + after
+        self.last, self.shown = -math.inf, False
 
     def __call__(self, done: int, total: int) -> None:
         if self.quiet:
             return
-        if not self.shown and (done == total or time.monotonic() < self.last + 5):
+        if not self.shown and (done == total or time.monotonic() < self.show_from):
             return
         self.shown = True
         try:
