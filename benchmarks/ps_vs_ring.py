@@ -1,6 +1,7 @@
 """Parameter server vs ring, measured with ringreduce's own reference code:
 
-    mpiexec -n 4 python -m mpi4py benchmarks/ps_vs_ring.py --plot docs/images/ps_vs_ring.png
+    mpiexec -n 4 python -m mpi4py benchmarks/ps_vs_ring.py --mib 4 \
+        --plot docs/images/ps_vs_ring_4.png
 
 Runs reference.naive_allreduce (everything to rank 0 and back) and reference.allreduce
 (the ring) on the same data, counts the bytes every rank sends and receives (a thin

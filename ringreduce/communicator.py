@@ -175,11 +175,12 @@ class _Results:
 class Handle:
     """A collective in flight. ``wait()`` returns its result (or raises its error)."""
 
-    __slots__ = ("_work", "_error")
+    __slots__ = ("_work", "_error", "_context")
 
-    def __init__(self, work: "_Work"):
+    def __init__(self, work: "_Work", context: str):
         self._work = work
         self._error = None  # what the call raised, raised again by every wait()
+        self._context = context  # "ringreduce.allreduce_async (rank 1 of 4)", for errors
 
     def done(self) -> bool:
         """True once the collective has finished (successfully or not)."""
@@ -193,10 +194,11 @@ class Handle:
         """
         if timeout is not None:
             if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
-                raise TypeError(f"Handle.wait: timeout must be a number of seconds or None, "
-                                f"got {type(timeout).__name__}")
+                raise TypeError(f"{self._context}: Handle.wait: timeout must be a number of "
+                                f"seconds or None, got {type(timeout).__name__}")
             if not timeout >= 0:  # (NaN too)
-                raise ValueError(f"Handle.wait: timeout must be >= 0 seconds, got {timeout}")
+                raise ValueError(f"{self._context}: Handle.wait: timeout must be >= 0 seconds, "
+                                 f"got {timeout}")
             try:
                 seconds = float(timeout)  # (threading takes no numpy.float32 or Fraction)
             except OverflowError:  # (2 ** 2000)
@@ -207,11 +209,12 @@ class Handle:
         if not work.done():
             if os.getpid() != work.pid:
                 # The worker thread that would finish it exists only in the parent.
-                raise ValueError(f"Handle.wait: this collective runs in process "
+                raise ValueError(f"{self._context}: Handle.wait: this collective runs in process "
                                  f"{work.pid}, of which this one is a child made by "
                                  "fork(); it cannot finish here")
             if not work.wait(timeout):
-                raise TimeoutError(f"ringreduce: collective still running after {timeout} s")
+                raise TimeoutError(f"{self._context}: still running after Handle.wait's "
+                                   f"timeout of {timeout} s (wait again for its result)")
         if self._error is not None:
             raise self._error
         try:
@@ -543,11 +546,12 @@ def _uncaught_exception() -> BaseException | None:
     return getattr(sys, "last_value", None)
 
 
-def _checked_chunk_bytes(value) -> int:
+def _checked_chunk_bytes(value, context: str) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"chunk_bytes must be an int, got {type(value).__name__}")
+        raise TypeError(f"{context}: chunk_bytes must be an int, got {type(value).__name__}")
     if not 1 <= value <= _core.MAX_CHUNK_BYTES:
-        raise ValueError(f"chunk_bytes must be in [1, {_core.MAX_CHUNK_BYTES}], got {value}")
+        raise ValueError(f"{context}: chunk_bytes must be in [1, {_core.MAX_CHUNK_BYTES}], "
+                         f"got {value}")
     return int(value)
 
 
@@ -570,7 +574,7 @@ class _FromEnvironment:
 _FROM_ENVIRONMENT = _FromEnvironment()
 
 
-def _default_timeout() -> float | None:
+def _default_timeout(context: str = "ringreduce.Communicator") -> float | None:
     """RINGREDUCE_TIMEOUT, read when a Communicator is made (0: none), or DEFAULT_TIMEOUT
     (also when it is set but empty, as `RINGREDUCE_TIMEOUT= cmd` does)."""
     text = os.environ.get("RINGREDUCE_TIMEOUT")
@@ -581,20 +585,22 @@ def _default_timeout() -> float | None:
     except ValueError:
         value = -1.0
     if not value >= 0:  # NaN too
-        raise ValueError(f"RINGREDUCE_TIMEOUT must be a number of seconds >= 0 (0: no "
+        raise ValueError(f"{context}: RINGREDUCE_TIMEOUT must be a number of seconds >= 0 (0: no "
                          f"timeout), got {text!r}")
     return value or None
 
 
-def _checked_timeout(value) -> float:
+def _checked_timeout(value, context: str) -> float:
     """The core's form of a timeout: seconds, or 0 for none."""
     if value is None:
         return 0.0
     if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
-        raise TypeError(f"timeout must be a number of seconds or None, got {type(value).__name__}")
+        raise TypeError(f"{context}: timeout must be a number of seconds or None, "
+                        f"got {type(value).__name__}")
     value = float(value)
     if not value > 0:  # NaN too
-        raise ValueError(f"timeout must be positive seconds (or None for no timeout), got {value}")
+        raise ValueError(f"{context}: timeout must be positive seconds (or None for no "
+                         f"timeout), got {value}")
     return 0.0 if math.isinf(value) else value
 
 
@@ -608,12 +614,12 @@ _SWITCHES = {
 }
 
 
-def _check_environment() -> None:
+def _check_environment(context: str) -> None:
     # A value meant otherwise ("false", "no") must not pass silently as 1.
     for name, meaning in _SWITCHES.items():
         value = os.environ.get(name)
         if value not in (None, "", "0", "1"):  # (empty: as unset, as the core reads it)
-            raise ValueError(f"{name} must be {meaning}; got {value!r}")
+            raise ValueError(f"{context}: {name} must be {meaning}; got {value!r}")
 
 
 class Communicator:
@@ -655,12 +661,13 @@ class Communicator:
         if not isinstance(comm, MPI.Intracomm):
             comm = MPI.Intracomm(comm)  # (an MPI.Comm of an intracommunicator)
         # Checked before the collective part, so that a bad value leaves nothing behind.
+        context = t.where(comm.Get_rank(), comm.Get_size(), "Communicator")
         self._chunk_bytes = (_core.DEFAULT_CHUNK_BYTES if chunk_bytes is None
-                             else _checked_chunk_bytes(chunk_bytes))
+                             else _checked_chunk_bytes(chunk_bytes, context))
         if timeout is _FROM_ENVIRONMENT:
-            timeout = _default_timeout()
-        timeout = _checked_timeout(timeout)
-        _check_environment()
+            timeout = _default_timeout(context)
+        timeout = _checked_timeout(timeout, context)
+        _check_environment(context)
         self._mpi_comm = comm
         self._thread_level = MPI.Query_thread()
         threaded = self._thread_level == MPI.THREAD_MULTIPLE
@@ -680,6 +687,7 @@ class Communicator:
         self._results = _Results()  # results without out=: big ones reuse kept buffers
         self._fast = self._make_fast_path()  # the common case of every call (None: closing)
         self._contexts = {name: t.where(self.rank, self.size, name) for name in _COLLECTIVES}
+        self._async_context = t.where(self.rank, self.size, "allreduce_async")  # (Handles')
         _live.add(self)
 
     # -- properties ---------------------------------------------------------------
@@ -697,7 +705,8 @@ class Communicator:
 
     @timeout.setter
     def timeout(self, value: float | None) -> None:
-        self._core.timeout = _checked_timeout(value)
+        self._core.timeout = _checked_timeout(
+            value, t.where(self.rank, self.size, "Communicator.timeout"))
 
     @property
     def chunk_bytes(self) -> int:
@@ -706,7 +715,8 @@ class Communicator:
 
     @chunk_bytes.setter
     def chunk_bytes(self, value: int) -> None:
-        self._chunk_bytes = _checked_chunk_bytes(value)
+        self._chunk_bytes = _checked_chunk_bytes(
+            value, t.where(self.rank, self.size, "Communicator.chunk_bytes"))
         fast = self._fast
         if fast is not None:
             fast.chunk_bytes = self._chunk_bytes
@@ -755,7 +765,7 @@ class Communicator:
         if fast is not None:
             call = fast.allreduce_async(x, op, out)
             if call is not None:
-                return Handle(call)
+                return Handle(call, self._async_context)
         return self._call("allreduce", self._prepare_allreduce, x, op, out, wait=False)
 
     def reduce_scatter(self, x, op="sum", out=None):
@@ -995,10 +1005,10 @@ class Communicator:
                     # Ctrl-C (KeyboardInterrupt) here and now, as a blocking call's.
                     work = _Work(self._core, run, self._pid)
                     work.execute(catching=Exception)
-                    return Handle(work)
+                    return Handle(work, self._async_context)
         work = _Work(self._core, run, self._pid)  # (calls in a fork()ed child raised)
         executor.submit(work)
-        handle = Handle(work)
+        handle = Handle(work, self._async_context)
         return handle.wait() if wait else handle
 
     def _cuda_direct(self) -> bool:

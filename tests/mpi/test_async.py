@@ -150,7 +150,8 @@ def test_wait_with_timeout_and_done(comm):
             np.testing.assert_array_equal(h.wait(timeout=forever), np.full(10, float(SIZE)))
     for bad, error in [(-1, ValueError), (float("nan"), ValueError), ("1", TypeError),
                        (True, TypeError)]:
-        with pytest.raises(error, match="timeout must be"):
+        with pytest.raises(error, match=rf"ringreduce\.allreduce_async \(rank {RANK} of "
+                                        rf"{SIZE}\): Handle\.wait: timeout must be"):
             h.wait(bad)  # checked even when the call is done
 
 
@@ -168,7 +169,8 @@ def test_wait_takes_any_real_number_of_seconds(comm):
             h.wait(timeout=np.float32(0.01))
             assert RANK == SIZE - 1, "done before the last rank started it"
         except TimeoutError as error:
-            assert "still running" in str(error)
+            assert f"ringreduce.allreduce_async (rank {RANK} of {SIZE}): still running" \
+                in str(error)
         np.testing.assert_array_equal(h.wait(timeout=Fraction(60)), np.full(1000, float(SIZE)))
 
 

@@ -261,10 +261,17 @@ def test_bad_communicators_and_settings():
         rr.Communicator("world")
     with pytest.raises(ValueError, match="COMM_NULL"):
         rr.Communicator(MPI.COMM_NULL)
-    with pytest.raises(ValueError, match="chunk_bytes"):
+    # A setting's error names where it was given and the rank (every rank prints it).
+    made = rf"ringreduce\.Communicator \(rank {RANK} of {SIZE}\): chunk_bytes must be"
+    with pytest.raises(ValueError, match=made):
         rr.Communicator(chunk_bytes=0)
-    with pytest.raises(TypeError, match="chunk_bytes"):
+    with pytest.raises(TypeError, match=made):
         rr.Communicator(chunk_bytes=1.5)
+    with rr.Communicator() as ring:
+        for bad, error in ((0, ValueError), (1.5, TypeError)):
+            with pytest.raises(error, match=rf"ringreduce\.Communicator\.chunk_bytes "
+                                            rf"\(rank {RANK} of {SIZE}\): chunk_bytes must"):
+                ring.chunk_bytes = bad
 
 
 @pytest.mark.parametrize("variable", ["RINGREDUCE_SHM", "RINGREDUCE_CUDA_AWARE"])
@@ -273,7 +280,7 @@ def test_an_unknown_setting_is_refused(variable, monkeypatch):
     # takes anything but 0 for 1, would read it).
     for value in ("off", "false", "yes", "2"):
         monkeypatch.setenv(variable, value)
-        with pytest.raises(ValueError, match=f"{variable} must be 0"):
+        with pytest.raises(ValueError, match=rf"\(rank {RANK} of {SIZE}\): {variable} must be 0"):
             rr.Communicator()  # before anything collective
         monkeypatch.delenv(variable)
 

@@ -753,12 +753,14 @@ def test_timeout_values(monkeypatch):
         assert ring.timeout == 2.5
         ring.timeout = None
         assert ring.timeout is None
+        with pytest.raises(ValueError, match=rf"Communicator\.timeout \(rank {RANK} of {SIZE}\)"):
+            ring.timeout = -1
     for value in (None, float("inf")):
         with rr.Communicator(timeout=value) as ring:
             assert ring.timeout is None
     for bad, error in ((0, ValueError), (-1.0, ValueError), (float("nan"), ValueError),
                        ("5", TypeError), (True, TypeError)):
-        with pytest.raises(error, match="timeout"):
+        with pytest.raises(error, match=rf"Communicator \(rank {RANK} of {SIZE}\): timeout"):
             rr.Communicator(timeout=bad)  # checked before anything collective
     monkeypatch.setenv("RINGREDUCE_TIMEOUT", "12.5")
     assert communicator._default_timeout() == 12.5
@@ -768,7 +770,7 @@ def test_timeout_values(monkeypatch):
     assert communicator._default_timeout() == 1800.0
     for bad in ("soon", "-5", "nan"):
         monkeypatch.setenv("RINGREDUCE_TIMEOUT", bad)
-        with pytest.raises(ValueError, match="RINGREDUCE_TIMEOUT"):
+        with pytest.raises(ValueError, match=rf"\(rank {RANK} of {SIZE}\): RINGREDUCE_TIMEOUT"):
             rr.Communicator()  # read when a Communicator is made, before anything collective
     monkeypatch.setenv("RINGREDUCE_TIMEOUT", "7")
     with rr.Communicator() as ring:
