@@ -928,6 +928,14 @@ PYBIND11_MODULE(_core, m) {
   m.def(
       "reduce",
       [](py::array out, py::array a, py::array b, int dtype, int op) {
+        // (a test's entry: still, a strided or short view would be read past its end)
+        for (const py::array* array : {&out, &a, &b}) {
+          if (!(array->flags() & py::array::c_style) || array->size() != out.size() ||
+              array->itemsize() != out.itemsize()) {
+            throw py::value_error("reduce: out, a and b must be C-contiguous, of one size "
+                                  "and element size");
+          }
+        }
         void* dst = out.mutable_data();
         const void* pa = a.data();
         const void* pb = b.data();
@@ -935,7 +943,8 @@ PYBIND11_MODULE(_core, m) {
         WithoutGil nogil;
         reduce(DType(dtype), Op(op), dst, pa, pb, n);
       },
-      "out = a OP b with the core's kernels (contiguous arrays of one dtype, checked by the caller)");
+      "out = a OP b with the core's kernels (contiguous arrays of one size; the dtype is "
+      "the caller's to check)");
   m.def(
       "divide",
       [](py::array data, int dtype, int64_t divisor) {

@@ -2,7 +2,8 @@
 ringreduce's C++ core, written to be read. The tests hold the core to the same answers
 bit for bit, so this file is also the core's specification. (Except for the sign of a
 NaN: where one step makes a NaN (inf - inf) and a later one meets another, x86 keeps
-the sign of whichever operand the compiled loop put first; both are NaN.)
+the sign of whichever operand the compiled loop put first; both are NaN. Ties in min
+and max, +0 against -0, follow the first operand here and there: see _minimum.)
 
 Each of p ranks holds an array x. Cut it into p segments (like np.array_split). Every
 rank sends only to its right neighbour and receives only from its left one.
@@ -47,8 +48,19 @@ def _multiply(a, b, out):
         np.multiply(a, b, out=out)
 
 
+def _minimum(a, b, out):
+    # np.minimum, with its ties spelled out: a NaN wins (a's first), and of two equal
+    # values (+0 and -0) the first is kept. numpy leaves that choice to the loop it runs
+    # (float16 keeps a, float32 with SIMD b), and every rank must pick the same zero.
+    np.copyto(out, np.where((a <= b) | (a != a), a, b))
+
+
+def _maximum(a, b, out):
+    np.copyto(out, np.where((a >= b) | (a != a), a, b))
+
+
 # The per-step operation for each op; "avg" sums and divides once at the end.
-REDUCE = {"sum": np.add, "prod": _multiply, "min": np.minimum, "max": np.maximum,
+REDUCE = {"sum": np.add, "prod": _multiply, "min": _minimum, "max": _maximum,
           "avg": np.add}
 
 

@@ -36,9 +36,10 @@ def core_reduce(a, b, op):
 
 
 def numpy_reduce(a, b, op):
-    if op == "prod" and a.dtype.kind == "c":
+    if op == "prod" and a.dtype.kind == "c" or op in ("min", "max"):
+        # (numpy's own min and max keep either of +0 and -0, by dtype: see the reference)
         out = np.empty_like(a)
-        reference._multiply(a, b, out)
+        reference.REDUCE[op](a, b, out=out)
         return out
     with np.errstate(all="ignore"):
         return {"sum": np.add, "avg": np.add, "prod": np.multiply, "min": np.minimum,
@@ -74,6 +75,25 @@ def test_kernel_matches_numpy_bit_for_bit(name, op):
     # NaN payloads may differ; everything else must be the same bytes.
     assert np.array_equal(np.isnan(got.astype(np.complex128)) if dtype.kind in "fcV" else nan, nan)
     assert got[~nan].tobytes() == want[~nan].tobytes()
+
+
+@pytest.mark.parametrize("name", [n for n in NAMES if dtype_of(n).kind == "f" or n == "bfloat16"])
+@pytest.mark.parametrize("op", ["min", "max"])
+def test_min_and_max_keep_the_first_of_equal_values_and_nans(name, op):
+    # Every pair of special values (the permuted tail above rarely pairs +0 with -0):
+    # the same bytes as the reference, NaN payloads included, as an operand is chosen.
+    dtype = dtype_of(name)
+    with np.errstate(over="ignore", invalid="ignore"):
+        special = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, -np.nan, 1.0, -1.0]).astype(dtype)
+    a, b = np.repeat(special, len(special)), np.tile(special, len(special))
+    want = np.empty_like(a)
+    reference.REDUCE[op](a, b, out=want)
+    assert core_reduce(a, b, op).tobytes() == want.tobytes()
+    zeros = np.array([0.0, -0.0]).astype(dtype)
+    first = core_reduce(zeros, zeros[::-1].copy(), op)
+    with pytest.raises(ValueError, match="C-contiguous"):
+        core_reduce(zeros, zeros[::-1], op)  # (read from before its start, once)
+    assert np.signbit(first.astype(np.float32)).tolist() == [False, True]
 
 
 def test_in_place_kernel():

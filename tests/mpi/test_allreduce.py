@@ -13,6 +13,7 @@ from helpers import (BFLOAT16, COMBOS, DTYPES, around_inline_limit, bitwise_equa
                      same_on_every_rank, supported)
 
 SIZE = MPI.COMM_WORLD.Get_size()
+RANK = MPI.COMM_WORLD.Get_rank()
 # 0..1000 elements: over MPI messages, 64, 65, 256 and 257 straddle the size (256 bytes)
 # up to which the payload rides in the header exchange (no ring) and beyond which the
 # ring runs, for every element size.
@@ -45,6 +46,22 @@ def test_every_dtype_and_op_matches_reference_and_float64(combo, small_chunks, w
             np.testing.assert_array_equal(y, exact_integer_reduce(everyone, op))
         else:
             check_against_float64(y, everyone, op)
+
+
+@pytest.mark.parametrize("dtype", [d for d in DTYPES if d.kind == "f" or d == BFLOAT16], ids=str)
+@pytest.mark.parametrize("op", ["min", "max"])
+def test_min_and_max_break_ties_as_the_reference_on_every_rank(dtype, op, small_chunks, world):
+    # Ranks holding +0 and -0 (equal values) or NaNs: which one the result keeps is the
+    # reference's rule (the first operand), so every byte matches it and every rank's.
+    # numpy's own np.minimum takes one or the other by dtype (and CPU).
+    for n in around_inline_limit(small_chunks, dtype.itemsize, SIZES):
+        rng = np.random.default_rng([RANK, n])
+        x = rng.choice([0.0, -0.0, 1.0, -1.0, np.inf, np.nan], n).astype(dtype)
+        for call, ref in ((small_chunks.allreduce, reference.allreduce),
+                          (small_chunks.reduce_scatter, reference.reduce_scatter)):
+            y = call(x, op=op)
+            assert bitwise_equal(y, ref(x, op, world)), f"{call.__name__}, n={n}"
+            assert same_on_every_rank(y) or call == small_chunks.reduce_scatter
 
 
 @pytest.mark.parametrize("dtype", [np.dtype(np.float32), np.dtype(np.float16), np.dtype(np.int64)],
