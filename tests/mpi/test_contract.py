@@ -184,12 +184,12 @@ def test_communicator_rank_size(comm):
 
 
 def test_default_communicator_is_comm_world():
-    c = rr.Communicator()
-    assert c.rank == RANK and c.size == SIZE
-    x = make_data(np.float64, (6,), "sum", ("defcomm",))
-    arrs = gather(x)
-    y = c.allreduce(x, op="sum")
-    check_reduction(y, arrs, "sum", x.dtype, x.shape)
+    with rr.Communicator() as c:
+        assert c.rank == RANK and c.size == SIZE
+        x = make_data(np.float64, (6,), "sum", ("defcomm",))
+        arrs = gather(x)
+        y = c.allreduce(x, op="sum")
+        check_reduction(y, arrs, "sum", x.dtype, x.shape)
 
 
 # --------------------------------------------------------------------------
