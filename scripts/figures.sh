@@ -39,6 +39,8 @@ $PY benchmarks/plot_cost_model.py --model benchmarks/results/model_p2.json \
     --measured 'benchmarks/results/allreduce_p2_run*.json' --plot "$OUT/cost_model_ranks.png" > /dev/null
 $PY benchmarks/summarize.py benchmarks/results/allreduce_p2_run*.json \
     --plot "$OUT/speedup_p2.png" > /dev/null
+$PY benchmarks/summarize.py benchmarks/results/allreduce_p2_1203_run*.json \
+    --plot "$OUT/speedup_p2_1203.png" > /dev/null
 $PY examples/compare_runs.py $R/ranks1.json $R/ranks2.json $R/ranks4.json \
     --plot "$OUT/digits_ranks.png" > /dev/null
 $PY examples/compare_runs.py $R/ranks2.json $R/ranks2_fp16.json $R/ranks2_bf16.json \
