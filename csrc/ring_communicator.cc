@@ -70,7 +70,8 @@ bool headers_agree(const std::vector<CallHeader>& headers) {
         if (h.count != first.count || h.extra != first.extra) return false;
         break;
       case Collective::AllGather:
-        if (h.shape_tag != first.shape_tag) return false;
+        // (a shape's text also shows its elements, extra, where the tag holds a hash)
+        if (h.shape_tag != first.shape_tag || h.extra != first.extra) return false;
         total_rows += h.count;
         break;
       default:
