@@ -26,7 +26,7 @@ from mpi4py import MPI
 import ringreduce as rr
 from ringreduce import reference
 from ringreduce.sim import parse_bytes
-from timing import (at_least, bus_bandwidth, human_bytes, human_time, inner_iterations,
+from timing import (at_least, bus_bandwidth, human_bytes, human_time, inner_iterations, mpi_library,
                     output_file, save_size_plot, start_gloo, time_alternating)
 
 world = MPI.COMM_WORLD
@@ -161,7 +161,7 @@ def main() -> None:
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"ranks": size, "dtype": "float32", "repeats": args.repeats,
-                           "machine": machine(), "mpi": MPI.Get_library_version().splitlines()[0],
+                           "machine": machine(), "mpi": mpi_library(),
                            "date": time.strftime("%Y-%m-%d"), "results": rows}, f, indent=1)
         if args.plot:
             plot(rows, args.plot)

@@ -23,7 +23,8 @@ from mpi4py import MPI
 
 import ringreduce as rr
 from bench_allreduce import machine, progress, sizes_argument
-from timing import at_least, human_bytes, human_time, output_file, start_gloo, time_alternating
+from timing import (at_least, human_bytes, human_time, mpi_library, output_file, start_gloo,
+                    time_alternating)
 
 world = MPI.COMM_WORLD
 rank, size = world.Get_rank(), world.Get_size()
@@ -130,7 +131,7 @@ def main() -> None:
             with open(args.json, "w") as f:
                 json.dump({"ranks": size, "dtype": "float32", "buckets": args.buckets,
                            "compute_us": args.compute_us, "repeats": args.repeats,
-                           "machine": machine(), "mpi": MPI.Get_library_version().splitlines()[0],
+                           "machine": machine(), "mpi": mpi_library(),
                            "date": time.strftime("%Y-%m-%d"), "results": rows}, f, indent=1)
 
 

@@ -24,7 +24,7 @@ from mpi4py import MPI
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import ringreduce as rr  # noqa: E402
 from timing import (at_least, bus_bandwidth, byte_size, human_bytes, human_time,  # noqa: E402
-                    output_file, save_size_plot, start_gloo, time_alternating)
+                    mpi_library, output_file, save_size_plot, start_gloo, time_alternating)
 
 world = MPI.COMM_WORLD
 RANK, SIZE = world.Get_rank(), world.Get_size()
@@ -230,7 +230,7 @@ def main():
     say(f"# {SIZE} ranks on {gpu} ({cp.cuda.runtime.getDeviceCount()} GPU(s) here), "
         f"device buffers {mode} ({rr._core.mpi_cuda_aware_reason()}); float32; median of "
         f"{args.repeats}")
-    say(f"# MPI: {MPI.Get_library_version().splitlines()[0]}")
+    say(f"# MPI: {mpi_library()}")
 
     rows = []
     header = columns(names, args.big_chunk)
@@ -289,7 +289,7 @@ def main():
 
     if RANK == 0:
         meta = {"host": platform.node(), "ranks": SIZE, "gpu": gpu, "mode": mode,
-                "mpi": MPI.Get_library_version().splitlines()[0], "rows": rows,
+                "mpi": mpi_library(), "rows": rows,
                 "others": others, "big_chunk": args.big_chunk}
         if args.json:
             with open(args.json, "w") as f:

@@ -96,6 +96,11 @@ def start_gloo(comm=MPI.COMM_WORLD):
     return torch, dist
 
 
+def mpi_library() -> str:
+    """The MPI library's name and version, one line (Open MPI's text ends in a NUL)."""
+    return MPI.Get_library_version().rstrip("\x00").splitlines()[0].strip()
+
+
 def inner_iterations(nbytes: int) -> int:
     """Enough calls per timed run that the clock's resolution does not matter."""
     return max(1, min(1000, (4 << 20) // max(nbytes, 1)))

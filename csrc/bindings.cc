@@ -928,7 +928,11 @@ PYBIND11_MODULE(_core, m) {
   m.def(
       "reduce",
       [](py::array out, py::array a, py::array b, int dtype, int op) {
-        // (a test's entry: still, a strided or short view would be read past its end)
+        // (a test's entry: still, a strided or short view, or a code of wider elements,
+        // would be read past its end)
+        if (!is_valid_dtype(dtype) || !is_valid_op(op) ||
+            dtype_size(DType(dtype)) != static_cast<size_t>(out.itemsize()))
+          throw py::value_error("reduce: the dtype or op code does not fit the arrays");
         for (const py::array* array : {&out, &a, &b}) {
           if (!(array->flags() & py::array::c_style) || array->size() != out.size() ||
               array->itemsize() != out.itemsize()) {

@@ -93,6 +93,9 @@ def test_min_and_max_keep_the_first_of_equal_values_and_nans(name, op):
     first = core_reduce(zeros, zeros[::-1].copy(), op)
     with pytest.raises(ValueError, match="C-contiguous"):
         core_reduce(zeros, zeros[::-1], op)  # (read from before its start, once)
+    wider = _core.DTYPES.index("complex128")
+    with pytest.raises(ValueError, match="does not fit"):
+        _core.reduce(zeros.copy(), zeros, zeros, wider, _core.OPS.index("sum"))
     assert np.signbit(first.astype(np.float32)).tolist() == [False, True]
 
 
