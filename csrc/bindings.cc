@@ -686,13 +686,10 @@ class FastPath {
 
   // (dtype, op) codes of a pair the Python layer has validated (and noted) before.
   bool reduction_codes(py::handle x, py::handle op, int* dtype, int* reduce_op) const {
-    PyObject* key = PyTuple_Pack(2, py::detail::array_proxy(x.ptr())->descr, op.ptr());
-    if (key == nullptr) {
-      clear_memory_error();
-      return false;
-    }
-    PyObject* codes = PyDict_GetItemWithError(validated_pairs_.ptr(), key);  // borrowed
-    Py_DECREF(key);
+    PyObject* by_op =  // borrowed, as codes
+        PyDict_GetItemWithError(validated_pairs_.ptr(), py::detail::array_proxy(x.ptr())->descr);
+    PyObject* codes =
+        by_op != nullptr && PyDict_Check(by_op) ? PyDict_GetItemWithError(by_op, op.ptr()) : nullptr;
     if (codes == nullptr || !PyTuple_Check(codes) || PyTuple_GET_SIZE(codes) != 2) {
       PyErr_Clear();  // (an op that cannot be hashed: the general path says so)
       return false;

@@ -133,21 +133,22 @@ def check_op_for_dtype(op: int, dtype_code: int, context: str) -> None:
                                  f"{name} ({why})")
 
 
-# (native dtype, op string) -> (dtype code, op code), once valid: what the fast path
-# (the core's FastPath) takes without further checks.
+# native dtype -> {op string -> (dtype code, op code)}, once valid: what the fast path
+# (the core's FastPath) takes without further checks. Two lookups, not one keyed by
+# (dtype, op): a tuple made for every call cost more than the second lookup.
 validated_pairs: dict = {}
 
 
 def reduction_codes(dtype: np.dtype, op, context: str) -> tuple[int, int]:
     """(dtype code, op code) for a reduction of `dtype` by `op`, or a clear error."""
     try:
-        return validated_pairs[dtype, op]
+        return validated_pairs[dtype][op]
     except (KeyError, TypeError):  # TypeError: an unhashable op
         pass
     codes = dtype_code(dtype, "x", context), op_code(op, context)
     check_op_for_dtype(codes[1], codes[0], context)
     if isinstance(op, str):
-        validated_pairs[dtype, op] = codes
+        validated_pairs.setdefault(dtype, {})[op] = codes
     return codes
 
 
