@@ -57,8 +57,8 @@ bool headers_agree(const std::vector<CallHeader>& headers) {
   const auto kind = static_cast<Collective>(first.collective);
   int64_t total_rows = 0;
   for (const CallHeader& h : headers) {
-    if (h.invalid || h.collective != first.collective || h.memory != first.memory ||
-        h.dtype != first.dtype)
+    if (h.magic != CallHeader::kMagic || h.invalid || h.collective != first.collective ||
+        h.memory != first.memory || h.dtype != first.dtype)
       return false;
     if (first.memory == kDeviceMemory && h.host_limit != first.host_limit) return false;
     switch (kind) {
@@ -503,9 +503,7 @@ int64_t RingCommunicator::agree(const CallHeader& mine, std::vector<CallHeader>*
   }
   if (all) *all = headers_;
   if (mine.invalid) return 0;  // the caller raises its own, more precise error
-  bool well_formed = true;
-  for (const CallHeader& h : headers_) well_formed = well_formed && h.magic == CallHeader::kMagic;
-  if (well_formed && headers_agree(headers_)) return headers_[0].chunk_bytes;
+  if (headers_agree(headers_)) return headers_[0].chunk_bytes;
 
   std::vector<std::string> problems;
   auto add = [&](std::string text) {

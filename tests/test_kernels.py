@@ -91,12 +91,12 @@ def test_min_and_max_keep_the_first_of_equal_values_and_nans(name, op):
     assert core_reduce(a, b, op).tobytes() == want.tobytes()
     zeros = np.array([0.0, -0.0]).astype(dtype)
     first = core_reduce(zeros, zeros[::-1].copy(), op)
+    assert np.signbit(first.astype(np.float32)).tolist() == [False, True]
     with pytest.raises(ValueError, match="C-contiguous"):
         core_reduce(zeros, zeros[::-1], op)  # (read from before its start, once)
     wider = _core.DTYPES.index("complex128")
     with pytest.raises(ValueError, match="does not fit"):
         _core.reduce(zeros.copy(), zeros, zeros, wider, _core.OPS.index("sum"))
-    assert np.signbit(first.astype(np.float32)).tolist() == [False, True]
 
 
 def test_in_place_kernel():

@@ -62,7 +62,8 @@ def test_min_and_max_break_ties_as_the_reference_on_every_rank(dtype, op, small_
                           (small_chunks.reduce_scatter, reference.reduce_scatter)):
             y = call(x, op=op)
             assert bitwise_equal(y, ref(x, op, world)), f"{call.__name__}, n={n}"
-            assert same_on_every_rank(y) or call == small_chunks.reduce_scatter
+            if call == small_chunks.allreduce:  # (reduce_scatter's blocks differ by rank)
+                assert same_on_every_rank(y)
 
 
 @pytest.mark.parametrize("dtype", [np.dtype(np.float32), np.dtype(np.float16), np.dtype(np.int64)],
