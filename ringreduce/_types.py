@@ -3,6 +3,8 @@ checks on arrays that every collective shares. Error messages name the argument,
 the value and the rank."""
 from __future__ import annotations
 
+import importlib.util
+
 import numpy as np
 
 from . import _core
@@ -12,12 +14,6 @@ _OP_CODES = {name: code for code, name in enumerate(OPS)}
 _DTYPE_CODES = {name: code for code, name in enumerate(_core.DTYPES)}
 _COMPLEX = {"complex64", "complex128"}
 
-try:  # bfloat16 comes from ml_dtypes, where installed
-    import ml_dtypes as _ml_dtypes
-
-    _BFLOAT16 = np.dtype(_ml_dtypes.bfloat16)
-except ImportError:  # pragma: no cover - depends on the environment
-    _BFLOAT16 = None
 
 
 class UnsupportedOpError(TypeError, ValueError):
@@ -35,7 +31,8 @@ def cuda_available() -> bool:
 
 def supported_dtypes() -> list[str]:
     """Names of the dtypes the collectives accept here (bfloat16 needs ml_dtypes)."""
-    return [name for name in _core.DTYPES if name != "bfloat16" or _BFLOAT16 is not None]
+    bfloat16 = importlib.util.find_spec("ml_dtypes") is not None
+    return [name for name in _core.DTYPES if name != "bfloat16" or bfloat16]
 
 
 def where(rank: int, size: int, call: str) -> str:
@@ -92,10 +89,26 @@ def _mpi_predefined_name(op):
 
 # Native dtype -> its code: the table the fast path (the core's FastPath) looks dtypes
 # up in too. A non-native dtype never compares equal to these, so it is not found.
+# bfloat16 joins it with the first such array (see _learn_bfloat16).
 dtype_codes = {np.dtype(name): code for name, code in _DTYPE_CODES.items()
                if name != "bfloat16"}
-if _BFLOAT16 is not None:
-    dtype_codes[_BFLOAT16] = _DTYPE_CODES["bfloat16"]
+
+
+def _learn_bfloat16(dtype: np.dtype):
+    """bfloat16's code if dtype is ml_dtypes' (native) bfloat16, which it then adds to
+    dtype_codes; else None. ml_dtypes is imported here, not with ringreduce: its import
+    takes most of a second (0.75 s with numpy 2.4, registering its dozen dtypes with
+    numpy), on every rank, and whoever holds a bfloat16 array has paid it already."""
+    if dtype.name != "bfloat16":
+        return None
+    try:
+        import ml_dtypes
+    except ImportError:  # pragma: no cover - a bfloat16 from elsewhere
+        return None
+    if dtype != np.dtype(ml_dtypes.bfloat16):
+        return None
+    dtype_codes[dtype] = code = _DTYPE_CODES["bfloat16"]
+    return code
 
 
 _SHAPE_DIM_BITS = 20  # the tag's layout: see CallHeader::shape_tag in ring_communicator.h
@@ -118,6 +131,8 @@ def shape_tag(row_shape: tuple) -> int:
 def dtype_code(dtype: np.dtype, argument: str, context: str) -> int:
     # A dict lookup: comparing dtypes with == costs microseconds per call.
     code = dtype_codes.get(dtype)
+    if code is None:
+        code = _learn_bfloat16(dtype)
     if code is None:
         raise TypeError(f"{context}: {argument} has dtype {dtype}, which is not supported; "
                         f"supported dtypes: {', '.join(supported_dtypes())}")

@@ -1,0 +1,49 @@
+"""What `import ringreduce` costs every rank: it must not import ml_dtypes (most of a
+second), yet bfloat16 arrays must work as soon as their owner has it."""
+import subprocess
+import sys
+
+import pytest
+
+from launch import job_env, run_script
+
+
+def test_import_leaves_ml_dtypes_unimported_but_lists_bfloat16():
+    pytest.importorskip("ml_dtypes")
+    code = ("import sys, ringreduce as rr; "
+            "print('ml_dtypes' in sys.modules, 'bfloat16' in rr.supported_dtypes())")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60, env=job_env())
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["False", "True"]
+
+
+BFLOAT16_AFTER_IMPORT = """
+import numpy as np
+import ringreduce as rr
+from ringreduce import reference
+import ml_dtypes  # after ringreduce: it learns the dtype from the first array
+
+ring = rr.Communicator(timeout=60)
+x = (np.arange(1000) * (ring.rank + 1) / 7).astype(ml_dtypes.bfloat16)
+expected = reference.allreduce(x, op="sum")
+out = np.empty_like(x)
+for _ in range(3):  # the first call teaches the table; the next go by the fast path
+    assert ring.allreduce(x, out=out) is out
+    assert out.tobytes() == expected.tobytes()
+    assert ring.allreduce(x).tobytes() == expected.tobytes()
+gathered = ring.allgather(x)
+assert gathered.dtype == x.dtype
+assert gathered.tobytes() == reference.allgather(x).tobytes()
+done = ring.allreduce(np.ones(1, np.int64))  # every rank got here
+if ring.rank == 0:
+    print("ok on", int(done[0]), "ranks")
+"""
+
+
+@pytest.mark.parametrize("ranks", [1, 3])
+def test_bfloat16_works_when_ml_dtypes_comes_after_ringreduce(tmp_path, ranks):
+    pytest.importorskip("ml_dtypes")
+    done = run_script(tmp_path, "bf16.py", BFLOAT16_AFTER_IMPORT, ranks=ranks)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["ok", "on", str(ranks), "ranks"]
