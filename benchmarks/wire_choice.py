@@ -4,11 +4,12 @@ up on a shared machine, measured for minutes on end:
     mpiexec -n 2 python -m mpi4py benchmarks/wire_choice.py --seconds 420 \
         --json wire.json --plot wire.png
 
-Round after round (each implementation first in its turn): a 1 MiB reduce_scatter and a 4 MiB allreduce by ringreduce
-choosing its wire (the default), by ringreduce always through shared memory
-(RINGREDUCE_SHM=1), by ringreduce always over MPI messages (RINGREDUCE_SHM=0, which
-also exchanges its call headers by MPI_Iallgather and inlines only 256 bytes), and by
-the MPI library itself. Each point is the slowest rank's mean over a batch of calls.
+Round after round (each implementation first in its turn): a 1 MiB reduce_scatter, a
+1 MiB allgather and a 4 MiB allreduce by ringreduce choosing its wire (the default), by
+ringreduce always through shared memory (RINGREDUCE_SHM=1), the same with its slots
+written by streaming stores (RINGREDUCE_SHM=stream), by ringreduce always over MPI
+messages (RINGREDUCE_SHM=0, which also exchanges its call headers by MPI_Iallgather and
+inlines only 256 bytes), and by the MPI library itself. Each point is the slowest rank's mean over a batch of calls.
 Rounds in which shared memory alone took over twice its median time are counted as the
 machine's slow phases, and summarised apart.
 """
@@ -29,7 +30,13 @@ from timing import at_least, output_file
 
 world = MPI.COMM_WORLD
 rank, size = world.Get_rank(), world.Get_size()
-WAYS = {"chosen": None, "shared memory": "1", "MPI messages": "0"}
+WAYS = {"chosen": None, "shared memory": "1", "streaming stores": "stream",
+        "MPI messages": "0"}
+
+
+LABELS = {"MPI library": "MPI library",
+          "streaming stores": "ringreduce, always shared memory, streaming stores",
+          "shared memory": "ringreduce, always shared memory"}
 
 
 def communicator(shm_setting):
@@ -72,10 +79,15 @@ def main() -> None:
     part = np.empty(counts[rank], np.float32)
     y = np.random.default_rng(rank).standard_normal((4 << 20) // 4).astype(np.float32)
     out = np.empty_like(y)
+    x_all = np.empty(len(x) // size * size, np.float32)
     tests = {"reduce_scatter 1 MiB": ({name: (lambda r=r: r.reduce_scatter(x, out=part))
                                        for name, r in rings.items()}
                                       | {"MPI library": lambda: world.Reduce_scatter(x, part, counts)},
                                       40),
+             "allgather 1 MiB": ({name: (lambda r=r: r.allgather(x[:len(x) // size], out=x_all))
+                                  for name, r in rings.items()}
+                                 | {"MPI library": lambda: world.Allgather(x[:len(x) // size],
+                                                                          x_all)}, 40),
              "allreduce 4 MiB": ({name: (lambda r=r: r.allreduce(y, out=out))
                                   for name, r in rings.items()}
                                  | {"MPI library": lambda: world.Allreduce(y, out)}, 10)}
@@ -129,7 +141,7 @@ def summarise(rounds, tests) -> dict:
             med = [statistics.median(r[key] for r in part) * 1e6 if part else float("nan")
                    for part in (usual, slow)]
             summary[test][name] = {"usual_us": med[0], "slow_us": med[1]}
-            label = name if name == "MPI library" else f"ringreduce, {name}"
+            label = LABELS.get(name, f"ringreduce, {name}")
             shown = [f"{m:.0f} us" if m == m else "-" for m in med]  # (no slow rounds: NaN)
             print(f"| {label} | {shown[0]} | {shown[1]} |")
     return summary
@@ -147,7 +159,7 @@ def plot(rounds, tests, path: str) -> None:
     fig, axes = plt.subplots(len(tests), 1, figsize=(9, 3.2 * len(tests)), sharex=True)
     for ax, (test, (calls, _)) in zip(axes, tests.items()):
         for name in calls:
-            label = name if name == "MPI library" else f"ringreduce, {name}"
+            label = LABELS.get(name, f"ringreduce, {name}")
             ax.plot([r["t"] for r in rounds], [r[f"{test}: {name}"] * 1e6 for r in rounds],
                     lw=0.8, label=label)
         ax.set_yscale("log")

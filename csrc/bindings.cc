@@ -820,11 +820,16 @@ PYBIND11_MODULE(_core, m) {
       .def("shm_word", &ShmChannel::departure_word)
       .def_static("from_shm_word", &ShmChannel::note_of_word);
   py::class_<WireTuner>(m, "WireTuner", "Which wire a ring call takes (csrc/wire_tuner.h)")
-      .def(py::init<>())
-      .def("prefer_shm", &WireTuner::prefer_shm)
+      .def(py::init<bool>(), py::arg("streaming") = true)
+      .def("choose", &WireTuner::choose)
       .def("record", &WireTuner::record)
+      .def_property_readonly("wires", &WireTuner::wires)
       .def_readonly_static("EXPLORE_EVERY", &WireTuner::kExploreEvery)
-      .def_readonly_static("LEARN_CALLS", &WireTuner::kLearnCalls);
+      .def_readonly_static("TURNS", &WireTuner::kTurns);
+  m.attr("WIRE_SHM") = kWireShm;
+  m.attr("WIRE_MPI") = kWireMpi;
+  m.attr("WIRE_SHM_STREAMING") = kWireShmStreaming;
+  m.attr("STREAMING_STORES") = kStreamingStores;
   m.doc() = "ringreduce's C++ core: ring collectives over MPI (use the ringreduce package)";
   py::register_exception<MismatchError>(m, "MismatchError", PyExc_RuntimeError);
   py::register_exception<MpiError>(m, "MPIError", PyExc_RuntimeError);
@@ -1086,11 +1091,14 @@ PYBIND11_MODULE(_core, m) {
                     &RingCommunicator::set_device_host_reduce_bytes)
       .def_readonly_static("DEVICE_HOST_REDUCE_BYTES", &RingCommunicator::kDeviceHostReduceBytes)
       .def_property_readonly("shm_bytes_sent", &RingCommunicator::shm_bytes_sent)
+      .def_property_readonly("shm_streaming", &RingCommunicator::shm_streaming)
       .def("record_wire_time",
-           [](RingCommunicator& self, int collective, int64_t bytes, bool shm, double seconds) {
+           [](RingCommunicator& self, int collective, int64_t bytes, int wire, double seconds) {
              if (collective < 1 || collective > 4)
                throw std::invalid_argument("record_wire_time: no such collective");
-             self.record_wire_time(Collective(collective), bytes, shm, seconds);
+             if (wire < 0 || wire > kWireShmStreaming)
+               throw std::invalid_argument("record_wire_time: no such wire");
+             self.record_wire_time(Collective(collective), bytes, wire, seconds);
            })
       .def("allreduce",
            [](RingCommunicator& self, py::array x, py::array out, int dtype, int op,

@@ -148,7 +148,10 @@ RingCommunicator::RingCommunicator(MPI_Comm user_comm, double timeout_s,
   inline_scratch_.assign(2 * inline_capacity_, 0);
   world_ranks_note_ = world_ranks_note(user_comm);
   const char* shm_setting = std::getenv("RINGREDUCE_SHM");
-  tune_wire_ = shm_setting == nullptr || std::strcmp(shm_setting, "1") != 0;
+  const bool streaming = shm_setting != nullptr && std::strcmp(shm_setting, "stream") == 0;
+  tune_wire_ = !streaming && (shm_setting == nullptr || std::strcmp(shm_setting, "1") != 0);
+  fixed_wire_ = streaming && kStreamingStores ? kWireShmStreaming : kWireShm;
+  tuners_.fill(WireTuner(kStreamingStores));
   set_timeout(timeout_s);
   transport_->created();
 }
@@ -176,25 +179,27 @@ std::string RingCommunicator::world_ranks_note(MPI_Comm comm) {
 
 void RingCommunicator::propose_wire(CallHeader* h, int64_t bytes) {
   if (rank() != 0 || !use_shm(bytes)) return;
-  const bool shm = !tune_wire_ || tuner(static_cast<Collective>(h->collective)).prefer_shm(bytes);
-  h->wire = shm ? kWireShm : kWireMpi;
+  h->wire = tune_wire_ ? tuner(static_cast<Collective>(h->collective)).choose(bytes)
+                      : fixed_wire_;
 }
 
-bool RingCommunicator::agreed_shm(int64_t bytes) const {
-  return use_shm(bytes) && headers_[0].wire != kWireMpi;
+bool RingCommunicator::take_agreed_wire(int64_t bytes) {
+  const bool shm = use_shm(bytes) && headers_[0].wire != kWireMpi;
+  if (shm) shm_->set_streaming(headers_[0].wire == kWireShmStreaming);
+  return shm;
 }
 
 RingSchedule RingCommunicator::agree_on_ring(CallHeader h, int64_t bytes, size_t elem_size,
                                              bool* shm) {
   propose_wire(&h, bytes);
   const int64_t agreed_chunk = agree(h);
-  *shm = agreed_shm(bytes);
+  *shm = take_agreed_wire(bytes);
   return RingSchedule::split_evenly(rank(), size(), h.count,
                                     ring_chunk_elems(agreed_chunk, elem_size, *shm));
 }
 
 template <typename Run>
-void RingCommunicator::run_tuned(Collective collective, int64_t bytes, bool shm, Run run) {
+void RingCommunicator::run_tuned(Collective collective, int64_t bytes, Run run) {
   // Only calls whose wire rank 0's tuner chose (propose_wire()) teach it anything.
   if (rank() != 0 || !tune_wire_ || !use_shm(bytes) || headers_[0].wire == -1) {
     run();
@@ -203,7 +208,7 @@ void RingCommunicator::run_tuned(Collective collective, int64_t bytes, bool shm,
   const auto start = std::chrono::steady_clock::now();
   run();
   const std::chrono::duration<double> took = std::chrono::steady_clock::now() - start;
-  record_wire_time(collective, bytes, shm, took.count());
+  record_wire_time(collective, bytes, static_cast<int>(headers_[0].wire), took.count());
 }
 
 bool RingCommunicator::use_shm(int64_t total_bytes) const {
@@ -602,7 +607,7 @@ void RingCommunicator::allreduce_host(const CallHeader& header, const void* inpu
   bool shm = false;
   const RingSchedule sched = agree_on_ring(h, bytes, es, &shm);
   guarded("allreduce", [&] {
-    run_tuned(Collective::AllReduce, bytes, shm, [&] {
+    run_tuned(Collective::AllReduce, bytes, [&] {
       run_reduce_scatter(sched, dtype, op, input, out, shm);
       const Span mine = sched.segment(rank());
       if (op == Op::Avg && size() > 1)  // (x / 1 is x: one rank keeps its NaNs' bits)
@@ -664,7 +669,7 @@ void RingCommunicator::reduce_scatter_host(const CallHeader& header, const void*
   bool shm = false;
   const RingSchedule sched = agree_on_ring(h, bytes, es, &shm);
   guarded("reduce_scatter", [&] {
-    run_tuned(Collective::ReduceScatter, bytes, shm, [&] {
+    run_tuned(Collective::ReduceScatter, bytes, [&] {
       run_reduce_scatter(sched, dtype, op, input, work, shm, own_out);
       if (op == Op::Avg && size() > 1) {
         const Span mine = sched.segment(rank());
@@ -741,7 +746,7 @@ void RingCommunicator::allgather(const void* input, void* out,
   for (int64_t c : counts) total += c;
   const int64_t total_bytes = total * static_cast<int64_t>(es);
   // headers_ still holds allgather_counts()'s exchange, rank 0's wire with it.
-  const bool shm = agreed_shm(total_bytes);
+  const bool shm = take_agreed_wire(total_bytes);
   const RingSchedule sched(rank(), size(), counts,
                            ring_chunk_elems(pending_allgather_chunk_bytes_, es, shm));
   const Span mine = sched.segment(rank());
@@ -754,7 +759,7 @@ void RingCommunicator::allgather(const void* input, void* out,
   auto ring = [&] { run_allgather(sched, es, out, shm); };
   guarded("allgather", [&] {
     if (chosen) {
-      run_tuned(Collective::AllGather, total_bytes, shm, ring);
+      run_tuned(Collective::AllGather, total_bytes, ring);
     } else {
       ring();
     }
@@ -817,7 +822,7 @@ void RingCommunicator::broadcast_host(const CallHeader& header, void* buf) {
   const bool host = h.memory == kHostMemory;
   if (host) propose_wire(&h, bytes);
   const int64_t agreed_chunk = agree(h);
-  const bool shm = host && agreed_shm(bytes);
+  const bool shm = host && take_agreed_wire(bytes);
   auto ring = [&] {
     if (shm) {
       shm_->broadcast(root, buf, bytes,
@@ -828,7 +833,7 @@ void RingCommunicator::broadcast_host(const CallHeader& header, void* buf) {
                      chunk * static_cast<int64_t>(es), kWindow);
     }
   };
-  guarded("broadcast", [&] { run_tuned(Collective::Broadcast, bytes, shm, ring); });
+  guarded("broadcast", [&] { run_tuned(Collective::Broadcast, bytes, ring); });
 }
 
 void RingCommunicator::close() {

@@ -58,14 +58,13 @@ struct CallHeader {
   int64_t inline_bytes = 0; // payload bytes that follow the header in the same message
   int64_t memory = 0;       // where the buffers are: kHostMemory or kDeviceMemory
   int64_t out_rows = -1;    // allgather: rows of the caller's out=, or -1 for none
-  int64_t wire = -1;        // rank 0's: kWireShm or kWireMpi for this call's ring (see WireTuner)
+  int64_t wire = -1;        // rank 0's: kWireShm, kWireMpi or kWireShmStreaming for this
+                            // call's ring (see WireTuner)
   int64_t host_limit = 0;   // GPU buffers: the sender's device_host_reduce_bytes (which
                             // decides the path of every GPU call), so it must agree
   static constexpr int64_t kMagic = 0x52494e4752454435;  // "RINGRED5"
   static constexpr int64_t kClosedAtExit = 1;
 };
-
-constexpr int64_t kWireShm = 0, kWireMpi = 1;
 
 constexpr int64_t kHostMemory = 0, kDeviceMemory = 1;
 
@@ -218,10 +217,13 @@ class RingCommunicator {
   int64_t device_calls_on_host() const { return device_calls_on_host_; }
   // The part of ring_bytes_sent() that went through the shared-memory slots.
   int64_t shm_bytes_sent() const { return shm_ ? shm_->bytes_sent() : 0; }
+  // Whether the latest call through the shared-memory slots wrote them with streaming
+  // stores (rank 0's tuner's choice, or RINGREDUCE_SHM=stream).
+  bool shm_streaming() const { return shm_ && shm_->streaming(); }
   // What this rank's tuner learns from a ring call of `bytes` that took `seconds` on one
   // wire (run_tuned() calls it on rank 0; tests call it to steer the choice).
-  void record_wire_time(Collective collective, int64_t bytes, bool shm, double seconds) {
-    tuner(collective).record(bytes, shm, seconds);
+  void record_wire_time(Collective collective, int64_t bytes, int wire, double seconds) {
+    tuner(collective).record(bytes, wire, seconds);
   }
   // The largest allreduce, in bytes, done inside the header exchange (0 on one rank).
   int64_t inline_capacity() const { return inline_capacity_; }
@@ -370,16 +372,17 @@ class RingCommunicator {
   void run_allgather(const RingSchedule& sched, size_t elem_size, void* buf, bool shm);
   bool use_shm(int64_t total_bytes) const;
   // Rank 0 proposes, in its header, which wire a ring call of `bytes` that may use shared
-  // memory should take (what its tuner for `collective` prefers); after the exchange,
-  // agreed_shm() says what every rank does: shared memory unless rank 0 said MPI.
+  // memory should take (what its tuner for `collective` chooses); after the exchange,
+  // take_agreed_wire() says what every rank does: shared memory unless rank 0 said MPI,
+  // and then sets the channel's stores (streaming or not) to rank 0's word.
   void propose_wire(CallHeader* h, int64_t bytes);
-  bool agreed_shm(int64_t bytes) const;
+  bool take_agreed_wire(int64_t bytes);
   // An allreduce's or reduce_scatter's header exchange, then its schedule: split evenly,
   // in chunks of rank 0's size, over the wire agreed (*shm).
   RingSchedule agree_on_ring(CallHeader h, int64_t bytes, size_t elem_size, bool* shm);
-  // Runs a ring call, timed on rank 0 for its tuner when it could have used either wire.
+  // Runs a ring call, timed on rank 0 for its tuner when it could have used another wire.
   template <typename Run>
-  void run_tuned(Collective collective, int64_t bytes, bool shm, Run run);
+  void run_tuned(Collective collective, int64_t bytes, Run run);
   WireTuner& tuner(Collective collective) { return tuners_[static_cast<int>(collective) % 4]; }
   int64_t ring_chunk_elems(int64_t agreed_chunk_bytes, size_t elem_size, bool shm) const;
 
@@ -438,7 +441,8 @@ class RingCommunicator {
   std::unique_ptr<DeviceBuffer> host_mirror_;   // pinned: staged chunks, one place per chunk
   std::unique_ptr<DeviceBuffer> device_scratch_;  // received chunks (and direct-mode slots)
   std::unique_ptr<ShmChannel> shm_;  // null unless all ranks share a node
-  bool tune_wire_ = true;  // false: RINGREDUCE_SHM=1, shared memory whenever it can
+  bool tune_wire_ = true;  // false: RINGREDUCE_SHM=1 or stream, shared memory whenever it can
+  int fixed_wire_ = kWireShm;  // the wire then (kWireShmStreaming for RINGREDUCE_SHM=stream)
   std::array<WireTuner, 4> tuners_;  // per collective; only rank 0's decide
   std::unique_ptr<char[]> scratch_;  // MPI receive slots, grown on demand, kept
   int64_t scratch_bytes_ = 0;

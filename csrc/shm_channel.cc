@@ -469,7 +469,7 @@ void ShmChannel::run_phase(const RingSchedule& sched, size_t elem_size, Phase ph
       [&](int64_t i, char* slot) {
         const ChunkRef& u = sends[i];
         const Span ch = sched.chunk(u.segment, u.chunk);
-        copy_bytes(slot, send_source(u.step, ch), ch.count * elem_size);
+        copy_to_slot(slot, send_source(u.step, ch), ch.count * elem_size);
         return ch.count * static_cast<int64_t>(elem_size);
       },
       [&](int64_t i, const char* slot) {
@@ -526,7 +526,7 @@ void ShmChannel::broadcast(int root, void* buf, int64_t bytes, int64_t chunk_byt
       (rank_ + 1) % p,
       [&](int64_t c, int64_t received) { return position == 0 || received > c; },
       [&](int64_t c, char* slot) {
-        copy_bytes(slot, data + c * chunk, chunk_len(c));
+        copy_to_slot(slot, data + c * chunk, chunk_len(c));
         return chunk_len(c);
       },
       [&](int64_t c, const char* slot) { copy_bytes(data + c * chunk, slot, chunk_len(c)); },

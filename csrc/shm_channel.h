@@ -24,6 +24,7 @@
 #include <string>
 #include <vector>
 
+#include "copy.h"
 #include "dtype.h"
 #include "ring_schedule.h"
 #include "waiting.h"
@@ -63,6 +64,11 @@ class ShmChannel {
   // buf's `bytes` from root to every rank, down the ring in chunks of chunk_bytes (at
   // most a slot; the same on every rank).
   void broadcast(int root, void* buf, int64_t bytes, int64_t chunk_bytes);
+  // Whether the calls from now on write their slots with streaming stores
+  // (copy_streaming() in copy.h: which is faster depends on where the cores sit, so the
+  // WireTuner decides); every rank alike, or the times only mislead.
+  void set_streaming(bool on) { streaming_ = on && kStreamingStores; }
+  bool streaming() const { return streaming_; }
   void free();  // unmaps every rank's memory (not collective; the destructor does it too)
   // Waits on another rank throw TimeoutError after this many seconds without progress
   // (<= 0: never).
@@ -111,6 +117,12 @@ class ShmChannel {
   char* board(int r, uint64_t parity) const { return boards_[r] + parity * board_stride_; }
   char* my_slot(uint64_t seq) const { return my_slots_ + (seq % slots_) * slot_bytes_; }
   const char* left_slot(uint64_t seq) const { return left_slots_ + (seq % slots_) * slot_bytes_; }
+  void copy_to_slot(char* slot, const void* data, int64_t bytes) const {
+    if (streaming_)
+      copy_streaming(slot, data, static_cast<size_t>(bytes));
+    else
+      copy_bytes(slot, data, static_cast<size_t>(bytes));
+  }
   bool can_send() const;      // the right neighbour has freed the slot of our next chunk
   bool can_receive() const;   // the left neighbour has published our next chunk
   void sent();                // publish the chunk just written into my_slot(sent_)
@@ -147,6 +159,7 @@ class ShmChannel {
   uint64_t sent_ = 0;      // chunks we have published (our copy of *my_published_)
   uint64_t received_ = 0;  // chunks we have consumed (our copy of *my_consumed_)
   int64_t bytes_sent_ = 0;
+  bool streaming_ = false;  // see set_streaming()
 };
 
 }  // namespace ringreduce

@@ -1,14 +1,19 @@
 // Which wire a ring call should take between ranks of one machine: the shared-memory
-// slots (ShmChannel) or MPI messages. Usually shared memory wins (1 MiB reduce_scatter
-// on the development machine: 49 us against 83 us), but on a shared machine there are
-// phases, a minute or more long, in which the data moving through the slots slows down
-// 3-5x while MPI messages barely do (the same call: 263 us against 88 us); and at
-// some sizes MPI messages are simply faster (4 MiB allreduce: 380 us against 516 us).
-// Measuring beats guessing: the tuner keeps, per size class, each wire's last three
-// times per byte, sends each call the way whose median is lower, and now and then
-// sends one the other way to keep that wire's times fresh. A size's first eight calls
-// alternate, to have both wires' times early. The median of three lets
-// one odd call go by (this machine has many) and follows a real change in two.
+// slots (ShmChannel), written with ordinary or with streaming stores, or MPI messages.
+// Usually shared memory wins (1 MiB reduce_scatter on the development machine: 49 us
+// against 83 us), but on a shared machine there are phases, a minute or more long, in
+// which the data moving through the slots slows down 3-5x while MPI messages barely do
+// (the same call: 263 us against 88 us); and at some sizes MPI messages are simply
+// faster (4 MiB allreduce: 380 us against 516 us). Those phases come from where the
+// ranks' cores sit: a line another core has just written is slow to fetch from another
+// die, and there slots written with streaming stores (copy_streaming() in copy.h), which
+// the reader fetches from memory instead, win back most of the loss (1 MiB allgather,
+// 2 ranks: 95-128 us against 340-444 us), while costing 1.6x where the cores share a
+// cache. Measuring beats guessing: the tuner keeps, per size class, each wire's last
+// three times per byte, sends each call the way whose median is lowest, and now and
+// then sends one another way to keep that wire's times fresh. A size's first calls take
+// the wires in turn, to have all their times early. The median of three lets one odd
+// call go by (this machine has many) and follows a real change in two.
 //
 // Pure bookkeeping, no MPI and no clock: the caller times its calls. Only rank 0's
 // tuner decides; its choice travels in the call header, so all ranks take one wire.
@@ -19,15 +24,22 @@
 
 namespace ringreduce {
 
+// The wires, as the call header carries rank 0's choice.
+constexpr int kWireShm = 0, kWireMpi = 1, kWireShmStreaming = 2;
+
 class WireTuner {
  public:
-  static constexpr int kExploreEvery = 32;  // every 32nd call of a size tries the other wire
-  static constexpr int kLearnCalls = 8;  // a size's first calls alternate, shm first (see prefer_shm())
+  static constexpr int kExploreEvery = 32;  // every 32nd call of a size tries another wire
+  static constexpr int kTurns = 4;  // a size's first calls take each wire this often, in turn
 
-  // The wire for the next call of `bytes`: true for shared memory. Counts the call.
-  bool prefer_shm(int64_t bytes);
+  // streaming: whether the streaming wire is one to try (where copy_streaming() streams).
+  explicit WireTuner(bool streaming = true) : wires_(streaming ? 3 : 2) {}
+
+  int wires() const { return wires_; }
+  // The wire for the next call of `bytes` (kWireShm, ...). Counts the call.
+  int choose(int64_t bytes);
   // How long a call of `bytes` took on the wire it took.
-  void record(int64_t bytes, bool shm, double seconds);
+  void record(int64_t bytes, int wire, double seconds);
   // k for calls of [2^k, 2^(k+1)) bytes: calls in one class share their times.
   static int size_class_of(int64_t bytes);
 
@@ -40,11 +52,14 @@ class WireTuner {
     double median() const;
   };
   struct SizeClass {  // calls of [2^k, 2^(k+1)) bytes
-    Estimate shm, mpi;
+    std::array<Estimate, 3> wire;  // by wire code
     int64_t calls = 0;
-    bool learning = false;  // its first kLearnCalls calls alternate (set on the first)
+    int64_t explored = 0;  // looks at wires other than the fastest, so far
+    bool learning = false;  // its first calls take the wires in turn (set on the first)
   };
   SizeClass& size_class(int64_t bytes);
+  int fastest(const SizeClass& c) const;
+  int wires_;
   std::array<SizeClass, 64> classes_{};
 };
 

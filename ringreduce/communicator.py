@@ -604,21 +604,24 @@ def _checked_timeout(value, context: str) -> float:
     return 0.0 if math.isinf(value) else value
 
 
-# The core's switches, read as 0 or 1 (anything but 0 counts as 1), and what each value
-# means.
+# The core's switches, the values each takes (empty: as unset, as the core reads it),
+# and what they mean.
 _SWITCHES = {
-    "RINGREDUCE_SHM": "0 (no shared memory) or 1 (shared memory for every call it can "
-                      "take, untimed), or unset (each call size timed on both wires)",
-    "RINGREDUCE_CUDA_AWARE": "0 (GPU buffers staged through host memory), 1 (handed to MPI "
-                             "as they are) or unset (as the MPI library says it can)",
+    "RINGREDUCE_SHM": (("0", "1", "stream"),
+                       "0 (no shared memory), 1 (shared memory for every call it can take, "
+                       "untimed), stream (the same, its slots written with streaming "
+                       "stores) or unset (each call size timed on every wire)"),
+    "RINGREDUCE_CUDA_AWARE": (("0", "1"),
+                              "0 (GPU buffers staged through host memory), 1 (handed to "
+                              "MPI as they are) or unset (as the MPI library says it can)"),
 }
 
 
 def _check_environment(context: str) -> None:
     # A value meant otherwise ("false", "no") must not pass silently as 1.
-    for name, meaning in _SWITCHES.items():
+    for name, (values, meaning) in _SWITCHES.items():
         value = os.environ.get(name)
-        if value not in (None, "", "0", "1"):  # (empty: as unset, as the core reads it)
+        if value not in (None, "", *values):
             raise ValueError(f"{context}: {name} must be {meaning}; got {value!r}")
 
 

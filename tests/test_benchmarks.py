@@ -58,8 +58,8 @@ def test_wire_choice_runs_and_summarises(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     data = json.loads(result.read_text())
     assert data["rounds"], "no round finished"
-    names = ["chosen", "shared memory", "MPI messages", "MPI library"]
-    for test in ("reduce_scatter 1 MiB", "allreduce 4 MiB"):
+    names = ["chosen", "shared memory", "streaming stores", "MPI messages", "MPI library"]
+    for test in ("reduce_scatter 1 MiB", "allgather 1 MiB", "allreduce 4 MiB"):
         assert all(data["rounds"][0][f"{test}: {name}"] > 0 for name in names)
         assert set(names) <= set(data["summary"][test])
     assert (tmp_path / "wire.png").stat().st_size > 0

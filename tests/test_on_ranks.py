@@ -2,7 +2,8 @@
 assumptions). Each case launches `mpiexec -n RANKS` on one module of tests/mpi/ with a
 timeout; every rank must pass the same tests. Ranks on one machine pass chunks through
 shared memory; the modules that move data run a second time over MPI messages
-(RINGREDUCE_SHM=0), so both wires are tested."""
+(RINGREDUCE_SHM=0), and two a third time through slots written with streaming stores
+(RINGREDUCE_SHM=stream), so every wire is tested."""
 import os
 
 import pytest
@@ -40,6 +41,12 @@ def test_module_over_mpi_messages(module, ranks, tmp_path, capsys):
     check_module(module, ranks, tmp_path, capsys, {"RINGREDUCE_SHM": "0"})
 
 
+@pytest.mark.parametrize("ranks", [2, 3, 4])
+@pytest.mark.parametrize("module", ["test_allreduce.py", "test_collectives.py"])
+def test_module_through_slots_written_with_streaming_stores(module, ranks, tmp_path, capsys):
+    check_module(module, ranks, tmp_path, capsys, {"RINGREDUCE_SHM": "stream"})
+
+
 def check_module(module, ranks, tmp_path, capsys, env):
     summaries = run_on_ranks(ranks, module, tmp_path, timeout=MODULES[module], env=env)
     counts = {(s["passed"], s["failed"], s["skipped"]) for s in summaries.values()}
@@ -47,7 +54,8 @@ def check_module(module, ranks, tmp_path, capsys, env):
     passed, failed, skipped = counts.pop()
     assert failed == 0 and passed > 0
     with capsys.disabled():
-        wire = " over MPI messages" if env else ""
+        wire = {"0": " over MPI messages", "stream": " with streaming slot stores"}.get(
+            env.get("RINGREDUCE_SHM"), "")
         print(f"\n  {module} on {ranks} rank(s){wire}: {passed} passed, {skipped} skipped on "
               "each rank", end="")
 

@@ -1,91 +1,128 @@
-"""WireTuner, the bookkeeping that picks shared memory or MPI messages for a ring call
-(csrc/wire_tuner.h), on its own: no MPI, made-up times."""
+"""WireTuner, the bookkeeping that picks a ring call's wire, shared memory (its slots
+written with ordinary or with streaming stores) or MPI messages (csrc/wire_tuner.h), on
+its own: no MPI, made-up times."""
 from ringreduce import _core
 
 EVERY = _core.WireTuner.EXPLORE_EVERY
-LEARN = _core.WireTuner.LEARN_CALLS
+TURNS = _core.WireTuner.TURNS
+SHM, MPI, STREAM = _core.WIRE_SHM, _core.WIRE_MPI, _core.WIRE_SHM_STREAMING
 MIB = 1 << 20
 
 
 def choices(tuner, nbytes, calls):
-    return [tuner.prefer_shm(nbytes) for _ in range(calls)]
+    return [tuner.choose(nbytes) for _ in range(calls)]
 
 
-def test_shared_memory_first_the_wires_in_turn_and_the_other_wire_now_and_then():
-    # Nothing recorded: the first LEARN calls alternate, then shared memory it is, but
-    # for a look at MPI every EVERY-th call.
-    tuner = _core.WireTuner()
-    picks = choices(tuner, MIB, 3 * EVERY)
-    assert [i for i, shm in enumerate(picks) if not shm] == (
-        list(range(1, LEARN, 2)) + [EVERY - 1, 2 * EVERY - 1, 3 * EVERY - 1])
-
-
-def test_a_few_calls_already_find_the_faster_wire():
-    # The first LEARN calls take the wires in turn: a collective called a few times
-    # only still finds the faster wire, by three times each.
-    assert LEARN == 8
-    tuner = _core.WireTuner()
-    assert run(tuner, LEARN + 3, shm_us=263, mpi_us=88) == [True, False] * 4 + [False] * 3
-    tuner = _core.WireTuner()
-    assert run(tuner, LEARN + 3, shm_us=49, mpi_us=83) == [True, False] * 4 + [True] * 3
-    # MPI's first two calls slow (the library's own set-up, as MPICH's 1 MiB broadcasts
-    # were): four looks, of which the last three count, still see it faster.
-    tuner = _core.WireTuner()
-    mpi_calls = 0
-    picks = []
-    for _ in range(LEARN + 3):
-        shm = tuner.prefer_shm(MIB)
-        mpi_calls += not shm
-        tuner.record(MIB, shm, (230 if shm else 580 if mpi_calls <= 2 else 140) * 1e-6)
-        picks.append(shm)
-    assert picks == [True, False] * 4 + [False] * 3
-    # Times that are there already (three of each) need no turns.
-    tuner = _core.WireTuner()
-    for _ in range(3):
-        tuner.record(MIB, False, 83e-6)
-        tuner.record(MIB, True, 49e-6)
-    assert choices(tuner, MIB, 3) == [True, True, True]
-
-
-def run(tuner, calls, shm_us, mpi_us):
-    """calls ring calls of 1 MiB, each on the wire the tuner picks, taking that long."""
+def run(tuner, calls, us, nbytes=MIB):
+    """calls ring calls of nbytes, each on the wire the tuner picks, taking us[wire]
+    microseconds."""
     picks = []
     for _ in range(calls):
-        shm = tuner.prefer_shm(MIB)
-        tuner.record(MIB, shm, (shm_us if shm else mpi_us) * 1e-6)
-        picks.append(shm)
+        wire = tuner.choose(nbytes)
+        tuner.record(nbytes, wire, us[wire] * 1e-6)
+        picks.append(wire)
     return picks
 
 
-def test_the_faster_wire_wins_and_the_estimate_follows_a_change():
+def test_the_wires_in_turn_then_shared_memory_and_the_others_now_and_then():
+    # Nothing recorded: the first calls take the three wires in turn, four times each,
+    # then shared memory it is, but for a look at another wire every EVERY-th call, the
+    # two others in turn.
     tuner = _core.WireTuner()
-    # The usual phase (times measured on the development machine): shared memory.
-    picks = run(tuner, 4 * EVERY, shm_us=49, mpi_us=83)
-    assert picks.count(False) == LEARN // 2 + 4  # only the looks at MPI
+    assert tuner.wires == 3
+    picks = choices(tuner, MIB, 4 * EVERY)
+    assert picks[:3 * TURNS] == [SHM, MPI, STREAM] * TURNS
+    looks = {i: wire for i, wire in enumerate(picks) if wire != SHM and i >= 3 * TURNS}
+    assert looks == {EVERY - 1: MPI, 2 * EVERY - 1: STREAM, 3 * EVERY - 1: MPI,
+                     4 * EVERY - 1: STREAM}
+
+
+def test_without_streaming_stores_two_wires_as_ever():
+    tuner = _core.WireTuner(streaming=False)
+    assert tuner.wires == 2
+    picks = choices(tuner, MIB, 3 * EVERY)
+    assert [i for i, wire in enumerate(picks) if wire != SHM] == (
+        list(range(1, 2 * TURNS, 2)) + [EVERY - 1, 2 * EVERY - 1, 3 * EVERY - 1])
+    assert STREAM not in picks
+    tuner.record(MIB, STREAM, 1e-9)  # a time of a wire it does not have is ignored
+    assert run(tuner, 3, {SHM: 49, MPI: 83}) == [SHM] * 3
+
+
+def test_a_few_calls_already_find_the_fastest_wire():
+    # The first calls take the wires in turn: a collective called a few times only
+    # still finds the fastest wire, by three times of each.
+    assert TURNS == 4
+    learn = 3 * TURNS
+    for us, fastest in [({SHM: 263, MPI: 88, STREAM: 120}, MPI),
+                        ({SHM: 49, MPI: 83, STREAM: 80}, SHM),
+                        ({SHM: 440, MPI: 420, STREAM: 110}, STREAM)]:
+        tuner = _core.WireTuner()
+        assert run(tuner, learn + 3, us) == [SHM, MPI, STREAM] * TURNS + [fastest] * 3
+    # MPI's first two calls slow (the library's own set-up, as MPICH's 1 MiB broadcasts
+    # were): four looks, of which the last three count, still see it fastest.
+    tuner = _core.WireTuner()
+    mpi_calls = 0
+    picks = []
+    for _ in range(learn + 3):
+        wire = tuner.choose(MIB)
+        mpi_calls += wire == MPI
+        slow_start = 580 if mpi_calls <= 2 else 140
+        tuner.record(MIB, wire, {SHM: 230, MPI: slow_start, STREAM: 300}[wire] * 1e-6)
+        picks.append(wire)
+    assert picks == [SHM, MPI, STREAM] * TURNS + [MPI] * 3
+    # Times that are there already (three of each) need no turns.
+    tuner = _core.WireTuner()
+    for _ in range(3):
+        tuner.record(MIB, MPI, 83e-6)
+        tuner.record(MIB, SHM, 49e-6)
+        tuner.record(MIB, STREAM, 60e-6)
+    assert choices(tuner, MIB, 3) == [SHM] * 3
+
+
+def test_the_fastest_wire_wins_and_the_estimate_follows_a_change():
+    tuner = _core.WireTuner()
+    usual = {SHM: 49, MPI: 83, STREAM: 80}  # times measured on the development machine
+    picks = run(tuner, 4 * EVERY, usual)
+    assert picks.count(MPI) == TURNS + 2 and picks.count(STREAM) == TURNS + 2  # the looks
     # One odd slow call changes nothing...
-    assert run(tuner, 1, shm_us=500, mpi_us=83) == [True]
-    assert run(tuner, 3, shm_us=49, mpi_us=83) == [True] * 3
-    # ...but a slow phase for shared memory does, after two calls...
-    picks = run(tuner, 4 * EVERY, shm_us=263, mpi_us=88)
-    assert picks[:3] == [True, True, False]
-    assert picks[2:].count(True) == 4  # ...looking back at shared memory now and then
-    # The phase ends: shared memory wins back after two looks.
-    picks = run(tuner, 4 * EVERY, shm_us=49, mpi_us=83)
-    assert picks[-2 * EVERY:].count(False) == 2  # only the looks at MPI
+    assert run(tuner, 1, {**usual, SHM: 500}) == [SHM]
+    assert run(tuner, 3, usual) == [SHM] * 3
+    # ...but a slow phase for shared memory's ordinary stores does, after two calls, to
+    # the fastest of the others by their last times; two calls each find what is
+    # fastest now...
+    cross_die = {SHM: 440, MPI: 420, STREAM: 110}
+    picks = run(tuner, 4 * EVERY, cross_die)
+    assert picks[:8] == [SHM, SHM, STREAM, STREAM, MPI, MPI, STREAM, STREAM]
+    settled = picks[-2 * EVERY:]  # ...and keep to it, looking at the others in turn
+    assert settled.count(STREAM) == 2 * EVERY - 2 and SHM in settled and MPI in settled
+    # The phase ends: ordinary stores win back after two looks at them.
+    picks = run(tuner, 6 * EVERY, usual)
+    assert picks[-2 * EVERY:].count(SHM) == 2 * EVERY - 2  # but for the looks
 
 
 def test_size_classes_are_separate_and_times_count_per_byte():
     # (Three times of each wire, so that no class is still taking the wires in turn.)
     tuner = _core.WireTuner()
     for _ in range(3):
-        tuner.record(MIB, True, 1.0)
-        tuner.record(MIB, False, 0.5)       # MPI faster at 1 MiB...
-        tuner.record(64 << 10, True, 0.5)
-        tuner.record(64 << 10, False, 1.0)  # ...shared memory at 64 KiB
-    assert tuner.prefer_shm(MIB) is False and tuner.prefer_shm(64 << 10) is True
+        for wire, at_1m, at_64k in [(SHM, 1.0, 0.5), (MPI, 0.5, 1.0), (STREAM, 0.7, 0.6)]:
+            tuner.record(MIB, wire, at_1m)        # MPI fastest at 1 MiB...
+            tuner.record(64 << 10, wire, at_64k)  # ...shared memory at 64 KiB
+    assert tuner.choose(MIB) == MPI and tuner.choose(64 << 10) == SHM
 
     tuner = _core.WireTuner()
     for _ in range(3):
-        tuner.record(MIB, False, 0.5)           # MPI: 0.5 s per MiB
-        tuner.record(3 * MIB // 2, True, 0.6)   # shared memory: 0.4 s per MiB, same class
-    assert tuner.prefer_shm(MIB) is True
+        tuner.record(MIB, MPI, 0.5)             # MPI: 0.5 s per MiB
+        tuner.record(MIB, STREAM, 0.45)         # streaming: 0.45 s per MiB
+        tuner.record(3 * MIB // 2, SHM, 0.6)    # shared memory: 0.4 s per MiB, same class
+    assert tuner.choose(MIB) == SHM
+
+
+def test_shared_memory_until_it_has_a_time_of_its_own():
+    tuner = _core.WireTuner()
+    for _ in range(3):
+        tuner.record(MIB, MPI, 1e-9)
+        tuner.record(MIB, STREAM, 2e-9)
+    picks = choices(tuner, MIB, 3 * TURNS + 2)  # (times of its own: none recorded)
+    assert picks == [SHM, MPI, STREAM] * TURNS + [SHM, SHM]
+    tuner.record(MIB, SHM, 1.0)
+    assert tuner.choose(MIB) == MPI

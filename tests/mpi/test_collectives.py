@@ -1,4 +1,5 @@
 """reduce_scatter, allgather and broadcast."""
+import os
 import weakref
 
 import numpy as np
@@ -308,54 +309,85 @@ def test_rank_0_picks_the_wire_for_every_rank(world):
     with rr.Communicator() as ring:
         if ring.transport != "shared memory":
             pytest.skip("needs ranks that share memory")
+        if os.environ.get("RINGREDUCE_SHM"):
+            pytest.skip("RINGREDUCE_SHM fixes the wire")
         x = rank_data(np.dtype(np.float32), (1 << 20) // 4, salt=13)
         rs = rr._core.COLLECTIVES["reduce_scatter"]
         core = ring._core
-        if RANK == 0:  # as if MPI messages had been much faster lately (three times each)
-            for _ in range(3):
-                core.record_wire_time(rs, x.nbytes, True, 1.0)
-                core.record_wire_time(rs, x.nbytes, False, 1e-6)
-        shm_before, all_before = core.shm_bytes_sent, core.ring_bytes_sent
-        assert bitwise_equal(ring.reduce_scatter(x), reference.reduce_scatter(x, "sum", world))
-        assert core.shm_bytes_sent == shm_before and core.ring_bytes_sent > all_before
-        if RANK == 0:  # and now shared memory
-            for _ in range(40):
-                core.record_wire_time(rs, x.nbytes, True, 1e-9)
-        shm_before = core.shm_bytes_sent
-        assert bitwise_equal(ring.reduce_scatter(x), reference.reduce_scatter(x, "sum", world))
-        assert core.shm_bytes_sent > shm_before
+        for fast in (rr._core.WIRE_MPI, rr._core.WIRE_SHM, rr._core.WIRE_SHM_STREAMING,
+                     rr._core.WIRE_SHM):
+            if RANK == 0:  # as if this wire had been much faster lately (three times each)
+                for wire in WIRES:
+                    for _ in range(3):
+                        core.record_wire_time(rs, x.nbytes, wire, 1e-9 if wire == fast else 1.0)
+            shm_before, all_before = core.shm_bytes_sent, core.ring_bytes_sent
+            assert bitwise_equal(ring.reduce_scatter(x), reference.reduce_scatter(x, "sum", world))
+            assert core.ring_bytes_sent > all_before
+            if fast == rr._core.WIRE_MPI:
+                assert core.shm_bytes_sent == shm_before
+            else:
+                assert core.shm_bytes_sent > shm_before
+                assert core.shm_streaming == (fast == rr._core.WIRE_SHM_STREAMING
+                                              and rr._core.STREAMING_STORES)
 
+
+WIRES = (rr._core.WIRE_SHM, rr._core.WIRE_MPI, rr._core.WIRE_SHM_STREAMING)
+
+
+def test_the_environment_can_fix_the_wire(world):
+    setting = os.environ.get("RINGREDUCE_SHM")
+    if setting not in ("1", "stream"):
+        pytest.skip("RINGREDUCE_SHM=1 or stream fixes the wire")
+    with rr.Communicator() as ring:
+        if ring.transport != "shared memory" or SIZE == 1:
+            pytest.skip("needs ranks that share memory")
+        core = ring._core
+        x = rank_data(np.dtype(np.float32), (1 << 20) // 4, salt=14)
+        expected = reference.allreduce(x, "sum", world)
+        for _ in range(2 * rr._core.WireTuner.EXPLORE_EVERY):  # (never a look elsewhere)
+            shm_before, all_before = core.shm_bytes_sent, core.ring_bytes_sent
+            assert bitwise_equal(ring.allreduce(x), expected)
+            assert core.shm_bytes_sent - shm_before == core.ring_bytes_sent - all_before > 0
+            assert core.shm_streaming == (setting == "stream" and rr._core.STREAMING_STORES)
 
 
 def test_broadcast_runs_down_the_shared_memory_slots_and_over_mpi_alike(world):
     # Past the root's board, broadcast goes down the ring: through the shared-memory
-    # slots (64 KiB each, 8 per rank, so 1 MiB wraps them twice) unless rank 0's tuner
-    # says MPI. Both wires, three roots, sizes around a slot (fewer than
-    # WireTuner.EXPLORE_EVERY calls of a size class: the tuner never tries the other wire).
+    # slots (64 KiB each, 8 per rank, so 1 MiB wraps them twice; written with ordinary
+    # or streaming stores) unless rank 0's tuner says MPI. Every wire, three roots, sizes
+    # around a slot (fewer than WireTuner.EXPLORE_EVERY calls of a size class: the
+    # tuner never tries another wire).
     with rr.Communicator() as ring:
         if ring.transport != "shared memory":
             pytest.skip("needs ranks that share memory")
+        if os.environ.get("RINGREDUCE_SHM"):
+            pytest.skip("RINGREDUCE_SHM fixes the wire")
         core = ring._core
         bc = rr._core.COLLECTIVES["broadcast"]
         slot = 64 << 10
         for nbytes in (core.broadcast_inline_capacity + 8, slot, slot + 8, 3 * slot - 8,
                        (1 << 20) + 24):
-            for shm in (True, False):
+            for fast in WIRES:
+                shm = fast != rr._core.WIRE_MPI
                 if RANK == 0:  # as if this wire had been much faster lately
                     for _ in range(3):
-                        core.record_wire_time(bc, nbytes, shm, 1e-9)
-                        core.record_wire_time(bc, nbytes, not shm, 1.0)
+                        for wire in WIRES:
+                            core.record_wire_time(bc, nbytes, wire, 1e-9 if wire == fast else 1.0)
                 for root in sorted({0, SIZE // 2, SIZE - 1}):
                     x = rank_data(np.dtype(np.float64), nbytes // 8, salt=root)
                     roots_data = world.bcast(x.copy(), root=root)
                     shm_before, all_before = core.shm_bytes_sent, core.ring_bytes_sent
                     assert ring.broadcast(x, root=root) is x
-                    assert bitwise_equal(x, roots_data), (nbytes, shm, root)
+                    assert bitwise_equal(x, roots_data), (nbytes, fast, root)
                     # every rank but the one left of the root passes the data on
                     passes_on = SIZE > 1 and (RANK - root) % SIZE != SIZE - 1
                     moved = core.ring_bytes_sent - all_before
-                    assert moved == (nbytes if passes_on else 0), (nbytes, shm, root)
+                    assert moved == (nbytes if passes_on else 0), (nbytes, fast, root)
                     assert core.shm_bytes_sent - shm_before == (moved if shm else 0)
+                    if shm and SIZE > 1:
+                        assert core.shm_streaming == (fast == rr._core.WIRE_SHM_STREAMING
+                                                      and rr._core.STREAMING_STORES)
+
 
 def test_big_results_reuse_only_buffers_nothing_else_holds(world, monkeypatch):
     # Results without out= from MIN_BYTES on come from kept buffers (lowered here to

@@ -276,9 +276,11 @@ def test_bad_communicators_and_settings():
 
 @pytest.mark.parametrize("variable", ["RINGREDUCE_SHM", "RINGREDUCE_CUDA_AWARE"])
 def test_an_unknown_setting_is_refused(variable, monkeypatch):
-    # Only 0 and 1 mean something; "off" must not silently mean "on" (as the core, which
-    # takes anything but 0 for 1, would read it).
-    for value in ("off", "false", "yes", "2"):
+    # Only 0 and 1 (and RINGREDUCE_SHM's stream) mean something; "off" must not
+    # silently mean "on" (as the core, which takes anything but 0 for 1, would read it).
+    values = ("off", "false", "yes", "2") + (("stream",) if variable != "RINGREDUCE_SHM" else
+                                              ("Stream", "streaming"))
+    for value in values:
         monkeypatch.setenv(variable, value)
         with pytest.raises(ValueError, match=rf"\(rank {RANK} of {SIZE}\): {variable} must be 0"):
             rr.Communicator()  # before anything collective
