@@ -22,6 +22,9 @@ class CudaDevice final : public Device {
       for (cudaStream_t& s : streams_)
         check(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate");
     } catch (...) {
+      // No destructor runs after a constructor throws: the streams made so far are ours.
+      for (cudaStream_t s : streams_)
+        if (s) cudaStreamDestroy(s);
       give_back_device();
       throw;
     }
@@ -29,14 +32,12 @@ class CudaDevice final : public Device {
   }
   ~CudaDevice() override {
     // No throwing here; at interpreter exit the driver may already be shutting down.
-    // close() may run on any thread, with any GPU current (see give_back_device()).
-    callers_device_ = ordinal_;
-    cudaGetDevice(&callers_device_);
-    if (callers_device_ != ordinal_) cudaSetDevice(ordinal_);
+    // close() may run on any thread, with any GPU current.
+    const int previous = make_current();
     for (cudaStream_t s : streams_) cudaStreamSynchronize(s);
     for (cudaEvent_t e : events_) cudaEventDestroy(e);
     for (cudaStream_t s : streams_) cudaStreamDestroy(s);
-    give_back_device();
+    restore_current(previous);
   }
 
   const char* name() const override { return "CUDA"; }
@@ -71,6 +72,18 @@ class CudaDevice final : public Device {
     // Our streams never wait on MPI, so this ends; errors are the failed call's own.
     for (cudaStream_t s : streams_) cudaStreamSynchronize(s);
     give_back_device();
+  }
+
+  int make_current() noexcept override {
+    int previous = ordinal_;
+    if (cudaGetDevice(&previous) != cudaSuccess) previous = ordinal_;
+    if (previous != ordinal_) cudaSetDevice(ordinal_);
+    (void)cudaGetLastError();
+    return previous;
+  }
+  void restore_current(int previous) noexcept override {
+    if (previous != ordinal_) cudaSetDevice(previous);
+    (void)cudaGetLastError();
   }
 
   void* alloc_host(int64_t bytes) override {

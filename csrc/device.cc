@@ -66,6 +66,8 @@ class HostDevice final : public Device {
       }
     }
   }
+  int make_current() noexcept override { return -1; }
+  void restore_current(int) noexcept override {}
   void* alloc_host(int64_t bytes) override { return allocate(bytes); }
   void free_host(void* p) override { delete[] static_cast<char*>(p); }
   void* alloc_device(int64_t bytes) override { return allocate(bytes); }

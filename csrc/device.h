@@ -41,6 +41,11 @@ class Device {
   // may write into the caller's buffers, and those are freed once the call raises),
   // then give the caller its current GPU back. Never throws.
   virtual void abandon() = 0;
+  // Outside a call (freeing at close, or on a change of GPU): makes our GPU this
+  // thread's current one and returns the one that was, for restore_current(). Freeing
+  // with no GPU current would first make a context on GPU 0. Never throw.
+  virtual int make_current() noexcept = 0;
+  virtual void restore_current(int previous) noexcept = 0;
 
   virtual void* alloc_host(int64_t bytes) = 0;    // pinned
   virtual void free_host(void* p) = 0;
@@ -66,6 +71,19 @@ class Device {
       wait(s, out);
     }
   }
+};
+
+// `device`'s GPU current on this thread for a scope (Device::make_current).
+class CurrentDevice {
+ public:
+  explicit CurrentDevice(Device& device) : device_(device), previous_(device.make_current()) {}
+  ~CurrentDevice() { device_.restore_current(previous_); }
+  CurrentDevice(const CurrentDevice&) = delete;
+  CurrentDevice& operator=(const CurrentDevice&) = delete;
+
+ private:
+  Device& device_;
+  int previous_;
 };
 
 // See the top of this file.

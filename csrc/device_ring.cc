@@ -285,8 +285,14 @@ Device& RingCommunicator::device(bool emulate, int ordinal) {
 }
 
 void RingCommunicator::release_device() {
-  host_mirror_.reset();
-  device_scratch_.reset();
+  if (!device_) return;  // (the buffers come with it)
+  {
+    // close() may run on any thread: free with our GPU current (no context made on
+    // GPU 0), and give the thread its own back before ~CudaDevice, which does the same.
+    const CurrentDevice ours(*device_);
+    host_mirror_.reset();
+    device_scratch_.reset();
+  }
   device_.reset();
 }
 

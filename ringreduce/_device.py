@@ -105,13 +105,40 @@ class _Launch:
         if threading.get_ident() != self.caller:
             self.cp.cuda.runtime.setDevice(self.device)
 
-    def args(self):
-        """The last five arguments of every *_device call of the core."""
-        return self.device, self.ready.ptr, self.stream.ptr, self.direct, _EMULATE
+    def args(self, ready=None):
+        """The last five arguments of every *_device call of the core; the ring waits
+        for `ready` (an event), by default the one recorded when the call was made."""
+        ready = self.ready if ready is None else ready
+        return self.device, ready.ptr, self.stream.ptr, self.direct, _EMULATE
 
-    def context(self):
-        """The caller's GPU and stream, for cupy work done on the worker thread."""
-        return _StreamContext(self.cp, self.device, self.stream)
+    def context(self, stream=None):
+        """The caller's GPU and `stream` (by default the caller's), for cupy work done
+        on the worker thread."""
+        return _StreamContext(self.cp, self.device, self.stream if stream is None else stream)
+
+    def allocating_stream(self):
+        """The stream under which run() takes memory from cupy's pool, and copies:
+        the caller's, but the legacy default stream (Stream.null) on the worker thread
+        for a caller on cupy's per-thread default stream (ptr 2). There ptr 2 is the
+        worker's own stream, whose freed memory cupy keeps per thread: an earlier
+        result the worker allocated comes back to it when freed, maybe while some
+        thread's kernels still read it, and nothing orders the worker's stream after
+        them. The legacy stream follows the work already enqueued on every blocking
+        stream, every thread's per-thread stream included, so an event recorded there
+        after the allocation (after()) makes the ring wait for those kernels."""
+        if self.stream.ptr == 2 and threading.get_ident() != self.caller:
+            return self.cp.cuda.Stream.null
+        return self.stream
+
+    def after(self, stream):
+        """An event for the ring to wait on instead of `ready`, recorded on `stream`
+        after run()'s own allocation and copies there. cupy's pool hands out memory
+        whose last users are ordered only on the stream it was freed to, maybe after
+        the call was made (another thread's work on a shared stream, while the call
+        waited in the queue), so the ring waits for that stream as it is now."""
+        event = self.cp.cuda.Event(block=False, disable_timing=True, interprocess=False)
+        event.record(stream)
+        return event
 
     def settle(self):
         """After cupy work in run(): cupy's per-thread default stream (ptr 2) names
@@ -211,13 +238,13 @@ def prepare_allgather(comm, context, x, out):
         # From here the ranks are committed to this call: whatever fails on one rank
         # (allocating the result, pinned staging, the GPU) is reported to all by the
         # core, which confirms every rank is ready before the ring starts.
-        source_now, result, failure = source, out, None
+        source_now, result, failure, ready = source, out, None, None
         try:
-            with launch.context():
-                # On the worker thread the caller's stream may be another one (cupy's
-                # per-thread default stream, see _Launch.settle): first order it after
-                # what `ready` marked, for the copy below and for the ring.
-                launch.stream.wait_event(launch.ready)
+            stream = launch.allocating_stream()
+            with launch.context(stream):
+                # Where that is not the caller's stream, the copy below must still
+                # follow what `ready` marked.
+                stream.wait_event(launch.ready)
                 if result is None:
                     result = cp.empty((total,) + row_shape, x.dtype)
                 mine = sum(counts[:comm.rank]) * row_elems * itemsize
@@ -225,16 +252,17 @@ def prepare_allgather(comm, context, x, out):
                 if (_ranges_overlap(_extent(source), (result.data.ptr, nbytes))
                         and _extent(source) != block):
                     source_now = source.copy()  # x inside out, not as its own block
-                # The pool may hand out memory whose last users were enqueued after
-                # `ready`: wait for them too.
-                launch.ready.record(launch.stream)
-            core.reserve_staging(nbytes, *launch.args())
+                # With neither, the ring waits only for the work enqueued before the
+                # call, as documented.
+                if result is not out or source_now is not source:
+                    ready = launch.after(stream)
+            core.reserve_staging(nbytes, *launch.args(ready))
         except Exception as error:  # cupy's OutOfMemoryError is a MemoryError
             failure = error
         try:
             keeping_on_departure(core, lambda: core.allgather_device(
                 source_now.data.ptr, 0 if result is None else result.data.ptr, counts,
-                row_elems, dtype, failure is None, *launch.args()), source_now, result)
+                row_elems, dtype, failure is None, *launch.args(ready)), source_now, result)
         except MemoryError:
             if failure is not None:
                 raise failure from None

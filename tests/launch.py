@@ -21,6 +21,15 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def mpiexec() -> str:
+    """RINGREDUCE_MPIEXEC where set (a path, or a name on PATH: the GPU check names the
+    MPI it installed, which the python there does not sit beside), else the mpiexec
+    beside this python (the mpich wheel's in a virtual environment), else PATH's."""
+    named = os.environ.get("RINGREDUCE_MPIEXEC")
+    if named:
+        found = shutil.which(named)
+        if not found:
+            raise RuntimeError(f"RINGREDUCE_MPIEXEC={named!r}: no such executable")
+        return found
     beside_python = Path(sys.executable).parent / "mpiexec"
     found = str(beside_python) if beside_python.exists() else shutil.which("mpiexec")
     if not found:

@@ -1,9 +1,10 @@
 """Just enough of cupy's surface, over host memory, for ringreduce/_device.py to run on
 machines without a GPU: arrays that present __cuda_array_interface__, streams, events
-and devices that do nothing. Paired with the core's host emulation of the GPU
-(ringreduce._device._EMULATE), the Python half of the GPU path (argument checks, out=,
-in place, strides, the async worker, allgather's allocation) runs under MPI in CI. What
-cupy and CUDA really do is for tests/mpi/test_gpu.py, on a GPU."""
+and devices that do nothing (though streams are current per thread, as cupy's are).
+Paired with the core's host emulation of the GPU (ringreduce._device._EMULATE), the
+Python half of the GPU path (argument checks, out=, in place, strides, the async
+worker, allgather's allocation) runs under MPI in CI. What cupy and CUDA really do is
+for tests/mpi/test_gpu.py, on a GPU."""
 from __future__ import annotations
 
 import threading
@@ -78,7 +79,13 @@ def asnumpy(x):
     return x.host.copy()
 
 
+# (thread, current stream's ptr) of each empty(), for tests to read: which of cupy's
+# pool arenas the real one would have taken the memory from.
+allocations = []
+
+
 def empty(shape, dtype):
+    allocations.append((threading.get_ident(), get_current_stream().ptr))
     return ndarray(np.empty(shape, dtype))
 
 
@@ -122,11 +129,40 @@ class _Nothing:
         pass
 
 
+_threads = threading.local()
+
+
+class Stream(_Nothing):
+    """Does nothing, but is current per thread as cupy's streams are (`with stream:`
+    nests), and has cupy's two built-in handles: `null` (ptr 0, the legacy default
+    stream) and `ptds` (ptr 2, which names each thread's own per-thread stream)."""
+
+    def __init__(self, *args, ptr=1 << 20, **kwargs):
+        self.ptr = ptr
+
+    def __enter__(self):
+        _threads.__dict__.setdefault("streams", []).append(self)
+        return self
+
+    def __exit__(self, *exc):
+        _threads.streams.pop()
+        return False
+
+
+Stream.null = Stream(ptr=0)
+Stream.ptds = Stream(ptr=2)
+
+
+def get_current_stream():
+    streams = getattr(_threads, "streams", None)
+    return streams[-1] if streams else Stream.null
+
+
 set_devices = []
 
 cuda = types.SimpleNamespace(
-    Device=_Nothing, Event=_Nothing, Stream=_Nothing,
-    get_current_stream=lambda: _Nothing(),
+    Device=_Nothing, Event=_Nothing, Stream=Stream,
+    get_current_stream=get_current_stream,
     get_elapsed_time=lambda start, stop: 1.0,  # ms; nothing is timed on the host
     runtime=types.SimpleNamespace(getDeviceCount=lambda: 1,
                                   getDeviceProperties=lambda ordinal: {"name": b"emulated"},

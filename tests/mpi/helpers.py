@@ -1,10 +1,12 @@
 """Data and expectations shared by the tests that run on every rank."""
 import functools
+import threading
 
 import numpy as np
 from mpi4py import MPI
 
 import ringreduce as rr
+from ringreduce import _device
 
 try:
     import ml_dtypes
@@ -142,3 +144,21 @@ def on_the_worker_without_python(handle) -> bool:
     """Whether the FastPath queued the allreduce_async of this handle: it runs on the
     worker thread without the GIL (else it was queued as Python work, or ran at once)."""
     return isinstance(handle._work, rr._core.AsyncAllreduce)
+
+
+def run_threads_of(name, monkeypatch) -> list:
+    """The thread each run() of _device.<name> runs on, in call order, from now on."""
+    threads = []
+    prepare = getattr(_device, name)
+
+    def recording(*args):
+        run = prepare(*args)
+
+        def run_and_record():
+            threads.append(threading.get_ident())
+            return run()
+
+        return run_and_record
+
+    monkeypatch.setattr(_device, name, recording)
+    return threads

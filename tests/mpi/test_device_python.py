@@ -4,6 +4,7 @@ emulation of a GPU. Checks the plumbing: results, out=, in place, strides, async
 calls, allgather's allocation, broadcast into a view, and the argument errors. cupy
 and CUDA themselves are tested by test_gpu.py where there is a GPU."""
 import gc
+import threading
 import time
 import weakref
 
@@ -16,7 +17,8 @@ from ringreduce import _core, _device, reference
 
 import fake_cupy as cp
 from helpers import (bitwise_equal, check_gpu_argument_errors,
-                     check_host_and_gpu_arrays_in_one_call_raise_everywhere, rank_data)
+                     check_host_and_gpu_arrays_in_one_call_raise_everywhere, rank_data,
+                     run_threads_of)
 
 SIZE = MPI.COMM_WORLD.Get_size()
 RANK = MPI.COMM_WORLD.Get_rank()
@@ -97,8 +99,6 @@ def test_the_worker_thread_makes_the_arrays_gpu_current_and_keeps_it(ring):
     # one GPU: this checks who sets which, not the contexts.)
     if not ring._executor.threaded:
         pytest.skip("MPI without MPI_THREAD_MULTIPLE: no worker thread")
-    import threading
-
     x = cp.asarray(rank_data(np.dtype(np.float32), 100))
     ring.allreduce(x)  # on this thread (nothing queued)
     assert all(thread != threading.get_ident() for thread, _ in cp.set_devices)
@@ -109,6 +109,40 @@ def test_the_worker_thread_makes_the_arrays_gpu_current_and_keeps_it(ring):
     calls = cp.set_devices[before:]
     assert len(calls) == len(handles), calls
     assert all(thread != threading.get_ident() and gpu == x.device.id for thread, gpu in calls)
+
+
+def test_a_queued_allgather_on_the_per_thread_stream_allocates_on_the_legacy_one(
+        ring, world, monkeypatch):
+    # On the worker thread cupy's per-thread default stream (ptr 2) is the worker's
+    # own, whose pool memory nothing orders after other threads' kernels: the result is
+    # taken under the legacy default stream there (ptr 0; _Launch.allocating_stream),
+    # and in the caller's own thread under the caller's stream. The stand-in records
+    # which stream was current; what CUDA makes of it is for test_gpu.py.
+    if not ring._executor.threaded:
+        pytest.skip("MPI without MPI_THREAD_MULTIPLE: no worker thread")
+    threads = run_threads_of("prepare_allgather", monkeypatch)
+    y = rank_data(np.dtype(np.float32), 6 * (RANK + 1)).reshape(-1, 6)
+    expected = np.concatenate(world.allgather(y))
+    x = rank_data(np.dtype(np.float32), 20_000)
+    before = len(cp.allocations)
+    with cp.cuda.Stream.ptds:
+        inline = ring.allgather(cp.asarray(y))
+        _core.set_emulated_stall(1, 0.5)  # busy's first copy: it is still running below
+        try:
+            busy = ring.allreduce_async(cp.asarray(x))
+            assert ring._executor.busy
+            queued = ring.allgather(cp.asarray(y))
+        finally:
+            _core.set_emulated_stall(0, 0)
+        summed = busy.wait()
+    me = threading.get_ident()
+    assert threads[0] == me and threads[1] != me, "the second allgather was not queued"
+    made = cp.allocations[before:]
+    assert [ptr for thread, ptr in made if thread == threads[1]] == [0], made
+    assert (me, 2) in made  # the first one, and allreduce's out
+    np.testing.assert_array_equal(cp.asnumpy(inline), expected)
+    np.testing.assert_array_equal(cp.asnumpy(queued), expected)
+    assert bitwise_equal(cp.asnumpy(summed), reference.allreduce(x, "sum"))
 
 
 def test_reduce_scatter_allgather_broadcast(ring, world):

@@ -2,6 +2,8 @@
 cupy or no usable GPU. Ranks may share one GPU (rank r uses GPU r % count). Every result
 is held to the host ring's (numpy) result for the same data, bit for bit where the
 arithmetic is the same, and the staging path is tested whatever MPI says about CUDA."""
+import threading
+
 import numpy as np
 import pytest
 from mpi4py import MPI
@@ -10,7 +12,8 @@ import ringreduce as rr
 from ringreduce import reference
 
 from helpers import (bitwise_equal, check_gpu_argument_errors,
-                     check_host_and_gpu_arrays_in_one_call_raise_everywhere, rank_data)
+                     check_host_and_gpu_arrays_in_one_call_raise_everywhere, rank_data,
+                     run_threads_of)
 
 try:
     import cupy
@@ -89,47 +92,125 @@ extern "C" __global__ void late_fill(float* x, long n, float value, long long cy
   for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += gridDim.x * (long)blockDim.x)
     x[i] = value;
 }
+extern "C" __global__ void late_copy(float* dst, const float* src, long n, long long cycles) {
+  long long start = clock64();
+  while (clock64() - start < cycles) {}
+  for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += gridDim.x * (long)blockDim.x)
+    dst[i] = src[i];
+}
 """
+SPIN_CYCLES = 50_000_000  # tens of milliseconds
 
 
-def test_waits_for_the_callers_stream_and_is_ready_on_it(gpu_comm):
-    # x is written by a kernel that first spins for tens of milliseconds on a
-    # non-blocking stream; a collective that did not wait for that stream would read
-    # the zeros. The result is then read on the same stream without synchronising.
-    late_fill = cupy.RawKernel(SPIN, "late_fill")
+def late_filled(n, value, cycles=SPIN_CYCLES):
+    """zeros, written with `value` on the current stream by a kernel that first spins."""
+    x = cupy.zeros(n, cupy.float32)
+    cupy.RawKernel(SPIN, "late_fill")((64,), (256,), (x, np.int64(n), np.float32(value),
+                                                       np.int64(cycles)))
+    return x
+
+
+def test_waits_for_slow_kernels_on_the_callers_stream(gpu_comm):
+    # x and y are written on a non-blocking stream by kernels that first spin: a call
+    # that did not wait for that stream on the GPU would read zeros, the asynchronous
+    # one (on the worker thread) too. (That the result is ready on the stream after the
+    # call could not fail here: the core waits for its own work on the host before a
+    # call returns.)
     n = 1 << 20
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream:
-        x = cupy.zeros(n, cupy.float32)
-        late_fill((64,), (256,), (x, np.int64(n), np.float32(RANK + 1), np.int64(50_000_000)))
-        out = gpu_comm.allreduce(x)
-        doubled = out * 2
-        handle = gpu_comm.allreduce_async(doubled)
-        again = handle.wait() + 1
+        out = gpu_comm.allreduce(late_filled(n, RANK + 1))
+        again = gpu_comm.allreduce_async(late_filled(n, 2 * (RANK + 1))).wait() + 1
     stream.synchronize()
     total = SIZE * (SIZE + 1) / 2
     assert float(out[0]) == total and float(out[-1]) == total
-    assert float(again[0]) == 2 * total * SIZE + 1
+    assert float(again[0]) == 2 * total + 1 and float(again[-1]) == 2 * total + 1
 
 
-def test_a_queued_allgather_waits_for_the_per_thread_default_stream(gpu_comm):
-    # On cupy's per-thread default stream, the caller's stream handle names another
-    # stream on the worker thread: an allgather queued behind an async call (so run
-    # there) must still wait for the kernel that wrote x on the caller's thread.
+def per_thread_stream(comm):
     ptds = getattr(cupy.cuda.Stream, "ptds", None)
     if ptds is None:
         pytest.skip("this cupy has no per-thread default stream")
-    late_fill = cupy.RawKernel(SPIN, "late_fill")
+    if not comm._executor.threaded:
+        pytest.skip("MPI without MPI_THREAD_MULTIPLE: no worker thread")
+    return ptds
+
+
+def busy_call(comm, cycles=SPIN_CYCLES):
+    """An allreduce_async that keeps the worker thread busy for a while: its input is
+    written by a spinning kernel on the current stream, which the ring waits for."""
+    return comm.allreduce_async(late_filled(1 << 16, RANK + 1, cycles))
+
+
+def check_busy_call(handle):
+    got = cupy.asnumpy(handle.wait())
+    assert (got == SIZE * (SIZE + 1) / 2).all()
+
+
+def test_a_queued_allgather_waits_for_the_per_thread_default_stream(gpu_comm, monkeypatch):
+    # On cupy's per-thread default stream, the caller's stream handle names another
+    # stream on the worker thread: an allgather queued behind an async call (so run
+    # there) must still wait for the kernel that wrote x on the caller's thread.
+    ptds = per_thread_stream(gpu_comm)
+    threads = run_threads_of("prepare_allgather", monkeypatch)
     n = 1 << 18
     with ptds:
-        busy = gpu_comm.allreduce_async(cupy.ones(1 << 24, cupy.float32))
-        x = cupy.zeros(n, cupy.float32)
-        late_fill((64,), (256,), (x, np.int64(n), np.float32(RANK + 1), np.int64(50_000_000)))
+        busy = busy_call(gpu_comm)
+        x = late_filled(n, RANK + 1)
+        assert gpu_comm._executor.busy
         gathered = gpu_comm.allgather(x)
-        assert float(busy.wait()[0]) == SIZE
+        check_busy_call(busy)
         ends = cupy.asnumpy(gathered.reshape(SIZE, n)[:, [0, -1]])
+    assert threads[0] != threading.get_ident(), "the allgather was not queued"
     np.testing.assert_array_equal(ends, np.repeat(np.arange(1, SIZE + 1, dtype=np.float32), 2)
                                   .reshape(SIZE, 2))
+
+
+def test_a_freed_result_still_read_on_a_per_thread_stream_is_not_overwritten(
+        gpu_comm, monkeypatch, world):
+    # An allgather queued behind an async call takes its result from cupy's pool on the
+    # worker thread. An earlier one's result, freed while a kernel on this thread's
+    # per-thread stream has yet to read it, goes back to the pool, and a later allgather
+    # (from another thread here: an allgather blocks its caller) may be handed it: its
+    # ring must wait for that kernel, which then still reads the earlier result.
+    ptds = per_thread_stream(gpu_comm)
+    threads = run_threads_of("prepare_allgather", monkeypatch)
+    late_copy = cupy.RawKernel(SPIN, "late_copy")
+    first, second = (rank_data(np.dtype(np.float32), 12_345 * 8, salt=salt).reshape(-1, 8)
+                     for salt in (11, 12))
+    expected_first = np.concatenate(world.allgather(first))
+    expected_second = np.concatenate(world.allgather(second))
+    device = cupy.cuda.Device().id
+    cupy.get_default_memory_pool().free_all_blocks()  # (so that the block is reused)
+    got, errors = [], []
+
+    def second_caller():
+        try:
+            with cupy.cuda.Device(device), ptds:
+                got.append(gpu_comm.allgather(cupy.asarray(second)))
+        except BaseException as error:  # (raised again in the test's thread)
+            errors.append(error)
+
+    with ptds:
+        busy = busy_call(gpu_comm)
+        result = gpu_comm.allgather(cupy.asarray(first))
+        check_busy_call(busy)
+        seen, freed_at = cupy.empty_like(result), result.data.ptr
+        busy = busy_call(gpu_comm, 2 * SPIN_CYCLES)
+        # Runs after the busy call's input is written, and reads long after its ring.
+        late_copy((64,), (256,), (seen, result, np.int64(result.size),
+                                  np.int64(4 * SPIN_CYCLES)))
+        del result
+        caller = threading.Thread(target=second_caller)
+        caller.start()
+        caller.join(timeout=120)
+        assert not caller.is_alive() and not errors, errors
+        check_busy_call(busy)
+        np.testing.assert_array_equal(cupy.asnumpy(seen), expected_first)
+        np.testing.assert_array_equal(cupy.asnumpy(got[0]), expected_second)
+    me = threading.get_ident()
+    assert threads[0] != me and threads[1] not in (me, caller.ident), "not queued"
+    assert got[0].data.ptr == freed_at, "the pool handed out another block: nothing tested"
 
 
 def test_several_async_calls_in_flight(gpu_comm):
