@@ -213,7 +213,10 @@ def draw(e: Explanation, path: str) -> None:
     bar.set_ticks(range(1, e.ranks + 1))
     bar.set_label("ranks' data in the copy", fontsize=8)
     bar.ax.tick_params(labelsize=7)
-    fig.savefig(path)
+    # The same picture, the same file: no date, and SVG ids not drawn at random (a
+    # regenerated figure is then no change for git).
+    with matplotlib.rc_context({"svg.hashsalt": "ringreduce"}):
+        fig.savefig(path, metadata={"Date": None} if str(path).endswith(".svg") else None)
 
 
 def main(argv=None) -> int:

@@ -41,6 +41,8 @@ $PY benchmarks/summarize.py benchmarks/results/allreduce_p2_run*.json \
     --plot "$OUT/speedup_p2.png" > /dev/null
 $PY benchmarks/summarize.py benchmarks/results/allreduce_p2_1203_run*.json \
     --plot "$OUT/speedup_p2_1203.png" > /dev/null
+$PY benchmarks/summarize.py benchmarks/results/allreduce_p2_streaming_run*.json \
+    --plot "$OUT/speedup_p2_streaming.png" > /dev/null
 $PY examples/compare_runs.py $R/ranks1.json $R/ranks2.json $R/ranks4.json \
     --plot "$OUT/digits_ranks.png" > /dev/null
 $PY examples/compare_runs.py $R/ranks2.json $R/ranks2_fp16.json $R/ranks2_bf16.json \
