@@ -11,7 +11,7 @@ written by streaming stores (RINGREDUCE_SHM=stream), by ringreduce always over M
 messages (RINGREDUCE_SHM=0, which also exchanges its call headers by MPI_Iallgather and
 inlines only 256 bytes), and by the MPI library itself. Each point is the slowest rank's mean over a batch of calls.
 Rounds in which shared memory's ordinary stores took over 1.5x as long as its streaming
-stores (which are 1.2-1.5x slower in the usual phase) are counted as the machine's slow
+stores (which are up to 1.55x slower in the usual phase) are counted as the machine's slow
 phases, and summarised apart.
 """
 from __future__ import annotations

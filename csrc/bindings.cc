@@ -830,6 +830,21 @@ PYBIND11_MODULE(_core, m) {
   m.attr("WIRE_MPI") = kWireMpi;
   m.attr("WIRE_SHM_STREAMING") = kWireShmStreaming;
   m.attr("STREAMING_STORES") = kStreamingStores;
+  m.def(
+      "copy_streaming",
+      [](py::array dst, py::array src) {  // tests: copy_streaming() on any two buffers
+        if (!(dst.flags() & py::array::c_style) || !(src.flags() & py::array::c_style) ||
+            !dst.writeable() || dst.nbytes() != src.nbytes())
+          throw std::invalid_argument("copy_streaming: two C-contiguous arrays of as many bytes, "
+                                      "the first writable");
+        char* d = static_cast<char*>(dst.mutable_data());
+        const char* s = static_cast<const char*>(src.data());
+        const py::ssize_t n = dst.nbytes();
+        if (n > 0 && d < s + n && s < d + n)
+          throw std::invalid_argument("copy_streaming: the arrays overlap");
+        copy_streaming(d, s, static_cast<size_t>(n));
+      },
+      py::arg("dst"), py::arg("src"));
   m.doc() = "ringreduce's C++ core: ring collectives over MPI (use the ringreduce package)";
   py::register_exception<MismatchError>(m, "MismatchError", PyExc_RuntimeError);
   py::register_exception<MpiError>(m, "MPIError", PyExc_RuntimeError);
@@ -1093,12 +1108,16 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("shm_bytes_sent", &RingCommunicator::shm_bytes_sent)
       .def_property_readonly("shm_streaming", &RingCommunicator::shm_streaming)
       .def("record_wire_time",
-           [](RingCommunicator& self, int collective, int64_t bytes, int wire, double seconds) {
+           [](RingCommunicator& self, int collective, int64_t bytes, py::object wire,
+              double seconds) {
              if (collective < 1 || collective > 4)
                throw std::invalid_argument("record_wire_time: no such collective");
-             if (wire < 0 || wire > kWireShmStreaming)
-               throw std::invalid_argument("record_wire_time: no such wire");
-             self.record_wire_time(Collective(collective), bytes, wire, seconds);
+             // (A bool was the old argument, shared memory or not: True would now be MPI.)
+             const int w = PyBool_Check(wire.ptr()) ? -1 : wire.cast<int>();
+             if (w < 0 || w > kWireShmStreaming)
+               throw std::invalid_argument("record_wire_time: wire must be one of WIRE_SHM, "
+                                           "WIRE_MPI, WIRE_SHM_STREAMING");
+             self.record_wire_time(Collective(collective), bytes, w, seconds);
            })
       .def("allreduce",
            [](RingCommunicator& self, py::array x, py::array out, int dtype, int op,

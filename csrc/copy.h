@@ -69,7 +69,8 @@ inline void copy_streaming(void* dst, const void* src, size_t bytes) {
 #if defined(__x86_64__)
   char* d = static_cast<char*>(dst);
   const char* s = static_cast<const char*>(src);
-  const size_t head = (16 - reinterpret_cast<uintptr_t>(d) % 16) % 16;  // to align d
+  // From a cache line's start on: each line then goes out whole, in one write.
+  const size_t head = (64 - reinterpret_cast<uintptr_t>(d) % 64) % 64;
   if (bytes < head + 64) {
     copy_bytes(d, s, bytes);
     return;

@@ -30,7 +30,8 @@ def cuda_available() -> bool:
 
 
 def supported_dtypes() -> list[str]:
-    """Names of the dtypes the collectives accept here (bfloat16 needs ml_dtypes)."""
+    """Names of the dtypes the collectives accept here (bfloat16 needs ml_dtypes: listed
+    where it is installed, which is asked without importing it)."""
     bfloat16 = importlib.util.find_spec("ml_dtypes") is not None
     return [name for name in _core.DTYPES if name != "bfloat16" or bfloat16]
 

@@ -171,3 +171,23 @@ def test_float16_nan_payloads_survive_like_numpys():
     nan = np.full(11, 0x7E01, np.uint16).view(np.float16)
     got = core_reduce(nan, np.zeros_like(nan), "sum")
     assert got.view(np.uint16).tolist() == (nan + np.float16(0)).view(np.uint16).tolist()
+
+
+def test_streaming_copies_are_copies_at_every_alignment_and_size():
+    # copy_streaming() writes a shared-memory slot when the tuner picks streaming stores;
+    # the slots are aligned, so the ring never tries its unaligned starts and short ends.
+    rng = np.random.default_rng(7)
+    source = rng.integers(0, 256, 600, dtype=np.uint8)
+    for dst_offset in range(0, 80, 3):
+        for src_offset in (0, 1, 8, 15):
+            for n in list(range(0, 140)) + [191, 192, 193, 255, 256, 257, 300]:
+                dst = np.full(n + dst_offset + 16, 0xAA, np.uint8)
+                _core.copy_streaming(dst[dst_offset:dst_offset + n],
+                                     source[src_offset:src_offset + n])
+                assert dst[dst_offset:dst_offset + n].tobytes() == \
+                    source[src_offset:src_offset + n].tobytes(), (dst_offset, src_offset, n)
+                assert (dst[:dst_offset] == 0xAA).all() and (dst[dst_offset + n:] == 0xAA).all()
+    with pytest.raises(ValueError, match="overlap"):
+        _core.copy_streaming(source[8:108], source[:100])
+    with pytest.raises(ValueError, match="as many bytes"):
+        _core.copy_streaming(np.empty(4, np.uint8), source[:5])

@@ -329,6 +329,23 @@ def test_rank_0_picks_the_wire_for_every_rank(world):
                 assert core.shm_bytes_sent > shm_before
                 assert core.shm_streaming == (fast == rr._core.WIRE_SHM_STREAMING
                                               and rr._core.STREAMING_STORES)
+        # allgather: rank 0 proposes its wire before it knows every rank's rows
+        rows = rank_data(np.dtype(np.float32), (1 << 20) // 4 // SIZE, salt=15)
+        ag = rr._core.COLLECTIVES["allgather"]
+        for fast in WIRES:
+            if RANK == 0:
+                for wire in WIRES:
+                    for _ in range(3):
+                        core.record_wire_time(ag, rows.nbytes * SIZE, wire,
+                                              1e-9 if wire == fast else 1.0)
+            shm_before = core.shm_bytes_sent
+            assert bitwise_equal(ring.allgather(rows), np.concatenate(world.allgather(rows)))
+            assert (core.shm_bytes_sent > shm_before) == (fast != rr._core.WIRE_MPI)
+            if fast != rr._core.WIRE_MPI:
+                assert core.shm_streaming == (fast == rr._core.WIRE_SHM_STREAMING
+                                              and rr._core.STREAMING_STORES)
+        with pytest.raises(ValueError, match="wire must be one of"):
+            core.record_wire_time(rs, x.nbytes, True, 1.0)  # (a bool: the old argument)
 
 
 WIRES = (rr._core.WIRE_SHM, rr._core.WIRE_MPI, rr._core.WIRE_SHM_STREAMING)
