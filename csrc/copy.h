@@ -60,11 +60,12 @@ constexpr bool kStreamingStores = false;
 
 // copy_bytes() for a shared-memory slot that another core reads next, with stores that
 // bypass this core's caches: the lines then come to the reader from memory instead of
-// from this core's cache. Between cores that share a cache, that is slower (about 1.6x
-// for a 1 MiB allgather on the development machine); between cores that do not (other
-// dies of a CPU, sockets, or a VM's virtual CPUs placed so), fetching another core's
-// freshly written lines costs more than memory, and streaming was 3-4x faster. Which holds is
-// for the WireTuner to measure. dst and src must not overlap.
+// from this core's cache. Between cores that share a cache, that is slower (up to 1.55x
+// on the development machine, 2 ranks); between cores that do not (other dies of a CPU,
+// sockets, or a VM's virtual CPUs placed so), fetching another core's freshly written
+// lines costs more than memory, and streaming was 3.5-5.7x faster (docs/performance.md,
+// wire_choice). Which holds is for the WireTuner to measure. dst and src must not
+// overlap.
 inline void copy_streaming(void* dst, const void* src, size_t bytes) {
 #if defined(__x86_64__)
   char* d = static_cast<char*>(dst);

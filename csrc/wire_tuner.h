@@ -8,8 +8,8 @@
 // ranks' cores sit: a line another core has just written is slow to fetch from another
 // die, and there slots written with streaming stores (copy_streaming() in copy.h), which
 // the reader fetches from memory instead, win back most of the loss (1 MiB allgather,
-// 2 ranks: 95-128 us against 340-444 us), while costing 1.6x where the cores share a
-// cache. Measuring beats guessing: the tuner keeps, per size class, each wire's last
+// 2 ranks, medians: 112 us against 392 us), while costing up to 1.55x where the cores
+// share a cache. Measuring beats guessing: the tuner keeps, per size class, each wire's last
 // three times per byte, sends each call the way whose median is lowest, and now and
 // then sends one another way to keep that wire's times fresh. A size's first calls take
 // the wires in turn, to have all their times early. The median of three lets one odd
