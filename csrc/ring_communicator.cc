@@ -247,12 +247,13 @@ RingSchedule RingCommunicator::copy_schedule(const RingSchedule& sched, size_t e
 }
 
 void RingCommunicator::run_allgather(const RingSchedule& sched, size_t elem_size, void* buf,
-                                     bool shm) {
+                                     bool shm, const void* own_input) {
   ring_steps_ += sched.steps_per_phase();
   if (shm) {
     shm_->allgather(sched, elem_size, buf);  // chunks must fit its slots
   } else {
-    ring_allgather(copy_schedule(sched, elem_size), *transport_, elem_size, buf, kWindow);
+    ring_allgather(copy_schedule(sched, elem_size), *transport_, elem_size, buf, kWindow,
+                   own_input);
   }
 }
 
@@ -756,7 +757,15 @@ void RingCommunicator::allgather(const void* input, void* out,
   // true size is in the same class (run_tuned() checks that it chose at all).
   const bool chosen = WireTuner::size_class_of(total_bytes) ==
                       WireTuner::size_class_of(pending_allgather_tuned_bytes_);
-  auto ring = [&] { run_allgather(sched, es, out, shm); };
+  // Over MPI messages, send our rows from x rather than from the copy just made in out:
+  // a receiver that reads them with a single copy (MPI's cross-memory attach) fetches
+  // lines another core has just written slowly on some machines (docs/performance.md,
+  // the slow phases), and x's were likely written long before. Not where x lies inside
+  // out, whose other segments the ring overwrites.
+  const char* in = static_cast<const char*>(input);
+  const char* out_begin = static_cast<const char*>(out);
+  const bool apart = in + mine.count * es <= out_begin || out_begin + total_bytes <= in;
+  auto ring = [&] { run_allgather(sched, es, out, shm, apart ? input : nullptr); };
   guarded("allgather", [&] {
     if (chosen) {
       run_tuned(Collective::AllGather, total_bytes, ring);

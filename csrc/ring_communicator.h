@@ -369,7 +369,9 @@ class RingCommunicator {
   // the same on every rank).
   void run_reduce_scatter(const RingSchedule& sched, DType dtype, Op op, const void* input,
                           void* out, bool shm, void* own_out = nullptr);
-  void run_allgather(const RingSchedule& sched, size_t elem_size, void* buf, bool shm);
+  // own_input: this rank's segment, where MPI messages send it from (nullptr: from buf).
+  void run_allgather(const RingSchedule& sched, size_t elem_size, void* buf, bool shm,
+                     const void* own_input = nullptr);
   bool use_shm(int64_t total_bytes) const;
   // Rank 0 proposes, in its header, which wire a ring call of `bytes` that may use shared
   // memory should take (what its tuner for `collective` chooses); after the exchange,

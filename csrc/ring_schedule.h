@@ -148,9 +148,10 @@ class ReduceTarget {
 };
 
 // All-gather: every rank's segment r of buf is sent around the ring so that all of
-// buf ends up equal on every rank.
+// buf ends up equal on every rank. own_input: where this rank's segment is sent from,
+// if not from buf (the same bytes).
 void ring_allgather(const RingSchedule& schedule, Transport& transport, size_t elem_size,
-                    void* buf, int window);
+                    void* buf, int window, const void* own_input = nullptr);
 
 // What a broadcast over staging buffers adds to the chain (all optional).
 struct BroadcastHooks {
