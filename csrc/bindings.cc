@@ -670,8 +670,8 @@ class FastPath {
       if (o.dims[i] != dims[i]) return false;
     if (overlap_ok) return true;
     const int64_t bytes = o.nbytes();
-    const bool apart = o.data + bytes <= x.data || x.data + x.nbytes() <= o.data;
-    return apart || (o.data == x.data && bytes == x.nbytes());
+    return !ranges_overlap(o.data, bytes, x.data, x.nbytes()) ||
+           (o.data == x.data && bytes == x.nbytes());
   }
 
   bool dtype_code(py::handle x, int* dtype) const {
@@ -840,7 +840,7 @@ PYBIND11_MODULE(_core, m) {
         char* d = static_cast<char*>(dst.mutable_data());
         const char* s = static_cast<const char*>(src.data());
         const py::ssize_t n = dst.nbytes();
-        if (n > 0 && d < s + n && s < d + n)
+        if (ranges_overlap(d, n, s, n))
           throw std::invalid_argument("copy_streaming: the arrays overlap");
         copy_streaming(d, s, static_cast<size_t>(n));
       },

@@ -31,6 +31,14 @@ constexpr size_t kCopyPieceBytes = 2048;
 // slower than one memcpy (512 KiB: 37 us against 16 us).
 constexpr size_t kAliasingMaxBytes = 512 << 10;
 
+// Whether the byte ranges [a, a + a_bytes) and [b, b + b_bytes) cross: share a byte, or
+// one is empty and lies strictly inside the other.
+inline bool ranges_overlap(const void* a, size_t a_bytes, const void* b, size_t b_bytes) {
+  const char* x = static_cast<const char*>(a);
+  const char* y = static_cast<const char*>(b);
+  return x < y + b_bytes && y < x + a_bytes;
+}
+
 // memmove(dst, src, bytes), as fast as memcpy wherever the two buffers lie.
 inline void copy_bytes(void* dst, const void* src, size_t bytes) {
   char* d = static_cast<char*>(dst);
@@ -38,8 +46,7 @@ inline void copy_bytes(void* dst, const void* src, size_t bytes) {
   if (bytes == 0 || d == s) return;
   const uintptr_t to = reinterpret_cast<uintptr_t>(d), from = reinterpret_cast<uintptr_t>(s);
   const uintptr_t gap = (to - from) & 4095;
-  const bool overlap = to < from + bytes && from < to + bytes;
-  if (overlap || gap == 0 || gap >= kAliasingGap || bytes <= kCopyPieceBytes ||
+  if (ranges_overlap(d, bytes, s, bytes) || gap == 0 || gap >= kAliasingGap || bytes <= kCopyPieceBytes ||
       bytes >= kAliasingMaxBytes) {
     std::memmove(d, s, bytes);
     return;

@@ -762,9 +762,7 @@ void RingCommunicator::allgather(const void* input, void* out,
   // lines another core has just written slowly on some machines (docs/performance.md,
   // the slow phases), and x's were likely written long before. Not where x lies inside
   // out, whose other segments the ring overwrites.
-  const char* in = static_cast<const char*>(input);
-  const char* out_begin = static_cast<const char*>(out);
-  const bool apart = in + mine.count * es <= out_begin || out_begin + total_bytes <= in;
+  const bool apart = !ranges_overlap(input, mine.count * es, out, total_bytes);
   auto ring = [&] { run_allgather(sched, es, out, shm, apart ? input : nullptr); };
   guarded("allgather", [&] {
     if (chosen) {

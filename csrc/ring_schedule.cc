@@ -168,11 +168,13 @@ void ring_allgather(const RingSchedule& sched, Transport& transport, size_t elem
                     int window, const void* own_input) {
   char* data = static_cast<char*>(buf);
   const int tag_base = sched.steps_per_phase();  // distinct from reduce-scatter's tags
-  const char* own = own_input ? static_cast<const char*>(own_input) - sched.segment(sched.rank()).offset * elem_size
-                              : data;
+  const char* own = static_cast<const char*>(own_input);
+  const int64_t own_offset = sched.segment(sched.rank()).offset;
   run_ring_phase(
       sched, transport, Phase::AllGather, tag_base, window, elem_size,
-      [&](Span ch) { return own + ch.offset * elem_size; },
+      [&](Span ch) {  // (our own segment's chunks)
+        return own ? own + (ch.offset - own_offset) * elem_size : data + ch.offset * elem_size;
+      },
       [&](int64_t, Span ch) { return data + ch.offset * elem_size; },
       [&](int64_t, Span) {},
       [&](Span ch) { return data + ch.offset * elem_size; });

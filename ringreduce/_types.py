@@ -15,7 +15,6 @@ _DTYPE_CODES = {name: code for code, name in enumerate(_core.DTYPES)}
 _COMPLEX = {"complex64", "complex128"}
 
 
-
 class UnsupportedOpError(TypeError, ValueError):
     """An op the dtype has no meaning for (min/max of complex, avg of integers).
 

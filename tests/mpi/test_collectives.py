@@ -305,6 +305,23 @@ def test_small_calls_on_non_native_byte_order(comm, world):
     assert bitwise_equal(comm.allreduce(x), reference.allreduce(native, "sum", world))
 
 
+WIRES = (rr._core.WIRE_SHM, rr._core.WIRE_MPI, rr._core.WIRE_SHM_STREAMING)
+
+
+def as_if_fastest(core, collective, nbytes, fast):
+    """Rank 0's tuner, as if `fast` had been much the fastest wire lately for calls of
+    nbytes (three times of each wire)."""
+    if RANK == 0:
+        for _ in range(3):
+            for wire in WIRES:
+                core.record_wire_time(collective, nbytes, wire, 1e-9 if wire == fast else 1.0)
+
+
+def streamed(fast):
+    """What shm_streaming says after a call through the slots on wire `fast`."""
+    return fast == rr._core.WIRE_SHM_STREAMING and rr._core.STREAMING_STORES
+
+
 def test_rank_0_picks_the_wire_for_every_rank(world):
     with rr.Communicator() as ring:
         if ring.transport != "shared memory":
@@ -316,10 +333,7 @@ def test_rank_0_picks_the_wire_for_every_rank(world):
         core = ring._core
         for fast in (rr._core.WIRE_MPI, rr._core.WIRE_SHM, rr._core.WIRE_SHM_STREAMING,
                      rr._core.WIRE_SHM):
-            if RANK == 0:  # as if this wire had been much faster lately (three times each)
-                for wire in WIRES:
-                    for _ in range(3):
-                        core.record_wire_time(rs, x.nbytes, wire, 1e-9 if wire == fast else 1.0)
+            as_if_fastest(core, rs, x.nbytes, fast)
             shm_before, all_before = core.shm_bytes_sent, core.ring_bytes_sent
             assert bitwise_equal(ring.reduce_scatter(x), reference.reduce_scatter(x, "sum", world))
             assert core.ring_bytes_sent > all_before
@@ -327,28 +341,20 @@ def test_rank_0_picks_the_wire_for_every_rank(world):
                 assert core.shm_bytes_sent == shm_before
             else:
                 assert core.shm_bytes_sent > shm_before
-                assert core.shm_streaming == (fast == rr._core.WIRE_SHM_STREAMING
-                                              and rr._core.STREAMING_STORES)
+                assert core.shm_streaming == streamed(fast)
         # allgather: rank 0 proposes its wire before it knows every rank's rows
         rows = rank_data(np.dtype(np.float32), (1 << 20) // 4 // SIZE, salt=15)
         ag = rr._core.COLLECTIVES["allgather"]
         for fast in WIRES:
-            if RANK == 0:
-                for wire in WIRES:
-                    for _ in range(3):
-                        core.record_wire_time(ag, rows.nbytes * SIZE, wire,
-                                              1e-9 if wire == fast else 1.0)
+            as_if_fastest(core, ag, rows.nbytes * SIZE, fast)
             shm_before = core.shm_bytes_sent
             assert bitwise_equal(ring.allgather(rows), np.concatenate(world.allgather(rows)))
             assert (core.shm_bytes_sent > shm_before) == (fast != rr._core.WIRE_MPI)
             if fast != rr._core.WIRE_MPI:
-                assert core.shm_streaming == (fast == rr._core.WIRE_SHM_STREAMING
-                                              and rr._core.STREAMING_STORES)
+                assert core.shm_streaming == streamed(fast)
         with pytest.raises(ValueError, match="wire must be one of"):
             core.record_wire_time(rs, x.nbytes, True, 1.0)  # (a bool: the old argument)
 
-
-WIRES = (rr._core.WIRE_SHM, rr._core.WIRE_MPI, rr._core.WIRE_SHM_STREAMING)
 
 
 def test_the_environment_can_fix_the_wire(world):
@@ -386,10 +392,7 @@ def test_broadcast_runs_down_the_shared_memory_slots_and_over_mpi_alike(world):
                        (1 << 20) + 24):
             for fast in WIRES:
                 shm = fast != rr._core.WIRE_MPI
-                if RANK == 0:  # as if this wire had been much faster lately
-                    for _ in range(3):
-                        for wire in WIRES:
-                            core.record_wire_time(bc, nbytes, wire, 1e-9 if wire == fast else 1.0)
+                as_if_fastest(core, bc, nbytes, fast)
                 for root in sorted({0, SIZE // 2, SIZE - 1}):
                     x = rank_data(np.dtype(np.float64), nbytes // 8, salt=root)
                     roots_data = world.bcast(x.copy(), root=root)
@@ -402,8 +405,7 @@ def test_broadcast_runs_down_the_shared_memory_slots_and_over_mpi_alike(world):
                     assert moved == (nbytes if passes_on else 0), (nbytes, fast, root)
                     assert core.shm_bytes_sent - shm_before == (moved if shm else 0)
                     if shm and SIZE > 1:
-                        assert core.shm_streaming == (fast == rr._core.WIRE_SHM_STREAMING
-                                                      and rr._core.STREAMING_STORES)
+                        assert core.shm_streaming == streamed(fast)
 
 
 def test_big_results_reuse_only_buffers_nothing_else_holds(world, monkeypatch):
