@@ -169,6 +169,9 @@ class RingCommunicator {
   // rank says whether it has its output, and if any has not, all throw
   // OutOfMemoryError naming them, instead of the others waiting in the ring for it.
   void allgather_confirm(bool ok, int64_t out_bytes);
+  // Whether every rank passed out= to the allgather whose counts were just exchanged:
+  // then none allocates its result, and a big one needs no confirming.
+  bool allgather_outs_given() const { return pending_allgather_outs_given_; }
   // Every rank says whether it got `what`; if any did not, all throw OutOfMemoryError
   // naming them (collective).
   void confirm_everywhere(bool ok, const char* collective, const std::string& what);
@@ -212,6 +215,7 @@ class RingCommunicator {
     return transport_->bytes_sent() + (shm_ ? shm_->bytes_sent() : 0);
   }
   int64_t ring_steps() const { return ring_steps_; }
+  int64_t exchanges() const { return exchanges_; }  // header exchanges begun (tests)
   // GPU calls whose data went to the host (see kDeviceHostReduceBytes), counted when it
   // got there: also those that then raised.
   int64_t device_calls_on_host() const { return device_calls_on_host_; }
@@ -468,6 +472,7 @@ class RingCommunicator {
   int64_t pending_allgather_host_limit_ = 0;  // GPU allgather: the agreed host limit
   bool pending_allgather_inline_ = false;  // ... and whether the rows came with the counts
   int64_t pending_allgather_tuned_bytes_ = 0;  // ... and the size rank 0 chose its wire for
+  bool pending_allgather_outs_given_ = false;  // ... and whether every rank passed out=
   int64_t ring_steps_ = 0;
   int64_t device_calls_on_host_ = 0;
 };

@@ -45,9 +45,10 @@ def gather_output(core, allocate, nbytes: int):
     and wait there for it forever. So for results big enough that allocating them might
     fail, every rank (those given ``out=`` too: the decision must be the same on every
     rank, and nbytes is) confirms that it has its result, one tiny collective, and all
-    raise MemoryError if any has not.
+    raise MemoryError if any has not; unless every rank passed ``out=`` (the header
+    exchange told each rank so), when none allocates.
     """
-    if nbytes < _CONFIRM_BYTES:
+    if nbytes < _CONFIRM_BYTES or core.allgather_outs_given:
         return allocate()
     try:
         result = allocate()

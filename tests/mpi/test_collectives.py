@@ -176,6 +176,39 @@ def test_small_allgather_guesses_only_below_the_confirmed_size(world, monkeypatc
             assert bitwise_equal(g, np.concatenate(world.allgather(x))), row_elems
 
 
+@pytest.mark.skipif(SIZE == 1, reason="one rank has no header exchange")
+@pytest.mark.parametrize("contiguous", [True, False], ids=["fast_path", "python"])
+def test_big_allgather_is_confirmed_only_where_a_rank_allocates_its_result(
+        contiguous, world, monkeypatch):
+    # From _CONFIRM_BYTES on, every rank confirms that it has its result before the
+    # ring (one that could not allocate it would leave the others waiting there), in
+    # an exchange of its own; unless every rank passed out=, which the call's header
+    # exchange tells them all: then none allocates and nothing needs confirming. Every
+    # mix of ranks with and without out= must take the same steps on every rank (or
+    # one would wait for an exchange the others never start), in the core's fast path
+    # (contiguous x) as in Python's (a strided x, copied first).
+    total = SIZE * (SIZE + 1) // 2
+    monkeypatch.setattr(communicator, "_CONFIRM_BYTES", total * 8)
+    with rr.Communicator(timeout=10) as ring:
+        core = ring._core
+        for row_elems in (1, 4096):  # rows that ride in the exchange; rows for the ring
+            for givers in ("all", "none", "rank 0", "all but rank 0"):
+                gives = {"all": True, "none": False, "rank 0": RANK == 0,
+                         "all but rank 0": RANK != 0}[givers]
+                x = rank_data(np.dtype(np.float64), 2 * (RANK + 1) * row_elems, salt=12)
+                x = x.reshape(2 * (RANK + 1), row_elems)[::2 if not contiguous else 1]
+                x = x[:RANK + 1]
+                out = np.empty((total, row_elems)) if gives else None
+                before = core.exchanges
+                g = ring.allgather(x, out=out)
+                assert bitwise_equal(g, np.concatenate(world.allgather(x))), givers
+                assert out is None or g is out
+                confirmed = givers != "all"
+                steps = world.allgather(core.exchanges - before)
+                assert steps == [1 + confirmed] * SIZE, (row_elems, givers, steps)
+                assert core.allgather_outs_given == (givers == "all")
+
+
 def test_allgather_of_scalars_and_module_level(comm, world):
     g = comm.allgather(np.float32(RANK + 0.5))
     assert g.shape == (SIZE,)

@@ -331,15 +331,19 @@ class _NumpyWithoutMemory:
 
 
 @needs_two
+@pytest.mark.parametrize("others_out", [False, True], ids=["none_gives_out", "others_give_out"])
 def test_a_rank_that_cannot_allocate_allgathers_output_does_not_hang_the_others(
-        comm, monkeypatch):
+        others_out, comm, monkeypatch):
+    # Also where the others passed out= (and so have nothing to allocate): they must
+    # still wait for rank 1's confirmation rather than go on into the ring.
     from ringreduce import communicator
 
     x = np.full((1024, 256), RANK, np.float32)  # 1 MiB per rank: the output is confirmed
+    out = np.empty((1024 * SIZE, 256), np.float32) if others_out and RANK != 1 else None
     if RANK == 1:
         monkeypatch.setattr(communicator, "np", _NumpyWithoutMemory())
     with pytest.raises(MemoryError, match="rank 1 could not allocate"):
-        comm.allgather(x)
+        comm.allgather(x, out=out)
     monkeypatch.undo()
     still_works(comm)
     np.testing.assert_array_equal(comm.allgather(x)[::1024, 0], np.arange(SIZE))
