@@ -524,17 +524,13 @@ class FastPath {
     for (int i = 1; i < a.nd; ++i) row_elems *= a.dims[i];
     // A guess at the result: out=, or this rank's rows times the ranks. If every rank's
     // rows add up to it, the exchange fills it in the same step (rows that ride along)
-    // or the ring does, and the call is done. A guess we allocate stays below the size
-    // at which every rank confirms that it has its result (gather_output() in Python),
-    // as whether a call confirms must not depend on a guess ranks may differ in (a
-    // guess that is right means a total below that size, which no rank confirms).
-    // out= is no guess: its size is the result's on every rank, or all raise.
+    // or the ring does, and the call is done. Made before the exchange, which tells
+    // every rank whether every rank's guess was right: a big result is confirmed by
+    // every rank (gather_output() in Python) unless all were, as then none allocates.
     py::object guess;
     if (!out.is_none()) {
       if (!is_plain_out(out, a, a.nd, a.dims, true, true)) return py::none();
       guess = py::reinterpret_borrow<py::object>(out);
-    } else if (a.nbytes() * core_->size() >= confirm_bytes_) {
-      return py::none();
     }
     const int64_t tag = a.nd == 1 ? no_row_shape_tag_ : shape_tag_(row_shape(a)).cast<int64_t>();
     Running running(*this);
@@ -550,14 +546,14 @@ class FastPath {
     const Array into(guess);
     std::vector<int64_t> counts;
     const bool done = keeping_on_departure(*core_, {x, guess}, [&] {
-      counts = core_->allgather_counts(rows, row_elems, tag, DType(dtype), chunk,
-                                       kHostMemory, out.is_none() ? -1 : into.dims[0], a.data);
+      counts = core_->allgather_counts(rows, row_elems, tag, DType(dtype), chunk, kHostMemory,
+                                       out.is_none() ? -1 : into.dims[0], a.data, into.dims[0]);
       int64_t total = 0;
       for (int64_t r : counts) total += r;
       if (total != into.dims[0]) return false;
-      // As gather_output() does, where a rank without out= may be allocating its result
-      // (ours is out=, so there is nothing to fail).
-      if (into.nbytes() >= confirm_bytes_ && !core_->allgather_outs_given())
+      // As gather_output() does where another rank allocates its result now (ours is
+      // here, so there is nothing to fail).
+      if (into.nbytes() >= confirm_bytes_ && !core_->allgather_results_held())
         core_->allgather_confirm(true, into.nbytes());
       if (core_->allgather_from_counts(into.data, into.dims[0], counts, row_elems,
                                        DType(dtype)))
@@ -1180,9 +1176,11 @@ PYBIND11_MODULE(_core, m) {
            py::arg("rows"), py::arg("row_elems"), py::arg("shape_tag"), py::arg("dtype"),
            py::arg("chunk_bytes"), py::arg("out_rows") = -1, py::arg("device") = false,
            py::arg("x") = py::none())
-      .def_property_readonly("allgather_outs_given", &RingCommunicator::allgather_outs_given,
-                             "whether every rank passed out= to the allgather whose counts "
-                             "were just exchanged")
+      .def_property_readonly("allgather_results_held",
+                             &RingCommunicator::allgather_results_held,
+                             "whether every rank held a result of the right size (out=, or "
+                             "a right guess) before the allgather whose counts were just "
+                             "exchanged")
       .def("allgather_confirm",
            [](RingCommunicator& self, bool ok, int64_t out_bytes) {
              WithoutGil nogil;

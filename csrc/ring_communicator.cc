@@ -684,11 +684,12 @@ std::vector<int64_t> RingCommunicator::allgather_counts(int64_t rows, int64_t ro
                                                         int64_t shape_tag, DType dtype,
                                                         int64_t chunk_bytes,
                                                         int64_t memory, int64_t out_rows,
-                                                        const void* input) {
+                                                        const void* input, int64_t held_rows) {
   pending_allgather_inline_ = false;  // until every rank's rows are known to have come
-  pending_allgather_outs_given_ = false;
+  pending_allgather_results_held_ = false;
   CallHeader h = make_header(Collective::AllGather, dtype, Op::Sum, rows, chunk_bytes, memory);
   h.out_rows = out_rows;
+  h.held_rows = out_rows >= 0 ? out_rows : held_rows;
   h.extra = row_elems;
   h.shape_tag = shape_tag;
   // Host rows that fit ride along; if every rank's did, allgather() only copies them out.
@@ -702,12 +703,15 @@ std::vector<int64_t> RingCommunicator::allgather_counts(int64_t rows, int64_t ro
   const int64_t agreed_chunk = agree(h, &all, input, fits ? bytes : 0);
   std::vector<int64_t> rows_per_rank(size());
   pending_allgather_inline_ = size() > 1;
-  pending_allgather_outs_given_ = true;
+  int64_t total_rows = 0;
   for (int r = 0; r < size(); ++r) {
     rows_per_rank[r] = all[r].count;
+    total_rows += all[r].count;
     if (all[r].inline_bytes < 0) pending_allgather_inline_ = false;
-    if (all[r].out_rows < 0) pending_allgather_outs_given_ = false;
   }
+  pending_allgather_results_held_ = true;
+  for (int r = 0; r < size(); ++r)
+    if (all[r].held_rows != total_rows) pending_allgather_results_held_ = false;
   pending_allgather_chunk_bytes_ = agreed_chunk;
   pending_allgather_host_limit_ = headers_[0].host_limit;  // every rank's, agreed
   return rows_per_rank;

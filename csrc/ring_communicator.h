@@ -58,11 +58,13 @@ struct CallHeader {
   int64_t inline_bytes = 0; // payload bytes that follow the header in the same message
   int64_t memory = 0;       // where the buffers are: kHostMemory or kDeviceMemory
   int64_t out_rows = -1;    // allgather: rows of the caller's out=, or -1 for none
+  int64_t held_rows = -1;   // allgather: rows of a result this rank holds already (out=,
+                            // or one allocated for a guess at the size), or -1 for none
   int64_t wire = -1;        // rank 0's: kWireShm, kWireMpi or kWireShmStreaming for this
                             // call's ring (see WireTuner)
   int64_t host_limit = 0;   // GPU buffers: the sender's device_host_reduce_bytes (which
                             // decides the path of every GPU call), so it must agree
-  static constexpr int64_t kMagic = 0x52494e4752454435;  // "RINGRED5"
+  static constexpr int64_t kMagic = 0x52494e4752454436;  // "RINGRED6"
   static constexpr int64_t kClosedAtExit = 1;
 };
 
@@ -161,17 +163,20 @@ class RingCommunicator {
   // rows here, so a wrong out= raises MismatchError on every rank before data moves.
   // input: this rank's rows (host memory); when every rank's fit in the header
   // exchange, they travel with it and allgather() has only to copy them out.
+  // held_rows: the rows of a result the caller holds already, out= or a guess at the
+  // size (-1: none; out_rows if out= is given), which no one checks.
   std::vector<int64_t> allgather_counts(int64_t rows, int64_t row_elems, int64_t shape_tag,
                                         DType dtype, int64_t chunk_bytes,
                                         int64_t memory = kHostMemory, int64_t out_rows = -1,
-                                        const void* input = nullptr);
+                                        const void* input = nullptr, int64_t held_rows = -1);
   // Between the halves, where allocating the output may fail (a big or GPU one): every
   // rank says whether it has its output, and if any has not, all throw
   // OutOfMemoryError naming them, instead of the others waiting in the ring for it.
   void allgather_confirm(bool ok, int64_t out_bytes);
-  // Whether every rank passed out= to the allgather whose counts were just exchanged:
-  // then none allocates its result, and a big one needs no confirming.
-  bool allgather_outs_given() const { return pending_allgather_outs_given_; }
+  // Whether every rank held a result of the right size before the allgather whose
+  // counts were just exchanged (out=, or a guess that was right): then none allocates
+  // one now, and a big one needs no confirming.
+  bool allgather_results_held() const { return pending_allgather_results_held_; }
   // Every rank says whether it got `what`; if any did not, all throw OutOfMemoryError
   // naming them (collective).
   void confirm_everywhere(bool ok, const char* collective, const std::string& what);
@@ -472,7 +477,7 @@ class RingCommunicator {
   int64_t pending_allgather_host_limit_ = 0;  // GPU allgather: the agreed host limit
   bool pending_allgather_inline_ = false;  // ... and whether the rows came with the counts
   int64_t pending_allgather_tuned_bytes_ = 0;  // ... and the size rank 0 chose its wire for
-  bool pending_allgather_outs_given_ = false;  // ... and whether every rank passed out=
+  bool pending_allgather_results_held_ = false;  // ... and whether every rank held its result
   int64_t ring_steps_ = 0;
   int64_t device_calls_on_host_ = 0;
 };

@@ -45,10 +45,11 @@ def gather_output(core, allocate, nbytes: int):
     and wait there for it forever. So for results big enough that allocating them might
     fail, every rank (those given ``out=`` too: the decision must be the same on every
     rank, and nbytes is) confirms that it has its result, one tiny collective, and all
-    raise MemoryError if any has not; unless every rank passed ``out=`` (the header
-    exchange told each rank so), when none allocates.
+    raise MemoryError if any has not; unless every rank held a result of the right
+    size before the call (``out=``, or the core's fast path's guess, as the header
+    exchange told them all), when none allocates.
     """
-    if nbytes < _CONFIRM_BYTES or core.allgather_outs_given:
+    if nbytes < _CONFIRM_BYTES or core.allgather_results_held:
         return allocate()
     try:
         result = allocate()

@@ -160,11 +160,12 @@ def test_small_allgather_is_one_step_when_the_ranks_rows_match_the_guess(world, 
 
 
 @pytest.mark.skipif(SIZE == 1, reason="one rank has no header exchange")
-def test_small_allgather_guesses_only_below_the_confirmed_size(world, monkeypatch):
+def test_allgather_with_out_takes_part_in_the_others_confirmation(world, monkeypatch):
     # Rank 0 passes an out= of the right size; the others guess wrong (their rows
-    # differ). Results of _CONFIRM_BYTES or more are confirmed by every rank, so rank 0
-    # must not finish in one step there, or the others would wait for its confirmation
-    # (here: raise after the timeout). Lowered, to put small calls on either side of it.
+    # differ) and allocate after the exchange. Results of _CONFIRM_BYTES or more are
+    # then confirmed by every rank, so rank 0 must not finish in one step there, or the
+    # others would wait for its confirmation (here: raise after the timeout). Lowered,
+    # to put small calls on either side of it.
     total = SIZE * (SIZE + 1) // 2
     monkeypatch.setattr(communicator, "_CONFIRM_BYTES", total * 16)
     with rr.Communicator(timeout=10) as ring:
@@ -182,31 +183,33 @@ def test_big_allgather_is_confirmed_only_where_a_rank_allocates_its_result(
         contiguous, world, monkeypatch):
     # From _CONFIRM_BYTES on, every rank confirms that it has its result before the
     # ring (one that could not allocate it would leave the others waiting there), in
-    # an exchange of its own; unless every rank passed out=, which the call's header
-    # exchange tells them all: then none allocates and nothing needs confirming. Every
-    # mix of ranks with and without out= must take the same steps on every rank (or
-    # one would wait for an exchange the others never start), in the core's fast path
-    # (contiguous x) as in Python's (a strided x, copied first).
-    total = SIZE * (SIZE + 1) // 2
-    monkeypatch.setattr(communicator, "_CONFIRM_BYTES", total * 8)
+    # an exchange of its own; unless every rank held a result of the right size before
+    # the call, which its header exchange tells them all: out=, or the one the core's
+    # fast path allocates for a guess (as many rows from every rank as from this one).
+    # Every mix must take the same steps on every rank (or one would wait for an
+    # exchange the others never start), in the fast path (contiguous x) as in Python's
+    # (a strided x, copied first, and no guess).
+    monkeypatch.setattr(communicator, "_CONFIRM_BYTES", SIZE * 8)
     with rr.Communicator(timeout=10) as ring:
         core = ring._core
         for row_elems in (1, 4096):  # rows that ride in the exchange; rows for the ring
-            for givers in ("all", "none", "rank 0", "all but rank 0"):
-                gives = {"all": True, "none": False, "rank 0": RANK == 0,
-                         "all but rank 0": RANK != 0}[givers]
-                x = rank_data(np.dtype(np.float64), 2 * (RANK + 1) * row_elems, salt=12)
-                x = x.reshape(2 * (RANK + 1), row_elems)[::2 if not contiguous else 1]
-                x = x[:RANK + 1]
-                out = np.empty((total, row_elems)) if gives else None
-                before = core.exchanges
-                g = ring.allgather(x, out=out)
-                assert bitwise_equal(g, np.concatenate(world.allgather(x))), givers
-                assert out is None or g is out
-                confirmed = givers != "all"
-                steps = world.allgather(core.exchanges - before)
-                assert steps == [1 + confirmed] * SIZE, (row_elems, givers, steps)
-                assert core.allgather_outs_given == (givers == "all")
+            for rows in (2, RANK + 1):  # guesses right on every rank, or not
+                total = sum(world.allgather(rows))
+                for givers in ("all", "none", "rank 0", "all but rank 0"):
+                    gives = {"all": True, "none": False, "rank 0": RANK == 0,
+                             "all but rank 0": RANK != 0}[givers]
+                    x = rank_data(np.dtype(np.float64), 2 * rows * row_elems, salt=12)
+                    x = x.reshape(2 * rows, row_elems)[:: 1 if contiguous else 2][:rows]
+                    out = np.empty((total, row_elems)) if gives else None
+                    before = core.exchanges
+                    g = ring.allgather(x, out=out)
+                    assert bitwise_equal(g, np.concatenate(world.allgather(x))), givers
+                    assert out is None or g is out
+                    held = gives or (contiguous and rows * SIZE == total)
+                    everywhere = all(world.allgather(held))
+                    steps = world.allgather(core.exchanges - before)
+                    assert steps == [2 - everywhere] * SIZE, (row_elems, rows, givers, steps)
+                    assert core.allgather_results_held == everywhere
 
 
 def test_allgather_of_scalars_and_module_level(comm, world):

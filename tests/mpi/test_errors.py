@@ -331,22 +331,31 @@ class _NumpyWithoutMemory:
 
 
 @needs_two
-@pytest.mark.parametrize("others_out", [False, True], ids=["none_gives_out", "others_give_out"])
+@pytest.mark.parametrize("others", ["guess_wrong", "give_out", "guess_right"])
 def test_a_rank_that_cannot_allocate_allgathers_output_does_not_hang_the_others(
-        others_out, comm, monkeypatch):
-    # Also where the others passed out= (and so have nothing to allocate): they must
-    # still wait for rank 1's confirmation rather than go on into the ring.
+        others, comm, monkeypatch):
+    # Rank 1 allocates its result after the exchange (Python's np.empty, made to fail
+    # here): as its rows differ from the others' (no guess at the size is right), or
+    # as its x is strided (no guess is made). The others must wait for its
+    # confirmation rather than go on into the ring, also where they hold their result
+    # already: out=, or a guess that was right (the core's fast path allocates it
+    # before the exchange).
     from ringreduce import communicator
 
-    x = np.full((1024, 256), RANK, np.float32)  # 1 MiB per rank: the output is confirmed
-    out = np.empty((1024 * SIZE, 256), np.float32) if others_out and RANK != 1 else None
+    rows = 1024 + (RANK == 1 and others != "guess_right")
+    x = np.full((rows, 256), RANK, np.float32)  # 1 MiB per rank: the output is confirmed
+    if RANK == 1 and others == "guess_right":
+        x = np.repeat(x, 2, axis=0)[::2]
+    total = 1024 * SIZE + (others != "guess_right")
+    out = np.empty((total, 256), np.float32) if others == "give_out" and RANK != 1 else None
     if RANK == 1:
         monkeypatch.setattr(communicator, "np", _NumpyWithoutMemory())
     with pytest.raises(MemoryError, match="rank 1 could not allocate"):
         comm.allgather(x, out=out)
     monkeypatch.undo()
     still_works(comm)
-    np.testing.assert_array_equal(comm.allgather(x)[::1024, 0], np.arange(SIZE))
+    every_rows = MPI.COMM_WORLD.allgather(len(x))
+    np.testing.assert_array_equal(comm.allgather(x)[:, 0], np.repeat(np.arange(SIZE), every_rows))
 
 
 @needs_two
