@@ -527,10 +527,15 @@ class FastPath {
     // or the ring does, and the call is done. Made before the exchange, which tells
     // every rank whether every rank's guess was right: a big result is confirmed by
     // every rank (gather_output() in Python) unless all were, as then none allocates.
+    // Not from the buffers kept for big results (fresh_max_bytes_ on), where a wrong
+    // guess would push out the one the true size could have had, to save microseconds
+    // of a call that takes milliseconds.
     py::object guess;
     if (!out.is_none()) {
       if (!is_plain_out(out, a, a.nd, a.dims, true, true)) return py::none();
       guess = py::reinterpret_borrow<py::object>(out);
+    } else if (a.nbytes() * core_->size() >= fresh_max_bytes_) {
+      return py::none();
     }
     const int64_t tag = a.nd == 1 ? no_row_shape_tag_ : shape_tag_(row_shape(a)).cast<int64_t>();
     Running running(*this);
@@ -562,6 +567,7 @@ class FastPath {
       return true;
     });
     if (done) return guess;
+    guess = py::object();  // (a wrong guess: not held while the true result is made)
     // The ranks' rows add up to something else: the rest of the call in Python, which
     // makes (or checks) the result, still under the lock.
     return gather_rest_(x, py::cast(counts), row_shape(a), row_elems, dtype,

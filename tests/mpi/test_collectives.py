@@ -454,6 +454,25 @@ def test_big_results_reuse_only_buffers_nothing_else_holds(world, monkeypatch):
         _reuse_only_buffers_nothing_else_holds(comm, world)
 
 
+@pytest.mark.skipif(SIZE == 1, reason="one rank gathers only its own rows")
+def test_a_wrong_guess_at_a_big_allgather_leaves_the_kept_buffers_alone(world, monkeypatch):
+    # The core's fast path allocates a result without out= for as many rows from every
+    # rank as from this one, before it knows. Not one as big as the kept buffers'
+    # (MIN_BYTES on, lowered here): a wrong guess would push out the idle buffer that
+    # the result of the true size would have reused, page faults and all.
+    monkeypatch.setattr(communicator._Results, "MIN_BYTES", 1 << 12)
+    with rr.Communicator() as comm:
+        x = np.arange(1024 * (RANK + 1), dtype=np.float32) + RANK  # rows differ by rank
+        expected = np.concatenate(world.allgather(x))
+        first = comm.allgather(x)
+        np.testing.assert_array_equal(first, expected)
+        buffer = weakref.ref(first.base)
+        del first
+        second = comm.allgather(x)
+        np.testing.assert_array_equal(second, expected)
+        assert second.base is buffer()
+
+
 def _reuse_only_buffers_nothing_else_holds(comm, world):
     last_handed_out = lambda: comm._results.buffers[-1]  # noqa: E731
     kept = []
