@@ -6,9 +6,9 @@
 # beside the GPU's copy rate (and torch's gloo, where torch is). Never more than
 # GPU_CHECK_BUDGET seconds (default 300, so that a rerun fits in a 15-minute lease): each
 # step's timeout is cut to what is left, and a step is not started once it is spent (a
-# test step so left out fails the check; the later benchmark tables are left out). What
-# it prints also lands in OUTDIR/tests.txt; OUTDIR gets 6 files at most (the device tool
-# brings back 8).
+# test step so left out or stopped fails the check; a benchmark table is left out, or
+# left incomplete, without failing it). What it prints also lands in OUTDIR/tests.txt;
+# OUTDIR gets 6 files at most (the device tool brings back 8).
 #
 #   here (with network):  bash scripts/fetch_gpu_wheels.sh      # fills .whl/
 #   there:                bash benchmarks/gpu_check.sh [OUTDIR]  # default $OUT or ./gpu_check_out
@@ -27,16 +27,8 @@ PY=${PYTHON:-python3}
 T0=$SECONDS
 BUDGET=${GPU_CHECK_BUDGET:-300}
 step() { echo; echo "== [$((SECONDS - T0)) s] $*"; }
-# A step's timeout: its own cap ($1), or what is left of the budget (less the 5 s that
-# within() gives a step to end after its TERM), whichever is less; 0 once under 10 s are
-# left.
-cap() { local left=$((BUDGET - (SECONDS - T0) - 5)); [ "$left" -ge 10 ] || left=0
-        echo $(( left < $1 ? left : $1 )); }
-# "$@" under the timeout cap($1), or not started (status 124) once the budget is spent:
-# `timeout 0` would never stop it.
-within() { local limit; limit=$(cap "$1"); shift
-  if [ "$limit" -eq 0 ]; then echo "(not started: the budget of $BUDGET s is spent)"; return 124; fi
-  timeout -k 5 "$limit" "$@"; }
+# cap, within and table_failed: see that file (tests/test_benchmarks.py runs them).
+source benchmarks/gpu_check_budget.sh
 failures=()
 
 step "MPI from .whl/"
@@ -147,18 +139,20 @@ fi
 # The tables go to tests.txt as printed (no files of their own: see the top).
 if [ "$(cap 1000)" -gt 30 ]; then
   step "busbw, 2 ranks on one GPU, 1 KiB to 1 GiB; then reduce_scatter, allgather, broadcast"
-  within 200 mpiexec -n 2 "$PY" benchmarks/bench_gpu.py --others \
+  limit=$(cap 200)
+  within "$limit" mpiexec -n 2 "$PY" benchmarks/bench_gpu.py --others \
     --json "$OUTDIR/gpu_2ranks.json" "${plot_args[@]}" 2>&1 | tee -a "$OUTDIR/tests.txt"
-  [ "${PIPESTATUS[0]}" -eq 0 ] || failures+=("bench at 2 ranks")
+  table_failed "${PIPESTATUS[0]}" "$limit" 200 && failures+=("bench at 2 ranks")
 else
   step "skipping the 2-rank table: under 30 s of the budget left"
 fi
 
 if [ "$(cap 1000)" -gt 100 ]; then
   step "busbw, 4 ranks on one GPU, 1 KiB to 256 MiB"
-  within 150 mpiexec -n 4 "$PY" benchmarks/bench_gpu.py --max-bytes $((256 << 20)) --repeats 3 \
-    --json "$OUTDIR/gpu_4ranks.json" 2>&1 | tee -a "$OUTDIR/tests.txt"
-  [ "${PIPESTATUS[0]}" -eq 0 ] || failures+=("bench at 4 ranks")
+  limit=$(cap 150)
+  within "$limit" mpiexec -n 4 "$PY" benchmarks/bench_gpu.py --max-bytes $((256 << 20)) \
+    --repeats 3 --json "$OUTDIR/gpu_4ranks.json" 2>&1 | tee -a "$OUTDIR/tests.txt"
+  table_failed "${PIPESTATUS[0]}" "$limit" 150 && failures+=("bench at 4 ranks")
 else
   step "skipping the 4-rank table: under 100 s of the budget left"
 fi

@@ -150,3 +150,38 @@ def test_command_lines_refuse_bad_arguments_before_any_work(script, argv, messag
                           text=True, timeout=120, env=job_env())
     assert done.returncode == 2, done.stderr
     assert message in done.stderr and "Traceback" not in done.stderr
+
+
+def test_gpu_check_fails_a_table_that_hangs_or_fails_but_not_one_out_of_budget(tmp_path):
+    # benchmarks/gpu_check.sh cuts each step's timeout to what is left of its budget. A
+    # table stopped there is incomplete (as one never started is left out), not a failed
+    # check; one stopped at its own cap (a hang), or that failed, fails it. `timeout` is
+    # stood in for: it says the limit it was given and returns the status asked.
+    script = r'''
+set -u
+OUTDIR=$1
+source benchmarks/gpu_check_budget.sh
+timeout() { echo "limit $3"; return "$STATUS"; }
+run() {  # the budget's seconds, those already spent, the status: failed or not
+  BUDGET=$1 T0=$((SECONDS - $2)) STATUS=$3
+  limit=$(cap 200)
+  within "$limit" bench
+  if table_failed $? "$limit" 200; then echo failed; else echo ok; fi
+}
+run 300 240 124  # 55 s left: stopped at 55 s, by the budget
+run 300 240 137  # (the same, once it needed the KILL)
+run 1000 0 124   # stopped at its own 200 s: a hang
+run 300 240 1    # failed before the budget ran out
+run 300 240 0
+'''
+    done = subprocess.run(["bash", "-c", script, "gpu_check", str(tmp_path)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    incomplete = "(stopped at the budget of 300 s: this table is incomplete)"
+    assert done.stdout.split("\n") == [
+        "limit 55", incomplete, "ok",
+        "limit 55", incomplete, "ok",
+        "limit 200", "failed",
+        "limit 55", "failed",
+        "limit 55", "ok", ""], done.stdout
+    assert (tmp_path / "tests.txt").read_text() == 2 * (incomplete + "\n")
