@@ -162,7 +162,7 @@ class Sequence:
         self.shared = []  # (what, digest) of results every rank must share
         self.in_flight = []  # async calls not yet waited on
         self.big_left = 1  # calls past the shared-memory limit: slow, so one per sequence
-        self.sources = []  # recent async calls' (out, expected, dtype), for later calls' x
+        self.sources = []  # recent async calls' (out, expected, ...), for later calls' x
         self.confirm_bytes = communicator._CONFIRM_BYTES
 
     # -- drawing ------------------------------------------------------------------------
@@ -274,8 +274,9 @@ class Sequence:
 
     def allreduce(self, asynchronous=False, source=None):
         """One allreduce, made now; returns the check to run once it is done (after
-        wait() for an async one). source: an earlier async call's (out, expected, dtype),
-        whose out this call reads (a view of it) as that call leaves it."""
+        wait() for an async one). source: an earlier async call's (out, expected, dtype,
+        index, comm), whose out this call reads (a view of it) as that call leaves it: on
+        the same Communicator, whose calls run in order (another's need not)."""
         self.index += 1
         if source is None:
             dtype, op = self.reduction()
@@ -291,7 +292,7 @@ class Sequence:
                        for lay, m in zip(layouts, modes)]
             layout, mode, all_out = layouts[RANK], modes[RANK], "new" not in modes
         else:
-            out_before, expected_before, dtype, _ = source
+            out_before, expected_before, dtype, _, comm = source
             view = self.choose(["all", "strided", "reversed"])
             pick = {"all": slice(None), "strided": slice(None, None, 2),
                     "reversed": slice(None, None, -1)}[view]
@@ -302,7 +303,8 @@ class Sequence:
             modes = self.per_rank(["new", "out"], every=True)
             shape, mode, all_out = v.shape, modes[RANK], "new" not in modes
             layouts = [f"a {view} view of call {source[3]}'s out"] * SIZE
-        comm = self.comm_for(v.nbytes)
+        if source is None:
+            comm = self.comm_for(v.nbytes)
         what = (f"allreduce{'_async' if asynchronous else ''} {dtype} {op} shape {shape}, "
                 f"x {layouts}, out {modes}, chunk {comm.chunk_bytes} (rank {RANK})")
         self.log(what)
@@ -344,7 +346,7 @@ class Sequence:
             self.share(message, result)
 
         if asynchronous:
-            return check, (out if all_out else None, expected, dtype, self.index)
+            return check, (out if all_out else None, expected, dtype, self.index, comm)
         return check
 
     def async_call(self):
@@ -353,10 +355,10 @@ class Sequence:
         source = None
         if self.sources and self.plan.random() < 0.3:
             source = self.sources[self.plan.integers(len(self.sources))]
-        check, (out, expected, dtype, index) = self.allreduce(asynchronous=True, source=source)
+        check, made = self.allreduce(asynchronous=True, source=source)
         self.in_flight.append(check)
-        if out is not None:  # (on every rank) nothing writes it again: later calls may read it
-            self.sources = self.sources[-5:] + [(out, expected, dtype, index)]
+        if made[0] is not None:  # (on every rank) nothing writes it again: later calls may read it
+            self.sources = self.sources[-5:] + [made]
         if self.plan.random() < 0.3:
             self.blocking(self.choose(["allreduce", "reduce_scatter", "allgather",
                                        "broadcast"]))
