@@ -54,6 +54,8 @@ CALLS = int(os.environ.get("RINGREDUCE_RANDOM_CALLS", "110"))
 
 DTYPES = [BFLOAT16 if name == "bfloat16" else np.dtype(name) for name in rr.supported_dtypes()]
 OPS = ("sum", "prod", "min", "max", "avg")
+IN_OUT = ("inside out", "elsewhere in out")  # allgather's x in its out=
+MPI_OPS = {"sum": MPI.SUM, "prod": MPI.PROD, "min": MPI.MIN, "max": MPI.MAX}
 
 SHM_MAX_BYTES = 8 << 20  # RingCommunicator::kShmMaxBytes (not exposed): larger go by MPI
 SHM_SLOT_BYTES = 64 << 10  # RingCommunicator::kShmSlotBytes: a shared-memory chunk at most
@@ -192,7 +194,7 @@ class Sequence:
         if kind == "slot":
             return SHM_SLOT_BYTES * SIZE // itemsize + self.choose([-SIZE - 1, -1, 0, 1])
         if kind == "confirm":
-            return self.confirm_bytes // itemsize + self.choose([-1, 0, 1])
+            return max(self.confirm_bytes // itemsize + self.choose([-1, 0, 1]), 0)
         if kind == "between":
             return int(self.plan.integers(2, 300_000 // itemsize))
         return self.choose([0, 1, 2, max(SIZE - 1, 1), SIZE, SIZE + 1, 2 * SIZE + 1, 7, 13])
@@ -242,6 +244,9 @@ class Sequence:
                 self.async_call()
             else:
                 self.blocking(step)
+        if self.plan.random() < 0.5:  # close() finishes the calls in flight first
+            self.small.close()
+            self.main.close()
         self.wait_all()
         self.check_shared()
 
@@ -271,6 +276,20 @@ class Sequence:
         """dtype, op for a reduction (op allowed for the dtype)."""
         dtype = self.choose(DTYPES)
         return dtype, self.choose([op for op in OPS if allowed(dtype, op)])
+
+    def spelled(self, op):
+        """op as this rank passes it: its name, in capitals, or mpi4py's op."""
+        spelling = self.per_rank(["name", "name", "capitals", "MPI"])
+        if spelling == "capitals":
+            return op.upper()
+        return MPI_OPS.get(op, op) if spelling == "MPI" else op
+
+    def entry(self, comm, name):
+        """comm's method, or the module-level function given comm= (this rank's choice)."""
+        if self.per_rank(["method", "method", "method", "module"]) == "method":
+            return getattr(comm, name)
+        function = getattr(rr, name)
+        return lambda *args, **kwargs: function(*args, comm=comm, **kwargs)
 
     def allreduce(self, asynchronous=False, source=None):
         """One allreduce, made now; returns the check to run once it is done (after
@@ -328,11 +347,13 @@ class Sequence:
             out = {"new": None, "out": np.full(shape, 7, dtype), "in place": x}[mode]
             if mode != "in place":
                 x_before = x.copy()
-        call = comm.allreduce_async if asynchronous else comm.allreduce
-        handle = call(x, op=op, out=out)
+        call = self.entry(comm, "allreduce_async" if asynchronous else "allreduce")
+        handle = call(x, op=self.spelled(op), out=out)
 
         def check():
             result = handle.wait() if asynchronous else handle
+            if asynchronous:  # and once done, done
+                assert handle.done() and handle.wait(timeout=0) is result, message
             if out is not None:
                 assert result is out, message
             assert result.shape == shape and result.dtype == native(dtype), message
@@ -400,7 +421,7 @@ class Sequence:
         else:
             out = None if mode == "new" else np.full(count, 3, dtype)
         x_before = x.copy() if mode in ("new", "out") else None
-        result = comm.reduce_scatter(x, op=op, out=out)
+        result = self.entry(comm, "reduce_scatter")(x, op=self.spelled(op), out=out)
 
         def check():
             if out is not None:
@@ -448,8 +469,10 @@ class Sequence:
         offset = int(sum(rows_per_rank[:RANK]))
         outs = [self.plan.random() < 0.5 for _ in range(SIZE)]
         layouts = self.per_rank(["contiguous", "contiguous", "strided", "byteswapped",
-                                 "readonly", "inside out", "scalar"], every=True)
-        layouts = ["contiguous" if lay == "inside out" and not given
+                                 "readonly", "inside out", "elsewhere in out", "scalar"],
+                                every=True)
+        elsewhere = int(self.plan.integers(0, total + 1))  # (where that one starts)
+        layouts = ["contiguous" if lay in IN_OUT and not given
                    or lay == "scalar" and not (r == 1 and row_shape == ()) else lay
                    for lay, given, r in zip(layouts, outs, rows_per_rank)]
         gives_out, layout = outs[RANK], layouts[RANK]
@@ -461,15 +484,19 @@ class Sequence:
         message = self.describe(what)
         expected = np.concatenate(gather(v, self.token()), axis=0)
         out = np.full((total,) + row_shape, 5, dtype) if gives_out else None
-        if layout == "inside out":
+        if layout == "inside out":  # x is this rank's own block of out
             out[offset:offset + rows] = v
             x = out[offset:offset + rows]
+        elif layout == "elsewhere in out":  # x overlaps others' blocks (or its own, shifted)
+            start = min(elsewhere, total - rows)
+            out[start:start + rows] = v
+            x = out[start:start + rows]
         elif layout == "scalar":
             x = v.reshape(())
         else:
             x = laid_out(v, layout)
-        x_before = None if layout == "inside out" else x.copy()
-        result = comm.allgather(x, out=out)
+        x_before = None if layout in IN_OUT else x.copy()
+        result = self.entry(comm, "allgather")(x, out=out)
 
         def check():
             if out is not None:
@@ -511,7 +538,7 @@ class Sequence:
         else:
             base = None
             x = laid_out(v, layout)
-        result = comm.broadcast(x, root=root)
+        result = self.entry(comm, "broadcast")(x, root=root)
 
         def check():
             assert result is x, message
