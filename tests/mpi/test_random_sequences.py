@@ -32,7 +32,10 @@ from mpi4py import MPI
 import ringreduce as rr
 from ringreduce import communicator, reference
 
-from helpers import BFLOAT16, check_against_float64, exact_integer_reduce
+from helpers import BFLOAT16, check_against_float64, exact_integer_reduce, wide
+
+if BFLOAT16 is not None:
+    import ml_dtypes
 
 WORLD = MPI.COMM_WORLD
 RANK = WORLD.Get_rank()
@@ -120,6 +123,30 @@ def values(rng, dtype, n, op):
     if dtype.kind == "c":
         return (real + 1j * part()).astype(dtype), special
     return real.astype(dtype), special
+
+
+def within_rounding(result, everyone, op, message):
+    """helpers.check_against_float64's bound, and for avg the least subnormal number more:
+    the sum divided by the ranks rounds once more, which for a subnormal quotient (a
+    float16 sum of 2**-24, halved, is 0 or 2**-24) no bound relative to the inputs
+    covers."""
+    if op != "avg":
+        try:
+            check_against_float64(result, everyone, op)
+        except AssertionError as error:
+            raise AssertionError(f"{message}: {error}") from None
+        return
+    w = [wide(a) for a in everyone]
+    if result.dtype == BFLOAT16:
+        info, eps = ml_dtypes.finfo(result.dtype), 2.0 ** -8  # (eps: as helpers has it)
+    else:
+        info = np.finfo(result.real.dtype)
+        eps = float(info.eps)
+    expected = sum(w) / SIZE
+    bound = 4 * eps * sum(np.abs(a) for a in w) + float(info.smallest_subnormal)
+    error = np.abs(wide(result) - expected)
+    assert np.all(error <= bound), (
+        f"{message}: worst error {error.max()} over bound {bound.ravel()[np.argmax(error)]}")
 
 
 def differ(a, b):
@@ -233,8 +260,8 @@ class Sequence:
     def run(self, calls):
         while self.index < calls:
             step = self.choose(["allreduce", "async", "reduce_scatter", "allgather",
-                                "broadcast", "chunk", "wait"],
-                               p=[0.18, 0.2, 0.15, 0.22, 0.15, 0.04, 0.06])
+                                "broadcast", "chunk", "wait", "overwrite_after_read"],
+                               p=[0.17, 0.19, 0.15, 0.22, 0.14, 0.04, 0.06, 0.03])
             if step == "chunk":  # settable at any time, calls in flight or not
                 self.main.chunk_bytes = self.per_rank(CHUNKS)
                 self.small.chunk_bytes = self.per_rank(SMALL_CHUNKS)
@@ -242,6 +269,8 @@ class Sequence:
                 self.wait_all()
             elif step == "async":
                 self.async_call()
+            elif step == "overwrite_after_read":
+                self.overwrite_after_read()
             else:
                 self.blocking(step)
         if self.plan.random() < 0.5:  # close() finishes the calls in flight first
@@ -361,7 +390,7 @@ class Sequence:
                 f"{message}: differs from the reference in elements "
                 f"{np.flatnonzero(differ(result, expected))[:8]} of {result.size}")
             if not is_int(dtype) and not special and op not in ("min", "max"):
-                check_against_float64(result, everyone, op)
+                within_rounding(result, everyone, op, message)
             if x_before is not None:
                 assert x.tobytes() == x_before.tobytes(), f"{message}: x was modified"
             self.share(message, result)
@@ -383,6 +412,56 @@ class Sequence:
         if self.plan.random() < 0.3:
             self.blocking(self.choose(["allreduce", "reduce_scatter", "allgather",
                                        "broadcast"]))
+
+    def overwrite_after_read(self):
+        """An allreduce_async reading x, then a call that writes x (an allreduce_async into
+        out=x, or a broadcast of x, which queues behind it): the first must have read x
+        before the second writes it."""
+        self.index += 1
+        dtype, op = self.reduction()
+        n = self.count(dtype.itemsize)
+        comm = self.comm_for(n * dtype.itemsize)
+        then = self.choose(["allreduce_async", "broadcast"])
+        root = int(self.plan.integers(SIZE))
+        v, _ = values(self.data_rng(), dtype, n, op)
+        w, _ = values(np.random.default_rng([self.seed, self.index, RANK, 7]), dtype, n, op)
+        what = (f"allreduce_async {dtype} {op} ({n},) then {then} (root {root}) into its x, "
+                f"chunk {comm.chunk_bytes} (rank {RANK})")
+        self.log(what)
+        message = self.describe(what)
+        everyone = gather(v, self.token())
+        if is_int(dtype):
+            first = exact_integer_reduce(everyone, op)
+        else:
+            first = reference.allreduce(v, op, WORLD)
+        if then == "broadcast":
+            second = gather(w, self.token())[root]
+        elif is_int(dtype):
+            second = exact_integer_reduce(gather(w, self.token()), op)
+        else:
+            second = reference.allreduce(w, op, WORLD)
+        x = v.copy()
+        handle = comm.allreduce_async(x, op=op)
+        # (the root broadcasts another array: its x must stay as the first call reads it)
+        into = w.copy() if then == "broadcast" and RANK == root else x
+        if then == "broadcast":
+            later = comm.broadcast(into, root=root)
+        else:
+            later = comm.allreduce_async(w, op=op, out=x)
+
+        def check():
+            result = handle.wait()
+            assert result.tobytes() == first.tobytes(), f"{message}: the first call"
+            self.share(message, result)
+
+        def check_later():
+            result = later if then == "broadcast" else later.wait()
+            assert result is into and into.tobytes() == second.tobytes(), f"{message}: the second"
+            if into is not x:
+                assert x.tobytes() == v.tobytes(), f"{message}: the root's x was modified"
+            self.share(message, result)
+
+        self.in_flight += [check, check_later]
 
     # -- reduce_scatter ------------------------------------------------------------------
 
@@ -429,8 +508,8 @@ class Sequence:
             assert result.shape == (count,) and result.dtype == native(dtype), message
             assert result.tobytes() == expected.tobytes(), f"{message}: differs from the reference"
             if not is_int(dtype) and not special and op not in ("min", "max"):
-                check_against_float64(result, [e.reshape(-1)[offset:offset + count]
-                                               for e in everyone], op)
+                within_rounding(result, [e.reshape(-1)[offset:offset + count]
+                                         for e in everyone], op, message)
             if x_before is not None:
                 assert x.tobytes() == x_before.tobytes(), f"{message}: x was modified"
 
