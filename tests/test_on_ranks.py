@@ -2,7 +2,7 @@
 assumptions). Each case launches `mpiexec -n RANKS` on one module of tests/mpi/ with a
 timeout; every rank must pass the same tests. Ranks on one machine pass chunks through
 shared memory; the modules that move data run a second time over MPI messages
-(RINGREDUCE_SHM=0), and two a third time through slots written with streaming stores
+(RINGREDUCE_SHM=0), and three a third time through slots written with streaming stores
 (RINGREDUCE_SHM=stream), so every wire is tested."""
 import os
 
@@ -22,11 +22,12 @@ MODULES = {  # module -> timeout in seconds at 4 oversubscribed ranks on 2 cores
     "test_device_ring.py": 300,  # the GPU engine over its host emulation
     "test_device_python.py": 300,  # the Python GPU path, a stand-in cupy, the emulation
     "test_timeout.py": 300,  # ranks that never join, or stop halfway; picks its own wires
+    "test_random_sequences.py": 300,  # seeded random mixes of every call, against the reference
 }
 
 
 DATA_MODULES = ["test_allreduce.py", "test_async.py", "test_collectives.py", "test_sim.py",
-                "test_device_ring.py"]
+                "test_device_ring.py", "test_random_sequences.py"]
 
 
 @pytest.mark.parametrize("ranks", [1, 2, 3, 4])
@@ -42,7 +43,8 @@ def test_module_over_mpi_messages(module, ranks, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("ranks", [2, 3, 4])
-@pytest.mark.parametrize("module", ["test_allreduce.py", "test_collectives.py"])
+@pytest.mark.parametrize("module", ["test_allreduce.py", "test_collectives.py",
+                                    "test_random_sequences.py"])
 def test_module_through_slots_written_with_streaming_stores(module, ranks, tmp_path, capsys):
     check_module(module, ranks, tmp_path, capsys, {"RINGREDUCE_SHM": "stream"})
 
