@@ -893,6 +893,8 @@ PYBIND11_MODULE(_core, m) {
   m.attr("COLLECTIVES") = collectives;
   m.attr("DEFAULT_CHUNK_BYTES") = RingCommunicator::kDefaultChunkBytes;
   m.attr("MAX_CHUNK_BYTES") = Transport::kMaxMessageBytes;
+  m.attr("SHM_SLOT_BYTES") = RingCommunicator::kShmSlotBytes;
+  m.attr("SHM_MAX_BYTES") = RingCommunicator::kShmMaxBytes;
   // Over MPI messages the all-gather, which only copies, takes chunks this many times
   // the reduce-scatter's (see RingCommunicator::copy_chunk_elems; ringreduce.sim models it).
   m.attr("COPY_CHUNK_FACTOR") = RingCommunicator::kCopyChunkFactor;

@@ -60,8 +60,8 @@ OPS = ("sum", "prod", "min", "max", "avg")
 IN_OUT = ("inside out", "elsewhere in out")  # allgather's x in its out=
 MPI_OPS = {"sum": MPI.SUM, "prod": MPI.PROD, "min": MPI.MIN, "max": MPI.MAX}
 
-SHM_MAX_BYTES = 8 << 20  # RingCommunicator::kShmMaxBytes (not exposed): larger go by MPI
-SHM_SLOT_BYTES = 64 << 10  # RingCommunicator::kShmSlotBytes: a shared-memory chunk at most
+SHM_MAX_BYTES = rr._core.SHM_MAX_BYTES  # larger calls go by MPI
+SHM_SLOT_BYTES = rr._core.SHM_SLOT_BYTES  # a shared-memory chunk at most
 SMALL_CALL_BYTES = 48 << 10  # calls the small-chunk Communicator may take
 # chunk_bytes (rank 0's count; the others may differ): odd ones too, not a whole number
 # of elements
