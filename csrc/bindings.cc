@@ -831,7 +831,11 @@ PYBIND11_MODULE(_core, m) {
       .def("record", &WireTuner::record)
       .def_property_readonly("wires", &WireTuner::wires)
       .def_readonly_static("EXPLORE_EVERY", &WireTuner::kExploreEvery)
-      .def_readonly_static("TURNS", &WireTuner::kTurns);
+      .def_readonly_static("TURNS", &WireTuner::kTurns)
+      .def_readonly_static("FAR_SLOWER", &WireTuner::kFarSlower)
+      .def_readonly_static("MAX_BACK_OFF", &WireTuner::kMaxBackOff)
+      .def("back_off", &WireTuner::back_off, py::arg("bytes"), py::arg("wire"),
+           "the wire is looked at once in 2**back_off of its turns, for calls of bytes");
   m.attr("WIRE_SHM") = kWireShm;
   m.attr("WIRE_MPI") = kWireMpi;
   m.attr("WIRE_SHM_STREAMING") = kWireShmStreaming;

@@ -43,19 +43,43 @@ int WireTuner::choose(int64_t bytes) {
     for (int w = 0; w < wires_; ++w) c.learning = c.learning || c.wire[w].count < 3;
   }
   if (c.learning && c.calls <= kTurns * wires_) return static_cast<int>((c.calls - 1) % wires_);
+  if (c.again >= 0) {  // a second look, to see whether it is faster now
+    const int wire = c.again;
+    c.again = -1;
+    return wire;
+  }
   const int best = fastest(c);
   if (c.calls % kExploreEvery != 0) return best;
-  // A look at another wire: the others in turn.
-  const int other = static_cast<int>(c.explored++ % (wires_ - 1));
-  return other < best ? other : other + 1;
+  // A look at another wire: the others in turn, each on its own share of its turns.
+  const int index = static_cast<int>(c.explored++ % (wires_ - 1));
+  const int other = index < best ? index : index + 1;
+  if (c.turns[other]++ % (int64_t{1} << c.back_off[other]) != 0) return best;
+  return other;
+}
+
+int WireTuner::back_off(int64_t bytes, int wire) const {
+  if (wire < 0 || wire >= wires_) return 0;
+  return classes_[size_class_of(bytes)].back_off[wire];
 }
 
 void WireTuner::record(int64_t bytes, int wire, double seconds) {
   if (bytes <= 0 || wire < 0 || wire >= wires_) return;
-  Estimate& e = size_class(bytes).wire[wire];
-  e.ns_per_byte[e.next] = seconds * 1e9 / static_cast<double>(bytes);
+  SizeClass& c = size_class(bytes);
+  Estimate& e = c.wire[wire];
+  const double ns_per_byte = seconds * 1e9 / static_cast<double>(bytes);
+  e.ns_per_byte[e.next] = ns_per_byte;
   e.next = (e.next + 1) % 3;
   e.count = std::min(e.count + 1, 3);
+  // By this call's time, not the median: one within reach is worth another look soon,
+  // one faster than the fastest at once (unless its median has made it the fastest).
+  const int best = fastest(c);
+  const bool reference = wire != best && c.wire[best].measured();
+  if (!reference || ns_per_byte <= kFarSlower * c.wire[best].median())
+    c.back_off[wire] = 0;
+  else
+    c.back_off[wire] = std::min(c.back_off[wire] + 1, kMaxBackOff);
+  const bool learning = c.learning && c.calls <= kTurns * wires_;  // (its turns are set)
+  c.again = reference && !learning && ns_per_byte < c.wire[best].median() ? wire : -1;
 }
 
 }  // namespace ringreduce

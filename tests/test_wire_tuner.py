@@ -5,6 +5,8 @@ from ringreduce import _core
 
 EVERY = _core.WireTuner.EXPLORE_EVERY
 TURNS = _core.WireTuner.TURNS
+FAR_SLOWER = _core.WireTuner.FAR_SLOWER
+MAX_BACK_OFF = _core.WireTuner.MAX_BACK_OFF
 SHM, MPI, STREAM = _core.WIRE_SHM, _core.WIRE_MPI, _core.WIRE_SHM_STREAMING
 MIB = 1 << 20
 
@@ -83,7 +85,10 @@ def test_the_fastest_wire_wins_and_the_estimate_follows_a_change():
     tuner = _core.WireTuner()
     usual = {SHM: 49, MPI: 83, STREAM: 80}  # times measured on the development machine
     picks = run(tuner, 4 * EVERY, usual)
-    assert picks.count(MPI) == TURNS + 2 and picks.count(STREAM) == TURNS + 2  # the looks
+    # Their turns, then a look at each; both far slower (1.6x-1.7x) time after time, so
+    # the next look at either waits (see the test below).
+    assert picks.count(MPI) == TURNS + 1 and picks.count(STREAM) == TURNS + 1
+    assert tuner.back_off(MIB, MPI) == tuner.back_off(MIB, STREAM) == MAX_BACK_OFF
     # One odd slow call changes nothing...
     assert run(tuner, 1, {**usual, SHM: 500}) == [SHM]
     assert run(tuner, 3, usual) == [SHM] * 3
@@ -93,11 +98,49 @@ def test_the_fastest_wire_wins_and_the_estimate_follows_a_change():
     cross_die = {SHM: 440, MPI: 420, STREAM: 110}
     picks = run(tuner, 4 * EVERY, cross_die)
     assert picks[:8] == [SHM, SHM, STREAM, STREAM, MPI, MPI, STREAM, STREAM]
-    settled = picks[-2 * EVERY:]  # ...and keep to it, looking at the others in turn
-    assert settled.count(STREAM) == 2 * EVERY - 2 and SHM in settled and MPI in settled
-    # The phase ends: ordinary stores win back after two looks at them.
-    picks = run(tuner, 6 * EVERY, usual)
-    assert picks[-2 * EVERY:].count(SHM) == 2 * EVERY - 2  # but for the looks
+    settled = picks[8:]  # ...and keep to it, looking at the others less and less often
+    assert settled.count(STREAM) == len(settled) - 2 and SHM in settled and MPI in settled
+    assert tuner.back_off(MIB, SHM) == tuner.back_off(MIB, MPI) == 2
+    # The phase ends: the next look at ordinary stores finds them faster than the
+    # streaming ones, looks again at once, and they are the wire again.
+    picks = run(tuner, 12 * EVERY, usual)
+    first = picks.index(SHM)
+    assert first < 2 ** 2 * 2 * EVERY  # (a turn every 2 * EVERY calls; one in 2^2 looks)
+    after = picks[first:]  # (but for the looks at the others, one every EVERY at most)
+    assert after[:2] == [SHM, SHM] and len(after) - after.count(SHM) <= len(after) // EVERY
+
+
+def test_a_wire_far_slower_is_looked_at_less_and_less_often_until_it_is_not():
+    # A look at a wire more than FAR_SLOWER times the fastest halves how often it is
+    # looked at, down to once in 2^MAX_BACK_OFF of its turns; a wire within reach is
+    # looked at on every turn, and one look within reach brings it back to that.
+    assert 2 ** MAX_BACK_OFF == 16 and FAR_SLOWER == 1.5
+    tuner = _core.WireTuner()
+    times = {SHM: 50, MPI: 150, STREAM: 70}  # MPI 3x, streaming 1.4x
+    picks = run(tuner, 3 * TURNS, times)
+    assert picks == [SHM, MPI, STREAM] * TURNS
+    turns = 64  # each wire's turn comes every 2 * EVERY calls
+    picks = run(tuner, turns * 2 * EVERY, times)
+    assert picks.count(STREAM) == turns  # every turn
+    assert picks.count(MPI) == turns // 16  # its back-off at the most since its turns
+    assert tuner.back_off(MIB, MPI) == MAX_BACK_OFF and tuner.back_off(MIB, STREAM) == 0
+    # MPI gets faster than shared memory: the next look finds it, the one after comes at
+    # once, and MPI is the wire (the median of its last three times).
+    times[MPI] = 30
+    picks = run(tuner, 16 * 2 * EVERY + 2, times)
+    first = picks.index(MPI)
+    assert picks[first:first + 3] == [MPI, MPI, MPI] and picks[-1] == MPI
+    assert tuner.back_off(MIB, MPI) == 0
+    # A look that finds a backed-off wire within reach, not faster, makes it one to look
+    # at on every turn again, with no second look at once.
+    tuner = _core.WireTuner()
+    times = {SHM: 50, MPI: 150, STREAM: 70}
+    run(tuner, 3 * TURNS + 16 * 2 * EVERY, times)
+    assert tuner.back_off(MIB, MPI) == MAX_BACK_OFF
+    times[MPI] = 60
+    picks = run(tuner, 16 * 2 * EVERY, times)
+    first = picks.index(MPI)
+    assert picks[first + 1] == SHM and tuner.back_off(MIB, MPI) == 0
 
 
 def test_size_classes_are_separate_and_times_count_per_byte():
