@@ -15,7 +15,8 @@
 // the wires in turn, to have all their times early. The median of three lets one odd
 // call go by (this machine has many) and follows a real change in two. A wire that
 // look after look is far slower than the fastest is looked at ever less often (down to
-// one look in 16 of its turns): every look at a wire 3x slower costs two calls' time,
+// one look in 16 of its turns; a size's first calls count, so a wire far slower in all
+// four of its first calls starts there): every look at a wire 3x slower costs two calls' time,
 // which at a look every 64 calls was 3% of all (64 KiB allgathers under Open MPI, in
 // a slow phase), for news that rarely comes. A look within reach of the fastest makes
 // it a wire to look at on each of its turns again, and one that finds it faster than
