@@ -244,15 +244,14 @@ class Sequence:
         """What every rank's plan says now (the next number it would draw)."""
         return (self.index, self.plan.bit_generator.state["state"]["state"])
 
-    def log(self, what):
-        """RINGREDUCE_RANDOM_LOG=path: every call this rank makes, one a line (to see what a
-        seed covers)."""
+    def describe(self, what):
+        """The message for a failed check of the call `what`, which is logged: with
+        RINGREDUCE_RANDOM_LOG=path, every call this rank makes goes to path.RANK, one a
+        line (to see what a seed covers)."""
         path = os.environ.get("RINGREDUCE_RANDOM_LOG")
         if path:
             with open(f"{path}.{RANK}", "a") as f:
                 f.write(f"{self.seed} {self.index} {what}\n")
-
-    def describe(self, what):
         return f"seed {self.seed}, call {self.index}: {what}"
 
     # -- the sequence ---------------------------------------------------------------------
@@ -320,6 +319,17 @@ class Sequence:
         function = getattr(rr, name)
         return lambda *args, **kwargs: function(*args, comm=comm, **kwargs)
 
+    def reduction_input(self):
+        """A reduction's dtype, op and element count, this rank's values (shaped, and
+        whether they hold special ones) and the layout of each rank's x."""
+        dtype, op = self.reduction()
+        n = self.count(dtype.itemsize)
+        shape = self.shape(n)
+        v, special = values(self.data_rng(), dtype, n, op)
+        layouts = self.per_rank(["contiguous", "contiguous", "strided", "reversed",
+                                 "transposed", "byteswapped", "readonly"], every=True)
+        return dtype, op, n, v.reshape(shape), special, layouts
+
     def allreduce(self, asynchronous=False, source=None):
         """One allreduce, made now; returns the check to run once it is done (after
         wait() for an async one). source: an earlier async call's (out, expected, dtype,
@@ -327,13 +337,8 @@ class Sequence:
         the same Communicator, whose calls run in order (another's need not)."""
         self.index += 1
         if source is None:
-            dtype, op = self.reduction()
-            n = self.count(dtype.itemsize)
-            shape = self.shape(n)
-            v, special = values(self.data_rng(), dtype, n, op)
-            v = v.reshape(shape)
-            layouts = self.per_rank(["contiguous", "contiguous", "strided", "reversed",
-                                     "transposed", "byteswapped", "readonly"], every=True)
+            dtype, op, n, v, special, layouts = self.reduction_input()
+            shape = v.shape
             modes = self.per_rank(["new", "out", "in place", "overlap", "overlap ahead"],
                                   every=True)
             layouts = ["contiguous" if m.startswith("overlap") or m == "in place" else lay
@@ -355,7 +360,6 @@ class Sequence:
             comm = self.comm_for(v.nbytes)
         what = (f"allreduce{'_async' if asynchronous else ''} {dtype} {op} shape {shape}, "
                 f"x {layouts}, out {modes}, chunk {comm.chunk_bytes} (rank {RANK})")
-        self.log(what)
         message = self.describe(what)  # (now: an async call is checked later)
         everyone = gather(v, self.token())
         if is_int(dtype):
@@ -427,7 +431,6 @@ class Sequence:
         w, _ = values(np.random.default_rng([self.seed, self.index, RANK, 7]), dtype, n, op)
         what = (f"allreduce_async {dtype} {op} ({n},) then {then} (root {root}) into its x, "
                 f"chunk {comm.chunk_bytes} (rank {RANK})")
-        self.log(what)
         message = self.describe(what)
         everyone = gather(v, self.token())
         if is_int(dtype):
@@ -467,13 +470,8 @@ class Sequence:
 
     def reduce_scatter(self):
         self.index += 1
-        dtype, op = self.reduction()
-        n = self.count(dtype.itemsize)
-        shape = self.shape(n)
-        v, special = values(self.data_rng(), dtype, n, op)
-        v = v.reshape(shape)
-        layouts = self.per_rank(["contiguous", "contiguous", "strided", "reversed",
-                                 "transposed", "byteswapped", "readonly"], every=True)
+        dtype, op, n, v, special, layouts = self.reduction_input()
+        shape = v.shape
         modes = self.per_rank(["new", "out", "own block", "shifted block"], every=True)
         layouts = ["contiguous" if m.endswith("block") else lay for lay, m in zip(layouts, modes)]
         layout, mode = layouts[RANK], modes[RANK]
@@ -485,7 +483,6 @@ class Sequence:
         comm = self.comm_for(v.nbytes)
         what = (f"reduce_scatter {dtype} {op} shape {shape}, x {layouts}, out {modes}, "
                 f"chunk {comm.chunk_bytes} (rank {RANK})")
-        self.log(what)
         message = self.describe(what)
         everyone = gather(v, self.token())
         if is_int(dtype):
@@ -559,7 +556,6 @@ class Sequence:
         v = v.reshape((rows,) + row_shape)
         what = (f"allgather {dtype} rows {rows_per_rank} of {row_shape}, x {layouts}, "
                 f"out given {outs}, chunk {comm.chunk_bytes} (rank {RANK})")
-        self.log(what)
         message = self.describe(what)
         expected = np.concatenate(gather(v, self.token()), axis=0)
         out = np.full((total,) + row_shape, 5, dtype) if gives_out else None
@@ -607,7 +603,6 @@ class Sequence:
         v = v.reshape(shape)
         what = (f"broadcast {dtype} shape {shape} from {root}, x {layouts}, "
                 f"chunk {comm.chunk_bytes} (rank {RANK})")
-        self.log(what)
         message = self.describe(what)
         expected = gather(v, self.token())[root]
         if layout == "strided" and v.ndim:  # the rows in between must stay as they were
