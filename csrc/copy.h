@@ -46,8 +46,8 @@ inline void copy_bytes(void* dst, const void* src, size_t bytes) {
   if (bytes == 0 || d == s) return;
   const uintptr_t to = reinterpret_cast<uintptr_t>(d), from = reinterpret_cast<uintptr_t>(s);
   const uintptr_t gap = (to - from) & 4095;
-  if (ranges_overlap(d, bytes, s, bytes) || gap == 0 || gap >= kAliasingGap || bytes <= kCopyPieceBytes ||
-      bytes >= kAliasingMaxBytes) {
+  if (ranges_overlap(d, bytes, s, bytes) || gap == 0 || gap >= kAliasingGap ||
+      bytes <= kCopyPieceBytes || bytes >= kAliasingMaxBytes) {
     std::memmove(d, s, bytes);
     return;
   }

@@ -18,6 +18,10 @@ double WireTuner::Estimate::median() const {
   return std::max(std::min(a, b), std::min(std::max(a, b), c));
 }
 
+bool WireTuner::taking_turns(const SizeClass& c) const {
+  return c.learning && c.calls <= kTurns * wires_;
+}
+
 int WireTuner::fastest(const SizeClass& c) const {
   // Shared memory unless another wire is measured faster (on a tie too), and while
   // shared memory has no time of its own.
@@ -42,7 +46,7 @@ int WireTuner::choose(int64_t bytes) {
     c.learning = false;
     for (int w = 0; w < wires_; ++w) c.learning = c.learning || c.wire[w].count < 3;
   }
-  if (c.learning && c.calls <= kTurns * wires_) return static_cast<int>((c.calls - 1) % wires_);
+  if (taking_turns(c)) return static_cast<int>((c.calls - 1) % wires_);
   if (c.again >= 0) {  // a second look, to see whether it is faster now
     const int wire = c.again;
     c.again = -1;
@@ -74,12 +78,13 @@ void WireTuner::record(int64_t bytes, int wire, double seconds) {
   // one faster than the fastest at once (unless its median has made it the fastest).
   const int best = fastest(c);
   const bool reference = wire != best && c.wire[best].measured();
-  if (!reference || ns_per_byte <= kFarSlower * c.wire[best].median())
+  const double best_ns_per_byte = reference ? c.wire[best].median() : 0;
+  if (!reference || ns_per_byte <= kFarSlower * best_ns_per_byte)
     c.back_off[wire] = 0;
   else
     c.back_off[wire] = std::min(c.back_off[wire] + 1, kMaxBackOff);
-  const bool learning = c.learning && c.calls <= kTurns * wires_;  // (its turns are set)
-  c.again = reference && !learning && ns_per_byte < c.wire[best].median() ? wire : -1;
+  // (Not while the size takes the wires in turn: its next calls are set.)
+  c.again = reference && !taking_turns(c) && ns_per_byte < best_ns_per_byte ? wire : -1;
 }
 
 }  // namespace ringreduce

@@ -76,6 +76,8 @@ class WireTuner {
   };
   SizeClass& size_class(int64_t bytes);
   int fastest(const SizeClass& c) const;
+  // Whether the size's first calls are still taking the wires in turn (see choose()).
+  bool taking_turns(const SizeClass& c) const;
   int wires_;
   std::array<SizeClass, 64> classes_{};
 };
