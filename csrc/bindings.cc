@@ -320,7 +320,23 @@ class AsyncAllreduce : public CallQueue::Call {
   }
 
   bool done() const { return done_.load(std::memory_order_acquire); }
+  bool runs_anywhere() const override { return true; }
+  void queued_on(std::weak_ptr<CallQueue::State> queue) { queue_ = std::move(queue); }
+
   bool wait(std::optional<double> seconds) {
+    if (!done() && !seconds) {
+      // Where the worker has not started it, this thread runs it, and the calls queued
+      // with it (CallQueue::run_here()), up to a Ctrl-C, which stops a call it runs
+      // as it would stop one on the worker, and is raised here as from any wait.
+      const uint64_t interrupts = sigints.load(std::memory_order_relaxed);
+      {
+        WithoutGil nogil;
+        CallQueue::run_here(queue_, *this, [&] {
+          return sigints.load(std::memory_order_relaxed) != interrupts;
+        });
+      }
+      if (PyErr_CheckSignals() != 0) throw py::error_already_set();
+    }
     const bool done = wait_interruptibly(seconds, [&] { return this->done(); }, [&](double slice) {
       std::unique_lock<std::mutex> lock(mutex_);
       return finished_->wait_for(lock, std::chrono::duration<double>(slice),
@@ -343,6 +359,7 @@ class AsyncAllreduce : public CallQueue::Call {
 
  private:
   RingCommunicator* ring_;
+  std::weak_ptr<CallQueue::State> queue_;  // the queue it is in, for wait() (run_here())
   PyObject* core_;  // keeps ring_ alive (owned, as are the others)
   PyObject* x_;
   PyObject* result_;
@@ -376,10 +393,13 @@ class Executor {
     queue_.push(std::make_shared<PythonCall>(work));
   }
   void push_async(const std::shared_ptr<AsyncAllreduce>& call) {  // (its caller flushed)
+    call->queued_on(queue_.state());
     queue_.push(call);
   }
   int64_t pending() const { return queue_.pending(); }
   bool started() const { return queue_.started(); }
+  int64_t run_by_callers() const { return queue_.run_by_callers(); }
+  void hold_worker(bool held) { queue_.hold_worker(held); }
   void drain() {
     wait_interruptibly(std::nullopt, [&] { return queue_.pending() == 0; },
                        [&](double slice) { return queue_.wait_idle(slice); });
@@ -1068,6 +1088,10 @@ PYBIND11_MODULE(_core, m) {
       .def("push", &Executor::push, "queue a _Work, whose execute() the worker runs with the GIL")
       .def("pending", &Executor::pending)
       .def_property_readonly("started", &Executor::started)
+      .def_property_readonly("run_by_callers", &Executor::run_by_callers,
+                             "calls that a caller's wait() ran in its own thread")
+      .def("hold_worker", &Executor::hold_worker, py::arg("held"),
+           "for tests: while held, the worker starts no call")
       .def("drain", &Executor::drain, "wait until nothing is queued")
       .def("cancel", &Executor::cancel, "calls queued, not started, raise error instead")
       .def("stop", &Executor::stop, "let queued calls run, then end the worker thread")

@@ -1,5 +1,6 @@
 #include "call_queue.h"
 
+#include <sched.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -27,7 +28,7 @@ void CallQueue::push(std::shared_ptr<Call> call) {
       }
     }
   }
-  s.changed.notify_all();
+  s.work.notify_all();
 }
 
 void CallQueue::start(const std::shared_ptr<State>& state) {
@@ -80,7 +81,7 @@ void CallQueue::stop() {
     s.stopping = true;
     thread = std::move(s.thread);
   }
-  s.changed.notify_all();
+  s.work.notify_all();
   if (thread->get_id() == std::this_thread::get_id()) {
     thread->detach();  // it ends once the queue is empty (and keeps its State until then)
     std::lock_guard<std::mutex> lock(s.mutex);
@@ -93,6 +94,69 @@ void CallQueue::stop() {
   if (!s.queue.empty()) start(state_);  // queued after the thread had found the queue empty
 }
 
+bool CallQueue::run_here(const std::weak_ptr<State>& queue, const Call& target,
+                         const std::function<bool()>& stop) {
+  const std::shared_ptr<State> state = queue.lock();
+  if (state == nullptr) return false;
+  State& s = *state;
+  if (s.running->held_here()) return false;  // (a call of this thread's own runs)
+  std::unique_lock<std::mutex> lock(s.mutex);
+  if (s.helping || s.front_started || s.owner.load() != getpid()) return false;
+  size_t upto = 0;  // target's place
+  while (upto < s.queue.size() && s.queue[upto].get() != &target) ++upto;
+  if (upto == s.queue.size()) return false;  // (running, or done)
+  for (size_t i = 0; i <= upto; ++i)
+    if (!s.queue[i]->runs_anywhere()) return false;
+  // Whatever happens, the worker takes over from here when this thread is done.
+  struct Helping {
+    State& s;
+    const bool was_worker = worker_thread;
+    explicit Helping(State& state) : s(state) {
+      s.helping = true;
+      worker_thread = true;  // (what the calls let go of goes where the worker's does)
+    }
+    ~Helping() {  // (under the lock)
+      worker_thread = was_worker;
+      s.helping = false;
+      if (!s.queue.empty() || s.stopping) s.work.notify_all();
+    }
+  } helping(s);
+  // At most the calls queued now: ones queued meanwhile, by other threads, are the
+  // worker's.
+  size_t after = s.queue.size() - upto - 1;
+  for (size_t ran = 0; !s.queue.empty() && s.queue.front()->runs_anywhere(); ++ran) {
+    if (ran > upto && (after-- == 0 || stop())) break;
+    std::shared_ptr<Call> call = s.queue.front();
+    s.front_started = true;
+    lock.unlock();
+    {
+      std::lock_guard<RunningLock> hold(*s.running);
+      call->run();
+    }
+    call.reset();
+    lock.lock();
+    s.queue.pop_front();
+    s.front_started = false;
+    ++s.run_by_callers;
+    s.changed.notify_all();
+  }
+  return true;
+}
+
+void CallQueue::hold_worker(bool held) {
+  State& s = *state_;
+  {
+    std::lock_guard<std::mutex> lock(s.mutex);
+    s.worker_held = held;
+  }
+  s.work.notify_all();
+}
+
+int64_t CallQueue::run_by_callers() const {
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  return state_->run_by_callers;
+}
+
 void CallQueue::loop(const std::shared_ptr<State>& state) {
   worker_thread = true;
   State& s = *state;
@@ -100,7 +164,21 @@ void CallQueue::loop(const std::shared_ptr<State>& state) {
     std::shared_ptr<Call> call;
     {
       std::unique_lock<std::mutex> lock(s.mutex);
-      s.changed.wait(lock, [&] { return !s.queue.empty() || s.stopping; });
+      const auto ready = [&] {
+        return !s.queue.empty() && !s.front_started && !s.helping &&
+               (!s.worker_held || s.stopping);
+      };
+      for (;;) {
+        s.work.wait(lock, [&] { return ready() || (s.stopping && s.queue.empty()); });
+        if (!ready() || !s.queue.front()->runs_anywhere()) break;
+        // Lets a caller that shares this core come first: one about to wait for the
+        // call runs it in its own thread (run_here()), which saves two context switches
+        // a call. Where this thread has a core of its own, the yield returns at once.
+        lock.unlock();
+        sched_yield();
+        lock.lock();
+        if (ready()) break;
+      }
       if (s.queue.empty()) {  // stopping, with nothing left to run
         if (s.detached) {  // no stop() will join this thread and clear the flags
           s.detached = false;

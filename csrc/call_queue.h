@@ -59,7 +59,32 @@ class CallQueue {
   class Call {
    public:
     virtual ~Call() = default;
-    virtual void run() = 0;  // on the worker thread, holding running()
+    // On the worker thread (or a waiting caller's: run_here()), holding running(). It
+    // throws nothing: an error is the call's own, for whoever waits for it.
+    virtual void run() = 0;
+    // Whether a caller waiting for it may run it in its own thread (run_here()): it
+    // needs nothing of the worker's (a call that takes the GIL keeps the worker's
+    // Python thread state, so it does not).
+    virtual bool runs_anywhere() const { return false; }
+  };
+
+  // What the worker thread uses, which it keeps alive until it ends.
+  struct State {
+    std::mutex mutex;
+    std::condition_variable changed;  // a call left the queue (for wait_idle())
+    std::condition_variable work;     // for the worker: a call to run, or stop
+    bool helping = false;             // a caller runs queued calls (run_here())
+    int64_t run_by_callers = 0;       // calls run_here() ran
+    bool worker_held = false;         // (hold_worker())
+    std::deque<std::shared_ptr<Call>> queue;  // the front one is running, or next
+    bool front_started = false;
+    bool stopping = false;
+    bool detached = false;  // the thread stopped itself (see stop())
+    std::unique_ptr<std::thread> thread;
+    std::atomic<pid_t> owner{0};  // the process the thread runs in
+    bool forgotten = false;       // (in a child made by fork(): see stop())
+    std::function<void()> thread_end;
+    std::shared_ptr<RunningLock> running = std::make_shared<RunningLock>();
   };
 
   // thread_end: run by the worker thread as it ends (its last use of anything).
@@ -91,25 +116,29 @@ class CallQueue {
   // In a child made by fork(), where the thread does not exist, it touches nothing.
   void stop();
   const std::shared_ptr<RunningLock>& running() const { return state_->running; }
+
+  // For a caller about to wait for `target`: if the worker has not started the call at
+  // the front, runs the calls queued now in this thread, in order, the worker standing
+  // by, up to the first that does not run_anywhere() or the first before which
+  // stop() says so (checked once `target` has run). Whether it ran `target`.
+  //
+  // Why: where a rank has one core, the worker and the caller share it, and every call
+  // handed from one thread to the other costs two context switches (some 10 us each
+  // way); a caller that would only sleep until the worker is done does the work itself.
+  // Where the worker has a core of its own it has taken the call long before.
+  static bool run_here(const std::weak_ptr<State>& queue, const Call& target,
+                       const std::function<bool()>& stop);
+  std::weak_ptr<State> state() const { return state_; }
+  // How many calls callers ran (run_here()).
+  int64_t run_by_callers() const;
+  // For tests: while held, the worker starts no call (those waited for run in their
+  // callers' threads; the others wait).
+  void hold_worker(bool held);
   // Whether this thread is a CallQueue's worker (which holds no GIL but when a call
   // takes it).
   static bool on_worker_thread();
 
  private:
-  // What the worker thread uses, which it keeps alive until it ends.
-  struct State {
-    std::mutex mutex;
-    std::condition_variable changed;
-    std::deque<std::shared_ptr<Call>> queue;  // the front one is running, or next
-    bool front_started = false;
-    bool stopping = false;
-    bool detached = false;  // the thread stopped itself (see stop())
-    std::unique_ptr<std::thread> thread;
-    std::atomic<pid_t> owner{0};  // the process the thread runs in
-    bool forgotten = false;       // (in a child made by fork(): see stop())
-    std::function<void()> thread_end;
-    std::shared_ptr<RunningLock> running = std::make_shared<RunningLock>();
-  };
   static void start(const std::shared_ptr<State>& state);  // (under its mutex)
   static void loop(const std::shared_ptr<State>& state);
 

@@ -134,3 +134,20 @@ def test_the_running_lock_answers_as_an_rlock_does():
     thread.join()
     assert elsewhere and "un-acquired" in str(elsewhere[0])  # held by this thread
     running.release()
+
+
+def test_a_held_worker_starts_nothing_until_let_go_or_stopped():
+    # (hold_worker is for tests of the waits that run calls themselves; a stop() must
+    # still finish what is queued, not wait for a release that never comes.)
+    executor, log = _core.Executor(), []
+    executor.hold_worker(True)
+    executor.push(Work(log, "held"))
+    time.sleep(0.05)
+    assert log == [] and executor.pending() == 1
+    executor.hold_worker(False)
+    executor.drain()
+    assert [name for name, _ in log] == ["held"]
+    executor.hold_worker(True)
+    executor.push(Work(log, "stopped"))
+    executor.stop()
+    assert [name for name, _ in log] == ["held", "stopped"] and executor.run_by_callers == 0

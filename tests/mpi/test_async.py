@@ -1,4 +1,5 @@
 """allreduce_async: many in flight, results in order, errors at wait()."""
+import contextlib
 import re
 import signal
 import sys
@@ -130,6 +131,90 @@ def test_mismatch_surfaces_at_wait_and_the_queue_goes_on(comm):
     assert again.value is raised.value  # one error, as a _Work keeps it
     assert on_the_worker_without_python(bad) == comm._executor.threaded
     np.testing.assert_array_equal(after.wait(), np.full(5, float(SIZE)))
+
+
+@contextlib.contextmanager
+def worker_held(comm, held=True):
+    """The worker starts no call meanwhile (if held): only a caller's wait() can. (For
+    10 s at most: a wait that never runs them fails its test instead of hanging it.)"""
+    calls = comm._executor.calls
+    calls.hold_worker(held)
+    let_go = threading.Timer(10, calls.hold_worker, (False,))
+    let_go.start()
+    try:
+        yield calls
+    finally:
+        let_go.cancel()
+        calls.hold_worker(False)
+
+
+@pytest.mark.parametrize("held_on", ["every rank", "rank 0"])
+def test_a_wait_runs_the_calls_the_worker_has_not_started(held_on, small_chunks):
+    # A caller that would only sleep until the worker is done runs the calls queued
+    # itself, in order (its own and those queued after it), where the worker has not
+    # started them: on ranks that share a core between the two threads, every call
+    # handed over costs two context switches. The same results either way, and on ranks
+    # whose worker runs them meanwhile.
+    comm = small_chunks
+    needs_a_worker(comm)
+    inputs = [(rank_data(np.dtype(np.float32), 1000), "sum"),
+              (rank_data(np.dtype(np.int64), 7, salt=1), "max"),
+              (rank_data(np.dtype(np.float64), 300, salt=2), "avg"),
+              (rank_data(np.dtype(np.float16), 33, salt=3), "prod")]
+    expected = [comm.allreduce(x, op=op) for x, op in inputs]
+    held = held_on == "every rank" or RANK == 0
+    with worker_held(comm, held) as calls:
+        before = calls.run_by_callers
+        in_place = inputs[2][0].copy()
+        handles = [comm.allreduce_async(x, op=op) for x, op in inputs[:2]]
+        handles.append(comm.allreduce_async(in_place, op="avg", out=in_place))
+        handles.append(comm.allreduce_async(inputs[3][0], op="prod"))
+        assert all(on_the_worker_without_python(h) for h in handles)
+        if held:
+            time.sleep(0.05)  # (a worker that took one would have by now)
+            assert not any(h.done() for h in handles) and calls.pending() == 4
+        assert handles[2].wait() is in_place  # runs the two before it, and the one after
+        if held:
+            assert all(h.done() for h in handles) and calls.run_by_callers - before == 4
+        for h, want in zip(handles, expected):
+            assert bitwise_equal(h.wait(), want)
+        assert calls.pending() == 0
+
+
+def test_a_wait_with_a_timeout_leaves_the_calls_to_the_worker(comm):
+    # A wait with a timeout must return by then, which running a call of the ring
+    # would not promise.
+    needs_a_worker(comm)
+    x = rank_data(np.dtype(np.float32), 100)
+    expected = comm.allreduce(x)
+    with worker_held(comm) as calls:
+        before = calls.run_by_callers
+        handle = comm.allreduce_async(x)
+        with pytest.raises(TimeoutError, match="still running"):
+            handle.wait(0.05)
+        assert not handle.done() and calls.run_by_callers == before
+    assert bitwise_equal(handle.wait(), expected)
+
+
+def test_a_wait_behind_python_work_leaves_the_calls_to_the_worker(comm):
+    # Work the Python layer queued (a strided input) needs the worker's thread state:
+    # a call behind it is the worker's too.
+    needs_a_worker(comm)
+    a = rank_data(np.dtype(np.float64), 4000)
+    b = rank_data(np.dtype(np.float32), 50, salt=1)
+    expected = [comm.allreduce(a[::2]), comm.allreduce(b)]
+    with worker_held(comm) as calls:
+        before = calls.run_by_callers
+        handles = [comm.allreduce_async(a[::2]), comm.allreduce_async(b)]
+        assert [on_the_worker_without_python(h) for h in handles] == [False, True]
+        release = threading.Timer(0.2, calls.hold_worker, (False,))
+        release.start()
+        try:
+            assert bitwise_equal(handles[1].wait(), expected[1])
+        finally:
+            release.join()
+        assert calls.run_by_callers == before
+    assert bitwise_equal(handles[0].wait(), expected[0])
 
 
 def test_bad_arguments_raise_at_the_call(comm):

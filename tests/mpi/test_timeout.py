@@ -526,12 +526,14 @@ def ctrl_c_soon():
 
 @needs_two
 @pytest.mark.parametrize("wire", ["shared memory", "MPI"])
-@pytest.mark.parametrize("mode", ["blocking", "async, FastPath", "async, Python"])
+@pytest.mark.parametrize("mode", ["blocking", "async, FastPath", "async, Python",
+                                  "async, FastPath, run by wait()"])
 def test_ctrl_c_stops_a_call_that_waits_for_ranks_that_will_not_come(mode, wire, world,
                                                                     monkeypatch):
     # Rank 0 calls alone; a SIGINT to it (Ctrl-C) stops the call at its next look around
     # instead of after the timeout: KeyboardInterrupt on the main thread, and the rank
-    # leaves, so the others' next call raises at once.
+    # leaves, so the others' next call raises at once. The same for a call that wait()
+    # runs in the main thread, the worker not having started it (CallQueue::run_here).
     ring = a_ring_over(wire, monkeypatch)
     if mode != "blocking" and not ring._executor.threaded:
         pytest.skip("MPI without MPI_THREAD_MULTIPLE: asynchronous calls run inline")
@@ -544,10 +546,17 @@ def test_ctrl_c_stops_a_call_that_waits_for_ranks_that_will_not_come(mode, wire,
                     ring.allreduce(x)
             else:
                 path = mode.split(", ")[1]
-                handle = ring.allreduce_async(async_input(path))
-                assert queued_by(path, handle)
-                with pytest.raises(KeyboardInterrupt):
-                    handle.wait()  # interrupted in Python; the call stops on its own
+                calls = ring._executor.calls
+                by_wait = mode.endswith("run by wait()")
+                calls.hold_worker(by_wait)
+                try:
+                    handle = ring.allreduce_async(async_input(path))
+                    assert queued_by(path, handle)
+                    with pytest.raises(KeyboardInterrupt):
+                        handle.wait()  # interrupted in Python; the call stops on its own
+                    assert calls.run_by_callers == 1 or not by_wait
+                finally:
+                    calls.hold_worker(False)
                 with pytest.raises(RuntimeError, match=r"interrupted \(SIGINT\)"):
                     handle.wait(10)
         assert ring._core.departed
