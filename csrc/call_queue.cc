@@ -9,6 +9,14 @@ namespace ringreduce {
 
 namespace {
 thread_local bool worker_thread = false;
+
+// Runs a call that the queue marked started. noexcept: if it threw (a call's run()
+// keeps its errors; a lock that cannot be taken), the queue would keep that mark for
+// good and wait for nothing, where this ends the process.
+void run_holding(RunningLock& running, CallQueue::Call& call) noexcept {
+  std::lock_guard<RunningLock> hold(running);
+  call.run();
+}
 }  // namespace
 
 bool CallQueue::on_worker_thread() { return worker_thread; }
@@ -115,24 +123,19 @@ bool CallQueue::run_here(const std::weak_ptr<State>& queue, const Call& target,
       s.helping = true;
       worker_thread = true;  // (what the calls let go of goes where the worker's does)
     }
-    ~Helping() {  // (under the lock)
+    ~Helping() {  // (under the lock: run_holding() throws nothing)
       worker_thread = was_worker;
       s.helping = false;
-      if (!s.queue.empty() || s.stopping) s.work.notify_all();
+      if ((!s.queue.empty() && s.worker_waits_for_caller) || s.stopping) s.work.notify_all();
     }
   } helping(s);
-  // At most the calls queued now: ones queued meanwhile, by other threads, are the
-  // worker's.
-  size_t after = s.queue.size() - upto - 1;
-  for (size_t ran = 0; !s.queue.empty() && s.queue.front()->runs_anywhere(); ++ran) {
-    if (ran > upto && (after-- == 0 || stop())) break;
-    std::shared_ptr<Call> call = s.queue.front();
+  // Only up to target: a call queued after it may wait for ranks that wait for what
+  // this thread does once target is done, as the worker would not.
+  for (size_t i = 0; i <= upto && !stop(); ++i) {
+    std::shared_ptr<Call> call = s.queue.front();  // (the worker stands by: ours, in order)
     s.front_started = true;
     lock.unlock();
-    {
-      std::lock_guard<RunningLock> hold(*s.running);
-      call->run();
-    }
+    run_holding(*s.running, *call);
     call.reset();
     lock.lock();
     s.queue.pop_front();
@@ -169,7 +172,22 @@ void CallQueue::loop(const std::shared_ptr<State>& state) {
                (!s.worker_held || s.stopping);
       };
       for (;;) {
-        s.work.wait(lock, [&] { return ready() || (s.stopping && s.queue.empty()); });
+        // While a caller runs calls (run_here()), it wakes this thread at its end only
+        // if that took longer than kCallerTurn: a caller that runs a short call and
+        // then the next (waiting for each in turn) would wake it each time, for two
+        // context switches a call where the two threads share a core. So this thread
+        // looks again kCallerTurn after a caller began, and then waits to be woken.
+        bool waited_a_turn = false;
+        while (!ready() && !(s.stopping && s.queue.empty())) {
+          if (s.helping && !waited_a_turn) {
+            waited_a_turn = s.work.wait_for(lock, kCallerTurn) == std::cv_status::timeout;
+          } else {
+            s.worker_waits_for_caller = s.helping;
+            s.work.wait(lock);
+            s.worker_waits_for_caller = false;
+            waited_a_turn = false;
+          }
+        }
         if (!ready() || !s.queue.front()->runs_anywhere()) break;
         // Lets a caller that shares this core come first: one about to wait for the
         // call runs it in its own thread (run_here()), which saves two context switches
@@ -189,10 +207,7 @@ void CallQueue::loop(const std::shared_ptr<State>& state) {
       call = s.queue.front();
       s.front_started = true;
     }
-    {
-      std::lock_guard<RunningLock> hold(*s.running);
-      call->run();
-    }
+    run_holding(*s.running, *call);
     // Let go of it before it leaves the queue: whoever waits for the queue to empty then
     // finds everything the call held released (or handed to whoever releases it).
     call.reset();

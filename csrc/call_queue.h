@@ -76,6 +76,7 @@ class CallQueue {
     bool helping = false;             // a caller runs queued calls (run_here())
     int64_t run_by_callers = 0;       // calls run_here() ran
     bool worker_held = false;         // (hold_worker())
+    bool worker_waits_for_caller = false;  // to be woken when run_here() ends
     std::deque<std::shared_ptr<Call>> queue;  // the front one is running, or next
     bool front_started = false;
     bool stopping = false;
@@ -118,9 +119,9 @@ class CallQueue {
   const std::shared_ptr<RunningLock>& running() const { return state_->running; }
 
   // For a caller about to wait for `target`: if the worker has not started the call at
-  // the front, runs the calls queued now in this thread, in order, the worker standing
-  // by, up to the first that does not run_anywhere() or the first before which
-  // stop() says so (checked once `target` has run). Whether it ran `target`.
+  // the front, and every call up to `target` runs_anywhere(), runs them in this thread,
+  // in order, the worker standing by, unless stop() says so before one. Whether it ran
+  // any.
   //
   // Why: where a rank has one core, the worker and the caller share it, and every call
   // handed from one thread to the other costs two context switches (some 10 us each
@@ -139,6 +140,10 @@ class CallQueue {
   static bool on_worker_thread();
 
  private:
+  // How long the worker lets a caller's run_here() go on before it asks to be woken
+  // at its end (see loop()): the most that a call queued behind those the caller ran
+  // waits for the worker.
+  static constexpr std::chrono::microseconds kCallerTurn{200};
   static void start(const std::shared_ptr<State>& state);  // (under its mutex)
   static void loop(const std::shared_ptr<State>& state);
 
