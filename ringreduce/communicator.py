@@ -192,8 +192,8 @@ class Handle:
         """Block until the collective finishes; return its result array.
 
         Without a timeout, an allreduce of numpy arrays that the worker thread has not
-        started runs in this thread (and the calls queued with it), which saves
-        handing it over. With a timeout (seconds), raise TimeoutError if it has not
+        started runs in this thread (after the calls queued before it), which saves
+        handing it over; it is then a blocking call for signal handlers too. With a timeout (seconds), raise TimeoutError if it has not
         finished by then; the collective keeps running and can be waited on again.
         """
         if timeout is not None:
