@@ -325,9 +325,9 @@ class AsyncAllreduce : public CallQueue::Call {
 
   bool wait(std::optional<double> seconds) {
     if (!done() && !seconds) {
-      // Where the worker has not started it, this thread runs it, and the calls queued
-      // with it (CallQueue::run_here()), up to a Ctrl-C, which stops a call it runs
-      // as it would stop one on the worker, and is raised here as from any wait.
+      // Where the worker has not started it, this thread runs it, after the calls
+      // queued before it (CallQueue::run_here()), up to a Ctrl-C, which stops a call it
+      // runs as it would stop one on the worker, and is raised here as from any wait.
       const uint64_t interrupts = sigints.load(std::memory_order_relaxed);
       {
         WithoutGil nogil;

@@ -131,7 +131,8 @@ bool CallQueue::run_here(const std::weak_ptr<State>& queue, const Call& target,
   } helping(s);
   // Only up to target: a call queued after it may wait for ranks that wait for what
   // this thread does once target is done, as the worker would not.
-  for (size_t i = 0; i <= upto && !stop(); ++i) {
+  size_t ran = 0;
+  for (; ran <= upto && !stop(); ++ran) {
     std::shared_ptr<Call> call = s.queue.front();  // (the worker stands by: ours, in order)
     s.front_started = true;
     lock.unlock();
@@ -143,7 +144,7 @@ bool CallQueue::run_here(const std::weak_ptr<State>& queue, const Call& target,
     ++s.run_by_callers;
     s.changed.notify_all();
   }
-  return true;
+  return ran > upto;
 }
 
 void CallQueue::hold_worker(bool held) {

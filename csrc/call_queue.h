@@ -121,11 +121,12 @@ class CallQueue {
   // For a caller about to wait for `target`: if the worker has not started the call at
   // the front, and every call up to `target` runs_anywhere(), runs them in this thread,
   // in order, the worker standing by, unless stop() says so before one. Whether it ran
-  // any.
+  // `target`. Never the calls queued after it: one of those may wait for ranks that wait
+  // for what this thread does once `target` is done.
   //
   // Why: where a rank has one core, the worker and the caller share it, and every call
-  // handed from one thread to the other costs two context switches (some 10 us each
-  // way); a caller that would only sleep until the worker is done does the work itself.
+  // handed from one thread to the other costs two context switches (some 15 us a call
+  // here); a caller that would only sleep until the worker is done does the work itself.
   // Where the worker has a core of its own it has taken the call long before.
   static bool run_here(const std::weak_ptr<State>& queue, const Call& target,
                        const std::function<bool()>& stop);
