@@ -6,7 +6,8 @@ array of a dtype and op validated here before) goes straight to the binding's
 FastPath, which does the same checks without Python and hands anything else back.
 Asynchronous calls go to one worker thread per communicator (the core's CallQueue; an
 allreduce of numpy arrays runs there without the GIL, or in the thread that waits for
-it if the worker has not started it) and run in the order they were made, so every rank runs its collectives in the same order, as MPI requires; a
+it if the worker has not started it) and run in the order they were made, so every
+rank runs its collectives in the same order, as MPI requires; a
 blocking call made while asynchronous ones are in flight queues behind them.
 """
 from __future__ import annotations
@@ -193,8 +194,9 @@ class Handle:
 
         Without a timeout, an allreduce of numpy arrays that the worker thread has not
         started runs in this thread (after the calls queued before it), which saves
-        handing it over; it is then a blocking call for signal handlers too. With a timeout (seconds), raise TimeoutError if it has not
-        finished by then; the collective keeps running and can be waited on again.
+        handing it over; it is then a blocking call for signal handlers too. With a
+        timeout (seconds), raise TimeoutError if it has not finished by then; the
+        collective keeps running and can be waited on again.
         """
         if timeout is not None:
             if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):

@@ -154,9 +154,10 @@ def worker_held(comm, held=True):
 @pytest.mark.parametrize("held_on", ["every rank", "rank 0"])
 def test_a_wait_runs_the_calls_the_worker_has_not_started(held_on, small_chunks):
     # A caller that would only sleep until the worker is done runs its call itself, and
-    # those queued before it, in order, where the worker has not started them: on ranks that share a core between the two threads, every call
-    # handed over costs two context switches. The same results either way, and on ranks
-    # whose worker runs them meanwhile.
+    # those queued before it, in order, where the worker has not started them: on ranks
+    # that share a core between the two threads, every call handed over costs two
+    # context switches. The same results either way, and on ranks whose worker runs
+    # them meanwhile.
     comm = small_chunks
     needs_a_worker(comm)
     inputs = [(rank_data(np.dtype(np.float32), 1000), "sum"),
