@@ -1,4 +1,5 @@
 """Data and expectations shared by the tests that run on every rank."""
+import contextlib
 import functools
 import threading
 
@@ -162,3 +163,21 @@ def run_threads_of(name, monkeypatch) -> list:
 
     monkeypatch.setattr(_device, name, recording)
     return threads
+
+
+@contextlib.contextmanager
+def worker_held(comm, held=True):
+    """The worker starts no call meanwhile (if held): only a caller's wait() can. (For
+    10 s at most: a wait that never runs them fails its test instead of hanging it.)"""
+    calls = comm._executor.calls
+    # (A call that is done leaves the queue a moment later: until then the worker holds
+    # its front, and a wait() behind it leaves its call to the worker.)
+    calls.drain()
+    calls.hold_worker(held)
+    let_go = threading.Timer(10, calls.hold_worker, (False,))
+    let_go.start()
+    try:
+        yield calls
+    finally:
+        let_go.cancel()
+        calls.hold_worker(False)

@@ -1,5 +1,4 @@
 """allreduce_async: many in flight, results in order, errors at wait()."""
-import contextlib
 import re
 import signal
 import sys
@@ -15,7 +14,7 @@ from mpi4py import MPI
 
 import ringreduce as rr
 
-from helpers import bitwise_equal, on_the_worker_without_python, rank_data
+from helpers import bitwise_equal, on_the_worker_without_python, rank_data, worker_held
 
 SIZE = MPI.COMM_WORLD.Get_size()
 RANK = MPI.COMM_WORLD.Get_rank()
@@ -131,24 +130,6 @@ def test_mismatch_surfaces_at_wait_and_the_queue_goes_on(comm):
     assert again.value is raised.value  # one error, as a _Work keeps it
     assert on_the_worker_without_python(bad) == comm._executor.threaded
     np.testing.assert_array_equal(after.wait(), np.full(5, float(SIZE)))
-
-
-@contextlib.contextmanager
-def worker_held(comm, held=True):
-    """The worker starts no call meanwhile (if held): only a caller's wait() can. (For
-    10 s at most: a wait that never runs them fails its test instead of hanging it.)"""
-    calls = comm._executor.calls
-    # (A call that is done leaves the queue a moment later: until then the worker holds
-    # its front, and a wait() behind it leaves its call to the worker.)
-    calls.drain()
-    calls.hold_worker(held)
-    let_go = threading.Timer(10, calls.hold_worker, (False,))
-    let_go.start()
-    try:
-        yield calls
-    finally:
-        let_go.cancel()
-        calls.hold_worker(False)
 
 
 @pytest.mark.parametrize("held_on", ["every rank", "rank 0"])

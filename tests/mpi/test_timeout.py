@@ -21,7 +21,7 @@ from mpi4py import MPI
 import ringreduce as rr
 from ringreduce import _core, communicator
 
-from helpers import on_the_worker_without_python
+from helpers import on_the_worker_without_python, worker_held
 
 SIZE = MPI.COMM_WORLD.Get_size()
 RANK = MPI.COMM_WORLD.Get_rank()
@@ -546,17 +546,13 @@ def test_ctrl_c_stops_a_call_that_waits_for_ranks_that_will_not_come(mode, wire,
                     ring.allreduce(x)
             else:
                 path = mode.split(", ")[1]
-                calls = ring._executor.calls
                 by_wait = mode.endswith("run by wait()")
-                calls.hold_worker(by_wait)
-                try:
+                with worker_held(ring, by_wait) as calls:
                     handle = ring.allreduce_async(async_input(path))
                     assert queued_by(path, handle)
                     with pytest.raises(KeyboardInterrupt):
                         handle.wait()  # interrupted in Python; the call stops on its own
                     assert calls.run_by_callers == 1 or not by_wait
-                finally:
-                    calls.hold_worker(False)
                 with pytest.raises(RuntimeError, match=r"interrupted \(SIGINT\)"):
                     handle.wait(10)
         assert ring._core.departed
