@@ -140,8 +140,9 @@ struct DepartureNote {
     if (why == Departure::GaveUp)
       return " has given up on this communicator (a timeout there" +
              (waited_for >= 0 ? ", waiting for rank " + std::to_string(waited_for) : "") + ")";
-    return why == Departure::Left ? " has left this communicator (an error there, or close() "
-                                      "where this rank called a collective)"
+    return why == Departure::Left ? " has left this communicator (an error there, an exception that "
+                                      "left its `with` block, or close() where this rank "
+                                      "called a collective)"
            : why == Departure::Unclosed
                ? " has stopped using this communicator without closing it (its process "
                  "ended, or dropped the Communicator), after fewer calls on it than this "
