@@ -1,7 +1,7 @@
 """Data-parallel training of a small numpy MLP on scikit-learn's handwritten digits.
 
     mpiexec -n 2 python -m mpi4py examples/train_digits.py --plot digits.png
-    mpiexec -n 2 python -m mpi4py examples/train_digits.py --gpu     # cupy, one GPU per rank
+    mpiexec -n 2 python -m mpi4py examples/train_digits.py --gpu     # cupy; ranks share the GPUs
 
 Every rank holds the same model. Each global batch is cut into one equal shard per
 rank; each rank computes the gradient of its shard's mean loss, DistributedOptimizer
@@ -148,22 +148,37 @@ def main():
     parser.add_argument("--plot", help="save the loss and accuracy curves here (PNG)")
     args = parser.parse_args()
     # Checked here, on every rank alike, before anything collective: a usage error, not
-    # a traceback (or a run of 0 steps) on every rank.
-    size = MPI.COMM_WORLD.Get_size()
+    # a traceback (or a run of 0 steps) on every rank. Printed by rank 0 only, and the
+    # others exit after it has (under `-m mpi4py` a rank's exit status 2 aborts the job).
+    rank, size = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+    if rank != 0:
+        parser.print_usage = parser.print_help = lambda file=None: None
+
+    def exit_together(status=0, message=None):
+        if rank == 0 and message:
+            sys.stderr.write(message)
+        sys.stdout.flush(), sys.stderr.flush()
+        MPI.COMM_WORLD.Barrier()
+        sys.exit(status)
+    parser.exit = exit_together
     train_samples = int(0.8 * 1797)  # (load_digits_split's cut of the 1,797 images)
     if args.epochs < 1 or args.hidden < 1:
         parser.error("--epochs and --hidden must be at least 1")
     if not 0 < args.lr < math.inf or not 0 <= args.momentum < math.inf:
         parser.error("--lr must be a number above 0, and --momentum one of 0 or more")
-    if not 1 <= args.global_batch <= train_samples or args.global_batch % size:
-        parser.error(f"--global-batch must be from 1 to {train_samples} (the training "
-                     f"images) and divide evenly among the {size} rank(s)")
+    if not 1 <= args.global_batch <= train_samples:
+        parser.error(f"--global-batch must be from 1 to {train_samples} (the training images)")
+    if args.global_batch % size:
+        below = args.global_batch - args.global_batch % size
+        fits = [b for b in (below, below + size) if 1 <= b <= train_samples]
+        parser.error(f"--global-batch {args.global_batch} does not divide evenly among "
+                     f"{size} ranks (every rank takes an equal shard); try "
+                     + " or ".join(f"--global-batch {b}" for b in fits))
     for path in (args.json, args.plot):
         if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
             parser.error(f"the folder of {path!r} does not exist")
     compression = {"none": None, "fp16": "fp16", "bf16": "bf16",
                    "powersgd": PowerSGD(rank=4)}[args.compression]
-    rank = MPI.COMM_WORLD.Get_rank()
     history = train(args.epochs, args.global_batch, args.lr, args.momentum, args.hidden,
                     compression, overlap=not args.no_overlap, gpu=args.gpu)
     if rank != 0:

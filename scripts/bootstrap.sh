@@ -38,7 +38,7 @@ build_wanted="$deps_wanted $(cat setup.py pyproject.toml csrc/* | sha256sum)"
 build_stamp="$VENV/.ringreduce-build"
 if [ "$(cat "$build_stamp" 2>/dev/null)" != "$build_wanted" ] || \
    ! ls ringreduce/_core*.so >/dev/null 2>&1; then
-  echo "bootstrap: building ringreduce"
+  echo "bootstrap: building ringreduce (compiling the C++ core, and the CUDA part where nvcc is: 1-3 minutes)"
   "${PIP[@]}" install --no-build-isolation --no-deps -e .
   echo "$build_wanted" > "$build_stamp"
 fi

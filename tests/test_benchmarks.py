@@ -152,6 +152,20 @@ def test_command_lines_refuse_bad_arguments_before_any_work(script, argv, messag
     assert message in done.stderr and "Traceback" not in done.stderr
 
 
+def test_the_digits_example_on_3_ranks_says_once_which_batches_fit():
+    # Its default global batch (64) does not divide among 3 ranks. Rank 0 says so, and
+    # which batches would, once; the others wait for it to have said it before they
+    # exit (under -m mpi4py the first rank to exit with status 2 aborts the job).
+    done = subprocess.run(
+        [mpiexec(), "-n", "3", sys.executable, "-m", "mpi4py", "examples/train_digits.py"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120, env=job_env())
+    assert done.returncode == 2, done.stdout + done.stderr
+    said = "--global-batch 64 does not divide evenly among 3 ranks"
+    assert done.stderr.count(said) == 1, done.stderr
+    assert "try --global-batch 63 or --global-batch 66" in done.stderr
+    assert done.stderr.count("usage:") == 1 and "Traceback" not in done.stderr
+
+
 def test_gpu_check_fails_a_table_that_hangs_or_fails_but_not_one_out_of_budget(tmp_path):
     # benchmarks/gpu_check.sh cuts each step's timeout to what is left of its budget. A
     # table stopped there is incomplete (as one never started is left out), not a failed
