@@ -1,6 +1,7 @@
 """The documentation site builds with no warnings, and every figure in it comes from a
 script in this repository."""
 import os
+import json
 import re
 import subprocess
 import sys
@@ -71,3 +72,19 @@ def test_the_training_script_gives_the_output_shown_on_1_to_4_ranks(tmp_path, ra
                           timeout=180, env=job_env())
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout == shown
+
+
+def test_the_training_table_is_the_stored_runs():
+    # docs/training.md's table, row by row, against benchmarks/results/digits/*.json
+    # (which tests/mpi/test_example.py holds to what the code trains now).
+    page = (ROOT / "docs" / "training.md").read_text()
+    rows = re.findall(r"^\| (\d) \| (None|fp16|bf16|PowerSGD\(rank=4\)) \| ([\d.]+) \| "
+                      r"([\d.]+) \| ([\d.]+) \|", page, re.M)
+    names = {"None": "", "fp16": "_fp16", "bf16": "_bf16", "PowerSGD(rank=4)": "_powersgd"}
+    assert len(rows) == 6, rows
+    for ranks, compression, loss, accuracy, megabytes in rows:
+        path = ROOT / "benchmarks" / "results" / "digits" / f"ranks{ranks}{names[compression]}.json"
+        run = json.loads(path.read_text())
+        assert (loss, accuracy, megabytes) == (f"{run['loss'][-1]:.4f}",
+                                               f"{run['test_accuracy'][-1]:.3f}",
+                                               f"{run['bytes_sent_per_rank'] / 1e6:.1f}"), path

@@ -1,5 +1,7 @@
 """The digits example: the same global batch gives the same training curve at any
 number of ranks, and compressed gradients reach close to the uncompressed accuracy."""
+import glob
+import json
 import os
 import sys
 
@@ -14,6 +16,8 @@ from train_digits import train  # noqa: E402
 from ringreduce.compression import PowerSGD  # noqa: E402
 
 GLOBAL_BATCH = 48  # divisible by 1, 2, 3 and 4
+STORED = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks",
+                                       "results", "digits", "*.json")))
 EPOCHS = 8
 
 
@@ -55,3 +59,28 @@ def test_the_gpu_option_without_a_gpu_says_so():
         pytest.skip("this machine has a GPU (tests/mpi/test_gpu.py trains there)")
     with pytest.raises(RuntimeError, match="needs (cupy|a usable GPU)"):
         train(epochs=1, global_batch=GLOBAL_BATCH, quiet=True, gpu=True)
+
+
+@pytest.mark.parametrize("path", STORED, ids=os.path.basename)
+def test_the_stored_runs_are_what_the_code_trains_now(path):
+    # docs/training.md's table and figures are drawn from these files (written by
+    # scripts/figures.sh --measured): a change to the training or to a compression
+    # must come with them measured again, or the docs show another code's results.
+    with open(path) as f:
+        stored = json.load(f)
+    if stored["ranks"] != MPI.COMM_WORLD.Get_size():
+        pytest.skip(f"stored from {stored['ranks']} rank(s)")
+    compression = {"None": None, "fp16": "fp16", "bf16": "bf16"}.get(stored["compression"])
+    if stored["compression"].startswith("PowerSGD"):
+        compression = PowerSGD(rank=4)
+    if compression == "bf16":
+        pytest.importorskip("ml_dtypes")
+    now = train(epochs=len(stored["epoch"]), global_batch=stored["global_batch"], quiet=True,
+                compression=compression)
+    stale = f"{path} is stale: run the digits commands of scripts/figures.sh --measured"
+    assert now["compression"] == stored["compression"], stale
+    assert now["bytes_sent_per_rank"] == stored["bytes_sent_per_rank"], stale
+    # (a little room for another CPU's BLAS; a changed computation moves these far more)
+    np.testing.assert_allclose(now["loss"], stored["loss"], rtol=1e-4, err_msg=stale)
+    np.testing.assert_allclose(now["test_accuracy"], stored["test_accuracy"], atol=0.006,
+                               err_msg=stale)
