@@ -421,6 +421,11 @@ class Executor {
     }
     later_releases.flush();
   }
+  void stop_later() {  // (no wait: the GIL stays)
+    queue_.stop(/*wait=*/false);
+    later_releases.flush();
+  }
+  bool detached_alive() const { return queue_.detached_alive(); }
   std::shared_ptr<RunningLock> running() const { return queue_.running(); }
 
  private:
@@ -1095,6 +1100,10 @@ PYBIND11_MODULE(_core, m) {
       .def("drain", &Executor::drain, "wait until nothing is queued")
       .def("cancel", &Executor::cancel, "calls queued, not started, raise error instead")
       .def("stop", &Executor::stop, "let queued calls run, then end the worker thread")
+      .def("stop_later", &Executor::stop_later,
+           "the worker thread ends once the queued calls have run; returns at once")
+      .def_property_readonly("detached_alive", &Executor::detached_alive,
+                             "whether a thread stop_later() left is still running")
       .def_property_readonly("running", &Executor::running);
   py::class_<AsyncAllreduce, std::shared_ptr<AsyncAllreduce>>(
       m, "AsyncAllreduce", "an allreduce of host arrays queued on the worker thread")

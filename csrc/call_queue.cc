@@ -49,6 +49,11 @@ bool CallQueue::started() const {
   return state_->thread != nullptr;
 }
 
+bool CallQueue::detached_alive() const {
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  return state_->detached_alive;
+}
+
 int64_t CallQueue::pending() const {
   std::lock_guard<std::mutex> lock(state_->mutex);
   return static_cast<int64_t>(state_->queue.size());
@@ -67,7 +72,7 @@ void CallQueue::for_each_waiting(const std::function<void(Call&)>& f) {
   for (size_t i = s.front_started ? 1 : 0; i < s.queue.size(); ++i) f(*s.queue[i]);
 }
 
-void CallQueue::stop() {
+void CallQueue::stop(bool wait) {
   State& s = *state_;
   const pid_t owner = s.owner.load();
   if (owner != 0 && owner != getpid()) {
@@ -90,10 +95,11 @@ void CallQueue::stop() {
     thread = std::move(s.thread);
   }
   s.work.notify_all();
-  if (thread->get_id() == std::this_thread::get_id()) {
+  if (!wait || thread->get_id() == std::this_thread::get_id()) {
     thread->detach();  // it ends once the queue is empty (and keeps its State until then)
     std::lock_guard<std::mutex> lock(s.mutex);
     s.detached = true;
+    s.detached_alive = true;
     return;
   }
   thread->join();
@@ -220,6 +226,11 @@ void CallQueue::loop(const std::shared_ptr<State>& state) {
     s.changed.notify_all();
   }
   if (s.thread_end) s.thread_end();
+  {
+    std::lock_guard<std::mutex> lock(s.mutex);
+    s.detached_alive = false;
+  }
+  s.changed.notify_all();
 }
 
 }  // namespace ringreduce

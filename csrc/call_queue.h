@@ -81,6 +81,7 @@ class CallQueue {
     bool front_started = false;
     bool stopping = false;
     bool detached = false;  // the thread stopped itself (see stop())
+    bool detached_alive = false;  // a detached thread has not ended yet
     std::unique_ptr<std::thread> thread;
     std::atomic<pid_t> owner{0};  // the process the thread runs in
     bool forgotten = false;       // (in a child made by fork(): see stop())
@@ -112,10 +113,15 @@ class CallQueue {
   // wait for the worker).
   void for_each_waiting(const std::function<void(Call&)>& f);
   // Lets the queued calls run, then ends the worker thread (push() starts a new one).
-  // Called by the worker itself (a call that drops the last reference to its
-  // communicator), it returns at once, and the thread ends after the queue is empty.
-  // In a child made by fork(), where the thread does not exist, it touches nothing.
-  void stop();
+  // With wait=false, or called by the worker itself (a call that drops the last
+  // reference to its communicator), it returns at once, and the thread ends after the
+  // queue is empty (detached_alive() until then): a communicator dropped with calls in
+  // flight must not wait for them, as they may wait for ranks that wait for what this
+  // thread does next. In a child made by fork(), where the thread does not exist, it
+  // touches nothing.
+  void stop(bool wait = true);
+  // Whether a thread that stop() left to end on its own is still running.
+  bool detached_alive() const;
   const std::shared_ptr<RunningLock>& running() const { return state_->running; }
 
   // For a caller about to wait for `target`: if the worker has not started the call at

@@ -306,8 +306,9 @@ class _Executor:
 
     @property
     def busy(self) -> bool:
-        """Whether a call is queued or running on the worker thread."""
-        return self.calls.pending() > 0
+        """Whether a call is queued or running on the worker thread (or the thread
+        stop_later() left to end on its own has not ended yet)."""
+        return self.calls.pending() > 0 or self.calls.detached_alive
 
     @property
     def started(self) -> bool:
@@ -336,6 +337,10 @@ class _Executor:
     def stop(self) -> None:
         self.calls.stop()
 
+    def stop_later(self) -> None:
+        """The worker thread ends once the queued calls have run; returns at once."""
+        self.calls.stop_later()
+
 
 _live: "weakref.WeakSet[Communicator]" = weakref.WeakSet()
 _made = itertools.count()  # Communicator._serial: the order this rank made them in
@@ -347,6 +352,10 @@ _made = itertools.count()  # Communicator._serial: the order this rank made them
 _dropped_closing: "dict[int, _core.RingCommunicator]" = {}
 _dropped_over_mpi: "dict[int, tuple[_core.RingCommunicator, _Executor]]" = {}
 _dropped_looking = threading.Lock()  # one thread at a time finishes _dropped_closing's
+# The other Communicators dropped with calls in flight, by _serial: (a weak reference to
+# the core, which the calls keep alive until they are over, and the executor, whose
+# worker finishes them on its own), waited for at exit, before MPI goes away.
+_dropped_busy: "dict[int, tuple[weakref.ref, _Executor]]" = {}
 # Cores that left on a thread MPI's level kept from telling the others (below
 # SERIALIZED): told at exit, on the main thread, before any close at exit waits for them.
 _untold_over_mpi: "list[_core.RingCommunicator]" = []
@@ -392,6 +401,8 @@ def _finish_all():
     comms = [comm for comm in list(_live) if not comm._closed]
     dropped = sorted(_dropped_over_mpi.items())
     _dropped_over_mpi.clear()
+    dropped_busy = list(_dropped_busy.values())
+    _dropped_busy.clear()
     with _dropped_looking:
         closing = [(core, _dropped_looking) for core in _dropped_closing.values()]
         _dropped_closing.clear()
@@ -422,6 +433,14 @@ def _finish_all():
     # begun; busy: (executor, begin its close, leave on Ctrl-C) of those with calls in
     # flight.
     busy = []
+    for core_ref, executor in dropped_busy:  # (nothing to close: only calls to finish)
+        core = core_ref()
+        if core is not None and failing is not None:
+            core.stop_soon()  # (a call its worker thread runs: then it leaves)
+            with executor.running:
+                core.leave()
+        elif core is not None:
+            busy.append((executor, lambda: None, core.stop_soon))
 
     def begin(comm):
         if comm._leave(None):
@@ -473,7 +492,11 @@ def _finish_all():
 
 
 def _finish_dropped_closes() -> None:
-    """Frees the Communicators dropped unclosed that every rank has closed or dropped."""
+    """Frees the Communicators dropped unclosed that every rank has closed or dropped,
+    and forgets those dropped with calls in flight that are over."""
+    for serial, (_, executor) in list(_dropped_busy.items()):
+        if not executor.busy:
+            _dropped_busy.pop(serial, None)
     if _dropped_closing and _dropped_looking.acquire(blocking=False):
         try:
             for serial, core in list(_dropped_closing.items()):
@@ -915,16 +938,26 @@ class Communicator:
         if os.getpid() != getattr(self, "_pid", None):
             return  # a copy in a child made by fork(): its thread and MPI are the parent's
         executor = getattr(self, "_executor", None)
-        if executor is not None and executor.started:
-            executor.stop()
         core = getattr(self, "_core", None)
+        if executor is not None and executor.started:
+            if executor.busy:
+                # Calls in flight: the worker finishes them and ends on its own. Waiting
+                # for them here could wait for good, inside the garbage collection of
+                # whatever this thread was doing: they may wait for ranks that wait for
+                # what this thread does next (a call on another Communicator).
+                executor.stop_later()
+                if core is not None:
+                    _dropped_busy[self._serial] = (weakref.ref(core), executor)
+            else:
+                executor.stop()
         if (getattr(self, "_closed", True) is False and core is not None and core.size > 1
                 and core.transport == "MPI" and not core.departed and not sys.is_finalizing()
                 and not MPI.Is_finalized()):
             if executor.busy:
-                # Dropped by the worker thread that runs its calls (its last one held
-                # the last reference), whose stop() above returned at once: the calls
-                # queued after it go on, and the close begins at exit, after them.
+                # Dropped with calls in flight (by the worker thread that runs them, its
+                # last one holding the last reference, or by another thread): they go
+                # on, as above, and the close begins at exit, after them.
+                _dropped_busy.pop(self._serial, None)
                 _dropped_over_mpi[self._serial] = (core, executor)
             elif self._thread_level != MPI.THREAD_MULTIPLE:
                 # (MPI may not be called on this thread, where garbage collection ran.)

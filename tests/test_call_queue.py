@@ -42,6 +42,29 @@ def test_runs_work_in_order_on_one_thread_of_its_own():
     assert log[-1][0] == "after stop" and not executor.started
 
 
+def test_stop_later_returns_at_once_and_the_thread_ends_after_the_queue():
+    # What a Communicator dropped with calls in flight does: waiting for them there can
+    # wait for good (they may wait for what the dropping thread does next).
+    executor, log = _core.Executor(), []
+    started, release = threading.Event(), threading.Event()
+    executor.push(Work(log, "running", lambda: (started.set(), release.wait(10))))
+    executor.push(Work(log, "queued"))
+    assert started.wait(10)
+    begun = time.monotonic()
+    executor.stop_later()
+    assert time.monotonic() - begun < 1.0
+    assert executor.detached_alive and executor.pending() == 2 and not executor.started
+    release.set()
+    deadline = time.monotonic() + 10
+    while executor.detached_alive and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert not executor.detached_alive and executor.pending() == 0
+    assert [name for name, _ in log] == ["running", "queued"]
+    executor.push(Work(log, "after"))  # a new thread, joined by stop()
+    executor.stop()
+    assert log[-1][0] == "after" and not executor.detached_alive
+
+
 def test_cancel_reaches_only_work_that_has_not_started():
     executor, log = _core.Executor(), []
     started, release = threading.Event(), threading.Event()

@@ -859,3 +859,54 @@ def test_ctrl_c_ends_a_job_whose_ranks_wait_for_each_other(tmp_path):
     assert time.monotonic() - start < 20
     if "Sending Ctrl-C to processes" in stderr:  # MPICH's mpiexec passed it on
         assert "KeyboardInterrupt" in stderr, stderr
+
+
+DROPPED_WITH_A_CALL_IN_FLIGHT = """
+import gc
+import sys
+import time
+import warnings
+import numpy as np
+import ringreduce as rr
+
+warnings.simplefilter("ignore", ResourceWarning)
+ring = rr.Communicator(timeout=60)
+rank = ring.rank
+x = np.full(1 << 16, 1.0, np.float32)
+if rank == 0:  # dropped with its call in flight, which rank 1 joins a second later
+    handle = ring.allreduce_async(x if sys.argv[1] == "FastPath" else x[::2])
+    del ring
+    gc.collect()
+    print("rank 0 dropped it\\n", end="", flush=True)
+    if sys.argv[2] == "fail":
+        raise KeyError("only on rank 0")
+else:
+    time.sleep(1.0)
+    try:
+        total = ring.allreduce_async(x if sys.argv[1] == "FastPath" else x[::2]).wait()
+        print(f"rank 1: {total[:2].tolist()}\\n", end="", flush=True)
+    except rr.CollectiveTimeoutError as error:
+        print(f"rank 1: {error}\\n", end="", flush=True)
+"""
+
+
+@pytest.mark.parametrize("ending", ["exit", "fail"])
+@pytest.mark.parametrize("path", ["FastPath", "Python"])
+@pytest.mark.parametrize("shm", ["1", "0"], ids=["shared memory", "MPI"])
+def test_a_communicator_dropped_with_a_call_in_flight_finishes_it_or_leaves_at_exit(
+        tmp_path, shm, path, ending):
+    # The drop leaves the call to the worker thread. At exit the rank waits for it (it
+    # ran during MPI_Finalize before) and the job ends cleanly; after an uncaught
+    # exception it leaves instead, and rank 1 raises at once, not after its timeout.
+    start = time.monotonic()
+    done = run_script(tmp_path, "dropped_busy.py", DROPPED_WITH_A_CALL_IN_FLIGHT,
+                      env={"RINGREDUCE_SHM": shm}, args=(path, ending),
+                      abort_on_exception=False)
+    assert "rank 0 dropped it" in done.stdout, done
+    if ending == "exit":
+        assert done.returncode == 0, done.stderr
+        assert "rank 1: [2.0, 2.0]" in done.stdout, done
+    else:
+        assert "only on rank 0" in done.stderr
+        assert "rank 1: ringreduce.allreduce" in done.stdout and "rank 0 has" in done.stdout, done
+    assert time.monotonic() - start < 30

@@ -798,3 +798,40 @@ def test_a_wait_shorter_than_the_timeout_is_not_one(world):
             time.sleep(TIMEOUT * 2)
         x = np.full(1 << 16, 1.0, np.float32)
         np.testing.assert_array_equal(ring.allreduce(x), np.full(1 << 16, SIZE, np.float32))
+
+
+@needs_two
+@pytest.mark.parametrize("wire", ["shared memory", "MPI"])
+@pytest.mark.parametrize("path", ["FastPath", "Python"])
+def test_dropping_a_communicator_with_calls_in_flight_does_not_wait_for_them(
+        path, wire, world, monkeypatch):
+    # Rank 0 drops Communicator `a` (here in a garbage collection, which may run at any
+    # allocation) while an allreduce on it waits for the others, who first wait for
+    # rank 0 in a call on `b`. The drop must leave that call to the worker: waiting for
+    # it there waited until the timeout (for good without one), as the others could not
+    # get past their call on `b`.
+    a, b = a_ring_over(wire, monkeypatch), a_ring_over(wire, monkeypatch)
+    a.timeout = b.timeout = 20
+    x = async_input(path)
+    start = time.monotonic()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ResourceWarning)  # (a is dropped unclosed)
+        if RANK == 0:
+            handle = a.allreduce_async(x)
+            assert queued_by(path, handle)
+            dropped = weakref.ref(a)
+            del a
+            gc.collect()
+            assert dropped() is None  # (the handle keeps only what its call needs)
+            total = b.allreduce(np.ones(3))
+            result = handle.wait()
+        else:
+            total = b.allreduce(np.ones(3))
+            result = a.allreduce_async(x).wait()
+            del a
+            gc.collect()
+    assert time.monotonic() - start < 10
+    np.testing.assert_array_equal(total, np.full(3, float(SIZE)))
+    np.testing.assert_array_equal(result, np.full(x.shape, float(SIZE), np.float32))
+    b.close()
+    world.Barrier()
