@@ -3,6 +3,8 @@
 per MPI communicator and kept for later calls (creation is collective)."""
 from __future__ import annotations
 
+import threading
+
 from mpi4py import MPI
 
 from .communicator import Communicator, mpi_unusable_here
@@ -14,6 +16,7 @@ from .communicator import Communicator, mpi_unusable_here
 # the process ends (closing is collective), and so out of MPI_Finalize, which deletes
 # some communicators' attributes.
 _keyval = None
+_keyval_made = threading.Lock()  # (two threads' first calls would make two)
 _made: list = []
 
 
@@ -27,7 +30,9 @@ def _communicator(comm) -> Communicator:
             or comm.Is_inter():
         return Communicator(comm)  # (which says what is wrong, touching no MPI)
     if _keyval is None:
-        _keyval = MPI.Comm.Create_keyval()
+        with _keyval_made:
+            if _keyval is None:
+                _keyval = MPI.Comm.Create_keyval()
     ring = comm.Get_attr(_keyval)
     if ring is None or ring.closed:
         ring = Communicator(comm)

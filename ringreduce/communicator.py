@@ -626,7 +626,10 @@ def _checked_timeout(value, context: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
         raise TypeError(f"{context}: timeout must be a number of seconds or None, "
                         f"got {type(value).__name__}")
-    value = float(value)
+    try:
+        value = float(value)
+    except OverflowError:  # an int past float's range: as good as forever, or negative
+        value = math.inf if value > 0 else -math.inf
     if not value > 0:  # NaN too
         raise ValueError(f"{context}: timeout must be positive seconds (or None for no "
                          f"timeout), got {value}")

@@ -762,10 +762,11 @@ def test_timeout_values(monkeypatch):
         assert ring.timeout is None
         with pytest.raises(ValueError, match=rf"Communicator\.timeout \(rank {RANK} of {SIZE}\)"):
             ring.timeout = -1
-    for value in (None, float("inf")):
+    for value in (None, float("inf"), 10 ** 400):  # (an int past float's range too)
         with rr.Communicator(timeout=value) as ring:
             assert ring.timeout is None
     for bad, error in ((0, ValueError), (-1.0, ValueError), (float("nan"), ValueError),
+                       (-10 ** 400, ValueError),
                        ("5", TypeError), (True, TypeError)):
         with pytest.raises(error, match=rf"Communicator \(rank {RANK} of {SIZE}\): timeout"):
             rr.Communicator(timeout=bad)  # checked before anything collective
