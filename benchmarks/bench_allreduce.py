@@ -114,8 +114,8 @@ def collective_candidates(comm, collective, x):
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="Rank 0 prints the tables. The default sizes and repeats take a few minutes "
-               "on 2 ranks.")
+        epilog="Rank 0 prints the tables. The default sizes and repeats take 15 s on 2 ranks "
+               "of the development machine, about a minute with gloo (torch) beside them.")
     parser.add_argument("--sizes", help="comma-separated byte sizes, e.g. 8,64K,1M,256M "
                         f"(default: {','.join(human_bytes(n).replace(' ', '') for n in DEFAULT_SIZES)})")
     parser.add_argument("--repeats", type=at_least(1), default=9,
