@@ -51,7 +51,7 @@ bool CallQueue::started() const {
 
 bool CallQueue::detached_alive() const {
   std::lock_guard<std::mutex> lock(state_->mutex);
-  return state_->detached_alive;
+  return state_->detached_alive > 0;
 }
 
 int64_t CallQueue::pending() const {
@@ -88,18 +88,23 @@ void CallQueue::stop(bool wait) {
     return;
   }
   std::unique_ptr<std::thread> thread;
+  bool detach = false;
   {
     std::lock_guard<std::mutex> lock(s.mutex);
     if (s.thread == nullptr || s.stopping) return;
     s.stopping = true;
     thread = std::move(s.thread);
+    // Marked together with `stopping`: a worker that finds the queue empty the moment
+    // the lock is let go must see that no stop() will join it (and clear the flags).
+    detach = !wait || thread->get_id() == std::this_thread::get_id();
+    if (detach) {
+      s.detached = true;
+      ++s.detached_alive;
+    }
   }
   s.work.notify_all();
-  if (!wait || thread->get_id() == std::this_thread::get_id()) {
+  if (detach) {
     thread->detach();  // it ends once the queue is empty (and keeps its State until then)
-    std::lock_guard<std::mutex> lock(s.mutex);
-    s.detached = true;
-    s.detached_alive = true;
     return;
   }
   thread->join();
@@ -170,6 +175,7 @@ int64_t CallQueue::run_by_callers() const {
 void CallQueue::loop(const std::shared_ptr<State>& state) {
   worker_thread = true;
   State& s = *state;
+  bool was_detached = false;
   for (;;) {
     std::shared_ptr<Call> call;
     {
@@ -208,6 +214,7 @@ void CallQueue::loop(const std::shared_ptr<State>& state) {
         if (s.detached) {  // no stop() will join this thread and clear the flags
           s.detached = false;
           s.stopping = false;
+          was_detached = true;
         }
         break;
       }
@@ -226,11 +233,13 @@ void CallQueue::loop(const std::shared_ptr<State>& state) {
     s.changed.notify_all();
   }
   if (s.thread_end) s.thread_end();
-  {
-    std::lock_guard<std::mutex> lock(s.mutex);
-    s.detached_alive = false;
+  if (was_detached) {
+    {
+      std::lock_guard<std::mutex> lock(s.mutex);
+      --s.detached_alive;
+    }
+    s.changed.notify_all();
   }
-  s.changed.notify_all();
 }
 
 }  // namespace ringreduce

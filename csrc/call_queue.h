@@ -81,7 +81,7 @@ class CallQueue {
     bool front_started = false;
     bool stopping = false;
     bool detached = false;  // the thread stopped itself (see stop())
-    bool detached_alive = false;  // a detached thread has not ended yet
+    int detached_alive = 0;  // detached threads that have not ended yet
     std::unique_ptr<std::thread> thread;
     std::atomic<pid_t> owner{0};  // the process the thread runs in
     bool forgotten = false;       // (in a child made by fork(): see stop())

@@ -342,6 +342,26 @@ class _Executor:
         self.calls.stop_later()
 
 
+class _BeginDroppedClose:
+    """Queued behind the calls in flight of a Communicator dropped unclosed: as soon as
+    they are over, it marks itself gone on shared memory, or begins its close over MPI
+    messages, as it would have when dropped idle, so that a rank that makes one call
+    more on it than this one raises then, not at this rank's exit (while this rank,
+    say, waits for that rank in a call on another Communicator, or keeps a Handle, which
+    keeps the core)."""
+
+    def __init__(self, core, serial: int):
+        self.core, self.serial, self.cancelled = core, serial, None
+
+    def execute(self) -> None:  # (on the worker thread, holding its running lock)
+        core, self.core = self.core, None
+        if self.cancelled is not None or core.departed or MPI.Is_finalized():
+            return
+        core.release_scratch()
+        if core.begin_close_at_exit():
+            _dropped_closing[self.serial] = core
+
+
 _live: "weakref.WeakSet[Communicator]" = weakref.WeakSet()
 _made = itertools.count()  # Communicator._serial: the order this rank made them in
 # The cores of Communicators dropped unclosed whose wire is MPI messages, by _serial,
@@ -352,9 +372,10 @@ _made = itertools.count()  # Communicator._serial: the order this rank made them
 _dropped_closing: "dict[int, _core.RingCommunicator]" = {}
 _dropped_over_mpi: "dict[int, tuple[_core.RingCommunicator, _Executor]]" = {}
 _dropped_looking = threading.Lock()  # one thread at a time finishes _dropped_closing's
-# The other Communicators dropped with calls in flight, by _serial: (a weak reference to
-# the core, which the calls keep alive until they are over, and the executor, whose
-# worker finishes them on its own), waited for at exit, before MPI goes away.
+# The Communicators dropped with calls in flight, by _serial: (a weak reference to the
+# core, which the calls keep alive until they are over, and the executor, whose worker
+# finishes them on its own, then begins the close over MPI messages: _BeginDroppedClose),
+# waited for at exit, before MPI goes away.
 _dropped_busy: "dict[int, tuple[weakref.ref, _Executor]]" = {}
 # Cores that left on a thread MPI's level kept from telling the others (below
 # SERIALIZED): told at exit, on the main thread, before any close at exit waits for them.
@@ -401,7 +422,7 @@ def _finish_all():
     comms = [comm for comm in list(_live) if not comm._closed]
     dropped = sorted(_dropped_over_mpi.items())
     _dropped_over_mpi.clear()
-    dropped_busy = list(_dropped_busy.values())
+    dropped_busy = sorted(_dropped_busy.items())
     _dropped_busy.clear()
     with _dropped_looking:
         closing = [(core, _dropped_looking) for core in _dropped_closing.values()]
@@ -433,14 +454,29 @@ def _finish_all():
     # begun; busy: (executor, begin its close, leave on Ctrl-C) of those with calls in
     # flight.
     busy = []
-    for core_ref, executor in dropped_busy:  # (nothing to close: only calls to finish)
+
+    def begin_dropped_busy(serial):  # its _BeginDroppedClose ran during the wait
+        with _dropped_looking:
+            core = _dropped_closing.pop(serial, None)
+        if core is not None:
+            closing.append((core, _dropped_looking))
+
+    def leave_dropped_busy(core, executor):
+        executor.cancel(ValueError("ringreduce: a collective never ran: the process "
+                                   "is ending"))
+        core.stop_soon()  # (a call its worker thread runs: then it leaves)
+        with executor.running:
+            core.leave()
+
+    for serial, (core_ref, executor) in dropped_busy:
         core = core_ref()
-        if core is not None and failing is not None:
-            core.stop_soon()  # (a call its worker thread runs: then it leaves)
-            with executor.running:
-                core.leave()
-        elif core is not None:
-            busy.append((executor, lambda: None, core.stop_soon))
+        if core is None:
+            continue
+        if failing is not None:
+            leave_dropped_busy(core, executor)
+        else:
+            busy.append((executor, functools.partial(begin_dropped_busy, serial),
+                         functools.partial(leave_dropped_busy, core, executor)))
 
     def begin(comm):
         if comm._leave(None):
@@ -942,27 +978,27 @@ class Communicator:
             return  # a copy in a child made by fork(): its thread and MPI are the parent's
         executor = getattr(self, "_executor", None)
         core = getattr(self, "_core", None)
-        if executor is not None and executor.started:
+        tells_others = (getattr(self, "_closed", True) is False and core is not None
+                        and core.size > 1 and not core.departed and not sys.is_finalizing()
+                        and not MPI.Is_finalized())
+        closes_over_mpi = tells_others and core.transport == "MPI"
+        if executor is not None and executor.started:  # (so THREAD_MULTIPLE)
             if executor.busy:
                 # Calls in flight: the worker finishes them and ends on its own. Waiting
                 # for them here could wait for good, inside the garbage collection of
                 # whatever this thread was doing: they may wait for ranks that wait for
-                # what this thread does next (a call on another Communicator).
+                # what this thread does next (a call on another Communicator). (Dropped
+                # by the worker itself, its last call holding the last reference, the
+                # same.) It tells the others right after them.
+                if tells_others:
+                    executor.calls.push(_BeginDroppedClose(core, self._serial))
+                    closes_over_mpi = False
                 executor.stop_later()
-                if core is not None:
-                    _dropped_busy[self._serial] = (weakref.ref(core), executor)
+                _dropped_busy[self._serial] = (weakref.ref(core), executor)
             else:
                 executor.stop()
-        if (getattr(self, "_closed", True) is False and core is not None and core.size > 1
-                and core.transport == "MPI" and not core.departed and not sys.is_finalizing()
-                and not MPI.Is_finalized()):
-            if executor.busy:
-                # Dropped with calls in flight (by the worker thread that runs them, its
-                # last one holding the last reference, or by another thread): they go
-                # on, as above, and the close begins at exit, after them.
-                _dropped_busy.pop(self._serial, None)
-                _dropped_over_mpi[self._serial] = (core, executor)
-            elif self._thread_level != MPI.THREAD_MULTIPLE:
+        if closes_over_mpi:
+            if self._thread_level != MPI.THREAD_MULTIPLE:
                 # (MPI may not be called on this thread, where garbage collection ran.)
                 core.release_scratch()
                 _dropped_over_mpi[self._serial] = (core, executor)

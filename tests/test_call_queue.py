@@ -65,6 +65,29 @@ def test_stop_later_returns_at_once_and_the_thread_ends_after_the_queue():
     assert log[-1][0] == "after" and not executor.detached_alive
 
 
+def test_stop_later_as_the_worker_runs_out_of_work_leaves_it_usable():
+    # stop_later() just as the worker finds the queue empty (idle, or its last call just
+    # over): it marked the thread detached after letting go of the lock, and a worker
+    # that ended in between left `detached_alive` set for good (the exit then waited
+    # forever) and `stopping` set (a later push never ran). Many tries, as the moment
+    # is short.
+    for attempt in range(300):
+        executor, log = _core.Executor(), []
+        executor.push(Work(log, "first"))
+        if attempt % 2:
+            executor.drain()  # (idle: stop_later's notify wakes it)
+        executor.stop_later()
+        deadline = time.monotonic() + 10
+        while executor.detached_alive and time.monotonic() < deadline:
+            time.sleep(0.0005)
+        assert not executor.detached_alive, attempt
+        executor.push(Work(log, "after"))
+        while executor.pending() and time.monotonic() < deadline:
+            time.sleep(0.0005)
+        assert [name for name, _ in log] == ["first", "after"], attempt
+        executor.stop()
+
+
 def test_cancel_reaches_only_work_that_has_not_started():
     executor, log = _core.Executor(), []
     started, release = threading.Event(), threading.Event()

@@ -836,3 +836,38 @@ def test_dropping_a_communicator_with_calls_in_flight_does_not_wait_for_them(
     np.testing.assert_array_equal(result, np.full(x.shape, float(SIZE), np.float32))
     b.close()
     world.Barrier()
+
+
+@needs_two
+@pytest.mark.parametrize("wire", ["shared memory", "MPI"])
+def test_a_communicator_dropped_with_calls_in_flight_tells_the_others_once_they_are_over(
+        wire, world, monkeypatch):
+    # Rank 0 drops `a` with a call in flight (keeping its Handle, which keeps the core),
+    # then calls `b`; the others make one call more on `a` before their call on `b`.
+    # Once the call in flight is over, rank 0 must tell the others it has gone (it did
+    # when the drop waited for the call; leaving it until exit stalled both ranks).
+    a, b = a_ring_over(wire, monkeypatch), a_ring_over(wire, monkeypatch)
+    a.timeout = b.timeout = 20
+    x = np.full(1 << 16, 1.0, np.float32)
+    rr._types.reduction_codes(np.dtype(np.float32), "sum", "test")  # (the FastPath's)
+    start = time.monotonic()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ResourceWarning)  # (a is dropped unclosed)
+        if RANK == 0:
+            handle = a.allreduce_async(x)
+            del a
+            gc.collect()
+            total = b.allreduce(np.ones(3))
+            result = handle.wait()
+        else:
+            result = a.allreduce_async(x).wait()
+            raised_within(10, "rank 0 has stopped using this communicator without "
+                          "closing it", lambda: a.allreduce(x))
+            total = b.allreduce(np.ones(3))
+            del a
+            gc.collect()
+    assert time.monotonic() - start < 10
+    np.testing.assert_array_equal(total, np.full(3, float(SIZE)))
+    np.testing.assert_array_equal(result, np.full(x.shape, float(SIZE), np.float32))
+    b.close()
+    world.Barrier()
