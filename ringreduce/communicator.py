@@ -422,8 +422,9 @@ def _finish_all():
     comms = [comm for comm in list(_live) if not comm._closed]
     dropped = sorted(_dropped_over_mpi.items())
     _dropped_over_mpi.clear()
-    dropped_busy = sorted(_dropped_busy.items())
-    _dropped_busy.clear()
+    dropped_busy = []
+    while _dropped_busy:  # (one at a time: a garbage collection may add one meanwhile)
+        dropped_busy.append(_dropped_busy.popitem())
     with _dropped_looking:
         closing = [(core, _dropped_looking) for core in _dropped_closing.values()]
         _dropped_closing.clear()
@@ -469,14 +470,16 @@ def _finish_all():
             core.leave()
 
     for serial, (core_ref, executor) in dropped_busy:
-        core = core_ref()
-        if core is None:
-            continue
-        if failing is not None:
-            leave_dropped_busy(core, executor)
-        else:
+        core = core_ref()  # (None: its calls are over, and its thread about to end)
+        if core is not None and failing is None:
             busy.append((executor, functools.partial(begin_dropped_busy, serial),
                          functools.partial(leave_dropped_busy, core, executor)))
+            continue
+        if core is not None:
+            leave_dropped_busy(core, executor)
+        # Its thread ends soon (what it runs has stopped): waited for, so that it does
+        # not take the GIL for its end while the interpreter is finalising.
+        busy.append((executor, lambda: None, lambda: None))
 
     def begin(comm):
         if comm._leave(None):
