@@ -359,7 +359,8 @@ class _BeginDroppedClose:
             return
         core.release_scratch()
         if core.begin_close_at_exit():
-            _dropped_closing[self.serial] = core
+            with _dropped_looking:  # (the exit may be taking them this moment)
+                _dropped_closing[self.serial] = core
 
 
 _live: "weakref.WeakSet[Communicator]" = weakref.WeakSet()
@@ -424,7 +425,10 @@ def _finish_all():
     _dropped_over_mpi.clear()
     dropped_busy = []
     while _dropped_busy:  # (one at a time: a garbage collection may add one meanwhile)
-        dropped_busy.append(_dropped_busy.popitem())
+        try:
+            dropped_busy.append(_dropped_busy.popitem())
+        except KeyError:  # (another thread took the last: _finish_dropped_closes)
+            break
     with _dropped_looking:
         closing = [(core, _dropped_looking) for core in _dropped_closing.values()]
         _dropped_closing.clear()
@@ -523,11 +527,26 @@ def _finish_all():
                 core.leave()
         for _, _, leave in busy:
             leave()
+        # The dropped Communicators' threads end once their cancelled calls are through,
+        # each taking the GIL: one that took it while the interpreter finalises would
+        # end the process (std::terminate). So they are waited for (up to 10 s).
+        _wait_until_idle([executor for _, (_, executor) in dropped_busy], 10.0)
     # Daemon threads that were waiting to run a call (for the lock, say) come out now
     # that every Communicator is closed here: let them, before Python stops them.
     _core.wait_until_no_thread_without_gil(10.0)
     with _SERIAL:
         _core.finish_abandoned_duplicates()
+
+
+def _wait_until_idle(executors: list, seconds: float) -> None:
+    """Waits (up to `seconds`, through further Ctrl-Cs) until none of the executors is
+    busy."""
+    deadline = time.monotonic() + seconds
+    while any(executor.busy for executor in executors) and time.monotonic() < deadline:
+        try:
+            time.sleep(0.001)
+        except KeyboardInterrupt:
+            pass
 
 
 def _finish_dropped_closes() -> None:

@@ -912,3 +912,45 @@ def test_a_communicator_dropped_with_a_call_in_flight_finishes_it_or_leaves_at_e
     for crash in ("terminate called", "Segmentation fault", "Fatal Python error", "core dumped"):
         assert crash not in done.stderr, done.stderr
     assert time.monotonic() - start < 30
+
+
+DROPPED_WITH_CALLS_AT_CTRL_C = """
+import gc
+import os
+import time
+import warnings
+import numpy as np
+import ringreduce as rr
+
+warnings.simplefilter("ignore", ResourceWarning)
+ring = rr.Communicator(timeout=60)
+rank = ring.rank
+x = np.full(1 << 16, 1.0, np.float32)
+if rank == 0:  # calls queued as Python work, which rank 1 never joins
+    handles = [ring.allreduce_async(x[::2]) for _ in range(200)]
+    del ring
+    gc.collect()
+    print(f"rank 0 pid {os.getpid()} exiting", flush=True)
+else:
+    time.sleep(8)
+"""
+
+
+def test_ctrl_c_at_exit_waits_for_a_dropped_communicators_thread(tmp_path):
+    # Rank 0's exit waits for the calls of a Communicator it dropped; Ctrl-C there
+    # cancels them, and the exit waits for its worker to run through them (each takes
+    # the GIL) before the interpreter finalises: one still taking it then ended the
+    # process with std::terminate.
+    job = start_script(tmp_path, "dropped_ctrl_c.py", DROPPED_WITH_CALLS_AT_CTRL_C)
+    try:
+        line = job.stdout.readline()
+        assert "exiting" in line, line + job.stderr.read()
+        time.sleep(1.0)  # in its exit, waiting for the calls
+        os.kill(int(line.split()[3]), signal.SIGINT)
+        _, stderr = job.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        subprocess.run(["pkill", "-9", "-f", str(tmp_path / "dropped_ctrl_c.py")])
+        job.kill()
+        raise AssertionError("the job went on after Ctrl-C") from None
+    for crash in ("terminate called", "Aborted", "Fatal Python error", "core dumped"):
+        assert crash not in stderr, stderr
