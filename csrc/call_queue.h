@@ -80,7 +80,7 @@ class CallQueue {
     std::deque<std::shared_ptr<Call>> queue;  // the front one is running, or next
     bool front_started = false;
     bool stopping = false;
-    bool detached = false;  // the thread stopped itself (see stop())
+    bool detached = false;  // no stop() joins the stopping thread (see stop())
     int detached_alive = 0;  // detached threads that have not ended yet
     std::unique_ptr<std::thread> thread;
     std::atomic<pid_t> owner{0};  // the process the thread runs in

@@ -157,7 +157,8 @@ def main():
     def exit_together(status=0, message=None):
         if rank == 0 and message:
             sys.stderr.write(message)
-        sys.stdout.flush(), sys.stderr.flush()
+        sys.stdout.flush()
+        sys.stderr.flush()
         MPI.COMM_WORLD.Barrier()
         sys.exit(status)
     parser.exit = exit_together

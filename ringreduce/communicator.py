@@ -371,6 +371,8 @@ _made = itertools.count()  # Communicator._serial: the order this rank made them
 # finished (freeing the MPI communicator) once every rank has closed or dropped it,
 # looked at whenever a Communicator is made, and at exit; else begun at exit.
 _dropped_closing: "dict[int, _core.RingCommunicator]" = {}
+# (Below THREAD_MULTIPLE, with the executor whose lock their close at exit takes: such
+# an executor has no thread of its own, so nothing is in flight on them.)
 _dropped_over_mpi: "dict[int, tuple[_core.RingCommunicator, _Executor]]" = {}
 _dropped_looking = threading.Lock()  # one thread at a time finishes _dropped_closing's
 # The Communicators dropped with calls in flight, by _serial: (a weak reference to the
@@ -500,12 +502,9 @@ def _finish_all():
             if not isinstance(comm, Communicator):
                 core, executor = comm
                 if failing is not None:
-                    core.stop_soon()  # (a call its worker thread runs: then it leaves)
+                    core.stop_soon()
                     with executor.running:
                         core.leave()
-                elif executor.busy:
-                    busy.append((executor, functools.partial(begin_dropped, core, executor),
-                                 core.stop_soon))
                 else:
                     begin_dropped(core, executor)
             elif failing is None and comm._executor.busy:
