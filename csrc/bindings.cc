@@ -971,7 +971,7 @@ PYBIND11_MODULE(_core, m) {
         "tests: the next shared-memory broadcast here sleeps this long before its ring");
   m.def("set_creation_pause", &set_creation_pause, py::arg("step"), py::arg("seconds"),
         "tests: the next Communicator made here pauses before step `step` of its making "
-        "after the duplicate (1: the barrier; 2, 3: the shared-memory wire's exchanges)");
+        "after the duplicate (1: the agreement; 2, 3: the shared-memory wire's exchanges)");
   m.def("mpi_cuda_aware", &mpi_is_cuda_aware,
         "whether device pointers go to MPI directly (RINGREDUCE_CUDA_AWARE, else MPI's answer)");
   m.def("mpi_cuda_aware_reason", &mpi_cuda_aware_reason);
@@ -1124,13 +1124,15 @@ PYBIND11_MODULE(_core, m) {
       .def("broadcast", &FastPath::broadcast);
 
   py::class_<RingCommunicator>(m, "RingCommunicator")
-      .def(py::init([](uintptr_t comm_address, double timeout_s) {
+      .def(py::init([](uintptr_t comm_address, double timeout_s, const std::string& refusal) {
              const MPI_Comm comm = comm_from_address(comm_address);
              chain_sigint_handler();  // again, if Python's handler was replaced since
              WithoutGil nogil;  // it may wait for the other ranks
-             return new RingCommunicator(comm, timeout_s, &sigints);
+             return new RingCommunicator(comm, timeout_s, &sigints, refusal);
            }),
-           py::arg("comm_address"), py::arg("timeout_s"))
+           py::arg("comm_address"), py::arg("timeout_s"), py::arg("refusal") = "",
+           "collective; refusal: this rank's bad argument, which makes every rank raise "
+           "ValueError (see MpiTransport)")
       .def_property_readonly("rank", &RingCommunicator::rank)
       .def_property_readonly("size", &RingCommunicator::size)
       .def_property_readonly("closed", &RingCommunicator::closed)

@@ -7,6 +7,7 @@
 #include <memory>
 #include <mutex>
 #include <set>
+#include <stdexcept>
 #include <string>
 #include <thread>
 
@@ -19,6 +20,9 @@ namespace {
 
 // A departure notice: why, completed, cause, cause_why (see DepartureNote).
 constexpr int kNoticeWords = 4;
+
+// How much of a refusal's text (see agree_to_create) the other ranks are told.
+constexpr int kRefusalBytes = 1024;
 
 // The pending MPI_Comm_idup of each creation that gave up; the duplicates themselves
 // (see the constructor) are never freed, as freeing is collective. Communicators may
@@ -128,7 +132,8 @@ void check_mpi(int rc, const char* call, int rank) {
 }
 
 MpiTransport::MpiTransport(MPI_Comm user_comm, double timeout_s,
-                           const std::atomic<uint64_t>* interrupts) {
+                           const std::atomic<uint64_t>* interrupts,
+                           const std::string& refusal) {
   stop_.watch(interrupts);
   stop_.arm();
   int initialized = 0, finalized = 0;
@@ -206,15 +211,44 @@ MpiTransport::MpiTransport(MPI_Comm user_comm, double timeout_s,
   check(MPI_Comm_get_attr(comm_, MPI_TAG_UB, &tag_ub, &found), "MPI_Comm_get_attr(MPI_TAG_UB)");
   if (found && tag_ub) tag_ub_ = *tag_ub;
   check(MPI_Comm_set_name(comm_, "ringreduce"), "MPI_Comm_set_name");
-  // Every rank has its duplicate before anything is made on it.
-  if (size_ > 1) {
+  // Every rank has its duplicate, and knows that every rank means to go on, before
+  // anything is made on it.
+  if (size_ > 1 || !refusal.empty()) {
     begin_creation_step();
-    MPI_Request barrier = MPI_REQUEST_NULL;
-    check(MPI_Ibarrier(comm_, &barrier), "MPI_Ibarrier");
-    if (!wait_patiently(&barrier, "MPI_Test(MPI_Ibarrier)"))
-      throw TimeoutError(creation_timeout_text(
-          "This rank's duplicate of the communicator passed is left to MPI_Finalize"));
+    agree_to_create(refusal);
   }
+}
+
+void MpiTransport::agree_to_create(const std::string& refusal) {
+  // The lowest rank that refused and minus the highest (size_ and 1: none), in one
+  // reduction: as cheap as the barrier it stands for.
+  const bool refused = !refusal.empty();
+  int mine[2] = {refused ? rank_ : size_, refused ? -rank_ : 1};
+  int agreed[2] = {size_, 1};
+  const char* left = "This rank's duplicate of the communicator passed is left to MPI_Finalize";
+  MPI_Request request = MPI_REQUEST_NULL;
+  check(MPI_Iallreduce(mine, agreed, 2, MPI_INT, MPI_MIN, comm_, &request), "MPI_Iallreduce");
+  if (!wait_patiently(&request, "MPI_Test(MPI_Iallreduce)"))
+    throw TimeoutError(creation_timeout_text(left));
+  if (agreed[0] == size_) return;
+  // Every rank has begun the reduction, so every rank comes to this broadcast next.
+  const int first = agreed[0], last = -agreed[1];
+  std::vector<char> why(kRefusalBytes, 0);
+  if (rank_ == first) refusal.copy(why.data(), why.size() - 1);
+  check(MPI_Ibcast(why.data(), kRefusalBytes, MPI_CHAR, first, comm_, &request), "MPI_Ibcast");
+  if (!wait_patiently(&request, "MPI_Test(MPI_Ibcast)"))
+    throw TimeoutError(creation_timeout_text(left));
+  // mpiexec labels output by MPI_COMM_WORLD's ranks; on a sub-communicator say both.
+  const int first_in_world = world_ranks(comm_, {first})[0];
+  free();  // (every rank frees it: none goes on)
+  throw std::invalid_argument(
+      "ringreduce.Communicator (rank " + std::to_string(rank_) + " of " +
+      std::to_string(size_) + "): rank " + std::to_string(first) +
+      (first_in_world == first || first_in_world == MPI_UNDEFINED
+           ? std::string()
+           : " (" + std::to_string(first_in_world) + " in MPI_COMM_WORLD)") +
+      (last > first ? " (and at least one more)" : "") +
+      " was passed a bad argument or setting, so no rank made this Communicator: " + why.data());
 }
 
 MpiTransport::~MpiTransport() {

@@ -40,14 +40,18 @@ inline constexpr const char* kEndedAdvice =
     "made before that leaves it out";
 
 // Tests: the next Communicator made in this process pauses `seconds` before step
-// `step` of its making after the duplicate (1: the barrier; 2, 3: the shared-memory
-// wire's two exchanges), as a rank held up there would; 0: none.
+// `step` of its making after the duplicate (1: the agreement that every rank goes on;
+// 2, 3: the shared-memory wire's two exchanges), as a rank held up there would; 0: none.
 void set_creation_pause(int step, double seconds);
 
 class MpiTransport final : public Transport {
  public:
   // Collective over user_comm: duplicates it (MPI_Comm_idup), then waits until every
-  // rank has its duplicate (MPI_Ibarrier). Each step throws TimeoutError after
+  // rank has its duplicate and knows whether any refused (MPI_Iallreduce). A rank with
+  // a bad argument passes `refusal` (why; "" for none) and joins only to say so: every
+  // rank then frees its duplicate and throws std::invalid_argument, naming the lowest
+  // rank that refused and why, rather than leaving the others to wait out their timeout
+  // for a rank that raised before it came. Each step throws TimeoutError after
   // timeout_s without completing (<= 0: never): a rank that skipped making its
   // Communicator ends the job with a message instead of a hang. The duplicate
   // that gave up stays pending on user_comm (MPI cannot cancel a collective), where a
@@ -57,7 +61,8 @@ class MpiTransport final : public Transport {
   // and every call after, also stops (StoppedError) once `interrupts` moves (see
   // StopRequest; null: never).
   MpiTransport(MPI_Comm user_comm, double timeout_s,
-               const std::atomic<uint64_t>* interrupts = nullptr);
+               const std::atomic<uint64_t>* interrupts = nullptr,
+               const std::string& refusal = "");
   ~MpiTransport() override;
   MpiTransport(const MpiTransport&) = delete;
   MpiTransport& operator=(const MpiTransport&) = delete;
@@ -172,6 +177,8 @@ class MpiTransport final : public Transport {
   std::vector<DepartureNote> departures_;  // every notice received
   int creation_steps_ = 0;                 // begun after the duplicate (tests' pause)
   void begin_creation_step();
+  // The last step of the making: see the constructor.
+  void agree_to_create(const std::string& refusal);
   void receive_notices();
 };
 

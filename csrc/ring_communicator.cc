@@ -134,8 +134,9 @@ int64_t RingCommunicator::inline_capacity_for(int ranks, bool shm) {
 }
 
 RingCommunicator::RingCommunicator(MPI_Comm user_comm, double timeout_s,
-                                   const std::atomic<uint64_t>* interrupts)
-    : transport_(std::make_unique<MpiTransport>(user_comm, timeout_s, interrupts)) {
+                                   const std::atomic<uint64_t>* interrupts,
+                                   const std::string& refusal)
+    : transport_(std::make_unique<MpiTransport>(user_comm, timeout_s, interrupts, refusal)) {
   const int p = size();
   const int64_t board_payload = std::max(inline_capacity_for(p, true), kShmBroadcastInlineBytes);
   shm_ = ShmChannel::create(*transport_, kShmSlotBytes, kShmSlots,

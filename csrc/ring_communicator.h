@@ -133,9 +133,10 @@ class RingCommunicator {
   // (see MpiTransport), and calls wait that long for other ranks (set_timeout()).
   // Making it and every call stop, with StoppedError, when `interrupts` moves while
   // they wait (the binding's count of SIGINTs, so that Ctrl-C ends a wait for a rank
-  // that will not come; null: never).
+  // that will not come; null: never). `refusal`: see MpiTransport.
   RingCommunicator(MPI_Comm user_comm, double timeout_s,
-                   const std::atomic<uint64_t>* interrupts = nullptr);
+                   const std::atomic<uint64_t>* interrupts = nullptr,
+                   const std::string& refusal = "");
   ~RingCommunicator();
 
   int rank() const { return transport_->rank(); }

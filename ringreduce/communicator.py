@@ -706,6 +706,19 @@ _SWITCHES = {
 }
 
 
+def _timeout_to_refuse_with(timeout, context: str) -> float:
+    """The core's timeout for a rank whose arguments are bad, to tell the others so
+    (see Communicator.__init__): its own if that was good, else the default."""
+    for value in (timeout, _FROM_ENVIRONMENT, DEFAULT_TIMEOUT):
+        try:
+            if value is _FROM_ENVIRONMENT:
+                value = _default_timeout(context)
+            return _checked_timeout(value, context)
+        except (TypeError, ValueError):
+            continue
+    return DEFAULT_TIMEOUT
+
+
 def _check_environment(context: str) -> None:
     # A value meant otherwise ("false", "no") must not pass silently as 1.
     for name, (values, meaning) in _SWITCHES.items():
@@ -752,14 +765,20 @@ class Communicator:
                             f"got an intercommunicator ({type(comm).__name__})")
         if not isinstance(comm, MPI.Intracomm):
             comm = MPI.Intracomm(comm)  # (an MPI.Comm of an intracommunicator)
-        # Checked before the collective part, so that a bad value leaves nothing behind.
         context = t.where(comm.Get_rank(), comm.Get_size(), "Communicator")
-        self._chunk_bytes = (_core.DEFAULT_CHUNK_BYTES if chunk_bytes is None
-                             else _checked_chunk_bytes(chunk_bytes, context))
-        if timeout is _FROM_ENVIRONMENT:
-            timeout = _default_timeout(context)
-        timeout = _checked_timeout(timeout, context)
-        _check_environment(context)
+        refusal = None  # a bad argument here: raised once the other ranks know of it
+        try:
+            self._chunk_bytes = (_core.DEFAULT_CHUNK_BYTES if chunk_bytes is None
+                                 else _checked_chunk_bytes(chunk_bytes, context))
+            if timeout is _FROM_ENVIRONMENT:
+                timeout = _default_timeout(context)
+            timeout = _checked_timeout(timeout, context)
+            _check_environment(context)
+        except (TypeError, ValueError) as error:
+            if comm.Get_size() == 1:
+                raise
+            refusal = error
+            timeout = _timeout_to_refuse_with(timeout, context)
         self._mpi_comm = comm
         self._thread_level = MPI.Query_thread()
         threaded = self._thread_level == MPI.THREAD_MULTIPLE
@@ -767,6 +786,16 @@ class Communicator:
         _finish_dropped_closes()  # (their MPI communicators, before this takes one more)
         with contextlib.nullcontext() if threaded else _SERIAL:
             _finished_at_mpi_finalize()
+            if refusal is not None:
+                # The others already wait in the making, which is collective: this rank
+                # joins it to tell them (they raise ValueError at once, saying why,
+                # rather than at their timeout), then every rank frees what it made.
+                why = f"{type(refusal).__name__}: {str(refusal).removeprefix(context + ': ')}"
+                try:
+                    _core.RingCommunicator(MPI._addressof(comm), timeout, refusal=why)
+                except Exception:  # (telling them failed: a rank never came, say)
+                    pass
+                raise refusal from None
             self._core = _core.RingCommunicator(MPI._addressof(comm), timeout)
         self._serial = next(_made)  # (__del__ needs it once there is a core)
         self.rank: int = self._core.rank

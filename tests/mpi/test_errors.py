@@ -1,6 +1,7 @@
 """Bad input gets a clear error naming the argument, the value and the rank; ranks
 that disagree all raise MismatchError; and the communicator stays usable after."""
 import gc
+import time
 import warnings
 
 import numpy as np
@@ -274,6 +275,82 @@ def test_bad_communicators_and_settings():
                 ring.chunk_bytes = bad
 
 
+# What one rank gets wrong in making a Communicator: the argument, the error it raises
+# there, and how that error begins.
+BAD_MAKINGS = {
+    "chunk_bytes": ({"chunk_bytes": 0}, ValueError, "chunk_bytes must be in [1, "),
+    "timeout": ({"timeout": "soon"}, TypeError, "timeout must be a number of seconds"),
+    "setting": ({}, ValueError, "RINGREDUCE_SHM must be 0 (no shared memory)"),
+}
+
+
+def make_with_bad(what, monkeypatch, comm=None):
+    """Makes a Communicator with BAD_MAKINGS[what] on this rank; returns the error and
+    how long it took to come."""
+    kwargs, _, _ = BAD_MAKINGS[what]
+    if what == "setting":
+        monkeypatch.setenv("RINGREDUCE_SHM", "off")
+    start = time.monotonic()
+    with pytest.raises((TypeError, ValueError)) as info:
+        rr.Communicator(comm, **kwargs)
+    monkeypatch.undo()
+    return info.value, time.monotonic() - start
+
+
+@needs_two
+@pytest.mark.parametrize("what", BAD_MAKINGS)
+def test_a_bad_argument_on_one_rank_makes_every_rank_raise_at_once(what, monkeypatch):
+    # Making a Communicator is collective. The rank with the bad argument used to raise
+    # before it came, and the others waited out their timeout for it (here 60 s, by
+    # default 1800) in a making that could never finish. It now joins the making to
+    # tell them, and every rank raises at once: it its own error, the others why.
+    _, error_type, begins = BAD_MAKINGS[what]
+    bad = SIZE - 1
+    if RANK == bad:
+        error, took = make_with_bad(what, monkeypatch)
+        assert type(error) is error_type
+        assert str(error).startswith(f"ringreduce.Communicator (rank {RANK} of {SIZE}): {begins}")
+    else:
+        start = time.monotonic()
+        with pytest.raises(ValueError) as info:
+            rr.Communicator(timeout=60)
+        error, took = info.value, time.monotonic() - start
+        assert str(error).startswith(
+            f"ringreduce.Communicator (rank {RANK} of {SIZE}): rank {bad} was passed a bad "
+            f"argument or setting, so no rank made this Communicator: "
+            f"{error_type.__name__}: {begins}"), str(error)
+    assert took < 30, f"raised after {took:.1f} s"
+    with rr.Communicator(timeout=30) as ring:  # nothing left behind: the next one works
+        still_works(ring)
+
+
+@pytest.mark.skipif(SIZE < 3, reason="needs two ranks with bad arguments and one without")
+def test_the_others_hear_of_the_lowest_rank_with_a_bad_argument_on_a_sub_communicator(
+        monkeypatch):
+    # In reverse order: world's last rank is the sub-communicator's rank 0, and messages
+    # name both (mpiexec labels output by MPI_COMM_WORLD's ranks).
+    reverse = MPI.COMM_WORLD.Split(0, SIZE - 1 - RANK)
+    try:
+        rank = reverse.Get_rank()
+        if rank == 0:
+            error, _ = make_with_bad("chunk_bytes", monkeypatch, reverse)
+            assert "chunk_bytes must be" in str(error)
+        elif rank == 1:
+            error, _ = make_with_bad("timeout", monkeypatch, reverse)
+            assert type(error) is TypeError
+        else:
+            with pytest.raises(ValueError) as info:
+                rr.Communicator(reverse, timeout=60)
+            assert str(info.value).startswith(
+                f"ringreduce.Communicator (rank {rank} of {SIZE}): rank 0 ({SIZE - 1} in "
+                "MPI_COMM_WORLD) (and at least one more) was passed a bad argument or "
+                "setting, so no rank made this Communicator: ValueError: chunk_bytes must be")
+        with rr.Communicator(reverse, timeout=30) as ring:
+            still_works(ring)
+    finally:
+        reverse.Free()
+
+
 @pytest.mark.parametrize("variable", ["RINGREDUCE_SHM", "RINGREDUCE_CUDA_AWARE"])
 def test_an_unknown_setting_is_refused(variable, monkeypatch):
     # Only 0 and 1 (and RINGREDUCE_SHM's stream) mean something; "off" must not
@@ -283,7 +360,7 @@ def test_an_unknown_setting_is_refused(variable, monkeypatch):
     for value in values:
         monkeypatch.setenv(variable, value)
         with pytest.raises(ValueError, match=rf"\(rank {RANK} of {SIZE}\): {variable} must be 0"):
-            rr.Communicator()  # before anything collective
+            rr.Communicator()  # (on every rank: each raises its own error)
         monkeypatch.delenv(variable)
 
 

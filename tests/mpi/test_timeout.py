@@ -174,15 +174,16 @@ def test_a_rank_that_makes_its_communicator_too_late_makes_every_rank_raise(worl
 
 
 @needs_two
-@pytest.mark.parametrize("step", [1, 2, 3], ids=["barrier", "offers", "mapped"])
+@pytest.mark.parametrize("step", [1, 2, 3], ids=["agreement", "offers", "mapped"])
 def test_a_rank_held_up_while_making_its_communicator_leaves_no_one_waiting(step, world):
     # The last rank has its duplicate, then is held up (4x the timeout) before a later
-    # step of making its Communicator: the barrier, or one of the shared-memory wire's
-    # two exchanges. The others give up there. Whatever they had posted before giving
-    # up completes the late rank's step, but nothing after it blocks without a timeout:
-    # the late rank raises too (before, it went on into MPI's blocking making of a
-    # shared window and waited there for good). After the last step it may instead get
-    # a Communicator, whose first call then times out, like any call a rank skipped.
+    # step of making its Communicator: the agreement that every rank goes on, or one of
+    # the shared-memory wire's two exchanges. The others give up there. Whatever they
+    # had posted before giving up completes the late rank's step, but nothing after it
+    # blocks without a timeout: the late rank raises too (before, it went on into MPI's
+    # blocking making of a shared window and waited there for good). After the last
+    # step it may instead get a Communicator, whose first call then times out, like any
+    # call a rank skipped.
     late = RANK == SIZE - 1
     if late:
         _core.set_creation_pause(step, 4 * TIMEOUT)
@@ -769,7 +770,7 @@ def test_timeout_values(monkeypatch):
                        (-10 ** 400, ValueError),
                        ("5", TypeError), (True, TypeError)):
         with pytest.raises(error, match=rf"Communicator \(rank {RANK} of {SIZE}\): timeout"):
-            rr.Communicator(timeout=bad)  # checked before anything collective
+            rr.Communicator(timeout=bad)  # (on every rank: each raises its own error)
     monkeypatch.setenv("RINGREDUCE_TIMEOUT", "12.5")
     assert communicator._default_timeout() == 12.5
     monkeypatch.setenv("RINGREDUCE_TIMEOUT", "0")
@@ -779,7 +780,7 @@ def test_timeout_values(monkeypatch):
     for bad in ("soon", "-5", "nan"):
         monkeypatch.setenv("RINGREDUCE_TIMEOUT", bad)
         with pytest.raises(ValueError, match=rf"\(rank {RANK} of {SIZE}\): RINGREDUCE_TIMEOUT"):
-            rr.Communicator()  # read when a Communicator is made, before anything collective
+            rr.Communicator()  # (read when a Communicator is made)
     monkeypatch.setenv("RINGREDUCE_TIMEOUT", "7")
     with rr.Communicator() as ring:
         assert ring.timeout == 7
