@@ -1067,6 +1067,11 @@ class Communicator:
                           "close() on every rank, or use "
                           "`with rr.Communicator() as comm:`",
                           ResourceWarning, source=self)
+        # It may come back (the warning's record keeps its source, as pytest's and
+        # warnings.catch_warnings(record=True) do): as closed, not as a Communicator
+        # whose worker has stopped and whose ranks were told it makes no more calls.
+        self._closed = True
+        self._fast = None
 
     # -- plumbing -------------------------------------------------------------------
 

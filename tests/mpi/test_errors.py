@@ -375,10 +375,19 @@ def test_closed_communicator_says_so():
 
 def test_a_communicator_dropped_unclosed_warns():
     ring = rr.Communicator()
-    with pytest.warns(ResourceWarning, match="never closed.*close\\(\\) on every rank"):
+    with pytest.warns(ResourceWarning, match="never closed.*close\\(\\) on every rank") as record:
         del ring
         gc.collect()
-    # A closed one goes quietly, and a bad chunk size is refused before anything exists.
+    # The warning's record holds the Communicator (as its source), which so comes back:
+    # as closed, not half torn down (before, its calls still ran, after its ranks had
+    # been told that it makes no more).
+    back = next(w.source for w in record if w.source is not None)
+    assert back.closed
+    with pytest.raises(ValueError, match="has been closed"):
+        back.allreduce(np.ones(2))
+    back.close()  # (does nothing)
+    del back, record
+    # A closed one goes quietly, and a bad chunk size is refused, leaving nothing behind.
     with warnings.catch_warnings():
         warnings.simplefilter("error", ResourceWarning)
         closed = rr.Communicator()
