@@ -36,7 +36,6 @@ import numpy as np
 from mpi4py import MPI
 
 
-
 def _multiply(a, b, out):
     if np.iscomplexobj(a):
         # Spelled out: numpy's own complex multiply fuses multiply-adds on some CPUs,
