@@ -1,5 +1,6 @@
 #include "mpi_transport.h"
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstddef>
@@ -220,35 +221,63 @@ MpiTransport::MpiTransport(MPI_Comm user_comm, double timeout_s,
 }
 
 void MpiTransport::agree_to_create(const std::string& refusal) {
-  // The lowest rank that refused and minus the highest (size_ and 1: none), in one
-  // reduction: as cheap as the barrier it stands for.
+  // MPI writes into these until the requests complete, maybe after this rank gave up
+  // (a late rank completes them when this one next drives MPI): so they are on the
+  // heap, and let go of for good after a timeout or a stop, like creation_allgather's.
+  struct Agreement {
+    int mine[2];    // the lowest rank that refused and minus the highest (size_ and 1:
+    int agreed[2];  // none), in one reduction: as cheap as the barrier it stands for
+    char why[kRefusalBytes];
+  };
+  auto agreement = std::make_unique<Agreement>();
   const bool refused = !refusal.empty();
-  int mine[2] = {refused ? rank_ : size_, refused ? -rank_ : 1};
-  int agreed[2] = {size_, 1};
+  int* mine = agreement->mine;
+  int* agreed = agreement->agreed;
+  mine[0] = refused ? rank_ : size_;
+  mine[1] = refused ? -rank_ : 1;
   const char* left = "This rank's duplicate of the communicator passed is left to MPI_Finalize";
+  auto wait_or_abandon = [&](MPI_Request* request, const char* call) {
+    bool done = false;
+    try {
+      done = wait_patiently(request, call);
+    } catch (...) {
+      agreement.release();
+      throw;
+    }
+    if (!done) {
+      agreement.release();
+      throw TimeoutError(creation_timeout_text(left));
+    }
+  };
   MPI_Request request = MPI_REQUEST_NULL;
   check(MPI_Iallreduce(mine, agreed, 2, MPI_INT, MPI_MIN, comm_, &request), "MPI_Iallreduce");
-  if (!wait_patiently(&request, "MPI_Test(MPI_Iallreduce)"))
-    throw TimeoutError(creation_timeout_text(left));
+  wait_or_abandon(&request, "MPI_Test(MPI_Iallreduce)");
   if (agreed[0] == size_) return;
   // Every rank has begun the reduction, so every rank comes to this broadcast next.
   const int first = agreed[0], last = -agreed[1];
-  std::vector<char> why(kRefusalBytes, 0);
-  if (rank_ == first) refusal.copy(why.data(), why.size() - 1);
-  check(MPI_Ibcast(why.data(), kRefusalBytes, MPI_CHAR, first, comm_, &request), "MPI_Ibcast");
-  if (!wait_patiently(&request, "MPI_Test(MPI_Ibcast)"))
-    throw TimeoutError(creation_timeout_text(left));
+  char* why = agreement->why;
+  std::memset(why, 0, kRefusalBytes);
+  if (rank_ == first) {
+    // Cut where a UTF-8 character begins: Python decodes the message.
+    size_t n = std::min(refusal.size(), static_cast<size_t>(kRefusalBytes - 1));
+    while (n > 0 && n < refusal.size() && (static_cast<unsigned char>(refusal[n]) & 0xC0) == 0x80)
+      --n;
+    refusal.copy(why, n);
+  }
+  check(MPI_Ibcast(why, kRefusalBytes, MPI_CHAR, first, comm_, &request), "MPI_Ibcast");
+  wait_or_abandon(&request, "MPI_Test(MPI_Ibcast)");
   // mpiexec labels output by MPI_COMM_WORLD's ranks; on a sub-communicator say both.
-  const int first_in_world = world_ranks(comm_, {first})[0];
+  const std::vector<int> in_world = world_ranks(comm_, {rank_, first});
+  const auto world_note = [&](int r, int w) {
+    return w == r || w == MPI_UNDEFINED ? std::string()
+                                        : " (" + std::to_string(w) + " in MPI_COMM_WORLD)";
+  };
   free();  // (every rank frees it: none goes on)
   throw std::invalid_argument(
-      "ringreduce.Communicator (rank " + std::to_string(rank_) + " of " +
-      std::to_string(size_) + "): rank " + std::to_string(first) +
-      (first_in_world == first || first_in_world == MPI_UNDEFINED
-           ? std::string()
-           : " (" + std::to_string(first_in_world) + " in MPI_COMM_WORLD)") +
-      (last > first ? " (and at least one more)" : "") +
-      " was passed a bad argument or setting, so no rank made this Communicator: " + why.data());
+      "ringreduce.Communicator (rank " + std::to_string(rank_) + world_note(rank_, in_world[0]) +
+      " of " + std::to_string(size_) + "): rank " + std::to_string(first) +
+      world_note(first, in_world[1]) + (last > first ? " (and at least one more)" : "") +
+      " was passed a bad argument or setting, so no rank made this Communicator: " + why);
 }
 
 MpiTransport::~MpiTransport() {

@@ -708,12 +708,13 @@ _SWITCHES = {
 
 def _timeout_to_refuse_with(timeout, context: str) -> float:
     """The core's timeout for a rank whose arguments are bad, to tell the others so
-    (see Communicator.__init__): its own if that was good, else the default."""
-    for value in (timeout, _FROM_ENVIRONMENT, DEFAULT_TIMEOUT):
+    (see Communicator.__init__): its own if that was good, else the default; never
+    none, as its own error is not to wait for good on ranks that may never come."""
+    for value in (timeout, _FROM_ENVIRONMENT):
         try:
             if value is _FROM_ENVIRONMENT:
                 value = _default_timeout(context)
-            return _checked_timeout(value, context)
+            return _checked_timeout(value, context) or DEFAULT_TIMEOUT
         except (TypeError, ValueError):
             continue
     return DEFAULT_TIMEOUT
@@ -793,8 +794,8 @@ class Communicator:
                 why = f"{type(refusal).__name__}: {str(refusal).removeprefix(context + ': ')}"
                 try:
                     _core.RingCommunicator(MPI._addressof(comm), timeout, refusal=why)
-                except Exception:  # (telling them failed: a rank never came, say)
-                    pass
+                except Exception:  # (it always raises; whatever it says, this rank's
+                    pass           # own error says what the caller must mend)
                 raise refusal from None
             self._core = _core.RingCommunicator(MPI._addressof(comm), timeout)
         self._serial = next(_made)  # (__del__ needs it once there is a core)

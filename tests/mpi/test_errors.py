@@ -324,6 +324,22 @@ def test_a_bad_argument_on_one_rank_makes_every_rank_raise_at_once(what, monkeyp
         still_works(ring)
 
 
+@needs_two
+@pytest.mark.parametrize("pad", ["", "x"])
+def test_the_others_hear_of_a_long_bad_setting_cut_between_characters(pad, monkeypatch):
+    # What they hear is cut to 1 KiB; cut inside a two-byte character, it did not decode
+    # (UnicodeDecodeError, with neither rank nor reason).
+    if RANK == SIZE - 1:
+        monkeypatch.setenv("RINGREDUCE_SHM", pad + "\u00e9" * 600)
+    with pytest.raises(ValueError) as info:
+        rr.Communicator(timeout=60)
+    monkeypatch.undo()
+    assert type(info.value) is ValueError
+    if RANK != SIZE - 1:
+        assert f"rank {SIZE - 1} was passed a bad argument" in str(info.value)
+        assert str(info.value).endswith("\u00e9")
+
+
 @pytest.mark.skipif(SIZE < 3, reason="needs two ranks with bad arguments and one without")
 def test_the_others_hear_of_the_lowest_rank_with_a_bad_argument_on_a_sub_communicator(
         monkeypatch):
@@ -341,8 +357,9 @@ def test_the_others_hear_of_the_lowest_rank_with_a_bad_argument_on_a_sub_communi
         else:
             with pytest.raises(ValueError) as info:
                 rr.Communicator(reverse, timeout=60)
+            me = "" if rank == RANK else f" ({RANK} in MPI_COMM_WORLD)"
             assert str(info.value).startswith(
-                f"ringreduce.Communicator (rank {rank} of {SIZE}): rank 0 ({SIZE - 1} in "
+                f"ringreduce.Communicator (rank {rank}{me} of {SIZE}): rank 0 ({SIZE - 1} in "
                 "MPI_COMM_WORLD) (and at least one more) was passed a bad argument or "
                 "setting, so no rank made this Communicator: ValueError: chunk_bytes must be")
         with rr.Communicator(reverse, timeout=30) as ring:
