@@ -2,6 +2,8 @@
 packed into a few large all-reduces instead of one small call per array."""
 from __future__ import annotations
 
+import zlib
+
 import numpy as np
 
 from ._arrays import array_module
@@ -35,33 +37,100 @@ def check_bucket_mb(bucket_mb, who: str) -> None:
         raise ValueError(f"{who}: bucket_mb must be a number of megabytes > 0, got {bucket_mb!r}")
 
 
+def _agree_or_raise(ring, who: str, what: list[tuple[str, str]], rejected) -> None:
+    """Collective: every rank learns whether every rank accepted its arguments and
+    whether they agree, before any rank makes a call that the others might not make
+    (one that would pair with some other call of theirs, or wait out their timeout).
+    `what`: (text, what ranks that differ in it do), for each thing that must be the
+    same on every rank, as many on every rank; `rejected`: this rank's error (its
+    texts are None: it has nothing to compare).
+    Raises MismatchError on every rank that did not reject its own arguments."""
+    from ._core import MismatchError
+
+    # One small allreduce (op min): for each thing the lowest checksum and the lowest
+    # of minus each (the highest), then the lowest rank that rejected its arguments.
+    big = np.iinfo(np.int64).max
+    row = []
+    for text, _ in what:
+        crc = zlib.crc32(text.encode()) if rejected is None else None
+        row += [big, big] if crc is None else [crc, -crc]
+    row.append(ring.rank if rejected is not None else ring.size)
+    agreed = ring.allreduce(np.array(row, np.int64), op="min")
+    where = f"{who} (rank {ring.rank} of {ring.size})"
+    first_rejected = int(agreed[-1])
+    if rejected is not None:
+        return
+    if first_rejected < ring.size:
+        raise MismatchError(f"{where}: rank {first_rejected} rejected its arguments (see the "
+                            "error raised there), so no rank made this call's all-reduces")
+    for k, (_, differ) in enumerate(what):
+        if agreed[2 * k] != -agreed[2 * k + 1]:
+            raise MismatchError(f"{where}: ranks {differ}, so no rank made this call's "
+                                "all-reduces (they would have paired up wrongly)")
+
+
+def _signature(grads) -> str:
+    return repr([(tuple(g.shape), g.dtype.str, array_module(g).__name__) for g in grads])
+
+
 def allreduce_gradients(grads, op: str = "avg", comm=None, bucket_mb: float = 25.0):
     """Reduce every array in ``grads`` across ranks, in place; returns ``grads``.
 
     Arrays of one dtype are packed into flat buffers of about ``bucket_mb`` MB, each
-    all-reduced in one call (all in flight at once), then unpacked.
+    all-reduced in one call (all in flight at once), then unpacked. Collective: first
+    the ranks agree that each accepted its arguments and that all pass the same list
+    of shapes and dtypes, op and bucket_mb (else every rank raises, and nothing is
+    reduced); one small all-reduce more than the buckets'.
     """
     from ._shortcuts import _communicator
+    from ._types import OPS, op_code
 
-    check_bucket_mb(bucket_mb, "allreduce_gradients")
-    ring = _communicator(comm)
-    grads = list(grads)
-    for i, g in enumerate(grads):
-        if not hasattr(g, "shape") or not hasattr(g, "dtype"):
-            raise TypeError(f"allreduce_gradients: grads[{i}] is a {type(g).__name__}, "
-                            "not an array")
-        if array_module(g) is np and not g.flags.writeable:
-            raise ValueError(f"allreduce_gradients: grads[{i}] is read-only")
+    who = "ringreduce.allreduce_gradients"
+    ring = _communicator(comm)  # (first: making it is collective, whatever the arguments)
+    rejected = None
+    try:
+        check_bucket_mb(bucket_mb, "allreduce_gradients")
+        grads = list(grads)
+        for i, g in enumerate(grads):
+            if not hasattr(g, "shape") or not hasattr(g, "dtype"):
+                raise TypeError(f"allreduce_gradients: grads[{i}] is a {type(g).__name__}, "
+                                "not an array")
+            if array_module(g) is np and not g.flags.writeable:
+                raise ValueError(f"allreduce_gradients: grads[{i}] is read-only")
+        op_name = OPS[op_code(op, f"{who} (rank {ring.rank} of {ring.size})")]
+        plan = pack_plan(grads, int(bucket_mb * 1024 * 1024))
+    except (TypeError, ValueError) as error:
+        rejected = error
+    if ring.size > 1:
+        texts = ([None] * 3 if rejected is not None else
+                 [_signature(grads), op_name, repr(plan)])
+        _agree_or_raise(ring, who, list(zip(texts, [
+            "pass gradients that differ (in number, shapes, dtypes or order)",
+            "pass different ops", "pack the gradients differently (bucket_mb)"])), rejected)
+    if rejected is not None:
+        raise rejected
     pending = []
-    for indices in pack_plan(grads, int(bucket_mb * 1024 * 1024)):
-        xp = array_module(grads[indices[0]])
-        flat = xp.concatenate([grads[i].reshape(-1) for i in indices])
-        pending.append((indices, flat, ring.allreduce_async(flat, op=op, out=flat)))
-    for indices, flat, handle in pending:
-        handle.wait()
-        offset = 0
-        for i in indices:
-            g = grads[i]
-            g[...] = flat[offset:offset + g.size].reshape(g.shape)
-            offset += g.size
+    try:
+        for indices in plan:
+            xp = array_module(grads[indices[0]])
+            flat = xp.concatenate([grads[i].reshape(-1) for i in indices])
+            if not flat.dtype.isnative:  # (the ring takes native byte order; g[...] = converts back)
+                flat = flat.astype(flat.dtype.newbyteorder("="))
+            pending.append((indices, flat, ring.allreduce_async(flat, op=op, out=flat)))
+        for indices, flat, handle in pending:
+            handle.wait()
+            offset = 0
+            for i in indices:
+                g = grads[i]
+                g[...] = flat[offset:offset + g.size].reshape(g.shape)
+                offset += g.size
+    except Exception:
+        # The buckets still in flight complete first: left queued, they would pair with
+        # whatever calls come next (their results, and errors, are dropped).
+        for _, _, handle in pending:
+            try:
+                handle.wait()
+            except Exception:
+                pass
+        raise
     return grads

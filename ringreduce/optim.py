@@ -82,6 +82,21 @@ def _checked_state_arrays(state, key: str, params, who: str, optional=False) -> 
     return arrays
 
 
+def _optimizer_settings(optimizer) -> str:
+    """The wrapped optimizer's type and settings, which every rank must share (or the
+    replicas drift apart), as text that is the same on every rank that has the same."""
+    settings = [type(optimizer).__qualname__]
+    for name in ("lr", "momentum", "betas", "eps", "weight_decay"):
+        value = getattr(optimizer, name, None)
+        try:
+            value = (tuple(float(v) for v in value) if isinstance(value, (tuple, list))
+                     else None if value is None else float(value))
+        except (TypeError, ValueError):  # (a schedule object, say: not compared)
+            value = "?"
+        settings.append((name, value))
+    return repr(settings)
+
+
 def _quietly(f, *args):
     """f(*args), or None if it raises an Exception (see DistributedOptimizer.abandon_step)."""
     try:
@@ -342,12 +357,28 @@ class DistributedOptimizer:
     def __init__(self, optimizer, comm=None, bucket_mb: float = 25.0, compression=None):
         from ._shortcuts import _communicator
 
+        self.comm = _communicator(comm)  # (first: making it is collective)
+        try:
+            self._set_up(optimizer, bucket_mb, compression)
+        except (TypeError, ValueError) as error:
+            # The others wait in the check below: tell them, rather than leave them to
+            # wait out their timeout, or to pair it with this rank's next call.
+            try:
+                self._check_same_model_everywhere(rejected=True)
+            except Exception:  # (telling them failed: this rank's own error says more)
+                pass
+            raise error
+        self._check_same_model_everywhere()
+        if self.powersgd is not None:
+            self.powersgd._taken = True
+
+    def _set_up(self, optimizer, bucket_mb, compression) -> None:
+        """All of construction that this rank does alone (and may refuse)."""
         self.optimizer = optimizer
         if not hasattr(optimizer, "params") or not callable(getattr(optimizer, "step", None)):
             raise TypeError("DistributedOptimizer: optimizer must have .params and .step(grads) "
                             f"(as ringreduce.optim.SGD and Adam do), got {type(optimizer).__name__}")
         self.params = _check_params(optimizer.params, "DistributedOptimizer")
-        self.comm = _communicator(comm)
         check_bucket_mb(bucket_mb, "DistributedOptimizer")
         self.compression = compression
         self.powersgd = compression if isinstance(compression, _compression.PowerSGD) else None
@@ -383,9 +414,6 @@ class DistributedOptimizer:
         self._abandoning = False     # inside abandon_step(): calls go with _ABANDONED_OP
         self.bytes_sent = 0          # payload bytes this rank handed to allreduce
         self.comm_seconds = 0.0      # time step() spent waiting for communication
-        self._check_same_model_everywhere()
-        if self.powersgd is not None:
-            self.powersgd._taken = True
 
     # -- public ---------------------------------------------------------------------
 
@@ -407,7 +435,18 @@ class DistributedOptimizer:
 
     def grad_ready(self, index: int, grad) -> None:
         """The gradient of params[index] is final. Once every gradient of its bucket is
-        in, the bucket's all-reduce starts (outside no_sync), while you keep computing."""
+        in, the bucket's all-reduce starts (outside no_sync), while you keep computing.
+        An error here (a bad index or gradient, say) abandons the step (abandon_step()),
+        so that the other ranks' step() raises MismatchError instead of waiting for
+        this rank's calls; unless they had all started (every gradient was in): then
+        the step stands, and step() finishes it."""
+        try:
+            self._report(index, grad)
+        except BaseException:
+            self._abandon_unless_all_started()
+            raise
+
+    def _report(self, index: int, grad) -> None:
         who = "DistributedOptimizer.grad_ready"
         if isinstance(index, bool) or not isinstance(index, (int, np.integer)) or not (
                 0 <= index < len(self.params)):
@@ -427,30 +466,32 @@ class DistributedOptimizer:
             self._add_to_bucket(bucket, index, grad)
             bucket.reported.add(index)
         if not self._accumulating:
-            try:
-                self._start_complete_units()
-            except BaseException:  # (an fp16 bucket's agreement on its scale, say)
-                self.abandon_step()
-                raise
+            self._start_complete_units()  # (an fp16 bucket's agreement on its scale, say)
 
     def step(self, grads=None) -> None:
         """Average the gradients across ranks and update the parameters.
 
         With ``grads``: a list of one gradient per parameter. Without: the gradients
         given to grad_ready() since the last step. Inside no_sync(), only accumulates.
+        An error abandons the step, as in grad_ready().
         """
-        if grads is not None:
-            grads = _check_grads(grads, self.params, "DistributedOptimizer.step")
-            if any(b.reported for b in self._buckets) or self._low_rank_reported:
-                raise ValueError("DistributedOptimizer.step: gradients were already given "
-                                 "with grad_ready() in this step; call step() without grads")
-            for i, g in enumerate(grads):
-                self.grad_ready(i, g)
-        missing = [i for b in self._buckets for i in b.indices if i not in b.reported]
-        missing += [i for i in self._low_rank if i not in self._low_rank_reported]
-        if missing:
-            raise ValueError(f"DistributedOptimizer.step: no gradient reported for params "
-                             f"{sorted(missing)} (call grad_ready for each, or step(grads))")
+        try:
+            if grads is not None:
+                grads = _check_grads(grads, self.params, "DistributedOptimizer.step")
+                if any(b.reported for b in self._buckets) or self._low_rank_reported:
+                    raise ValueError("DistributedOptimizer.step: gradients were already given "
+                                     "with grad_ready() in this step; call step() without "
+                                     "grads")
+                for i, g in enumerate(grads):
+                    self._report(i, g)
+            missing = [i for b in self._buckets for i in b.indices if i not in b.reported]
+            missing += [i for i in self._low_rank if i not in self._low_rank_reported]
+            if missing:
+                raise ValueError(f"DistributedOptimizer.step: no gradient reported for params "
+                                 f"{sorted(missing)} (call grad_ready for each, or step(grads))")
+        except BaseException:
+            self._abandon_unless_all_started()
+            raise
         if self._accumulating:  # one micro-batch done: keep the sums, send nothing
             if self._next_to_start > 0:
                 # Their all-reduces have started (outside no_sync) and overwrite the
@@ -599,6 +640,14 @@ class DistributedOptimizer:
                 _quietly(handle.wait)
         self._new_step()
 
+    def _abandon_unless_all_started(self):
+        """After an error in grad_ready() or step(). Where every all-reduce of the step
+        has started (outside no_sync), as a step's, the others cannot be told: their
+        step() would use them, and abandoning here alone would leave this replica
+        behind. The step stands then (the error took nothing in), for step() to finish."""
+        if self._next_to_start < len(self._units):
+            self.abandon_step()
+
     def _make_the_rest_of_the_calls(self):
         """The all-reduces of this step that this rank has not made yet, in their order
         (see abandon_step)."""
@@ -708,19 +757,37 @@ class DistributedOptimizer:
         for i in bucket.indices:
             averaged[i] = bucket.buffer[bucket.slices[i]].reshape(self.params[i].shape)
 
-    def _check_same_model_everywhere(self):
+    def _check_same_model_everywhere(self, rejected: bool = False):
         from .communicator import _core
 
         # The parameters, and how their gradients travel (buckets, compression): ranks
-        # that differ in either would make different all-reduces, which pair up wrongly.
+        # that differ in either would make different all-reduces, which pair up wrongly;
+        # and the optimizer, which would move the replicas apart. A rank that rejected
+        # its arguments has none of them, and only says so.
         # crc32, not hash(): Python salts string hashes differently in every process.
-        model = repr([(tuple(p.shape), str(p.dtype)) for p in self.params])
-        wire = repr([(b.indices, str(b.buffer.dtype), None if b.wire is None else str(b.wire.dtype))
-                     for b in self._buckets] + [self._low_rank, repr(self.powersgd)])
-        mine = [zlib.crc32(model.encode()), zlib.crc32(wire.encode())]
+        if rejected:
+            mine = [0, 0, 0, 1]
+        else:
+            model = repr([(tuple(p.shape), str(p.dtype)) for p in self.params])
+            wire = repr([(b.indices, str(b.buffer.dtype),
+                          None if b.wire is None else str(b.wire.dtype))
+                         for b in self._buckets] + [self._low_rank, repr(self.powersgd)])
+            mine = [zlib.crc32(text.encode()) for text in
+                    (model, wire, _optimizer_settings(self.optimizer))] + [0]
         everyone = self.comm.allgather(np.array([mine], np.int64))
+        refused = [r for r in range(self.comm.size) if everyone[r, 3]]
+        if rejected:
+            return
+        if refused:
+            raise _core.MismatchError(
+                f"DistributedOptimizer (rank {self.comm.rank} of {self.comm.size}): rank "
+                f"{refused[0]}{' (and more)' if len(refused) > 1 else ''} rejected its "
+                "arguments (see the error raised there), so no rank made its "
+                "DistributedOptimizer")
         for column, what in [(0, "wrap different parameters (number, shapes or dtypes)"),
-                             (1, "send gradients differently (bucket_mb or compression)")]:
+                             (1, "send gradients differently (bucket_mb or compression)"),
+                             (2, "wrap different optimizers (type, or settings: lr, "
+                                 "momentum, betas, eps or weight_decay)")]:
             values = everyone[:, column].tolist()
             differ = [r for r, s in enumerate(values) if s != values[0]]
             if differ:

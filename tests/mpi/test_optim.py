@@ -520,10 +520,15 @@ def test_misuse_gets_clear_errors():
     opt.grad_ready(1, np.zeros(2))
     with pytest.raises(ValueError, match="twice"):
         opt.grad_ready(1, np.zeros(2))
-    with pytest.raises(ValueError, match=r"params \[0\]"):
+    # An error abandons the step (abandon_step()): what was reported is dropped.
+    with pytest.raises(ValueError, match=r"params \[0, 1\]"):
         opt.step()
     with pytest.raises(ValueError, match="not a parameter index"):
         opt.grad_ready(5, np.zeros(2))
+    opt.grad_ready(1, np.zeros(2))
+    with pytest.raises(ValueError, match=r"params \[0\] "):
+        opt.step()
+    opt.grad_ready(1, np.zeros(2))
     opt.grad_ready(0, np.ones((3, 2)))
     opt.step()  # all reported now: works
     np.testing.assert_allclose(params[0], -0.1)
@@ -690,3 +695,159 @@ def test_allreduce_gradients_averages_in_place():
     np.testing.assert_allclose(grads[2], mean_rank)
     with pytest.raises(TypeError, match="not an array"):
         rr.allreduce_gradients([[1.0, 2.0]])
+    big_endian = np.full(3, float(RANK), ">f8")  # (it used to raise TypeError, as out=)
+    rr.allreduce_gradients([big_endian])
+    np.testing.assert_allclose(big_endian, mean_rank)
+
+
+needs_two = pytest.mark.skipif(SIZE < 2, reason="needs two ranks")
+BAD = SIZE - 1  # the rank that gets it wrong, below
+
+
+def raises_here_or_mismatch(own_error, own_match, others_match):
+    """pytest.raises for what one rank (BAD) gets wrong: its own error there, and
+    MismatchError on the others."""
+    if RANK == BAD:
+        return pytest.raises(own_error, match=own_match)
+    return pytest.raises(rr.MismatchError, match=others_match)
+
+
+@needs_two
+@pytest.mark.parametrize("bad", ["read-only", "bucket_mb", "op", "not an array"])
+def test_allreduce_gradients_with_a_bad_argument_on_one_rank_raises_on_every_rank(bad):
+    # It used to raise there alone, before any call: the others' all-reduces paired with
+    # that rank's next call (wrong numbers, then a wait to the timeout).
+    grads = [np.full(3, float(RANK)), np.full(2, float(RANK), np.float32)]
+    kwargs = {}
+    if RANK == BAD:
+        if bad == "read-only":
+            grads[0].flags.writeable = False
+        elif bad == "not an array":
+            grads[0] = [1.0, 2.0, 3.0]
+        else:
+            kwargs = {"bucket_mb": dict(bucket_mb=0), "op": dict(op="mean")}[bad]
+    own = {"read-only": r"grads\[0\] is read-only", "bucket_mb": "bucket_mb must be",
+           "op": "op 'mean' is not one of", "not an array": "not an array"}[bad]
+    with raises_here_or_mismatch(TypeError if bad == "not an array" else ValueError, own,
+                                 rf"rank {BAD} rejected its arguments"):
+        rr.allreduce_gradients(grads, **kwargs)
+    if RANK != BAD:
+        np.testing.assert_array_equal(grads[0], float(RANK))  # nothing was reduced
+    # The next call pairs up right.
+    grads = [np.full(3, float(RANK)), np.full(2, float(RANK), np.float32)]
+    rr.allreduce_gradients(grads)
+    np.testing.assert_allclose(grads[0], (SIZE - 1) / 2)
+    np.testing.assert_allclose(grads[1], (SIZE - 1) / 2)
+
+
+@needs_two
+@pytest.mark.parametrize("differ", ["order", "shape", "dtype", "op", "bucket_mb"])
+def test_allreduce_gradients_on_ranks_that_disagree_raises_on_every_rank(differ):
+    # Buckets of equal size paired up element by element: gradients in another order
+    # on one rank were silently mixed with the others' (a (4,) with a (2, 3) ...).
+    grads = [np.full(4, 1.0 + RANK), np.full((2, 3), 100.0 + RANK)]
+    kwargs = {}
+    if RANK == BAD:
+        if differ == "order":
+            grads.reverse()
+        elif differ == "shape":
+            grads[1] = grads[1].reshape(3, 2)
+        elif differ == "dtype":
+            grads[0] = grads[0].astype(np.float32)
+        else:
+            kwargs = {"op": dict(op="sum"), "bucket_mb": dict(bucket_mb=1e-5)}[differ]
+    what = {"op": "pass different ops", "bucket_mb": "pack the gradients differently"}.get(
+        differ, "pass gradients that differ")
+    before = [g.copy() for g in grads]
+    with pytest.raises(rr.MismatchError, match=what):
+        rr.allreduce_gradients(grads, **kwargs)
+    for g, b in zip(grads, before):
+        np.testing.assert_array_equal(g, b)  # nothing was reduced
+    np.testing.assert_array_equal(rr.allreduce(np.ones(3)), np.full(3, float(SIZE)))
+
+
+@needs_two
+@pytest.mark.parametrize("bad", ["bucket_mb", "compression", "read-only", "not an optimizer"])
+def test_a_distributed_optimizer_with_a_bad_argument_on_one_rank_raises_on_every_rank(bad):
+    # The others used to wait in construction's check until their timeout.
+    params = [np.zeros(4), np.zeros(3)]
+    optimizer = SGD(params, lr=0.1)
+    kwargs = {}
+    if RANK == BAD:
+        if bad == "read-only":
+            params[0].flags.writeable = False
+        elif bad == "not an optimizer":
+            optimizer = object()
+        else:
+            kwargs = {"bucket_mb": dict(bucket_mb=0), "compression": dict(compression="fp8")}[bad]
+    own = {"bucket_mb": (ValueError, "bucket_mb must be"),
+           "compression": (ValueError, "compression must be"),
+           "read-only": (ValueError, r"params\[0\] is read-only"),
+           "not an optimizer": (TypeError, "must have .params and .step")}[bad]
+    with raises_here_or_mismatch(*own, rf"rank {BAD} rejected its arguments"):
+        DistributedOptimizer(optimizer, **kwargs)
+    params[0].flags.writeable = True
+    opt = DistributedOptimizer(SGD(params, lr=0.1))  # and the next one is made
+    opt.step([np.full(4, float(RANK)), np.ones(3)])
+    np.testing.assert_allclose(params[0], -0.1 * (SIZE - 1) / 2)
+
+
+@needs_two
+@pytest.mark.parametrize("differ", ["lr", "momentum", "type"])
+def test_ranks_that_wrap_different_optimizers_are_told(differ):
+    # The replicas would drift apart, silently.
+    params = [np.zeros(3)]
+    if RANK == BAD:
+        optimizer = {"lr": lambda: SGD(params, lr=0.2), "momentum": lambda: SGD(params, lr=0.1, momentum=0.9),
+                     "type": lambda: Adam(params, lr=0.1)}[differ]()
+    else:
+        optimizer = SGD(params, lr=np.float64(0.1))  # (a numpy number is the same lr)
+    with pytest.raises(rr.MismatchError, match=rf"wrap different optimizers .*ranks \[{BAD}\]"):
+        DistributedOptimizer(optimizer)
+    DistributedOptimizer(SGD(params, lr=0.1 if RANK else np.float64(0.1)))  # the same: made
+
+
+@needs_two
+@pytest.mark.parametrize("bad", ["shape", "count", "dtype", "twice", "missing"])
+def test_a_step_with_a_bad_gradient_on_one_rank_is_dropped_on_every_rank(bad):
+    # An error in step() or grad_ready() abandons the step (as the docs said it did):
+    # the others' step() raises MismatchError. It used to raise there alone, before any
+    # call: the others' step paired with its next one (wrong numbers, then a wait).
+    params = [np.zeros(4), np.zeros(3)]
+    opt = DistributedOptimizer(SGD(params, lr=1.0), bucket_mb=1e-5)  # a bucket each
+    grads = [np.ones(4), np.ones(3)]
+    own = {"shape": (ValueError, "has shape"), "count": (ValueError, "3 gradients"),
+           "dtype": (TypeError, "dtype float32"), "twice": (ValueError, "twice"),
+           "missing": (ValueError, "no gradient reported")}[bad]
+    with raises_here_or_mismatch(*own, "did not pair up"):
+        if RANK != BAD:
+            opt.step(grads)
+        elif bad in ("twice", "missing"):
+            opt.grad_ready(1, grads[1])
+            if bad == "twice":
+                opt.grad_ready(1, grads[1])
+            opt.step()
+        else:
+            opt.step({"shape": [np.ones(3), np.ones(3)], "count": grads + [np.ones(1)],
+                      "dtype": [np.ones(4, np.float32), np.ones(3)]}[bad])
+    np.testing.assert_array_equal(params[0], 0.0)  # no update anywhere
+    opt.step([np.full(4, float(RANK)), np.ones(3)])  # the next step is whole
+    np.testing.assert_allclose(params[0], -(SIZE - 1) / 2)
+    np.testing.assert_allclose(params[1], -1.0)
+
+
+def test_an_error_after_every_gradient_was_given_leaves_the_step_to_finish():
+    # Every all-reduce of the step had started, as a step's: the others use them, so
+    # dropping the step here alone would leave this replica behind. It stands instead.
+    params = [np.zeros(4), np.zeros(3)]
+    opt = DistributedOptimizer(SGD(params, lr=1.0), bucket_mb=1e-5)
+    opt.grad_ready(0, np.full(4, float(RANK)))
+    opt.grad_ready(1, np.ones(3))
+    if RANK == BAD:
+        with pytest.raises(ValueError, match="twice"):
+            opt.grad_ready(1, np.ones(3))
+        with pytest.raises(ValueError, match="already given"):
+            opt.step([np.zeros(4), np.zeros(3)])
+    opt.step()
+    np.testing.assert_allclose(params[0], -(SIZE - 1) / 2)
+    np.testing.assert_allclose(params[1], -1.0)
