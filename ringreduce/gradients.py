@@ -88,6 +88,7 @@ def allreduce_gradients(grads, op: str = "avg", comm=None, bucket_mb: float = 25
     who = "ringreduce.allreduce_gradients"
     ring = _communicator(comm)  # (first: making it is collective, whatever the arguments)
     rejected = None
+    flats = []
     try:
         check_bucket_mb(bucket_mb, "allreduce_gradients")
         grads = list(grads)
@@ -99,7 +100,15 @@ def allreduce_gradients(grads, op: str = "avg", comm=None, bucket_mb: float = 25
                 raise ValueError(f"allreduce_gradients: grads[{i}] is read-only")
         op_name = OPS[op_code(op, f"{who} (rank {ring.rank} of {ring.size})")]
         plan = pack_plan(grads, int(bucket_mb * 1024 * 1024))
-    except (TypeError, ValueError) as error:
+        # Packed before the agreement: a rank that fails here (out of memory, say) says
+        # so there, instead of leaving the others' later buckets unpaired.
+        for indices in plan:
+            xp = array_module(grads[indices[0]])
+            flat = xp.concatenate([grads[i].reshape(-1) for i in indices])
+            if not flat.dtype.isnative:  # (the ring's is native; g[...] = converts back)
+                flat = flat.astype(flat.dtype.newbyteorder("="))
+            flats.append(flat)
+    except Exception as error:  # (an array-like without .flags: AttributeError, say)
         rejected = error
     if ring.size > 1:
         texts = ([None] * 3 if rejected is not None else
@@ -111,11 +120,7 @@ def allreduce_gradients(grads, op: str = "avg", comm=None, bucket_mb: float = 25
         raise rejected
     pending = []
     try:
-        for indices in plan:
-            xp = array_module(grads[indices[0]])
-            flat = xp.concatenate([grads[i].reshape(-1) for i in indices])
-            if not flat.dtype.isnative:  # (the ring takes native byte order; g[...] = converts back)
-                flat = flat.astype(flat.dtype.newbyteorder("="))
+        for indices, flat in zip(plan, flats):
             pending.append((indices, flat, ring.allreduce_async(flat, op=op, out=flat)))
         for indices, flat, handle in pending:
             handle.wait()
@@ -124,7 +129,7 @@ def allreduce_gradients(grads, op: str = "avg", comm=None, bucket_mb: float = 25
                 g = grads[i]
                 g[...] = flat[offset:offset + g.size].reshape(g.shape)
                 offset += g.size
-    except Exception:
+    except BaseException:
         # The buckets still in flight complete first: left queued, they would pair with
         # whatever calls come next (their results, and errors, are dropped).
         for _, _, handle in pending:

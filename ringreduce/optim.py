@@ -360,7 +360,7 @@ class DistributedOptimizer:
         self.comm = _communicator(comm)  # (first: making it is collective)
         try:
             self._set_up(optimizer, bucket_mb, compression)
-        except (TypeError, ValueError) as error:
+        except Exception as error:  # (an array-like whose dtype has no .kind, say)
             # The others wait in the check below: tell them, rather than leave them to
             # wait out their timeout, or to pair it with this rank's next call.
             try:
@@ -412,6 +412,7 @@ class DistributedOptimizer:
         self._accumulating = False   # inside no_sync()
         self._accumulated = False    # the buckets hold gradients from no_sync() steps
         self._abandoning = False     # inside abandon_step(): calls go with _ABANDONED_OP
+        self._abandoned_by_error = False  # an error abandoned the step; nothing given since
         self.bytes_sent = 0          # payload bytes this rank handed to allreduce
         self.comm_seconds = 0.0      # time step() spent waiting for communication
 
@@ -439,7 +440,9 @@ class DistributedOptimizer:
         An error here (a bad index or gradient, say) abandons the step (abandon_step()),
         so that the other ranks' step() raises MismatchError instead of waiting for
         this rank's calls; unless they had all started (every gradient was in): then
-        the step stands, and step() finishes it."""
+        the step stands, and step() finishes it; and inside no_sync(), where nothing
+        was sent, the sums accumulated before stay. Give none of that step's
+        gradients after the error: the next one given begins the next step."""
         try:
             self._report(index, grad)
         except BaseException:
@@ -465,6 +468,7 @@ class DistributedOptimizer:
                 raise ValueError(f"{who}: params[{index}] was reported twice in one step")
             self._add_to_bucket(bucket, index, grad)
             bucket.reported.add(index)
+        self._abandoned_by_error = False
         if not self._accumulating:
             self._start_complete_units()  # (an fp16 bucket's agreement on its scale, say)
 
@@ -497,6 +501,7 @@ class DistributedOptimizer:
                 # Their all-reduces have started (outside no_sync) and overwrite the
                 # sums with averages: nothing is left to accumulate.
                 self.abandon_step()
+                self._abandoned_by_error = True
                 raise ValueError("DistributedOptimizer.step: called inside no_sync(), but "
                                  "gradients of this step were given to grad_ready() outside "
                                  "it, which started their all-reduce; this step's gradients "
@@ -531,6 +536,7 @@ class DistributedOptimizer:
                 averaged[i] = self.powersgd.finish(self._low_rank_calls[i])[0]
         except MismatchError as error:
             self.abandon_step()
+            self._abandoned_by_error = True
             raise MismatchError(
                 f"DistributedOptimizer.step (rank {self.comm.rank} of {self.comm.size}): this "
                 "step's all-reduces did not pair up with the other ranks', so it is dropped "
@@ -539,6 +545,7 @@ class DistributedOptimizer:
                 f"made other calls in their place: {error}") from error
         except BaseException:
             self.abandon_step()
+            self._abandoned_by_error = True
             raise
         finally:
             self.comm_seconds += time.perf_counter() - start
@@ -614,7 +621,8 @@ class DistributedOptimizer:
         """Drop the step begun, without an update: the gradients given since the last
         step, and those accumulated in no_sync(). For after an exception halfway
         through backward; after an error inside step() or grad_ready() it is done
-        already. Collective: ranks may have got to different points, so each makes the
+        already (and this, if nothing was given since, makes no calls: a second set
+        would pair with the others' next step). Collective: ranks may have got to different points, so each makes the
         rest of the step's all-reduces, with 0s for the gradients not given, and every
         rank has then made the same calls (none pairs with a call of the next step
         elsewhere). All are waited for, what they raise is dropped, and their results
@@ -628,6 +636,11 @@ class DistributedOptimizer:
         no_sync(), where it makes none, nor once it had given every gradient, which
         started all its calls as a step's: there the others cannot tell, so every rank
         must abandon that step (see docs/training.md)."""
+        if self._abandoned_by_error and self._untouched():
+            # grad_ready() or step() abandoned this step already, at its error: a second
+            # set of calls would pair with the others' next step (steps mixed, silently).
+            self._abandoned_by_error = False
+            return
         if not self._accumulating or self._next_to_start > 0:
             self._abandoning = True
             try:
@@ -645,8 +658,17 @@ class DistributedOptimizer:
         has started (outside no_sync), as a step's, the others cannot be told: their
         step() would use them, and abandoning here alone would leave this replica
         behind. The step stands then (the error took nothing in), for step() to finish."""
+        if self._accumulating and self._next_to_start == 0:
+            return  # (inside no_sync nothing was sent: the sums stay, as the error left them)
+        if self._abandoned_by_error and self._untouched():
+            return  # (abandoned at the last error, and nothing given since)
         if self._next_to_start < len(self._units):
             self.abandon_step()
+            self._abandoned_by_error = True
+
+    def _untouched(self) -> bool:
+        return (self._next_to_start == 0 and not self._low_rank_reported
+                and not any(b.reported for b in self._buckets))
 
     def _make_the_rest_of_the_calls(self):
         """The all-reduces of this step that this rank has not made yet, in their order

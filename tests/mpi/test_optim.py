@@ -798,7 +798,8 @@ def test_ranks_that_wrap_different_optimizers_are_told(differ):
     # The replicas would drift apart, silently.
     params = [np.zeros(3)]
     if RANK == BAD:
-        optimizer = {"lr": lambda: SGD(params, lr=0.2), "momentum": lambda: SGD(params, lr=0.1, momentum=0.9),
+        optimizer = {"lr": lambda: SGD(params, lr=0.2),
+                     "momentum": lambda: SGD(params, lr=0.1, momentum=0.9),
                      "type": lambda: Adam(params, lr=0.1)}[differ]()
     else:
         optimizer = SGD(params, lr=np.float64(0.1))  # (a numpy number is the same lr)
@@ -851,3 +852,95 @@ def test_an_error_after_every_gradient_was_given_leaves_the_step_to_finish():
     opt.step()
     np.testing.assert_allclose(params[0], -(SIZE - 1) / 2)
     np.testing.assert_allclose(params[1], -1.0)
+
+
+@needs_two
+@pytest.mark.parametrize("then", ["abandon_step", "step"])
+def test_a_rank_that_handles_an_error_in_grad_ready_as_after_backward_makes_one_set_of_calls(then):
+    # grad_ready() abandons the step at its error. A handler that abandons it again (as
+    # the docs advise after an exception in backward), or calls step() anyway, used to
+    # make a second set of calls, which paired with the others' next step: steps mixed
+    # silently, then a wait to the timeout. Now the step is abandoned once.
+    params = [np.zeros((4, 5)) for _ in range(3)]
+    opt = DistributedOptimizer(SGD(params, lr=1.0), bucket_mb=1e-5)
+    for step in range(4):
+        g = np.full((4, 5), 10.0 * step + RANK)
+        bad = step == 1 and RANK == BAD
+        try:
+            opt.grad_ready(2, g)
+            opt.grad_ready(1, g[:2] if bad else g)
+            opt.grad_ready(0, g)
+            opt.step()
+        except rr.MismatchError:
+            assert step == 1 and RANK != BAD
+        except ValueError:
+            assert bad
+            if then == "abandon_step":
+                opt.abandon_step()
+            else:
+                with pytest.raises(ValueError, match="no gradient reported"):
+                    opt.step()
+    mean_rank = (SIZE - 1) / 2
+    np.testing.assert_allclose(params[0], -sum(10.0 * s + mean_rank for s in (0, 2, 3)))
+
+
+@needs_two
+def test_an_error_inside_no_sync_keeps_the_sums_accumulated_before_it():
+    # Nothing was sent inside no_sync(), and the refused call took nothing in: the
+    # rank's earlier micro-batches stay (abandoning there dropped them on that rank only).
+    params = [np.zeros(4), np.zeros(3)]
+    opt = DistributedOptimizer(SGD(params, lr=1.0))
+    with opt.no_sync():
+        for micro in range(3):
+            grads = [np.ones(4), np.ones(3)]
+            if RANK == BAD and micro == 2:
+                with pytest.raises(ValueError, match="has shape"):
+                    opt.step([np.ones(5), np.ones(3)])
+            opt.step(grads)
+    opt.step([np.ones(4), np.ones(3)])
+    np.testing.assert_allclose(params[0], -4.0)
+
+
+class _ArrayLike:
+    """Has .shape and .dtype, and nothing else of numpy's (a torch tensor, say)."""
+
+    def __init__(self, n):
+        self.shape, self.dtype = (n,), "torch.float64"
+
+
+@needs_two
+@pytest.mark.parametrize("where", ["allreduce_gradients", "DistributedOptimizer"])
+def test_an_array_like_on_one_rank_is_rejected_on_every_rank(where):
+    # An AttributeError, not a TypeError or ValueError: it too joins the agreement.
+    with raises_here_or_mismatch(AttributeError, "_ArrayLike|'str' object",
+                                 rf"rank {BAD} rejected its arguments"):
+        if where == "allreduce_gradients":
+            rr.allreduce_gradients([_ArrayLike(3) if RANK == BAD else np.ones(3)])
+        else:
+            optimizer = SGD([np.zeros(3)], lr=0.1)
+            if RANK == BAD:
+                optimizer.params = [_ArrayLike(3)]
+            DistributedOptimizer(optimizer)
+    np.testing.assert_array_equal(rr.allreduce(np.ones(2)), np.full(2, float(SIZE)))
+
+
+@needs_two
+def test_allreduce_gradients_out_of_memory_packing_on_one_rank_raises_on_every_rank(monkeypatch):
+    # Packing comes before the agreement: failing there, a rank says so, instead of
+    # leaving the others' later buckets to pair with its next call.
+    real, calls = np.concatenate, [0]
+
+    def concatenate(*args, **kwargs):
+        calls[0] += 1
+        if RANK == BAD and calls[0] == 2:
+            raise MemoryError("packing the second bucket")
+        return real(*args, **kwargs)
+
+    grads = [np.full(1000, float(RANK)) for _ in range(3)]
+    monkeypatch.setattr(np, "concatenate", concatenate)
+    with raises_here_or_mismatch(MemoryError, "second bucket", f"rank {BAD} rejected"):
+        rr.allreduce_gradients(grads, bucket_mb=0.001)
+    monkeypatch.undo()
+    rr.allreduce_gradients(grads, bucket_mb=0.001)  # (nothing was reduced before)
+    for g in grads:
+        np.testing.assert_allclose(g, (SIZE - 1) / 2)
