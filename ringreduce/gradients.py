@@ -37,6 +37,17 @@ def check_bucket_mb(bucket_mb, who: str) -> None:
         raise ValueError(f"{who}: bucket_mb must be a number of megabytes > 0, got {bucket_mb!r}")
 
 
+def reason_from(ring, first: int, error) -> str:
+    """Collective: rank `first`'s error (this rank's, if it is `first`), as text, on
+    every rank; cut to 1 KiB."""
+    text = np.zeros(1024, np.uint8)
+    if ring.rank == first:
+        data = f"{type(error).__name__}: {error}".encode()[:text.size]
+        text[:len(data)] = np.frombuffer(data, np.uint8)
+    ring.broadcast(text, root=first)
+    return bytes(text).rstrip(b"\0").decode(errors="ignore")  # (a character cut short)
+
+
 def _agree_or_raise(ring, who: str, what: list[tuple[str, str]], rejected) -> None:
     """Collective: every rank learns whether every rank accepted its arguments and
     whether they agree, before any rank makes a call that the others might not make
@@ -58,11 +69,12 @@ def _agree_or_raise(ring, who: str, what: list[tuple[str, str]], rejected) -> No
     agreed = ring.allreduce(np.array(row, np.int64), op="min")
     where = f"{who} (rank {ring.rank} of {ring.size})"
     first_rejected = int(agreed[-1])
+    reason = reason_from(ring, first_rejected, rejected) if first_rejected < ring.size else ""
     if rejected is not None:
         return
     if first_rejected < ring.size:
-        raise MismatchError(f"{where}: rank {first_rejected} rejected its arguments (see the "
-                            "error raised there), so no rank made this call's all-reduces")
+        raise MismatchError(f"{where}: rank {first_rejected} rejected its arguments "
+                            f"({reason}), so no rank made this call's all-reduces")
     for k, (_, differ) in enumerate(what):
         if agreed[2 * k] != -agreed[2 * k + 1]:
             raise MismatchError(f"{where}: ranks {differ}, so no rank made this call's "

@@ -23,7 +23,7 @@ import numpy as np
 from . import compression as _compression
 from ._arrays import array_module
 from ._core import MismatchError
-from .gradients import check_bucket_mb, pack_plan
+from .gradients import check_bucket_mb, pack_plan, reason_from
 
 
 def _check_params(params, who: str) -> list:
@@ -364,7 +364,7 @@ class DistributedOptimizer:
             # The others wait in the check below: tell them, rather than leave them to
             # wait out their timeout, or to pair it with this rank's next call.
             try:
-                self._check_same_model_everywhere(rejected=True)
+                self._check_same_model_everywhere(rejected=error)
             except Exception:  # (telling them failed: this rank's own error says more)
                 pass
             raise error
@@ -622,12 +622,12 @@ class DistributedOptimizer:
         step, and those accumulated in no_sync(). For after an exception halfway
         through backward; after an error inside step() or grad_ready() it is done
         already (and this, if nothing was given since, makes no calls: a second set
-        would pair with the others' next step). Collective: ranks may have got to different points, so each makes the
-        rest of the step's all-reduces, with 0s for the gradients not given, and every
-        rank has then made the same calls (none pairs with a call of the next step
-        elsewhere). All are waited for, what they raise is dropped, and their results
-        are thrown away. Inside no_sync(), where no rank has started any, it makes
-        none. (Not a zero_grad() to call before every step: outside no_sync() it costs
+        would pair with the others' next step). Collective: ranks may have got to
+        different points, so each makes the rest of the step's all-reduces, with 0s
+        for the gradients not given, and every rank has then made the same calls
+        (none pairs with a call of the next step elsewhere). All are waited for, what
+        they raise is dropped, and their results are thrown away. Inside no_sync(),
+        where no rank has started any, it makes none. (Not a zero_grad() to call before every step: outside no_sync() it costs
         a step's all-reduces.)
 
         A rank may also abandon a step alone, while the others call step(): it makes
@@ -779,7 +779,7 @@ class DistributedOptimizer:
         for i in bucket.indices:
             averaged[i] = bucket.buffer[bucket.slices[i]].reshape(self.params[i].shape)
 
-    def _check_same_model_everywhere(self, rejected: bool = False):
+    def _check_same_model_everywhere(self, rejected: Exception | None = None):
         from .communicator import _core
 
         # The parameters, and how their gradients travel (buckets, compression): ranks
@@ -787,7 +787,7 @@ class DistributedOptimizer:
         # and the optimizer, which would move the replicas apart. A rank that rejected
         # its arguments has none of them, and only says so.
         # crc32, not hash(): Python salts string hashes differently in every process.
-        if rejected:
+        if rejected is not None:
             mine = [0, 0, 0, 1]
         else:
             model = repr([(tuple(p.shape), str(p.dtype)) for p in self.params])
@@ -798,14 +798,14 @@ class DistributedOptimizer:
                     (model, wire, _optimizer_settings(self.optimizer))] + [0]
         everyone = self.comm.allgather(np.array([mine], np.int64))
         refused = [r for r in range(self.comm.size) if everyone[r, 3]]
-        if rejected:
+        reason = reason_from(self.comm, refused[0], rejected) if refused else ""
+        if rejected is not None:
             return
         if refused:
             raise _core.MismatchError(
                 f"DistributedOptimizer (rank {self.comm.rank} of {self.comm.size}): rank "
                 f"{refused[0]}{' (and more)' if len(refused) > 1 else ''} rejected its "
-                "arguments (see the error raised there), so no rank made its "
-                "DistributedOptimizer")
+                f"arguments ({reason}), so no rank made its DistributedOptimizer")
         for column, what in [(0, "wrap different parameters (number, shapes or dtypes)"),
                              (1, "send gradients differently (bucket_mb or compression)"),
                              (2, "wrap different optimizers (type, or settings: lr, "

@@ -729,7 +729,7 @@ def test_allreduce_gradients_with_a_bad_argument_on_one_rank_raises_on_every_ran
     own = {"read-only": r"grads\[0\] is read-only", "bucket_mb": "bucket_mb must be",
            "op": "op 'mean' is not one of", "not an array": "not an array"}[bad]
     with raises_here_or_mismatch(TypeError if bad == "not an array" else ValueError, own,
-                                 rf"rank {BAD} rejected its arguments"):
+                                 rf"rank {BAD} rejected its arguments \(\w+Error: .*{own}"):
         rr.allreduce_gradients(grads, **kwargs)
     if RANK != BAD:
         np.testing.assert_array_equal(grads[0], float(RANK))  # nothing was reduced
@@ -784,7 +784,8 @@ def test_a_distributed_optimizer_with_a_bad_argument_on_one_rank_raises_on_every
            "compression": (ValueError, "compression must be"),
            "read-only": (ValueError, r"params\[0\] is read-only"),
            "not an optimizer": (TypeError, "must have .params and .step")}[bad]
-    with raises_here_or_mismatch(*own, rf"rank {BAD} rejected its arguments"):
+    with raises_here_or_mismatch(*own, rf"rank {BAD} rejected its arguments \({own[0].__name__}: "
+                                       rf".*{own[1]}"):
         DistributedOptimizer(optimizer, **kwargs)
     params[0].flags.writeable = True
     opt = DistributedOptimizer(SGD(params, lr=0.1))  # and the next one is made
