@@ -708,8 +708,9 @@ _SWITCHES = {
 
 def _timeout_to_refuse_with(timeout, context: str) -> float:
     """The core's timeout for a rank whose arguments are bad, to tell the others so
-    (see Communicator.__init__): its own if that was good, else the default; never
-    none, as its own error is not to wait for good on ranks that may never come."""
+    (see Communicator.__init__): its own if that was good, else RINGREDUCE_TIMEOUT's,
+    else DEFAULT_TIMEOUT; never none, as its own error is not to wait for good on
+    ranks that may never come."""
     for value in (timeout, _FROM_ENVIRONMENT):
         try:
             if value is _FROM_ENVIRONMENT:

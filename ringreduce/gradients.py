@@ -120,14 +120,19 @@ def allreduce_gradients(grads, op: str = "avg", comm=None, bucket_mb: float = 25
             if not flat.dtype.isnative:  # (the ring's is native; g[...] = converts back)
                 flat = flat.astype(flat.dtype.newbyteorder("="))
             flats.append(flat)
+        texts = [_signature(grads), op_name, repr(plan)]
     except Exception as error:  # (an array-like without .flags: AttributeError, say)
-        rejected = error
+        rejected, texts = error, [None] * 3
     if ring.size > 1:
-        texts = ([None] * 3 if rejected is not None else
-                 [_signature(grads), op_name, repr(plan)])
-        _agree_or_raise(ring, who, list(zip(texts, [
-            "pass gradients that differ (in number, shapes, dtypes or order)",
-            "pass different ops", "pack the gradients differently (bucket_mb)"])), rejected)
+        try:
+            _agree_or_raise(ring, who, list(zip(texts, [
+                "pass gradients that differ (in number, shapes, dtypes with their byte "
+                "order, numpy or cupy, or order)",
+                "pass different ops", "pack the gradients differently (bucket_mb)"])),
+                rejected)
+        except Exception:
+            if rejected is None:
+                raise  # (else this rank's own error says what to mend)
     if rejected is not None:
         raise rejected
     pending = []

@@ -367,7 +367,7 @@ class DistributedOptimizer:
                 self._check_same_model_everywhere(rejected=error)
             except Exception:  # (telling them failed: this rank's own error says more)
                 pass
-            raise error
+            raise
         self._check_same_model_everywhere()
         if self.powersgd is not None:
             self.powersgd._taken = True
@@ -415,6 +415,7 @@ class DistributedOptimizer:
         self._abandoned_by_error = False  # an error abandoned the step; nothing given since
         self.bytes_sent = 0          # payload bytes this rank handed to allreduce
         self.comm_seconds = 0.0      # time step() spent waiting for communication
+        self._checksums = self._model_checksums()  # (here: what fails in it is refused)
 
     # -- public ---------------------------------------------------------------------
 
@@ -443,6 +444,7 @@ class DistributedOptimizer:
         the step stands, and step() finishes it; and inside no_sync(), where nothing
         was sent, the sums accumulated before stay. Give none of that step's
         gradients after the error: the next one given begins the next step."""
+        self._abandoned_by_error = False  # (a gradient given, even one refused, begins one)
         try:
             self._report(index, grad)
         except BaseException:
@@ -468,7 +470,6 @@ class DistributedOptimizer:
                 raise ValueError(f"{who}: params[{index}] was reported twice in one step")
             self._add_to_bucket(bucket, index, grad)
             bucket.reported.add(index)
-        self._abandoned_by_error = False
         if not self._accumulating:
             self._start_complete_units()  # (an fp16 bucket's agreement on its scale, say)
 
@@ -479,6 +480,8 @@ class DistributedOptimizer:
         given to grad_ready() since the last step. Inside no_sync(), only accumulates.
         An error abandons the step, as in grad_ready().
         """
+        if grads is not None:
+            self._abandoned_by_error = False  # (as in grad_ready)
         try:
             if grads is not None:
                 grads = _check_grads(grads, self.params, "DistributedOptimizer.step")
@@ -627,8 +630,8 @@ class DistributedOptimizer:
         for the gradients not given, and every rank has then made the same calls
         (none pairs with a call of the next step elsewhere). All are waited for, what
         they raise is dropped, and their results are thrown away. Inside no_sync(),
-        where no rank has started any, it makes none. (Not a zero_grad() to call before every step: outside no_sync() it costs
-        a step's all-reduces.)
+        where no rank has started any, it makes none. (Not a zero_grad() to call
+        before every step: outside no_sync() it costs a step's all-reduces.)
 
         A rank may also abandon a step alone, while the others call step(): it makes
         its calls with another op, so the others' step() raises MismatchError and
@@ -779,6 +782,14 @@ class DistributedOptimizer:
         for i in bucket.indices:
             averaged[i] = bucket.buffer[bucket.slices[i]].reshape(self.params[i].shape)
 
+    def _model_checksums(self) -> list[int]:
+        # crc32, not hash(): Python salts string hashes differently in every process.
+        model = repr([(tuple(p.shape), str(p.dtype)) for p in self.params])
+        wire = repr([(b.indices, str(b.buffer.dtype), None if b.wire is None else str(b.wire.dtype))
+                     for b in self._buckets] + [self._low_rank, repr(self.powersgd)])
+        return [zlib.crc32(text.encode())
+                for text in (model, wire, _optimizer_settings(self.optimizer))]
+
     def _check_same_model_everywhere(self, rejected: Exception | None = None):
         from .communicator import _core
 
@@ -786,16 +797,7 @@ class DistributedOptimizer:
         # that differ in either would make different all-reduces, which pair up wrongly;
         # and the optimizer, which would move the replicas apart. A rank that rejected
         # its arguments has none of them, and only says so.
-        # crc32, not hash(): Python salts string hashes differently in every process.
-        if rejected is not None:
-            mine = [0, 0, 0, 1]
-        else:
-            model = repr([(tuple(p.shape), str(p.dtype)) for p in self.params])
-            wire = repr([(b.indices, str(b.buffer.dtype),
-                          None if b.wire is None else str(b.wire.dtype))
-                         for b in self._buckets] + [self._low_rank, repr(self.powersgd)])
-            mine = [zlib.crc32(text.encode()) for text in
-                    (model, wire, _optimizer_settings(self.optimizer))] + [0]
+        mine = [0, 0, 0, 1] if rejected is not None else self._checksums + [0]
         everyone = self.comm.allgather(np.array([mine], np.int64))
         refused = [r for r in range(self.comm.size) if everyone[r, 3]]
         reason = reason_from(self.comm, refused[0], rejected) if refused else ""
