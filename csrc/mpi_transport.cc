@@ -25,6 +25,14 @@ constexpr int kNoticeWords = 4;
 // How much of a refusal's text (see agree_to_create) the other ranks are told.
 constexpr int kRefusalBytes = 1024;
 
+// mpiexec labels output by MPI_COMM_WORLD's ranks: on a sub-communicator, messages give
+// a rank's number there too (`in_world`, from world_ranks()).
+std::string in_world_note(int rank, int in_world) {
+  return in_world == rank || in_world == MPI_UNDEFINED
+             ? std::string()
+             : " (" + std::to_string(in_world) + " in MPI_COMM_WORLD)";
+}
+
 // The pending MPI_Comm_idup of each creation that gave up; the duplicates themselves
 // (see the constructor) are never freed, as freeing is collective. Communicators may
 // be made on several threads at once (on different communicators), hence the lock.
@@ -154,15 +162,10 @@ MpiTransport::MpiTransport(MPI_Comm user_comm, double timeout_s,
   // Its duplicate would wait out the timeout for a rank that will never make it.
   const int ended = ended_rank(user_comm, size_);
   if (ended >= 0) {
-    // mpiexec labels output by MPI_COMM_WORLD's ranks; on a sub-communicator say both.
     const std::vector<int> in_world = world_ranks(user_comm, {rank_, ended});
-    const auto world_note = [&](int r, int w) {
-      return w == r || w == MPI_UNDEFINED ? std::string()
-                                          : " (" + std::to_string(w) + " in MPI_COMM_WORLD)";
-    };
     throw TimeoutError("ringreduce.Communicator (rank " + std::to_string(rank_) +
-                       world_note(rank_, in_world[0]) + " of " + std::to_string(size_) +
-                       "): rank " + std::to_string(ended) + world_note(ended, in_world[1]) +
+                       in_world_note(rank_, in_world[0]) + " of " + std::to_string(size_) +
+                       "): rank " + std::to_string(ended) + in_world_note(ended, in_world[1]) +
                        DepartureNote::what(Departure::Ended, -1) +
                        ", as a Communicator on this rank learnt. " + kEndedAdvice);
   }
@@ -220,13 +223,31 @@ MpiTransport::MpiTransport(MPI_Comm user_comm, double timeout_s,
   }
 }
 
+template <typename LetGo>
+void MpiTransport::wait_in_creation(MPI_Request* request, const char* call, LetGo let_go) {
+  bool done = false;
+  try {
+    done = wait_patiently(request, call);
+  } catch (...) {
+    let_go();
+    comm_ = MPI_COMM_NULL;
+    throw;
+  }
+  if (!done) {
+    let_go();
+    comm_ = MPI_COMM_NULL;
+    throw TimeoutError(creation_timeout_text(
+        "This rank's duplicate of the communicator passed is left to MPI_Finalize"));
+  }
+}
+
 void MpiTransport::agree_to_create(const std::string& refusal) {
   // MPI writes into these until the requests complete, maybe after this rank gave up
   // (a late rank completes them when this one next drives MPI): so they are on the
   // heap, and let go of for good after a timeout or a stop, like creation_allgather's.
   struct Agreement {
     int mine[2];    // the lowest rank that refused and minus the highest (size_ and 1:
-    int agreed[2];  // none), in one reduction: as cheap as the barrier it stands for
+    int agreed[2];  // none), in one reduction, where a barrier stood before
     char why[kRefusalBytes];
   };
   auto agreement = std::make_unique<Agreement>();
@@ -235,28 +256,14 @@ void MpiTransport::agree_to_create(const std::string& refusal) {
   int* agreed = agreement->agreed;
   mine[0] = refused ? rank_ : size_;
   mine[1] = refused ? -rank_ : 1;
-  const char* left = "This rank's duplicate of the communicator passed is left to MPI_Finalize";
-  auto wait_or_abandon = [&](MPI_Request* request, const char* call) {
-    bool done = false;
-    try {
-      done = wait_patiently(request, call);
-    } catch (...) {
-      agreement.release();
-      throw;
-    }
-    if (!done) {
-      agreement.release();
-      throw TimeoutError(creation_timeout_text(left));
-    }
-  };
+  const auto let_go = [&] { agreement.release(); };
   MPI_Request request = MPI_REQUEST_NULL;
   check(MPI_Iallreduce(mine, agreed, 2, MPI_INT, MPI_MIN, comm_, &request), "MPI_Iallreduce");
-  wait_or_abandon(&request, "MPI_Test(MPI_Iallreduce)");
+  wait_in_creation(&request, "MPI_Test(MPI_Iallreduce)", let_go);
   if (agreed[0] == size_) return;
   // Every rank has begun the reduction, so every rank comes to this broadcast next.
   const int first = agreed[0], last = -agreed[1];
-  char* why = agreement->why;
-  std::memset(why, 0, kRefusalBytes);
+  char* why = agreement->why;  // (zeroed by make_unique)
   if (rank_ == first) {
     // Cut where a UTF-8 character begins: Python decodes the message.
     size_t n = std::min(refusal.size(), static_cast<size_t>(kRefusalBytes - 1));
@@ -265,18 +272,13 @@ void MpiTransport::agree_to_create(const std::string& refusal) {
     refusal.copy(why, n);
   }
   check(MPI_Ibcast(why, kRefusalBytes, MPI_CHAR, first, comm_, &request), "MPI_Ibcast");
-  wait_or_abandon(&request, "MPI_Test(MPI_Ibcast)");
-  // mpiexec labels output by MPI_COMM_WORLD's ranks; on a sub-communicator say both.
+  wait_in_creation(&request, "MPI_Test(MPI_Ibcast)", let_go);
   const std::vector<int> in_world = world_ranks(comm_, {rank_, first});
-  const auto world_note = [&](int r, int w) {
-    return w == r || w == MPI_UNDEFINED ? std::string()
-                                        : " (" + std::to_string(w) + " in MPI_COMM_WORLD)";
-  };
   free();  // (every rank frees it: none goes on)
   throw std::invalid_argument(
-      "ringreduce.Communicator (rank " + std::to_string(rank_) + world_note(rank_, in_world[0]) +
+      "ringreduce.Communicator (rank " + std::to_string(rank_) + in_world_note(rank_, in_world[0]) +
       " of " + std::to_string(size_) + "): rank " + std::to_string(first) +
-      world_note(first, in_world[1]) + (last > first ? " (and at least one more)" : "") +
+      in_world_note(first, in_world[1]) + (last > first ? " (and at least one more)" : "") +
       " was passed a bad argument or setting, so no rank made this Communicator: " + why);
 }
 
@@ -398,25 +400,11 @@ void MpiTransport::creation_allgather(const void* mine, void* all, int bytes) {
                        &request),
         "MPI_Iallgather");
   // After a timeout or a stop the exchange stays pending, and a late rank completes it,
-  // writing into its buffers: they are let go of for good, and the duplicate is left
-  // to MPI_Finalize.
-  auto abandon = [&] {
+  // writing into its buffers: they are let go of for good.
+  wait_in_creation(&request, "MPI_Test(MPI_Iallgather)", [&] {
     send.release();
     recv.release();
-    comm_ = MPI_COMM_NULL;
-  };
-  bool done = false;
-  try {
-    done = wait_patiently(&request, "MPI_Test(MPI_Iallgather)");
-  } catch (...) {
-    abandon();
-    throw;
-  }
-  if (!done) {
-    abandon();
-    throw TimeoutError(creation_timeout_text(
-        "This rank's duplicate of the communicator passed is left to MPI_Finalize"));
-  }
+  });
   std::memcpy(all, recv.get(), static_cast<size_t>(bytes) * size_);
 }
 

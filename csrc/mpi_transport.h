@@ -179,6 +179,12 @@ class MpiTransport final : public Transport {
   void begin_creation_step();
   // The last step of the making: see the constructor.
   void agree_to_create(const std::string& refusal);
+  // Waits for a step of the making (timed, see wait_patiently). Gives up with
+  // TimeoutError after the timeout, or passes a stop on; either way the step stays
+  // pending, where a late rank completes it: let_go() lets go of the buffers MPI may
+  // still write, for good, and the duplicate is left to MPI_Finalize.
+  template <typename LetGo>
+  void wait_in_creation(MPI_Request* request, const char* call, LetGo let_go);
   void receive_notices();
 };
 
