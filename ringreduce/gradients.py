@@ -7,6 +7,7 @@ import zlib
 import numpy as np
 
 from ._arrays import array_module
+from ._core import MismatchError
 
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
 
@@ -37,7 +38,7 @@ def check_bucket_mb(bucket_mb, who: str) -> None:
         raise ValueError(f"{who}: bucket_mb must be a number of megabytes > 0, got {bucket_mb!r}")
 
 
-def reason_from(ring, first: int, error) -> str:
+def _reason_from(ring, first: int, error) -> str:
     """Collective: rank `first`'s error (this rank's, if it is `first`), as text, on
     every rank; cut to 1 KiB."""
     text = np.zeros(1024, np.uint8)
@@ -48,37 +49,47 @@ def reason_from(ring, first: int, error) -> str:
     return bytes(text).rstrip(b"\0").decode(errors="ignore")  # (a character cut short)
 
 
-def _agree_or_raise(ring, who: str, what: list[tuple[str, str]], rejected) -> None:
+# What a rank that rejected its arguments sends in agree_or_raise's reduction (op min)
+# for the checksums it has not got: no other rank's is larger.
+_NONE_TO_COMPARE = np.iinfo(np.int64).max
+
+
+def agree_or_raise(ring, where: str, checks: list[str], texts: list, rejected,
+                   outcome: str) -> None:
     """Collective: every rank learns whether every rank accepted its arguments and
     whether they agree, before any rank makes a call that the others might not make
     (one that would pair with some other call of theirs, or wait out their timeout).
-    `what`: (text, what ranks that differ in it do), for each thing that must be the
-    same on every rank, as many on every rank; `rejected`: this rank's error (its
-    texts are None: it has nothing to compare).
-    Raises MismatchError on every rank that did not reject its own arguments."""
-    from ._core import MismatchError
-
-    # One small allreduce (op min): for each thing the lowest checksum and the lowest
-    # of minus each (the highest), then the lowest rank that rejected its arguments.
-    big = np.iinfo(np.int64).max
-    row = []
-    for text, _ in what:
-        crc = zlib.crc32(text.encode()) if rejected is None else None
-        row += [big, big] if crc is None else [crc, -crc]
-    row.append(ring.rank if rejected is not None else ring.size)
-    agreed = ring.allreduce(np.array(row, np.int64), op="min")
-    where = f"{who} (rank {ring.rank} of {ring.size})"
-    first_rejected = int(agreed[-1])
-    reason = reason_from(ring, first_rejected, rejected) if first_rejected < ring.size else ""
+    `checks`: for each thing that must be the same on every rank, what ranks that
+    differ in it do; `texts`: this rank's text of each (None where it rejected its
+    arguments: `rejected` is its error, and it only says so). Raises MismatchError,
+    naming the ranks, on every rank that did not reject its own arguments; `outcome`
+    says what no rank then did."""
+    # One small allreduce (op min), the same size on any number of ranks: for each
+    # thing the lowest checksum and the lowest of minus each (the highest), then the
+    # lowest rank that rejected its arguments and minus the highest (size and 1: none).
+    # crc32, not hash(): Python salts string hashes differently in every process.
+    if rejected is not None:
+        crcs = [0] * len(checks)
+        row = [_NONE_TO_COMPARE] * (2 * len(checks)) + [ring.rank, -ring.rank]
+    else:
+        crcs = [zlib.crc32(text.encode()) for text in texts]
+        row = [value for crc in crcs for value in (crc, -crc)] + [ring.size, 1]
+    agreed = ring.allreduce(np.array(row, np.int64), op="min").tolist()
+    first, last = agreed[-2], -agreed[-1]
+    reason = _reason_from(ring, first, rejected) if first < ring.size else ""
     if rejected is not None:
         return
-    if first_rejected < ring.size:
-        raise MismatchError(f"{where}: rank {first_rejected} rejected its arguments "
-                            f"({reason}), so no rank made this call's all-reduces")
-    for k, (_, differ) in enumerate(what):
-        if agreed[2 * k] != -agreed[2 * k + 1]:
-            raise MismatchError(f"{where}: ranks {differ}, so no rank made this call's "
-                                "all-reduces (they would have paired up wrongly)")
+    if first < ring.size:
+        more = " (and more)" if last > first else ""
+        raise MismatchError(f"{where}: rank {first}{more} rejected its arguments "
+                            f"({reason}), so {outcome}")
+    differing = [k for k in range(len(checks)) if agreed[2 * k] != -agreed[2 * k + 1]]
+    if differing:
+        # Only on this path: every rank's checksums, to name the ranks that differ.
+        values = ring.allgather(np.array([crcs], np.int64))[:, differing[0]].tolist()
+        differ = [r for r, crc in enumerate(values) if crc != values[0]]
+        raise MismatchError(f"{where}: ranks {checks[differing[0]]}: ranks {differ} differ "
+                            f"from rank 0, so {outcome}")
 
 
 def _signature(grads) -> str:
@@ -97,8 +108,8 @@ def allreduce_gradients(grads, op: str = "avg", comm=None, bucket_mb: float = 25
     from ._shortcuts import _communicator
     from ._types import OPS, op_code
 
-    who = "ringreduce.allreduce_gradients"
     ring = _communicator(comm)  # (first: making it is collective, whatever the arguments)
+    where = f"ringreduce.allreduce_gradients (rank {ring.rank} of {ring.size})"
     rejected = None
     flats = []
     try:
@@ -110,7 +121,7 @@ def allreduce_gradients(grads, op: str = "avg", comm=None, bucket_mb: float = 25
                                 "not an array")
             if array_module(g) is np and not g.flags.writeable:
                 raise ValueError(f"allreduce_gradients: grads[{i}] is read-only")
-        op_name = OPS[op_code(op, f"{who} (rank {ring.rank} of {ring.size})")]
+        op_name = OPS[op_code(op, where)]
         plan = pack_plan(grads, int(bucket_mb * 1024 * 1024))
         # Packed before the agreement: a rank that fails here (out of memory, say) says
         # so there, instead of leaving the others' later buckets unpaired.
@@ -122,14 +133,14 @@ def allreduce_gradients(grads, op: str = "avg", comm=None, bucket_mb: float = 25
             flats.append(flat)
         texts = [_signature(grads), op_name, repr(plan)]
     except Exception as error:  # (an array-like without .flags: AttributeError, say)
-        rejected, texts = error, [None] * 3
+        rejected, texts = error, None
     if ring.size > 1:
         try:
-            _agree_or_raise(ring, who, list(zip(texts, [
+            agree_or_raise(ring, where, [
                 "pass gradients that differ (in number, shapes, dtypes with their byte "
                 "order, numpy or cupy, or order)",
-                "pass different ops", "pack the gradients differently (bucket_mb)"])),
-                rejected)
+                "pass different ops", "pack the gradients differently (bucket_mb)"],
+                texts, rejected, "no rank made this call's all-reduces")
         except Exception:
             if rejected is None:
                 raise  # (else this rank's own error says what to mend)

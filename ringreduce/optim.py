@@ -16,14 +16,13 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-import zlib
 
 import numpy as np
 
 from . import compression as _compression
 from ._arrays import array_module
 from ._core import MismatchError
-from .gradients import check_bucket_mb, pack_plan, reason_from
+from .gradients import agree_or_raise, check_bucket_mb, pack_plan
 
 
 def _check_params(params, who: str) -> list:
@@ -415,7 +414,7 @@ class DistributedOptimizer:
         self._abandoned_by_error = False  # an error abandoned the step; nothing given since
         self.bytes_sent = 0          # payload bytes this rank handed to allreduce
         self.comm_seconds = 0.0      # time step() spent waiting for communication
-        self._checksums = self._model_checksums()  # (here: what fails in it is refused)
+        self._model_texts = self._texts_to_agree_on()  # (here: what fails in it is refused)
 
     # -- public ---------------------------------------------------------------------
 
@@ -782,39 +781,21 @@ class DistributedOptimizer:
         for i in bucket.indices:
             averaged[i] = bucket.buffer[bucket.slices[i]].reshape(self.params[i].shape)
 
-    def _model_checksums(self) -> list[int]:
-        # crc32, not hash(): Python salts string hashes differently in every process.
+    def _texts_to_agree_on(self) -> list[str]:
         model = repr([(tuple(p.shape), str(p.dtype)) for p in self.params])
         wire = repr([(b.indices, str(b.buffer.dtype), None if b.wire is None else str(b.wire.dtype))
                      for b in self._buckets] + [self._low_rank, repr(self.powersgd)])
-        return [zlib.crc32(text.encode())
-                for text in (model, wire, _optimizer_settings(self.optimizer))]
+        return [model, wire, _optimizer_settings(self.optimizer)]
 
     def _check_same_model_everywhere(self, rejected: Exception | None = None):
-        from .communicator import _core
-
         # The parameters, and how their gradients travel (buckets, compression): ranks
         # that differ in either would make different all-reduces, which pair up wrongly;
-        # and the optimizer, which would move the replicas apart. A rank that rejected
-        # its arguments has none of them, and only says so.
-        mine = [0, 0, 0, 1] if rejected is not None else self._checksums + [0]
-        everyone = self.comm.allgather(np.array([mine], np.int64))
-        refused = [r for r in range(self.comm.size) if everyone[r, 3]]
-        reason = reason_from(self.comm, refused[0], rejected) if refused else ""
-        if rejected is not None:
-            return
-        if refused:
-            raise _core.MismatchError(
-                f"DistributedOptimizer (rank {self.comm.rank} of {self.comm.size}): rank "
-                f"{refused[0]}{' (and more)' if len(refused) > 1 else ''} rejected its "
-                f"arguments ({reason}), so no rank made its DistributedOptimizer")
-        for column, what in [(0, "wrap different parameters (number, shapes or dtypes)"),
-                             (1, "send gradients differently (bucket_mb or compression)"),
-                             (2, "wrap different optimizers (type, or settings: lr, "
-                                 "momentum, betas, eps or weight_decay)")]:
-            values = everyone[:, column].tolist()
-            differ = [r for r, s in enumerate(values) if s != values[0]]
-            if differ:
-                raise _core.MismatchError(
-                    f"DistributedOptimizer (rank {self.comm.rank} of {self.comm.size}): ranks "
-                    f"{what}: ranks {differ} differ from rank 0")
+        # and the optimizer, which would move the replicas apart.
+        agree_or_raise(self.comm, f"DistributedOptimizer (rank {self.comm.rank} of "
+                                  f"{self.comm.size})",
+                       ["wrap different parameters (number, shapes or dtypes)",
+                        "send gradients differently (bucket_mb or compression)",
+                        "wrap different optimizers (type, or settings: lr, momentum, betas, "
+                        "eps or weight_decay)"],
+                       None if rejected is not None else self._model_texts, rejected,
+                       "no rank made its DistributedOptimizer")
