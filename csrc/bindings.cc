@@ -463,7 +463,8 @@ class FastPath {
 
   int64_t chunk_bytes;  // the Communicator's, kept in step by its setter
 
-  py::object allreduce(py::handle x, py::handle op, py::handle out) {
+  // `check`: see RingCommunicator::allreduce().
+  py::object allreduce(py::handle x, py::handle op, py::handle out, int64_t check) {
     int dtype, reduce_op;
     if (!allreduce_arguments(x, op, out, &dtype, &reduce_op)) return py::none();
     const Array a(x);
@@ -476,7 +477,7 @@ class FastPath {
     if (core_->size() > 1) {
       const int64_t n = a.size();
       keeping_on_departure(*core_, {x, result}, [&] {
-        core_->allreduce(a.data, dst, n, DType(dtype), Op(reduce_op), chunk);
+        core_->allreduce(a.data, dst, n, DType(dtype), Op(reduce_op), chunk, check);
       });
     } else {  // one rank: x reduced with nothing is x (x / 1 too)
       core_->check_usable();
@@ -881,7 +882,9 @@ PYBIND11_MODULE(_core, m) {
       },
       py::arg("dst"), py::arg("src"));
   m.doc() = "ringreduce's C++ core: ring collectives over MPI (use the ringreduce package)";
-  py::register_exception<MismatchError>(m, "MismatchError", PyExc_RuntimeError);
+  auto& mismatch = py::register_exception<MismatchError>(m, "MismatchError", PyExc_RuntimeError);
+  // (After MismatchError's: the translator registered last is tried first.)
+  py::register_exception<CheckedCallsMismatch>(m, "CheckedCallsMismatch", mismatch);
   py::register_exception<MpiError>(m, "MPIError", PyExc_RuntimeError);
   py::register_exception<OutOfMemoryError>(m, "OutOfMemoryError", PyExc_MemoryError);
   py::register_exception<TimeoutError>(m, "CollectiveTimeoutError", PyExc_TimeoutError);
@@ -1117,7 +1120,8 @@ PYBIND11_MODULE(_core, m) {
       .def(py::init<py::object, py::object, bool, py::dict, py::dict, py::object,
                     py::object, py::object, py::object, int64_t, int64_t, int64_t>())
       .def_readwrite("chunk_bytes", &FastPath::chunk_bytes)
-      .def("allreduce", &FastPath::allreduce)
+      .def("allreduce", &FastPath::allreduce, py::arg("x"), py::arg("op"), py::arg("out"),
+           py::arg("check") = 0)
       .def("allreduce_async", &FastPath::allreduce_async)
       .def("reduce_scatter", &FastPath::reduce_scatter)
       .def("allgather", &FastPath::allgather)
@@ -1170,14 +1174,16 @@ PYBIND11_MODULE(_core, m) {
            })
       .def("allreduce",
            [](RingCommunicator& self, py::array x, py::array out, int dtype, int op,
-              int64_t chunk_bytes) {
+              int64_t chunk_bytes, int64_t check) {
              const void* in = x.data();
              void* dst = out.mutable_data();
              const int64_t n = x.size();
              keeping_on_departure(self, {x, out}, [&] {
-               self.allreduce(in, dst, n, DType(dtype), Op(op), chunk_bytes);
+               self.allreduce(in, dst, n, DType(dtype), Op(op), chunk_bytes, check);
              });
-           })
+           },
+           py::arg("x"), py::arg("out"), py::arg("dtype"), py::arg("op"),
+           py::arg("chunk_bytes"), py::arg("check") = 0)
       .def("reduce_scatter",
            [](RingCommunicator& self, py::array x, py::array work, int dtype, int op,
               int64_t chunk_bytes, std::optional<py::array> out) {
@@ -1263,12 +1269,15 @@ PYBIND11_MODULE(_core, m) {
       .def("allreduce_device",
            [](RingCommunicator& self, uintptr_t in, uintptr_t out, int64_t count, int dtype,
               int op, int64_t chunk_bytes, int ordinal, uintptr_t ready, uintptr_t stream,
-              bool direct, bool emulate) {
+              bool direct, bool emulate, int64_t check) {
              WithoutGil nogil;
              self.allreduce_device(device_call(self, ordinal, ready, stream, direct, emulate),
                                    ptr<const void>(in), ptr<void>(out), count, DType(dtype),
-                                   Op(op), chunk_bytes);
-           })
+                                   Op(op), chunk_bytes, check);
+           },
+           py::arg("input"), py::arg("out"), py::arg("count"), py::arg("dtype"), py::arg("op"),
+           py::arg("chunk_bytes"), py::arg("ordinal"), py::arg("ready"), py::arg("stream"),
+           py::arg("direct"), py::arg("emulate"), py::arg("check") = 0)
       .def("reduce_scatter_device",
            [](RingCommunicator& self, uintptr_t in, uintptr_t work, int64_t count, int dtype,
               int op, int64_t chunk_bytes, int ordinal, uintptr_t ready, uintptr_t stream,

@@ -233,10 +233,11 @@ int64_t RingCommunicator::device_scratch_bytes(int64_t count, size_t es,
 RingSchedule RingCommunicator::device_reduce_scatter_call(DeviceCall& call, Collective collective,
                                                           const void* input, void* out,
                                                           int64_t count, DType dtype, Op op,
-                                                          int64_t chunk_bytes) {
+                                                          int64_t chunk_bytes, int64_t check) {
   Device& dev = *call.device;
   const size_t es = dtype_size(dtype);
-  const CallHeader h = make_header(collective, dtype, op, count, chunk_bytes, kDeviceMemory);
+  CallHeader h = make_header(collective, dtype, op, count, chunk_bytes, kDeviceMemory);
+  h.check = check;
   const int64_t elems = chunk_elems(agree(h), es);
   grow_device_scratch(collective, es, count);
   RingSchedule sched = RingSchedule::split_evenly(rank(), size(), count, elems);
@@ -364,7 +365,7 @@ char* RingCommunicator::stage_on_host(const DeviceCall& call, Collective collect
 
 void RingCommunicator::allreduce_device(DeviceCall call, const void* input, void* out,
                                         int64_t count, DType dtype, Op op,
-                                        int64_t chunk_bytes) {
+                                        int64_t chunk_bytes, int64_t check) {
   const size_t es = dtype_size(dtype);
   const int64_t bytes = count * static_cast<int64_t>(es);
   const bool on_host = device_call_on_host(bytes);
@@ -376,13 +377,14 @@ void RingCommunicator::allreduce_device(DeviceCall call, const void* input, void
   if (on_host) {  // one trip to the host and back, with the bits the device ring gives
     char* staging =
         stage_on_host(call, Collective::AllReduce, chunk_bytes, input, bytes, 2 * bytes);
-    allreduce_host(
-        make_header(Collective::AllReduce, dtype, op, count, chunk_bytes, kDeviceMemory),
-        staging, staging + bytes);
+    CallHeader h = make_header(Collective::AllReduce, dtype, op, count, chunk_bytes,
+                               kDeviceMemory);
+    h.check = check;
+    allreduce_host(h, staging, staging + bytes);
     dev.copy(Device::kCopyIn, out, staging + bytes, bytes);
   } else {
-    const RingSchedule sched = device_reduce_scatter_call(call, Collective::AllReduce, input,
-                                                          out, count, dtype, op, chunk_bytes);
+    const RingSchedule sched = device_reduce_scatter_call(
+        call, Collective::AllReduce, input, out, count, dtype, op, chunk_bytes, check);
     guarded("allreduce", [&] {
       dev.join();
       run_device_allgather(call, sched, es, out);

@@ -16,6 +16,13 @@ struct MismatchError : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// A MismatchError where every rank made an allreduce with a check (none 0) and none
+// rejected its arguments: every rank throws this one alike, so that callers that check
+// their calls (allreduce_gradients) can all go on together to find out what differs.
+struct CheckedCallsMismatch : MismatchError {
+  using MismatchError::MismatchError;
+};
+
 // An MPI call failed; the message carries MPI's own error string.
 struct MpiError : std::runtime_error {
   using std::runtime_error::runtime_error;

@@ -64,7 +64,7 @@ bool headers_agree(const std::vector<CallHeader>& headers) {
     switch (kind) {
       case Collective::AllReduce:
       case Collective::ReduceScatter:
-        if (h.op != first.op || h.count != first.count) return false;
+        if (h.op != first.op || h.count != first.count || h.check != first.check) return false;
         break;
       case Collective::Broadcast:
         if (h.count != first.count || h.extra != first.extra) return false;
@@ -541,6 +541,8 @@ int64_t RingCommunicator::agree(const CallHeader& mine, std::vector<CallHeader>*
       add(describe_disagreement(headers_, "op", op_text));
       add(describe_disagreement(headers_, "count (x.size)",
                                 [](const CallHeader& h) { return std::to_string(h.count); }));
+      add(describe_disagreement(headers_, "the caller's check of the call",
+                                [](const CallHeader& h) { return std::to_string(h.check); }));
     } else if (kind == Collective::Broadcast) {
       add(describe_disagreement(headers_, "count (x.size)",
                                 [](const CallHeader& h) { return std::to_string(h.count); }));
@@ -571,6 +573,10 @@ int64_t RingCommunicator::agree(const CallHeader& mine, std::vector<CallHeader>*
                        ": ranks disagree (raised on rank " + std::to_string(rank()) + " of " +
                        std::to_string(p) + "): ";
     for (size_t i = 0; i < problems.size(); ++i) text += (i ? ". " : "") + problems[i];
+    bool all_checked = true;
+    for (const CallHeader& h : headers_)
+      all_checked &= !h.invalid && h.collective == mine.collective && h.check != 0;
+    if (all_checked) throw CheckedCallsMismatch(text + world_ranks_note_);
     throw MismatchError(text + world_ranks_note_);
   }
   return headers_[0].chunk_bytes;
@@ -585,8 +591,10 @@ void RingCommunicator::announce_invalid(Collective collective, int64_t chunk_byt
 
 
 void RingCommunicator::allreduce(const void* input, void* out, int64_t count, DType dtype, Op op,
-                                 int64_t chunk_bytes) {
-  allreduce_host(make_header(Collective::AllReduce, dtype, op, count, chunk_bytes), input, out);
+                                 int64_t chunk_bytes, int64_t check) {
+  CallHeader h = make_header(Collective::AllReduce, dtype, op, count, chunk_bytes);
+  h.check = check;
+  allreduce_host(h, input, out);
 }
 
 void RingCommunicator::set_device_host_reduce_bytes(int64_t bytes) {

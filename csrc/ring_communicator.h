@@ -64,8 +64,10 @@ struct CallHeader {
                             // call's ring (see WireTuner)
   int64_t host_limit = 0;   // GPU buffers: the sender's device_host_reduce_bytes (which
                             // decides the path of every GPU call), so it must agree
-  int64_t unused = 0;       // (to a multiple of 16 bytes: see inline_capacity_for())
-  static constexpr int64_t kMagic = 0x52494e4752454436;  // "RINGRED6"
+  int64_t check = 0;        // allreduce: the caller's own value that every rank must
+                            // have passed (allreduce_gradients: a checksum of the
+                            // gradients' layout), or 0; it also pads to 16 bytes
+  static constexpr int64_t kMagic = 0x52494e4752454437;  // "RINGRED7"
   static constexpr int64_t kClosedAtExit = 1;
 };
 
@@ -148,8 +150,10 @@ class RingCommunicator {
   int size() const { return transport_->size(); }
 
   // out = OP over ranks of input; out may equal input. count elements on every rank.
+  // `check`: any value, the same on every rank, or every rank throws MismatchError
+  // before data moves (a caller's cheap test that the ranks made the same call).
   void allreduce(const void* input, void* out, int64_t count, DType dtype, Op op,
-                 int64_t chunk_bytes);
+                 int64_t chunk_bytes, int64_t check = 0);
   // GPU calls of up to this many bytes per rank (allgather: in all) go through the host
   // (see kDeviceHostReduceBytes). Every rank must set the same, while no call is in
   // flight: the header carries it, and GPU calls raise MismatchError on every rank while
@@ -199,7 +203,7 @@ class RingCommunicator {
   // The same collectives on GPU buffers (device_ring.cc). Inputs and outputs are
   // device pointers; the results are ready on call.user_stream when these return.
   void allreduce_device(DeviceCall call, const void* input, void* out, int64_t count,
-                        DType dtype, Op op, int64_t chunk_bytes);
+                        DType dtype, Op op, int64_t chunk_bytes, int64_t check = 0);
   void reduce_scatter_device(DeviceCall call, const void* input, void* work, int64_t count,
                              DType dtype, Op op, int64_t chunk_bytes);
   // After allgather_counts(..., kDeviceMemory), then allocating out and
@@ -424,7 +428,8 @@ class RingCommunicator {
   // rank's segment), as allreduce and reduce_scatter share them; returns the schedule.
   RingSchedule device_reduce_scatter_call(DeviceCall& call, Collective collective,
                                           const void* input, void* out, int64_t count,
-                                          DType dtype, Op op, int64_t chunk_bytes);
+                                          DType dtype, Op op, int64_t chunk_bytes,
+                                          int64_t check = 0);
   // The host collectives, after their header is made (a GPU call that goes through the
   // host makes a device-memory header).
   void allreduce_host(const CallHeader& h, const void* input, void* out);

@@ -106,7 +106,8 @@ class _Launch:
             self.cp.cuda.runtime.setDevice(self.device)
 
     def args(self, ready=None):
-        """The last five arguments of every *_device call of the core; the ring waits
+        """The five arguments every *_device call of the core ends with (but for
+        allreduce_device's optional check, after them); the ring waits
         for `ready` (an event), by default the one recorded when the call was made."""
         ready = self.ready if ready is None else ready
         return self.device, ready.ptr, self.stream.ptr, self.direct, _EMULATE
@@ -162,7 +163,7 @@ class _StreamContext:
         self.device.__exit__(*exc)
 
 
-def prepare_allreduce(comm, context, x, op, out):
+def prepare_allreduce(comm, context, x, op, out, check=0):
     cp, x = as_device_array(x, "x", context)
     dtype, op = t.reduction_codes(x.dtype, op, context)
     launch_device = x.device.id
@@ -180,7 +181,7 @@ def prepare_allreduce(comm, context, x, op, out):
     def run():
         launch.on_its_device()
         core.allreduce_device(source.data.ptr, out.data.ptr, count, dtype, op, chunk,
-                              *launch.args())
+                              *launch.args(), check)
         return out
 
     return run

@@ -1115,10 +1115,7 @@ class Communicator:
         try:
             run = prepare(context, *args)
         except Exception:  # TypeError, ValueError, a MemoryError copying x, ...
-            # Still take part in the header exchange, so that the other ranks raise
-            # MismatchError naming this rank instead of waiting for it forever.
-            core, collective, chunk = self._core, _COLLECTIVES[name], self._chunk_bytes
-            self._run(lambda: core.announce_invalid(collective, chunk), wait=True, at_once=True)
+            self._join_as_rejected(name)
             raise
         # One rank waits for no one, so an asynchronous call on host arrays is done at
         # once, in this thread: handing it to the worker thread costs more than the call
@@ -1127,6 +1124,25 @@ class Communicator:
         # which the caller need not wait for.)
         at_once = wait or self.size == 1 and not _device.is_device_array(args[0])
         return self._run(run, wait, at_once)
+
+    def _join_as_rejected(self, name: str) -> None:
+        """For a rank that rejected its arguments to collective `name`: still take part
+        in its header exchange, so that the other ranks raise MismatchError naming this
+        rank instead of waiting for it forever; this rank raises its own error after."""
+        core, collective, chunk = self._core, _COLLECTIVES[name], self._chunk_bytes
+        self._run(lambda: core.announce_invalid(collective, chunk), wait=True, at_once=True)
+
+    def _allreduce_checked(self, x, op, check: int):
+        """allreduce(x, op, out=x), where every rank must also pass the same `check` (an
+        int64) or every rank raises MismatchError before any data moves: the
+        test a caller like allreduce_gradients needs that the ranks made the same call,
+        carried in the call's own header instead of costing an exchange of its own."""
+        fast = self._fast
+        if fast is not None:
+            result = fast.allreduce(x, op, x, check)
+            if result is not None:
+                return result
+        return self._call("allreduce", self._prepare_allreduce, x, op, x, check, wait=True)
 
     def _run(self, run, wait: bool, at_once: bool):
         """run() now, in this thread, if at_once and nothing is in flight (else on the
@@ -1156,9 +1172,9 @@ class Communicator:
             self._direct = bool(_core.mpi_cuda_aware())
         return self._direct
 
-    def _prepare_allreduce(self, context, x, op, out):
+    def _prepare_allreduce(self, context, x, op, out, check=0):
         if _device.is_device_array(x):
-            return _device.prepare_allreduce(self, context, x, op, out)
+            return _device.prepare_allreduce(self, context, x, op, out, check)
         x = t.as_input_array(x, "x", context)
         native = t.native(x.dtype)
         dtype, op = t.reduction_codes(native, op, context)
@@ -1175,7 +1191,7 @@ class Communicator:
 
         def run():
             source = input_copy(core, x, "allreduce", chunk) if copy else x
-            core.allreduce(source, out, dtype, op, chunk)
+            core.allreduce(source, out, dtype, op, chunk, check)
             return out
 
         return run

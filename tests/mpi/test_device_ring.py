@@ -427,3 +427,31 @@ def test_a_failed_copy_to_the_host_raises_everywhere_instead_of_hanging(collecti
                 calls[collective]()
         assert bitwise_equal(device_allreduce(comm, x, "sum", 4096, False),
                              reference.allreduce(x, "sum"))
+
+
+@pytest.mark.parametrize("through", ["device ring", "host"])
+def test_a_check_that_differs_raises_on_every_rank_before_data_moves(through, device_comm):
+    # allreduce_gradients' first call on GPU buffers carries its check on either path.
+    if SIZE == 1:
+        pytest.skip("needs two ranks")
+    x = rank_data(FLOAT32, 1000)
+    out = np.zeros_like(x)
+    code, core = dtype_code(FLOAT32), device_comm._core
+    core.device_host_reduce_bytes = 0 if through == "device ring" else 1 << 20
+
+    def call(check):
+        core.allreduce_device(x.ctypes.data, out.ctypes.data, x.size, code, 0, 4096,
+                              *emulated(False), check)
+    try:
+        with pytest.raises(_core.CheckedCallsMismatch, match="the caller's check of the call"):
+            call(5 + (RANK == SIZE - 1))
+        # (A rank without a check made some other call: a plain MismatchError, which the
+        # checked callers do not answer with a further exchange.)
+        with pytest.raises(rr.MismatchError, match="the caller's check") as caught:
+            call(0 if RANK == SIZE - 1 else 5)
+        assert type(caught.value) is rr.MismatchError
+        assert not out.any()  # nothing moved
+        call(5)
+        assert bitwise_equal(out, reference.allreduce(x, "sum"))
+    finally:
+        core.device_host_reduce_bytes = 0

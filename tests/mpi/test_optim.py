@@ -949,3 +949,49 @@ def test_allreduce_gradients_out_of_memory_packing_on_one_rank_raises_on_every_r
     rr.allreduce_gradients(grads, bucket_mb=0.001)  # (nothing was reduced before)
     for g in grads:
         np.testing.assert_allclose(g, (SIZE - 1) / 2)
+
+
+@needs_two
+def test_allreduce_gradients_never_pairs_with_a_plain_allreduce_of_its_bucket_size():
+    # Its first call carries the check of the gradients' layout: a rank that makes some
+    # other all-reduce of as many elements of the same dtype and op instead (one that
+    # would pair with it, and mix the numbers) makes every rank raise.
+    grads = [np.full(3, 1.0 + RANK), np.full(4, 1.0 + RANK)]
+    with pytest.raises(rr.MismatchError, match="the caller's check of the call"):
+        if RANK == BAD:
+            rr.allreduce(np.full(7, 1.0 + RANK), op="avg", out=np.empty(7))
+        else:
+            rr.allreduce_gradients(grads)
+    np.testing.assert_array_equal(grads[0], 1.0 + RANK)  # nothing was reduced
+    rr.allreduce_gradients(grads)
+    np.testing.assert_allclose(grads[1], (SIZE + 1) / 2)
+
+
+@needs_two
+@pytest.mark.parametrize("fast_path", [True, False])
+def test_allreduce_gradients_where_the_first_call_fails_before_its_exchange(
+        fast_path, monkeypatch):
+    # The rank whose first call fails before the header exchange (here: copying its
+    # input runs out of memory) raises its own error; the others learn of it in that
+    # exchange and raise MismatchError at once, instead of waiting in the step that
+    # finds out what differs (which only ranks that all made the checked call make).
+    ring = rr._shortcuts._communicator(None)
+    if not fast_path:  # (Python's checks: what a thread level below SERIALIZED takes)
+        monkeypatch.setattr(ring, "_fast", None)
+    if RANK == BAD:
+        monkeypatch.setattr(ring, "_fast", None)
+
+        def prepare(*args):
+            raise MemoryError("copying the first bucket")
+        monkeypatch.setattr(ring, "_prepare_allreduce", prepare)
+    grads = [np.full(5, float(RANK))]
+    with raises_here_or_mismatch(MemoryError, "first bucket",
+                                 rf"rank {BAD} rejected its arguments \(see the error"):
+        rr.allreduce_gradients(grads)
+    monkeypatch.undo()
+    if not fast_path:
+        monkeypatch.setattr(ring, "_fast", None)
+    with pytest.raises(rr.MismatchError, match="pass gradients that differ"):
+        rr.allreduce_gradients([np.ones(5 + (RANK == BAD))])
+    rr.allreduce_gradients(grads)
+    np.testing.assert_allclose(grads[0], (SIZE - 1) / 2)
