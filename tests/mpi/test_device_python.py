@@ -213,3 +213,34 @@ def test_a_rank_whose_gpu_fails_in_the_ring_tells_the_others_at_once():
     comm.close()
     with pytest.raises(ValueError, match="closed"):
         comm.allreduce(cp.asarray(np.ones(3, np.float32)))
+
+
+@pytest.mark.parametrize("through", ["device ring", "host"])
+def test_allreduce_gradients_of_gpu_arrays_checks_their_layout_in_the_first_call(
+        ring, through, monkeypatch):
+    # The check of the gradients' layout rides in the first bucket's call on the GPU
+    # path too (_device.prepare_allreduce, then either of the core's two ways).
+    from ringreduce import gradients
+    monkeypatch.setattr(gradients, "array_module",
+                        lambda a: cp if isinstance(a, cp.ndarray) else np)
+    core = ring._core
+    limit = core.device_host_reduce_bytes
+    core.device_host_reduce_bytes = 0 if through == "device ring" else 1 << 20
+
+    def fresh(bad=False):
+        second = np.full((2, 2), 2.0 * RANK, np.float32)
+        return [cp.asarray(np.full(3, float(RANK), np.float32)),
+                cp.asarray(second.reshape(4) if bad else second)]
+    try:
+        grads = fresh()
+        assert rr.allreduce_gradients(grads, comm=ring, bucket_mb=1e-5) is not None
+        assert all(isinstance(g, cp.ndarray) for g in grads)
+        np.testing.assert_allclose(cp.asnumpy(grads[0]), (SIZE - 1) / 2)
+        np.testing.assert_allclose(cp.asnumpy(grads[1]), SIZE - 1.0)
+        if SIZE > 1:
+            grads = fresh(bad=RANK == SIZE - 1)
+            with pytest.raises(rr.MismatchError, match="pass gradients that differ"):
+                rr.allreduce_gradients(grads, comm=ring, bucket_mb=1e-5)
+            np.testing.assert_array_equal(cp.asnumpy(grads[0]), float(RANK))  # untouched
+    finally:
+        core.device_host_reduce_bytes = limit
