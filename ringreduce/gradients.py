@@ -106,15 +106,27 @@ _WHAT_MUST_AGREE = [
     "pass different ops", "pack the gradients differently (bucket_mb)"]
 
 
-def _check_of(grads, op: int, bucket_bytes: int) -> int:
+# dtype -> an int that names it alike in every process (dtypes that compare equal, as
+# int64 spelt 'l' and 'q' do, share an entry: a dtype's hash follows its equality).
+_DTYPE_KEYS: dict = {}
+
+
+def _dtype_key(dtype) -> int:
+    key = _DTYPE_KEYS.get(dtype)
+    if key is None:
+        key = _DTYPE_KEYS[dtype] = zlib.crc32(f"{dtype.str} {dtype.name}".encode())
+    return key
+
+
+def _check_of(grads, op: int, plan) -> int:
     """A nonzero int64 (never _CHECK_OF_REJECTED) that differs between ranks where their
-    gradients' shapes, dtypes and array modules, op or buckets do (the buckets follow
-    from the rest). Cheaper than the texts agree_or_raise compares (some 3 us for eight
-    gradients, not 15), as every call makes it: a hash of ints only, as Python salts
-    the hashes of strings differently in every process, not those of ints."""
-    layout = tuple((g.shape, ord(g.dtype.char), g.dtype.itemsize, g.dtype.isnative,
-                    isinstance(g, np.ndarray)) for g in grads)
-    check = hash((layout, op, bucket_bytes))
+    gradients' shapes, dtypes and array modules, op or buckets (`plan`) do.
+    Cheaper than the texts agree_or_raise compares, as every call makes it: a hash of
+    ints only, as Python salts the hashes of strings differently in every process, not
+    those of ints. Equal dtypes hash alike, however spelt (int64 as 'l' or 'q'), and
+    two bucket_mb that cut the same buckets do too, as agree_or_raise's texts do."""
+    layout = tuple((g.shape, _dtype_key(g.dtype), isinstance(g, np.ndarray)) for g in grads)
+    check = hash((layout, op, tuple(map(tuple, plan))))
     return check if check not in (0, _CHECK_OF_REJECTED) else _CHECK_OF_REJECTED + 1
 
 
@@ -161,7 +173,7 @@ def allreduce_gradients(grads, op: str = "avg", comm=None, bucket_mb: float = 25
             if not flat.dtype.isnative:  # (the ring's is native; g[...] = converts back)
                 flat = flat.astype(flat.dtype.newbyteorder("="))
             flats.append(flat)
-        check = _check_of(grads, code, bucket_bytes)
+        check = _check_of(grads, code, plan)
     except Exception as error:  # (an array-like without .flags: AttributeError, say)
         rejected, check = error, _CHECK_OF_REJECTED
     outcome = "no rank made this call's all-reduces"
@@ -179,6 +191,13 @@ def allreduce_gradients(grads, op: str = "avg", comm=None, bucket_mb: float = 25
         agree_or_raise(ring, where, _WHAT_MUST_AGREE, texts, rejected, outcome)
         if rejected is None:
             raise  # (what the core says, where the crc32s agree after all)
+    except MismatchError:
+        # Some rank made another call, or rejected its arguments to this one in the
+        # call itself (a plain MismatchError on every rank: none goes on to agree):
+        # a rank that rejected its own says so itself, as the docs promise.
+        if rejected is not None:
+            raise rejected from None
+        raise
     if rejected is not None:
         raise rejected
     pending = []

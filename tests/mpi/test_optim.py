@@ -995,3 +995,29 @@ def test_allreduce_gradients_where_the_first_call_fails_before_its_exchange(
         rr.allreduce_gradients([np.ones(5 + (RANK == BAD))])
     rr.allreduce_gradients(grads)
     np.testing.assert_allclose(grads[0], (SIZE - 1) / 2)
+
+
+@needs_two
+def test_allreduce_gradients_takes_equal_dtypes_however_spelt_and_bucket_mb_cutting_alike():
+    # int64 is 'l' or 'q' (np.longlong, array.array('q')): equal dtypes, one layout;
+    # and bucket_mb values that cut the same buckets pack alike (as the docs say).
+    grads = [np.full(4, RANK, np.longlong if RANK == BAD else np.int64),
+             np.full(3, RANK, np.int64)]
+    rr.allreduce_gradients(grads, op="sum", bucket_mb=25.0 if RANK == BAD else 50.0)
+    for g in grads:
+        np.testing.assert_array_equal(g, SIZE * (SIZE - 1) // 2)
+
+
+@needs_two
+def test_allreduce_gradients_a_rejected_rank_raises_its_own_error_where_another_rejects_in_the_call():
+    # BAD rejects its bucket_mb; the others' first call rejects an integer average
+    # (in the call itself): each rank raises its own error, none a MismatchError.
+    if RANK == BAD:
+        with pytest.raises(ValueError, match="bucket_mb"):
+            rr.allreduce_gradients([np.ones(4, np.int32)], op="avg", bucket_mb=-1)
+    else:
+        with pytest.raises(TypeError, match="integer average"):
+            rr.allreduce_gradients([np.ones(4, np.int32)], op="avg")
+    grads = [np.full(3, float(RANK))]
+    rr.allreduce_gradients(grads)
+    np.testing.assert_allclose(grads[0], (SIZE - 1) / 2)
