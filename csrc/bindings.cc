@@ -273,9 +273,9 @@ class AsyncAllreduce : public CallQueue::Call {
  public:
   AsyncAllreduce(py::handle core, RingCommunicator* ring, py::handle x, py::handle result,
                  const void* input, void* out, int64_t count, DType dtype, Op op,
-                 int64_t chunk_bytes)
+                 int64_t chunk_bytes, int64_t check)
       : ring_(ring), input_(input), out_(out), count_(count), dtype_(dtype), op_(op),
-        chunk_bytes_(chunk_bytes), pid_(getpid()) {
+        chunk_bytes_(chunk_bytes), check_(check), pid_(getpid()) {
     core_ = core.inc_ref().ptr();
     x_ = x.inc_ref().ptr();
     result_ = result.inc_ref().ptr();
@@ -295,7 +295,7 @@ class AsyncAllreduce : public CallQueue::Call {
     if (!cancelling_.load(std::memory_order_acquire)) {
       const bool departed_before = ring_->departed();
       try {
-        ring_->allreduce(input_, out_, count_, dtype_, op_, chunk_bytes_);
+        ring_->allreduce(input_, out_, count_, dtype_, op_, chunk_bytes_, check_);
       } catch (...) {
         error_ = std::current_exception();
         kept_ = ring_->departed() && !departed_before;
@@ -371,6 +371,7 @@ class AsyncAllreduce : public CallQueue::Call {
   DType dtype_;
   Op op_;
   int64_t chunk_bytes_;
+  int64_t check_;  // (see RingCommunicator::allreduce())
   pid_t pid_;
   std::exception_ptr error_;
   bool kept_ = false;
@@ -488,7 +489,7 @@ class FastPath {
 
   // Queues the allreduce on the worker thread and returns its AsyncAllreduce; None for
   // anything the general path serves (one rank, where it is done at once, included).
-  py::object allreduce_async(py::handle x, py::handle op, py::handle out) {
+  py::object allreduce_async(py::handle x, py::handle op, py::handle out, int64_t check) {
     if (!threaded_ || core_->size() == 1 || core_->closed()) return py::none();
     int dtype, reduce_op;
     if (!allreduce_arguments(x, op, out, &dtype, &reduce_op)) return py::none();
@@ -498,7 +499,7 @@ class FastPath {
     if (!result) return py::none();
     auto call = std::make_shared<AsyncAllreduce>(core_object_, core_, x, result, a.data,
                                                  Array(result).data, a.size(), DType(dtype),
-                                                 Op(reduce_op), chunk_bytes);
+                                                 Op(reduce_op), chunk_bytes, check);
     executor_->push_async(call);
     return py::cast(call);
   }
@@ -1122,7 +1123,8 @@ PYBIND11_MODULE(_core, m) {
       .def_readwrite("chunk_bytes", &FastPath::chunk_bytes)
       .def("allreduce", &FastPath::allreduce, py::arg("x"), py::arg("op"), py::arg("out"),
            py::arg("check") = 0)
-      .def("allreduce_async", &FastPath::allreduce_async)
+      .def("allreduce_async", &FastPath::allreduce_async, py::arg("x"), py::arg("op"),
+           py::arg("out"), py::arg("check") = 0)
       .def("reduce_scatter", &FastPath::reduce_scatter)
       .def("allgather", &FastPath::allgather)
       .def("broadcast", &FastPath::broadcast);

@@ -809,6 +809,7 @@ class Communicator:
         self._scratch = _Scratch()
         self._results = _Results()  # results without out=: big ones reuse kept buffers
         self._fast = self._make_fast_path()  # the common case of every call (None: closing)
+        self._optimizers_made = 0  # DistributedOptimizers over this one (see optim.py)
         self._contexts = {name: t.where(self.rank, self.size, name) for name in _COLLECTIVES}
         self._async_context = t.where(self.rank, self.size, "allreduce_async")  # (Handles')
         _live.add(self)
@@ -1132,17 +1133,23 @@ class Communicator:
         core, collective, chunk = self._core, _COLLECTIVES[name], self._chunk_bytes
         self._run(lambda: core.announce_invalid(collective, chunk), wait=True, at_once=True)
 
-    def _allreduce_checked(self, x, op, check: int):
-        """allreduce(x, op, out=x), where every rank must also pass the same `check` (an
-        int64) or every rank raises MismatchError before any data moves: the
-        test a caller like allreduce_gradients needs that the ranks made the same call,
-        carried in the call's own header instead of costing an exchange of its own."""
+    def _allreduce_checked(self, x, op, check: int, wait: bool = True):
+        """allreduce(x, op, out=x) (wait=False: allreduce_async), where every rank must
+        also pass the same `check` (an int64) or every rank raises MismatchError
+        before any data moves (CheckedCallsMismatch where every rank passed one): the
+        test that callers like allreduce_gradients need that the ranks made the same
+        call, carried in the call's own header instead of costing an exchange."""
         fast = self._fast
         if fast is not None:
-            result = fast.allreduce(x, op, x, check)
-            if result is not None:
-                return result
-        return self._call("allreduce", self._prepare_allreduce, x, op, x, check, wait=True)
+            if wait:
+                result = fast.allreduce(x, op, x, check)
+                if result is not None:
+                    return result
+            else:
+                call = fast.allreduce_async(x, op, x, check)
+                if call is not None:
+                    return Handle(call, self._async_context)
+        return self._call("allreduce", self._prepare_allreduce, x, op, x, check, wait=wait)
 
     def _run(self, run, wait: bool, at_once: bool):
         """run() now, in this thread, if at_once and nothing is in flight (else on the

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+import zlib
 
 import numpy as np
 
@@ -370,6 +371,12 @@ class DistributedOptimizer:
         self._check_same_model_everywhere()
         if self.powersgd is not None:
             self.powersgd._taken = True
+        # The model, and which of the optimizers made on this communicator it is (they
+        # are made collectively, so in the same order on every rank): two optimizers of
+        # one model and settings differ too. See _step_check().
+        self._identity = hash((zlib.crc32("".join(self._model_texts).encode()),
+                               self.comm._optimizers_made))
+        self.comm._optimizers_made += 1
 
     def _set_up(self, optimizer, bucket_mb, compression) -> None:
         """All of construction that this rank does alone (and may refuse)."""
@@ -415,6 +422,7 @@ class DistributedOptimizer:
         self.bytes_sent = 0          # payload bytes this rank handed to allreduce
         self.comm_seconds = 0.0      # time step() spent waiting for communication
         self._model_texts = self._texts_to_agree_on()  # (here: what fails in it is refused)
+        self._steps_begun = 0  # see _step_check()
 
     # -- public ---------------------------------------------------------------------
 
@@ -433,6 +441,8 @@ class DistributedOptimizer:
             yield self
         finally:
             self._accumulating = outer
+            if not outer:
+                self._steps_begun += 1
 
     def grad_ready(self, index: int, grad) -> None:
         """The gradient of params[index] is final. Once every gradient of its bucket is
@@ -543,8 +553,10 @@ class DistributedOptimizer:
                 f"DistributedOptimizer.step (rank {self.comm.rank} of {self.comm.size}): this "
                 "step's all-reduces did not pair up with the other ranks', so it is dropped "
                 "here, without an update; the next step starts clean. Another rank abandoned "
-                "the step (abandon_step(), as after an exception in its backward pass), or "
-                f"made other calls in their place: {error}") from error
+                "the step (abandon_step(), as after an exception in its backward pass), is "
+                "at another step of this optimizer (a no_sync() or step() on some ranks "
+                "only: 'the caller's check' below differs, and will at every step after), "
+                f"or made other calls in their place: {error}") from error
         except BaseException:
             self.abandon_step()
             self._abandoned_by_error = True
@@ -691,6 +703,7 @@ class DistributedOptimizer:
                 _quietly(self.powersgd.project, call, self.comm, _ABANDONED_OP)
 
     def _new_step(self):
+        self._steps_begun += 1
         for b in self._buckets:
             b.handle = None
             b.reported.clear()
@@ -710,7 +723,8 @@ class DistributedOptimizer:
     def _start(self, bucket):
         if bucket.wire is None:
             op = _ABANDONED_OP if self._abandoning else "avg"
-            bucket.handle = self.comm.allreduce_async(bucket.buffer, op=op, out=bucket.buffer)
+            bucket.handle = self.comm._allreduce_checked(bucket.buffer, op, self._step_check(),
+                                                         wait=False)
             self.bytes_sent += bucket.buffer.nbytes
         else:
             scale = bucket.scale
@@ -739,8 +753,18 @@ class DistributedOptimizer:
             bucket.counted[-1:] = bucket.buffer.any()
             wire = bucket.counted
         op = _ABANDONED_OP if self._abandoning else "sum"
-        bucket.handle = self.comm.allreduce_async(wire, op=op, out=wire)
+        bucket.handle = self.comm._allreduce_checked(wire, op, self._step_check(), wait=False)
         self.bytes_sent += wire.nbytes
+
+    def _step_check(self) -> int:
+        """What every bucket's all-reduce carries: which optimizer and which step it
+        belongs to, so that a rank a step ahead or behind (a no_sync() on it alone), or
+        a call of another optimizer, makes every rank raise instead of pairing up steps
+        (see Communicator._allreduce_checked). The steps counted: each step() that
+        sends, each abandoned step, and each no_sync() block (which ends a run of
+        micro-batches). A hash of ints is the same in every process (a string's is
+        salted); never 0, which is no check."""
+        return hash((self._identity, self._steps_begun)) or 1
 
     def _agreed_fp16_scale(self, bucket) -> tuple[float | None, float]:
         """The largest scale with which no partial sum passes 2 ** 12 (None if all

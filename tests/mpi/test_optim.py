@@ -1021,3 +1021,42 @@ def test_allreduce_gradients_a_rejected_rank_raises_its_own_error_where_another_
     grads = [np.full(3, float(RANK))]
     rr.allreduce_gradients(grads)
     np.testing.assert_allclose(grads[0], (SIZE - 1) / 2)
+
+@needs_two
+@pytest.mark.parametrize("skew", ["no_sync on one rank", "another optimizer on one rank"])
+def test_ranks_at_different_steps_raise_instead_of_pairing_the_steps(skew):
+    # Each bucket's all-reduce carries which optimizer and step it belongs to. Without
+    # that, the others' step paired with this rank's next one (or another optimizer's
+    # step, of the same shapes), and every rank updated with a mix of the two.
+    params, twin = [np.zeros(3), np.zeros(2)], [np.zeros(3), np.zeros(2)]
+    opt = DistributedOptimizer(SGD(params, lr=1.0))
+    other = DistributedOptimizer(SGD(twin, lr=1.0))
+
+    def grads(value):
+        return [np.full(3, value), np.full(2, value)]
+    stepping = opt
+    if RANK == BAD:
+        if skew == "no_sync on one rank":
+            with opt.no_sync():
+                opt.step(grads(1.0))
+        else:
+            stepping = other
+    for _ in range(2):  # (and at every step after: the ranks stay apart)
+        with pytest.raises(rr.MismatchError, match="another step of this optimizer"):
+            stepping.step(grads(2.0))
+    np.testing.assert_array_equal(params[0], 0.0)  # no update
+    np.testing.assert_array_equal(twin[0], 0.0)
+
+
+@needs_two
+def test_steps_after_no_sync_and_abandoned_steps_on_every_rank_pair_up():
+    # The steps counted move together where every rank does the same.
+    params = [np.zeros(3)]
+    opt = DistributedOptimizer(SGD(params, lr=1.0))
+    with opt.no_sync():
+        opt.step([np.full(3, float(RANK))])
+    opt.abandon_step()  # (the accumulated sum is dropped)
+    with opt.no_sync():
+        opt.step([np.full(3, 1.0)])
+    opt.step([np.full(3, float(RANK))])
+    np.testing.assert_allclose(params[0], -(1.0 + (SIZE - 1) / 2))
