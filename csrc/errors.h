@@ -16,9 +16,10 @@ struct MismatchError : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-// A MismatchError where every rank made an allreduce with a check (none 0) and none
-// rejected its arguments: every rank throws this one alike, so that callers that check
-// their calls (allreduce_gradients) can all go on together to find out what differs.
+// A MismatchError where every rank made an allreduce with a check of one kind (none 0,
+// all with the same top byte: the same caller) and none rejected its arguments: every
+// rank throws this one alike, so that such callers (allreduce_gradients) can all go on
+// together to find out what differs.
 struct CheckedCallsMismatch : MismatchError {
   using MismatchError::MismatchError;
 };

@@ -575,7 +575,8 @@ int64_t RingCommunicator::agree(const CallHeader& mine, std::vector<CallHeader>*
     for (size_t i = 0; i < problems.size(); ++i) text += (i ? ". " : "") + problems[i];
     bool all_checked = true;
     for (const CallHeader& h : headers_)
-      all_checked &= !h.invalid && h.collective == mine.collective && h.check != 0;
+      all_checked &= !h.invalid && h.collective == mine.collective && h.check != 0 &&
+                     (h.check >> 56) == (mine.check >> 56);
     if (all_checked) throw CheckedCallsMismatch(text + world_ranks_note_);
     throw MismatchError(text + world_ranks_note_);
   }

@@ -65,8 +65,9 @@ struct CallHeader {
   int64_t host_limit = 0;   // GPU buffers: the sender's device_host_reduce_bytes (which
                             // decides the path of every GPU call), so it must agree
   int64_t check = 0;        // allreduce: the caller's own value that every rank must
-                            // have passed (allreduce_gradients: a checksum of the
-                            // gradients' layout), or 0; it also pads to 16 bytes
+                            // have passed (allreduce_gradients: a hash of the
+                            // gradients' layout), or 0; its top byte names the kind
+                            // of caller (see CheckedCallsMismatch). Pads to 16 bytes
   static constexpr int64_t kMagic = 0x52494e4752454437;  // "RINGRED7"
   static constexpr int64_t kClosedAtExit = 1;
 };

@@ -1133,10 +1133,20 @@ class Communicator:
         core, collective, chunk = self._core, _COLLECTIVES[name], self._chunk_bytes
         self._run(lambda: core.announce_invalid(collective, chunk), wait=True, at_once=True)
 
+    # The kinds of check, its top byte: CheckedCallsMismatch is raised only where every
+    # rank passed a check of one kind, that is, made the same caller's call.
+    CHECK_GRADIENTS, CHECK_OPTIMIZER = 1, 2
+
+    @staticmethod
+    def _check(kind: int, value: int) -> int:
+        """A check of `kind` (never 0) from any int (a hash, say)."""
+        return (kind << 56) | (value & ((1 << 56) - 1))
+
     def _allreduce_checked(self, x, op, check: int, wait: bool = True):
         """allreduce(x, op, out=x) (wait=False: allreduce_async), where every rank must
         also pass the same `check` (an int64) or every rank raises MismatchError
-        before any data moves (CheckedCallsMismatch where every rank passed one): the
+        before any data moves (CheckedCallsMismatch where every rank passed one of the
+        same kind, see _check()): the
         test that callers like allreduce_gradients need that the ranks made the same
         call, carried in the call's own header instead of costing an exchange."""
         fast = self._fast

@@ -64,10 +64,12 @@ class PowerSGD:
     # hands P's all-reduce to the ring, project() waits for it and hands over Q's, and
     # finish() waits for that. Every rank must make the same calls in the same order.
 
-    def start(self, index: int, grad, comm, op: str = "avg") -> "_LowRankCall":
+    def start(self, index: int, grad, comm, op: str = "avg", check: int = 0
+              ) -> "_LowRankCall":
         """P = M Q (M: grad plus what earlier steps missed), averaged asynchronously.
         (op: DistributedOptimizer.abandon_step sends an abandoned step's with another,
-        so that a rank that steps cannot take them for its own step's.)"""
+        so that a rank that steps cannot take them for its own step's; check: what its
+        all-reduces carry, see Communicator._allreduce_checked.)"""
         xp = array_module(grad)
         n = grad.shape[0]
         matrix = grad.reshape(n, -1)
@@ -82,16 +84,15 @@ class PowerSGD:
             q = xp.asarray(np.random.default_rng(self.seed + index).standard_normal((m, r)))
             q = q.astype(matrix.dtype)
         p = matrix @ q
-        handle = comm.allreduce_async(p, op=op, out=p)
-        return _LowRankCall(index, grad, matrix, p, handle)
+        return _LowRankCall(index, grad, matrix, p, _allreduce_async(comm, p, op, check))
 
-    def project(self, call: "_LowRankCall", comm, op: str = "avg") -> None:
+    def project(self, call: "_LowRankCall", comm, op: str = "avg", check: int = 0) -> None:
         """Once P is averaged: Q = M^T P, with P's columns made orthonormal, averaged
         asynchronously."""
         call.handle.wait()
         call.p = _orthonormal_columns(call.p, array_module(call.p))
         call.q = call.matrix.T @ call.p
-        call.handle = comm.allreduce_async(call.q, op=op, out=call.q)
+        call.handle = _allreduce_async(comm, call.q, op, check)
 
     def finish(self, call: "_LowRankCall") -> tuple[object, int]:
         """Once Q is averaged: the approximation P Q^T, and the bytes this rank sent."""
@@ -117,6 +118,12 @@ class PowerSGD:
     def load_state_dict(self, state: dict) -> None:
         self.rank, self.seed = state["rank"], state["seed"]
         self._q, self._error = dict(state["q"]), dict(state["error"])
+
+
+def _allreduce_async(comm, x, op, check):
+    if check:
+        return comm._allreduce_checked(x, op, check, wait=False)
+    return comm.allreduce_async(x, op=op, out=x)
 
 
 class _LowRankCall:

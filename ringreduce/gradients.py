@@ -8,6 +8,7 @@ import numpy as np
 
 from ._arrays import array_module
 from ._core import CheckedCallsMismatch, MismatchError
+from .communicator import Communicator
 
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
 
@@ -98,7 +99,7 @@ def _signature(grads) -> str:
 
 # The first call's check (see Communicator._allreduce_checked) from a rank that rejected
 # its arguments: no other rank's is this, unless every rank rejected its own.
-_CHECK_OF_REJECTED = 1
+_CHECK_OF_REJECTED = Communicator._check(Communicator.CHECK_GRADIENTS, 1)
 
 _WHAT_MUST_AGREE = [
     "pass gradients that differ (in number, shapes, dtypes with their byte order, numpy "
@@ -119,15 +120,16 @@ def _dtype_key(dtype) -> int:
 
 
 def _check_of(grads, op: int, plan) -> int:
-    """A nonzero int64 (never _CHECK_OF_REJECTED) that differs between ranks where their
+    """A check (never _CHECK_OF_REJECTED) that differs between ranks where their
     gradients' shapes, dtypes and array modules, op or buckets (`plan`) do.
     Cheaper than the texts agree_or_raise compares, as every call makes it: a hash of
     ints only, as Python salts the hashes of strings differently in every process, not
     those of ints. Equal dtypes hash alike, however spelt (int64 as 'l' or 'q'), and
     two bucket_mb that cut the same buckets do too, as agree_or_raise's texts do."""
     layout = tuple((g.shape, _dtype_key(g.dtype), isinstance(g, np.ndarray)) for g in grads)
-    check = hash((layout, op, tuple(map(tuple, plan))))
-    return check if check not in (0, _CHECK_OF_REJECTED) else _CHECK_OF_REJECTED + 1
+    check = Communicator._check(Communicator.CHECK_GRADIENTS,
+                                hash((layout, op, tuple(map(tuple, plan)))))
+    return check if check != _CHECK_OF_REJECTED else check + 1
 
 
 def _unpack(grads, indices, flat) -> None:

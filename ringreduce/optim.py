@@ -371,11 +371,14 @@ class DistributedOptimizer:
         self._check_same_model_everywhere()
         if self.powersgd is not None:
             self.powersgd._taken = True
-        # The model, and which of the optimizers made on this communicator it is (they
-        # are made collectively, so in the same order on every rank): two optimizers of
-        # one model and settings differ too. See _step_check().
-        self._identity = hash((zlib.crc32("".join(self._model_texts).encode()),
-                               self.comm._optimizers_made))
+        # What every all-reduce of its steps carries: which optimizer it belongs to (the
+        # model, and its place among the optimizers made on this communicator, which
+        # are made collectively, so in the same order on every rank), so that ranks
+        # that step different optimizers at one point (two of one model and settings
+        # too) raise MismatchError instead of mixing their gradients. A hash of ints is
+        # the same in every process (a string's is salted).
+        self._call_check = self.comm._check(self.comm.CHECK_OPTIMIZER, hash((
+            zlib.crc32("".join(self._model_texts).encode()), self.comm._optimizers_made)))
         self.comm._optimizers_made += 1
 
     def _set_up(self, optimizer, bucket_mb, compression) -> None:
@@ -422,7 +425,6 @@ class DistributedOptimizer:
         self.bytes_sent = 0          # payload bytes this rank handed to allreduce
         self.comm_seconds = 0.0      # time step() spent waiting for communication
         self._model_texts = self._texts_to_agree_on()  # (here: what fails in it is refused)
-        self._steps_begun = 0  # see _step_check()
 
     # -- public ---------------------------------------------------------------------
 
@@ -441,8 +443,6 @@ class DistributedOptimizer:
             yield self
         finally:
             self._accumulating = outer
-            if not outer:
-                self._steps_begun += 1
 
     def grad_ready(self, index: int, grad) -> None:
         """The gradient of params[index] is final. Once every gradient of its bucket is
@@ -537,7 +537,7 @@ class DistributedOptimizer:
                     unit.handle.wait()
                 else:
                     call = self._low_rank_calls[unit]
-                    self.powersgd.project(call, self.comm)
+                    self.powersgd.project(call, self.comm, check=self._call_check)
                     self.bytes_sent += call.q.nbytes
             for i in self._low_rank:
                 self._low_rank_calls[i].handle.wait()
@@ -553,9 +553,8 @@ class DistributedOptimizer:
                 f"DistributedOptimizer.step (rank {self.comm.rank} of {self.comm.size}): this "
                 "step's all-reduces did not pair up with the other ranks', so it is dropped "
                 "here, without an update; the next step starts clean. Another rank abandoned "
-                "the step (abandon_step(), as after an exception in its backward pass), is "
-                "at another step of this optimizer (a no_sync() or step() on some ranks "
-                "only: 'the caller's check' below differs, and will at every step after), "
+                "the step (abandon_step(), as after an exception in its backward pass), "
+                "stepped another DistributedOptimizer ('the caller's check' below differs), "
                 f"or made other calls in their place: {error}") from error
         except BaseException:
             self.abandon_step()
@@ -626,7 +625,8 @@ class DistributedOptimizer:
             else:  # a matrix PowerSGD compresses: its first all-reduce (of P)
                 if unit not in self._low_rank_reported:
                     return
-                call = self.powersgd.start(unit, self._low_rank_sums[unit], self.comm)
+                call = self.powersgd.start(unit, self._low_rank_sums[unit], self.comm,
+                                           check=self._call_check)
                 self._low_rank_calls[unit] = call
                 self.bytes_sent += call.p.nbytes
             self._next_to_start += 1
@@ -693,17 +693,17 @@ class DistributedOptimizer:
                 _quietly(self._start, unit)
             else:
                 zeros = array_module(self.params[unit]).zeros_like(self.params[unit])
-                call = _quietly(self.powersgd.start, unit, zeros, self.comm, _ABANDONED_OP)
+                call = _quietly(self.powersgd.start, unit, zeros, self.comm, _ABANDONED_OP,
+                                self._call_check)
                 if call is not None:
                     self._low_rank_calls[unit] = call
         self._next_to_start = len(self._units)
         for unit in self._units:  # PowerSGD's second all-reduces, as step() makes them
             call = self._low_rank_calls.get(unit) if not isinstance(unit, _Bucket) else None
             if call is not None and call.q is None:
-                _quietly(self.powersgd.project, call, self.comm, _ABANDONED_OP)
+                _quietly(self.powersgd.project, call, self.comm, _ABANDONED_OP, self._call_check)
 
     def _new_step(self):
-        self._steps_begun += 1
         for b in self._buckets:
             b.handle = None
             b.reported.clear()
@@ -723,7 +723,7 @@ class DistributedOptimizer:
     def _start(self, bucket):
         if bucket.wire is None:
             op = _ABANDONED_OP if self._abandoning else "avg"
-            bucket.handle = self.comm._allreduce_checked(bucket.buffer, op, self._step_check(),
+            bucket.handle = self.comm._allreduce_checked(bucket.buffer, op, self._call_check,
                                                          wait=False)
             self.bytes_sent += bucket.buffer.nbytes
         else:
@@ -753,18 +753,8 @@ class DistributedOptimizer:
             bucket.counted[-1:] = bucket.buffer.any()
             wire = bucket.counted
         op = _ABANDONED_OP if self._abandoning else "sum"
-        bucket.handle = self.comm._allreduce_checked(wire, op, self._step_check(), wait=False)
+        bucket.handle = self.comm._allreduce_checked(wire, op, self._call_check, wait=False)
         self.bytes_sent += wire.nbytes
-
-    def _step_check(self) -> int:
-        """What every bucket's all-reduce carries: which optimizer and which step it
-        belongs to, so that a rank a step ahead or behind (a no_sync() on it alone), or
-        a call of another optimizer, makes every rank raise instead of pairing up steps
-        (see Communicator._allreduce_checked). The steps counted: each step() that
-        sends, each abandoned step, and each no_sync() block (which ends a run of
-        micro-batches). A hash of ints is the same in every process (a string's is
-        salted); never 0, which is no check."""
-        return hash((self._identity, self._steps_begun)) or 1
 
     def _agreed_fp16_scale(self, bucket) -> tuple[float | None, float]:
         """The largest scale with which no partial sum passes 2 ** 12 (None if all

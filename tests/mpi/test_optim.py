@@ -1023,29 +1023,43 @@ def test_allreduce_gradients_a_rejected_rank_raises_its_own_error_where_another_
     np.testing.assert_allclose(grads[0], (SIZE - 1) / 2)
 
 @needs_two
-@pytest.mark.parametrize("skew", ["no_sync on one rank", "another optimizer on one rank"])
-def test_ranks_at_different_steps_raise_instead_of_pairing_the_steps(skew):
-    # Each bucket's all-reduce carries which optimizer and step it belongs to. Without
-    # that, the others' step paired with this rank's next one (or another optimizer's
-    # step, of the same shapes), and every rank updated with a mix of the two.
-    params, twin = [np.zeros(3), np.zeros(2)], [np.zeros(3), np.zeros(2)]
-    opt = DistributedOptimizer(SGD(params, lr=1.0))
-    other = DistributedOptimizer(SGD(twin, lr=1.0))
+@pytest.mark.parametrize("compression", [None, "powersgd"])
+def test_ranks_that_step_different_optimizers_raise_instead_of_mixing_them(compression):
+    # Each all-reduce of a step carries which optimizer it belongs to. Without that, a
+    # rank stepping another optimizer of the same shapes paired with the others' step,
+    # and each optimizer was updated with the average of both's gradients. (PowerSGD's
+    # all-reduces carry it too: a model of compressed matrices only has no bucket.)
+    shape = (16, 16) if compression else (3,)
 
-    def grads(value):
-        return [np.full(3, value), np.full(2, value)]
-    stepping = opt
-    if RANK == BAD:
-        if skew == "no_sync on one rank":
-            with opt.no_sync():
-                opt.step(grads(1.0))
-        else:
-            stepping = other
-    for _ in range(2):  # (and at every step after: the ranks stay apart)
-        with pytest.raises(rr.MismatchError, match="another step of this optimizer"):
-            stepping.step(grads(2.0))
+    def make():
+        params = [np.zeros(shape)]
+        return params, DistributedOptimizer(
+            SGD(params, lr=1.0), compression=PowerSGD(rank=1) if compression else None)
+    (params, opt), (twin, other) = make(), make()
+    stepping = other if RANK == BAD else opt
+    for _ in range(2):  # (and at every step after)
+        with pytest.raises(rr.MismatchError, match="stepped another DistributedOptimizer"):
+            stepping.step([np.full(shape, 1.0 + RANK)])
     np.testing.assert_array_equal(params[0], 0.0)  # no update
     np.testing.assert_array_equal(twin[0], 0.0)
+    for o in (opt, other):  # in step again
+        o.step([np.full(shape, 1.0)])
+    assert np.isfinite(params[0]).all() and np.isfinite(twin[0]).all()
+
+
+@needs_two
+def test_uneven_accumulation_sums_each_ranks_micro_batches():
+    # A rank may run more micro-batches in no_sync() than another: its next step sends
+    # their sum (scaling each loss by its share is the caller's), and pairs with the
+    # others' step as usual.
+    params = [np.zeros(3)]
+    opt = DistributedOptimizer(SGD(params, lr=1.0))
+    if RANK == BAD:
+        with opt.no_sync():
+            opt.step([np.full(3, 1.0)])
+    opt.step([np.full(3, 1.0)])
+    opt.step([np.full(3, 1.0)])
+    np.testing.assert_allclose(params[0], -((SIZE + 1) / SIZE + 1.0))
 
 
 @needs_two
@@ -1060,3 +1074,42 @@ def test_steps_after_no_sync_and_abandoned_steps_on_every_rank_pair_up():
         opt.step([np.full(3, 1.0)])
     opt.step([np.full(3, float(RANK))])
     np.testing.assert_allclose(params[0], -(1.0 + (SIZE - 1) / 2))
+
+
+@needs_two
+@pytest.mark.parametrize("error", ["grad_ready", "backward"])
+def test_abandon_step_inside_no_sync_on_one_rank_keeps_the_steps_paired(error):
+    # (From a review: an error on one rank inside no_sync(), and a handler there that
+    # calls abandon_step(), as the docs allow: it makes no calls there, and the steps
+    # after pair up as before.)
+    params = [np.zeros(3)]
+    opt = DistributedOptimizer(SGD(params, lr=1.0))
+    with opt.no_sync():
+        try:
+            if RANK == BAD:
+                if error == "grad_ready":
+                    opt.grad_ready(0, np.zeros(5))  # the wrong shape
+                raise RuntimeError("backward failed")
+            opt.step([np.full(3, 1.0)])
+        except (ValueError, RuntimeError):
+            opt.abandon_step()
+    for _ in range(2):
+        opt.step([np.full(3, 1.0)])
+    # step 1: SIZE - 1 ranks with 2, BAD with 1; step 2: 1 everywhere
+    np.testing.assert_allclose(params[0], -((2 * SIZE - 1) / SIZE + 1.0))
+
+
+@needs_two
+def test_allreduce_gradients_against_an_optimizer_step_elsewhere_keeps_the_ranks_paired():
+    # (From a review.) Both calls carry a check, but of different kinds: a plain
+    # MismatchError on both ranks, so allreduce_gradients does not go on to find out
+    # what differs, with calls the other rank never makes.
+    params = [np.zeros(3)]
+    opt = DistributedOptimizer(SGD(params, lr=1.0))
+    with pytest.raises(rr.MismatchError) as raised:
+        if RANK == BAD:
+            opt.step([np.ones(3)])
+        else:
+            rr.allreduce_gradients([np.ones(3)])
+    assert not isinstance(raised.value, rr._core.CheckedCallsMismatch)
+    np.testing.assert_array_equal(rr.allreduce(np.ones(2)), np.full(2, float(SIZE)))
