@@ -114,6 +114,21 @@ def test_bench_async_runs_and_writes_every_candidate(tmp_path):
     assert "| 20 KiB |" in done.stdout
 
 
+def test_bench_gradients_runs_and_writes_every_candidate(tmp_path):
+    result = tmp_path / "gradients.json"
+    done = subprocess.run(
+        [mpiexec(), "-n", "2", sys.executable, "-m", "mpi4py", "benchmarks/bench_gradients.py",
+         "--models", "3x64,2x128K", "--repeats", "2", "--no-gloo", "--json", str(result)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, env=job_env())
+    assert done.returncode == 0, done.stdout + done.stderr
+    data = json.loads(result.read_text())
+    seen = {(r["implementation"], r["arrays"], r["bytes_each"]) for r in data["results"]}
+    for name in ("ringreduce", "MPI packed", "MPI per array"):
+        assert (name, 3, 64) in seen and (name, 2, 128 << 10) in seen
+    assert all(r["time_s"] > 0 for r in data["results"])
+    assert "| 2 x 128 KiB | 256 KiB |" in done.stdout
+
+
 @pytest.mark.parametrize("script, argv, message", [
     ("benchmarks/bench_allreduce.py", ["--sizes", "1.5.3K"], "'1.5.3K' is not a size"),
     ("benchmarks/bench_allreduce.py", ["--sizes", "64,"], "'' is not a size"),
@@ -129,6 +144,10 @@ def test_bench_async_runs_and_writes_every_candidate(tmp_path):
     ("benchmarks/bench_async.py", ["--sizes", "0"], "not a whole number of float32"),
     ("benchmarks/bench_async.py", ["--buckets", "0"], "--buckets must be at least 1"),
     ("benchmarks/bench_async.py", ["--compute-us", "nan"], "--compute-us must be >= 0"),
+    ("benchmarks/bench_gradients.py", ["--models", "8"], "'8' is not COUNTxSIZE"),
+    ("benchmarks/bench_gradients.py", ["--models", "0x1M"], "'0x1M' is not COUNTxSIZE"),
+    ("benchmarks/bench_gradients.py", ["--models", "2x6"], "not a whole number of 4-byte"),
+    ("benchmarks/bench_gradients.py", ["--repeats", "0"], "--repeats: must be at least 1"),
     ("benchmarks/bench_gpu.py", ["--max-bytes", "2x"], "'2x' is not a size"),
     ("benchmarks/bench_gpu.py", ["--min-bytes", "6"], "not a whole number of 4-byte"),
     ("benchmarks/bench_gpu.py", ["--min-bytes", "1M", "--max-bytes", "64K"],

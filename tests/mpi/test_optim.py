@@ -941,7 +941,7 @@ def test_allreduce_gradients_out_of_memory_packing_on_one_rank_raises_on_every_r
             raise MemoryError("packing the second bucket")
         return real(*args, **kwargs)
 
-    grads = [np.full(1000, float(RANK)) for _ in range(3)]
+    grads = [np.full(100, float(RANK), np.float32) for _ in range(6)]  # (2 a bucket)
     monkeypatch.setattr(np, "concatenate", concatenate)
     with raises_here_or_mismatch(MemoryError, "second bucket", f"rank {BAD} rejected"):
         rr.allreduce_gradients(grads, bucket_mb=0.001)
@@ -1113,3 +1113,37 @@ def test_allreduce_gradients_against_an_optimizer_step_elsewhere_keeps_the_ranks
             rr.allreduce_gradients([np.ones(3)])
     assert not isinstance(raised.value, rr._core.CheckedCallsMismatch)
     np.testing.assert_array_equal(rr.allreduce(np.ones(2)), np.full(2, float(SIZE)))
+
+
+def test_allreduce_gradients_reduces_large_arrays_in_place_and_packs_the_small(monkeypatch):
+    # numpy arrays of 64 KiB and more go alone, in place where the ring can take them
+    # as they are; strided or byte-swapped ones through a copy; small ones packed.
+    big = 1 << 14  # float32 elements: 64 KiB
+    grads = [np.full(big, float(RANK), np.float32),
+             np.full((2, big), float(RANK))[:, ::2],         # strided: a copy
+             np.full(big, float(RANK), ">f4"),               # byte-swapped: a copy
+             np.full(3, float(RANK)), np.full((2, 2), float(RANK))]
+    real, packed = np.concatenate, []
+
+    def concatenate(arrays, *args, **kwargs):
+        packed.append(sum(a.size for a in arrays))
+        return real(arrays, *args, **kwargs)
+    monkeypatch.setattr(np, "concatenate", concatenate)
+    data = grads[0].ctypes.data
+    rr.allreduce_gradients(grads)
+    assert grads[0].ctypes.data == data
+    assert sorted(packed) == [3 + 4, big, big]  # (not the first: in place)
+    for g in grads:
+        np.testing.assert_allclose(g, (SIZE - 1) / 2)
+
+
+@needs_two
+def test_allreduce_gradients_on_ranks_that_disagree_leaves_large_arrays_untouched():
+    big = 1 << 14
+    grads = [np.full(big, 1.0 + RANK, np.float32), np.full(big * 2, 1.0 + RANK, np.float32)]
+    if RANK == BAD:
+        grads.reverse()
+    with pytest.raises(rr.MismatchError, match="pass gradients that differ"):
+        rr.allreduce_gradients(grads)
+    for g in grads:
+        np.testing.assert_array_equal(g, 1.0 + RANK)
