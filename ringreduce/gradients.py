@@ -2,12 +2,19 @@
 packed into a few large all-reduces instead of one small call per array."""
 from __future__ import annotations
 
+import heapq
 import zlib
 
 import numpy as np
 
 from ._arrays import array_module
 from ._core import CheckedCallsMismatch, MismatchError
+from ._types import OPS, native, reduction_codes
+
+try:
+    from numpy.lib.array_utils import byte_bounds  # numpy 2
+except ImportError:  # numpy 1
+    byte_bounds = np.byte_bounds
 from .communicator import Communicator
 
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
@@ -158,7 +165,7 @@ def _gradient_plan(grads, bucket_bytes: int) -> list[list[int]]:
 _PLANS: dict = {}
 
 
-def _plan_and_check(grads, code: int, bucket_bytes: int):
+def _plan_and_check(grads, code: int, bucket_bytes: int, where: str = "allreduce_gradients"):
     """The plan (_gradient_plan), the check (_check_of), and for each bucket where its
     gradients go in the flat buffer: (index, start, stop, shape, or None for 1-D)."""
     key = (code, bucket_bytes, tuple([(type(g), g.shape, g.dtype) for g in grads]))
@@ -170,6 +177,10 @@ def _plan_and_check(grads, code: int, bucket_bytes: int):
             offsets = np.cumsum([0] + [grads[i].size for i in indices]).tolist()
             places.append([(i, start, stop, None if grads[i].ndim == 1 else grads[i].shape)
                            for i, start, stop in zip(indices, offsets, offsets[1:])])
+        # Every bucket's dtype with op, checked here: rejected in a later call, it would
+        # leave the gradients reduced in place before it reduced and the rest not.
+        for indices in plan:
+            reduction_codes(native(grads[indices[0]].dtype), OPS[code], where)
         found = (plan, _check_of(grads, code, plan), places)
         if len(_PLANS) >= 64:  # (a program that keeps changing its layout)
             _PLANS.clear()
@@ -177,14 +188,48 @@ def _plan_and_check(grads, code: int, bucket_bytes: int):
     return found
 
 
-def _flat(grads, indices):
+def _overlapping(grads, plan) -> set:
+    """Indices of the gradients that would be reduced in place (alone, numpy) but share
+    memory with another of those (the same array twice, tied weights, overlapping
+    views): those go through a copy, taken before any call, so that each is reduced
+    once from what it held, not once more after another's call. (A packed copy that
+    overlaps one reduced in place is harmless: taken before, it comes back with the
+    same values.) Arrays that own different memory cannot overlap, so only those with
+    a common owner are compared."""
+    alone = [b[0] for b in plan if len(b) == 1 and isinstance(grads[b[0]], np.ndarray)]
+    if len(alone) < 2:
+        return set()
+    groups: dict = {}
+    for i in alone:
+        owner = grads[i]
+        while isinstance(owner.base, np.ndarray):
+            owner = owner.base
+        groups.setdefault(id(owner if owner.base is None else owner.base), []).append(i)
+    shared = set()
+    for members in groups.values():
+        if len(members) < 2:
+            continue
+        active: list = []  # (end, index) of the spans before that may reach further
+        for lo, hi, i in sorted((*byte_bounds(grads[i]), i) for i in members):
+            while active and active[0][0] <= lo:
+                heapq.heappop(active)
+            if active:  # each still active overlaps this one
+                shared.add(i)
+                shared.update(j for _, j in active)
+            heapq.heappush(active, (hi, i))
+    return shared
+
+
+def _flat(grads, indices, shared=frozenset()):
     """The buffer a bucket's call reduces, and whether it is a copy (to unpack after):
-    a gradient alone that the ring can take as it is (contiguous, in native byte order),
-    itself, flattened."""
+    a gradient alone that the ring can take as it is (contiguous, in native byte order)
+    and that shares no memory with another gradient (`shared`), itself, flattened."""
     g = grads[indices[0]]
-    if len(indices) == 1 and g.flags.c_contiguous and g.dtype.isnative:
+    if len(indices) == 1 and g.flags.c_contiguous and g.dtype.isnative \
+            and indices[0] not in shared:
         return g.reshape(-1), False
-    flat = array_module(g).concatenate([grads[i].ravel() for i in indices])
+    xp = array_module(g)  # (xp.ravel: an np.matrix's own ravel() stays 2-D)
+    flat = xp.concatenate([xp.ravel(grads[i]) for i in indices])
     if not flat.dtype.isnative:  # (the ring's is native; g[...] = converts back)
         flat = flat.astype(flat.dtype.newbyteorder("="))
     return flat, True
@@ -222,10 +267,11 @@ def allreduce_gradients(grads, op: str = "avg", comm=None, bucket_mb: float = 25
             if isinstance(g, np.ndarray) and not g.flags.writeable:
                 raise ValueError(f"allreduce_gradients: grads[{i}] is read-only")
         code = op_code(op, where)
-        plan, check, places = _plan_and_check(grads, code, int(bucket_mb * 1024 * 1024))
+        plan, check, places = _plan_and_check(grads, code, int(bucket_mb * 1024 * 1024), where)
         # All packed before the first call: a rank that fails here (out of memory, say)
         # says so in that call, instead of leaving the others' later buckets unpaired.
-        flats = [_flat(grads, indices) for indices in plan]
+        shared = _overlapping(grads, plan)
+        flats = [_flat(grads, indices, shared) for indices in plan]
     except Exception as error:  # (an array-like without .flags: AttributeError, say)
         rejected, check = error, _CHECK_OF_REJECTED
     outcome = "no rank made this call's all-reduces"
@@ -254,10 +300,30 @@ def allreduce_gradients(grads, op: str = "avg", comm=None, bucket_mb: float = 25
         raise rejected
     # The others one after another, each once the one before is done: a call on the
     # caller's thread costs less than a hand-off to the worker thread (on 2 cores, 8 x
-    # 4 KiB took 120-170 us queued against 24-40 us blocking).
-    for k, (where_they_go, (flat, copied)) in enumerate(zip(places, flats)):
-        if k > 0:
-            ring._allreduce_checked(flat, op, check)
+    # 4 KiB took 120-170 us queued against 24-40 us blocking). All of them before any
+    # unpacking, so that an error there cannot leave this rank's calls short of the
+    # others'.
+    made = 1  # calls made; None once one of them raised (the others' call raised too)
+    try:
+        while made < len(flats):
+            try:
+                ring._allreduce_checked(flats[made][0], op, check)
+            except BaseException:
+                made = None
+                raise
+            made += 1
+    except BaseException:
+        # Raised between calls (Ctrl-C): the other ranks make the calls still to come,
+        # and would pair them with this rank's next ones (they carry the same check),
+        # so this rank makes them too.
+        if made is not None:
+            for flat, _ in flats[made:]:
+                try:
+                    ring._allreduce_checked(flat, op, check)
+                except Exception:
+                    break
+        raise
+    for where_they_go, (flat, copied) in zip(places, flats):
         if copied:
             _unpack(grads, where_they_go, flat)
     return grads

@@ -1147,3 +1147,60 @@ def test_allreduce_gradients_on_ranks_that_disagree_leaves_large_arrays_untouche
         rr.allreduce_gradients(grads)
     for g in grads:
         np.testing.assert_array_equal(g, 1.0 + RANK)
+
+
+@pytest.mark.parametrize("views", ["same", "overlapping", "transposed"])
+def test_allreduce_gradients_reduces_aliased_large_arrays_once(views):
+    # Tied weights: an array listed twice, or views that overlap, is summed once, as
+    # when every gradient was packed (a copy of each, taken before any call).
+    base = np.full((128, 256), 1.0 + RANK, np.float32)  # 128 KiB
+    grads = {"same": [base, base], "overlapping": [base[:96], base[32:]],
+             "transposed": [base, base.T]}[views]
+    rr.allreduce_gradients(grads, op="sum")
+    np.testing.assert_array_equal(base, SIZE * (SIZE + 1) / 2)
+
+
+def test_allreduce_gradients_rejects_a_dtype_and_op_before_any_data_moves():
+    big = 1 << 14
+    # (The last first: the float32 array's call would come before the int64 one's.)
+    grads = [np.full(big, 1 + RANK, np.int64), np.full(big, 1.0 + RANK, np.float32)]
+    with pytest.raises(rr.UnsupportedOpError, match="int64"):
+        rr.allreduce_gradients(grads, op="avg")
+    np.testing.assert_array_equal(grads[1], 1.0 + RANK)
+    np.testing.assert_array_equal(rr.allreduce(np.ones(2)), np.full(2, float(SIZE)))
+
+
+@needs_two
+def test_allreduce_gradients_raising_in_unpacking_on_one_rank_keeps_the_ranks_paired(
+        monkeypatch):
+    # (From a review: the calls were made one by one, each bucket unpacked after its
+    # own; an error there on one rank left its later calls to pair with its next step's.)
+    import ringreduce.gradients as gradients
+    real, calls = gradients._unpack, []
+
+    def unpack(*args):
+        calls.append(1)
+        if RANK == BAD and len(calls) == 1:
+            raise KeyboardInterrupt("Ctrl-C while unpacking")  # (not caught as Exception)
+        return real(*args)
+    monkeypatch.setattr(gradients, "_unpack", unpack)
+    for step in range(2):
+        grads = [np.full(100, 10.0 * step + k + RANK, np.float32) for k in range(6)]
+        try:
+            rr.allreduce_gradients(grads, bucket_mb=0.001)  # (2 a bucket)
+        except KeyboardInterrupt:
+            assert RANK == BAD and step == 0
+            continue
+        for k, g in enumerate(grads):
+            np.testing.assert_array_equal(g, 10.0 * step + k + (SIZE - 1) / 2)
+    np.testing.assert_array_equal(rr.allreduce(np.ones(2)), np.full(2, float(SIZE)))
+
+
+@pytest.mark.filterwarnings("ignore::PendingDeprecationWarning")  # (np.matrix's own)
+def test_allreduce_gradients_packs_small_matrices_flat():
+    # (From a review: np.matrix's own ravel() stays 2-D, which packing could not take.)
+    grads = [np.matrix(np.full((10, 10), float(RANK))), np.full(3, float(RANK))]
+    rr.allreduce_gradients(grads)
+    assert isinstance(grads[0], np.matrix)
+    for g in grads:
+        np.testing.assert_allclose(g, (SIZE - 1) / 2)
