@@ -236,8 +236,8 @@ RingSchedule RingCommunicator::device_reduce_scatter_call(DeviceCall& call, Coll
                                                           int64_t chunk_bytes, int64_t check) {
   Device& dev = *call.device;
   const size_t es = dtype_size(dtype);
-  CallHeader h = make_header(collective, dtype, op, count, chunk_bytes, kDeviceMemory);
-  h.check = check;
+  const CallHeader h =
+      make_header(collective, dtype, op, count, chunk_bytes, kDeviceMemory, check);
   const int64_t elems = chunk_elems(agree(h), es);
   grow_device_scratch(collective, es, count);
   RingSchedule sched = RingSchedule::split_evenly(rank(), size(), count, elems);
@@ -377,10 +377,9 @@ void RingCommunicator::allreduce_device(DeviceCall call, const void* input, void
   if (on_host) {  // one trip to the host and back, with the bits the device ring gives
     char* staging =
         stage_on_host(call, Collective::AllReduce, chunk_bytes, input, bytes, 2 * bytes);
-    CallHeader h = make_header(Collective::AllReduce, dtype, op, count, chunk_bytes,
-                               kDeviceMemory);
-    h.check = check;
-    allreduce_host(h, staging, staging + bytes);
+    allreduce_host(make_header(Collective::AllReduce, dtype, op, count, chunk_bytes,
+                               kDeviceMemory, check),
+                   staging, staging + bytes);
     dev.copy(Device::kCopyIn, out, staging + bytes, bytes);
   } else {
     const RingSchedule sched = device_reduce_scatter_call(

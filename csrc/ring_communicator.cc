@@ -113,8 +113,9 @@ std::atomic<bool> process_ending{false};  // see note_process_ending()
 void note_process_ending() { process_ending.store(true, std::memory_order_release); }
 
 CallHeader make_header(Collective collective, DType dtype, Op op, int64_t count,
-                       int64_t chunk_bytes, int64_t memory) {
+                       int64_t chunk_bytes, int64_t memory, int64_t check) {
   CallHeader h;
+  h.check = check;
   h.memory = memory;
   h.collective = static_cast<int64_t>(collective);
   h.dtype = static_cast<int64_t>(dtype);
@@ -593,9 +594,9 @@ void RingCommunicator::announce_invalid(Collective collective, int64_t chunk_byt
 
 void RingCommunicator::allreduce(const void* input, void* out, int64_t count, DType dtype, Op op,
                                  int64_t chunk_bytes, int64_t check) {
-  CallHeader h = make_header(Collective::AllReduce, dtype, op, count, chunk_bytes);
-  h.check = check;
-  allreduce_host(h, input, out);
+  allreduce_host(make_header(Collective::AllReduce, dtype, op, count, chunk_bytes, kHostMemory,
+                             check),
+                 input, out);
 }
 
 void RingCommunicator::set_device_host_reduce_bytes(int64_t bytes) {

@@ -77,7 +77,7 @@ static_assert(sizeof(CallHeader) % 16 == 0, "inline payloads follow headers 16-b
 constexpr int64_t kHostMemory = 0, kDeviceMemory = 1;
 
 CallHeader make_header(Collective collective, DType dtype, Op op, int64_t count,
-                       int64_t chunk_bytes, int64_t memory = kHostMemory);
+                       int64_t chunk_bytes, int64_t memory = kHostMemory, int64_t check = 0);
 
 // How one call on GPU buffers runs (device_ring.cc). ready: an event recorded on the
 // caller's stream after the work that produces the inputs (null: none); user_stream:

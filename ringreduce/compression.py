@@ -69,7 +69,7 @@ class PowerSGD:
         """P = M Q (M: grad plus what earlier steps missed), averaged asynchronously.
         (op: DistributedOptimizer.abandon_step sends an abandoned step's with another,
         so that a rank that steps cannot take them for its own step's; check: what its
-        all-reduces carry, see Communicator._allreduce_checked.)"""
+        all-reduces carry, or 0 for nothing, see Communicator._allreduce_checked.)"""
         xp = array_module(grad)
         n = grad.shape[0]
         matrix = grad.reshape(n, -1)
@@ -84,7 +84,8 @@ class PowerSGD:
             q = xp.asarray(np.random.default_rng(self.seed + index).standard_normal((m, r)))
             q = q.astype(matrix.dtype)
         p = matrix @ q
-        return _LowRankCall(index, grad, matrix, p, _allreduce_async(comm, p, op, check))
+        return _LowRankCall(index, grad, matrix, p,
+                            comm._allreduce_checked(p, op, check, wait=False))
 
     def project(self, call: "_LowRankCall", comm, op: str = "avg", check: int = 0) -> None:
         """Once P is averaged: Q = M^T P, with P's columns made orthonormal, averaged
@@ -92,7 +93,7 @@ class PowerSGD:
         call.handle.wait()
         call.p = _orthonormal_columns(call.p, array_module(call.p))
         call.q = call.matrix.T @ call.p
-        call.handle = _allreduce_async(comm, call.q, op, check)
+        call.handle = comm._allreduce_checked(call.q, op, check, wait=False)
 
     def finish(self, call: "_LowRankCall") -> tuple[object, int]:
         """Once Q is averaged: the approximation P Q^T, and the bytes this rank sent."""
@@ -118,12 +119,6 @@ class PowerSGD:
     def load_state_dict(self, state: dict) -> None:
         self.rank, self.seed = state["rank"], state["seed"]
         self._q, self._error = dict(state["q"]), dict(state["error"])
-
-
-def _allreduce_async(comm, x, op, check):
-    if check:
-        return comm._allreduce_checked(x, op, check, wait=False)
-    return comm.allreduce_async(x, op=op, out=x)
 
 
 class _LowRankCall:

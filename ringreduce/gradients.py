@@ -1,5 +1,6 @@
-"""rr.allreduce_gradients: average a list of gradient arrays across ranks, in place,
-packed into a few large all-reduces instead of one small call per array."""
+"""rr.allreduce_gradients: average a list of gradient arrays across ranks, in place:
+small ones packed into a few large all-reduces instead of one small call per array,
+large ones reduced where they are."""
 from __future__ import annotations
 
 import heapq
@@ -9,13 +10,14 @@ import numpy as np
 
 from ._arrays import array_module
 from ._core import CheckedCallsMismatch, MismatchError
-from ._types import OPS, native, reduction_codes
+from ._shortcuts import _communicator
+from ._types import OPS, native, op_code, reduction_codes
+from .communicator import Communicator
 
 try:
     from numpy.lib.array_utils import byte_bounds  # numpy 2
 except ImportError:  # numpy 1
     byte_bounds = np.byte_bounds
-from .communicator import Communicator
 
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
 
@@ -165,7 +167,7 @@ def _gradient_plan(grads, bucket_bytes: int) -> list[list[int]]:
 _PLANS: dict = {}
 
 
-def _plan_and_check(grads, code: int, bucket_bytes: int, where: str = "allreduce_gradients"):
+def _plan_and_check(grads, code: int, bucket_bytes: int, where: str):
     """The plan (_gradient_plan), the check (_check_of), and for each bucket where its
     gradients go in the flat buffer: (index, start, stop, shape, or None for 1-D)."""
     key = (code, bucket_bytes, tuple([(type(g), g.shape, g.dtype) for g in grads]))
@@ -220,7 +222,7 @@ def _overlapping(grads, plan) -> set:
     return shared
 
 
-def _flat(grads, indices, shared=frozenset()):
+def _flat(grads, indices, shared: set):
     """The buffer a bucket's call reduces, and whether it is a copy (to unpack after):
     a gradient alone that the ring can take as it is (contiguous, in native byte order)
     and that shares no memory with another gradient (`shared`), itself, flattened."""
@@ -249,9 +251,6 @@ def allreduce_gradients(grads, op: str = "avg", comm=None, bucket_mb: float = 25
     same list of shapes and dtypes, op and bucket_mb, and the first call checks that
     they do before any data moves (else every rank raises, and nothing is reduced).
     """
-    from ._shortcuts import _communicator
-    from ._types import OPS, op_code
-
     ring = _communicator(comm)  # (first: making it is collective, whatever the arguments)
     where = f"ringreduce.allreduce_gradients (rank {ring.rank} of {ring.size})"
     rejected = None

@@ -1064,7 +1064,7 @@ def test_uneven_accumulation_sums_each_ranks_micro_batches():
 
 @needs_two
 def test_steps_after_no_sync_and_abandoned_steps_on_every_rank_pair_up():
-    # The steps counted move together where every rank does the same.
+    # no_sync() and abandon_step() on every rank alike, then a step: its calls pair up.
     params = [np.zeros(3)]
     opt = DistributedOptimizer(SGD(params, lr=1.0))
     with opt.no_sync():
