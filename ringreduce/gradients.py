@@ -9,7 +9,8 @@ import zlib
 import numpy as np
 
 from ._arrays import array_module
-from ._core import CheckedCallsMismatch, MismatchError
+from ._core import CheckedCallsMismatch, MismatchError, numpy_layout, pack_gradients, \
+    unpack_gradients
 from ._shortcuts import _communicator
 from ._types import OPS, native, op_code, reduction_codes
 from .communicator import Communicator
@@ -18,9 +19,6 @@ try:
     from numpy.lib.array_utils import byte_bounds  # numpy 2
 except ImportError:  # numpy 1
     byte_bounds = np.byte_bounds
-
-DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
-
 
 def pack_plan(arrays, bucket_bytes: int):
     """Indices of `arrays` grouped into buckets of one dtype and about bucket_bytes
@@ -161,16 +159,17 @@ def _gradient_plan(grads, bucket_bytes: int) -> list[list[int]]:
         for bucket in pack_plan([grads[i] for i in packed], bucket_bytes)]
 
 
-# (op code, bucket bytes, each gradient's type, shape and dtype) -> _plan_and_check():
-# a training loop passes the same layout call after call, and making these took some
-# 25 us of an 8-gradient call's 60 (one rank).
+# (op code, bucket bytes, layout) -> _plan_and_check(): a training loop passes the same
+# layout call after call, and making these took some 25 us of an 8-gradient call's 60
+# (one rank). The layout is numpy_layout()'s bytes, or else a tuple of each gradient's
+# type, shape and dtype.
 _PLANS: dict = {}
 
 
-def _plan_and_check(grads, code: int, bucket_bytes: int, where: str):
+def _plan_and_check(grads, layout, code: int, bucket_bytes: int, where: str):
     """The plan (_gradient_plan), the check (_check_of), and for each bucket where its
     gradients go in the flat buffer: (index, start, stop, shape, or None for 1-D)."""
-    key = (code, bucket_bytes, tuple([(type(g), g.shape, g.dtype) for g in grads]))
+    key = (code, bucket_bytes, layout)
     found = _PLANS.get(key)
     if found is None:
         plan = _gradient_plan(grads, bucket_bytes)
@@ -183,11 +182,13 @@ def _plan_and_check(grads, code: int, bucket_bytes: int, where: str):
         # leave the gradients reduced in place before it reduced and the rest not.
         for indices in plan:
             reduction_codes(native(grads[indices[0]].dtype), OPS[code], where)
-        found = (plan, _check_of(grads, code, plan), places)
+        # (The types and dtypes, kept with it: numpy_layout's bytes name them by address.)
+        found = (plan, _check_of(grads, code, plan), places,
+                 [(type(g), g.dtype) for g in grads])
         if len(_PLANS) >= 64:  # (a program that keeps changing its layout)
             _PLANS.clear()
         _PLANS[key] = found
-    return found
+    return found[:3]
 
 
 def _overlapping(grads, plan) -> set:
@@ -222,14 +223,19 @@ def _overlapping(grads, plan) -> set:
     return shared
 
 
-def _flat(grads, indices, shared: set):
-    """The buffer a bucket's call reduces, and whether it is a copy (to unpack after):
-    a gradient alone that the ring can take as it is (contiguous, in native byte order)
-    and that shares no memory with another gradient (`shared`), itself, flattened."""
+def _flat(grads, indices, shared: set, size: int):
+    """The buffer a bucket's call reduces (`size` elements), and whether it is a copy
+    (to unpack after): a gradient alone that the ring can take as it is (contiguous, in
+    native byte order) and that shares no memory with another gradient (`shared`),
+    itself, flattened."""
     g = grads[indices[0]]
     if len(indices) == 1 and g.flags.c_contiguous and g.dtype.isnative \
             and indices[0] not in shared:
         return g.reshape(-1), False
+    if isinstance(g, np.ndarray):  # the usual case, by memcpy (see pack_gradients)
+        flat = np.empty(size, g.dtype)
+        if pack_gradients(grads, indices, flat):
+            return flat, True
     xp = array_module(g)  # (xp.ravel: an np.matrix's own ravel() stays 2-D)
     flat = xp.concatenate([xp.ravel(grads[i]) for i in indices])
     if not flat.dtype.isnative:  # (the ring's is native; g[...] = converts back)
@@ -237,7 +243,9 @@ def _flat(grads, indices, shared: set):
     return flat, True
 
 
-def _unpack(grads, places, flat) -> None:
+def _unpack(grads, indices, places, flat) -> None:
+    if isinstance(flat, np.ndarray) and unpack_gradients(flat, grads, indices):
+        return
     for i, start, stop, shape in places:
         grads[i][...] = flat[start:stop] if shape is None else flat[start:stop].reshape(shape)
 
@@ -258,19 +266,24 @@ def allreduce_gradients(grads, op: str = "avg", comm=None, bucket_mb: float = 25
     try:
         check_bucket_mb(bucket_mb, "allreduce_gradients")
         grads = list(grads)
-        for i, g in enumerate(grads):
-            if type(g) is not np.ndarray and (not hasattr(g, "shape")
-                                              or not hasattr(g, "dtype")):
-                raise TypeError(f"allreduce_gradients: grads[{i}] is a {type(g).__name__}, "
-                                "not an array")
-            if isinstance(g, np.ndarray) and not g.flags.writeable:
-                raise ValueError(f"allreduce_gradients: grads[{i}] is read-only")
+        layout = numpy_layout(grads)  # (None unless each is a writeable numpy array)
+        if layout is None:
+            for i, g in enumerate(grads):
+                if type(g) is not np.ndarray and (not hasattr(g, "shape")
+                                                  or not hasattr(g, "dtype")):
+                    raise TypeError(f"allreduce_gradients: grads[{i}] is a "
+                                    f"{type(g).__name__}, not an array")
+                if isinstance(g, np.ndarray) and not g.flags.writeable:
+                    raise ValueError(f"allreduce_gradients: grads[{i}] is read-only")
+            layout = tuple([(type(g), g.shape, g.dtype) for g in grads])
         code = op_code(op, where)
-        plan, check, places = _plan_and_check(grads, code, int(bucket_mb * 1024 * 1024), where)
+        plan, check, places = _plan_and_check(grads, layout, code,
+                                              int(bucket_mb * 1024 * 1024), where)
         # All packed before the first call: a rank that fails here (out of memory, say)
         # says so in that call, instead of leaving the others' later buckets unpaired.
         shared = _overlapping(grads, plan)
-        flats = [_flat(grads, indices, shared) for indices in plan]
+        flats = [_flat(grads, indices, shared, where_they_go[-1][2])
+                 for indices, where_they_go in zip(plan, places)]
     except Exception as error:  # (an array-like without .flags: AttributeError, say)
         rejected, check = error, _CHECK_OF_REJECTED
     outcome = "no rank made this call's all-reduces"
@@ -322,7 +335,7 @@ def allreduce_gradients(grads, op: str = "avg", comm=None, bucket_mb: float = 25
                 except Exception:
                     break
         raise
-    for where_they_go, (flat, copied) in zip(places, flats):
+    for indices, where_they_go, (flat, copied) in zip(plan, places, flats):
         if copied:
-            _unpack(grads, where_they_go, flat)
+            _unpack(grads, indices, where_they_go, flat)
     return grads

@@ -9,6 +9,7 @@ import pytest
 from mpi4py import MPI
 
 import ringreduce as rr
+from ringreduce import gradients
 from ringreduce.compression import PowerSGD
 from ringreduce.optim import SGD, Adam, DistributedOptimizer
 
@@ -933,16 +934,16 @@ def test_an_array_like_on_one_rank_is_rejected_on_every_rank(where):
 def test_allreduce_gradients_out_of_memory_packing_on_one_rank_raises_on_every_rank(monkeypatch):
     # Packing comes before the agreement: failing there, a rank says so, instead of
     # leaving the others' later buckets to pair with its next call.
-    real, calls = np.concatenate, [0]
+    real, calls = np.empty, [0]
 
-    def concatenate(*args, **kwargs):
+    def empty(*args, **kwargs):  # (the packed buffers' allocations)
         calls[0] += 1
         if RANK == BAD and calls[0] == 2:
             raise MemoryError("packing the second bucket")
         return real(*args, **kwargs)
 
     grads = [np.full(100, float(RANK), np.float32) for _ in range(6)]  # (2 a bucket)
-    monkeypatch.setattr(np, "concatenate", concatenate)
+    monkeypatch.setattr(np, "empty", empty)
     with raises_here_or_mismatch(MemoryError, "second bucket", f"rank {BAD} rejected"):
         rr.allreduce_gradients(grads, bucket_mb=0.001)
     monkeypatch.undo()
@@ -1123,16 +1124,23 @@ def test_allreduce_gradients_reduces_large_arrays_in_place_and_packs_the_small(m
              np.full((2, big), float(RANK))[:, ::2],         # strided: a copy
              np.full(big, float(RANK), ">f4"),               # byte-swapped: a copy
              np.full(3, float(RANK)), np.full((2, 2), float(RANK))]
-    real, packed = np.concatenate, []
+    real, real_pack, packed, by_memcpy = np.concatenate, gradients.pack_gradients, [], []
 
     def concatenate(arrays, *args, **kwargs):
         packed.append(sum(a.size for a in arrays))
         return real(arrays, *args, **kwargs)
+
+    def pack_gradients(grads, indices, flat):
+        done = real_pack(grads, indices, flat)
+        (by_memcpy if done else []).append(flat.size)
+        return done
     monkeypatch.setattr(np, "concatenate", concatenate)
+    monkeypatch.setattr(gradients, "pack_gradients", pack_gradients)
     data = grads[0].ctypes.data
     rr.allreduce_gradients(grads)
     assert grads[0].ctypes.data == data
-    assert sorted(packed) == [3 + 4, big, big]  # (not the first: in place)
+    # (Not the first: in place. The small ones, contiguous and native: by memcpy.)
+    assert sorted(packed) == [big, big] and by_memcpy == [3 + 4]
     for g in grads:
         np.testing.assert_allclose(g, (SIZE - 1) / 2)
 
@@ -1175,7 +1183,6 @@ def test_allreduce_gradients_raising_in_unpacking_on_one_rank_keeps_the_ranks_pa
         monkeypatch):
     # (From a review: the calls were made one by one, each bucket unpacked after its
     # own; an error there on one rank left its later calls to pair with its next step's.)
-    import ringreduce.gradients as gradients
     real, calls = gradients._unpack, []
 
     def unpack(*args):
@@ -1198,9 +1205,64 @@ def test_allreduce_gradients_raising_in_unpacking_on_one_rank_keeps_the_ranks_pa
 
 @pytest.mark.filterwarnings("ignore::PendingDeprecationWarning")  # (np.matrix's own)
 def test_allreduce_gradients_packs_small_matrices_flat():
-    # (From a review: np.matrix's own ravel() stays 2-D, which packing could not take.)
-    grads = [np.matrix(np.full((10, 10), float(RANK))), np.full(3, float(RANK))]
+    # (From a review: np.matrix's own ravel() stays 2-D, which packing could not take.
+    # The strided one goes through numpy's concatenate, the others by memcpy.)
+    grads = [np.matrix(np.full((10, 10), float(RANK))), np.full(3, float(RANK)),
+             np.matrix(np.full((4, 6), float(RANK)))[:, ::2]]
     rr.allreduce_gradients(grads)
-    assert isinstance(grads[0], np.matrix)
+    assert isinstance(grads[0], np.matrix) and isinstance(grads[2], np.matrix)
     for g in grads:
         np.testing.assert_allclose(g, (SIZE - 1) / 2)
+
+
+def _random_gradient(rng, dtype, big: bool):
+    """One gradient of a random layout: any shape (0-d and empty too), now and then a
+    view that packing cannot copy as it is (strided, Fortran-ordered, byte-swapped)."""
+    shape = tuple(int(n) for n in rng.integers(0 if rng.random() < 0.1 else 1, 6,
+                                               rng.integers(0, 4)))
+    if big:
+        shape = (int(rng.integers(17000, 40000)),)
+    kind = rng.choice(["plain", "strided", "fortran", "swapped"], p=[0.8, 0.1, 0.05, 0.05])
+    values = rng.integers(-50, 50, size=shape).astype(dtype)
+    if kind == "strided" and values.ndim:
+        wide = np.zeros(values.shape[:-1] + (2 * values.shape[-1],), dtype)
+        view = wide[..., ::2]
+        view[...] = values
+        return view
+    if kind == "fortran":
+        return np.asfortranarray(values)
+    if kind == "swapped":
+        return values.astype(values.dtype.newbyteorder("S"))
+    return values
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_allreduce_gradients_of_random_layouts_match_the_reference(seed):
+    # Any mix of layouts, dtypes and buckets (packed by memcpy or numpy, alone in place
+    # or through a copy) gives each gradient what the numpy reference does for it alone.
+    # Integer values: sums and averages are exact in every order, in every dtype here.
+    from ringreduce import reference
+    layout_rng = np.random.default_rng(seed)  # (the same on every rank)
+    dtypes = [np.float32, np.float64, np.int32]
+    op = ["sum", "avg", "max"][seed % 3]
+    if op == "avg":
+        dtypes = dtypes[:2]
+    layout = [(dtypes[layout_rng.integers(len(dtypes))], layout_rng.random() < 0.15)
+              for _ in range(int(layout_rng.integers(1, 40)))]
+    bucket_mb = float(layout_rng.choice([1e-4, 1e-3, 0.05, 25.0]))
+    value_rng = np.random.default_rng([seed, RANK])
+    grads = []
+    for dtype, big in layout:
+        rng = np.random.default_rng(layout_rng.integers(1 << 30))
+        g = _random_gradient(rng, dtype, big)
+        g[...] = value_rng.integers(-50, 50, size=g.shape)  # (this rank's values)
+        grads.append(g)
+    expected = [reference.allreduce(np.array(g, g.dtype.newbyteorder("="), order="C"),
+                                    op="sum" if op == "avg" else op) for g in grads]
+    if op == "avg":
+        expected = [e / SIZE for e in expected]
+    returned = rr.allreduce_gradients(grads, op=op, bucket_mb=bucket_mb)
+    assert all(r is g for r, g in zip(returned, grads))
+    for k, (g, e) in enumerate(zip(grads, expected)):
+        assert g.shape == e.shape, k
+        np.testing.assert_array_equal(g, e.astype(g.dtype), err_msg=f"gradient {k}")

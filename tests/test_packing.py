@@ -1,0 +1,138 @@
+"""allreduce_gradients' helpers in the core, one process: pack_gradients() and
+unpack_gradients() (memcpy of the common case, False for anything else, with nothing
+copied) and numpy_layout() (the key to its cache of plans)."""
+import numpy as np
+import pytest
+
+from ringreduce import _core
+
+
+def arrays():
+    return [np.arange(6, dtype=np.float32).reshape(2, 3), np.full((), -1, np.float32),
+            np.zeros(0, np.float32), np.arange(10, 14, dtype=np.float32)]
+
+
+def test_pack_and_unpack_copy_the_arrays_in_the_order_given():
+    grads = arrays()
+    order = [3, 0, 2, 1]
+    flat = np.full(11, np.nan, np.float32)
+    assert _core.pack_gradients(grads, order, flat) is True
+    np.testing.assert_array_equal(flat, np.concatenate([grads[i].ravel() for i in order]))
+    flat *= 2
+    assert _core.unpack_gradients(flat, grads, order) is True
+    np.testing.assert_array_equal(grads[0], np.arange(6).reshape(2, 3) * 2)
+    np.testing.assert_array_equal(grads[1], -2)
+    np.testing.assert_array_equal(grads[3], np.arange(10, 14) * 2)
+    assert grads[0].shape == (2, 3) and grads[1].shape == ()
+
+
+def test_a_subset_of_the_list_is_packed_and_the_rest_left_alone():
+    grads = arrays()
+    flat = np.empty(10, np.float32)
+    assert _core.pack_gradients(grads, [0, 3], flat)
+    flat[:] = 7
+    assert _core.unpack_gradients(flat, grads, [0, 3])
+    assert (grads[0] == 7).all() and (grads[3] == 7).all() and grads[1] == -1
+
+
+@pytest.mark.filterwarnings("ignore::PendingDeprecationWarning")  # (np.matrix's own)
+def test_subclasses_and_equal_dtypes_spelt_differently_are_packed():
+    grads = [np.matrix([[1, 2], [3, 4]], dtype=np.int64), np.array([5], dtype="q"),
+             np.array([6], dtype="l")]
+    flat = np.empty(6, np.int64)
+    assert _core.pack_gradients(grads, [0, 1, 2], flat)
+    assert flat.tolist() == [1, 2, 3, 4, 5, 6]
+
+
+@pytest.mark.parametrize("case", [
+    "strided", "fortran", "other dtype", "byte-swapped", "swapped flat", "short flat",
+    "long flat", "2-d flat", "strided flat", "read-only flat", "object", "index past the end",
+    "negative index", "index not an int", "huge index", "grads a tuple", "indices a tuple",
+    "not an array", "flat not an array"])
+def test_anything_but_the_common_case_copies_nothing(case):
+    grads = [np.arange(4, dtype=np.float64), np.arange(4, 8, dtype=np.float64)]
+    indices = [0, 1]
+    flat = np.full(8, -1.0)
+    if case == "strided":
+        grads[1] = np.arange(8, dtype=np.float64)[::2]
+    elif case == "fortran":
+        grads[1] = np.asfortranarray(np.arange(4, dtype=np.float64).reshape(2, 2))
+    elif case == "other dtype":
+        grads[1] = grads[1].astype(np.int64)
+    elif case == "byte-swapped":
+        grads[1] = grads[1].astype(">f8" if np.little_endian else "<f8")
+    elif case == "swapped flat":
+        flat = flat.astype(">f8" if np.little_endian else "<f8")
+        grads = [g.astype(flat.dtype) for g in grads]
+    elif case == "short flat":
+        flat = flat[:7]
+    elif case == "long flat":
+        flat = np.full(9, -1.0)
+    elif case == "2-d flat":
+        flat = flat.reshape(2, 4)
+    elif case == "strided flat":
+        flat = np.full(16, -1.0)[::2]
+    elif case == "read-only flat":
+        flat.flags.writeable = False
+    elif case == "object":
+        grads = [g.astype(object) for g in grads]
+        flat = flat.astype(object)
+    elif case == "index past the end":
+        indices = [0, 2]
+    elif case == "negative index":
+        indices = [0, -1]
+    elif case == "index not an int":
+        indices = [0, 1.0]
+    elif case == "huge index":
+        indices = [0, 1 << 80]
+    elif case == "grads a tuple":
+        grads = tuple(grads)
+    elif case == "indices a tuple":
+        indices = (0, 1)
+    elif case == "not an array":
+        grads[1] = [4.0, 5.0, 6.0, 7.0]
+    elif case == "flat not an array":
+        flat = [-1.0] * 8
+    before = [np.array(g, copy=True) for g in grads]
+    flat_before = list(np.asarray(flat, dtype=object).ravel())
+    assert _core.pack_gradients(grads, indices, flat) is False
+    assert list(np.asarray(flat, dtype=object).ravel()) == flat_before
+    if not isinstance(flat, np.ndarray) or flat.flags.writeable:
+        assert _core.unpack_gradients(flat, grads, indices) is False
+    for g, b in zip(grads, before):
+        np.testing.assert_array_equal(g, b)
+
+
+def test_unpack_copies_nothing_where_one_array_is_read_only():
+    grads = arrays()
+    grads[3].flags.writeable = False
+    flat = np.ones(11, np.float32)
+    assert _core.pack_gradients(grads, [0, 1, 2, 3], flat)  # (reading is fine)
+    flat[:] = 9
+    assert _core.unpack_gradients(flat, grads, [0, 1, 2, 3]) is False
+    assert (grads[0] != 9).all()
+
+
+@pytest.mark.filterwarnings("ignore::PendingDeprecationWarning")  # (np.matrix's own)
+def test_numpy_layout_tells_layouts_apart_and_names_equal_ones_alike():
+    a, b = np.zeros((2, 3)), np.zeros(6)
+    key = _core.numpy_layout([a, b])
+    assert isinstance(key, bytes)
+    assert _core.numpy_layout([np.ones((2, 3)), np.ones(6)]) == key
+    for other in ([b, a], [a], [a, b, b], [a, np.zeros(6, np.float32)], [a, np.zeros(7)],
+                  [np.zeros((3, 2)), b], [a, np.zeros((6, 1))], [np.zeros((2, 3, 1)), b],
+                  [np.asmatrix(np.zeros((2, 3))), b]):
+        assert _core.numpy_layout(other) != key
+    # (The dimensions' count comes first: (2, 3) then (4,) is not (2,) then (3, 4).)
+    assert _core.numpy_layout([np.zeros((2, 3)), np.zeros(4)]) != \
+        _core.numpy_layout([np.zeros(2), np.zeros((3, 4))])
+    assert _core.numpy_layout([]) == b""
+
+
+def test_numpy_layout_is_none_unless_every_one_is_a_writeable_numpy_array():
+    read_only = np.zeros(3)
+    read_only.flags.writeable = False
+    assert _core.numpy_layout([np.zeros(3), read_only]) is None
+    assert _core.numpy_layout([np.zeros(3), [1.0]]) is None
+    assert _core.numpy_layout((np.zeros(3),)) is None
+    assert _core.numpy_layout(np.zeros(3)) is None
