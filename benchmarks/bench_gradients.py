@@ -33,7 +33,7 @@ from timing import at_least, byte_size, human_bytes, human_time, mpi_library, ou
 world = MPI.COMM_WORLD
 rank, size = world.Get_rank(), world.Get_size()
 
-DEFAULT_MODELS = "8x2K,48x64K,8x1M,3x16M"
+DEFAULT_MODELS = "8x2K,200x1K,48x64K,8x1M,3x16M"
 
 
 def models_argument(parser, text: str) -> list[tuple[int, int]]:
