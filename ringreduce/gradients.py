@@ -182,7 +182,8 @@ def _plan_and_check(grads, layout, code: int, bucket_bytes: int, where: str):
         # leave the gradients reduced in place before it reduced and the rest not.
         for indices in plan:
             reduction_codes(native(grads[indices[0]].dtype), OPS[code], where)
-        # (The types and dtypes, kept with it: numpy_layout's bytes name them by address.)
+        # (The types and dtypes, kept with it: numpy_layout's bytes name the types, and
+        # numpy's own dtypes, by address.)
         found = (plan, _check_of(grads, code, plan), places,
                  [(type(g), g.dtype) for g in grads])
         if len(_PLANS) >= 64:  # (a program that keeps changing its layout)

@@ -1,6 +1,9 @@
 """allreduce_gradients' helpers in the core, one process: pack_gradients() and
 unpack_gradients() (memcpy of the common case, False for anything else, with nothing
 copied) and numpy_layout() (the key to its cache of plans)."""
+import ctypes
+import pickle
+
 import numpy as np
 import pytest
 
@@ -136,3 +139,20 @@ def test_numpy_layout_is_none_unless_every_one_is_a_writeable_numpy_array():
     assert _core.numpy_layout([np.zeros(3), [1.0]]) is None
     assert _core.numpy_layout((np.zeros(3),)) is None
     assert _core.numpy_layout(np.zeros(3)) is None
+
+
+def test_numpy_layout_names_equal_dtype_objects_alike():
+    # numpy makes dtype objects equal to its own anew (unpickled arrays, ctypes', ones with
+    # metadata): keyed by their own addresses, gradients made afresh each step would miss
+    # the plan cache on every call. Those it cannot name by numpy's own: None (the caller
+    # then keys by the dtypes' equality).
+    a = np.zeros((2, 3), np.float32)
+    key = _core.numpy_layout([a])
+    for same in (pickle.loads(pickle.dumps(a)),
+                 np.ctypeslib.as_array((ctypes.c_float * 3 * 2)()),
+                 np.zeros((2, 3), np.dtype(np.float32, metadata={"m": 1}))):
+        assert same.dtype is not a.dtype and _core.numpy_layout([same]) == key
+    for other in (np.zeros((2, 3), ">f4" if np.little_endian else "<f4"),
+                  np.zeros((2, 3), "M8[s]"), np.zeros((2, 3), "V4"), np.zeros((2, 3), "U1"),
+                  np.zeros((2, 3), [("x", np.float32)])):
+        assert _core.numpy_layout([other]) is None, other.dtype

@@ -1266,3 +1266,18 @@ def test_allreduce_gradients_of_random_layouts_match_the_reference(seed):
     for k, (g, e) in enumerate(zip(grads, expected)):
         assert g.shape == e.shape, k
         np.testing.assert_array_equal(g, e.astype(g.dtype), err_msg=f"gradient {k}")
+
+
+def test_allreduce_gradients_keeps_one_plan_for_gradients_made_afresh_each_step():
+    # (From a review: keyed by their dtype objects' addresses, arrays unpickled each step,
+    # whose dtypes are new objects equal to numpy's, made a new plan on every call.)
+    import pickle
+    blob = pickle.dumps([np.full(n, float(RANK), np.float32) for n in (3, 5, 7)])
+    rr.allreduce_gradients(pickle.loads(blob), op="sum")
+    plans = set(gradients._PLANS)
+    for _ in range(3):
+        grads = rr.allreduce_gradients(pickle.loads(blob), op="sum")
+        assert set(gradients._PLANS) == plans
+        for g in grads:
+            np.testing.assert_array_equal(g, SIZE * (SIZE - 1) / 2)
+
