@@ -1281,3 +1281,19 @@ def test_allreduce_gradients_keeps_one_plan_for_gradients_made_afresh_each_step(
         for g in grads:
             np.testing.assert_array_equal(g, SIZE * (SIZE - 1) / 2)
 
+
+def test_allreduce_gradients_never_takes_the_plan_of_dtypes_freed_since():
+    # (From a review: a plan keyed by a dtype object's address, where that object was
+    # freed and another dtype made in its place, packs float64 with int64 and reduces
+    # the int64 in float64. Made anew each time, byte-swapped dtypes often take the
+    # place of those freed before.)
+    big = 2 ** 60 + 1
+    for _ in range(50):
+        a, b = np.empty(3, np.dtype(">f8")), np.empty(3, np.dtype(">f8"))
+        a[...], b[...] = 1, 1
+        rr.allreduce_gradients([a, b], op="max")
+        del a, b
+        a, b = np.empty(3, np.dtype(">f8")), np.empty(3, np.dtype(">i8"))
+        a[...], b[...] = 1, big - RANK
+        rr.allreduce_gradients([a, b], op="max")
+        assert (b == big).all(), b
