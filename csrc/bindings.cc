@@ -885,11 +885,11 @@ PyObject* layout_descr(PyObject* descr) {
 }
 
 // allreduce_gradients' key to the plans it keeps, where every one of grads (a list) is
-// a writeable numpy array of one of numpy's own dtypes (see layout_descr): for each,
-// the addresses of its type and dtype, its number of dimensions and each dimension,
-// as bytes. Building and hashing a tuple of the same took some 0.3 us an array in
-// Python. (The caller keeps the types of the keys it holds alive, so that no other
-// object takes one of those addresses meanwhile; numpy keeps its dtypes.) None for
+// a plain writeable numpy array (no subclass: a masked one, say, which the caller must
+// look at) of one of numpy's own dtypes (see layout_descr): for each, the address of
+// its dtype, its number of dimensions and each dimension, as bytes. Building and
+// hashing a tuple of the same took some 0.3 us an array in Python. (numpy keeps its
+// own dtypes for good, so no other object takes one of those addresses.) None for
 // anything else: the caller looks at each array then, says what is wrong, or keys by
 // a tuple of types, shapes and dtypes.
 py::object numpy_layout(py::handle grads) {
@@ -898,15 +898,14 @@ py::object numpy_layout(py::handle grads) {
   if (!PyList_CheckExact(grads.ptr())) return py::none();
   const Py_ssize_t n = PyList_GET_SIZE(grads.ptr());
   std::vector<int64_t> words;
-  words.reserve(static_cast<size_t>(n) * 4);
+  words.reserve(static_cast<size_t>(n) * 3);
   for (Py_ssize_t k = 0; k < n; ++k) {
     PyObject* g = PyList_GET_ITEM(grads.ptr(), k);
-    if (!api.PyArray_Check_(g)) return py::none();
+    if (Py_TYPE(g) != api.PyArray_Type_) return py::none();
     const auto* a = py::detail::array_proxy(g);
     if (!(a->flags & kWriteable)) return py::none();
     PyObject* descr = layout_descr(a->descr);
     if (descr == nullptr) return py::none();
-    words.push_back(static_cast<int64_t>(reinterpret_cast<uintptr_t>(Py_TYPE(g))));
     words.push_back(static_cast<int64_t>(reinterpret_cast<uintptr_t>(descr)));
     words.push_back(a->nd);
     for (int d = 0; d < a->nd; ++d) words.push_back(a->dimensions[d]);
@@ -1027,8 +1026,8 @@ PYBIND11_MODULE(_core, m) {
       },
       py::arg("dst"), py::arg("src"));
   m.def("numpy_layout", &numpy_layout, py::arg("grads"),
-        "bytes that differ where the arrays' types, dtypes or shapes do, if grads is a list "
-        "of writeable numpy arrays of numpy's own dtypes (or ones equal to them); else None");
+        "bytes that differ where the arrays' dtypes or shapes do, if grads is a list of plain "
+        "writeable numpy arrays of numpy's own dtypes (or ones equal to them); else None");
   m.def("pack_gradients", &pack_gradients, py::arg("grads"), py::arg("indices"),
         py::arg("flat"),
         "flat = grads[i] for i in indices, one after another, by memcpy, where every one is a "

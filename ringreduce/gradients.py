@@ -12,7 +12,7 @@ from ._arrays import array_module
 from ._core import CheckedCallsMismatch, MismatchError, numpy_layout, pack_gradients, \
     unpack_gradients
 from ._shortcuts import _communicator
-from ._types import OPS, native, op_code, reduction_codes
+from ._types import OPS, native, op_code, reduction_codes, reject_masked
 from .communicator import Communicator
 
 try:
@@ -182,14 +182,11 @@ def _plan_and_check(grads, layout, code: int, bucket_bytes: int, where: str):
         # leave the gradients reduced in place before it reduced and the rest not.
         for indices in plan:
             reduction_codes(native(grads[indices[0]].dtype), OPS[code], where)
-        # (The types and dtypes, kept with it: numpy_layout's bytes name the types, and
-        # numpy's own dtypes, by address.)
-        found = (plan, _check_of(grads, code, plan), places,
-                 [(type(g), g.dtype) for g in grads])
+        found = (plan, _check_of(grads, code, plan), places)
         if len(_PLANS) >= 64:  # (a program that keeps changing its layout)
             _PLANS.clear()
         _PLANS[key] = found
-    return found[:3]
+    return found
 
 
 def _overlapping(grads, plan) -> set:
@@ -267,7 +264,7 @@ def allreduce_gradients(grads, op: str = "avg", comm=None, bucket_mb: float = 25
     try:
         check_bucket_mb(bucket_mb, "allreduce_gradients")
         grads = list(grads)
-        layout = numpy_layout(grads)  # (None unless each is a writeable numpy array)
+        layout = numpy_layout(grads)  # (None unless each is a plain, writeable array)
         if layout is None:
             for i, g in enumerate(grads):
                 if type(g) is not np.ndarray and (not hasattr(g, "shape")
@@ -276,6 +273,7 @@ def allreduce_gradients(grads, op: str = "avg", comm=None, bucket_mb: float = 25
                                     f"{type(g).__name__}, not an array")
                 if isinstance(g, np.ndarray) and not g.flags.writeable:
                     raise ValueError(f"allreduce_gradients: grads[{i}] is read-only")
+                reject_masked(g, f"grads[{i}]", "allreduce_gradients")
             layout = tuple([(type(g), g.shape, g.dtype) for g in grads])
         code = op_code(op, where)
         plan, check, places = _plan_and_check(grads, layout, code,

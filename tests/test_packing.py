@@ -123,8 +123,7 @@ def test_numpy_layout_tells_layouts_apart_and_names_equal_ones_alike():
     assert isinstance(key, bytes)
     assert _core.numpy_layout([np.ones((2, 3)), np.ones(6)]) == key
     for other in ([b, a], [a], [a, b, b], [a, np.zeros(6, np.float32)], [a, np.zeros(7)],
-                  [np.zeros((3, 2)), b], [a, np.zeros((6, 1))], [np.zeros((2, 3, 1)), b],
-                  [np.asmatrix(np.zeros((2, 3))), b]):
+                  [np.zeros((3, 2)), b], [a, np.zeros((6, 1))], [np.zeros((2, 3, 1)), b]):
         assert _core.numpy_layout(other) != key
     # (The dimensions' count comes first: (2, 3) then (4,) is not (2,) then (3, 4).)
     assert _core.numpy_layout([np.zeros((2, 3)), np.zeros(4)]) != \
@@ -132,11 +131,15 @@ def test_numpy_layout_tells_layouts_apart_and_names_equal_ones_alike():
     assert _core.numpy_layout([]) == b""
 
 
-def test_numpy_layout_is_none_unless_every_one_is_a_writeable_numpy_array():
+@pytest.mark.filterwarnings("ignore::PendingDeprecationWarning")  # (np.matrix's own)
+def test_numpy_layout_is_none_unless_every_one_is_a_plain_writeable_numpy_array():
     read_only = np.zeros(3)
     read_only.flags.writeable = False
     assert _core.numpy_layout([np.zeros(3), read_only]) is None
     assert _core.numpy_layout([np.zeros(3), [1.0]]) is None
+    # (Subclasses too: a masked array's mask is for the caller to look at.)
+    assert _core.numpy_layout([np.zeros(3), np.ma.masked_array(np.zeros(3))]) is None
+    assert _core.numpy_layout([np.asmatrix(np.zeros((2, 3)))]) is None
     assert _core.numpy_layout((np.zeros(3),)) is None
     assert _core.numpy_layout(np.zeros(3)) is None
 

@@ -1297,3 +1297,19 @@ def test_allreduce_gradients_never_takes_the_plan_of_dtypes_freed_since():
         a[...], b[...] = 1, big - RANK
         rr.allreduce_gradients([a, b], op="max")
         assert (b == big).all(), b
+
+
+@needs_two
+def test_allreduce_gradients_rejects_masked_elements_on_one_rank_on_every_rank():
+    # (From a review: only the data travelled, masked elements' included, and the memcpy
+    # unpacking kept the mask over the result.) A masked array with nothing masked is
+    # its data, as in the other collectives.
+    grads = [np.full(3, 1.0), np.ma.masked_array(np.full(4, 1.0), mask=[0, RANK == BAD, 0, 0])]
+    with raises_here_or_mismatch(TypeError, "grads\\[1\\] is a masked array",
+                                 f"rank {BAD} rejected"):
+        rr.allreduce_gradients(grads, op="sum")
+    np.testing.assert_array_equal(grads[0], 1.0)  # nothing reduced
+    grads[1] = np.ma.masked_array(np.full(4, 1.0), mask=False)
+    rr.allreduce_gradients(grads, op="sum")
+    for g in grads:
+        np.testing.assert_array_equal(g, float(SIZE))
