@@ -138,6 +138,7 @@ def main() -> None:
         with open(args.json, "w") as f:
             json.dump({"ranks": size, "dtype": "float32", "repeats": args.repeats,
                        "machine": machine(), "mpi": mpi_library(),
+                       "torch": None if gloo is None else gloo[0].__version__,
                        "date": time.strftime("%Y-%m-%d"), "results": rows}, f, indent=1)
 
 
