@@ -195,29 +195,23 @@ def _overlapping(grads, plan) -> set:
     views): those go through a copy, taken before any call, so that each is reduced
     once from what it held, not once more after another's call. (A packed copy that
     overlaps one reduced in place is harmless: taken before, it comes back with the
-    same values.) Arrays that own different memory cannot overlap, so only those with
-    a common owner are compared."""
+    same values.) Compared by the bytes they span, whatever owns them: views of one
+    memory need not share an ndarray owner (np.frombuffer of two memoryviews, two
+    as_strided() views, arrays from __array_interface__ or DLPack), and spans of
+    memory that different allocations own never overlap. (A strided array's span
+    covers bytes it skips, but such an array goes through a copy anyway.)"""
     alone = [b[0] for b in plan if len(b) == 1 and isinstance(grads[b[0]], np.ndarray)]
     if len(alone) < 2:
         return set()
-    groups: dict = {}
-    for i in alone:
-        owner = grads[i]
-        while isinstance(owner.base, np.ndarray):
-            owner = owner.base
-        groups.setdefault(id(owner if owner.base is None else owner.base), []).append(i)
     shared = set()
-    for members in groups.values():
-        if len(members) < 2:
-            continue
-        active: list = []  # (end, index) of the spans before that may reach further
-        for lo, hi, i in sorted((*byte_bounds(grads[i]), i) for i in members):
-            while active and active[0][0] <= lo:
-                heapq.heappop(active)
-            if active:  # each still active overlaps this one
-                shared.add(i)
-                shared.update(j for _, j in active)
-            heapq.heappush(active, (hi, i))
+    active: list = []  # (end, index) of the spans before that may reach further
+    for lo, hi, i in sorted((*byte_bounds(grads[i]), i) for i in alone):
+        while active and active[0][0] <= lo:
+            heapq.heappop(active)
+        if active:  # each still active overlaps this one
+            shared.add(i)
+            shared.update(j for _, j in active)
+        heapq.heappush(active, (hi, i))
     return shared
 
 

@@ -126,7 +126,11 @@ class SGD:
             if self.momentum:
                 buf = self.momentum_buffers[i]
                 if buf is None:
-                    buf = self.momentum_buffers[i] = g.copy()
+                    # An array, even where g is a numpy scalar (a 0-d parameter's
+                    # gradient plus weight decay, or a gradient like d.sum()): buf is
+                    # updated in place below, which a scalar is not.
+                    buf = self.momentum_buffers[i] = (g.copy() if g.ndim else
+                                                     array_module(p).array(g, copy=True))
                 else:
                     buf *= self.momentum
                     buf += g

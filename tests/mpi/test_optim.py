@@ -1157,13 +1157,20 @@ def test_allreduce_gradients_on_ranks_that_disagree_leaves_large_arrays_untouche
         np.testing.assert_array_equal(g, 1.0 + RANK)
 
 
-@pytest.mark.parametrize("views", ["same", "overlapping", "transposed"])
+@pytest.mark.parametrize("views", ["same", "overlapping", "transposed", "memoryviews",
+                                   "as_strided"])
 def test_allreduce_gradients_reduces_aliased_large_arrays_once(views):
     # Tied weights: an array listed twice, or views that overlap, is summed once, as
-    # when every gradient was packed (a copy of each, taken before any call).
+    # when every gradient was packed (a copy of each, taken before any call). Also
+    # views whose ndarray owners differ though their memory is one (memoryviews,
+    # as_strided(), which wrap it in objects of their own): they were reduced twice.
     base = np.full((128, 256), 1.0 + RANK, np.float32)  # 128 KiB
+    strided = np.lib.stride_tricks.as_strided
     grads = {"same": [base, base], "overlapping": [base[:96], base[32:]],
-             "transposed": [base, base.T]}[views]
+             "transposed": [base, base.T],
+             "memoryviews": [np.asarray(memoryview(base)), np.asarray(memoryview(base)[32:])],
+             "as_strided": [strided(base, base.shape, base.strides),
+                            strided(base[32:], (96, 256), base.strides)]}[views]
     rr.allreduce_gradients(grads, op="sum")
     np.testing.assert_array_equal(base, SIZE * (SIZE + 1) / 2)
 
@@ -1313,3 +1320,24 @@ def test_allreduce_gradients_rejects_masked_elements_on_one_rank_on_every_rank()
     rr.allreduce_gradients(grads, op="sum")
     for g in grads:
         np.testing.assert_array_equal(g, float(SIZE))
+
+
+@pytest.mark.parametrize("weight_decay", [0.0, 0.01])
+def test_sgd_momentum_of_a_0d_parameter_is_that_of_a_1_element_one(weight_decay):
+    # (The momentum buffer of a 0-d parameter was a numpy scalar where weight decay made
+    # g a scalar, or a gradient was one (d.sum()): `buf *= momentum` rebound it, and the
+    # buffer stayed at the first step's gradient.)
+    scalar, vector = np.array(1.0), np.array([1.0])
+    opt = DistributedOptimizer(SGD([scalar, vector], lr=0.1, momentum=0.9,
+                                   weight_decay=weight_decay))
+    alone = SGD([np.array(1.0)], lr=0.1, momentum=0.9, weight_decay=weight_decay)
+    for step in range(4):
+        g = 0.5 + step + RANK
+        opt.step([np.array(g), np.array([g])])
+        alone.step([np.float64(g)])  # a numpy scalar, as d.sum() gives
+    assert float(scalar) == pytest.approx(float(vector[0]), rel=1e-12)
+    expected = np.array([1.0])
+    plain = SGD([expected], lr=0.1, momentum=0.9, weight_decay=weight_decay)
+    for step in range(4):
+        plain.step([np.array([0.5 + step + RANK])])
+    assert float(alone.params[0]) == pytest.approx(float(expected[0]), rel=1e-12)
