@@ -1,7 +1,9 @@
 // Device (device.h) on a real GPU: three non-blocking streams, a pool of events
 // reused call after call, pinned host memory from cudaHostAlloc.
 #include <cuda_runtime.h>
+#include <dlfcn.h>
 
+#include <atomic>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -13,6 +15,35 @@
 namespace ringreduce {
 
 namespace {
+
+// Whether this thread has a CUDA context current. The runtime cannot say: cudaGetDevice
+// answers 0 on a thread that never used CUDA, and setting GPU 0 "back" there would make
+// a context on GPU 0 (CUDA 12), taking its memory in every rank of a node whose ranks
+// each use their own GPU. The driver can (cuCtxGetCurrent), and the runtime has loaded
+// it by the time we ask; where it cannot be asked, assume a context, as before.
+bool thread_has_context() noexcept {
+  using GetCurrent = int (*)(void**);  // CUresult cuCtxGetCurrent(CUcontext*)
+  static std::atomic<GetCurrent> found{nullptr};  // (kept once found: the driver stays)
+  GetCurrent get_current = found.load();
+  if (get_current == nullptr) {
+    if (void* driver = dlopen("libcuda.so.1", RTLD_LAZY | RTLD_NOLOAD)) {
+      get_current = reinterpret_cast<GetCurrent>(dlsym(driver, "cuCtxGetCurrent"));
+      if (get_current == nullptr || found.exchange(get_current) != nullptr)
+        dlclose(driver);  // (one reference is all we keep)
+    }
+  }
+  void* context = nullptr;
+  return get_current == nullptr || get_current(&context) != 0 || context != nullptr;
+}
+
+// The GPU current on this thread, to give back after a call; `ours` where the thread
+// had none (it keeps ours: see thread_has_context()).
+int current_device_or(int ours) noexcept {
+  int current = ours;
+  if (cudaGetDevice(&current) != cudaSuccess) current = ours;
+  (void)cudaGetLastError();
+  return current != ours && !thread_has_context() ? ours : current;
+}
 
 class CudaDevice final : public Device {
  public:
@@ -46,7 +77,7 @@ class CudaDevice final : public Device {
   void begin(void* ready) override {
     // cudaSetDevice is per thread, and calls may come from the async worker thread;
     // end() gives the caller its current device back (see give_back_device()).
-    check(cudaGetDevice(&callers_device_), "cudaGetDevice");
+    callers_device_ = current_device_or(ordinal_);
     if (callers_device_ != ordinal_) check(cudaSetDevice(ordinal_), "cudaSetDevice");
     used_events_ = 0;
     try {
@@ -75,8 +106,7 @@ class CudaDevice final : public Device {
   }
 
   int make_current() noexcept override {
-    int previous = ordinal_;
-    if (cudaGetDevice(&previous) != cudaSuccess) previous = ordinal_;
+    const int previous = current_device_or(ordinal_);
     if (previous != ordinal_) cudaSetDevice(ordinal_);
     (void)cudaGetLastError();
     return previous;

@@ -199,13 +199,14 @@ def _overlapping(grads, plan) -> set:
     memory need not share an ndarray owner (np.frombuffer of two memoryviews, two
     as_strided() views, arrays from __array_interface__ or DLPack), and spans of
     memory that different allocations own never overlap. (A strided array's span
-    covers bytes it skips, but such an array goes through a copy anyway.)"""
-    alone = [b[0] for b in plan if len(b) == 1 and isinstance(grads[b[0]], np.ndarray)]
+    covers bytes it skips, but such an array goes through a copy anyway.) GPU arrays
+    (cupy) too: one larger than a bucket is alone in its bucket, and reduced in place."""
+    alone = [b[0] for b in plan if len(b) == 1 and _span(grads[b[0]]) is not None]
     if len(alone) < 2:
         return set()
     shared = set()
     active: list = []  # (end, index) of the spans before that may reach further
-    for lo, hi, i in sorted((*byte_bounds(grads[i]), i) for i in alone):
+    for lo, hi, i in sorted((*_span(grads[i]), i) for i in alone):
         while active and active[0][0] <= lo:
             heapq.heappop(active)
         if active:  # each still active overlaps this one
@@ -213,6 +214,20 @@ def _overlapping(grads, plan) -> set:
             shared.update(j for _, j in active)
         heapq.heappush(active, (hi, i))
     return shared
+
+
+def _span(g) -> tuple[int, int] | None:
+    """The bytes g spans, numpy's or a GPU array's (None for anything else). Host and
+    GPU memory share one address space under CUDA's unified addressing, so the two
+    kinds of span never overlap each other."""
+    if isinstance(g, np.ndarray):
+        return byte_bounds(g)
+    interface = getattr(g, "__cuda_array_interface__", None)
+    if interface is None:
+        return None
+    # Only a C-contiguous one is reduced in place, and that spans nbytes from its start.
+    start = interface["data"][0]
+    return start, start + g.nbytes
 
 
 def _flat(grads, indices, shared: set, size: int):

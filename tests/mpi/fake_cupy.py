@@ -104,6 +104,10 @@ def ascontiguousarray(x):
     return ndarray(np.ascontiguousarray(x.host))
 
 
+def ravel(x):
+    return ndarray(np.ravel(x.host))
+
+
 def concatenate(arrays):
     return ndarray(np.concatenate([a.host for a in arrays]))
 

@@ -247,3 +247,22 @@ def test_allreduce_gradients_of_gpu_arrays_checks_their_layout_in_the_first_call
             np.testing.assert_array_equal(cp.asnumpy(grads[0]), float(RANK))  # untouched
     finally:
         core.device_host_reduce_bytes = limit
+
+
+def test_a_gpu_gradient_listed_twice_is_reduced_once(ring, monkeypatch):
+    # Larger than a bucket, each copy of it is alone in its bucket, and a GPU array
+    # alone is reduced in place: twice, op="sum" gave SIZE times the sum.
+    from ringreduce import gradients
+    monkeypatch.setattr(gradients, "array_module",
+                        lambda a: cp if isinstance(a, cp.ndarray) else np)
+    x = rank_data(np.dtype(np.float64), 40, "sum", salt=3)
+    tied = cp.asarray(x.copy())
+    other = cp.asarray(x[:10].copy())
+    rr.allreduce_gradients([tied, other, tied], op="sum", comm=ring, bucket_mb=1e-5)
+    expected = reference.allreduce(x, "sum")
+    np.testing.assert_allclose(cp.asnumpy(tied), expected, rtol=1e-12)
+    np.testing.assert_allclose(cp.asnumpy(other), expected[:10], rtol=1e-12)
+    # Overlapping views of one GPU buffer are each reduced from what they held.
+    base = cp.asarray(x.copy())
+    rr.allreduce_gradients([base[:30], base[10:]], op="sum", comm=ring, bucket_mb=1e-5)
+    np.testing.assert_allclose(cp.asnumpy(base), expected, rtol=1e-12)
