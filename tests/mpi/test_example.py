@@ -74,7 +74,11 @@ def test_the_stored_runs_are_what_the_code_trains_now(path):
     if stored["compression"].startswith("PowerSGD"):
         compression = PowerSGD(rank=4)
     if compression == "bf16":
-        pytest.importorskip("ml_dtypes")
+        ml_dtypes = pytest.importorskip("ml_dtypes")
+        if np.float64(1 + 2.0 ** -8 + 2.0 ** -30).astype(ml_dtypes.bfloat16) == 1:
+            # (ml_dtypes 0.5.4 did: the digits' float64 gradients then travel rounded
+            # otherwise than when these were stored, and the curve drifts by some 1%)
+            pytest.skip("this ml_dtypes rounds float64 to bfloat16 twice, through float32")
     now = train(epochs=len(stored["epoch"]), global_batch=stored["global_batch"], quiet=True,
                 compression=compression)
     stale = f"{path} is stale: run the digits commands of scripts/figures.sh --measured"

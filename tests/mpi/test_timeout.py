@@ -169,7 +169,7 @@ def test_a_rank_that_makes_its_communicator_too_late_makes_every_rank_raise(worl
     assert message.startswith(f"ringreduce.Communicator (rank {RANK} of {SIZE}): ")
     assert ("left to MPI_Finalize" if late else "MPI_Comm_idup stays pending") in message
     world.Barrier()
-    with rr.Communicator(timeout=TIMEOUT) as ring:  # and the next one works
+    with rr.Communicator(timeout=30) as ring:  # and the next one works
         np.testing.assert_array_equal(ring.allreduce(np.ones(3)), np.full(3, SIZE))
 
 
@@ -203,7 +203,7 @@ def test_a_rank_held_up_while_making_its_communicator_leaves_no_one_waiting(step
             ring.allreduce(np.ones(3))
         closes_at_once(ring)
     world.Barrier()
-    with rr.Communicator(timeout=TIMEOUT) as ring:  # and the next one works
+    with rr.Communicator(timeout=30) as ring:  # and the next one works
         np.testing.assert_array_equal(ring.allreduce(np.ones(3)), np.full(3, SIZE))
 
 
@@ -703,7 +703,8 @@ def test_close_waits_for_every_rank_and_frees(world):
 def test_a_stuck_gpu_makes_the_other_ranks_raise(direct, world):
     # The device ring over the host emulation; the last rank's first copy or kernel
     # takes longer than the timeout, as on a GPU stuck behind a long kernel.
-    ring = rr.Communicator(timeout=TIMEOUT)
+    ring = rr.Communicator(timeout=30)  # (made in time on a busy machine too)
+    ring.timeout = TIMEOUT
     ring._core.device_host_reduce_bytes = 0  # the device ring, not the host path
     x = np.full(5003, RANK, np.float32)
     out = np.empty_like(x)
@@ -733,7 +734,8 @@ def test_a_long_call_that_keeps_moving_never_times_out(world):
     # call takes several timeouts, but chunks keep coming: the clock starts again at
     # each one. (Only one slow rank would leave the others waiting for its whole
     # reduce-scatter before the first all-gather chunk: a real stall.)
-    ring = rr.Communicator(timeout=TIMEOUT)
+    ring = rr.Communicator(timeout=30)  # (made in time on a busy machine too)
+    ring.timeout = TIMEOUT
     ring._core.device_host_reduce_bytes = 0  # the device ring, not the host path
     n = 16003
     x = np.arange(n, dtype=np.float32) + RANK
