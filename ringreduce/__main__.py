@@ -17,13 +17,21 @@ def main(argv=None) -> int:
         return 0 if asked else 2
     import importlib
 
+    return run_command(importlib.import_module(commands[argv[0]]).main, argv[1:])
+
+
+def run_command(main, argv=None) -> int:
+    """main(argv), with what a user does to a command line tool taken as meant."""
     try:
-        return importlib.import_module(commands[argv[0]]).main(argv[1:])
+        return main(argv)
     except BrokenPipeError:
         # Piped into `head` or `less`, which stopped reading: not an error. Python would
         # report the broken pipe again when it flushes stdout at exit, so it goes nowhere.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    except KeyboardInterrupt:  # Ctrl-C: stopped, as asked, without a traceback
+        print("\ninterrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -50,6 +50,9 @@ class Explanation:
 # For reading: the steps and what every rank holds grow as ranks**3 (ranks**4 in
 # memory), so larger rings are for `python -m ringreduce sim`.
 MAX_RANKS = 32
+# A figure has a panel per step, 2(p-1), each with p ranks' p squares: past 8 ranks it
+# takes minutes to draw and its labels run together.
+MAX_DRAWN_RANKS = 8
 MAX_CHUNKS = 4096  # over all segments
 
 
@@ -74,6 +77,8 @@ def explain(ranks: int = 4, count: int = 12, chunk_elems: int | None = None) -> 
     result = Explanation(ranks, count, chunk_elems,
                          [s0.segment(s) for s in range(ranks)],
                          [s0.num_chunks(s) for s in range(ranks)])
+    if count == 0:  # (the core makes no ring steps for nothing: nor does this)
+        return result
     holds = [[[r] for _ in range(ranks)] for r in range(ranks)]
     for phase, send_of, recv_of, reduces in (
             ("reduce-scatter", "reduce_scatter_send_segment", "reduce_scatter_recv_segment", True),
@@ -107,6 +112,10 @@ def _sum(contributors, ranks) -> str:
     return "+".join(f"x{r}" for r in contributors)
 
 
+def _counted(n: int, thing: str) -> str:
+    return f"{n} {thing}" if n == 1 else f"{n} {thing}s"
+
+
 def format_text(e: Explanation) -> str:
     if e.ranks == 1:
         ring = ("on 1 rank.",
@@ -115,13 +124,21 @@ def format_text(e: Explanation) -> str:
         ring = (f"on {e.ranks} ranks. Each rank sends to its right neighbour and receives "
                 "from its left.",
                 f"The buffer is cut into {e.ranks} segments (like np.array_split), each into")
-    lines = [f"Ring all-reduce of {e.count} elements {ring[0]}",
-             f"{ring[1]} chunks of at most {e.chunk_elems} elements:"]
+    lines = [f"Ring all-reduce of {_counted(e.count, 'element')} {ring[0]}",
+             f"{ring[1]} chunks of at most {_counted(e.chunk_elems, 'element')}:"]
     for s, span in enumerate(e.segments):
-        lines.append(f"  S{s}: {_elements(span)}, {e.chunks_per_segment[s]} chunk(s)")
+        lines.append(f"  S{s}: {_elements(span)}, {_counted(e.chunks_per_segment[s], 'chunk')}")
     if e.ranks == 1:
         lines.append("One rank: nothing to send; the result is the input.")
         return "\n".join(lines)
+    if e.count == 0:
+        lines.append("No elements: nothing to send, and no steps; the result is empty.")
+        return "\n".join(lines)
+    if max(e.chunks_per_segment) > 1:
+        lines += textwrap.wrap(
+            f"(The all-gather is shown in these chunks too, as through shared memory; over "
+            f"MPI messages the core sends its chunks up to {_core.COPY_CHUNK_FACTOR} times "
+            "larger, as it only copies.)", width=90)
     width = max(6, max(len(_sum(c, e.ranks)) for step in e.steps for row in step.holds
                        for c in row) + 2)
     for step in e.steps:
@@ -137,10 +154,11 @@ def format_text(e: Explanation) -> str:
                          f"receives S{t.receives} from rank {(t.rank - 1) % e.ranks} and "
                          f"{action}")
         lines.append("  afterwards, whose data each rank's copy of each segment holds:")
-        lines.append("  " + " " * 8 + "".join(f"S{s}".ljust(width) for s in range(e.ranks)))
+        lines.append(("  " + " " * 8 + "".join(f"S{s}".ljust(width)
+                                                for s in range(e.ranks))).rstrip())
         for r, row in enumerate(step.holds):
-            lines.append(f"  rank {r}".ljust(10) + "".join(_sum(c, e.ranks).ljust(width)
-                                                          for c in row))
+            lines.append((f"  rank {r}".ljust(10) + "".join(_sum(c, e.ranks).ljust(width)
+                                                           for c in row)).rstrip())
     per_rank = 2 * (e.ranks - 1) * e.count / e.ranks
     lines.append("")
     lines.append(f"Each rank sent and received 2(p-1)/p x N = {per_rank:g} elements on average "
@@ -228,11 +246,20 @@ def main(argv=None) -> int:
     parser.add_argument("--count", type=int, default=12, help="elements in the buffer")
     parser.add_argument("--chunk", type=int, default=None,
                         help="elements per chunk (None: one chunk per segment)")
-    parser.add_argument("--svg", metavar="FILE", help="also draw the steps (.svg, .png, .pdf)")
+    parser.add_argument("--svg", metavar="FILE", help="also draw the steps (.svg, .png, .pdf; "
+                        f"at most {MAX_DRAWN_RANKS} ranks)")
     args = parser.parse_args(argv)
     if args.svg:  # (checked before the text is printed)
-        if os.path.splitext(args.svg)[1].lower() not in (".svg", ".png", ".pdf"):
+        name = os.path.basename(args.svg)
+        if os.path.splitext(name)[1].lower() not in (".svg", ".png", ".pdf"):
+            if name.lower() in (".svg", ".png", ".pdf"):
+                parser.error(f"--svg: {args.svg!r} has no file name before {name}")
             parser.error(f"--svg: {args.svg!r} does not end in .svg, .png or .pdf")
+        if args.ranks == 1 or args.count == 0:
+            parser.error("--svg: one rank, or no elements, makes no steps to draw")
+        if args.ranks > MAX_DRAWN_RANKS:
+            parser.error(f"--svg draws at most {MAX_DRAWN_RANKS} ranks (a panel per step, "
+                         f"2(p-1) of them), not {args.ranks}; the text shows up to {MAX_RANKS}")
         if not os.path.isdir(os.path.dirname(os.path.abspath(args.svg))):
             parser.error(f"--svg: the folder of {args.svg!r} does not exist")
         try:
@@ -247,7 +274,7 @@ def main(argv=None) -> int:
         parser.error(str(error))
     print(format_text(e))
     if args.svg:
-        if len(e.steps) > 16:  # (some 3 s a panel)
+        if len(e.steps) > 8:  # (some 3 s a panel)
             print(f"\ndrawing {len(e.steps)} panels into {args.svg} ...", file=sys.stderr,
                   flush=True)
         try:
@@ -259,4 +286,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from .__main__ import run_command
+
+    sys.exit(run_command(main))

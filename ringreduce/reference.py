@@ -35,6 +35,8 @@ from __future__ import annotations
 import numpy as np
 from mpi4py import MPI
 
+from ._types import OPS, native, reduction_codes
+
 
 def _multiply(a, b, out):
     if np.iscomplexobj(a):
@@ -114,9 +116,17 @@ def _ring_allgather(work: np.ndarray, bounds: list[tuple[int, int]], comm) -> No
                       recvbuf=_raw(work[slice(*bounds[recv])]), source=left)
 
 
+def _checked(x, op, where: str) -> tuple[np.ndarray, str]:
+    """x as an array, and op's name ("sum" for MPI.SUM too), if the core takes x's dtype
+    with op (else the core's own error: no bools, no integer averages)."""
+    x = np.asarray(x)
+    _, code = reduction_codes(native(x.dtype), op, f"ringreduce.reference.{where}")
+    return x, OPS[code]
+
+
 def allreduce(x, op: str = "sum", comm=MPI.COMM_WORLD) -> np.ndarray:
     """The element-wise reduction of x over all ranks, on every rank."""
-    x = np.asarray(x)
+    x, op = _checked(x, op, "allreduce")
     work = np.array(x, copy=True).reshape(-1)
     _ring_reduce_scatter(work, op, comm)
     _ring_allgather(work, segment_bounds(work.size, comm.Get_size()), comm)
@@ -125,6 +135,7 @@ def allreduce(x, op: str = "sum", comm=MPI.COMM_WORLD) -> np.ndarray:
 
 def reduce_scatter(x, op: str = "sum", comm=MPI.COMM_WORLD) -> np.ndarray:
     """This rank's block (np.array_split layout) of the reduction of x.ravel()."""
+    x, op = _checked(x, op, "reduce_scatter")
     work = np.array(x, copy=True).reshape(-1)
     _ring_reduce_scatter(work, op, comm)
     start, stop = segment_bounds(work.size, comm.Get_size())[comm.Get_rank()]
@@ -150,7 +161,7 @@ def naive_allreduce(x, op: str = "sum", comm=MPI.COMM_WORLD, root: int = 0) -> n
     (p-1)·N bytes in and (p-1)·N out while the other ranks wait; the ring spreads
     2(p-1)/p·N over every rank."""
     rank, size = comm.Get_rank(), comm.Get_size()
-    x = np.asarray(x)
+    x, op = _checked(x, op, "naive_allreduce")
     result = np.array(x, copy=True).reshape(-1)
     if rank == root:
         incoming = np.empty_like(result)

@@ -24,6 +24,8 @@ import os
 import sys
 import time
 from dataclasses import dataclass
+from decimal import Decimal, InvalidOperation
+from fractions import Fraction
 
 from . import _core
 
@@ -52,10 +54,27 @@ class Result:
         return max(self.bytes_sent)
 
 
+def _check(ranks, count, elem_size=4) -> None:
+    if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
+        raise ValueError(f"ranks must be a positive int, got {ranks!r}")
+    if isinstance(count, bool) or not isinstance(count, int) or not 0 <= count < 1 << 62:
+        raise ValueError(f"count must be an int from 0 to 2**62 - 1, got {count!r}")
+    if isinstance(elem_size, bool) or not isinstance(elem_size, int) or elem_size < 1:
+        raise ValueError(f"elem_size must be a positive int (bytes), got {elem_size!r}")
+
+
+def _nothing(algorithm: str, ranks: int) -> Result:
+    """No elements: no algorithm moves anything (the core makes no ring steps)."""
+    return Result(algorithm, ranks, 0, 0, [0] * ranks, [0] * ranks, 0.0)
+
+
 def ring(ranks: int, count: int, elem_size: int = 4, alpha=ALPHA, beta=BETA,
          gamma=GAMMA, progress=None) -> Result:
     """Runs RingSchedule for every virtual rank: what the core would send and when.
     progress, if given, is called as progress(steps done, steps in all) after each step."""
+    _check(ranks, count, elem_size)
+    if count == 0:
+        return _nothing("ring", ranks)
     schedules = [_core.RingSchedule(r, ranks, count, max(1, count)) for r in range(ranks)]
     sent = [0] * ranks
     received = [0] * ranks
@@ -82,6 +101,9 @@ def ring(ranks: int, count: int, elem_size: int = 4, alpha=ALPHA, beta=BETA,
 def naive(ranks: int, count: int, elem_size: int = 4, alpha=ALPHA, beta=BETA,
           gamma=GAMMA) -> Result:
     """Reduce to rank 0, then send the result to every rank, one message at a time."""
+    _check(ranks, count, elem_size)
+    if count == 0:
+        return _nothing("naive", ranks)
     n = count * elem_size
     sent = [n] * ranks
     received = [n] * ranks
@@ -95,6 +117,9 @@ def naive(ranks: int, count: int, elem_size: int = 4, alpha=ALPHA, beta=BETA,
 
 def recursive_doubling(ranks: int, count: int, elem_size: int = 4, alpha=ALPHA, beta=BETA,
                        gamma=GAMMA) -> Result:
+    _check(ranks, count, elem_size)
+    if count == 0:
+        return _nothing("recursive doubling", ranks)
     n = count * elem_size
     power = 1 << (ranks.bit_length() - 1)
     extra = ranks - power  # these fold into a partner first and get the result last
@@ -188,10 +213,7 @@ def pipeline(ranks: int, count: int, chunk_elems: int, elem_size: int = 4, alpha
     memory costs a rank that sends and adds at once.
     progress, if given, is called as progress(steps done, steps in all) after each step.
     """
-    if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
-        raise ValueError(f"ranks must be a positive int, got {ranks!r}")
-    if isinstance(count, bool) or not isinstance(count, int) or not 0 <= count < 1 << 62:
-        raise ValueError(f"count must be an int from 0 to 2**62 - 1, got {count!r}")
+    _check(ranks, count, elem_size)
     chunk_elems = _chunk_elems(chunk_elems, "chunk_elems", count, ranks)
     gather_elems = _chunk_elems(chunk_elems if allgather_chunk_elems is None
                                 else allgather_chunk_elems, "allgather_chunk_elems", count, ranks)
@@ -309,15 +331,24 @@ def _size(nbytes: int) -> str:
 
 
 def parse_bytes(text: str) -> int:
+    """'64K' -> 65536: K, M, G are powers of 1024 (KB, KiB too); '1.5M' and '1e3' are
+    sizes, '0.1K' (102.4 bytes) is not: ValueError."""
     units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    text = text.strip().upper().removesuffix("B").removesuffix("I")
-    if text and text[-1] in units:
-        return int(float(text[:-1]) * units[text[-1]])
-    return int(text)
+    number = text.strip().upper().removesuffix("B").removesuffix("I")
+    factor = 1
+    if number and number[-1] in units:
+        number, factor = number[:-1], units[number[-1]]
+    try:
+        value = Fraction(Decimal(number.strip())) * factor
+    except (InvalidOperation, ValueError, OverflowError):  # (not a number; inf or NaN)
+        raise ValueError(f"{text!r} is not a size (e.g. 8, 64K, 100M, 1.5G)") from None
+    if value.denominator != 1:
+        raise ValueError(f"{text!r} is {float(value):g} bytes, not a whole number of them")
+    return int(value)
 
 
-# From here on ring() runs for seconds (p * 2(p-1) schedule lookups: 10 s for 2048 ranks,
-# 40 s for 4096), so main() shows how far it is.
+# From here on ring() runs for seconds (p * 2(p-1) schedule lookups: some 15 s for 2048
+# ranks, four times that for 4096), so main() shows how far it is.
 SLOW_RING_RANKS = 1024
 
 
@@ -365,14 +396,15 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ringreduce sim",
                                      description="Model all-reduce algorithms at any scale.",
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--ranks", type=int, nargs="+", default=[4, 64, 1024],
-                        help="ring sizes to model, one row each")
+    parser.add_argument("--ranks", type=int, nargs="+", action="extend",
+                        default=argparse.SUPPRESS,
+                        help="ring sizes to model, one row each (default: 4 64 1024)")
     parser.add_argument("--bytes", default="100M", metavar="SIZE",
                         help="buffer size per rank, e.g. 8, 64K, 100M (K, M, G: powers of 1024)")
     parser.add_argument("--alpha", type=float, default=ALPHA, help="seconds per message")
     parser.add_argument("--beta", type=float, default=BETA, help="seconds per byte moved")
     parser.add_argument("--gamma", type=float, default=GAMMA, help="seconds per byte reduced")
-    parser.add_argument("--chunk", nargs="+", default=[], metavar="SIZE",
+    parser.add_argument("--chunk", nargs="+", action="extend", default=[], metavar="SIZE",
                         help="also model the ring pipelined in chunks of each SIZE, chunk by "
                              "chunk (the ring row above has one chunk per segment)")
     parser.add_argument("--allgather-factor", type=int, default=_core.COPY_CHUNK_FACTOR,
@@ -383,10 +415,11 @@ def main(argv=None) -> int:
                         help="draw the pipeline, one chunk per segment above each --chunk "
                              "(one --ranks value, at most 8; .svg, .png or .pdf)")
     args = parser.parse_args(argv)
+    args.ranks = getattr(args, "ranks", None) or [4, 64, 1024]  # (--ranks 3 --ranks 5: both)
     try:
         nbytes = parse_bytes(args.bytes)
-    except (ValueError, OverflowError):
-        parser.error(f"--bytes: {args.bytes!r} is not a size (e.g. 8, 64K, 100M, 1.5G)")
+    except ValueError as error:
+        parser.error(f"--bytes: {error}")
     if any(p < 1 for p in args.ranks) or nbytes < 0:
         parser.error("ranks must be >= 1 and bytes >= 0")
     if max(args.ranks) > MAX_RANKS:
@@ -403,8 +436,8 @@ def main(argv=None) -> int:
     for text in args.chunk:
         try:
             chunks.append(parse_bytes(text))
-        except (ValueError, OverflowError):
-            parser.error(f"--chunk: {text!r} is not a size (e.g. 64K, 1M)")
+        except ValueError as error:
+            parser.error(f"--chunk: {error}")
         if chunks[-1] < 4 or chunks[-1] % 4:
             parser.error(f"--chunk: {text!r} is not a whole number of float32 elements (4 bytes)")
         if chunks[-1] // 4 > MAX_CHUNK_ELEMS:
@@ -419,8 +452,10 @@ def main(argv=None) -> int:
     if args.timeline:
         if not chunks:
             parser.error("--timeline needs --chunk")
-        if len(args.ranks) != 1 or not 2 <= args.ranks[0] <= 8:
-            parser.error("--timeline draws one ring of 2 to 8 ranks: give one --ranks value")
+        if len(args.ranks) != 1:
+            parser.error("--timeline draws one ring: give one --ranks value")
+        if not 2 <= args.ranks[0] <= 8:
+            parser.error(f"--timeline draws a ring of 2 to 8 ranks, not {args.ranks[0]}")
         most = max(chunks_per_segment(args.ranks[0], count, c // 4) for c in chunks)
         if most > 64:
             parser.error(f"--timeline draws at most 64 chunks per segment, not {most}: use "
@@ -450,7 +485,8 @@ def main(argv=None) -> int:
     print(f"all-reduce of {nbytes} bytes (float32) per rank; alpha={args.alpha:g} s, "
           f"beta={args.beta:g} s/B, gamma={args.gamma:g} s/B")
     if chunks:
-        print(f"(ring in chunks: all-gather in chunks {args.allgather_factor} times larger)")
+        print("(ring in chunks: all-gather in the same chunks)" if args.allgather_factor == 1
+              else f"(ring in chunks: all-gather in chunks {args.allgather_factor} times larger)")
     print("| ranks | algorithm | steps | most bytes sent by one rank | modelled time |")
     print("|---|---|---|---|---|")
     for p in args.ranks:
@@ -482,4 +518,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from .__main__ import run_command
+
+    sys.exit(run_command(main))

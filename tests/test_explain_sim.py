@@ -3,9 +3,11 @@ import shlex
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
-from ringreduce import _core, sim
+import ringreduce as rr
+from ringreduce import _core, reference, sim
 from ringreduce.explain import explain, format_text
 
 
@@ -157,6 +159,14 @@ def test_pipeline_reports_each_step_of_both_phases():
     (["sim", "--ranks", "3", "--chunk", "1M", "--timeline", "t.xyz"], "does not end in .svg"),
     (["sim", "--ranks", "2", "--chunk", "64K", "--timeline", "t.svg"], "at most 64 chunks per"),
     (["bogus"], "usage: python -m ringreduce"),
+    (["sim", "--bytes", "0.1K"], "--bytes: '0.1K' is 102.4 bytes, not a whole number"),
+    (["sim", "--bytes", "1.0001K"], "not a whole number"),
+    (["sim", "--chunk", "1.5"], "--chunk: '1.5' is 1.5 bytes, not a whole number"),
+    (["sim", "--ranks", "9", "--chunk", "1K", "--timeline", "t.svg"], "not 9"),
+    (["explain", "--ranks", "9", "--svg", "r.svg"], "--svg draws at most 8 ranks"),
+    (["explain", "--svg", ".svg"], "'.svg' has no file name before .svg"),
+    (["explain", "--ranks", "1", "--svg", "r.svg"], "makes no steps to draw"),
+    (["explain", "--count", "0", "--svg", "r.svg"], "makes no steps to draw"),
 ])
 def test_command_lines_refuse_what_they_cannot_do(argv, message):
     # A usage error, at once: not a traceback, a negative time, or minutes of work
@@ -315,3 +325,84 @@ def test_the_pipeline_table_in_the_docs_is_what_the_simulator_says():
 
     said = f"takes {reduce_scatter_ms(1 << 18):.2f} ms instead of {reduce_scatter_ms(1 << 20):.2f} ms"
     assert said in " ".join(page.split()), said
+
+
+def test_explain_prints_no_trailing_spaces_and_says_where_all_gather_chunks_differ():
+    text = format_text(explain(3, 7, 2))
+    assert all(line == line.rstrip() for line in text.splitlines())
+    assert "chunks of at most 2 elements" in text and "S1: elements 3-4, 1 chunk\n" in text
+    said = " ".join(text.split())
+    assert f"up to {_core.COPY_CHUNK_FACTOR} times larger" in said
+    assert "times larger" not in format_text(explain(3, 7))  # (one chunk per segment)
+    assert "at most 1 element:" in format_text(explain(2, 2))
+
+
+def test_nothing_to_reduce_makes_no_steps_in_explain_and_sim():
+    # As the core: no ring steps for no elements, and no time.
+    e = explain(4, 0)
+    assert e.steps == []
+    assert "no steps" in format_text(e)
+    for algorithm in sim.ALGORITHMS.values():
+        r = algorithm(3, 0)
+        assert (r.steps, r.seconds, r.max_bytes_sent) == (0, 0.0, 0)
+    assert sim.pipeline(3, 0, 4).seconds == 0.0
+
+
+def test_ranks_bytes_differ_by_up_to_two_elements_when_segments_are_uneven():
+    # Rank r sends every segment but its own (reduce-scatter) and its right
+    # neighbour's (all-gather), as docs/ring.md says.
+    for ranks, count in ((4, 6), (5, 7), (3, 10)):
+        bounds = [(a, a + n) for a, n in (_core.RingSchedule(0, ranks, count, count)
+                                          .segment(s) for s in range(ranks))]
+        size = [b - a for a, b in bounds]
+        expected = [4 * (2 * count - size[r] - size[(r + 1) % ranks]) for r in range(ranks)]
+        assert sim.ring(ranks, count).bytes_sent == expected
+    assert max(sim.ring(4, 6).bytes_sent) - min(sim.ring(4, 6).bytes_sent) == 2 * 4
+
+
+@pytest.mark.parametrize("call", [lambda: sim.ring(0, 10), lambda: sim.naive(3, -5),
+                                  lambda: sim.recursive_doubling(0, 10),
+                                  lambda: sim.ring(2, 10, elem_size=0)])
+def test_the_models_refuse_what_no_ring_is(call):
+    with pytest.raises(ValueError, match="must be"):
+        call()
+
+
+def test_sizes_are_whole_bytes():
+    assert sim.parse_bytes("1e3") == 1000
+    assert sim.parse_bytes("1.5M") == 3 << 19
+    assert sim.parse_bytes("64KiB") == sim.parse_bytes("64kb") == 65536
+    for bad in ("0.1K", "1.0001K", "nan", "inf", "", "K"):
+        with pytest.raises(ValueError):
+            sim.parse_bytes(bad)
+
+
+def test_sim_takes_repeated_ranks_options_together():
+    done = subprocess.run([sys.executable, "-m", "ringreduce", "sim", "--ranks", "3",
+                           "--ranks", "5", "--bytes", "1K"], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "| 3 | ring |" in done.stdout and "| 5 | ring |" in done.stdout
+    assert "| 64 |" not in done.stdout  # (the default list is not added to)
+
+
+def test_ctrl_c_ends_a_command_without_a_traceback(capsys):
+    from ringreduce.__main__ import run_command
+
+    def interrupted(argv):
+        raise KeyboardInterrupt
+
+    assert run_command(interrupted, []) == 130
+    assert capsys.readouterr().err.strip() == "interrupted"
+
+
+def test_the_reference_refuses_what_the_core_refuses():
+    # (One rank: COMM_WORLD of this process.)
+    with pytest.raises(rr.UnsupportedOpError, match="integer average"):
+        reference.allreduce(np.ones(3, np.int32), "avg")
+    with pytest.raises(TypeError, match="dtype bool"):
+        reference.allreduce(np.ones(3, bool))
+    with pytest.raises(ValueError, match="op 'mean' is not one of"):
+        reference.reduce_scatter(np.ones(3), "mean")
+    from mpi4py import MPI
+    np.testing.assert_array_equal(reference.allreduce(np.arange(3.0), MPI.MAX), np.arange(3.0))
