@@ -29,8 +29,11 @@ class PowerSGD:
     def __init__(self, rank: int = 4, seed: int = 0):
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
             raise ValueError(f"PowerSGD: rank must be a positive int, got {rank!r}")
+        # (Each parameter's first Q comes from default_rng(seed + its index).)
+        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+            raise ValueError(f"PowerSGD: seed must be an int >= 0, got {seed!r}")
         self.rank = rank
-        self.seed = seed
+        self.seed = int(seed)
         self._q: dict[int, object] = {}      # parameter index -> Q (m x r), warm start
         self._error: dict[int, object] = {}  # parameter index -> what was not sent yet
 
@@ -99,8 +102,13 @@ class PowerSGD:
         """Once Q is averaged: the approximation P Q^T, and the bytes this rank sent."""
         call.handle.wait()
         approximation = call.p @ call.q.T
+        result = approximation.reshape(call.grad.shape).astype(call.grad.dtype, copy=False)
         if bool(array_module(call.q).isfinite(call.q).all()):
-            self._error[call.index] = call.matrix - approximation
+            # What the update gets is the result, in the gradient's own dtype: what
+            # rounding a 16-bit one loses is missed too, and fed back with the rest.
+            used = approximation if result.dtype == approximation.dtype else \
+                result.reshape(approximation.shape).astype(approximation.dtype)
+            self._error[call.index] = call.matrix - used
             self._q[call.index] = call.q
         else:
             # An inf or NaN on any rank reaches every rank's Q, the same on all. It is
@@ -109,8 +117,7 @@ class PowerSGD:
             # from the seed again, nothing fed back.
             self._q.pop(call.index, None)
             self._error.pop(call.index, None)
-        return approximation.reshape(call.grad.shape).astype(call.grad.dtype, copy=False), \
-            call.p.nbytes + call.q.nbytes
+        return result, call.p.nbytes + call.q.nbytes
 
     def state_dict(self) -> dict:
         return {"rank": self.rank, "seed": self.seed, "q": dict(self._q),

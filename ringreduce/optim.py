@@ -14,7 +14,10 @@ with ``grad_ready`` the communication overlaps the rest of the backward pass.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import math
+import pickle
+import sys
 import time
 import zlib
 
@@ -95,6 +98,61 @@ def _optimizer_settings(optimizer) -> str:
             value = "?"
         settings.append((name, value))
     return repr(settings)
+
+
+class _Slot:
+    """Where an array was in a state dict sent without its arrays."""
+
+    def __init__(self, index, array):
+        self.index, self.shape, self.dtype = index, tuple(array.shape), array.dtype
+        self.module = array_module(array).__name__
+
+
+class _StateRefused:
+    def __init__(self, reason: str):
+        self.reason = reason
+
+
+def _without_arrays(state, arrays: list):
+    """state (dicts, lists and tuples of anything) with each array replaced by a _Slot,
+    the arrays appended to `arrays` (contiguous), in order."""
+    if isinstance(state, dict):
+        return {k: _without_arrays(v, arrays) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(_without_arrays(v, arrays) for v in state)
+    if hasattr(state, "shape") and hasattr(state, "dtype") and not isinstance(state, np.generic):
+        # (ascontiguousarray() makes a 0-d array 1-d)
+        arrays.append(array_module(state).ascontiguousarray(state) if state.ndim else state)
+        return _Slot(len(arrays) - 1, state)
+    return state
+
+
+def _slots(skeleton) -> list:
+    if isinstance(skeleton, dict):
+        return [s for v in skeleton.values() for s in _slots(v)]
+    if isinstance(skeleton, (list, tuple)):
+        return [s for v in skeleton for s in _slots(v)]
+    return [skeleton] if isinstance(skeleton, _Slot) else []
+
+
+def _with_arrays(skeleton, arrays: list):
+    if isinstance(skeleton, dict):
+        return {k: _with_arrays(v, arrays) for k, v in skeleton.items()}
+    if isinstance(skeleton, (list, tuple)):
+        return type(skeleton)(_with_arrays(v, arrays) for v in skeleton)
+    return arrays[skeleton.index] if isinstance(skeleton, _Slot) else skeleton
+
+
+def _being_handled(error: BaseException) -> bool:
+    """Whether this thread is in an except block of `error`, or of an exception raised
+    while handling it (or from it)."""
+    current, seen = sys.exc_info()[1], set()
+    while current is not None and id(current) not in seen:
+        if current is error:
+            return True
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return False
 
 
 def _quietly(f, *args):
@@ -336,7 +394,11 @@ class _Bucket:
             self.slices[i] = slice(offset, offset + params[i].size)
             offset += params[i].size
         self.buffer = xp.zeros(offset, params[indices[0]].dtype)
-        self.wire = None if wire_dtype == self.buffer.dtype else xp.empty(offset, wire_dtype)
+        # float16 travels scaled and divided before the sum (see _send_16_bit) even
+        # where the parameters are float16 themselves: their plain average, a float16
+        # sum divided after, overflows to inf from 65504 / p.
+        self.wire = None if wire_dtype == self.buffer.dtype != np.float16 else \
+            xp.empty(offset, wire_dtype)
         # float16 only: the power of two the gradients travel multiplied by.
         scaled = self.wire is not None and self.wire.dtype == np.float16
         self.scale = _Fp16Scale(ranks) if scaled else None
@@ -392,6 +454,11 @@ class DistributedOptimizer:
             raise TypeError("DistributedOptimizer: optimizer must have .params and .step(grads) "
                             f"(as ringreduce.optim.SGD and Adam do), got {type(optimizer).__name__}")
         self.params = _check_params(optimizer.params, "DistributedOptimizer")
+        for i, p in enumerate(self.params):
+            if not p.dtype.isnative:  # (the ring's buffers are native, and so its results)
+                raise ValueError(f"DistributedOptimizer: params[{i}] has dtype {p.dtype.str}, "
+                                 "in the other byte order than this machine's: make it "
+                                 "p.astype(p.dtype.newbyteorder('='))")
         check_bucket_mb(bucket_mb, "DistributedOptimizer")
         self.compression = compression
         self.powersgd = compression if isinstance(compression, _compression.PowerSGD) else None
@@ -424,8 +491,13 @@ class DistributedOptimizer:
         self._next_to_start = 0      # the first unit of _units not started yet
         self._accumulating = False   # inside no_sync()
         self._accumulated = False    # the buckets hold gradients from no_sync() steps
+        # Inside no_sync(): (index, gradient, earlier low-rank sum) of each gradient given
+        # in this micro-batch, to take out again if it fails (see _undo_micro_batch()).
+        self._micro_batch: list = []
         self._abandoning = False     # inside abandon_step(): calls go with _ABANDONED_OP
-        self._abandoned_by_error = False  # an error abandoned the step; nothing given since
+        # The error that abandoned the step, while nothing was given since: an
+        # abandon_step() in its handler has nothing left to do (see abandon_step()).
+        self._abandoned_by = None
         self.bytes_sent = 0          # payload bytes this rank handed to allreduce
         self.comm_seconds = 0.0      # time step() spent waiting for communication
         self._model_texts = self._texts_to_agree_on()  # (here: what fails in it is refused)
@@ -433,9 +505,47 @@ class DistributedOptimizer:
     # -- public ---------------------------------------------------------------------
 
     def broadcast_parameters(self, root: int = 0) -> None:
-        """Overwrite every rank's parameters with root's, so all replicas start equal."""
+        """Overwrite every rank's parameters with root's, so all replicas start equal,
+        and the wrapped optimizer's state (what its state_dict() holds: momentum,
+        Adam's moments and step count), so that a replica left behind goes on equal.
+        Collective."""
         for p in self.params:
             self.comm.broadcast(p, root=root)
+        self._broadcast_optimizer_state(root)
+
+    def _broadcast_optimizer_state(self, root: int) -> None:
+        optimizer = self.optimizer
+        if not (callable(getattr(optimizer, "state_dict", None))
+                and callable(getattr(optimizer, "load_state_dict", None))):
+            return
+        # Root's state without its arrays travels pickled (its size first), then each
+        # array by the ring, all through this communicator (its timeout, its thread rules).
+        arrays: list = []
+        if self.comm.rank == root:
+            try:
+                payload = pickle.dumps(_without_arrays(optimizer.state_dict(), arrays))
+            except Exception as error:  # (the others must not wait for what never comes)
+                payload = pickle.dumps(_StateRefused(f"{type(error).__name__}: {error}"))
+                arrays = []
+            size = np.array([len(payload)], np.int64)
+        else:
+            size = np.zeros(1, np.int64)
+        self.comm.broadcast(size, root=root)
+        raw = np.frombuffer(payload, np.uint8).copy() if self.comm.rank == root else \
+            np.empty(int(size[0]), np.uint8)
+        self.comm.broadcast(raw, root=root)
+        skeleton = pickle.loads(raw.tobytes())
+        if isinstance(skeleton, _StateRefused):
+            raise RuntimeError(f"DistributedOptimizer.broadcast_parameters: the parameters are "
+                               f"rank {root}'s, but not its optimizer's state: its "
+                               f"state_dict() raised {skeleton.reason}")
+        if self.comm.rank != root:
+            arrays = [importlib.import_module(slot.module).empty(slot.shape, slot.dtype)
+                      for slot in _slots(skeleton)]
+        for a in arrays:
+            self.comm.broadcast(a, root=root)
+        if self.comm.rank != root:
+            optimizer.load_state_dict(_with_arrays(skeleton, arrays))
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -457,11 +567,11 @@ class DistributedOptimizer:
         the step stands, and step() finishes it; and inside no_sync(), where nothing
         was sent, the sums accumulated before stay. Give none of that step's
         gradients after the error: the next one given begins the next step."""
-        self._abandoned_by_error = False  # (a gradient given, even one refused, begins one)
+        self._abandoned_by = None  # (a gradient given, even one refused, begins one)
         try:
             self._report(index, grad)
-        except BaseException:
-            self._abandon_unless_all_started()
+        except BaseException as error:
+            self._abandon_unless_all_started(error)
             raise
 
     def _report(self, index: int, grad) -> None:
@@ -483,6 +593,9 @@ class DistributedOptimizer:
                 raise ValueError(f"{who}: params[{index}] was reported twice in one step")
             self._add_to_bucket(bucket, index, grad)
             bucket.reported.add(index)
+            earlier = None
+        if self._accumulating:
+            self._micro_batch.append((index, grad, earlier))
         if not self._accumulating:
             self._start_complete_units()  # (an fp16 bucket's agreement on its scale, say)
 
@@ -494,7 +607,7 @@ class DistributedOptimizer:
         An error abandons the step, as in grad_ready().
         """
         if grads is not None:
-            self._abandoned_by_error = False  # (as in grad_ready)
+            self._abandoned_by = None  # (as in grad_ready)
         try:
             if grads is not None:
                 grads = _check_grads(grads, self.params, "DistributedOptimizer.step")
@@ -509,24 +622,26 @@ class DistributedOptimizer:
             if missing:
                 raise ValueError(f"DistributedOptimizer.step: no gradient reported for params "
                                  f"{sorted(missing)} (call grad_ready for each, or step(grads))")
-        except BaseException:
-            self._abandon_unless_all_started()
+        except BaseException as error:
+            self._abandon_unless_all_started(error)
             raise
         if self._accumulating:  # one micro-batch done: keep the sums, send nothing
             if self._next_to_start > 0:
                 # Their all-reduces have started (outside no_sync) and overwrite the
                 # sums with averages: nothing is left to accumulate.
                 self.abandon_step()
-                self._abandoned_by_error = True
-                raise ValueError("DistributedOptimizer.step: called inside no_sync(), but "
-                                 "gradients of this step were given to grad_ready() outside "
-                                 "it, which started their all-reduce; this step's gradients "
-                                 "(and any accumulated before) are dropped. Give a step's "
-                                 "gradients and call its step() on the same side of no_sync()")
+                self._abandoned_by = ValueError(
+                    "DistributedOptimizer.step: called inside no_sync(), but gradients of "
+                    "this step were given to grad_ready() outside it, which started their "
+                    "all-reduce; this step's gradients (and any accumulated before) are "
+                    "dropped. Give a step's gradients and call its step() on the same side "
+                    "of no_sync()")
+                raise self._abandoned_by
             self._accumulated = True
             for b in self._buckets:
                 b.reported.clear()
             self._low_rank_reported.clear()
+            self._micro_batch.clear()
             return
         averaged = [None] * len(self.params)
         start = time.perf_counter()
@@ -552,17 +667,17 @@ class DistributedOptimizer:
                 averaged[i] = self.powersgd.finish(self._low_rank_calls[i])[0]
         except MismatchError as error:
             self.abandon_step()
-            self._abandoned_by_error = True
-            raise MismatchError(
+            self._abandoned_by = MismatchError(
                 f"DistributedOptimizer.step (rank {self.comm.rank} of {self.comm.size}): this "
                 "step's all-reduces did not pair up with the other ranks', so it is dropped "
                 "here, without an update; the next step starts clean. Another rank abandoned "
                 "the step (abandon_step(), as after an exception in its backward pass), "
                 "stepped another DistributedOptimizer ('the caller's check' below differs), "
-                f"or made other calls in their place: {error}") from error
-        except BaseException:
+                f"or made other calls in their place: {error}")
+            raise self._abandoned_by from error
+        except BaseException as error:
             self.abandon_step()
-            self._abandoned_by_error = True
+            self._abandoned_by = error
             raise
         finally:
             self.comm_seconds += time.perf_counter() - start
@@ -639,8 +754,9 @@ class DistributedOptimizer:
         """Drop the step begun, without an update: the gradients given since the last
         step, and those accumulated in no_sync(). For after an exception halfway
         through backward; after an error inside step() or grad_ready() it is done
-        already (and this, if nothing was given since, makes no calls: a second set
-        would pair with the others' next step). Collective: ranks may have got to
+        already (and this, in the except block of that error with nothing given since,
+        makes no calls: a second set would pair with the others' next step; elsewhere
+        it abandons the next step). Collective: ranks may have got to
         different points, so each makes the rest of the step's all-reduces, with 0s
         for the gradients not given, and every rank has then made the same calls
         (none pairs with a call of the next step elsewhere). All are waited for, what
@@ -654,10 +770,13 @@ class DistributedOptimizer:
         no_sync(), where it makes none, nor once it had given every gradient, which
         started all its calls as a step's: there the others cannot tell, so every rank
         must abandon that step (see docs/training.md)."""
-        if self._abandoned_by_error and self._untouched():
-            # grad_ready() or step() abandoned this step already, at its error: a second
-            # set of calls would pair with the others' next step (steps mixed, silently).
-            self._abandoned_by_error = False
+        error, self._abandoned_by = self._abandoned_by, None
+        if error is not None and self._untouched() and _being_handled(error):
+            # In the handler of the error at which grad_ready() or step() abandoned this
+            # step already: a second set of calls would pair with the others' next step
+            # (steps mixed, silently). Anywhere else, with nothing given since, it is the
+            # next step that is abandoned (a NaN loss before any gradient, say), as on
+            # the ranks that met no error.
             return
         if not self._accumulating or self._next_to_start > 0:
             self._abandoning = True
@@ -671,18 +790,43 @@ class DistributedOptimizer:
                 _quietly(handle.wait)
         self._new_step()
 
-    def _abandon_unless_all_started(self):
+    def _abandon_unless_all_started(self, error: BaseException):
         """After an error in grad_ready() or step(). Where every all-reduce of the step
         has started (outside no_sync), as a step's, the others cannot be told: their
         step() would use them, and abandoning here alone would leave this replica
-        behind. The step stands then (the error took nothing in), for step() to finish."""
+        behind. The step stands then (the error took nothing in), for step() to finish.
+        Inside no_sync(), where no rank has sent anything, only the failed micro-batch
+        is dropped: the sums of those before stay."""
         if self._accumulating and self._next_to_start == 0:
-            return  # (inside no_sync nothing was sent: the sums stay, as the error left them)
-        if self._abandoned_by_error and self._untouched():
-            return  # (abandoned at the last error, and nothing given since)
+            self._undo_micro_batch()
+            return
+        if self._abandoned_by is not None and self._untouched():
+            # Abandoned at an earlier error, and nothing given since: this error is
+            # still that step's (step() called again in its handler, say).
+            if _being_handled(self._abandoned_by):
+                return
         if self._next_to_start < len(self._units):
-            self.abandon_step()
-            self._abandoned_by_error = True
+            self.abandon_step()  # (inside no_sync with nothing started: makes no calls)
+            self._abandoned_by = error
+
+    def _undo_micro_batch(self) -> None:
+        """Takes the gradients given in this micro-batch (inside no_sync()) out of the
+        sums again, so that the next micro-batch can give them: a low-rank sum goes back
+        to what it was, a bucket's slot has the gradient subtracted (to rounding) or,
+        in a step's first micro-batch, is simply overwritten by the next one's."""
+        for index, grad, earlier in reversed(self._micro_batch):
+            if index in self._low_rank:
+                self._low_rank_reported.discard(index)
+                if earlier is None:
+                    self._low_rank_sums.pop(index, None)
+                else:
+                    self._low_rank_sums[index] = earlier
+            else:
+                bucket = self._bucket_of[index]
+                bucket.reported.discard(index)
+                if self._accumulated:
+                    bucket.buffer[bucket.slices[index]] -= grad.reshape(-1)
+        self._micro_batch.clear()
 
     def _untouched(self) -> bool:
         return (self._next_to_start == 0 and not self._low_rank_reported
@@ -708,6 +852,7 @@ class DistributedOptimizer:
                 _quietly(self.powersgd.project, call, self.comm, _ABANDONED_OP, self._call_check)
 
     def _new_step(self):
+        self._micro_batch.clear()
         for b in self._buckets:
             b.handle = None
             b.reported.clear()
