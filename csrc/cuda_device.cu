@@ -36,13 +36,13 @@ bool thread_has_context() noexcept {
   return get_current == nullptr || get_current(&context) != 0 || context != nullptr;
 }
 
-// The GPU current on this thread, to give back after a call; `ours` where the thread
-// had none (it keeps ours: see thread_has_context()).
-int current_device_or(int ours) noexcept {
+// The GPU current on this thread, to give back after a call that sets `ours`; -1 where
+// the thread had no CUDA context (it keeps ours after: see thread_has_context()).
+int device_to_give_back(int ours) noexcept {
   int current = ours;
   if (cudaGetDevice(&current) != cudaSuccess) current = ours;
   (void)cudaGetLastError();
-  return current != ours && !thread_has_context() ? ours : current;
+  return current != ours && !thread_has_context() ? -1 : current;
 }
 
 class CudaDevice final : public Device {
@@ -77,7 +77,7 @@ class CudaDevice final : public Device {
   void begin(void* ready) override {
     // cudaSetDevice is per thread, and calls may come from the async worker thread;
     // end() gives the caller its current device back (see give_back_device()).
-    callers_device_ = current_device_or(ordinal_);
+    callers_device_ = device_to_give_back(ordinal_);
     if (callers_device_ != ordinal_) check(cudaSetDevice(ordinal_), "cudaSetDevice");
     used_events_ = 0;
     try {
@@ -96,7 +96,8 @@ class CudaDevice final : public Device {
     check(cudaStreamWaitEvent(static_cast<cudaStream_t>(user_stream), events_[all], 0),
           "cudaStreamWaitEvent(caller's stream)");
     check(cudaEventSynchronize(events_[all]), "cudaEventSynchronize");
-    if (callers_device_ != ordinal_) check(cudaSetDevice(callers_device_), "cudaSetDevice");
+    if (callers_device_ >= 0 && callers_device_ != ordinal_)
+      check(cudaSetDevice(callers_device_), "cudaSetDevice");
   }
 
   void abandon() override {
@@ -106,13 +107,13 @@ class CudaDevice final : public Device {
   }
 
   int make_current() noexcept override {
-    const int previous = current_device_or(ordinal_);
+    const int previous = device_to_give_back(ordinal_);
     if (previous != ordinal_) cudaSetDevice(ordinal_);
     (void)cudaGetLastError();
     return previous;
   }
   void restore_current(int previous) noexcept override {
-    if (previous != ordinal_) cudaSetDevice(previous);
+    if (previous >= 0 && previous != ordinal_) cudaSetDevice(previous);
     (void)cudaGetLastError();
   }
 
@@ -182,7 +183,7 @@ class CudaDevice final : public Device {
   // and the worker thread's "current GPU" before our first call is GPU 0, whichever
   // GPU the rank uses (the Python side makes the array's GPU current there first).
   void give_back_device() {
-    if (callers_device_ != ordinal_) cudaSetDevice(callers_device_);
+    if (callers_device_ >= 0 && callers_device_ != ordinal_) cudaSetDevice(callers_device_);
     (void)cudaGetLastError();
   }
   [[noreturn]] void fail(const std::string& what) const {

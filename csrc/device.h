@@ -42,8 +42,9 @@ class Device {
   // then give the caller its current GPU back. Never throws.
   virtual void abandon() = 0;
   // Outside a call (freeing at close, or on a change of GPU): makes our GPU this
-  // thread's current one and returns the one that was, for restore_current(). Freeing
-  // with no GPU current would first make a context on GPU 0. Never throw.
+  // thread's current one and returns the one that was, for restore_current() (-1: none
+  // to give back, the thread had no context). Freeing with no GPU current would first
+  // make a context on GPU 0. Never throw.
   virtual int make_current() noexcept = 0;
   virtual void restore_current(int previous) noexcept = 0;
 
