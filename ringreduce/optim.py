@@ -14,10 +14,7 @@ with ``grad_ready`` the communication overlaps the rest of the backward pass.
 from __future__ import annotations
 
 import contextlib
-import importlib
 import math
-import pickle
-import sys
 import time
 import zlib
 
@@ -98,61 +95,6 @@ def _optimizer_settings(optimizer) -> str:
             value = "?"
         settings.append((name, value))
     return repr(settings)
-
-
-class _Slot:
-    """Where an array was in a state dict sent without its arrays."""
-
-    def __init__(self, index, array):
-        self.index, self.shape, self.dtype = index, tuple(array.shape), array.dtype
-        self.module = array_module(array).__name__
-
-
-class _StateRefused:
-    def __init__(self, reason: str):
-        self.reason = reason
-
-
-def _without_arrays(state, arrays: list):
-    """state (dicts, lists and tuples of anything) with each array replaced by a _Slot,
-    the arrays appended to `arrays` (contiguous), in order."""
-    if isinstance(state, dict):
-        return {k: _without_arrays(v, arrays) for k, v in state.items()}
-    if isinstance(state, (list, tuple)):
-        return type(state)(_without_arrays(v, arrays) for v in state)
-    if hasattr(state, "shape") and hasattr(state, "dtype") and not isinstance(state, np.generic):
-        # (ascontiguousarray() makes a 0-d array 1-d)
-        arrays.append(array_module(state).ascontiguousarray(state) if state.ndim else state)
-        return _Slot(len(arrays) - 1, state)
-    return state
-
-
-def _slots(skeleton) -> list:
-    if isinstance(skeleton, dict):
-        return [s for v in skeleton.values() for s in _slots(v)]
-    if isinstance(skeleton, (list, tuple)):
-        return [s for v in skeleton for s in _slots(v)]
-    return [skeleton] if isinstance(skeleton, _Slot) else []
-
-
-def _with_arrays(skeleton, arrays: list):
-    if isinstance(skeleton, dict):
-        return {k: _with_arrays(v, arrays) for k, v in skeleton.items()}
-    if isinstance(skeleton, (list, tuple)):
-        return type(skeleton)(_with_arrays(v, arrays) for v in skeleton)
-    return arrays[skeleton.index] if isinstance(skeleton, _Slot) else skeleton
-
-
-def _being_handled(error: BaseException) -> bool:
-    """Whether this thread is in an except block of `error`, or of an exception raised
-    while handling it (or from it)."""
-    current, seen = sys.exc_info()[1], set()
-    while current is not None and id(current) not in seen:
-        if current is error:
-            return True
-        seen.add(id(current))
-        current = current.__cause__ or current.__context__
-    return False
 
 
 def _quietly(f, *args):
@@ -491,13 +433,11 @@ class DistributedOptimizer:
         self._next_to_start = 0      # the first unit of _units not started yet
         self._accumulating = False   # inside no_sync()
         self._accumulated = False    # the buckets hold gradients from no_sync() steps
-        # Inside no_sync(): (index, gradient, earlier low-rank sum) of each gradient given
-        # in this micro-batch, to take out again if it fails (see _undo_micro_batch()).
+        # Inside no_sync(): (index, its sum before) of each gradient given in this
+        # micro-batch, to put back if it fails (see _undo_micro_batch()).
         self._micro_batch: list = []
         self._abandoning = False     # inside abandon_step(): calls go with _ABANDONED_OP
-        # The error that abandoned the step, while nothing was given since: an
-        # abandon_step() in its handler has nothing left to do (see abandon_step()).
-        self._abandoned_by = None
+        self._abandoned_by_error = False  # an error abandoned the step; nothing given since
         self.bytes_sent = 0          # payload bytes this rank handed to allreduce
         self.comm_seconds = 0.0      # time step() spent waiting for communication
         self._model_texts = self._texts_to_agree_on()  # (here: what fails in it is refused)
@@ -505,47 +445,34 @@ class DistributedOptimizer:
     # -- public ---------------------------------------------------------------------
 
     def broadcast_parameters(self, root: int = 0) -> None:
-        """Overwrite every rank's parameters with root's, so all replicas start equal,
-        and the wrapped optimizer's state (what its state_dict() holds: momentum,
-        Adam's moments and step count), so that a replica left behind goes on equal.
-        Collective."""
+        """Overwrite every rank's parameters with root's, so all replicas start equal;
+        and, where the wrapped optimizer is ringreduce's SGD or Adam, its state too
+        (momentum buffers; Adam's moments and step count), so that a replica left
+        behind goes on equal. Collective."""
         for p in self.params:
             self.comm.broadcast(p, root=root)
         self._broadcast_optimizer_state(root)
 
     def _broadcast_optimizer_state(self, root: int) -> None:
+        # Of SGD and Adam, whose state is known here; another optimizer's is its own.
         optimizer = self.optimizer
-        if not (callable(getattr(optimizer, "state_dict", None))
-                and callable(getattr(optimizer, "load_state_dict", None))):
-            return
-        # Root's state without its arrays travels pickled (its size first), then each
-        # array by the ring, all through this communicator (its timeout, its thread rules).
-        arrays: list = []
-        if self.comm.rank == root:
-            try:
-                payload = pickle.dumps(_without_arrays(optimizer.state_dict(), arrays))
-            except Exception as error:  # (the others must not wait for what never comes)
-                payload = pickle.dumps(_StateRefused(f"{type(error).__name__}: {error}"))
-                arrays = []
-            size = np.array([len(payload)], np.int64)
-        else:
-            size = np.zeros(1, np.int64)
-        self.comm.broadcast(size, root=root)
-        raw = np.frombuffer(payload, np.uint8).copy() if self.comm.rank == root else \
-            np.empty(int(size[0]), np.uint8)
-        self.comm.broadcast(raw, root=root)
-        skeleton = pickle.loads(raw.tobytes())
-        if isinstance(skeleton, _StateRefused):
-            raise RuntimeError(f"DistributedOptimizer.broadcast_parameters: the parameters are "
-                               f"rank {root}'s, but not its optimizer's state: its "
-                               f"state_dict() raised {skeleton.reason}")
-        if self.comm.rank != root:
-            arrays = [importlib.import_module(slot.module).empty(slot.shape, slot.dtype)
-                      for slot in _slots(skeleton)]
-        for a in arrays:
-            self.comm.broadcast(a, root=root)
-        if self.comm.rank != root:
-            optimizer.load_state_dict(_with_arrays(skeleton, arrays))
+        if isinstance(optimizer, Adam):
+            for a in optimizer.m + optimizer.v:
+                self.comm.broadcast(a, root=root)
+            t = self.comm.broadcast(np.array([optimizer.t], np.int64), root=root)
+            optimizer.t = int(t[0])
+        elif isinstance(optimizer, SGD):
+            # A buffer is made at the first step with momentum: root's say which exist.
+            buffers = optimizer.momentum_buffers
+            made = self.comm.broadcast(np.array([b is not None for b in buffers], np.uint8),
+                                       root=root)
+            for i, (p, exists) in enumerate(zip(self.params, made)):
+                if not exists:
+                    buffers[i] = None
+                    continue
+                if buffers[i] is None:
+                    buffers[i] = array_module(p).zeros_like(p)
+                self.comm.broadcast(buffers[i], root=root)
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -567,11 +494,11 @@ class DistributedOptimizer:
         the step stands, and step() finishes it; and inside no_sync(), where nothing
         was sent, the sums accumulated before stay. Give none of that step's
         gradients after the error: the next one given begins the next step."""
-        self._abandoned_by = None  # (a gradient given, even one refused, begins one)
+        self._abandoned_by_error = False  # (a gradient given, even one refused, begins one)
         try:
             self._report(index, grad)
-        except BaseException as error:
-            self._abandon_unless_all_started(error)
+        except BaseException:
+            self._abandon_unless_all_started()
             raise
 
     def _report(self, index: int, grad) -> None:
@@ -591,11 +518,15 @@ class DistributedOptimizer:
             bucket = self._bucket_of[index]
             if index in bucket.reported:
                 raise ValueError(f"{who}: params[{index}] was reported twice in one step")
+            # (A copy of the sums it adds to, to put back if the micro-batch fails: the
+            # gradient, subtracted again, would take an inf or a huge value with it, or
+            # may have been changed by then.)
+            earlier = bucket.buffer[bucket.slices[index]].copy() \
+                if self._accumulating and self._accumulated else None
             self._add_to_bucket(bucket, index, grad)
             bucket.reported.add(index)
-            earlier = None
         if self._accumulating:
-            self._micro_batch.append((index, grad, earlier))
+            self._micro_batch.append((index, earlier))
         if not self._accumulating:
             self._start_complete_units()  # (an fp16 bucket's agreement on its scale, say)
 
@@ -607,7 +538,7 @@ class DistributedOptimizer:
         An error abandons the step, as in grad_ready().
         """
         if grads is not None:
-            self._abandoned_by = None  # (as in grad_ready)
+            self._abandoned_by_error = False  # (as in grad_ready)
         try:
             if grads is not None:
                 grads = _check_grads(grads, self.params, "DistributedOptimizer.step")
@@ -622,21 +553,20 @@ class DistributedOptimizer:
             if missing:
                 raise ValueError(f"DistributedOptimizer.step: no gradient reported for params "
                                  f"{sorted(missing)} (call grad_ready for each, or step(grads))")
-        except BaseException as error:
-            self._abandon_unless_all_started(error)
+        except BaseException:
+            self._abandon_unless_all_started()
             raise
         if self._accumulating:  # one micro-batch done: keep the sums, send nothing
             if self._next_to_start > 0:
                 # Their all-reduces have started (outside no_sync) and overwrite the
                 # sums with averages: nothing is left to accumulate.
                 self.abandon_step()
-                self._abandoned_by = ValueError(
-                    "DistributedOptimizer.step: called inside no_sync(), but gradients of "
-                    "this step were given to grad_ready() outside it, which started their "
-                    "all-reduce; this step's gradients (and any accumulated before) are "
-                    "dropped. Give a step's gradients and call its step() on the same side "
-                    "of no_sync()")
-                raise self._abandoned_by
+                self._abandoned_by_error = True
+                raise ValueError("DistributedOptimizer.step: called inside no_sync(), but "
+                                 "gradients of this step were given to grad_ready() outside "
+                                 "it, which started their all-reduce; this step's gradients "
+                                 "(and any accumulated before) are dropped. Give a step's "
+                                 "gradients and call its step() on the same side of no_sync()")
             self._accumulated = True
             for b in self._buckets:
                 b.reported.clear()
@@ -667,17 +597,19 @@ class DistributedOptimizer:
                 averaged[i] = self.powersgd.finish(self._low_rank_calls[i])[0]
         except MismatchError as error:
             self.abandon_step()
-            self._abandoned_by = MismatchError(
+            self._abandoned_by_error = True
+            raise MismatchError(
                 f"DistributedOptimizer.step (rank {self.comm.rank} of {self.comm.size}): this "
                 "step's all-reduces did not pair up with the other ranks', so it is dropped "
-                "here, without an update; the next step starts clean. Another rank abandoned "
+                "here, without an update; the next step starts clean (an abandon_step() "
+                "before its first gradient counts as this step's: call one here if the next "
+                "step may need one before any gradient). Another rank abandoned "
                 "the step (abandon_step(), as after an exception in its backward pass), "
                 "stepped another DistributedOptimizer ('the caller's check' below differs), "
-                f"or made other calls in their place: {error}")
-            raise self._abandoned_by from error
-        except BaseException as error:
+                f"or made other calls in their place: {error}") from error
+        except BaseException:
             self.abandon_step()
-            self._abandoned_by = error
+            self._abandoned_by_error = True
             raise
         finally:
             self.comm_seconds += time.perf_counter() - start
@@ -754,9 +686,8 @@ class DistributedOptimizer:
         """Drop the step begun, without an update: the gradients given since the last
         step, and those accumulated in no_sync(). For after an exception halfway
         through backward; after an error inside step() or grad_ready() it is done
-        already (and this, in the except block of that error with nothing given since,
-        makes no calls: a second set would pair with the others' next step; elsewhere
-        it abandons the next step). Collective: ranks may have got to
+        already (and this, if nothing was given since, makes no calls: a second set
+        would pair with the others' next step). Collective: ranks may have got to
         different points, so each makes the rest of the step's all-reduces, with 0s
         for the gradients not given, and every rank has then made the same calls
         (none pairs with a call of the next step elsewhere). All are waited for, what
@@ -770,13 +701,12 @@ class DistributedOptimizer:
         no_sync(), where it makes none, nor once it had given every gradient, which
         started all its calls as a step's: there the others cannot tell, so every rank
         must abandon that step (see docs/training.md)."""
-        error, self._abandoned_by = self._abandoned_by, None
-        if error is not None and self._untouched() and _being_handled(error):
-            # In the handler of the error at which grad_ready() or step() abandoned this
-            # step already: a second set of calls would pair with the others' next step
-            # (steps mixed, silently). Anywhere else, with nothing given since, it is the
-            # next step that is abandoned (a NaN loss before any gradient, say), as on
-            # the ranks that met no error.
+        if self._abandoned_by_error and self._untouched():
+            # grad_ready() or step() abandoned this step already, at its error: a second
+            # set of calls would pair with the others' next step. (It cannot tell this
+            # from the next step's abandon before any gradient, which the others make
+            # calls for: docs/training.md says how to keep the two apart.)
+            self._abandoned_by_error = False
             return
         if not self._accumulating or self._next_to_start > 0:
             self._abandoning = True
@@ -790,7 +720,7 @@ class DistributedOptimizer:
                 _quietly(handle.wait)
         self._new_step()
 
-    def _abandon_unless_all_started(self, error: BaseException):
+    def _abandon_unless_all_started(self):
         """After an error in grad_ready() or step(). Where every all-reduce of the step
         has started (outside no_sync), as a step's, the others cannot be told: their
         step() would use them, and abandoning here alone would leave this replica
@@ -800,21 +730,17 @@ class DistributedOptimizer:
         if self._accumulating and self._next_to_start == 0:
             self._undo_micro_batch()
             return
-        if self._abandoned_by is not None and self._untouched():
-            # Abandoned at an earlier error, and nothing given since: this error is
-            # still that step's (step() called again in its handler, say).
-            if _being_handled(self._abandoned_by):
-                return
+        if self._abandoned_by_error and self._untouched():
+            return  # (abandoned at the last error, and nothing given since)
         if self._next_to_start < len(self._units):
-            self.abandon_step()  # (inside no_sync with nothing started: makes no calls)
-            self._abandoned_by = error
+            self.abandon_step()
+            self._abandoned_by_error = True
 
     def _undo_micro_batch(self) -> None:
         """Takes the gradients given in this micro-batch (inside no_sync()) out of the
-        sums again, so that the next micro-batch can give them: a low-rank sum goes back
-        to what it was, a bucket's slot has the gradient subtracted (to rounding) or,
-        in a step's first micro-batch, is simply overwritten by the next one's."""
-        for index, grad, earlier in reversed(self._micro_batch):
+        sums again, so that the next micro-batch can give them: each sum goes back to
+        what it was (in a step's first micro-batch, the next one overwrites it)."""
+        for index, earlier in reversed(self._micro_batch):
             if index in self._low_rank:
                 self._low_rank_reported.discard(index)
                 if earlier is None:
@@ -824,8 +750,8 @@ class DistributedOptimizer:
             else:
                 bucket = self._bucket_of[index]
                 bucket.reported.discard(index)
-                if self._accumulated:
-                    bucket.buffer[bucket.slices[index]] -= grad.reshape(-1)
+                if earlier is not None:
+                    bucket.buffer[bucket.slices[index]] = earlier
         self._micro_batch.clear()
 
     def _untouched(self) -> bool:
@@ -932,8 +858,12 @@ class DistributedOptimizer:
         if not zero and scale.value is not None and scale.learn(top):
             scale.adopt(*self._agreed_fp16_scale(bucket), top, bucket.sent_scale)  # (next step)
         # (Only now: agreeing reads this rank's gradients from the buffer.)
-        bucket.buffer[...] = bucket.wire.astype(bucket.buffer.dtype)
-        bucket.buffer *= 1.0 / bucket.sent_scale  # (a power of two: exact)
+        # In float32 at least: a float16 buffer would take the factor as a float16
+        # (numpy 2), which is 0 below 2 ** -24, and a scale goes up to 2 ** 80.
+        wide = bucket.wire.astype(np.float32) if bucket.buffer.dtype.itemsize < 4 \
+            else bucket.wire.astype(bucket.buffer.dtype)
+        wide *= wide.dtype.type(1.0 / bucket.sent_scale)  # (a power of two: exact)
+        bucket.buffer[...] = wide
 
     def _finish(self, bucket, averaged):
         bucket.handle.wait()

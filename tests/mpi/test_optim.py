@@ -1344,51 +1344,58 @@ def test_sgd_momentum_of_a_0d_parameter_is_that_of_a_1_element_one(weight_decay)
 
 
 @needs_two
-@pytest.mark.parametrize("handler", ["goes on", "abandons"])
-def test_an_abandon_before_any_gradient_after_a_caught_mismatch_abandons_that_next_step(handler):
-    # (From a review.) BAD abandons step 0 alone; the others' step() raises
-    # MismatchError, which they catch and go on, as the docs say, or whose handler
-    # calls abandon_step() (nothing left to do there). Step 1 fails on every rank
-    # before any gradient (a NaN loss): every rank abandons it. That abandon used to
-    # make no calls on the ranks whose step 0 had failed (taken for step 0's handler),
-    # so from then on their step k paired with BAD's step k-1, silently.
+@pytest.mark.parametrize("where", ["in the handler", "after the try block"])
+def test_an_abandon_of_a_failed_step_makes_no_calls_and_lets_the_next_abandon_count(where):
+    # BAD abandons step 0 alone; the others' step() raises MismatchError. Whether they
+    # call abandon_step() in the handler or in one place after the try block (a flag
+    # set in the handler), it does nothing more there (a second set of calls would pair
+    # with BAD's step 1), and the next step's abandon before any gradient (a NaN loss,
+    # on every rank) makes its calls as BAD's does. (A review's handler-scoped rule for
+    # telling the two apart broke the flag form: MismatchError at every step after.)
     params = [np.zeros(4), np.zeros(3)]
     opt = DistributedOptimizer(SGD(params, lr=1.0))
-    try:
-        opt.grad_ready(1, np.ones(3))
-        if RANK == BAD:
-            raise ArithmeticError("this rank's batch failed")
-        opt.grad_ready(0, np.ones(4))
-        opt.step()
-    except ArithmeticError:
-        opt.abandon_step()
-    except rr.MismatchError:
-        assert RANK != BAD
-        if handler == "abandons":
+    for step in range(4):
+        failed = False
+        try:
+            if step == 1:
+                raise FloatingPointError("the loss is NaN")  # on every rank, before backward
+            opt.grad_ready(1, np.full(3, float(step)))
+            if RANK == BAD and step == 0:
+                raise ArithmeticError("this rank's batch failed")
+            opt.grad_ready(0, np.full(4, float(step)))
+            opt.step()
+        except (ArithmeticError, FloatingPointError, rr.MismatchError) as error:
+            assert step == 1 or (step == 0 and (RANK == BAD) != isinstance(error, rr.MismatchError))
+            failed = True
+            if where == "in the handler":
+                opt.abandon_step()
+        if failed and where == "after the try block":
             opt.abandon_step()
-    try:
-        raise FloatingPointError("the loss is NaN")  # step 1, on every rank
-    except FloatingPointError:
-        opt.abandon_step()
-    for step in (2, 3):
-        opt.step([np.full(4, float(step)), np.full(3, float(step))])
-    np.testing.assert_array_equal(params[0], -5.0)
+    np.testing.assert_array_equal(params[0], -5.0)  # steps 2 and 3
     np.testing.assert_array_equal(rr.allreduce(np.ones(2)), np.full(2, float(SIZE)))
 
 
 @needs_two
-@pytest.mark.parametrize("compression", [None, PowerSGD(rank=1)], ids=["plain", "powersgd"])
-def test_an_error_in_a_micro_batch_takes_its_gradients_given_before_out_again(compression):
+@pytest.mark.parametrize("compression", [None, "powersgd"])
+@pytest.mark.parametrize("value", [1.0, np.inf, 1e300], ids=["one", "inf", "huge"])
+def test_an_error_in_a_micro_batch_takes_its_gradients_given_before_out_again(compression,
+                                                                              value):
     # (From a review.) Inside no_sync(), a micro-batch whose second gradient is refused
     # had its first one added already, and kept: the next micro-batch then raised
     # "reported twice", and the step outside "already given".
+    # Its sums are put back as they were: not the gradient subtracted again, which
+    # took an inf (or a huge value) with it, or was changed by then (a buffer reused).
     params = [np.zeros((4, 4)), np.zeros(3)]
+    compression = PowerSGD(rank=1) if compression == "powersgd" else None
     opt = DistributedOptimizer(SGD(params, lr=1.0), compression=compression)
+    reused = np.empty(3)
     with opt.no_sync():
         for micro in range(3):
             try:
-                opt.grad_ready(1, np.ones(3))
                 bad = RANK == BAD and micro == 1
+                reused[...] = value if bad else 1.0
+                opt.grad_ready(1, reused)
+                reused[...] = -7.0  # (the caller's next use of its buffer)
                 opt.grad_ready(0, np.ones(5) if bad else np.ones((4, 4)))
                 opt.step()
             except ValueError as error:
@@ -1398,6 +1405,20 @@ def test_an_error_in_a_micro_batch_takes_its_gradients_given_before_out_again(co
     np.testing.assert_allclose(params[1], -micro_batches / SIZE)
     if compression is None:
         np.testing.assert_allclose(params[0], -micro_batches / SIZE)
+
+
+@pytest.mark.parametrize("compression", [None, "fp16"])
+def test_float16_parameters_average_small_gradients_too(compression):
+    # (From a review of the change below.) Scaled up to travel, they came back scaled
+    # by a float16 factor, 0 below 2 ** -24: a gradient of 1e-5 averaged to exactly 0.
+    for magnitude in (1e-4, 1e-5, 3e-7):
+        params = [np.zeros(4, np.float16)]
+        opt = DistributedOptimizer(SGD(params, lr=1.0), compression=compression)
+        grad = np.full(4, magnitude * (1 + RANK), np.float16)
+        opt.step([grad])
+        average = np.mean(MPI.COMM_WORLD.allgather(grad.astype(np.float64)))
+        np.testing.assert_allclose(-params[0].astype(np.float64), average, rtol=0.01,
+                                   atol=2.0 ** -24)  # (float16 spacing there)
 
 
 @pytest.mark.parametrize("compression", [None, "fp16"])
