@@ -76,8 +76,7 @@ class PowerSGD:
         xp = array_module(grad)
         n = grad.shape[0]
         matrix = grad.reshape(n, -1)
-        if matrix.dtype.itemsize < 4:  # float16, bfloat16
-            matrix = matrix.astype(np.float32)
+        matrix = matrix.astype(computing_dtype(matrix.dtype), copy=False)
         m = matrix.shape[1]
         r = min(self.rank, n, m)
         if index in self._error:
@@ -136,6 +135,14 @@ class _LowRankCall:
     def __init__(self, index, grad, matrix, p, handle):
         self.index, self.grad, self.matrix, self.p, self.handle = index, grad, matrix, p, handle
         self.q = None
+
+
+def computing_dtype(dtype) -> np.dtype:
+    """The dtype arithmetic on gradients of `dtype` is done in: float32 for 16-bit
+    floats (numpy has no 16-bit linear algebra, and a 16-bit factor is itself rounded:
+    1/3 as bfloat16 is 0.334, 2 ** -30 as float16 is 0), else their own."""
+    dtype = np.dtype(dtype)
+    return np.dtype(np.float32) if dtype.itemsize < 4 else dtype
 
 
 def _orthonormal_columns(p, xp):

@@ -201,12 +201,13 @@ def _overlapping(grads, plan) -> set:
     memory that different allocations own never overlap. (A strided array's span
     covers bytes it skips, but such an array goes through a copy anyway.) GPU arrays
     (cupy) too: one larger than a bucket is alone in its bucket, and reduced in place."""
-    alone = [b[0] for b in plan if len(b) == 1 and _span(grads[b[0]]) is not None]
-    if len(alone) < 2:
+    spans = [(span, b[0]) for b in plan if len(b) == 1
+             for span in [_span(grads[b[0]])] if span is not None]
+    if len(spans) < 2:
         return set()
     shared = set()
     active: list = []  # (end, index) of the spans before that may reach further
-    for lo, hi, i in sorted((*_span(grads[i]), i) for i in alone):
+    for (lo, hi), i in sorted(spans):
         while active and active[0][0] <= lo:
             heapq.heappop(active)
         if active:  # each still active overlaps this one

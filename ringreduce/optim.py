@@ -527,7 +527,7 @@ class DistributedOptimizer:
             bucket.reported.add(index)
         if self._accumulating:
             self._micro_batch.append((index, earlier))
-        if not self._accumulating:
+        else:
             self._start_complete_units()  # (an fp16 bucket's agreement on its scale, say)
 
     def step(self, grads=None) -> None:
@@ -654,8 +654,7 @@ class DistributedOptimizer:
                 n = param.shape[0]
                 m = param.size // n
                 shape = (m, min(self.powersgd.rank, n, m)) if key == "q" else (n, m)
-                # (16-bit gradients are compressed in float32)
-                dtype = np.dtype(np.float32) if param.dtype.itemsize < 4 else param.dtype
+                dtype = _compression.computing_dtype(param.dtype)
                 if (getattr(array, "shape", None), getattr(array, "dtype", None)) != (
                         shape, dtype):
                     raise ValueError(f"{where}: state['powersgd'][{key!r}][{index}] is "
@@ -813,9 +812,8 @@ class DistributedOptimizer:
         # In the buffer's dtype, so that numpy and cupy round the product alike; but
         # at least float32: a 16-bit factor of 1/3 is itself rounded (bfloat16: 0.334),
         # which made every gradient arrive that much too large.
-        buffer = bucket.buffer
-        if buffer.dtype.itemsize < 4:
-            buffer = buffer.astype(np.float32)
+        buffer = bucket.buffer.astype(_compression.computing_dtype(bucket.buffer.dtype),
+                                      copy=False)
         factor = buffer.dtype.type(bucket.sent_scale / self.comm.size)
         with np.errstate(over="ignore", invalid="ignore"):  # an inf is dealt with after
             bucket.wire[...] = buffer * factor  # the assignment rounds to 16 bits
@@ -860,8 +858,7 @@ class DistributedOptimizer:
         # (Only now: agreeing reads this rank's gradients from the buffer.)
         # In float32 at least: a float16 buffer would take the factor as a float16
         # (numpy 2), which is 0 below 2 ** -24, and a scale goes up to 2 ** 80.
-        wide = bucket.wire.astype(np.float32) if bucket.buffer.dtype.itemsize < 4 \
-            else bucket.wire.astype(bucket.buffer.dtype)
+        wide = bucket.wire.astype(_compression.computing_dtype(bucket.buffer.dtype))
         wide *= wide.dtype.type(1.0 / bucket.sent_scale)  # (a power of two: exact)
         bucket.buffer[...] = wide
 
