@@ -16,7 +16,7 @@ import sys
 import textwrap
 from dataclasses import dataclass, field
 
-from . import _core
+from . import _core, sim
 
 
 @dataclass
@@ -58,17 +58,13 @@ MAX_CHUNKS = 4096  # over all segments
 
 def explain(ranks: int = 4, count: int = 12, chunk_elems: int | None = None) -> Explanation:
     """The whole ring all-reduce of `count` elements on `ranks` ranks, step by step."""
-    if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
-        raise ValueError(f"ranks must be a positive int, got {ranks!r}")
+    sim._check(ranks, count)  # (the simulator's rules for a ring: one set of them)
     if ranks > MAX_RANKS:
         raise ValueError(f"ranks must be at most {MAX_RANKS} here, got {ranks}: the steps are for "
                          "reading (for bytes and times at any scale: python -m ringreduce sim)")
-    if isinstance(count, bool) or not isinstance(count, int) or not 0 <= count < 1 << 62:
-        raise ValueError(f"count must be an int from 0 to 2**62 - 1, got {count!r}")
     if chunk_elems is None:
         chunk_elems = max(1, -(-count // ranks))  # one chunk per segment
-    if not 1 <= chunk_elems < 1 << 62:
-        raise ValueError(f"chunk_elems must be from 1 to 2**62 - 1, got {chunk_elems}")
+    sim._check_chunk_elems(chunk_elems)
     s0 = _core.RingSchedule(0, ranks, count, chunk_elems)
     if sum(s0.num_chunks(s) for s in range(ranks)) > MAX_CHUNKS:
         raise ValueError(f"{count} elements in chunks of {chunk_elems} make more than "

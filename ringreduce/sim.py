@@ -185,9 +185,13 @@ def timeline_entries(ranks: int, count: int, chunk_elems: int,
                                         chunks_per_segment(ranks, count, gather))
 
 
-def _chunk_elems(value, name: str, count: int, ranks: int) -> int:
+def _check_chunk_elems(value, name: str = "chunk_elems") -> None:
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_CHUNK_ELEMS:
         raise ValueError(f"{name} must be an int from 1 to 2**62 - 1, got {value!r}")
+
+
+def _chunk_elems(value, name: str, count: int, ranks: int) -> int:
+    _check_chunk_elems(value, name)
     return min(value, max(1, -(-count // ranks)))  # (larger is one chunk per segment)
 
 

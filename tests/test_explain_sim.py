@@ -183,6 +183,19 @@ def test_explain_shows_up_to_its_chunk_cap_exactly():
         explain(3, 4097, 1)
 
 
+@pytest.mark.parametrize("args", [(0, 12), (True, 12), (3.0, 12), (3, -1), (3, 2.5), (3, 1 << 62),
+                                  (3, 12, 0), (3, 12, 2.5), (3, 12, True), (3, 12, "3")])
+def test_explain_refuses_what_sim_refuses_in_the_same_words(args):
+    # One set of rules for a ring's ranks, count and chunk (sim's): a float chunk
+    # reached the core's RingSchedule and came back as pybind11's TypeError.
+    with pytest.raises(ValueError, match=" must be ") as refused:
+        explain(*args)
+    if len(args) == 2:
+        with pytest.raises(ValueError) as by_sim:
+            sim.ring(*args)
+        assert str(by_sim.value) == str(refused.value)
+
+
 def test_the_schedule_gives_its_chunks_in_the_order_explain_shows():
     e = explain(3, 10, chunk_elems=2)
     s = _core.RingSchedule(1, 3, 10, 2)
