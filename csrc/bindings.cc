@@ -1420,7 +1420,8 @@ PYBIND11_MODULE(_core, m) {
            },
            py::arg("collective"), py::arg("chunk_bytes"), py::arg("device") = false)
       // Device buffers, as addresses (cupy's data.ptr). Every one of these takes the
-      // same last five arguments: see device_call() above.
+      // same five arguments ordinal, ready, stream, direct, emulate (allreduce_device's
+      // check after them): see device_call() above.
       .def("allreduce_device",
            [](RingCommunicator& self, uintptr_t in, uintptr_t out, int64_t count, int dtype,
               int op, int64_t chunk_bytes, int ordinal, uintptr_t ready, uintptr_t stream,
@@ -1483,7 +1484,8 @@ PYBIND11_MODULE(_core, m) {
       .def("leave_unclosed", &RingCommunicator::leave_unclosed,
            "when dropped unclosed: stop using it, and tell the ranks on shared memory")
       .def("begin_close_at_exit", &RingCommunicator::begin_close_at_exit,
-           "at a normal exit: leave_unclosed() on shared memory; over MPI messages, start "
+           "at a normal exit (or when dropped unclosed, under MPI_THREAD_MULTIPLE): "
+           "leave_unclosed() on shared memory; over MPI messages, start "
            "a close with the others that a rank waiting in a call this one never made "
            "meets (then it raises); true if finish_close_at_exit() must follow")
       .def("finish_close_at_exit", &RingCommunicator::finish_close_at_exit,

@@ -21,8 +21,9 @@ void check(cudaError_t rc, const char* what) {
 constexpr int kThreads = 256;
 
 // Each thread handles kVector elements loaded together when the three pointers are
-// 16-byte aligned (the common case: buffers from cudaMalloc, chunk offsets in 64 KiB),
-// one by one otherwise; a grid-stride loop covers any n.
+// 16-byte aligned (buffers from cudaMalloc and the GPU slots are; a chunk inside a
+// buffer is where its segment's offset in bytes is a multiple of 16, which depends on
+// the count), one by one otherwise; a grid-stride loop covers any n.
 template <typename T, template <typename> class OpT>
 __global__ void reduce_kernel(T* dst, const T* a, const T* __restrict__ b, int64_t n,
                               bool aligned) {

@@ -162,6 +162,17 @@ int library_cuda_support() {
 #endif
 }
 
+// Why library_cuda_support() is 0, in words.
+const char* library_says_no() {
+#if defined(MPICH_NUMVERSION) && MPICH_NUMVERSION >= 40100000
+  return "MPIX_Query_cuda_support() says no";
+#elif defined(MPIX_CUDA_AWARE_SUPPORT) && MPIX_CUDA_AWARE_SUPPORT
+  return "MPIX_Query_cuda_support() says no";
+#else
+  return "this Open MPI's headers have no CUDA support (MPIX_CUDA_AWARE_SUPPORT)";
+#endif
+}
+
 }  // namespace
 
 std::unique_ptr<Device> make_host_device() { return std::make_unique<HostDevice>(); }
@@ -178,7 +189,7 @@ std::string mpi_cuda_aware_reason() {
     return std::string("RINGREDUCE_CUDA_AWARE=") + std::getenv("RINGREDUCE_CUDA_AWARE");
   switch (library_cuda_support()) {
     case 1: return "MPIX_Query_cuda_support() says yes";
-    case 0: return "MPIX_Query_cuda_support() says no";
+    case 0: return library_says_no();
     default: return "this MPI has no MPIX_Query_cuda_support(); set RINGREDUCE_CUDA_AWARE=1 "
                     "if it takes device pointers";
   }

@@ -17,10 +17,11 @@
 // the ring's progress elsewhere. All-gather is the same without the kernel, and a
 // received chunk is forwarded straight from the mirror.
 //
-// Why a mirror and not a few reusable host slots: a place per chunk means no host
-// buffer is ever reused within a call, so there is nothing to wait for before
-// receiving into one, and the ring keeps the deadlock-freedom argument of the host
-// engine (ring_schedule.cc). The price is pinned memory as large as the largest call.
+// Why a mirror and not a few reusable host slots: a place per chunk means no place in
+// it is reused within a phase (the next phase starts once this one's copies and
+// messages are over), so there is nothing to wait for before receiving into one, and
+// the ring keeps the deadlock-freedom argument of the host engine (ring_schedule.cc).
+// The price is pinned memory as large as the largest call.
 //
 // Direct (CUDA-aware MPI): the host engine itself, given device pointers, with a GPU
 // kernel as its reducer; each chunk's reduction finishes before MPI forwards it.

@@ -1,7 +1,7 @@
 // Element types and reduction operations the core understands.
 //
 // The numeric codes are part of the wire header that ranks exchange before every
-// collective (see ring_communicator.cc), so they never change meaning: add new
+// collective (CallHeader in ring_communicator.h), so they never change meaning: add new
 // entries at the end only.
 #pragma once
 

@@ -25,8 +25,10 @@ void reduce(DType dtype, Op op, void* dst, const void* a, const void* b, int64_t
 // in use now.
 bool use_cpu_kernels(bool on);
 
-// data /= divisor, element-wise; complex numbers divide each component. Used once,
-// on the rank's own fully reduced segment, to turn a sum into an average.
+// data /= divisor, element-wise; complex numbers divide each component. Used once per
+// element of a fully reduced result, to turn a sum into an average: by the ring on this
+// rank's own segment before the all-gather, by a call done in the header exchange on
+// each segment it reduces.
 void divide(DType dtype, void* data, int64_t n, int64_t divisor);
 
 }  // namespace ringreduce

@@ -217,7 +217,8 @@ void RingCommunicator::run_tuned(Collective collective, int64_t bytes, Run run) 
 bool RingCommunicator::use_shm(int64_t total_bytes) const {
   // Shared memory passes each chunk through a slot: one copy more than MPI's
   // single-copy transfer of large messages, but no per-message cost. Measured on the
-  // development machine, it wins up to a few MiB and loses beyond ~16 MiB.
+  // development machine, it wins up to a few MiB and loses beyond ~16 MiB. Below the
+  // limit it is only a candidate: rank 0's WireTuner picks the wire (propose_wire()).
   return shm_ && total_bytes <= kShmMaxBytes;
 }
 
@@ -307,15 +308,15 @@ void RingCommunicator::give_up(const char* collective, const TimeoutError& e) {
 void RingCommunicator::depart(Departure why, int waited_for, bool over_mpi) {
   if (departed_) return;
   departed_ = true;
-  // A call that failed here (a timeout too sets broken_), or a header exchange still
-  // pending (a close at exit begun), was not seen through, so the ranks still in it are
-  // held up.
   // Whatever made it leave (a call stopped at exit, say), the others must know that
   // this process is ending: then they make no new Communicator that waits for it.
   if (process_ending.load(std::memory_order_acquire)) why = Departure::Ended;
   DepartureNote note;
   note.rank = rank();
   note.why = why;
+  // A call that failed here (a timeout too sets broken_), or a header exchange still
+  // pending (a close at exit begun), was not seen through, so the ranks still in it are
+  // held up.
   note.completed = exchanges_ - (broken_.empty() && !transport_->exchange_pending() ? 0 : 1);
   if (why == Departure::GaveUp) note.cause = waited_for;
   if (why == Departure::Followed) {

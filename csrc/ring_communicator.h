@@ -61,7 +61,7 @@ struct CallHeader {
   int64_t held_rows = -1;   // allgather: rows of a result this rank holds already (out=,
                             // or one allocated for a guess at the size), or -1 for none
   int64_t wire = -1;        // rank 0's: kWireShm, kWireMpi or kWireShmStreaming for this
-                            // call's ring (see WireTuner)
+                            // call's ring (see WireTuner), or -1: none chosen
   int64_t host_limit = 0;   // GPU buffers: the sender's device_host_reduce_bytes (which
                             // decides the path of every GPU call), so it must agree
   int64_t check = 0;        // allreduce: the caller's own value that every rank must
@@ -99,7 +99,7 @@ void note_process_ending();
 class RingCommunicator {
  public:
   static constexpr int64_t kDefaultChunkBytes = 256 * 1024;
-  static constexpr int kWindow = 4;  // chunks in flight per link (MPI)
+  static constexpr int kWindow = 4;  // receives posted ahead per link (MPI)
   static constexpr int64_t kShmSlotBytes = 64 * 1024;  // shared-memory chunk: fits in L2
   static constexpr int kShmSlots = 8;                   // chunks in flight per link (shm)
   static constexpr int64_t kShmMaxBytes = 8 << 20;     // larger calls go through MPI
@@ -144,7 +144,7 @@ class RingCommunicator {
 
   int rank() const { return transport_->rank(); }
   // "shared memory" when every rank is on one node (and RINGREDUCE_SHM is not 0): calls
-  // up to kShmMaxBytes then use it; else "MPI".
+  // up to kShmMaxBytes may then use it, as rank 0's WireTuner chooses; else "MPI".
   const char* transport_name() const { return shm_ ? "shared memory" : "MPI"; }
   // Why the transport is MPI ("" when it is shared memory).
   const std::string& transport_reason() const { return why_not_shared_memory_; }
@@ -293,7 +293,8 @@ class RingCommunicator {
   // one for begin_close_at_exit()).
   void leave_unclosed();
   // At a normal exit, every call of this rank finished and the communicator not
-  // closed: on shared memory, leave_unclosed(). Over MPI messages, a header exchange
+  // closed (or, under MPI_THREAD_MULTIPLE, as soon as the Python layer drops it
+  // unclosed): on shared memory, leave_unclosed(). Over MPI messages, a header exchange
   // marked "closed at exit" instead: it pairs with the others' close at exit or
   // close() (then the duplicate is freed), or with the call a rank that made more calls
   // waits in, which then raises TimeoutError naming this rank as gone, with no message
@@ -322,8 +323,9 @@ class RingCommunicator {
 
  private:
   // Exchanges headers, each followed by `payload_bytes` of payload (at most
-  // inline_capacity_); throws MismatchError on every rank if they don't fit.
-  // Returns rank 0's chunk size, which every rank then uses.
+  // inline_capacity_; a broadcast root's, broadcast_inline_capacity_); throws
+  // MismatchError on every rank if they don't fit. Returns rank 0's chunk size, which
+  // every rank then uses (0 where `mine` is invalid: the caller raises its own error).
   int64_t agree(const CallHeader& mine, std::vector<CallHeader>* all = nullptr,
                 const void* payload = nullptr, int64_t payload_bytes = 0);
   const char* inline_payload(int r) const {

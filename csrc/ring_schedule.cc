@@ -69,8 +69,11 @@ namespace {
 // forwarded at step k+1 as soon as `on_received` has finished with it, which
 // pipelines the steps; step 0's chunks (our own data) are sent `window` chunks ahead
 // of the receives. Every step has its own tag, so interleaving chunks of different
-// steps on one link is safe. Each rank waits only on the left neighbour's chunk with
-// the same sequence number it has itself already sent, so the ring cannot deadlock.
+// steps on one link is safe. Why the ring cannot deadlock: a chunk received at step k
+// started as a step-0 chunk k+1 ranks to the left and was forwarded by each rank on
+// the way as soon as it arrived there; and every rank posts its step-0 chunks, which
+// need nothing received, before it waits on any later step's receive (and `window`
+// ahead of its step-0 receives, below), so none is held back behind a wait that needs it.
 template <typename FirstSendPtr, typename RecvPtr, typename OnReceived, typename ForwardPtr>
 void run_ring_phase(const RingSchedule& sched, Transport& transport, Phase phase, int tag_base,
                     int window, size_t elem_size, FirstSendPtr first_send_ptr, RecvPtr recv_ptr,

@@ -99,8 +99,9 @@ class RingSchedule {
   std::vector<int64_t> offsets_;  // size + 1 entries; segment s is [offsets_[s], offsets_[s+1])
 };
 
-// Scratch space for received chunks: `slots` buffers of chunk_bytes each. Owned by
-// the caller and reused across calls, so the hot path never allocates.
+// Scratch space for received chunks: `slots` buffers of slot_bytes each (room for the
+// largest chunk received). Owned by the caller and reused across calls, so the hot path
+// never allocates.
 struct RecvSlots {
   void* base;
   int64_t slot_bytes;
@@ -114,10 +115,11 @@ struct RecvSlots {
 // a GPU and MPI reads device memory itself.
 using ChunkReducer = std::function<void(void* dst, const void* a, const void* b, int64_t n)>;
 
-// Reduce-scatter: out[segment r] = OP over all ranks of input[segment r]. Other
-// segments of out are overwritten with partial results. out may equal input.
+// Reduce-scatter: out[segment r] = OP over all ranks of input[segment r]. Every other
+// segment of out but r-1 is overwritten with a partial result; segment r-1, which this
+// rank only sends, is left as it was. out may equal input.
 // own_out, if given, receives segment r instead of out (the caller's result array,
-// which then needs no copy from out).
+// which then needs no copy from out); out's segment r is then left as it was too.
 void ring_reduce_scatter(const RingSchedule& schedule, Transport& transport, DType dtype, Op op,
                          const void* input, void* out, const RecvSlots& slots,
                          void* own_out = nullptr);
