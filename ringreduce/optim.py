@@ -67,6 +67,9 @@ def _checked_state_arrays(state, key: str, params, who: str, optional=False) -> 
     where = f"{who}.load_state_dict"
     if not isinstance(state, dict) or key not in state:
         raise KeyError(f"{where}: the state has no {key!r} (is it a {who} state_dict()?)")
+    if not isinstance(state[key], (list, tuple, np.ndarray)):
+        raise ValueError(f"{where}: state[{key!r}] is a {type(state[key]).__name__}, not a list "
+                         "of one array per parameter (is it a state_dict() of this optimizer?)")
     arrays = list(state[key])
     if len(arrays) != len(params):
         raise ValueError(f"{where}: state[{key!r}] holds {len(arrays)} arrays, for "
@@ -80,6 +83,37 @@ def _checked_state_arrays(state, key: str, params, who: str, optional=False) -> 
                              f"{getattr(a, 'dtype', '')}, but params[{i}] is {p.shape} "
                              f"{p.dtype} (a state of another model?)")
     return arrays
+
+
+def _state_values(state, keys, who: str) -> list:
+    """state[key] for each key, or a clear error before anything is loaded."""
+    missing = [key for key in keys if key not in state]
+    if missing:
+        raise KeyError(f"{who}.load_state_dict: the state has no {', '.join(map(repr, missing))} "
+                       f"(is it a {who} state_dict()?)")
+    return [state[key] for key in keys]
+
+
+def _check_sgd_settings(lr, momentum, weight_decay, who: str) -> None:
+    try:  # (written so that NaN fails too; and a string, which does not compare)
+        good = lr > 0 and momentum >= 0 and weight_decay >= 0
+    except TypeError:
+        good = False
+    if not good:
+        raise ValueError(f"{who}: need lr > 0, momentum >= 0, weight_decay >= 0; got "
+                         f"lr={lr!r}, momentum={momentum!r}, weight_decay={weight_decay!r}")
+
+
+def _check_adam_settings(lr, betas, eps, weight_decay, who: str) -> None:
+    try:
+        good = len(betas) == 2 and lr > 0 and 0 <= betas[0] < 1 and 0 <= betas[1] < 1 \
+            and eps > 0 and weight_decay >= 0
+    except TypeError:
+        good = False
+    if not good:
+        raise ValueError(f"{who}: need lr > 0, betas a pair with 0 <= each < 1, eps > 0, "
+                         f"weight_decay >= 0; got lr={lr!r}, betas={betas!r}, eps={eps!r}, "
+                         f"weight_decay={weight_decay!r}")
 
 
 def _optimizer_settings(optimizer) -> str:
@@ -111,10 +145,7 @@ class SGD:
 
     def __init__(self, params, lr: float, momentum: float = 0.0, weight_decay: float = 0.0):
         self.params = _check_params(params, "SGD")
-        # (Written so that NaN fails too.)
-        if not (lr > 0 and momentum >= 0 and weight_decay >= 0):
-            raise ValueError(f"SGD: need lr > 0, momentum >= 0, weight_decay >= 0; got "
-                             f"lr={lr}, momentum={momentum}, weight_decay={weight_decay}")
+        _check_sgd_settings(lr, momentum, weight_decay, "SGD")
         self.lr, self.momentum, self.weight_decay = lr, momentum, weight_decay
         self.momentum_buffers = [None] * len(self.params)
 
@@ -143,10 +174,15 @@ class SGD:
                                      for b in self.momentum_buffers]}
 
     def load_state_dict(self, state: dict) -> None:
+        # Everything checked before anything is loaded: a state that fails halfway
+        # through left the settings loaded before it (lr and momentum without
+        # weight_decay, say).
         buffers = _checked_state_arrays(state, "momentum_buffers", self.params, "SGD",
                                         optional=True)
-        self.lr, self.momentum = state["lr"], state["momentum"]
-        self.weight_decay = state["weight_decay"]
+        lr, momentum, weight_decay = _state_values(state, ("lr", "momentum", "weight_decay"),
+                                                   "SGD")
+        _check_sgd_settings(lr, momentum, weight_decay, "SGD.load_state_dict")
+        self.lr, self.momentum, self.weight_decay = lr, momentum, weight_decay
         self.momentum_buffers = [None if b is None else b.copy() for b in buffers]
 
 
@@ -156,10 +192,7 @@ class Adam:
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0):
         self.params = _check_params(params, "Adam")
-        if not (lr > 0 and 0 <= betas[0] < 1 and 0 <= betas[1] < 1 and eps > 0
-                and weight_decay >= 0):
-            raise ValueError(f"Adam: need lr > 0, 0 <= betas < 1, eps > 0, weight_decay >= 0; "
-                             f"got lr={lr}, betas={betas}, eps={eps}, weight_decay={weight_decay}")
+        _check_adam_settings(lr, betas, eps, weight_decay, "Adam")
         self.lr, self.betas, self.eps, self.weight_decay = lr, tuple(betas), eps, weight_decay
         self.t = 0
         self.m = [array_module(p).zeros_like(p) for p in self.params]
@@ -186,10 +219,17 @@ class Adam:
                 "m": [m.copy() for m in self.m], "v": [v.copy() for v in self.v]}
 
     def load_state_dict(self, state: dict) -> None:
+        # (Everything checked before anything is loaded, as in SGD.load_state_dict.)
         m = _checked_state_arrays(state, "m", self.params, "Adam")
         v = _checked_state_arrays(state, "v", self.params, "Adam")
-        self.lr, self.betas, self.eps = state["lr"], tuple(state["betas"]), state["eps"]
-        self.weight_decay, self.t = state["weight_decay"], state["t"]
+        lr, betas, eps, weight_decay, t = _state_values(
+            state, ("lr", "betas", "eps", "weight_decay", "t"), "Adam")
+        _check_adam_settings(lr, betas, eps, weight_decay, "Adam.load_state_dict")
+        if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or t < 0:
+            raise ValueError(f"Adam.load_state_dict: state['t'] (the steps taken) must be an "
+                             f"int >= 0, got {t!r}")
+        self.lr, self.betas, self.eps = lr, tuple(betas), eps
+        self.weight_decay, self.t = weight_decay, int(t)
         self.m = [a.copy() for a in m]
         self.v = [a.copy() for a in v]
 

@@ -622,6 +622,40 @@ def test_a_state_of_another_model_is_refused(make):
         make(small).load_state_dict({"lr": 0.1})
 
 
+@pytest.mark.parametrize("make", [lambda p: SGD(p, lr=0.1, momentum=0.9),
+                                  lambda p: Adam(p, lr=0.01)], ids=["SGD", "Adam"])
+def test_a_corrupt_state_is_refused_before_anything_is_loaded(make):
+    # (From a review.) The settings were loaded one by one after the arrays were
+    # checked: a state without 'weight_decay' (SGD) or 't' (Adam) loaded lr and more,
+    # then raised a bare KeyError; a bad lr or t loaded, to fail at a later step.
+    params = [np.zeros((4, 3))]
+    opt = make(params)
+    opt.step([np.ones((4, 3))])
+    saved = opt.state_dict()
+    sgd = isinstance(opt, SGD)
+    last = "weight_decay" if sgd else "t"
+    cases = [({k: v for k, v in saved.items() if k != last}, f"has no '{last}'", KeyError),
+             ({**saved, "lr": "0.1"}, "need lr > 0", ValueError),
+             ({**saved, "weight_decay": float("nan")}, "need lr > 0", ValueError),
+             ({**saved, "momentum_buffers" if sgd else "m": None}, "not a list", ValueError)]
+    if not sgd:
+        cases += [({**saved, "betas": (0.9,)}, "betas a pair", ValueError),
+                  ({**saved, "t": 1.5}, r"state\['t'\] .* must be an int", ValueError)]
+    for bad, match, error in cases:
+        target = make([np.zeros((4, 3))])
+        before = target.state_dict()
+        with pytest.raises(error, match=match):  # (an lr of 0.5 to load, where it is good)
+            target.load_state_dict({**bad, "lr": 0.5} if "lr" not in match else bad)
+        after = target.state_dict()
+        assert after.keys() == before.keys()
+        for key in after:  # nothing loaded: not the lr (0.5) either
+            if isinstance(after[key], list):
+                assert all((a is None and b is None) or np.array_equal(a, b)
+                           for a, b in zip(after[key], before[key])), key
+            else:
+                assert after[key] == before[key], key
+
+
 def test_one_powersgd_object_compresses_one_optimizers_gradients():
     # Its state is keyed by parameter index: shared, one model's error feedback and Q
     # went into another's (a model whose gradients were all 0 moved), or broke on
