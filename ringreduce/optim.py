@@ -397,7 +397,9 @@ class _Bucket:
 
 class DistributedOptimizer:
     """Wraps an optimizer (SGD, Adam, or anything with ``params`` and ``step(grads)``) so
-    that every step uses the gradients averaged over all ranks.
+    that every step uses the gradients averaged over all ranks. Another optimizer gets
+    arrays of its own, which it may keep; state_dict() and load_state_dict() need its
+    own state_dict() and load_state_dict(state).
 
     Construction is collective: every rank must wrap parameters of the same shapes.
     """
@@ -436,6 +438,12 @@ class DistributedOptimizer:
             raise TypeError("DistributedOptimizer: optimizer must have .params and .step(grads) "
                             f"(as ringreduce.optim.SGD and Adam do), got {type(optimizer).__name__}")
         self.params = _check_params(optimizer.params, "DistributedOptimizer")
+        # The averaged gradients are views of the buckets, which the next step
+        # overwrites. ringreduce's SGD and Adam keep none of them; another optimizer
+        # may (a momentum buffer that starts as the first gradient, say), and would then
+        # see it change under it: it gets copies, as it would get fresh arrays without
+        # DistributedOptimizer.
+        self._hand_copies = type(optimizer).step not in (SGD.step, Adam.step)
         for i, p in enumerate(self.params):
             if not p.dtype.isnative:  # (the ring's buffers are native, and so its results)
                 raise ValueError(f"DistributedOptimizer: params[{i}] has dtype {p.dtype.str}, "
@@ -656,7 +664,15 @@ class DistributedOptimizer:
         self._new_step()
         self.optimizer.step(averaged)
 
+    def _check_optimizer_has(self, method: str) -> None:
+        if not callable(getattr(self.optimizer, method, None)):
+            raise TypeError(f"DistributedOptimizer.{method}: the wrapped optimizer, a "
+                            f"{type(self.optimizer).__name__}, has no {method}(); give it "
+                            "state_dict() and load_state_dict(state) (as "
+                            "ringreduce.optim.SGD and Adam have) to save and resume it")
+
     def state_dict(self) -> dict:
+        self._check_optimizer_has("state_dict")
         state = {"optimizer": self.optimizer.state_dict()}
         if self.powersgd is not None:
             state["powersgd"] = self.powersgd.state_dict()
@@ -668,6 +684,7 @@ class DistributedOptimizer:
         if not isinstance(state, dict) or "optimizer" not in state:
             raise KeyError("DistributedOptimizer.load_state_dict: the state has no "
                            "'optimizer' (is it a DistributedOptimizer state_dict()?)")
+        self._check_optimizer_has("load_state_dict")
         if self.powersgd is not None and "powersgd" in state:
             self._check_powersgd_state(state["powersgd"])  # before anything is loaded
         self.optimizer.load_state_dict(state["optimizer"])
@@ -910,6 +927,8 @@ class DistributedOptimizer:
             bucket.buffer[...] = bucket.wire.astype(bucket.buffer.dtype)
         for i in bucket.indices:
             averaged[i] = bucket.buffer[bucket.slices[i]].reshape(self.params[i].shape)
+            if self._hand_copies:  # (see _set_up)
+                averaged[i] = averaged[i].copy()
 
     def _texts_to_agree_on(self) -> list[str]:
         model = repr([(tuple(p.shape), str(p.dtype)) for p in self.params])

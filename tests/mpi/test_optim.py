@@ -656,6 +656,60 @@ def test_a_corrupt_state_is_refused_before_anything_is_loaded(make):
                 assert after[key] == before[key], key
 
 
+class HeavyBall:
+    """A user's own optimizer, written for gradients that are fresh arrays at every
+    step: its momentum buffer starts as the first gradient itself."""
+
+    def __init__(self, params, lr, momentum):
+        self.params, self.lr, self.momentum = params, lr, momentum
+        self.buffers = [None] * len(params)
+
+    def step(self, grads):
+        for i, (p, g) in enumerate(zip(self.params, grads)):
+            self.buffers[i] = g if self.buffers[i] is None else self.momentum * self.buffers[i] + g
+            p -= self.lr * self.buffers[i]
+
+
+class HeavyBallWithState(HeavyBall):
+    def state_dict(self):
+        return {"buffers": [None if b is None else b.copy() for b in self.buffers]}
+
+    def load_state_dict(self, state):
+        self.buffers = [None if b is None else b.copy() for b in state["buffers"]]
+
+
+@pytest.mark.parametrize("mode", ["step-grads", "grad-ready"])
+def test_an_optimizer_of_ones_own_trains_as_alone_and_saves_its_state(mode):
+    # (From a review.) The averaged gradients handed to the wrapped optimizer were views
+    # of the buckets, which the next step overwrites: an optimizer that kept one (this
+    # momentum buffer) saw it become the next gradient, and trained otherwise than
+    # alone, silently. And state_dict() of one without state_dict() raised a bare
+    # AttributeError.
+    expected = single_process(lambda params: HeavyBall(params, lr=0.05, momentum=0.9))
+    params = init_params(LAYERS, seed=1 + RANK)
+    opt = DistributedOptimizer(HeavyBallWithState(params, lr=0.05, momentum=0.9),
+                               bucket_mb=0.0005)
+    opt.broadcast_parameters(root=0)
+    for step in range(STEPS):
+        x, y = my_shard(*data(step))
+        if step == STEPS // 2:  # resumed from a state_dict() in a new optimizer
+            saved = opt.state_dict()
+            opt = DistributedOptimizer(HeavyBallWithState(params, lr=0.05, momentum=0.9),
+                                       bucket_mb=0.0005)
+            opt.load_state_dict(saved)
+        if mode == "step-grads":
+            opt.step(loss_and_grads(params, x, y)[1])
+        else:
+            loss_and_grads(params, x, y, on_grad=opt.grad_ready)
+            opt.step()
+    for p, q in zip(params, expected):
+        np.testing.assert_allclose(p, q, rtol=1e-9, atol=1e-12)
+    plain = DistributedOptimizer(HeavyBall([np.zeros(3)], lr=0.1, momentum=0.9))
+    for method, args in (("state_dict", ()), ("load_state_dict", ({"optimizer": {}},))):
+        with pytest.raises(TypeError, match=rf"a HeavyBall, has no {method}\(\); give it "):
+            getattr(plain, method)(*args)
+
+
 def test_one_powersgd_object_compresses_one_optimizers_gradients():
     # Its state is keyed by parameter index: shared, one model's error feedback and Q
     # went into another's (a model whose gradients were all 0 moved), or broke on
