@@ -675,7 +675,9 @@ class DistributedOptimizer:
         self._check_optimizer_has("state_dict")
         state = {"optimizer": self.optimizer.state_dict()}
         if self.powersgd is not None:
-            state["powersgd"] = self.powersgd.state_dict()
+            # With the number of ranks: the state is this rank's own, and has no
+            # meaning on another number (see _check_powersgd_state).
+            state["powersgd"] = {**self.powersgd.state_dict(), "ranks": self.comm.size}
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -701,6 +703,17 @@ class DistributedOptimizer:
             raise ValueError(f"{where}: the state is PowerSGD(rank={state['rank']})'s, and this "
                              f"optimizer's is PowerSGD(rank={self.powersgd.rank}), which the "
                              "ranks agreed on when it was made")
+        # What the ranks' approximations missed is owed to the update as the average of
+        # every rank's error: given out to another number of ranks (rank 0's to rank 2
+        # as well, or to rank 0 alone), it changes that average, silently.
+        saved_on = state.get("ranks", self.comm.size)  # (states saved before 2026-12-04 lack it)
+        if saved_on != self.comm.size:
+            raise ValueError(f"{where}: state['powersgd'] was saved on {saved_on} ranks, and "
+                             f"this job has {self.comm.size}: it is each rank's own (what its "
+                             "approximations missed), so it cannot be shared out over another "
+                             f"number of ranks. Resume on {saved_on} ranks, or load the state "
+                             "without it (del state['powersgd']: PowerSGD then starts as a new "
+                             "one does, and what it had not sent yet is lost)")
         for key in ("q", "error"):
             for index, array in dict(state[key]).items():
                 if index not in self._low_rank:

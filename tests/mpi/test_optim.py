@@ -773,6 +773,38 @@ def test_a_powersgd_state_of_another_model_is_refused_before_anything_is_loaded(
     made((40, 30)).load_state_dict(saved)  # its own model's: loads
 
 
+def test_a_powersgd_state_saved_on_another_number_of_ranks_is_refused():
+    # (From a review.) Each rank's PowerSGD state is its own (what its approximations
+    # missed): loaded on another number of ranks (rank 0's on a new rank 2 too, or on
+    # rank 0 alone) it silently changed the average owed to the update.
+    def made(comm):
+        params = [np.zeros((40, 30))]
+        return DistributedOptimizer(SGD(params, lr=0.1, momentum=0.9), comm=comm,
+                                    compression=PowerSGD(rank=2))
+
+    with rr.Communicator(MPI.COMM_SELF) as alone:
+        one = made(alone)
+        one.step([np.full((40, 30), 1.0 + RANK) + np.eye(40, 30)])
+        saved_alone = one.state_dict()
+    opt = made(None)
+    opt.step([np.full((40, 30), 1.0 + RANK) + np.eye(40, 30)])
+    saved = opt.state_dict()
+    assert saved["powersgd"]["ranks"] == SIZE
+    states = [{**saved, "powersgd": {**saved["powersgd"], "ranks": SIZE + 1}}]
+    if SIZE > 1:
+        states.append(saved_alone)
+    for state in states:
+        target = made(None)
+        with pytest.raises(ValueError, match=rf"saved on {state['powersgd']['ranks']} ranks, "
+                                             rf"and this job has {SIZE}.*del state\['powersgd'\]"):
+            target.load_state_dict({**state, "optimizer": {**state["optimizer"], "lr": 0.5}})
+        assert target.optimizer.lr == 0.1 and not target.powersgd._q  # nothing loaded
+        target.load_state_dict({"optimizer": state["optimizer"]})  # (the way out it names)
+    made(None).load_state_dict(saved)  # saved on this number of ranks: loads
+    old = {**saved, "powersgd": {k: v for k, v in saved["powersgd"].items() if k != "ranks"}}
+    made(None).load_state_dict(old)  # (saved before the number was recorded)
+
+
 def test_allreduce_gradients_averages_in_place():
     grads = [np.full((3, 4), float(RANK)), np.arange(5, dtype=np.float32) * (RANK + 1),
              np.full(7, RANK, np.float64)[::2]]
