@@ -295,6 +295,46 @@ class _Fp16Scale:
         # The sums are kept below 2 ** aim: a partial sum can be p times the average.
         self.aim = 15 - 3 - math.ceil(math.log2(ranks))
 
+    # What it learnt, which state_dict() saves and broadcast_parameters() broadcasts (aim
+    # comes from the number of ranks). Without it a resumed run agreed on a scale afresh,
+    # and gradients too small for float16's normal range at one scale but not the other
+    # arrived otherwise than in the run that went on (3.5% off, in a test).
+    LEARNT = ("value", "zero_confirmed", "settled", "ref_top", "ref_estimated", "clean_steps")
+
+    def learnt(self) -> dict:
+        return {name: getattr(self, name) for name in self.LEARNT}
+
+    def as_numbers(self) -> np.ndarray:
+        """learnt() as float64s, to broadcast (None as NaN)."""
+        return np.array([math.nan if v is None else float(v) for v in self.learnt().values()])
+
+    def take_numbers(self, numbers) -> None:
+        value, zero_confirmed, settled, ref_top, ref_estimated, clean_steps = numbers.tolist()
+        self.value = None if math.isnan(value) else value
+        self.zero_confirmed, self.settled = bool(zero_confirmed), bool(settled)
+        self.ref_top = None if math.isnan(ref_top) else int(ref_top)
+        self.ref_estimated, self.clean_steps = bool(ref_estimated), int(clean_steps)
+
+    @classmethod
+    def check_learnt(cls, learnt, where: str) -> None:
+        """A clear error unless learnt is one a learnt() could have returned."""
+        if not isinstance(learnt, dict) or not set(cls.LEARNT) <= learnt.keys():
+            raise ValueError(f"{where} is not an fp16 scale's state (it needs "
+                             f"{', '.join(cls.LEARNT)})")
+        value, ref_top = learnt["value"], learnt["ref_top"]
+        good_value = value is None or (
+            isinstance(value, float) and value > 0 and math.frexp(value)[0] == 0.5
+            and _FP16_SCALES[0] <= math.frexp(value)[1] - 1 <= _FP16_SCALES[1])
+        flags = all(isinstance(learnt[name], bool)
+                    for name in ("zero_confirmed", "settled", "ref_estimated"))
+        counts = isinstance(learnt["clean_steps"], int) and learnt["clean_steps"] >= 0 and (
+            ref_top is None or isinstance(ref_top, int))
+        if not (good_value and flags and counts):
+            raise ValueError(f"{where} is not an fp16 scale's state: value must be None or a "
+                             f"power of two from 2 ** {_FP16_SCALES[0]} to 2 ** "
+                             f"{_FP16_SCALES[1]}, ref_top None or an int, clean_steps an int "
+                             f">= 0, the others bools; got {learnt!r}")
+
     def sending(self) -> float:
         """The scale to send with. With none agreed yet, because all gradients were 0:
         the largest, so that any that are not show up in the sums."""
@@ -496,10 +536,12 @@ class DistributedOptimizer:
         """Overwrite every rank's parameters with root's, so all replicas start equal;
         and, where the wrapped optimizer is ringreduce's SGD or Adam, its state too
         (momentum buffers; Adam's moments and step count), so that a replica left
-        behind goes on equal. Collective."""
+        behind goes on equal; and the fp16 buckets' scales. Collective."""
         for p in self.params:
             self.comm.broadcast(p, root=root)
         self._broadcast_optimizer_state(root)
+        # (The same everywhere already, unless a rank loaded a state_dict() alone.)
+        self._broadcast_fp16_scales(root)
 
     def _broadcast_optimizer_state(self, root: int) -> None:
         # Of SGD and Adam, whose state is known here; another optimizer's is its own.
@@ -678,6 +720,10 @@ class DistributedOptimizer:
             # With the number of ranks: the state is this rank's own, and has no
             # meaning on another number (see _check_powersgd_state).
             state["powersgd"] = {**self.powersgd.state_dict(), "ranks": self.comm.size}
+        scaled = [b for b in self._buckets if b.scale is not None]
+        if scaled:  # (the same on every rank: learnt from the sums)
+            state["fp16_scales"] = [{"params": list(b.indices), **b.scale.learnt()}
+                                    for b in scaled]
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -689,11 +735,47 @@ class DistributedOptimizer:
         self._check_optimizer_has("load_state_dict")
         if self.powersgd is not None and "powersgd" in state:
             self._check_powersgd_state(state["powersgd"])  # before anything is loaded
+        scales = self._checked_fp16_scales(state.get("fp16_scales"))  # (this too)
         self.optimizer.load_state_dict(state["optimizer"])
         if self.powersgd is not None and "powersgd" in state:
             self.powersgd.load_state_dict(state["powersgd"])
+        # fp16 scales as saved; or, where the state has none for these buckets (saved
+        # without fp16, or with other buckets), as a new optimizer's: the ranks agree on
+        # them at the next step, as at the first.
+        for bucket, learnt in zip([b for b in self._buckets if b.scale is not None], scales):
+            bucket.scale = _Fp16Scale(self.comm.size)
+            for name in _Fp16Scale.LEARNT if learnt is not None else ():
+                setattr(bucket.scale, name, learnt[name])
 
     # -- plumbing -------------------------------------------------------------------
+
+    def _checked_fp16_scales(self, saved) -> list:
+        """For each fp16 bucket, its scale's state in saved (a state_dict()'s
+        'fp16_scales'), or None for each where saved has none for these buckets; a clear
+        error for a state that no state_dict() makes."""
+        scaled = [b for b in self._buckets if b.scale is not None]
+        where = "DistributedOptimizer.load_state_dict: state['fp16_scales']"
+        if saved is None:
+            return [None] * len(scaled)
+        if not isinstance(saved, (list, tuple)) or not all(
+                isinstance(entry, dict) and "params" in entry for entry in saved):
+            raise ValueError(f"{where} is not a list of fp16 scales' states, each with the "
+                             "'params' of its bucket (is it a DistributedOptimizer "
+                             "state_dict()?)")
+        for k, entry in enumerate(saved):
+            _Fp16Scale.check_learnt(entry, f"{where}[{k}]")
+        if [list(entry["params"]) for entry in saved] != [list(b.indices) for b in scaled]:
+            return [None] * len(scaled)  # (other buckets: see load_state_dict)
+        return list(saved)
+
+    def _broadcast_fp16_scales(self, root: int) -> None:
+        scaled = [b for b in self._buckets if b.scale is not None]
+        if not scaled:
+            return
+        numbers = self.comm.broadcast(np.concatenate([b.scale.as_numbers() for b in scaled]),
+                                      root=root)
+        for bucket, mine in zip(scaled, numbers.reshape(len(scaled), -1)):
+            bucket.scale.take_numbers(mine)
 
     def _check_powersgd_state(self, state):
         where = "DistributedOptimizer.load_state_dict"
