@@ -1,5 +1,6 @@
 """Data-parallel training: p ranks, each with 1/p of every batch, must hold the same
 parameters after k steps as one process training on the whole batch."""
+import contextlib
 import os
 import sys
 import warnings
@@ -81,6 +82,46 @@ def test_distributed_equals_single_process(name, mode):
         np.testing.assert_allclose(p, q, rtol=1e-9, atol=1e-12)
     blobs = MPI.COMM_WORLD.allgather([p.tobytes() for p in params])
     assert all(b == blobs[0] for b in blobs), "replicas differ"
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_uneven_shares_and_micro_batches_train_as_one_process(name):
+    # training.md: with shards of different sizes and different numbers of micro-batches
+    # per rank, scaling the mean loss of a micro-batch of n by p * n / N (p times its
+    # share of the global batch) trains exactly as one process on the whole batch. (It
+    # said to scale by the share of the global batch: the ring averages the ranks' sums,
+    # so that sent the gradient divided by p.)
+    total = 25  # divisible by none of 2, 3 and 4
+    make = OPTIMIZERS[name]
+
+    def batch(step):
+        rng = np.random.default_rng(200 + step)
+        return rng.standard_normal((total, LAYERS[0])), rng.integers(0, LAYERS[-1], total)
+
+    def trained(factor):
+        params = init_params(LAYERS, seed=1 + RANK)
+        opt = DistributedOptimizer(make(params), bucket_mb=0.0005)
+        opt.broadcast_parameters(root=0)
+        for step in range(STEPS):
+            x, y = batch(step)
+            mine = np.array_split(np.arange(total), SIZE)[RANK]  # 9, 8, 8 on 3 ranks
+            parts = np.array_split(mine, RANK + 1)  # rank r: r + 1 micro-batches
+            for k, part in enumerate(parts):
+                grads = loss_and_grads(params, x[part], y[part],
+                                       scale=factor * len(part) / total)[1]
+                with opt.no_sync() if k < len(parts) - 1 else contextlib.nullcontext():
+                    opt.step(grads)
+        return params
+
+    expected = init_params(LAYERS, seed=1)
+    alone = make(expected)
+    for step in range(STEPS):
+        alone.step(loss_and_grads(expected, *batch(step))[1])
+    for p, q in zip(trained(SIZE), expected):
+        np.testing.assert_allclose(p, q, rtol=1e-9, atol=1e-12)
+    if SIZE > 1 and name.startswith("sgd"):  # (Adam hardly sees a constant factor)
+        wrong = trained(1)
+        assert not all(np.allclose(p, q, rtol=1e-3) for p, q in zip(wrong, expected))
 
 
 def test_no_sync_with_grad_ready_accumulates_too():
