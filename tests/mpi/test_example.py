@@ -85,6 +85,17 @@ def test_the_stored_runs_are_what_the_code_trains_now(path):
     assert now["compression"] == stored["compression"], stale
     assert now["bytes_sent_per_rank"] == stored["bytes_sent_per_rank"], stale
     # (a little room for another CPU's BLAS; a changed computation moves these far more)
-    np.testing.assert_allclose(now["loss"], stored["loss"], rtol=1e-4, err_msg=stale)
-    np.testing.assert_allclose(now["test_accuracy"], stored["test_accuracy"], atol=0.006,
+    epochs = len(stored["epoch"])
+    if stored["compression"].startswith("PowerSGD"):
+        # Its curve amplifies the last bits of BLAS's rounding some 100x an epoch (error
+        # feedback carries them on): the stored run, measured on another CPU, is
+        # 2.7e-11 off after 3 epochs here, 1.7e-3 after 6, and 10% after 9, and its
+        # test accuracy differs by 3 images at epoch 11. A change to the computation
+        # shows in the first epochs, which are held as tightly as ever.
+        epochs = 3
+        assert abs(now["test_accuracy"][-1] - stored["test_accuracy"][-1]) <= 0.015, stale
+    np.testing.assert_allclose(now["loss"][:epochs], stored["loss"][:epochs],
+                               rtol=1e-6 if epochs < len(stored["epoch"]) else 1e-4,
                                err_msg=stale)
+    np.testing.assert_allclose(now["test_accuracy"][:epochs],
+                               stored["test_accuracy"][:epochs], atol=0.006, err_msg=stale)
