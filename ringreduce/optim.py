@@ -89,8 +89,8 @@ def _state_values(state, keys, who: str) -> list:
     """state[key] for each key, or a clear error before anything is loaded."""
     missing = [key for key in keys if key not in state]
     if missing:
-        raise KeyError(f"{who}.load_state_dict: the state has no {', '.join(map(repr, missing))} "
-                       f"(is it a {who} state_dict()?)")
+        raise KeyError(f"{who}.load_state_dict: the state has no "
+                       f"{', '.join(map(repr, missing))} (is it a {who} state_dict()?)")
     return [state[key] for key in keys]
 
 
@@ -788,7 +788,7 @@ class DistributedOptimizer:
         # What the ranks' approximations missed is owed to the update as the average of
         # every rank's error: given out to another number of ranks (rank 0's to rank 2
         # as well, or to rank 0 alone), it changes that average, silently.
-        saved_on = state.get("ranks", self.comm.size)  # (states saved before 2026-12-04 lack it)
+        saved_on = state.get("ranks", self.comm.size)  # (states saved before 2026-12-04: none)
         if saved_on != self.comm.size:
             raise ValueError(f"{where}: state['powersgd'] was saved on {saved_on} ranks, and "
                              f"this job has {self.comm.size}: it is each rank's own (what its "

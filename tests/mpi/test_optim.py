@@ -807,7 +807,8 @@ class HeavyBall:
 
     def step(self, grads):
         for i, (p, g) in enumerate(zip(self.params, grads)):
-            self.buffers[i] = g if self.buffers[i] is None else self.momentum * self.buffers[i] + g
+            kept = self.buffers[i]
+            self.buffers[i] = g if kept is None else self.momentum * kept + g
             p -= self.lr * self.buffers[i]
 
 
@@ -936,8 +937,9 @@ def test_a_powersgd_state_saved_on_another_number_of_ranks_is_refused():
         states.append(saved_alone)
     for state in states:
         target = made(None)
-        with pytest.raises(ValueError, match=rf"saved on {state['powersgd']['ranks']} ranks, "
-                                             rf"and this job has {SIZE}.*del state\['powersgd'\]"):
+        saved_on = state["powersgd"]["ranks"]
+        with pytest.raises(ValueError, match=rf"saved on {saved_on} ranks, and this job has "
+                                             rf"{SIZE}.*del state\['powersgd'\]"):
             target.load_state_dict({**state, "optimizer": {**state["optimizer"], "lr": 0.5}})
         assert target.optimizer.lr == 0.1 and not target.powersgd._q  # nothing loaded
         target.load_state_dict({"optimizer": state["optimizer"]})  # (the way out it names)
