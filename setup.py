@@ -14,9 +14,14 @@ import subprocess
 import sys
 from glob import glob
 
-import pybind11
-from pybind11.setup_helpers import Pybind11Extension, build_ext
 from setuptools import setup
+
+try:
+    import pybind11
+    from pybind11.setup_helpers import Pybind11Extension, build_ext
+except ImportError:  # pip's isolated build installs it; --no-build-isolation does not
+    sys.exit("ringreduce: building needs pybind11>=2.12; with --no-build-isolation, first "
+             "pip install 'pybind11>=2.12' 'setuptools>=64' wheel")
 
 
 def find_mpicc():
@@ -89,12 +94,31 @@ def cuda_gencode(nvcc):
     return flags + [f"-gencode=arch=compute_{archs[-1]},code=compute_{archs[-1]}"]
 
 
+def add_mpi_and_cuda(ext):
+    """MPI's flags (and CUDA's, where it builds) for the extension, found only when it is
+    built: an sdist, or pip's metadata step, needs neither."""
+    mpicc = find_mpicc()
+    cuda = find_nvcc()
+    print(f"ringreduce: building against {mpicc}; CUDA: {cuda[1] if cuda else 'no'}")
+    flags = mpi_flags(mpicc)
+    if cuda:
+        ext.define_macros.append(("RINGREDUCE_WITH_CUDA", "1"))
+        flags["include_dirs"].append(os.path.join(cuda[1], "include"))
+        flags["library_dirs"].append(os.path.join(cuda[1], "lib64"))
+        # The static runtime: the extension still imports on machines without CUDA.
+        flags["libraries"] += ["cudart_static", "rt", "dl", "pthread"]
+    for key, values in flags.items():
+        setattr(ext, key, values + getattr(ext, key))
+    return cuda
+
+
 class BuildWithCuda(build_ext):
     """Compiles csrc/*.cu with nvcc first, then links the objects into the extension."""
 
     def build_extension(self, ext):
-        if CUDA:
-            nvcc, _ = CUDA
+        cuda = add_mpi_and_cuda(ext)
+        if cuda:
+            nvcc, _ = cuda
             os.makedirs(self.build_temp, exist_ok=True)
             for source in sorted(glob("csrc/*.cu")):
                 obj = os.path.join(self.build_temp, os.path.basename(source) + ".o")
@@ -112,26 +136,15 @@ class BuildWithCuda(build_ext):
 if tuple(int(part) for part in pybind11.__version__.split(".")[:2]) < (2, 12):
     sys.exit(f"ringreduce: pybind11 {pybind11.__version__} cannot read numpy 2's dtypes; "
              "install pybind11>=2.12 (pip install -U pybind11)")
-mpicc = find_mpicc()
-CUDA = find_nvcc()
-print(f"ringreduce: building against {mpicc}; CUDA: {CUDA[1] if CUDA else 'no'}")
-flags = mpi_flags(mpicc)
-flags["define_macros"] = [("OMPI_SKIP_MPICXX", "1"), ("MPICH_SKIP_MPICXX", "1")]
-if CUDA:
-    flags["define_macros"].append(("RINGREDUCE_WITH_CUDA", "1"))
-    flags["include_dirs"].append(os.path.join(CUDA[1], "include"))
-    flags["library_dirs"].append(os.path.join(CUDA[1], "lib64"))
-    # The static runtime: the extension still imports on machines without CUDA.
-    flags["libraries"] += ["cudart_static", "rt", "dl", "pthread"]
 core = Pybind11Extension(
     "ringreduce._core",
     sorted(glob("csrc/*.cc")),
     cxx_std=17,
-    # (define_macros) The MPI C API only: Open MPI's and MPICH's headers otherwise drag
-    # in the long-dead MPI C++ bindings, whose symbols Open MPI's libmpi lacks.
+    # The MPI C API only: Open MPI's and MPICH's headers otherwise drag in the
+    # long-dead MPI C++ bindings, whose symbols Open MPI's libmpi lacks.
+    define_macros=[("OMPI_SKIP_MPICXX", "1"), ("MPICH_SKIP_MPICXX", "1")],
     # No FMA contraction: the core must round exactly like the numpy reference.
     extra_compile_args=["-O3", "-ffp-contract=off"],
-    **flags,
 )
 
 setup(packages=["ringreduce"], ext_modules=[core], cmdclass={"build_ext": BuildWithCuda})
