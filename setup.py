@@ -128,6 +128,11 @@ class BuildWithCuda(build_ext):
                 print(" ".join(command))
                 subprocess.run(command, check=True)
                 ext.extra_objects.append(obj)
+        # Always link afresh: a build folder left by another build (another venv's MPI, or
+        # RINGREDUCE_CUDA=0 where this one asks for CUDA) holds an extension newer than the
+        # sources, which setuptools would otherwise ship as it is. It compiles every source
+        # whenever it links, so this costs only builds where nothing changed.
+        self.force = True
         super().build_extension(ext)
 
 
