@@ -745,8 +745,13 @@ def test_a_run_resumed_from_a_pickled_state_dict_goes_on_bit_for_bit(name, compr
         np.testing.assert_array_equal(p, q)
 
 
-@pytest.mark.parametrize("make", [lambda p: SGD(p, lr=0.1, momentum=0.9),
-                                  lambda p: Adam(p, lr=0.01)], ids=["SGD", "Adam"])
+# ringreduce's two optimizers, each with a state to save (momentum; Adam's moments).
+each_optimizer = pytest.mark.parametrize("make", [lambda p: SGD(p, lr=0.1, momentum=0.9),
+                                                  lambda p: Adam(p, lr=0.01)],
+                                         ids=["SGD", "Adam"])
+
+
+@each_optimizer
 def test_a_state_of_another_model_is_refused(make):
     small = [np.zeros((4, 3))]
     opt = make(small)
@@ -763,8 +768,7 @@ def test_a_state_of_another_model_is_refused(make):
         make(small).load_state_dict({"lr": 0.1})
 
 
-@pytest.mark.parametrize("make", [lambda p: SGD(p, lr=0.1, momentum=0.9),
-                                  lambda p: Adam(p, lr=0.01)], ids=["SGD", "Adam"])
+@each_optimizer
 def test_a_corrupt_state_is_refused_before_anything_is_loaded(make):
     # (From a review.) The settings were loaded one by one after the arrays were
     # checked: a state without 'weight_decay' (SGD) or 't' (Adam) loaded lr and more,
