@@ -566,8 +566,12 @@ def test_copies_between_buffers_a_few_bytes_apart_modulo_4k(comm, world, gap):
     # The core copies such pairs in pieces (csrc/copy.h: memcpy is 10-17x slower there
     # on some CPUs). Every size around the piece and the limits, odd ones included,
     # with out's own block `gap` bytes past x modulo 4 KiB.
-    arena = np.empty(4 << 20, np.uint8)
-    for nbytes in (2047, 2048, 2049, 12001, 300_003, (512 << 10) - 1, 600_001):
+    sizes = (2047, 2048, 2049, 12001, 300_003, (512 << 10) - 1, 600_001)
+    # out (SIZE times the largest x, from 1 MiB on) must fit whole on any number of ranks
+    # (4 MiB held it on up to 5 only: on 6 or more out came back short, and the call
+    # rightly raised MismatchError)
+    arena = np.empty((1 << 20) + max(3 << 20, SIZE * max(sizes) + 4096), np.uint8)
+    for nbytes in sizes:
         x = _placed(arena[:1 << 20], 100, nbytes)
         x[:] = rank_data(np.dtype(np.uint8), nbytes, salt=gap)
         expected = np.concatenate(world.allgather(x))
