@@ -720,7 +720,7 @@ class DistributedOptimizer:
             # With the number of ranks: the state is this rank's own, and has no
             # meaning on another number (see _check_powersgd_state).
             state["powersgd"] = {**self.powersgd.state_dict(), "ranks": self.comm.size}
-        scaled = [b for b in self._buckets if b.scale is not None]
+        scaled = self._scaled_buckets()
         if scaled:  # (the same on every rank: learnt from the sums)
             state["fp16_scales"] = [{"params": list(b.indices), **b.scale.learnt()}
                                     for b in scaled]
@@ -742,18 +742,22 @@ class DistributedOptimizer:
         # fp16 scales as saved; or, where the state has none for these buckets (saved
         # without fp16, or with other buckets), as a new optimizer's: the ranks agree on
         # them at the next step, as at the first.
-        for bucket, learnt in zip([b for b in self._buckets if b.scale is not None], scales):
+        for bucket, learnt in zip(self._scaled_buckets(), scales):
             bucket.scale = _Fp16Scale(self.comm.size)
             for name in _Fp16Scale.LEARNT if learnt is not None else ():
                 setattr(bucket.scale, name, learnt[name])
 
     # -- plumbing -------------------------------------------------------------------
 
+    def _scaled_buckets(self) -> list:
+        """The buckets that travel with an fp16 scale, in order."""
+        return [b for b in self._buckets if b.scale is not None]
+
     def _checked_fp16_scales(self, saved) -> list:
         """For each fp16 bucket, its scale's state in saved (a state_dict()'s
         'fp16_scales'), or None for each where saved has none for these buckets; a clear
         error for a state that no state_dict() makes."""
-        scaled = [b for b in self._buckets if b.scale is not None]
+        scaled = self._scaled_buckets()
         where = "DistributedOptimizer.load_state_dict: state['fp16_scales']"
         if saved is None:
             return [None] * len(scaled)
@@ -769,7 +773,7 @@ class DistributedOptimizer:
         return list(saved)
 
     def _broadcast_fp16_scales(self, root: int) -> None:
-        scaled = [b for b in self._buckets if b.scale is not None]
+        scaled = self._scaled_buckets()
         if not scaled:
             return
         numbers = self.comm.broadcast(np.concatenate([b.scale.as_numbers() for b in scaled]),
