@@ -733,7 +733,7 @@ class DistributedOptimizer:
             raise KeyError("DistributedOptimizer.load_state_dict: the state has no "
                            "'optimizer' (is it a DistributedOptimizer state_dict()?)")
         self._check_optimizer_has("load_state_dict")
-        if self.powersgd is not None and "powersgd" in state:
+        if "powersgd" in state:
             self._check_powersgd_state(state["powersgd"])  # before anything is loaded
         scales = self._checked_fp16_scales(state.get("fp16_scales"))  # (this too)
         self.optimizer.load_state_dict(state["optimizer"])
@@ -785,6 +785,16 @@ class DistributedOptimizer:
         where = "DistributedOptimizer.load_state_dict"
         if not isinstance(state, dict) or not {"rank", "seed", "q", "error"} <= state.keys():
             raise KeyError(f"{where}: state['powersgd'] is not a PowerSGD state_dict()")
+        if self.powersgd is None:
+            # Ignored, it would drop what the saving ranks' approximations had not sent
+            # yet (owed to the update), silently.
+            saved = f"PowerSGD(rank={state['rank']}, seed={state['seed']})"
+            raise ValueError(f"{where}: the state was saved with {saved}, and this optimizer "
+                             f"has no PowerSGD (compression={self.compression!r}): its "
+                             "state['powersgd'] holds what this rank's approximations had not "
+                             f"sent yet. Make the optimizer with compression={saved} to go on "
+                             "with the run, or load the state without it (del "
+                             "state['powersgd']: what PowerSGD had not sent yet is lost)")
         if state["rank"] != self.powersgd.rank:
             raise ValueError(f"{where}: the state is PowerSGD(rank={state['rank']})'s, and this "
                              f"optimizer's is PowerSGD(rank={self.powersgd.rank}), which the "

@@ -926,6 +926,29 @@ def test_a_powersgd_state_of_another_model_is_refused_before_anything_is_loaded(
     made((40, 30)).load_state_dict(saved)  # its own model's: loads
 
 
+@each_optimizer
+def test_a_powersgd_state_is_refused_by_an_optimizer_without_powersgd(make):
+    # (From a review.) It was ignored: what the saving ranks' approximations had not
+    # sent yet (owed to the update) was lost, silently.
+    opt = DistributedOptimizer(make([np.zeros((40, 30))]), compression=PowerSGD(rank=2, seed=3))
+    opt.step([np.full((40, 30), 1.0 + RANK) + np.eye(40, 30)])
+    saved = opt.state_dict()
+    assert saved["powersgd"]["error"]  # (something not sent yet, to lose)
+    for compression in (None, "fp16"):
+        target = DistributedOptimizer(make([np.zeros((40, 30))]), compression=compression)
+        lr = target.optimizer.lr
+        with pytest.raises(ValueError, match=r"saved with PowerSGD\(rank=2, seed=3\), and this "
+                                             r"optimizer has no PowerSGD .*"
+                                             r"compression=PowerSGD\(rank=2, seed=3\).*"
+                                             r"del state\['powersgd'\]"):
+            target.load_state_dict({**saved, "optimizer": {**saved["optimizer"], "lr": 0.5}})
+        assert target.optimizer.lr == lr  # nothing loaded
+        without = dict(saved)
+        del without["powersgd"]  # (the way out it names)
+        target.load_state_dict(without)
+        assert target.optimizer.lr == saved["optimizer"]["lr"]
+
+
 def test_a_powersgd_state_saved_on_another_number_of_ranks_is_refused():
     # (From a review.) Each rank's PowerSGD state is its own (what its approximations
     # missed): loaded on another number of ranks (rank 0's on a new rank 2 too, or on
