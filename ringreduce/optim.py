@@ -795,10 +795,19 @@ class DistributedOptimizer:
                              f"sent yet. Make the optimizer with compression={saved} to go on "
                              "with the run, or load the state without it (del "
                              "state['powersgd']: what PowerSGD had not sent yet is lost)")
-        if state["rank"] != self.powersgd.rank:
-            raise ValueError(f"{where}: the state is PowerSGD(rank={state['rank']})'s, and this "
-                             f"optimizer's is PowerSGD(rank={self.powersgd.rank}), which the "
-                             "ranks agreed on when it was made")
+        # The seed too: PowerSGD.load_state_dict takes both, and the ranks agreed on
+        # them (repr(PowerSGD)) when the optimizer was made. A Q is drawn from the seed
+        # for a matrix the state has no Q for, and again after an inf or NaN: with
+        # another seed the run goes on otherwise than the one saved, and ranks that
+        # loaded states of different seeds would draw different Qs.
+        saved = f"PowerSGD(rank={state['rank']}, seed={state['seed']})"
+        if (state["rank"], state["seed"]) != (self.powersgd.rank, self.powersgd.seed):
+            raise ValueError(f"{where}: the state is {saved}'s, and this optimizer's is "
+                             f"{self.powersgd!r}, which the ranks agreed on when it was made. "
+                             f"Make the optimizer with compression={saved} to go on with the "
+                             "run, or load the state without it (del state['powersgd']: "
+                             "PowerSGD then starts as a new one does, and what it had not "
+                             "sent yet is lost)")
         # What the ranks' approximations missed is owed to the update as the average of
         # every rank's error: given out to another number of ranks (rank 0's to rank 2
         # as well, or to rank 0 alone), it changes that average, silently.

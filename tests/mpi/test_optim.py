@@ -900,7 +900,8 @@ def test_a_powersgd_state_of_another_model_is_refused_before_anything_is_loaded(
     saved = made((40, 30)).state_dict()
     for shape, rank, match in [((50, 20), 2, r"\['q'\]\[0\] is \(30, 2\) float64, but for "
                                               r"params\[0\] \(50, 20\) float64 it is \(20, 2\)"),
-                               ((40, 30), 3, r"PowerSGD\(rank=2\)'s"),
+                               ((40, 30), 3, r"PowerSGD\(rank=2, seed=0\)'s, and this "
+                                              r"optimizer's is PowerSGD\(rank=3, seed=0\)"),
                                ((40, 2), 2, "does not compress")]:
         target = made(shape, rank)
         before = target.state_dict()
@@ -947,6 +948,31 @@ def test_a_powersgd_state_is_refused_by_an_optimizer_without_powersgd(make):
         del without["powersgd"]  # (the way out it names)
         target.load_state_dict(without)
         assert target.optimizer.lr == saved["optimizer"]["lr"]
+
+
+def test_a_powersgd_state_of_another_seed_is_refused():
+    # (From a review.) It loaded, and set this rank's seed to the saved one: what the
+    # ranks agreed on when the optimizer was made (repr(PowerSGD)) changed under them,
+    # and the Qs drawn afresh (for a matrix the state has no Q for, or after an inf or
+    # NaN) came from another seed than the optimizer's.
+    def made(seed):
+        return DistributedOptimizer(SGD([np.zeros((40, 30))], lr=0.1, momentum=0.9),
+                                    compression=PowerSGD(rank=2, seed=seed))
+
+    source = made(1)
+    source.step([np.full((40, 30), 1.0 + RANK) + np.eye(40, 30)])
+    saved = source.state_dict()
+    target = made(0)
+    with pytest.raises(ValueError, match=r"the state is PowerSGD\(rank=2, seed=1\)'s, and this "
+                                         r"optimizer's is PowerSGD\(rank=2, seed=0\), which the "
+                                         r"ranks agreed on .* compression=PowerSGD\(rank=2, "
+                                         r"seed=1\) to go on"):
+        target.load_state_dict({**saved, "optimizer": {**saved["optimizer"], "lr": 0.5}})
+    assert repr(target.powersgd) == "PowerSGD(rank=2, seed=0)" and not target.powersgd._q
+    assert target.optimizer.lr == 0.1  # nothing loaded
+    again = made(1)  # the way out it names
+    again.load_state_dict(saved)
+    assert again.powersgd._q.keys() == {0}
 
 
 def test_a_powersgd_state_saved_on_another_number_of_ranks_is_refused():
