@@ -68,20 +68,23 @@ def agree_or_raise(ring, where: str, checks: list[str], texts: list, rejected,
     whether they agree, before any rank makes a call that the others might not make
     (one that would pair with some other call of theirs, or wait out their timeout).
     `checks`: for each thing that must be the same on every rank, what ranks that
-    differ in it do; `texts`: this rank's text of each (None where it rejected its
-    arguments: `rejected` is its error, and it only says so). Raises MismatchError,
-    naming the ranks, on every rank that did not reject its own arguments; `outcome`
-    says what no rank then did."""
+    differ in it do; `texts`: this rank's text of each, or None for one this rank has
+    nothing to compare in (the others' are compared among themselves); `texts` itself
+    is None where the rank rejected its arguments: `rejected` is its error, and it only
+    says so. Raises MismatchError, naming the ranks, on every rank that did not reject
+    its own arguments; `outcome` says what no rank then did."""
     # One small allreduce (op min), the same size on any number of ranks: for each
     # thing the lowest checksum and the lowest of minus each (the highest), then the
     # lowest rank that rejected its arguments and minus the highest (size and 1: none).
     # crc32, not hash(): Python salts string hashes differently in every process.
     if rejected is not None:
-        crcs = [0] * len(checks)
+        crcs = [None] * len(checks)
         row = [_NONE_TO_COMPARE] * (2 * len(checks)) + [ring.rank, -ring.rank]
     else:
-        crcs = [zlib.crc32(text.encode()) for text in texts]
-        row = [value for crc in crcs for value in (crc, -crc)] + [ring.size, 1]
+        crcs = [None if text is None else zlib.crc32(text.encode()) for text in texts]
+        row = [value for crc in crcs
+               for value in ((_NONE_TO_COMPARE,) * 2 if crc is None else (crc, -crc))]
+        row += [ring.size, 1]
     agreed = ring.allreduce(np.array(row, np.int64), op="min").tolist()
     first, last = agreed[-2], -agreed[-1]
     reason = _reason_from(ring, first, rejected) if first < ring.size else ""
@@ -91,13 +94,17 @@ def agree_or_raise(ring, where: str, checks: list[str], texts: list, rejected,
         more = " (and more)" if last > first else ""
         raise MismatchError(f"{where}: rank {first}{more} rejected its arguments "
                             f"({reason}), so {outcome}")
-    differing = [k for k in range(len(checks)) if agreed[2 * k] != -agreed[2 * k + 1]]
+    differing = [k for k in range(len(checks))  # (none compared k: both at _NONE_TO_COMPARE)
+                 if agreed[2 * k] != _NONE_TO_COMPARE and agreed[2 * k] != -agreed[2 * k + 1]]
     if differing:
-        # Only on this path: every rank's checksums, to name the ranks that differ.
-        values = ring.allgather(np.array([crcs], np.int64))[:, differing[0]].tolist()
-        differ = [r for r, crc in enumerate(values) if crc != values[0]]
+        # Only on this path: every rank's checksums (-1: none), to name the ranks that
+        # differ from the first that compared.
+        mine = [-1 if crc is None else crc for crc in crcs]
+        values = ring.allgather(np.array([mine], np.int64))[:, differing[0]].tolist()
+        compared = [r for r, crc in enumerate(values) if crc != -1]
+        differ = [r for r in compared if values[r] != values[compared[0]]]
         raise MismatchError(f"{where}: ranks {checks[differing[0]]}: ranks {differ} differ "
-                            f"from rank 0, so {outcome}")
+                            f"from rank {compared[0]}, so {outcome}")
 
 
 def _signature(grads) -> str:
