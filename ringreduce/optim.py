@@ -116,12 +116,13 @@ def _check_adam_settings(lr, betas, eps, weight_decay, who: str) -> None:
                          f"weight_decay={weight_decay!r}")
 
 
-def _optimizer_settings(optimizer) -> str:
+def _optimizer_settings(optimizer, loading: dict | None = None) -> str:
     """The wrapped optimizer's type and settings, which every rank must share (or the
-    replicas drift apart), as text that is the same on every rank that has the same."""
+    replicas drift apart), as text that is the same on every rank that has the same;
+    those in `loading` (a state about to be loaded) in place of its own."""
     settings = [type(optimizer).__qualname__]
     for name in ("lr", "momentum", "betas", "eps", "weight_decay"):
-        value = getattr(optimizer, name, None)
+        value = loading[name] if loading and name in loading else getattr(optimizer, name, None)
         try:
             value = (tuple(float(v) for v in value) if isinstance(value, (tuple, list))
                      else None if value is None else float(value))
@@ -174,16 +175,25 @@ class SGD:
                                      for b in self.momentum_buffers]}
 
     def load_state_dict(self, state: dict) -> None:
-        # Everything checked before anything is loaded: a state that fails halfway
-        # through left the settings loaded before it (lr and momentum without
-        # weight_decay, say).
+        self._take(self._checked(state))
+
+    def _checked(self, state) -> dict:
+        """What load_state_dict(state) loads, checked: everything before anything is
+        loaded (a state that failed halfway through left the settings loaded before
+        it: lr and momentum without weight_decay, say)."""
         buffers = _checked_state_arrays(state, "momentum_buffers", self.params, "SGD",
                                         optional=True)
         lr, momentum, weight_decay = _state_values(state, ("lr", "momentum", "weight_decay"),
                                                    "SGD")
         _check_sgd_settings(lr, momentum, weight_decay, "SGD.load_state_dict")
-        self.lr, self.momentum, self.weight_decay = lr, momentum, weight_decay
-        self.momentum_buffers = [None if b is None else b.copy() for b in buffers]
+        return {"lr": lr, "momentum": momentum, "weight_decay": weight_decay,
+                "momentum_buffers": buffers}
+
+    def _take(self, checked: dict) -> None:
+        self.lr, self.momentum = checked["lr"], checked["momentum"]
+        self.weight_decay = checked["weight_decay"]
+        self.momentum_buffers = [None if b is None else b.copy()
+                                 for b in checked["momentum_buffers"]]
 
 
 class Adam:
@@ -219,7 +229,10 @@ class Adam:
                 "m": [m.copy() for m in self.m], "v": [v.copy() for v in self.v]}
 
     def load_state_dict(self, state: dict) -> None:
-        # (Everything checked before anything is loaded, as in SGD.load_state_dict.)
+        self._take(self._checked(state))
+
+    def _checked(self, state) -> dict:
+        """What load_state_dict(state) loads, checked (as in SGD._checked)."""
         m = _checked_state_arrays(state, "m", self.params, "Adam")
         v = _checked_state_arrays(state, "v", self.params, "Adam")
         lr, betas, eps, weight_decay, t = _state_values(
@@ -228,10 +241,14 @@ class Adam:
         if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or t < 0:
             raise ValueError(f"Adam.load_state_dict: state['t'] (the steps taken) must be an "
                              f"int >= 0, got {t!r}")
-        self.lr, self.betas, self.eps = lr, tuple(betas), eps
-        self.weight_decay, self.t = weight_decay, int(t)
-        self.m = [a.copy() for a in m]
-        self.v = [a.copy() for a in v]
+        return {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay,
+                "t": int(t), "m": m, "v": v}
+
+    def _take(self, checked: dict) -> None:
+        self.lr, self.betas, self.eps = checked["lr"], checked["betas"], checked["eps"]
+        self.weight_decay, self.t = checked["weight_decay"], checked["t"]
+        self.m = [a.copy() for a in checked["m"]]
+        self.v = [a.copy() for a in checked["v"]]
 
 
 # float16 keeps 11 significant bits only between 6.1e-5 and 65504 (below, down to 6e-8,
@@ -441,7 +458,8 @@ class DistributedOptimizer:
     arrays of its own, which it may keep; state_dict() and load_state_dict() need its
     own state_dict() and load_state_dict(state).
 
-    Construction is collective: every rank must wrap parameters of the same shapes.
+    Construction is collective: every rank must wrap parameters of the same shapes
+    (and so are load_state_dict() and broadcast_parameters()).
     """
 
     def __init__(self, optimizer, comm=None, bucket_mb: float = 25.0, compression=None):
@@ -726,19 +744,37 @@ class DistributedOptimizer:
                                     for b in scaled]
         return state
 
-    def load_state_dict(self, state: dict) -> None:
-        """Loads a state_dict(): the optimizer's, and PowerSGD's, which is this rank's
-        own (what its approximations missed): each rank loads the state it saved."""
-        if not isinstance(state, dict) or "optimizer" not in state:
-            raise KeyError("DistributedOptimizer.load_state_dict: the state has no "
-                           "'optimizer' (is it a DistributedOptimizer state_dict()?)")
-        self._check_optimizer_has("load_state_dict")
-        if "powersgd" in state:
-            self._check_powersgd_state(state["powersgd"])  # before anything is loaded
-        scales = self._checked_fp16_scales(state.get("fp16_scales"))  # (this too)
-        self.optimizer.load_state_dict(state["optimizer"])
-        if self.powersgd is not None and "powersgd" in state:
-            self.powersgd.load_state_dict(state["powersgd"])
+    def load_state_dict(self, state: dict | None) -> None:
+        """Loads a state_dict(): the optimizer's, the fp16 scales, and PowerSGD's, which
+        is this rank's own (what its approximations missed): each rank loads the state
+        it saved. Collective: each rank checks its state, then the ranks agree (one
+        small all-reduce) that every state passed, that they will hold the same
+        optimizer settings (lr, momentum, betas, eps, weight_decay), and on Adam's step
+        count, which of SGD's momentum buffers exist, and the fp16 scales (not on
+        PowerSGD's state, which differs from rank to rank); else every rank raises (its
+        own error where its state failed, MismatchError elsewhere) and none loads
+        anything. A rank that takes its state from broadcast_parameters() afterwards
+        (rank 0 alone loaded) passes None: it loads nothing, and its settings, which
+        broadcast_parameters() does not send, are compared."""
+        try:
+            checked = None if state is None else self._checked_state(state)
+        except Exception as error:
+            # The others wait in the agreement below: tell them (as construction does).
+            try:
+                self._agree_on_loading(None, rejected=error)
+            except Exception:  # (telling them failed: this rank's own error says more)
+                pass
+            raise
+        self._agree_on_loading(checked)
+        if checked is None:
+            return
+        optimizer_state, powersgd_state, scales = checked
+        if self._optimizer_checks_first:
+            self.optimizer._take(optimizer_state)
+        else:  # (another optimizer's: its own checks come only now)
+            self.optimizer.load_state_dict(optimizer_state)
+        if powersgd_state is not None:
+            self.powersgd.load_state_dict(powersgd_state)
         # fp16 scales as saved; or, where the state has none for these buckets (saved
         # without fp16, or with other buckets), as a new optimizer's: the ranks agree on
         # them at the next step, as at the first.
@@ -748,6 +784,60 @@ class DistributedOptimizer:
                 setattr(bucket.scale, name, learnt[name])
 
     # -- plumbing -------------------------------------------------------------------
+
+    @property
+    def _optimizer_checks_first(self) -> bool:
+        """Whether the wrapped optimizer's state can be checked before any is loaded
+        (ringreduce's SGD and Adam, unless a subclass loads otherwise)."""
+        return type(self.optimizer).load_state_dict in (SGD.load_state_dict,
+                                                         Adam.load_state_dict)
+
+    def _checked_state(self, state) -> tuple:
+        """What load_state_dict(state) loads, all of it checked (a clear error before
+        anything is loaded): the optimizer's state, PowerSGD's (or None), the fp16
+        scales."""
+        if not isinstance(state, dict) or "optimizer" not in state:
+            raise KeyError("DistributedOptimizer.load_state_dict: the state has no "
+                           "'optimizer' (is it a DistributedOptimizer state_dict()?)")
+        self._check_optimizer_has("load_state_dict")
+        if "powersgd" in state:
+            self._check_powersgd_state(state["powersgd"])
+        scales = self._checked_fp16_scales(state.get("fp16_scales"))
+        optimizer_state = state["optimizer"]
+        if self._optimizer_checks_first:
+            optimizer_state = self.optimizer._checked(optimizer_state)
+        return optimizer_state, state.get("powersgd"), scales
+
+    def _agree_on_loading(self, checked, rejected: Exception | None = None) -> None:
+        # Ranks that load different settings (each reading its own file, one of them
+        # stale) would update their replicas differently from then on: the settings
+        # compared at construction, and where the optimizer's progress shows (Adam's
+        # bias correction counts its steps) and the fp16 scales (sums sent with
+        # different scales are unscaled wrongly). Not PowerSGD's state: each rank's
+        # error is its own, and its Q is the same on every rank of a run.
+        texts = None
+        if rejected is None:
+            loading = checked[0] if checked is not None else None
+            settings = _optimizer_settings(self.optimizer,
+                                           loading if isinstance(loading, dict) else None)
+            progress = None  # (a rank given None: broadcast_parameters() sends these)
+            if checked is not None:
+                steps = None  # (another optimizer's state is its own)
+                if self._optimizer_checks_first:
+                    steps = (loading["t"] if isinstance(self.optimizer, Adam) else
+                             [b is not None for b in loading["momentum_buffers"]])
+                progress = repr([steps, [None if learnt is None else
+                                         [learnt[name] for name in _Fp16Scale.LEARNT]
+                                         for learnt in checked[2]]])
+            texts = [settings, progress]
+        agree_or_raise(self.comm, f"DistributedOptimizer.load_state_dict (rank "
+                                  f"{self.comm.rank} of {self.comm.size})",
+                       ["would hold different optimizer settings after it (lr, momentum, "
+                        "betas, eps or weight_decay: a rank given None keeps its own, which "
+                        "broadcast_parameters() does not send)",
+                        "load states of different steps or runs (Adam's step count, which "
+                        "of SGD's momentum buffers exist, or the fp16 scales)"],
+                       texts, rejected, "no rank loaded its state")
 
     def _scaled_buckets(self) -> list:
         """The buckets that travel with an fp16 scale, in order."""

@@ -407,11 +407,10 @@ def test_an_fp16_run_resumes_from_its_state_dict_bit_for_bit(how):
     if how == "each-rank-its-own":
         again.load_state_dict(saved)
     else:  # rank 0 loads; broadcast_parameters() gives the others its state too
-        if RANK == 0:
-            again.load_state_dict(saved)
-        else:
+        if RANK != 0:
             for p in resumed:
                 p[...] = 0
+        again.load_state_dict(saved if RANK == 0 else None)  # (collective)
         again.broadcast_parameters(root=0)
     for step in range(100, 150):
         again.step(gradients(step))
@@ -806,6 +805,64 @@ def test_a_corrupt_state_is_refused_before_anything_is_loaded(make):
                            for a, b in zip(after[key], before[key])), key
             else:
                 assert after[key] == before[key], key
+
+
+@each_optimizer
+@pytest.mark.parametrize("differs", ["lr", "an earlier step", "fp16 scale", "a corrupt state",
+                                     "lr, the others given None"])
+def test_ranks_that_would_load_different_states_are_told_and_none_loads(make, differs):
+    # (From a review.) Each rank checked its own state only: ranks that loaded different
+    # ones (each reading its own file, one of them stale) went on updating their
+    # replicas differently, silently; and a rank whose state was refused left the others
+    # with theirs loaded.
+    import re
+
+    if SIZE == 1:
+        pytest.skip("needs two ranks")
+
+    def made():
+        return DistributedOptimizer(make([np.zeros((4, 3)), np.zeros(5)]), compression="fp16")
+
+    opt = made()
+    before_any_step = opt.state_dict()["optimizer"]  # (Adam's t 0; no momentum buffer)
+    opt.step([np.full((4, 3), 1.0 + RANK), np.full(5, 1e-3)])
+    saved = opt.state_dict()
+    scale = saved["fp16_scales"][0]
+    mine = saved
+    if RANK == 1:
+        mine = {"lr": {**saved, "optimizer": {**saved["optimizer"], "lr": 0.5}},
+                "an earlier step": {**saved, "optimizer": before_any_step},
+                "fp16 scale": {**saved, "fp16_scales": [{**scale, "value": scale["value"] * 2}]},
+                "a corrupt state": {**saved, "optimizer": {**saved["optimizer"], "lr": "0.5"}},
+                }.get(differs, None)
+    elif RANK == 0 and differs == "lr, the others given None":
+        mine = {**saved, "optimizer": {**saved["optimizer"], "lr": 0.5}}
+    elif differs == "lr, the others given None":
+        mine = None
+    settings = r"would hold different optimizer settings after it \(lr, momentum"
+    steps = r"load states of different steps or runs \(Adam's step count"
+    error, match = {
+        "lr": (rr.MismatchError, settings + r".*: ranks \[1\] differ from rank 0"),
+        "an earlier step": (rr.MismatchError, steps + r".*: ranks \[1\] differ from rank 0"),
+        "fp16 scale": (rr.MismatchError, steps + r".*: ranks \[1\] differ from rank 0"),
+        "a corrupt state": (ValueError, "need lr > 0") if RANK == 1 else (
+            rr.MismatchError, r"rank 1 rejected its arguments \(ValueError: \w+\.load_state_dict:"
+                              r" need lr > 0.*\), so no rank loaded its state"),
+        "lr, the others given None": (rr.MismatchError, settings + r".*: ranks " + re.escape(
+            str(list(range(1, SIZE)))) + " differ from rank 0, so no rank loaded its state"),
+    }[differs]
+    target = made()
+    before = target.state_dict()
+    with pytest.raises(error, match=match):
+        target.load_state_dict(mine)
+    np.testing.assert_equal(target.state_dict(), before)  # nothing loaded, on any rank
+    target.load_state_dict(None)  # (every rank given None: nothing to load, nor to refuse)
+    np.testing.assert_equal(target.state_dict(), before)
+    target.load_state_dict(saved)  # the same everywhere: loads, and the ranks go on alike
+    assert target.optimizer.lr == saved["optimizer"]["lr"]
+    target.step([np.full((4, 3), 1.0 + RANK), np.full(5, 1e-3)])
+    for p in target.params:
+        np.testing.assert_array_equal(rr.allreduce(p, op="min"), rr.allreduce(p, op="max"))
 
 
 class HeavyBall:
