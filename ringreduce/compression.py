@@ -123,7 +123,22 @@ class PowerSGD:
                 "error": dict(self._error)}
 
     def load_state_dict(self, state: dict) -> None:
-        self.rank, self.seed = state["rank"], state["seed"]
+        if self._taken:
+            # Its state is keyed by the optimizer's parameters, and its rank and seed
+            # are what the ranks agreed on: loaded here, none of that is checked.
+            raise RuntimeError("PowerSGD.load_state_dict: this PowerSGD belongs to a "
+                               "DistributedOptimizer; load its state with that optimizer's "
+                               "load_state_dict(), which checks it against the model and "
+                               "the other ranks")
+        if not isinstance(state, dict) or not {"rank", "seed", "q", "error"} <= state.keys():
+            raise KeyError("PowerSGD.load_state_dict: the state is not a PowerSGD "
+                           "state_dict() (it needs 'rank', 'seed', 'q' and 'error')")
+        PowerSGD(state["rank"], state["seed"])  # (the constructor's checks and errors)
+        self._load(state)
+
+    def _load(self, state: dict) -> None:
+        """Loads a state already checked (DistributedOptimizer.load_state_dict's way)."""
+        self.rank, self.seed = state["rank"], int(state["seed"])
         self._q, self._error = dict(state["q"]), dict(state["error"])
 
 

@@ -774,7 +774,7 @@ class DistributedOptimizer:
         else:  # (another optimizer's: its own checks come only now)
             self.optimizer.load_state_dict(optimizer_state)
         if powersgd_state is not None:
-            self.powersgd.load_state_dict(powersgd_state)
+            self.powersgd._load(powersgd_state)  # (checked in _check_powersgd_state)
         # fp16 scales as saved; or, where the state has none for these buckets (saved
         # without fp16, or with other buckets), as a new optimizer's: the ranks agree on
         # them at the next step, as at the first.

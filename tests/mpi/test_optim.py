@@ -1032,6 +1032,29 @@ def test_a_powersgd_state_of_another_seed_is_refused():
     assert again.powersgd._q.keys() == {0}
 
 
+def test_a_powersgd_taken_by_an_optimizer_refuses_a_state_loaded_into_it_directly():
+    # (From a review.) PowerSGD.load_state_dict set rank, seed and the arrays as given:
+    # on the optimizer's own PowerSGD that skipped every check of the optimizer's
+    # load_state_dict (the model's shapes, the agreed rank and seed, the ranks).
+    opt = DistributedOptimizer(SGD([np.zeros((40, 30))], lr=0.1),
+                               compression=PowerSGD(rank=2))
+    opt.step([np.full((40, 30), 1.0 + RANK) + np.eye(40, 30)])
+    saved = opt.state_dict()["powersgd"]
+    with pytest.raises(RuntimeError, match=r"belongs to a DistributedOptimizer; load its "
+                                           r"state with that optimizer's load_state_dict"):
+        opt.powersgd.load_state_dict({**saved, "rank": 3})
+    assert repr(opt.powersgd) == "PowerSGD(rank=2, seed=0)"
+    # A PowerSGD of its own checks what it is given as the constructor does.
+    free = PowerSGD(rank=2)
+    with pytest.raises(KeyError, match="not a PowerSGD state_dict"):
+        free.load_state_dict({"rank": 2})
+    with pytest.raises(ValueError, match="seed must be an int >= 0, got -1"):
+        free.load_state_dict({**saved, "seed": -1})
+    assert repr(free) == "PowerSGD(rank=2, seed=0)" and not free._q
+    free.load_state_dict({**saved, "seed": 5})
+    assert repr(free) == "PowerSGD(rank=2, seed=5)" and free._q.keys() == {0}
+
+
 def test_a_powersgd_state_saved_on_another_number_of_ranks_is_refused():
     # (From a review.) Each rank's PowerSGD state is its own (what its approximations
     # missed): loaded on another number of ranks (rank 0's on a new rank 2 too, or on
