@@ -553,8 +553,9 @@ class DistributedOptimizer:
     def broadcast_parameters(self, root: int = 0) -> None:
         """Overwrite every rank's parameters with root's, so all replicas start equal;
         and, where the wrapped optimizer is ringreduce's SGD or Adam, its state too
-        (momentum buffers; Adam's moments and step count), so that a replica left
-        behind goes on equal; and the fp16 buckets' scales. Collective."""
+        (its settings: lr, momentum, betas, eps, weight_decay; momentum buffers; Adam's
+        moments and step count), so that a replica left behind goes on equal; and the
+        fp16 buckets' scales. Collective."""
         for p in self.params:
             self.comm.broadcast(p, root=root)
         self._broadcast_optimizer_state(root)
@@ -564,6 +565,17 @@ class DistributedOptimizer:
     def _broadcast_optimizer_state(self, root: int) -> None:
         # Of SGD and Adam, whose state is known here; another optimizer's is its own.
         optimizer = self.optimizer
+        if isinstance(optimizer, (SGD, Adam)):
+            # The settings too: where rank 0 alone loaded a state_dict() (a decayed lr,
+            # say), the others hold the ones they were made with.
+            names = (("lr", "betas", "eps", "weight_decay") if isinstance(optimizer, Adam)
+                     else ("lr", "momentum", "weight_decay"))
+            mine = [float(v) for name in names for v in np.atleast_1d(getattr(optimizer, name))]
+            root_s = iter(self.comm.broadcast(np.array(mine, np.float64), root=root).tolist())
+            for name in names:
+                value = getattr(optimizer, name)
+                setattr(optimizer, name, tuple(next(root_s) for _ in value)
+                        if isinstance(value, tuple) else next(root_s))
         if isinstance(optimizer, Adam):
             for a in optimizer.m + optimizer.v:
                 self.comm.broadcast(a, root=root)
@@ -754,8 +766,9 @@ class DistributedOptimizer:
         PowerSGD's state, which differs from rank to rank); else every rank raises (its
         own error where its state failed, MismatchError elsewhere) and none loads
         anything. A rank that takes its state from broadcast_parameters() afterwards
-        (rank 0 alone loaded) passes None: it loads nothing, and its settings, which
-        broadcast_parameters() does not send, are compared."""
+        (rank 0 alone loaded) passes None and loads nothing; where the optimizer is
+        ringreduce's SGD or Adam, whose settings broadcast_parameters() sends too, it
+        compares nothing, and with another optimizer, its settings."""
         try:
             checked = None if state is None else self._checked_state(state)
         except Exception as error:
@@ -820,6 +833,8 @@ class DistributedOptimizer:
             loading = checked[0] if checked is not None else None
             settings = _optimizer_settings(self.optimizer,
                                            loading if isinstance(loading, dict) else None)
+            if checked is None and isinstance(self.optimizer, (SGD, Adam)):
+                settings = None  # (broadcast_parameters() sends SGD's and Adam's)
             progress = None  # (a rank given None: broadcast_parameters() sends these)
             if checked is not None:
                 steps = None  # (another optimizer's state is its own)
@@ -833,8 +848,8 @@ class DistributedOptimizer:
         agree_or_raise(self.comm, f"DistributedOptimizer.load_state_dict (rank "
                                   f"{self.comm.rank} of {self.comm.size})",
                        ["would hold different optimizer settings after it (lr, momentum, "
-                        "betas, eps or weight_decay: a rank given None keeps its own, which "
-                        "broadcast_parameters() does not send)",
+                        "betas, eps or weight_decay; a rank given None keeps its own, which "
+                        "broadcast_parameters() sends only for ringreduce's SGD and Adam)",
                         "load states of different steps or runs (Adam's step count, which "
                         "of SGD's momentum buffers exist, or the fp16 scales)"],
                        texts, rejected, "no rank loaded its state")

@@ -808,8 +808,7 @@ def test_a_corrupt_state_is_refused_before_anything_is_loaded(make):
 
 
 @each_optimizer
-@pytest.mark.parametrize("differs", ["lr", "an earlier step", "fp16 scale", "a corrupt state",
-                                     "lr, the others given None"])
+@pytest.mark.parametrize("differs", ["lr", "an earlier step", "fp16 scale", "a corrupt state"])
 def test_ranks_that_would_load_different_states_are_told_and_none_loads(make, differs):
     # (From a review.) Each rank checked its own state only: ranks that loaded different
     # ones (each reading its own file, one of them stale) went on updating their
@@ -835,10 +834,6 @@ def test_ranks_that_would_load_different_states_are_told_and_none_loads(make, di
                 "fp16 scale": {**saved, "fp16_scales": [{**scale, "value": scale["value"] * 2}]},
                 "a corrupt state": {**saved, "optimizer": {**saved["optimizer"], "lr": "0.5"}},
                 }.get(differs, None)
-    elif RANK == 0 and differs == "lr, the others given None":
-        mine = {**saved, "optimizer": {**saved["optimizer"], "lr": 0.5}}
-    elif differs == "lr, the others given None":
-        mine = None
     settings = r"would hold different optimizer settings after it \(lr, momentum"
     steps = r"load states of different steps or runs \(Adam's step count"
     error, match = {
@@ -848,8 +843,6 @@ def test_ranks_that_would_load_different_states_are_told_and_none_loads(make, di
         "a corrupt state": (ValueError, "need lr > 0") if RANK == 1 else (
             rr.MismatchError, r"rank 1 rejected its arguments \(ValueError: \w+\.load_state_dict:"
                               r" need lr > 0.*\), so no rank loaded its state"),
-        "lr, the others given None": (rr.MismatchError, settings + r".*: ranks " + re.escape(
-            str(list(range(1, SIZE)))) + " differ from rank 0, so no rank loaded its state"),
     }[differs]
     target = made()
     before = target.state_dict()
@@ -863,6 +856,53 @@ def test_ranks_that_would_load_different_states_are_told_and_none_loads(make, di
     target.step([np.full((4, 3), 1.0 + RANK), np.full(5, 1e-3)])
     for p in target.params:
         np.testing.assert_array_equal(rr.allreduce(p, op="min"), rr.allreduce(p, op="max"))
+
+
+@each_optimizer
+def test_where_rank_0_alone_loads_broadcast_parameters_gives_the_others_its_settings(make):
+    # (From a review.) broadcast_parameters() sent SGD's and Adam's arrays and step
+    # count but not their settings: a decayed lr that rank 0 alone loaded stayed on rank
+    # 0, and the replicas drifted apart from the next step on.
+    opt = DistributedOptimizer(make([np.zeros((4, 3))]))
+    opt.step([np.full((4, 3), 1.0 + RANK)])
+    saved = opt.state_dict()
+    saved["optimizer"]["lr"] = 0.0125  # (decayed before it was saved)
+    params = [np.full((4, 3), float(RANK))]
+    target = DistributedOptimizer(make(params))
+    target.load_state_dict(saved if RANK == 0 else None)  # (collective)
+    assert target.optimizer.lr == (0.0125 if RANK == 0 else opt.optimizer.lr)
+    target.broadcast_parameters(root=0)
+    assert target.optimizer.lr == 0.0125
+    for name in ("momentum", "betas", "eps", "weight_decay"):
+        assert getattr(target.optimizer, name, None) == getattr(opt.optimizer, name, None)
+    target.step([np.full((4, 3), 1.0 + RANK)])
+    for p in params:
+        np.testing.assert_array_equal(rr.allreduce(p, op="min"), rr.allreduce(p, op="max"))
+
+
+def test_a_rank_given_none_compares_the_settings_of_an_optimizer_of_its_own():
+    # broadcast_parameters() sends only SGD's and Adam's settings: with another
+    # optimizer, ranks given None must already hold the settings rank 0 loads.
+    if SIZE == 1:
+        pytest.skip("needs two ranks")
+    class WithLr(HeavyBallWithState):  # (its state holds its lr)
+        def state_dict(self):
+            return {**super().state_dict(), "lr": self.lr}
+
+        def load_state_dict(self, state):
+            super().load_state_dict(state)
+            self.lr = state["lr"]
+
+    target = DistributedOptimizer(WithLr([np.zeros(3)], lr=0.1, momentum=0.9))
+    state = target.state_dict()
+    with pytest.raises(rr.MismatchError, match=r"would hold different optimizer settings.*"
+                                               r"broadcast_parameters\(\) sends only for "
+                                               r"ringreduce's SGD and Adam\).*differ from rank 0"):
+        target.load_state_dict({**state, "optimizer": {**state["optimizer"], "lr": 0.5}}
+                               if RANK == 0 else None)
+    assert target.optimizer.lr == 0.1
+    target.load_state_dict(state if RANK == 0 else None)  # the same settings: loads
+    assert target.optimizer.lr == 0.1
 
 
 class HeavyBall:
