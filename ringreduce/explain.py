@@ -258,10 +258,7 @@ def main(argv=None) -> int:
                          f"2(p-1) of them), not {args.ranks}; the text shows up to {MAX_RANKS}")
         if not os.path.isdir(os.path.dirname(os.path.abspath(args.svg))):
             parser.error(f"--svg: the folder of {args.svg!r} does not exist")
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            parser.error("--svg needs matplotlib (pip install matplotlib)")
+        sim.need_matplotlib(parser, "--svg")
     if args.chunk is not None and not 1 <= args.chunk < 1 << 62:
         parser.error(f"--chunk must be from 1 to 2**62 - 1 elements, got {args.chunk}")
     try:

@@ -272,6 +272,16 @@ def pipeline(ranks: int, count: int, chunk_elems: int, elem_size: int = 4, alpha
     return Timeline(ranks, count, elem_size, chunk_elems, gather_elems, seconds, busy)
 
 
+def need_matplotlib(parser: argparse.ArgumentParser, option: str) -> None:
+    """A usage error, before any work, where the figure `option` asks for cannot be drawn:
+    matplotlib is not a dependency, but comes with ringreduce's `plot` extra."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        parser.error(f"{option} needs matplotlib: pip install matplotlib, or install "
+                     "ringreduce with its plot extra (pip install '.[plot]' from its sources)")
+
+
 def draw_timeline(timelines: list, path: str) -> None:
     """The timelines one above another, on one time axis (SVG, PNG or PDF)."""
     import matplotlib
@@ -471,10 +481,7 @@ def main(argv=None) -> int:
             parser.error(f"--timeline: the folder of {args.timeline!r} does not exist")
         if not os.access(folder, os.W_OK):
             parser.error(f"--timeline: cannot write into the folder of {args.timeline!r}")
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            parser.error("--timeline needs matplotlib (pip install matplotlib)")
+        need_matplotlib(parser, "--timeline")
     # Every row of --chunk is worked out chunk by chunk: all of them together are capped.
     entries = sum(timeline_entries(p, count, c // 4, gather_elems(c))
                   for p in args.ranks for c in chunks)

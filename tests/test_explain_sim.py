@@ -177,6 +177,24 @@ def test_command_lines_refuse_what_they_cannot_do(argv, message):
     assert message in done.stderr and "Traceback" not in done.stderr
 
 
+@pytest.mark.parametrize("argv", [["explain", "--ranks", "3", "--count", "6", "--svg", "r.svg"],
+                                  ["sim", "--ranks", "3", "--bytes", "12M", "--chunk", "1M",
+                                   "--timeline", "t.png"]])
+def test_a_figure_without_matplotlib_is_a_usage_error_naming_the_plot_extra(tmp_path, argv):
+    # matplotlib is no dependency: where it is missing (here: its import fails), the
+    # command says so before any work, and names the extra that brings it
+    # (tests/test_packaging.py checks that the extra is in the package's metadata).
+    blocked = ("import sys; sys.modules['matplotlib'] = None; from ringreduce.__main__ "
+               f"import main; sys.exit(main({argv!r}))")
+    done = subprocess.run([sys.executable, "-c", blocked], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    option = argv[-2]
+    assert (f"{option} needs matplotlib: pip install matplotlib, or install ringreduce with "
+            "its plot extra (pip install '.[plot]' from its sources)") in done.stderr
+    assert done.stdout == "" and not list(tmp_path.iterdir())
+
+
 def test_explain_shows_up_to_its_chunk_cap_exactly():
     assert len(explain(3, 4096, 1).steps) == 4  # 4096 chunks: shown
     with pytest.raises(ValueError, match="more than 4096 chunks"):

@@ -50,6 +50,8 @@ def test_sdist_carries_csrc_and_what_the_tests_need_and_needs_no_mpi_or_cuda(tmp
     with tarfile.open(sdist) as archive:
         carried = {member.name.split("/", 1)[1] for member in archive.getmembers()
                    if member.isfile()}
+        top = sdist.name[:-len(".tar.gz")]
+        requires = archive.extractfile(f"{top}/ringreduce.egg-info/requires.txt").read()
     made = {name for name in carried if NOT_SOURCES.search(name)}  # PKG-INFO, egg-info
     missing = sorted(sources - LEFT_OUT - carried)
     assert not missing, f"not in the sdist (add them to MANIFEST.in): {missing}"
@@ -59,6 +61,9 @@ def test_sdist_carries_csrc_and_what_the_tests_need_and_needs_no_mpi_or_cuda(tmp
     assert not unwanted, f"in the sdist though LEFT_OUT here: {unwanted}"
     assert {"csrc/ring_schedule.h", "csrc/cuda_reduce.cu", "tests/conftest.py",
             "tests/mpi/conftest.py", "ringreduce/__init__.py", "mkdocs.yml"} <= carried
+    # The extra that `explain --svg` and `sim --timeline` name where matplotlib is missing.
+    # (in requires.txt: older setuptools write no Requires-Dist into an sdist's PKG-INFO)
+    assert "\n[plot]\nmatplotlib\n" in "\n" + requires.decode() + "\n"
 
 
 
