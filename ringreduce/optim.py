@@ -140,6 +140,37 @@ def _quietly(f, *args):
         return None
 
 
+class _LiningUp:
+    """The communicator as agree_or_raise uses it, where ranks partway through a step
+    may have some of its all-reduces in flight, started before the agreement, which
+    the others never make: its first all-reduce meets one of those instead (each
+    rank raises MismatchError: another dtype and op), and is made again, up to
+    `calls_ahead` more times, until every rank's meets every other's. `repeated`
+    says how often it was."""
+
+    def __init__(self, comm, calls_ahead: int):
+        self.comm, self.calls_ahead, self.repeated = comm, calls_ahead, 0
+        self.rank, self.size = comm.rank, comm.size
+
+    def allreduce(self, x, op):
+        while True:
+            try:
+                result = self.comm.allreduce(x, op=op)
+            except MismatchError:
+                if self.repeated >= self.calls_ahead:
+                    raise
+                self.repeated += 1
+                continue
+            self.calls_ahead = 0  # (lined up: the calls after it are made once)
+            return result
+
+    def allgather(self, x):
+        return self.comm.allgather(x)
+
+    def broadcast(self, x, root):
+        return self.comm.broadcast(x, root=root)
+
+
 class SGD:
     """Stochastic gradient descent with momentum and L2 weight decay, as torch.optim.SGD:
     g += weight_decay * p; buf = momentum * buf + g (buf = g at first); p -= lr * buf."""
@@ -555,7 +586,17 @@ class DistributedOptimizer:
         and, where the wrapped optimizer is ringreduce's SGD or Adam, its state too
         (its settings: lr, momentum, betas, eps, weight_decay; momentum buffers; Adam's
         moments and step count), so that a replica left behind goes on equal; and the
-        fp16 buckets' scales. Collective."""
+        fp16 buckets' scales. Collective. Refused, on every rank, where any rank is
+        partway through a step (see state_dict): the ranks learn it in one small
+        all-reduce first."""
+        partway = self._partway_error("broadcast_parameters", "the parameters broadcast "
+                                      "now would be updated with gradients of the ones "
+                                      "before")
+        where = f"DistributedOptimizer.broadcast_parameters (rank {self.comm.rank} of " \
+                f"{self.comm.size})"
+        self._agree_between_steps(where, [], [], partway, "no rank broadcast anything")
+        if partway is not None:
+            raise self._partway_outcome(partway, "Nothing was broadcast")
         for p in self.params:
             self.comm.broadcast(p, root=root)
         self._broadcast_optimizer_state(root)
@@ -744,6 +785,14 @@ class DistributedOptimizer:
                             "ringreduce.optim.SGD and Adam have) to save and resume it")
 
     def state_dict(self) -> dict:
+        """The optimizer's state, the fp16 scales and PowerSGD's (this rank's own), as
+        they are between steps: partway through one (gradients given since the last
+        step(), whose all-reduces may be in flight) it raises ValueError, as
+        load_state_dict() and broadcast_parameters() do on every rank."""
+        partway = self._partway_error("state_dict", "a state holds what the optimizer "
+                                      "keeps between steps, and would leave them out")
+        if partway is not None:
+            raise partway
         self._check_optimizer_has("state_dict")
         state = {"optimizer": self.optimizer.state_dict()}
         if self.powersgd is not None:
@@ -768,8 +817,13 @@ class DistributedOptimizer:
         anything. A rank that takes its state from broadcast_parameters() afterwards
         (rank 0 alone loaded) passes None and loads nothing; where the optimizer is
         ringreduce's SGD or Adam, whose settings broadcast_parameters() sends too, it
-        compares nothing, and with another optimizer, its settings."""
+        compares nothing, and with another optimizer, its settings. Refused, on every
+        rank, where any rank is partway through a step (see state_dict)."""
+        partway = self._partway_error("load_state_dict", "a state loaded now would be "
+                                      "mixed with them")
         try:
+            if partway is not None:
+                raise partway
             checked = None if state is None else self._checked_state(state)
         except Exception as error:
             # The others wait in the agreement below: tell them (as construction does).
@@ -777,6 +831,8 @@ class DistributedOptimizer:
                 self._agree_on_loading(None, rejected=error)
             except Exception:  # (telling them failed: this rank's own error says more)
                 pass
+            if error is partway:
+                raise self._partway_outcome(partway, "Nothing was loaded") from None
             raise
         self._agree_on_loading(checked)
         if checked is None:
@@ -845,14 +901,67 @@ class DistributedOptimizer:
                                          [learnt[name] for name in _Fp16Scale.LEARNT]
                                          for learnt in checked[2]]])
             texts = [settings, progress]
-        agree_or_raise(self.comm, f"DistributedOptimizer.load_state_dict (rank "
-                                  f"{self.comm.rank} of {self.comm.size})",
-                       ["would hold different optimizer settings after it (lr, momentum, "
-                        "betas, eps or weight_decay; a rank given None keeps its own, which "
-                        "broadcast_parameters() sends only for ringreduce's SGD and Adam)",
-                        "load states of different steps or runs (Adam's step count, which "
-                        "of SGD's momentum buffers exist, or the fp16 scales)"],
-                       texts, rejected, "no rank loaded its state")
+        self._agree_between_steps(
+            f"DistributedOptimizer.load_state_dict (rank {self.comm.rank} of {self.comm.size})",
+            ["would hold different optimizer settings after it (lr, momentum, betas, eps or "
+             "weight_decay; a rank given None keeps its own, which broadcast_parameters() "
+             "sends only for ringreduce's SGD and Adam)",
+             "load states of different steps or runs (Adam's step count, which of SGD's "
+             "momentum buffers exist, or the fp16 scales)"],
+            texts, rejected, "no rank loaded its state")
+
+    def _given_this_step(self) -> list:
+        """The parameters whose gradients were given since the last step() (inside
+        no_sync(), since the micro-batch's last step())."""
+        return sorted([i for b in self._buckets for i in b.reported] +
+                      list(self._low_rank_reported))
+
+    def _partway_error(self, method: str, why: str) -> ValueError | None:
+        """The error for `method` called partway through a step, or None between steps
+        (after step(), abandon_step(), or an error that abandoned the step)."""
+        given = self._given_this_step()
+        if not given:
+            return None
+        started = (f"; {self._next_to_start} of its {len(self._units)} all-reduces have "
+                   "started, and cannot be saved or undone") if self._next_to_start else ""
+        return ValueError(
+            f"DistributedOptimizer.{method} (rank {self.comm.rank} of {self.comm.size}): "
+            f"called partway through a step: the gradients of params {given} were given "
+            f"since the last step(){started}; {why}. Call it between steps, on every rank: "
+            "after step() (inside no_sync(), after the micro-batch's step()), or after "
+            "abandon_step() on every rank, which drops the step (from a signal handler, "
+            "set a flag there and call it after the step)")
+
+    def _agree_between_steps(self, where, checks, texts, rejected, outcome) -> None:
+        """agree_or_raise on this optimizer's communicator, lined up past any of a
+        step's all-reduces that ranks partway through it started (_LiningUp); those
+        ranks reject. Where the ranks had started different numbers of them, some met
+        the others' agreement instead and failed, and the step cannot be finished
+        alike: every rank that started any drops it then (past the agreement, every
+        rank's calls are lined up, so the next step's pair up; a rank that gave
+        gradients but started no all-reduce keeps them)."""
+        ring = _LiningUp(self.comm, len(self._units))
+        try:
+            agree_or_raise(ring, where, checks, texts, rejected, outcome)
+        finally:
+            if self._next_to_start:
+                failed = False
+                for handle in [b.handle for b in self._buckets if b.handle is not None] + [
+                        call.handle for call in self._low_rank_calls.values()]:
+                    try:
+                        handle.wait()
+                    except Exception:  # (MismatchError: it met another call)
+                        failed = True
+                if ring.repeated or failed:
+                    self._new_step()
+
+    def _partway_outcome(self, partway: ValueError, nothing: str) -> ValueError:
+        """partway's error, saying what became of this rank's step."""
+        return ValueError(f"{partway}. {nothing}, on any rank. " + (
+            "This rank's step stands: finish it (step()), or drop it (abandon_step() on "
+            "every rank)" if self._given_this_step() else "This rank's step is dropped, "
+            "as abandon_step() drops it: the ranks had started different numbers of its "
+            "all-reduces, and some met the others' calls here"))
 
     def _scaled_buckets(self) -> list:
         """The buckets that travel with an fp16 scale, in order."""

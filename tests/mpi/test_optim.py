@@ -2,6 +2,7 @@
 parameters after k steps as one process training on the whole batch."""
 import contextlib
 import os
+import re
 import sys
 import warnings
 
@@ -814,8 +815,6 @@ def test_ranks_that_would_load_different_states_are_told_and_none_loads(make, di
     # ones (each reading its own file, one of them stale) went on updating their
     # replicas differently, silently; and a rank whose state was refused left the others
     # with theirs loaded.
-    import re
-
     if SIZE == 1:
         pytest.skip("needs two ranks")
 
@@ -1941,3 +1940,100 @@ def test_powersgd_feeds_back_what_rounding_to_a_16_bit_gradient_loses(dtype):
             handed += compressor.reduce(0, grad, ring)[0].astype(np.float64)
     kept = np.mean(MPI.COMM_WORLD.allgather(compressor._error[0].astype(np.float64)), axis=0)
     np.testing.assert_allclose(handed + kept, averaged, atol=1e-5)
+
+
+def _made_for_partway(compression):
+    """Four parameters: with buckets of two each (3 and 2, 1 and 0) or, with PowerSGD,
+    one all-reduce each; and what gradients to give for none, one or every one of the
+    step's all-reduces to start."""
+    params = [np.zeros((20, 30)) for _ in range(4)]
+    opt = DistributedOptimizer(SGD(params, lr=1.0, momentum=0.9), bucket_mb=0.01,
+                               compression=PowerSGD(rank=1) if compression == "powersgd"
+                               else compression)
+    assert len(opt._units) == (4 if compression == "powersgd" else 2)
+    given = {"none": [2] if compression == "powersgd" else [3], "one": [3]
+             if compression == "powersgd" else [3, 2], "all": [3, 2, 1, 0]}
+    return params, opt, given
+
+
+@pytest.mark.parametrize("compression", [None, "fp16", "powersgd"])
+@pytest.mark.parametrize("started", ["none", "one", "all", "in a micro-batch"])
+def test_state_calls_partway_through_a_step_are_refused_and_the_step_stands(
+        compression, started):
+    # Gradients given since the last step(), whose all-reduces may be in flight:
+    # state_dict() left them out silently, load_state_dict() loaded a state that the
+    # step then updated with them, and broadcast_parameters() too. Each is refused, on
+    # every rank, and the step goes on as if they had not been called.
+    params, opt, given = _made_for_partway(compression)
+    opt.step([np.full((20, 30), 1.0)] * 4)
+    saved = opt.state_dict()
+    grad = np.full((20, 30), RANK + 1.0)
+    micro = started == "in a micro-batch"
+    with opt.no_sync() if micro else contextlib.nullcontext():
+        if micro:
+            opt.step([grad] * 4)
+        mine = given["all"][:3] if micro else given[started]
+        for i in mine:
+            opt.grad_ready(i, grad)
+        before = [p.copy() for p in params]
+        shown = re.escape(str(sorted(mine)))
+        for method, args in (("state_dict", ()), ("load_state_dict", (saved,)),
+                             ("broadcast_parameters", ())):
+            with pytest.raises(ValueError, match=rf"DistributedOptimizer\.{method} \(rank "
+                                                 rf"{RANK} of {SIZE}\): called partway through "
+                                                 rf"a step: the gradients of params {shown} "
+                                                 r"were given since the last step\(\)"):
+                getattr(opt, method)(*args)
+            if method != "state_dict":  # (every rank at the same point: the step stands)
+                with pytest.raises(ValueError, match="This rank's step stands"):
+                    getattr(opt, method)(*args)
+        for p, q in zip(params, before):
+            np.testing.assert_array_equal(p, q)
+        for i in [i for i in range(4) if i not in opt._given_this_step()]:
+            opt.grad_ready(i, grad)
+        opt.step()
+    if micro:
+        opt.step([grad] * 4)
+    average = (SIZE + 1) / 2 * (3 if micro else 1)  # (three micro-batches)
+    for p in params:
+        np.testing.assert_allclose(p, -1.0 - (0.9 + average), rtol=1e-2)
+    everyone = MPI.COMM_WORLD.allgather([p.tobytes() for p in params])
+    assert all(mine == everyone[0] for mine in everyone)
+    assert opt.state_dict()["optimizer"]["lr"] == 1.0  # (between steps again)
+
+
+@needs_two
+@pytest.mark.parametrize("compression", [None, "fp16", "powersgd"])
+@pytest.mark.parametrize("started", ["none", "one", "all"])
+@pytest.mark.parametrize("method", ["load_state_dict", "broadcast_parameters"])
+def test_one_rank_partway_through_a_step_is_refused_on_every_rank_without_a_hang(
+        method, started, compression):
+    # Collective calls where one rank alone had given gradients of a step: the others'
+    # first call (load_state_dict's agreement, the first broadcast) met its step's
+    # all-reduces, which it had started, and raised a bare MismatchError, while that
+    # rank waited for calls that never came (its timeout). Every rank raises, naming
+    # it; where its all-reduces had started, every rank's calls are lined up again,
+    # and its step is dropped; else it stands. The steps after pair up.
+    params, opt, given = _made_for_partway(compression)
+    opt.step([np.full((20, 30), 1.0)] * 4)
+    saved = opt.state_dict()
+    grad = np.full((20, 30), RANK + 1.0)
+    if RANK == BAD:
+        for i in given[started]:
+            opt.grad_ready(i, grad)
+    partway = rf"DistributedOptimizer\.{method} \(rank {BAD} of {SIZE}\): called partway " \
+              r"through a step"
+    fate = "This rank's step stands" if started == "none" else "This rank's step is dropped"
+    with raises_here_or_mismatch(ValueError, rf"{partway}.*{fate}",
+                                 rf"rank {BAD} rejected its arguments \(ValueError: {partway}"):
+        getattr(opt, method)(*((saved,) if method == "load_state_dict" else ()))
+    for i in [i for i in range(4) if i not in opt._given_this_step()]:
+        opt.grad_ready(i, grad)
+    opt.step()
+    opt.step([grad] * 4)
+    everyone = MPI.COMM_WORLD.allgather([p.tobytes() for p in params])
+    assert all(mine == everyone[0] for mine in everyone)
+    average = (SIZE + 1) / 2
+    for p in params:  # (lr 1, momentum 0.9: three steps)
+        np.testing.assert_allclose(p, -1 - (0.9 + average) - (0.81 + 0.9 * average + average),
+                                   rtol=1e-2)
