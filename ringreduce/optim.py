@@ -785,10 +785,11 @@ class DistributedOptimizer:
                             "ringreduce.optim.SGD and Adam have) to save and resume it")
 
     def state_dict(self) -> dict:
-        """The optimizer's state, the fp16 scales and PowerSGD's (this rank's own), as
-        they are between steps: partway through one (gradients given since the last
-        step(), whose all-reduces may be in flight) it raises ValueError, as
-        load_state_dict() and broadcast_parameters() do on every rank."""
+        """The optimizer's state, the fp16 scales, PowerSGD's (this rank's own) and,
+        between micro-batches of no_sync(), their sums (this rank's own too), as they
+        are between steps: partway through one (gradients given since the last step(),
+        whose all-reduces may be in flight) it raises ValueError, as load_state_dict()
+        and broadcast_parameters() do on every rank."""
         partway = self._partway_error("state_dict", "a state holds what the optimizer "
                                       "keeps between steps, and would leave them out")
         if partway is not None:
@@ -803,13 +804,23 @@ class DistributedOptimizer:
         if scaled:  # (the same on every rank: learnt from the sums)
             state["fp16_scales"] = [{"params": list(b.indices), **b.scale.learnt()}
                                     for b in scaled]
+        if self._accumulated:
+            # Between micro-batches of no_sync(): their sums, not sent yet, which a run
+            # resumed from the state would otherwise lose. One per parameter, however
+            # it travels; this rank's own, so with the number of ranks (see
+            # _checked_sums).
+            state["accumulated"] = {"sums": [self._sum_of(i).copy()
+                                             for i in range(len(self.params))],
+                                    "ranks": self.comm.size}
         return state
 
     def load_state_dict(self, state: dict | None) -> None:
         """Loads a state_dict(): the optimizer's, the fp16 scales, and PowerSGD's, which
         is this rank's own (what its approximations missed): each rank loads the state
-        it saved. Collective: each rank checks its state, then the ranks agree (one
-        small all-reduce) that every state passed, that they will hold the same
+        it saved; and the sums of micro-batches it holds (this rank's own too), in place
+        of any accumulated since the last step (a state without them leaves none).
+        Collective: each rank checks its state, then the ranks agree (one small
+        all-reduce) that every state passed, that they will hold the same
         optimizer settings (lr, momentum, betas, eps, weight_decay), and on Adam's step
         count, which of SGD's momentum buffers exist, and the fp16 scales (not on
         PowerSGD's state, which differs from rank to rank); else every rank raises (its
@@ -824,6 +835,14 @@ class DistributedOptimizer:
         try:
             if partway is not None:
                 raise partway
+            if state is None and self._accumulated:
+                raise ValueError(
+                    f"DistributedOptimizer.load_state_dict (rank {self.comm.rank} of "
+                    f"{self.comm.size}): given None, but this rank holds the sums of "
+                    "micro-batches accumulated in no_sync() since the last step, which the "
+                    "next step would add to the state another rank loads (and "
+                    "broadcast_parameters() sends). Call abandon_step() on every rank "
+                    "first, which drops them, or load on this rank a state of its own")
             checked = None if state is None else self._checked_state(state)
         except Exception as error:
             # The others wait in the agreement below: tell them (as construction does).
@@ -837,7 +856,7 @@ class DistributedOptimizer:
         self._agree_on_loading(checked)
         if checked is None:
             return
-        optimizer_state, powersgd_state, scales = checked
+        optimizer_state, powersgd_state, scales, sums = checked
         if self._optimizer_checks_first:
             self.optimizer._take(optimizer_state)
         else:  # (another optimizer's: its own checks come only now)
@@ -851,6 +870,17 @@ class DistributedOptimizer:
             bucket.scale = _Fp16Scale(self.comm.size)
             for name in _Fp16Scale.LEARNT if learnt is not None else ():
                 setattr(bucket.scale, name, learnt[name])
+        # The state's sums of micro-batches, or none: in place of any this run had
+        # accumulated since its last step, which belong to the run the state replaces.
+        self._low_rank_sums.clear()
+        self._accumulated = sums is not None
+        for i, total in enumerate(sums or ()):
+            total = array_module(self.params[i]).array(total)  # (a copy)
+            if i in self._low_rank:
+                self._low_rank_sums[i] = total
+            else:
+                bucket = self._bucket_of[i]
+                bucket.buffer[bucket.slices[i]] = total.reshape(-1)
 
     # -- plumbing -------------------------------------------------------------------
 
@@ -872,10 +902,48 @@ class DistributedOptimizer:
         if "powersgd" in state:
             self._check_powersgd_state(state["powersgd"])
         scales = self._checked_fp16_scales(state.get("fp16_scales"))
+        sums = self._checked_sums(state.get("accumulated"))
         optimizer_state = state["optimizer"]
         if self._optimizer_checks_first:
             optimizer_state = self.optimizer._checked(optimizer_state)
-        return optimizer_state, state.get("powersgd"), scales
+        return optimizer_state, state.get("powersgd"), scales, sums
+
+    def _sum_of(self, index: int):
+        """params[index]'s gradient summed over the micro-batches (while _accumulated)."""
+        if index in self._low_rank:
+            return self._low_rank_sums[index]
+        bucket = self._bucket_of[index]
+        return bucket.buffer[bucket.slices[index]].reshape(self.params[index].shape)
+
+    def _checked_sums(self, saved) -> list | None:
+        """state['accumulated']['sums'] (None where the state has none), checked."""
+        if saved is None:
+            return None
+        where = "DistributedOptimizer.load_state_dict: state['accumulated']"
+        if not isinstance(saved, dict) or not {"sums", "ranks"} <= saved.keys():
+            raise KeyError(f"{where} is not the sums of micro-batches a state_dict() saves "
+                           "(it needs 'sums' and 'ranks')")
+        # Each rank's own: on another number of ranks, with other shards, they have no
+        # meaning (and which rank would take which?).
+        if saved["ranks"] != self.comm.size:
+            raise ValueError(f"{where}: the sums of micro-batches accumulated in no_sync() "
+                             f"were saved on {saved['ranks']} ranks, and this job has "
+                             f"{self.comm.size}: they are each rank's own, and cannot be "
+                             f"shared out over another number of ranks. Resume on "
+                             f"{saved['ranks']} ranks, or load the state without them (del "
+                             "state['accumulated']: those micro-batches are lost; redo them)")
+        sums = saved["sums"]
+        if not isinstance(sums, (list, tuple)) or len(sums) != len(self.params):
+            raise ValueError(f"{where}['sums'] is not a list of one array per parameter, "
+                             f"for {len(self.params)} parameters (a state of another model?)")
+        for i, (total, p) in enumerate(zip(sums, self.params)):
+            if getattr(total, "shape", None) != p.shape or getattr(total, "dtype", None) != \
+                    p.dtype:
+                raise ValueError(f"{where}['sums'][{i}] is "
+                                 f"{getattr(total, 'shape', type(total).__name__)} "
+                                 f"{getattr(total, 'dtype', '')}, but params[{i}] is {p.shape} "
+                                 f"{p.dtype} (a state of another model?)")
+        return list(sums)
 
     def _agree_on_loading(self, checked, rejected: Exception | None = None) -> None:
         # Ranks that load different settings (each reading its own file, one of them
@@ -900,14 +968,23 @@ class DistributedOptimizer:
                 progress = repr([steps, [None if learnt is None else
                                          [learnt[name] for name in _Fp16Scale.LEARNT]
                                          for learnt in checked[2]]])
-            texts = [settings, progress]
+            # Sums of micro-batches are each rank's own, and broadcast_parameters()
+            # does not send them: a rank that loads them beside ranks given None would
+            # add its saved micro-batches alone to the next step.
+            sums = "given None" if checked is None else (
+                "sums" if checked[3] is not None else None)
+            texts = [settings, progress, sums]
         self._agree_between_steps(
             f"DistributedOptimizer.load_state_dict (rank {self.comm.rank} of {self.comm.size})",
             ["would hold different optimizer settings after it (lr, momentum, betas, eps or "
              "weight_decay; a rank given None keeps its own, which broadcast_parameters() "
              "sends only for ringreduce's SGD and Adam)",
              "load states of different steps or runs (Adam's step count, which of SGD's "
-             "momentum buffers exist, or the fp16 scales)"],
+             "momentum buffers exist, or the fp16 scales)",
+             "load sums of micro-batches accumulated in no_sync() where others are given "
+             "None (the sums are each rank's own, and broadcast_parameters() does not "
+             "send them: load every rank its own state, or the state without "
+             "'accumulated', whose micro-batches are then lost)"],
             texts, rejected, "no rank loaded its state")
 
     def _given_this_step(self) -> list:

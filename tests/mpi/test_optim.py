@@ -2037,3 +2037,117 @@ def test_one_rank_partway_through_a_step_is_refused_on_every_rank_without_a_hang
     for p in params:  # (lr 1, momentum 0.9: three steps)
         np.testing.assert_allclose(p, -1 - (0.9 + average) - (0.81 + 0.9 * average + average),
                                    rtol=1e-2)
+
+
+@each_optimizer
+@pytest.mark.parametrize("compression", [None, "fp16", "powersgd"])
+@pytest.mark.parametrize("when", ["after a micro-batch", "after an error in the next one"])
+def test_a_run_saved_between_micro_batches_resumes_them_bit_for_bit(make, compression, when):
+    # state_dict() between micro-batches of no_sync() (say in a handler of the
+    # scheduler's SIGTERM) left out their sums, not sent yet: the resumed run lost
+    # those micro-batches. They are saved now, each rank its own, and the run resumed
+    # goes on as the one that went on. (After an error in a micro-batch, which takes
+    # its gradients out again, the sums of those before it are saved.)
+    import pickle
+
+    def made(params):
+        return DistributedOptimizer(make(params), bucket_mb=0.0005,
+                                    compression=PowerSGD(rank=2) if compression == "powersgd"
+                                    else compression)
+
+    def micro_batch(opt, params, step, k):  # three a step, the last outside no_sync()
+        x, y = my_shard(*data(step))
+        part = np.array_split(np.arange(len(y)), 3)[k]
+        with opt.no_sync() if k < 2 else contextlib.nullcontext():
+            loss_and_grads(params, x[part], y[part], scale=share(len(part)),
+                           on_grad=opt.grad_ready)
+            opt.step()
+
+    went_on = init_params(LAYERS, seed=1)
+    opt = made(went_on)
+    for step, k in [(s, k) for s in range(2) for k in range(3)] + [(2, 0), (2, 1)]:
+        micro_batch(opt, went_on, step, k)
+        if k == 2:
+            assert "accumulated" not in opt.state_dict()  # (between steps: as before)
+    if when == "after an error in the next one":
+        with opt.no_sync(), pytest.raises(ValueError, match="has shape"):
+            opt.grad_ready(len(went_on) - 1, np.ones_like(went_on[-1]))
+            opt.grad_ready(len(went_on) - 2, np.ones(1))
+    saved = pickle.dumps({"params": went_on, "state": opt.state_dict()})
+    for step, k in [(2, 2)] + [(s, k) for s in range(3, 5) for k in range(3)]:
+        micro_batch(opt, went_on, step, k)
+    resumed = init_params(LAYERS, seed=2)
+    again = made(resumed)
+    checkpoint = pickle.loads(saved)
+    for p, q in zip(resumed, checkpoint["params"]):
+        p[...] = q
+    again.load_state_dict(checkpoint["state"])
+    for step, k in [(2, 2)] + [(s, k) for s in range(3, 5) for k in range(3)]:
+        micro_batch(again, resumed, step, k)
+    for p, q in zip(resumed, went_on):
+        np.testing.assert_array_equal(p, q)
+
+
+@each_optimizer
+def test_a_state_loaded_between_micro_batches_replaces_the_sums_accumulated(make):
+    # load_state_dict() between micro-batches kept the sums this run had accumulated,
+    # and the next step added them to the loaded state's run. The state's own sums (or
+    # none) replace them; sums of another number of ranks or model are refused, and
+    # so are a None beside them and a None on a rank that holds some.
+    def made(params, compression=None):
+        return DistributedOptimizer(make(params), compression=compression)
+
+    def state_after(opt, grads):
+        opt.step(grads)
+        return [p.copy() for p in opt.params]
+
+    params = [np.zeros((4, 3)), np.zeros(5)]
+    opt = made(params)
+    opt.step([np.full((4, 3), 1.0 + RANK), np.full(5, 2.0)])
+    between, at = opt.state_dict(), [p.copy() for p in params]
+    with opt.no_sync():
+        opt.step([np.full((4, 3), 100.0 + RANK), np.full(5, 100.0)])
+    mid = opt.state_dict()
+    assert mid["accumulated"]["ranks"] == SIZE
+    grads = [np.full((4, 3), 3.0 * RANK), np.full(5, -1.0)]
+    expected = {}
+    for name, state in (("between", between), ("mid", mid)):
+        fresh = made([p.copy() for p in at])
+        fresh.load_state_dict(state)
+        expected[name] = state_after(fresh, grads)
+    for name, state in (("between", between), ("mid", mid)):
+        with opt.no_sync():  # (sums of this run's own, which the state replaces)
+            opt.step([np.full((4, 3), 7.0), np.full(5, 7.0)])
+        for p, q in zip(params, at):
+            p[...] = q
+        opt.load_state_dict(state)
+        for p, q in zip(state_after(opt, grads), expected[name]):
+            np.testing.assert_array_equal(p, q)
+    with opt.no_sync():
+        opt.step(grads)
+    sums = mid["accumulated"]
+    for bad, error, match in (
+            ({**sums, "ranks": SIZE + 1}, ValueError, rf"saved on {SIZE + 1} ranks, and this "
+                                                      rf"job has {SIZE}.*del state\['accum"),
+            ({**sums, "sums": sums["sums"][:1]}, ValueError, "one array per parameter"),
+            ({**sums, "sums": [np.zeros(12), np.zeros(5)]}, ValueError,
+             r"\['sums'\]\[0\] is \(12,\) float64, but params\[0\] is \(4, 3\)"),
+            ({"ranks": SIZE}, KeyError, "needs 'sums' and 'ranks'"),
+            (None, ValueError, r"given None, but this rank holds the sums of micro-batches")):
+        with pytest.raises(error, match=match):
+            opt.load_state_dict(None if bad is None else {**mid, "accumulated": bad})
+    np.testing.assert_array_equal(opt._sum_of(0), grads[0])  # (nothing loaded)
+    # The sums are one per parameter, however they travel: another compression takes
+    # them as they are.
+    for compression in ("fp16", PowerSGD(rank=1)):
+        other = made([np.zeros((4, 3)), np.zeros(5)], compression)
+        other.load_state_dict({**mid, "fp16_scales": None})
+        for i, total in enumerate(sums["sums"]):
+            np.testing.assert_array_equal(other._sum_of(i), total)
+    if SIZE > 1:  # rank 0 alone loads sums, which broadcast_parameters() does not send
+        target = made([np.zeros((4, 3)), np.zeros(5)])
+        with pytest.raises(rr.MismatchError, match=r"load sums of micro-batches accumulated "
+                                                   r"in no_sync\(\) where others are given None"
+                                                   r".*differ from rank 0"):
+            target.load_state_dict(mid if RANK == 0 else None)
+        assert not target._accumulated
