@@ -25,7 +25,7 @@ from mpi4py import MPI
 
 import ringreduce as rr
 from ringreduce import reference
-from ringreduce.sim import parse_bytes
+from ringreduce.sim import need_matplotlib, parse_bytes
 from timing import (at_least, bus_bandwidth, human_bytes, human_time, inner_iterations, mpi_library,
                     output_file, save_size_plot, start_gloo, time_alternating)
 
@@ -128,7 +128,7 @@ def main() -> None:
                         help="save busbw vs size here (PNG, or by its suffix: PDF, SVG, ...)")
     args = parser.parse_args()
     if args.plot:  # on every rank, before any collective: not after the tables on rank 0 only
-        import matplotlib  # noqa: F401
+        need_matplotlib(parser, "--plot")
     sizes = sizes_argument(parser, args.sizes, DEFAULT_SIZES)
 
     comm = rr.Communicator()

@@ -23,6 +23,7 @@ from mpi4py import MPI
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import ringreduce as rr  # noqa: E402
+from ringreduce.sim import need_matplotlib  # noqa: E402
 from timing import (at_least, bus_bandwidth, byte_size, human_bytes, human_time,  # noqa: E402
                     mpi_library, output_file, save_size_plot, start_gloo, time_alternating)
 
@@ -188,6 +189,7 @@ def main():
     if args.min_bytes > args.max_bytes:
         parser.error("--min-bytes is larger than --max-bytes")
     if args.replot:
+        need_matplotlib(parser, "--replot")
         try:
             with open(args.replot) as f:
                 rows, names, big_chunk = replot_rows(json.load(f))
@@ -197,7 +199,7 @@ def main():
         plot(rows, names, args.plot or "gpu.png", big_chunk, args.note)
         return
     if args.plot:  # on every rank, before any collective: not after the tables on rank 0 only
-        import matplotlib  # noqa: F401
+        need_matplotlib(parser, "--plot")
 
     try:
         import cupy as cp

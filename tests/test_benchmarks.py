@@ -171,6 +171,25 @@ def test_command_lines_refuse_bad_arguments_before_any_work(script, argv, messag
     assert message in done.stderr and "Traceback" not in done.stderr
 
 
+@pytest.mark.parametrize("script, argv", [
+    ("benchmarks/bench_allreduce.py", ["--plot", "p.png"]),
+    ("benchmarks/bench_gpu.py", ["--plot", "p.png"]),
+    ("benchmarks/bench_gpu.py", ["--replot", "benchmarks/results/model_p2.json"]),
+])
+def test_a_plot_without_matplotlib_is_a_usage_error_naming_the_plot_extra(script, argv,
+                                                                           tmp_path):
+    # (From a review.) They stopped with a bare ImportError (on every rank).
+    blocked = ("import runpy, sys; sys.modules['matplotlib'] = None; "
+               f"sys.path.insert(0, {str(ROOT / 'benchmarks')!r}); "
+               f"sys.argv = [{script!r}, *{argv!r}]; "
+               f"runpy.run_path({str(ROOT / script)!r}, run_name='__main__')")
+    done = subprocess.run([sys.executable, "-c", blocked], capture_output=True, text=True,
+                          timeout=120, env=job_env(), cwd=ROOT)
+    assert done.returncode == 2, done.stderr
+    assert "needs matplotlib: pip install matplotlib, or install ringreduce with its plot " \
+           "extra" in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
 def test_the_digits_example_on_3_ranks_says_once_which_batches_fit():
     # Its default global batch (64) does not divide among 3 ranks. Rank 0 says so, and
     # which batches would, once; the others wait for it to have said it before they
