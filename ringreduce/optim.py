@@ -575,6 +575,9 @@ class DistributedOptimizer:
         self._micro_batch: list = []
         self._abandoning = False     # inside abandon_step(): calls go with _ABANDONED_OP
         self._abandoned_by_error = False  # an error abandoned the step; nothing given since
+        # An fp16 scale agreement of this step met another call (see _start): the
+        # others are not in this step, and abandoning it makes no calls.
+        self._met_another_call = False
         self.bytes_sent = 0          # payload bytes this rank handed to allreduce
         self.comm_seconds = 0.0      # time step() spent waiting for communication
         self._model_texts = self._texts_to_agree_on()  # (here: what fails in it is refused)
@@ -1173,7 +1176,7 @@ class DistributedOptimizer:
             # calls for: docs/training.md says how to keep the two apart.)
             self._abandoned_by_error = False
             return
-        if not self._accumulating or self._next_to_start > 0:
+        if (not self._accumulating or self._next_to_start > 0) and not self._met_another_call:
             self._abandoning = True
             try:
                 self._make_the_rest_of_the_calls()
@@ -1252,6 +1255,7 @@ class DistributedOptimizer:
         self._low_rank_reported.clear()
         self._low_rank_calls.clear()
         self._accumulated = False
+        self._met_another_call = False
 
     def _add_to_bucket(self, bucket, index, grad):
         target = bucket.buffer[bucket.slices[index]]
@@ -1269,7 +1273,22 @@ class DistributedOptimizer:
         else:
             scale = bucket.scale
             if scale is not None and scale.value is None and not scale.zero_confirmed:
-                scale.adopt(*self._agreed_fp16_scale(bucket))
+                try:
+                    agreed = self._agreed_fp16_scale(bucket)
+                except MismatchError as error:
+                    if self._abandoning:
+                        raise
+                    # Blocking, it met a call that is no step's elsewhere (another
+                    # rank's load_state_dict() agreement, say, which is lined up past
+                    # this rank's calls: see _LiningUp): abandoning must make no more.
+                    self._met_another_call = True
+                    raise MismatchError(
+                        f"DistributedOptimizer (rank {self.comm.rank} of {self.comm.size}): "
+                        f"the ranks' agreement on the fp16 scale of params {bucket.indices} "
+                        "met another call on some rank (load_state_dict() or "
+                        "broadcast_parameters() there, say), so this step is dropped here, "
+                        f"without an update: {error}") from error
+                scale.adopt(*agreed)
             self._send_16_bit(bucket)
 
     def _send_16_bit(self, bucket):

@@ -2053,6 +2053,35 @@ def test_one_rank_partway_through_a_step_is_refused_on_every_rank_without_a_hang
     assert all(mine == everyone[0] for mine in everyone)
 
 
+@needs_two
+@pytest.mark.parametrize("method", ["load_state_dict", "broadcast_parameters"])
+def test_one_rank_at_an_fp16_scale_agreement_meets_the_others_collective_call(method):
+    # At an fp16 step's first bucket, grad_ready() agrees on the scale in a blocking
+    # all-reduce. On one rank alone it met the others' load_state_dict() or
+    # broadcast_parameters() agreement and raised; its abandon then made an agreement
+    # more for each bucket, one more than the others' lining up repeats, and every
+    # rank's calls were out of step for good (a bare MismatchError there, a timeout
+    # later). It makes none now: its step is dropped, and the call goes through on
+    # every rank, where the steps after pair up.
+    params, opt, given = _made_for_partway("fp16")
+    saved = opt.state_dict()  # (before any step: no scale agreed yet)
+    grad = np.full((20, 30), RANK + 1.0)
+    if RANK == BAD:
+        with pytest.raises(rr.MismatchError, match=r"agreement on the fp16 scale of params "
+                                                   r"\[3, 2\] met another call"):
+            for i in given["one"]:
+                opt.grad_ready(i, grad)
+        assert not opt._given_this_step()
+    getattr(opt, method)(*((saved,) if method == "load_state_dict" else ()))
+    opt.step([grad] * 4)
+    opt.step([grad] * 4)
+    everyone = MPI.COMM_WORLD.allgather([p.tobytes() for p in params])
+    assert all(mine == everyone[0] for mine in everyone)
+    average = (SIZE + 1) / 2
+    for p in params:  # (lr 1, momentum 0.9: two steps)
+        np.testing.assert_allclose(p, -average - 1.9 * average, rtol=1e-2)
+
+
 @each_optimizer
 @pytest.mark.parametrize("compression", [None, "fp16", "powersgd"])
 @pytest.mark.parametrize("when", ["after a micro-batch", "after an error in the next one"])
