@@ -140,6 +140,17 @@ def _quietly(f, *args):
         return None
 
 
+# What every agreement of a DistributedOptimizer compares first: which call each rank
+# is in, and of which optimizer. All of them agree in rows of one size and op (three
+# checks after this one), so that ranks in different ones pair up and are told so,
+# rather than compare one call's texts with another's (a model with settings), or meet
+# a row of another size (a bare MismatchError, after lining up).
+_WHICH_CALL = ("call different things here (making a DistributedOptimizer, or "
+               "load_state_dict() or broadcast_parameters() of one: which, and of which "
+               "optimizer)")
+_CHECKS_AFTER_WHICH_CALL = 3
+
+
 class _LiningUp:
     """The communicator as agree_or_raise uses it, where ranks partway through a step
     may have some of its all-reduces in flight, started before the agreement, which
@@ -597,7 +608,8 @@ class DistributedOptimizer:
                                       "before")
         where = f"DistributedOptimizer.broadcast_parameters (rank {self.comm.rank} of " \
                 f"{self.comm.size})"
-        self._agree_between_steps(where, [], [], partway, "no rank broadcast anything")
+        self._agree_between_steps(where, "broadcast_parameters", [], [], partway,
+                                  "no rank broadcast anything")
         if partway is not None:
             raise self._partway_outcome(partway, "Nothing was broadcast")
         for p in self.params:
@@ -979,6 +991,7 @@ class DistributedOptimizer:
             texts = [settings, progress, sums]
         self._agree_between_steps(
             f"DistributedOptimizer.load_state_dict (rank {self.comm.rank} of {self.comm.size})",
+            "load_state_dict",
             ["would hold different optimizer settings after it (lr, momentum, betas, eps or "
              "weight_decay; a rank given None keeps its own, which broadcast_parameters() "
              "sends only for ringreduce's SGD and Adam)",
@@ -1012,14 +1025,18 @@ class DistributedOptimizer:
             "abandon_step() on every rank, which drops the step (from a signal handler, "
             "set a flag there and call it after the step)")
 
-    def _agree_between_steps(self, where, checks, texts, rejected, outcome) -> None:
-        """agree_or_raise on this optimizer's communicator, lined up past any of a
-        step's all-reduces that ranks partway through it started (_LiningUp); those
-        ranks reject. Where the ranks had started different numbers of them, some met
-        the others' agreement instead and failed, and the step cannot be finished
-        alike: every rank that started any drops it then (past the agreement, every
+    def _agree_between_steps(self, where, method, checks, texts, rejected, outcome) -> None:
+        """agree_or_raise on this optimizer's communicator for `method` (see _WHICH_CALL),
+        lined up past any of a step's all-reduces that ranks partway through it started
+        (_LiningUp); those ranks reject. Where the ranks had started different numbers
+        of them, some met the others' agreement instead and failed, and the step cannot
+        be finished alike: every rank that started any drops it then (past the agreement, every
         rank's calls are lined up, so the next step's pair up; a rank that gave
         gradients but started no all-reduce keeps them)."""
+        padding = _CHECKS_AFTER_WHICH_CALL - len(checks)
+        checks = [_WHICH_CALL] + checks + [""] * padding
+        texts = [f"{method} {self._call_check}"] + texts + [None] * padding \
+            if rejected is None else None
         ring = _LiningUp(self.comm, len(self._units))
         try:
             agree_or_raise(ring, where, checks, texts, rejected, outcome)
@@ -1370,9 +1387,11 @@ class DistributedOptimizer:
         # and the optimizer, which would move the replicas apart.
         agree_or_raise(self.comm, f"DistributedOptimizer (rank {self.comm.rank} of "
                                   f"{self.comm.size})",
-                       ["wrap different parameters (number, shapes or dtypes)",
+                       [_WHICH_CALL,
+                        "wrap different parameters (number, shapes or dtypes)",
                         "send gradients differently (bucket_mb or compression)",
                         "wrap different optimizers (type, or settings: lr, momentum, betas, "
                         "eps or weight_decay)"],
-                       None if rejected is not None else self._model_texts, rejected,
+                       None if rejected is not None else
+                       ["DistributedOptimizer()"] + self._model_texts, rejected,
                        "no rank made its DistributedOptimizer")

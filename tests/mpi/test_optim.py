@@ -2082,6 +2082,36 @@ def test_one_rank_at_an_fp16_scale_agreement_meets_the_others_collective_call(me
         np.testing.assert_allclose(p, -average - 1.9 * average, rtol=1e-2)
 
 
+@needs_two
+@pytest.mark.parametrize("other", ["a new optimizer", "another optimizer's load",
+                                   "broadcast_parameters"])
+def test_ranks_at_different_agreements_are_told_so(other):
+    # Making a DistributedOptimizer and load_state_dict() agree in rows of one size and
+    # op, and so do the loads of two optimizers: where one rank made another of those
+    # calls than the others, their agreements paired, and compared one's model with
+    # the other's settings ("wrap different parameters"), or two optimizers' states.
+    # Each says which call, and of which optimizer, differs.
+    params = [np.zeros((4, 3)), np.zeros(5)]
+    opt = DistributedOptimizer(SGD(params, lr=0.1, momentum=0.9))
+    second = DistributedOptimizer(SGD([p.copy() for p in params], lr=0.1, momentum=0.9))
+    saved = opt.state_dict()
+    differ = r"ranks call different things here \(making a DistributedOptimizer, or " \
+             r"load_state_dict\(\) or broadcast_parameters\(\) of one: which, and of which " \
+             r"optimizer\)"
+    with pytest.raises(rr.MismatchError, match=differ):
+        if RANK == BAD:
+            opt.load_state_dict(saved)
+        elif other == "a new optimizer":
+            DistributedOptimizer(SGD([p.copy() for p in params], lr=0.1, momentum=0.9))
+        elif other == "broadcast_parameters":
+            opt.broadcast_parameters()
+        else:
+            second.load_state_dict(saved)
+    opt.step([np.full((4, 3), RANK + 1.0), np.full(5, 1.0)])  # (the ranks' calls pair up)
+    everyone = MPI.COMM_WORLD.allgather([p.tobytes() for p in params])
+    assert all(mine == everyone[0] for mine in everyone)
+
+
 @each_optimizer
 @pytest.mark.parametrize("compression", [None, "fp16", "powersgd"])
 @pytest.mark.parametrize("when", ["after a micro-batch", "after an error in the next one"])
