@@ -1835,6 +1835,8 @@ def test_an_error_in_a_micro_batch_takes_its_gradients_given_before_out_again(co
         for micro in range(3):
             try:
                 bad = RANK == BAD and micro == 1
+                if bad:
+                    before = [opt._sum_of(i).copy() for i in range(2)]
                 reused[...] = value if bad else 1.0
                 opt.grad_ready(1, reused)
                 reused[...] = -7.0  # (the caller's next use of its buffer)
@@ -1842,6 +1844,8 @@ def test_an_error_in_a_micro_batch_takes_its_gradients_given_before_out_again(co
                 opt.step()
             except ValueError as error:
                 assert RANK == BAD and micro == 1 and "has shape" in str(error)
+                for i, total in enumerate(before):  # (exactly: training.md)
+                    np.testing.assert_array_equal(opt._sum_of(i), total)
     opt.step([np.ones((4, 4)), np.ones(3)])
     micro_batches = 4 * SIZE - 1  # BAD's second was dropped
     np.testing.assert_allclose(params[1], -micro_batches / SIZE)
