@@ -631,7 +631,7 @@ class DistributedOptimizer:
             for name in names:
                 value = getattr(optimizer, name)
                 setattr(optimizer, name, tuple(next(root_s) for _ in value)
-                        if isinstance(value, tuple) else next(root_s))
+                        if np.ndim(value) else next(root_s))  # (a pair: a list too)
         if isinstance(optimizer, Adam):
             for a in optimizer.m + optimizer.v:
                 self.comm.broadcast(a, root=root)

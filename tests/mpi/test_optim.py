@@ -879,6 +879,18 @@ def test_where_rank_0_alone_loads_broadcast_parameters_gives_the_others_its_sett
         np.testing.assert_array_equal(rr.allreduce(p, op="min"), rr.allreduce(p, op="max"))
 
 
+def test_broadcast_parameters_keeps_adams_betas_given_as_a_list_or_an_array():
+    # Adam steps with betas as a list or an array too (set so by hand);
+    # broadcast_parameters() took only a tuple for a pair, and set betas to its first,
+    # eps to its second and weight_decay to eps, on every rank.
+    opt = DistributedOptimizer(Adam([np.zeros(3)], lr=0.01, eps=1e-6, weight_decay=0.5))
+    for betas in ([0.8, 0.99], np.array([0.7, 0.9])):
+        opt.optimizer.betas = betas
+        opt.broadcast_parameters()
+        assert (tuple(opt.optimizer.betas), opt.optimizer.eps, opt.optimizer.weight_decay) \
+            == (tuple(betas), 1e-6, 0.5)
+
+
 def test_a_rank_given_none_compares_the_settings_of_an_optimizer_of_its_own():
     # broadcast_parameters() sends only SGD's and Adam's settings: with another
     # optimizer, ranks given None must already hold the settings rank 0 loads.
