@@ -2071,7 +2071,8 @@ def test_one_rank_partway_through_a_step_is_refused_on_every_rank_without_a_hang
 
 @needs_two
 @pytest.mark.parametrize("method", ["load_state_dict", "broadcast_parameters"])
-def test_one_rank_at_an_fp16_scale_agreement_meets_the_others_collective_call(method):
+@pytest.mark.parametrize("at_it", ["one rank", "all but rank 0"])
+def test_one_rank_at_an_fp16_scale_agreement_meets_the_others_collective_call(method, at_it):
     # At an fp16 step's first bucket, grad_ready() agrees on the scale in a blocking
     # all-reduce. On one rank alone it met the others' load_state_dict() or
     # broadcast_parameters() agreement and raised; its abandon then made an agreement
@@ -2082,7 +2083,7 @@ def test_one_rank_at_an_fp16_scale_agreement_meets_the_others_collective_call(me
     params, opt, given = _made_for_partway("fp16")
     saved = opt.state_dict()  # (before any step: no scale agreed yet)
     grad = np.full((20, 30), RANK + 1.0)
-    if RANK == BAD:
+    if RANK == BAD or at_it == "all but rank 0" and RANK > 0:
         with pytest.raises(rr.MismatchError, match=r"agreement on the fp16 scale of params "
                                                    r"\[3, 2\] met another call"):
             for i in given["one"]:
