@@ -2,6 +2,7 @@
 parameters after k steps as one process training on the whole batch."""
 import contextlib
 import os
+import pickle
 import re
 import sys
 import warnings
@@ -717,12 +718,22 @@ def test_state_dict_round_trip():
         np.testing.assert_array_equal(p, q)
 
 
+def resumed_from(saved: bytes, made):
+    """A new optimizer (made(params)) on new parameters, resumed from saved, a pickled
+    {"params", "state"}: as a run restarted from its checkpoint file is."""
+    resumed = init_params(LAYERS, seed=2)
+    again = made(resumed)
+    checkpoint = pickle.loads(saved)
+    for p, q in zip(resumed, checkpoint["params"]):
+        p[...] = q
+    again.load_state_dict(checkpoint["state"])
+    return again, resumed
+
+
 @pytest.mark.parametrize("compression", [None, "fp16", "bf16", "powersgd"])
 @pytest.mark.parametrize("name", ["sgd-momentum-decay", "adam"])
 def test_a_run_resumed_from_a_pickled_state_dict_goes_on_bit_for_bit(name, compression):
     # As a new job would: new parameters and optimizer, every rank loading what it saved.
-    import pickle
-
     if compression == "bf16":
         pytest.importorskip("ml_dtypes")
 
@@ -741,12 +752,7 @@ def test_a_run_resumed_from_a_pickled_state_dict_goes_on_bit_for_bit(name, compr
     train(opt, went_on, range(STEPS))
     saved = pickle.dumps({"params": went_on, "state": opt.state_dict()})
     train(opt, went_on, range(STEPS, 2 * STEPS))
-    resumed = init_params(LAYERS, seed=2)
-    again = made(resumed)
-    checkpoint = pickle.loads(saved)
-    for p, q in zip(resumed, checkpoint["params"]):
-        p[...] = q
-    again.load_state_dict(checkpoint["state"])
+    again, resumed = resumed_from(saved, made)
     train(again, resumed, range(STEPS, 2 * STEPS))
     for p, q in zip(resumed, went_on):
         np.testing.assert_array_equal(p, q)
@@ -980,7 +986,6 @@ def test_one_powersgd_object_compresses_one_optimizers_gradients():
     # its own.
     import copy
     import gc
-    import pickle
 
     psgd = PowerSGD(rank=2)
     first = DistributedOptimizer(SGD([np.zeros((40, 30))], lr=1.0), compression=psgd)
@@ -1732,7 +1737,6 @@ def test_allreduce_gradients_of_random_layouts_match_the_reference(seed):
 def test_allreduce_gradients_keeps_one_plan_for_gradients_made_afresh_each_step():
     # (From a review: keyed by their dtype objects' addresses, arrays unpickled each step,
     # whose dtypes are new objects equal to numpy's, made a new plan on every call.)
-    import pickle
     blob = pickle.dumps([np.full(n, float(RANK), np.float32) for n in (3, 5, 7)])
     rr.allreduce_gradients(pickle.loads(blob), op="sum")
     plans = set(gradients._PLANS)
@@ -2138,7 +2142,6 @@ def test_a_run_saved_between_micro_batches_resumes_them_bit_for_bit(make, compre
     # those micro-batches. They are saved now, each rank its own, and the run resumed
     # goes on as the one that went on. (After an error in a micro-batch, which takes
     # its gradients out again, the sums of those before it are saved.)
-    import pickle
 
     def made(params):
         return DistributedOptimizer(make(params), bucket_mb=0.0005,
@@ -2166,12 +2169,7 @@ def test_a_run_saved_between_micro_batches_resumes_them_bit_for_bit(make, compre
     saved = pickle.dumps({"params": went_on, "state": opt.state_dict()})
     for step, k in [(2, 2)] + [(s, k) for s in range(3, 5) for k in range(3)]:
         micro_batch(opt, went_on, step, k)
-    resumed = init_params(LAYERS, seed=2)
-    again = made(resumed)
-    checkpoint = pickle.loads(saved)
-    for p, q in zip(resumed, checkpoint["params"]):
-        p[...] = q
-    again.load_state_dict(checkpoint["state"])
+    again, resumed = resumed_from(saved, made)
     for step, k in [(2, 2)] + [(s, k) for s in range(3, 5) for k in range(3)]:
         micro_batch(again, resumed, step, k)
     for p, q in zip(resumed, went_on):
