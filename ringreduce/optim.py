@@ -96,8 +96,8 @@ def _state_values(state, keys, who: str) -> list:
 
 def _check_sgd_settings(lr, momentum, weight_decay, who: str) -> None:
     try:  # (written so that NaN fails too; and a string, which does not compare)
-        good = lr > 0 and momentum >= 0 and weight_decay >= 0
-    except TypeError:
+        good = bool(lr > 0 and momentum >= 0 and weight_decay >= 0)
+    except (TypeError, ValueError):  # (ValueError: an array of several)
         good = False
     if not good:
         raise ValueError(f"{who}: need lr > 0, momentum >= 0, weight_decay >= 0; got "
@@ -106,9 +106,9 @@ def _check_sgd_settings(lr, momentum, weight_decay, who: str) -> None:
 
 def _check_adam_settings(lr, betas, eps, weight_decay, who: str) -> None:
     try:
-        good = len(betas) == 2 and lr > 0 and 0 <= betas[0] < 1 and 0 <= betas[1] < 1 \
-            and eps > 0 and weight_decay >= 0
-    except TypeError:
+        good = bool(len(betas) == 2 and lr > 0 and 0 <= betas[0] < 1 and 0 <= betas[1] < 1
+                    and eps > 0 and weight_decay >= 0)
+    except (TypeError, ValueError):  # (ValueError: an array of several)
         good = False
     if not good:
         raise ValueError(f"{who}: need lr > 0, betas a pair with 0 <= each < 1, eps > 0, "
@@ -601,22 +601,42 @@ class DistributedOptimizer:
         (its settings: lr, momentum, betas, eps, weight_decay; momentum buffers; Adam's
         moments and step count), so that a replica left behind goes on equal; and the
         fp16 buckets' scales. Collective. Refused, on every rank, where any rank is
-        partway through a step (see state_dict): the ranks learn it in one small
+        partway through a step (see state_dict), or holds SGD or Adam settings, set by
+        hand, that their constructor refuses: the ranks learn it in one small
         all-reduce first."""
         partway = self._partway_error("broadcast_parameters", "the parameters broadcast "
                                       "now would be updated with gradients of the ones "
                                       "before")
         where = f"DistributedOptimizer.broadcast_parameters (rank {self.comm.rank} of " \
                 f"{self.comm.size})"
-        self._agree_between_steps(where, "broadcast_parameters", [], [], partway,
+        # Settings set by hand that cannot be sent (or stepped with) refuse here, with
+        # the others told, not halfway through the broadcasts, where they would wait.
+        rejected = partway
+        if rejected is None:
+            try:
+                self._check_settings_to_send(where)
+            except ValueError as error:
+                rejected = error
+        self._agree_between_steps(where, "broadcast_parameters", [], [], rejected,
                                   "no rank broadcast anything")
         if partway is not None:
             raise self._partway_outcome(partway, "Nothing was broadcast")
+        if rejected is not None:
+            raise rejected
         for p in self.params:
             self.comm.broadcast(p, root=root)
         self._broadcast_optimizer_state(root)
         # (The same everywhere already, unless a rank loaded a state_dict() alone.)
         self._broadcast_fp16_scales(root)
+
+    def _check_settings_to_send(self, where: str) -> None:
+        optimizer = self.optimizer
+        if isinstance(optimizer, Adam):
+            _check_adam_settings(optimizer.lr, optimizer.betas, optimizer.eps,
+                                 optimizer.weight_decay, f"{where}: Adam's settings")
+        elif isinstance(optimizer, SGD):
+            _check_sgd_settings(optimizer.lr, optimizer.momentum, optimizer.weight_decay,
+                                f"{where}: SGD's settings")
 
     def _broadcast_optimizer_state(self, root: int) -> None:
         # Of SGD and Adam, whose state is known here; another optimizer's is its own.

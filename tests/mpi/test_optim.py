@@ -885,6 +885,30 @@ def test_where_rank_0_alone_loads_broadcast_parameters_gives_the_others_its_sett
         np.testing.assert_array_equal(rr.allreduce(p, op="min"), rr.allreduce(p, op="max"))
 
 
+@each_optimizer
+@pytest.mark.parametrize("lr", ["0.1", np.array([0.1, 0.2]), float("nan")])
+def test_broadcast_parameters_refuses_settings_set_by_hand_that_cannot_be_sent(make, lr):
+    # (From a review.) A setting that is no number, set by hand on one rank, failed in
+    # the settings' broadcast, after the parameters' ones: the others waited there for
+    # the rest until their timeout.
+    params = [np.full((4, 3), float(RANK))]
+    opt = DistributedOptimizer(make(params))
+    good = opt.optimizer.lr
+    if RANK == SIZE - 1:
+        opt.optimizer.lr = lr
+    if RANK == SIZE - 1:
+        error, match = ValueError, r"broadcast_parameters.*settings: need lr > 0"
+    else:
+        error, match = rr.MismatchError, (rf"rank {SIZE - 1} rejected its arguments "
+                                          r"\(ValueError: .*need lr > 0.*no rank broadcast")
+    with pytest.raises(error, match=match):
+        opt.broadcast_parameters(root=0)
+    np.testing.assert_array_equal(params[0], np.full((4, 3), float(RANK)))  # nothing sent
+    opt.optimizer.lr = good
+    opt.broadcast_parameters(root=0)  # and the ranks go on alike
+    np.testing.assert_array_equal(params[0], np.zeros((4, 3)))
+
+
 def test_broadcast_parameters_keeps_adams_betas_given_as_a_list_or_an_array():
     # Adam steps with betas as a list or an array too (set so by hand);
     # broadcast_parameters() took only a tuple for a pair, and set betas to its first,
