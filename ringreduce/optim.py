@@ -562,6 +562,11 @@ class DistributedOptimizer:
         # Matrices PowerSGD compresses skip the buckets; everything else is bucketed.
         self._low_rank = [i for i, p in enumerate(self.params)
                           if self.powersgd is not None and self.powersgd.compresses(p.shape)]
+        if self.powersgd is not None:
+            # One with state already (loaded, or a copy of one that ran): its arrays are
+            # keyed by parameter index, and must fit this model, as a loaded state must.
+            self._check_powersgd_arrays(self.powersgd.state_dict(), "DistributedOptimizer",
+                                        "compression.state_dict()")
         bucketed = [i for i in range(len(self.params)) if i not in set(self._low_rank)]
         plan = pack_plan([self.params[i] for i in bucketed], int(bucket_mb * 1024 * 1024))
         self._buckets = []
@@ -1150,10 +1155,14 @@ class DistributedOptimizer:
                              f"number of ranks. Resume on {saved_on} ranks, or load the state "
                              "without it (del state['powersgd']: PowerSGD then starts as a new "
                              "one does, and what it had not sent yet is lost)")
+        self._check_powersgd_arrays(state, where, "state['powersgd']")
+
+    def _check_powersgd_arrays(self, state, where: str, named: str) -> None:
+        """That the arrays of a PowerSGD state (named so in errors) fit this model."""
         for key in ("q", "error"):
             for index, array in dict(state[key]).items():
                 if index not in self._low_rank:
-                    raise ValueError(f"{where}: state['powersgd'][{key!r}] has an array for "
+                    raise ValueError(f"{where}: {named}[{key!r}] has an array for "
                                      f"params[{index}], which this optimizer's PowerSGD does "
                                      "not compress (a state of another model?)")
                 param = self.params[index]
@@ -1163,7 +1172,7 @@ class DistributedOptimizer:
                 dtype = _compression.computing_dtype(param.dtype)
                 if (getattr(array, "shape", None), getattr(array, "dtype", None)) != (
                         shape, dtype):
-                    raise ValueError(f"{where}: state['powersgd'][{key!r}][{index}] is "
+                    raise ValueError(f"{where}: {named}[{key!r}][{index}] is "
                                      f"{getattr(array, 'shape', type(array).__name__)} "
                                      f"{getattr(array, 'dtype', '')}, but for params[{index}] "
                                      f"{tuple(param.shape)} {param.dtype} it is {shape} "

@@ -1135,6 +1135,25 @@ def test_a_powersgd_taken_by_an_optimizer_refuses_a_state_loaded_into_it_directl
     assert repr(free) == "PowerSGD(rank=2, seed=5)" and free._q.keys() == {0}
 
 
+def test_a_powersgd_with_state_of_another_model_is_refused_by_a_new_optimizer():
+    # (From a review.) A free PowerSGD that had loaded another model's state (or a copy
+    # of one that ran on another model) was taken as it was: its arrays, keyed by
+    # parameter index, met this model's matrices at the first step.
+    ran = DistributedOptimizer(SGD([np.zeros((40, 30))], lr=0.1), compression=PowerSGD(rank=2))
+    ran.step([np.full((40, 30), 1.0 + RANK) + np.eye(40, 30)])
+    saved = ran.state_dict()["powersgd"]
+    free = PowerSGD(rank=2)
+    free.load_state_dict(saved)
+    with pytest.raises(ValueError, match=r"^DistributedOptimizer: compression.state_dict\(\)"
+                                         r"\['q'\]\[0\] is \(30, 2\) float64, but for "
+                                         r"params\[0\] \(50, 20\) float64 it is \(20, 2\)"):
+        DistributedOptimizer(SGD([np.zeros((50, 20))], lr=0.1), compression=free)
+    # (every rank refused alike, and told the others: the next optimizer is made)
+    fits = PowerSGD(rank=2)
+    fits.load_state_dict(saved)
+    DistributedOptimizer(SGD([np.zeros((40, 30))], lr=0.1), compression=fits)
+
+
 def test_a_powersgd_state_saved_on_another_number_of_ranks_is_refused():
     # (From a review.) Each rank's PowerSGD state is its own (what its approximations
     # missed): loaded on another number of ranks (rank 0's on a new rank 2 too, or on
