@@ -5,8 +5,9 @@ NaN: where one step makes a NaN (inf - inf) and a later one meets another, x86 k
 the sign of whichever operand the compiled loop put first; both are NaN. Ties in min
 and max, +0 against -0, follow the first operand here and there: see _minimum.)
 
-Each of p ranks holds an array x. Cut it into p segments (like np.array_split). Every
-rank sends only to its right neighbour and receives only from its left one.
+Each of p ranks holds an array x of N bytes. Cut it into p segments (like
+np.array_split). Every rank sends only to its right neighbour and receives only from its
+left one.
 
 Reduce-scatter, p-1 steps. At step k rank r sends segment r-1-k and receives segment
 r-2-k (mod p), which it reduces into its own copy. With p = 4, the segment each rank
