@@ -2,6 +2,7 @@
 
     mpiexec -n 2 python -m mpi4py examples/train_digits.py --plot digits.png
     mpiexec -n 2 python -m mpi4py examples/train_digits.py --gpu     # cupy; ranks share the GPUs
+    mpiexec -n 2 python -m mpi4py examples/train_digits.py --checkpoint ckpt   # resumable
 
 Every rank holds the same model. Each global batch is cut into one equal shard per
 rank; each rank computes the gradient of its shard's mean loss, DistributedOptimizer
@@ -15,6 +16,8 @@ import argparse
 import json
 import math
 import os
+import pickle
+import signal
 import sys
 import time
 
@@ -53,6 +56,52 @@ def progress_bar(done: int, total: int, text: str, width: int = 28) -> None:
     sys.stderr.flush()
 
 
+def save_checkpoint(path: str, checkpoint: dict) -> None:
+    """Pickled to path.tmp, then renamed over path: a job killed while writing leaves
+    the last whole checkpoint, never half of one."""
+    with open(path + ".tmp", "wb") as f:
+        pickle.dump(checkpoint, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(path + ".tmp", path)
+
+
+class CheckpointError(RuntimeError):
+    """The ranks' checkpoint files do not make one run to resume (raised on every rank)."""
+
+
+def agree_on_resuming(ring, pattern: str, run: dict):
+    """This rank's checkpoint (file pattern.format(rank)) if every rank has one of the
+    same epoch of this run, None if no rank has one; else every rank raises alike."""
+    mine, view = pattern.format(ring.rank), None
+    checkpoint = None
+    if os.path.exists(mine):
+        try:
+            with open(mine, "rb") as f:
+                checkpoint = pickle.load(f)
+            saved_run = checkpoint["run"]
+            differ = [f"{key} {saved_run.get(key)!r} (this run: {value!r})"
+                      for key, value in run.items() if saved_run.get(key) != value]
+            view = (f"{mine} was saved with " + ", ".join(differ) if differ
+                    else checkpoint["epoch"])
+        except Exception as error:
+            view = f"{mine} is unreadable ({type(error).__name__}: {error})"
+    # One small allgather (mpi4py's, of Python objects), so that every rank sees every
+    # rank's file and takes the same decision: a rank that resumed alone would wait in
+    # load_state_dict() for ranks that went on to train from scratch.
+    views = ring.mpi_comm.allgather(view)
+    if all(v is None for v in views):
+        return None
+    if len(set(views)) == 1 and isinstance(views[0], int):
+        return checkpoint
+    said = [f"rank {r}: " + (f"no {pattern.format(r)}" if v is None
+                             else f"epoch {v}" if isinstance(v, int) else v)
+            for r, v in enumerate(views)]
+    raise CheckpointError(f"rank {ring.rank}: the ranks' checkpoints do not make one run "
+                          f"to resume ({'; '.join(said)}): delete {pattern.format('*')} to "
+                          "start afresh, or give each rank its file of one epoch")
+
+
 def use_a_gpu(comm):
     """cupy, with this rank on one of its machine's GPUs (ranks may share one)."""
     try:
@@ -69,13 +118,17 @@ def use_a_gpu(comm):
 
 
 def train(epochs=30, global_batch=64, lr=0.1, momentum=0.9, hidden=64, compression=None,
-          overlap=True, comm=None, quiet=False, seed=0, gpu=False):
+          overlap=True, comm=None, quiet=False, seed=0, gpu=False, checkpoint=None):
     """Trains on every rank of comm; returns the history (same on every rank).
-    gpu: the model and data are cupy arrays, and gradients go through the GPU ring."""
+    gpu: the model and data are cupy arrays, and gradients go through the GPU ring.
+    checkpoint: each rank saves its state after every epoch to its own file,
+    checkpoint.rank{r}-of-{size}, and resumes from it where every rank has one; on
+    SIGTERM the ranks stop together after the epoch (saved), and the history returned
+    ends there. (From the main thread only: it installs a signal handler.)"""
     if not isinstance(comm, rr.Communicator):  # one of our own, closed when done
         with rr.Communicator(comm) as ring:  # (left unclosed if training raises)
             return train(epochs, global_batch, lr, momentum, hidden, compression, overlap,
-                         ring, quiet, seed, gpu)
+                         ring, quiet, seed, gpu, checkpoint)
     ring = comm
     rank, size = ring.rank, ring.size
     if global_batch % size:
@@ -94,38 +147,76 @@ def train(epochs=30, global_batch=64, lr=0.1, momentum=0.9, hidden=64, compressi
                "device": "GPU (cupy)" if gpu else "CPU (numpy)",
                "epoch": [], "loss": [], "train_accuracy": [], "test_accuracy": [],
                "seconds": [], "comm_seconds": []}
-    for epoch in range(1, epochs + 1):
-        order = np.random.default_rng(seed * 1000 + epoch).permutation(len(y_train))
-        start, comm_before, losses = time.perf_counter(), opt.comm_seconds, []
-        for step in range(steps_per_epoch):
-            batch = order[step * global_batch:(step + 1) * global_batch]
-            mine = xp.asarray(batch[rank * shard:(rank + 1) * shard])
-            if overlap:  # each gradient's bucket starts all-reducing while backward goes on
-                loss, _ = loss_and_grads(params, x_train[mine], y_train[mine],
-                                         on_grad=opt.grad_ready)
-                opt.step()
-            else:
-                loss, grads = loss_and_grads(params, x_train[mine], y_train[mine])
-                opt.step(grads)
-            losses.append(loss)
+    first_epoch = 1
+    if checkpoint:
+        # The settings a checkpoint must have been saved with to go on bit for bit
+        # (not epochs: a run may be resumed to go on further than it was meant to).
+        run = {"ranks": size, "global_batch": global_batch, "lr": lr,
+               "momentum": momentum, "hidden": hidden, "compression": str(compression),
+               "seed": seed}
+        pattern = f"{checkpoint}.rank{{}}-of-{size}"
+        saved = agree_on_resuming(ring, pattern, run)
+        if saved is not None:
+            opt.load_state_dict(saved["state"])  # collective: every rank, here
+            for p, q in zip(params, saved["params"]):
+                p[...] = xp.asarray(q)
+            opt.bytes_sent = saved["bytes_sent"]  # (a count for the history, going on)
+            history, first_epoch = saved["history"], saved["epoch"] + 1
+        # The handler only sets a flag. The signal lands anywhere, often partway through
+        # a step, where state_dict() is refused (the step's all-reduces may be in
+        # flight); and a rank that saved and left at once would make other collective
+        # calls than the others, which would wait for it until they timed out. The ranks
+        # act on the flag together, at the end of an epoch (below).
+        stop = []
+        previous_handler = signal.signal(signal.SIGTERM, lambda *_: stop.append(True))
+    try:
+        for epoch in range(first_epoch, epochs + 1):
+            # A generator made afresh each epoch, from the seed and the epoch alone: a
+            # resumed run shuffles as the uninterrupted one did with no RNG state saved.
+            order = np.random.default_rng(seed * 1000 + epoch).permutation(len(y_train))
+            start, comm_before, losses = time.perf_counter(), opt.comm_seconds, []
+            for step in range(steps_per_epoch):
+                batch = order[step * global_batch:(step + 1) * global_batch]
+                mine = xp.asarray(batch[rank * shard:(rank + 1) * shard])
+                if overlap:  # each gradient's bucket starts all-reducing while backward goes on
+                    loss, _ = loss_and_grads(params, x_train[mine], y_train[mine],
+                                             on_grad=opt.grad_ready)
+                    opt.step()
+                else:
+                    loss, grads = loss_and_grads(params, x_train[mine], y_train[mine])
+                    opt.step(grads)
+                losses.append(loss)
+                if rank == 0 and not quiet:
+                    progress_bar(step + 1, steps_per_epoch, f"epoch {epoch}/{epochs}")
+            # The batch loss averaged over ranks: the mean loss of every global batch.
+            epoch_loss = ring.allreduce(np.array(np.mean(losses)), op="avg").item()
+            history["epoch"].append(epoch)
+            history["loss"].append(epoch_loss)
+            history["train_accuracy"].append(accuracy(params, x_train, y_train))
+            history["test_accuracy"].append(accuracy(params, x_test, y_test))
+            history["seconds"].append(time.perf_counter() - start)
+            history["comm_seconds"].append(opt.comm_seconds - comm_before)
             if rank == 0 and not quiet:
-                progress_bar(step + 1, steps_per_epoch, f"epoch {epoch}/{epochs}")
-        # The batch loss averaged over ranks: the mean loss of every global batch.
-        epoch_loss = ring.allreduce(np.array(np.mean(losses)), op="avg").item()
-        history["epoch"].append(epoch)
-        history["loss"].append(epoch_loss)
-        history["train_accuracy"].append(accuracy(params, x_train, y_train))
-        history["test_accuracy"].append(accuracy(params, x_test, y_test))
-        history["seconds"].append(time.perf_counter() - start)
-        history["comm_seconds"].append(opt.comm_seconds - comm_before)
-        if rank == 0 and not quiet:
-            sys.stderr.write(
-                ("\r" if sys.stderr.isatty() else "") + f"epoch {epoch:>3}/{epochs}  loss {epoch_loss:.4f}  "
-                f"train acc {history['train_accuracy'][-1]:.3f}  "
-                f"test acc {history['test_accuracy'][-1]:.3f}  "
-                f"{history['seconds'][-1] * 1e3:.0f} ms "
-                f"({history['comm_seconds'][-1] / history['seconds'][-1]:.0%} waiting on "
-                "communication)\n")
+                sys.stderr.write(
+                    ("\r" if sys.stderr.isatty() else "")
+                    + f"epoch {epoch:>3}/{epochs}  loss {epoch_loss:.4f}  "
+                    f"train acc {history['train_accuracy'][-1]:.3f}  "
+                    f"test acc {history['test_accuracy'][-1]:.3f}  "
+                    f"{history['seconds'][-1] * 1e3:.0f} ms "
+                    f"({history['comm_seconds'][-1] / history['seconds'][-1]:.0%} waiting on "
+                    "communication)\n")
+            if checkpoint:
+                host = [p.get() if gpu else p for p in params]  # (a numpy file either way)
+                save_checkpoint(pattern.format(rank), {
+                    "run": run, "epoch": epoch, "params": host, "state": opt.state_dict(),
+                    "bytes_sent": opt.bytes_sent, "history": history})
+                # Stop where any rank got SIGTERM: the ranks agree, in one tiny
+                # all-reduce an epoch, so that all of them leave here (saved) together.
+                if ring.allreduce(np.array(len(stop) > 0, np.int32), op="max"):
+                    break
+    finally:
+        if checkpoint:
+            signal.signal(signal.SIGTERM, previous_handler)
     history["bytes_sent_per_rank"] = opt.bytes_sent
     history["final_params_checksum"] = float(sum(float(abs(p).sum()) for p in params))
     return history
@@ -144,6 +235,10 @@ def main():
                         help="step(grads) after backward instead of grad_ready during it")
     parser.add_argument("--gpu", action="store_true",
                         help="train on the GPU: cupy arrays, gradients through the GPU ring")
+    parser.add_argument("--checkpoint", metavar="PATH",
+                        help="save every epoch to PATH.rank{r}-of-{size}, resume from there "
+                             "if every rank's file exists, and on SIGTERM stop after the "
+                             "epoch")
     parser.add_argument("--json", help="write the history here")
     parser.add_argument("--plot", help="save the loss and accuracy curves here (PNG)")
     args = parser.parse_args()
@@ -175,14 +270,22 @@ def main():
         parser.error(f"--global-batch {args.global_batch} does not divide evenly among "
                      f"{size} ranks (every rank takes an equal shard); try "
                      + " or ".join(f"--global-batch {b}" for b in fits))
-    for path in (args.json, args.plot):
+    for path in (args.json, args.plot, args.checkpoint):
         if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
             parser.error(f"the folder of {path!r} does not exist")
     compression = {"none": None, "fp16": "fp16", "bf16": "bf16",
                    "powersgd": PowerSGD(rank=4)}[args.compression]
-    history = train(args.epochs, args.global_batch, args.lr, args.momentum, args.hidden,
-                    compression, overlap=not args.no_overlap, gpu=args.gpu)
+    try:
+        history = train(args.epochs, args.global_batch, args.lr, args.momentum, args.hidden,
+                        compression, overlap=not args.no_overlap, gpu=args.gpu,
+                        checkpoint=args.checkpoint)
+    except CheckpointError as error:  # (raised on every rank alike)
+        parser.error(str(error))
     if rank != 0:
+        return
+    if history["epoch"][-1] < args.epochs:  # (SIGTERM; saved after this epoch)
+        print(f"\nstopped by SIGTERM after epoch {history['epoch'][-1]} of {args.epochs}, "
+              f"saved in {args.checkpoint}.rank*-of-{size}: the same command goes on")
         return
     total, waiting = sum(history["seconds"]), sum(history["comm_seconds"])
     print(f"\n{history['ranks']} rank(s) on {history['device']}, "
