@@ -1,9 +1,14 @@
 """The digits example: the same global batch gives the same training curve at any
-number of ranks, and compressed gradients reach close to the uncompressed accuracy."""
+number of ranks, compressed gradients reach close to the uncompressed accuracy, and a
+run stopped and resumed from its checkpoints goes on bit for bit."""
 import glob
 import json
 import os
+import pickle
+import shutil
+import signal
 import sys
+import tempfile
 
 import numpy as np
 import pytest
@@ -11,7 +16,8 @@ from mpi4py import MPI
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
 pytest.importorskip("sklearn")
-from train_digits import train  # noqa: E402
+import train_digits  # noqa: E402
+from train_digits import CheckpointError, train  # noqa: E402
 
 from ringreduce.compression import PowerSGD  # noqa: E402
 
@@ -99,3 +105,85 @@ def test_the_stored_runs_are_what_the_code_trains_now(path):
                                err_msg=stale)
     np.testing.assert_allclose(now["test_accuracy"][:epochs],
                                stored["test_accuracy"][:epochs], atol=0.006, err_msg=stale)
+
+
+SMALL = dict(global_batch=GLOBAL_BATCH, hidden=16, quiet=True)  # (5 epochs: ~50 ms)
+
+
+def assert_same_run(history, other):
+    # Everything but the timings, bit for bit.
+    assert history.keys() == other.keys()
+    for key in history.keys() - {"seconds", "comm_seconds"}:
+        assert history[key] == other[key], key
+
+
+def saved(path):
+    with open(f"{path}.rank{MPI.COMM_WORLD.Get_rank()}-of-{MPI.COMM_WORLD.Get_size()}",
+              "rb") as f:
+        return pickle.load(f)
+
+
+@pytest.fixture
+def folder():
+    """A folder every rank sees (rank 0's, broadcast), removed once all are done."""
+    world = MPI.COMM_WORLD
+    path = world.bcast(tempfile.mkdtemp(prefix="digits-") if world.Get_rank() == 0 else None)
+    yield path
+    world.Barrier()
+    if world.Get_rank() == 0:
+        shutil.rmtree(path)
+
+
+@pytest.mark.parametrize("compression", [None, "powersgd"])
+def test_a_run_resumed_from_its_checkpoints_goes_on_bit_for_bit(compression, folder):
+    def made():  # (PowerSGD's state is this rank's own, in each rank's file)
+        return PowerSGD(rank=2) if compression == "powersgd" else None
+
+    plain = train(epochs=5, compression=made(), **SMALL)
+    went_on = train(epochs=5, compression=made(), checkpoint=f"{folder}/a", **SMALL)
+    first = train(epochs=2, compression=made(), checkpoint=f"{folder}/b", **SMALL)
+    assert first["epoch"] == [1, 2]
+    resumed = train(epochs=5, compression=made(), checkpoint=f"{folder}/b", **SMALL)
+    assert_same_run(went_on, plain)
+    assert_same_run(resumed, plain)
+    ours, theirs = saved(f"{folder}/b"), saved(f"{folder}/a")
+    assert ours["epoch"] == theirs["epoch"] == 5
+    for p, q in zip(ours["params"], theirs["params"]):
+        np.testing.assert_array_equal(p, q)
+    for p, q in zip(ours["state"]["optimizer"]["momentum_buffers"],
+                    theirs["state"]["optimizer"]["momentum_buffers"]):
+        np.testing.assert_array_equal(p, q)
+
+
+def test_sigterm_on_one_rank_stops_every_rank_after_the_epoch_saved(folder, monkeypatch):
+    calls = []
+
+    def accuracy_then_sigterm(*args):  # (called twice an epoch)
+        calls.append(None)
+        if len(calls) == 3 and MPI.COMM_WORLD.Get_rank() == 0:  # in epoch 2, rank 0 alone
+            signal.raise_signal(signal.SIGTERM)
+        return accuracy(*args)
+
+    accuracy = train_digits.accuracy
+    before = signal.getsignal(signal.SIGTERM)
+    monkeypatch.setattr(train_digits, "accuracy", accuracy_then_sigterm)
+    stopped = train(epochs=5, checkpoint=f"{folder}/c", **SMALL)
+    monkeypatch.undo()
+    assert stopped["epoch"] == [1, 2] and saved(f"{folder}/c")["epoch"] == 2
+    assert signal.getsignal(signal.SIGTERM) is before
+    assert_same_run(train(epochs=5, checkpoint=f"{folder}/c", **SMALL),
+                    train(epochs=5, **SMALL))
+
+
+def test_ranks_whose_checkpoints_are_not_of_one_run_are_told_so_on_every_rank(folder):
+    rank, size = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+    train(epochs=2, checkpoint=f"{folder}/d", **SMALL)
+    with pytest.raises(CheckpointError, match=f"rank 0: {folder}/d.rank0-of-{size} was "
+                       "saved with hidden 16 \\(this run: 8\\)"):
+        train(epochs=3, checkpoint=f"{folder}/d", **dict(SMALL, hidden=8))
+    if size == 1:
+        return
+    if rank == size - 1:  # (a job killed before this rank's first save, say)
+        os.remove(f"{folder}/d.rank{rank}-of-{size}")
+    with pytest.raises(CheckpointError, match=f"rank 0: epoch 2; .*rank {size - 1}: no "):
+        train(epochs=3, checkpoint=f"{folder}/d", **SMALL)
