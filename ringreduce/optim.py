@@ -61,24 +61,27 @@ def _check_grad(i, g, p, who):
                         f"dtype {p.dtype}")
 
 
-def _checked_state_arrays(state, key: str, params, who: str, optional=False) -> list:
+def _checked_state_arrays(state, key: str, params, who: str, optional=False,
+                          named: str = "state") -> list:
     """state[key]: one array per parameter, shaped and typed like it (None allowed where
-    optional), or a clear error before anything is loaded."""
+    optional), or a clear error before anything is loaded. `named`: what errors call
+    `state` (a part of a larger state, say)."""
     where = f"{who}.load_state_dict"
     if not isinstance(state, dict) or key not in state:
         raise KeyError(f"{where}: the state has no {key!r} (is it a {who} state_dict()?)")
     if not isinstance(state[key], (list, tuple, np.ndarray)):
-        raise ValueError(f"{where}: state[{key!r}] is a {type(state[key]).__name__}, not a list "
-                         "of one array per parameter (is it a state_dict() of this optimizer?)")
+        raise ValueError(f"{where}: {named}[{key!r}] is a {type(state[key]).__name__}, not a "
+                         "list of one array per parameter (is it a state_dict() of this "
+                         "optimizer?)")
     arrays = list(state[key])
     if len(arrays) != len(params):
-        raise ValueError(f"{where}: state[{key!r}] holds {len(arrays)} arrays, for "
-                         f"{len(params)} parameters (a state of another model?)")
+        raise ValueError(f"{where}: {named}[{key!r}] holds {len(arrays)} arrays, not one "
+                         f"array per parameter of {len(params)} (a state of another model?)")
     for i, (a, p) in enumerate(zip(arrays, params)):
         if a is None and optional:
             continue
         if getattr(a, "shape", None) != p.shape or getattr(a, "dtype", None) != p.dtype:
-            raise ValueError(f"{where}: state[{key!r}][{i}] is "
+            raise ValueError(f"{where}: {named}[{key!r}][{i}] is "
                              f"{getattr(a, 'shape', type(a).__name__)} "
                              f"{getattr(a, 'dtype', '')}, but params[{i}] is {p.shape} "
                              f"{p.dtype} (a state of another model?)")
@@ -972,18 +975,11 @@ class DistributedOptimizer:
                              f"shared out over another number of ranks. Resume on "
                              f"{saved['ranks']} ranks, or load the state without them (del "
                              "state['accumulated']: those micro-batches are lost; redo them)")
-        sums = saved["sums"]
-        if not isinstance(sums, (list, tuple)) or len(sums) != len(self.params):
-            raise ValueError(f"{where}['sums'] is not a list of one array per parameter, "
-                             f"for {len(self.params)} parameters (a state of another model?)")
-        for i, (total, p) in enumerate(zip(sums, self.params)):
-            if getattr(total, "shape", None) != p.shape or getattr(total, "dtype", None) != \
-                    p.dtype:
-                raise ValueError(f"{where}['sums'][{i}] is "
-                                 f"{getattr(total, 'shape', type(total).__name__)} "
-                                 f"{getattr(total, 'dtype', '')}, but params[{i}] is {p.shape} "
-                                 f"{p.dtype} (a state of another model?)")
-        return list(sums)
+        if not isinstance(saved["sums"], (list, tuple)):  # (as state_dict() saves them)
+            raise ValueError(f"{where}['sums'] is a {type(saved['sums']).__name__}, not a "
+                             "list of one array per parameter (a state of another model?)")
+        return _checked_state_arrays(saved, "sums", self.params, "DistributedOptimizer",
+                                     named="state['accumulated']")
 
     def _agree_on_loading(self, checked, rejected: Exception | None = None) -> None:
         # Ranks that load different settings (each reading its own file, one of them
@@ -1121,10 +1117,10 @@ class DistributedOptimizer:
         where = "DistributedOptimizer.load_state_dict"
         if not isinstance(state, dict) or not {"rank", "seed", "q", "error"} <= state.keys():
             raise KeyError(f"{where}: state['powersgd'] is not a PowerSGD state_dict()")
+        saved = f"PowerSGD(rank={state['rank']}, seed={state['seed']})"
         if self.powersgd is None:
             # Ignored, it would drop what the saving ranks' approximations had not sent
             # yet (owed to the update), silently.
-            saved = f"PowerSGD(rank={state['rank']}, seed={state['seed']})"
             raise ValueError(f"{where}: the state was saved with {saved}, and this optimizer "
                              f"has no PowerSGD (compression={self.compression!r}): its "
                              "state['powersgd'] holds what this rank's approximations had not "
@@ -1136,7 +1132,6 @@ class DistributedOptimizer:
         # for a matrix the state has no Q for, and again after an inf or NaN: with
         # another seed the run goes on otherwise than the one saved, and ranks that
         # loaded states of different seeds would draw different Qs.
-        saved = f"PowerSGD(rank={state['rank']}, seed={state['seed']})"
         if (state["rank"], state["seed"]) != (self.powersgd.rank, self.powersgd.seed):
             raise ValueError(f"{where}: the state is {saved}'s, and this optimizer's is "
                              f"{self.powersgd!r}, which the ranks agreed on when it was made. "
