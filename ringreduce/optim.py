@@ -189,6 +189,11 @@ class SGD:
     """Stochastic gradient descent with momentum and L2 weight decay, as torch.optim.SGD:
     g += weight_decay * p; buf = momentum * buf + g (buf = g at first); p -= lr * buf."""
 
+    # Its settings, in the order _check_settings takes them (which state_dict() saves,
+    # and DistributedOptimizer.broadcast_parameters() sends).
+    _SETTINGS = ("lr", "momentum", "weight_decay")
+    _check_settings = staticmethod(_check_sgd_settings)
+
     def __init__(self, params, lr: float, momentum: float = 0.0, weight_decay: float = 0.0):
         self.params = _check_params(params, "SGD")
         _check_sgd_settings(lr, momentum, weight_decay, "SGD")
@@ -228,8 +233,7 @@ class SGD:
         it: lr and momentum without weight_decay, say)."""
         buffers = _checked_state_arrays(state, "momentum_buffers", self.params, "SGD",
                                         optional=True)
-        lr, momentum, weight_decay = _state_values(state, ("lr", "momentum", "weight_decay"),
-                                                   "SGD")
+        lr, momentum, weight_decay = _state_values(state, self._SETTINGS, "SGD")
         _check_sgd_settings(lr, momentum, weight_decay, "SGD.load_state_dict")
         return {"lr": lr, "momentum": momentum, "weight_decay": weight_decay,
                 "momentum_buffers": buffers}
@@ -243,6 +247,9 @@ class SGD:
 
 class Adam:
     """Adam (Kingma & Ba) with bias correction and L2 weight decay, as torch.optim.Adam."""
+
+    _SETTINGS = ("lr", "betas", "eps", "weight_decay")  # (as SGD's)
+    _check_settings = staticmethod(_check_adam_settings)
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0):
@@ -281,7 +288,7 @@ class Adam:
         m = _checked_state_arrays(state, "m", self.params, "Adam")
         v = _checked_state_arrays(state, "v", self.params, "Adam")
         lr, betas, eps, weight_decay, t = _state_values(
-            state, ("lr", "betas", "eps", "weight_decay", "t"), "Adam")
+            state, self._SETTINGS + ("t",), "Adam")
         _check_adam_settings(lr, betas, eps, weight_decay, "Adam.load_state_dict")
         if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or t < 0:
             raise ValueError(f"Adam.load_state_dict: state['t'] (the steps taken) must be an "
@@ -639,12 +646,9 @@ class DistributedOptimizer:
 
     def _check_settings_to_send(self, where: str) -> None:
         optimizer = self.optimizer
-        if isinstance(optimizer, Adam):
-            _check_adam_settings(optimizer.lr, optimizer.betas, optimizer.eps,
-                                 optimizer.weight_decay, f"{where}: Adam's settings")
-        elif isinstance(optimizer, SGD):
-            _check_sgd_settings(optimizer.lr, optimizer.momentum, optimizer.weight_decay,
-                                f"{where}: SGD's settings")
+        if isinstance(optimizer, (SGD, Adam)):
+            settings = [getattr(optimizer, name) for name in optimizer._SETTINGS]
+            optimizer._check_settings(*settings, f"{where}: {type(optimizer).__name__}'s settings")
 
     def _broadcast_optimizer_state(self, root: int) -> None:
         # Of SGD and Adam, whose state is known here; another optimizer's is its own.
@@ -652,8 +656,7 @@ class DistributedOptimizer:
         if isinstance(optimizer, (SGD, Adam)):
             # The settings too: where rank 0 alone loaded a state_dict() (a decayed lr,
             # say), the others hold the ones they were made with.
-            names = (("lr", "betas", "eps", "weight_decay") if isinstance(optimizer, Adam)
-                     else ("lr", "momentum", "weight_decay"))
+            names = optimizer._SETTINGS
             mine = [float(v) for name in names for v in np.atleast_1d(getattr(optimizer, name))]
             root_s = iter(self.comm.broadcast(np.array(mine, np.float64), root=root).tolist())
             for name in names:
