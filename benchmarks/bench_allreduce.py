@@ -201,14 +201,10 @@ def print_tables(rows) -> None:
 
 
 def plot(rows, path: str) -> None:
-    try:
-        import matplotlib
+    import matplotlib  # (main() refused --plot without it, before any work)
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print(f"(matplotlib is not installed: no plot written to {path})")
-        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
     mine = [r for r in rows if r["collective"] == "allreduce"]
     fig, ax = plt.subplots(figsize=(8, 5))
     for name in dict.fromkeys(r["implementation"] for r in mine):
