@@ -176,8 +176,7 @@ def test_command_lines_refuse_bad_arguments_before_any_work(script, argv, messag
     ("benchmarks/bench_gpu.py", ["--plot", "p.png"]),
     ("benchmarks/bench_gpu.py", ["--replot", "benchmarks/results/model_p2.json"]),
 ])
-def test_a_plot_without_matplotlib_is_a_usage_error_naming_the_plot_extra(script, argv,
-                                                                           tmp_path):
+def test_a_plot_without_matplotlib_is_a_usage_error_naming_the_plot_extra(script, argv):
     # (From a review.) They stopped with a bare ImportError (on every rank).
     blocked = ("import runpy, sys; sys.modules['matplotlib'] = None; "
                f"sys.path.insert(0, {str(ROOT / 'benchmarks')!r}); "

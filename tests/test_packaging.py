@@ -66,7 +66,6 @@ def test_sdist_carries_csrc_and_what_the_tests_need_and_needs_no_mpi_or_cuda(tmp
     assert "\n[plot]\nmatplotlib\n" in "\n" + requires.decode() + "\n"
 
 
-
 def test_no_test_reads_what_the_sdist_leaves_out():
     # The tests' own files, and what scripts/figures.sh (run by tests/test_docs.py) reads
     # when it is not asked to measure again: the --measured block writes, never reads.
