@@ -312,6 +312,14 @@ class AsyncAllreduce : public CallQueue::Call {
     finished_->notify_all();
   }
 
+  // Marks it done without running: the caller did the call's work itself (one rank, a
+  // copy), so it never goes to the worker.
+  void done_here() {
+    later_releases.add(x_);
+    x_ = nullptr;
+    done_.store(true, std::memory_order_release);
+  }
+
   // Instead of running, it will raise `error` (a Python exception), if not started yet.
   void cancel(py::handle error) {
     if (cancelled_ != nullptr) return;
@@ -488,9 +496,11 @@ class FastPath {
   }
 
   // Queues the allreduce on the worker thread and returns its AsyncAllreduce; None for
-  // anything the general path serves (one rank, where it is done at once, included).
+  // anything the general path serves.
   py::object allreduce_async(py::handle x, py::handle op, py::handle out, int64_t check) {
-    if (!threaded_ || core_->size() == 1 || core_->closed()) return py::none();
+    if (core_->closed()) return py::none();
+    if (core_->size() == 1) return one_rank_async(x, op, out, check);
+    if (!threaded_) return py::none();
     int dtype, reduce_op;
     if (!allreduce_arguments(x, op, out, &dtype, &reduce_op)) return py::none();
     const Array a(x);
@@ -782,6 +792,31 @@ class FastPath {
     if (!result) return py::none();
     copy_bytes(Array(result).data, a.data, a.nbytes());
     return result;
+  }
+
+  // One rank waits for no one: an asynchronous allreduce is a copy, done here and now
+  // (handing it to the worker thread costs ten times the copy: some 7 us against 0.7 us
+  // for 8 bytes). Its AsyncAllreduce comes back done. Not with calls in flight, which
+  // it must follow; nor after an error, which the general path raises from wait().
+  py::object one_rank_async(py::handle x, py::handle op, py::handle out, int64_t check) {
+    int dtype, reduce_op;
+    if (!allreduce_arguments(x, op, out, &dtype, &reduce_op)) return py::none();
+    const Array a(x);
+    Running running(*this);
+    if (!running.held) return py::none();
+    try {
+      core_->check_usable();
+    } catch (const std::exception&) {
+      return py::none();
+    }
+    py::object result = out.is_none() ? new_result(a, a.nd, a.dims) : py::reinterpret_borrow<py::object>(out);
+    if (!result) return py::none();
+    copy_bytes(Array(result).data, a.data, a.nbytes());  // (x OP nothing is x; x / 1 too)
+    auto call = std::make_shared<AsyncAllreduce>(core_object_, core_, x, result, a.data,
+                                                 Array(result).data, a.size(), DType(dtype),
+                                                 Op(reduce_op), chunk_bytes, check);
+    call->done_here();
+    return py::cast(call);
   }
 
   py::object core_object_;  // keeps core_ alive

@@ -367,17 +367,31 @@ def test_close_finishes_work_in_flight(world):
 
 
 def test_one_rank_async_calls_are_done_when_they_return():
-    # One rank waits for no one: no worker thread, no handoff (some 50 us a call).
+    # One rank waits for no one: no worker thread, no handoff (some 7 us a call).
     if SIZE > 1:
         pytest.skip("one rank only")
     with rr.Communicator(MPI.COMM_WORLD) as comm:
         x = rank_data(np.dtype(np.float64), 100)
+        x[3] = np.nan  # (x / 1 keeps a NaN's bits, as the blocking call does)
         handles = [comm.allreduce_async(x, op=op) for op in ("sum", "avg", "max")]
+        # Once a dtype and op were seen, the FastPath does it (a copy), without Python.
+        handles += [comm.allreduce_async(x, op=op) for op in ("sum", "avg", "max")]
+        assert [on_the_worker_without_python(h) for h in handles[3:]] == [True] * 3
+        out = np.empty_like(x)
+        handles.append(comm.allreduce_async(x, out=out))
+        in_place = x.copy()
+        handles.append(comm.allreduce_async(in_place, out=in_place))
+        handles.append(comm.allreduce_async(x[::2]))  # (strided: the general path)
         assert all(h.done() for h in handles)
-        assert all(bitwise_equal(h.wait(), x) for h in handles)
+        assert all(bitwise_equal(h.wait(), x) for h in handles[:-1])
+        assert handles[-3].wait() is out and handles[-2].wait() is in_place
+        assert bitwise_equal(handles[-1].wait(), x[::2])
+        assert handles[0].wait() is not x  # (a new array, as on any number of ranks)
         with pytest.raises(ValueError, match="op"):
             comm.allreduce_async(x, op="mean")
         assert not comm._executor.started
+    with pytest.raises(ValueError, match="closed"):
+        comm.allreduce_async(x)
 
 
 def test_a_finished_call_keeps_no_arrays_but_its_result_in_its_handle():
