@@ -2,8 +2,11 @@
 # Regenerates every figure in docs/images/ from the scripts in this repository.
 #   bash scripts/figures.sh            the figures computed from the code (seconds)
 #   bash scripts/figures.sh --measured also the measured ones (benchmarks; minutes)
+# Sets up first where needed (scripts/bootstrap.sh), like the other scripts: the
+# figures need the built extension, mpiexec and matplotlib, all in .venv.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+bash scripts/bootstrap.sh
 PY=.venv/bin/python
 MPIEXEC=.venv/bin/mpiexec
 OUT=${FIGURES_DIR:-docs/images}
