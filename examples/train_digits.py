@@ -58,12 +58,45 @@ def progress_bar(done: int, total: int, text: str, width: int = 28) -> None:
 
 def save_checkpoint(path: str, checkpoint: dict) -> None:
     """Pickled to path.tmp, then renamed over path: a job killed while writing leaves
-    the last whole checkpoint, never half of one."""
+    the file path had, never half of one. (The folder is synced too, so that the rename
+    is on disk before the ranks agree, after it, that every rank has saved.)"""
     with open(path + ".tmp", "wb") as f:
         pickle.dump(checkpoint, f)
         f.flush()
         os.fsync(f.fileno())
     os.replace(path + ".tmp", path)
+    folder = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+    try:
+        os.fsync(folder)
+    finally:
+        os.close(folder)
+
+
+def slot(pattern: str, rank: int, epoch: int) -> str:
+    """The file that a save made in epoch `epoch` (at its end, or partway) goes to.
+
+    Each rank keeps two files, PATTERN.even and PATTERN.odd, and each save replaces the
+    one written two epochs before, so the other one, the last epoch's, is never touched.
+    That is enough: a rank's saves in epoch e come after all-reduces that no rank gets
+    through before every rank has saved epoch e-1 (the stop check after each epoch's
+    save; in a resumed job, the agreement on a file of e-1, or of partway into e, that
+    every rank has, saved under this same rule). So a job killed at any moment leaves
+    every rank with epoch e-1 whole in one file, and in the other e-2 or something
+    newer (epoch e, or partway into it: a save there, made where the ranks stop
+    together, goes to e's file, and the save at e's end replaces it). A missing .even
+    file stands for epoch 0, the start (a rank killed before its first save); a kill
+    partway through a save leaves a .tmp file beside the two, which is not read."""
+    return f"{pattern.format(rank)}.{'odd' if epoch % 2 else 'even'}"
+
+
+def position(checkpoint: dict):
+    """(epochs done, steps of the next epoch done): where a checkpoint resumes."""
+    return checkpoint["epoch"], checkpoint["step"]
+
+
+def said(where) -> str:
+    epoch, step = where
+    return f"epoch {epoch}" + (f" and {step} steps of epoch {epoch + 1}" if step else "")
 
 
 class CheckpointError(RuntimeError):
@@ -71,35 +104,48 @@ class CheckpointError(RuntimeError):
 
 
 def agree_on_resuming(ring, pattern: str, run: dict):
-    """This rank's checkpoint (file pattern.format(rank)) if every rank has one of the
-    same epoch of this run, None if no rank has one; else every rank raises alike."""
-    mine, view = pattern.format(ring.rank), None
-    checkpoint = None
-    if os.path.exists(mine):
+    """This rank's checkpoint of the newest position (epoch, step) that every rank has
+    a file of, of this run; None where that is the start (no files, say). Where a rank
+    has a file of another run (or unreadable), or the ranks have no position in
+    common, every rank raises alike."""
+    mine = {}  # (epoch, step) -> this rank's checkpoint there
+    foreign = []  # files of another run, or unreadable: what each holds, in words
+    for path in (slot(pattern, ring.rank, 0), slot(pattern, ring.rank, 1)):
+        if not os.path.exists(path):
+            continue
         try:
-            with open(mine, "rb") as f:
+            with open(path, "rb") as f:
                 checkpoint = pickle.load(f)
             saved_run = checkpoint["run"]
-            differ = [f"{key} {saved_run.get(key)!r} (this run: {value!r})"
-                      for key, value in run.items() if saved_run.get(key) != value]
-            view = (f"{mine} was saved with " + ", ".join(differ) if differ
-                    else checkpoint["epoch"])
+            where = position(checkpoint)
         except Exception as error:
-            view = f"{mine} is unreadable ({type(error).__name__}: {error})"
+            foreign.append(f"{path} is unreadable ({type(error).__name__}: {error})")
+            continue
+        differ = [f"{key} {saved_run.get(key)!r} (this run: {value!r})"
+                  for key, value in run.items() if saved_run.get(key) != value]
+        if differ:
+            foreign.append(f"{path} was saved with " + ", ".join(differ))
+        else:
+            mine[where] = checkpoint
+    if not os.path.exists(slot(pattern, ring.rank, 0)):
+        mine[(0, 0)] = None  # the start, which every rank can make afresh
     # One small allgather (mpi4py's, of Python objects), so that every rank sees every
-    # rank's file and takes the same decision: a rank that resumed alone would wait in
-    # load_state_dict() for ranks that went on to train from scratch.
-    views = ring.mpi_comm.allgather(view)
-    if all(v is None for v in views):
-        return None
-    if len(set(views)) == 1 and isinstance(views[0], int):
-        return checkpoint
-    said = [f"rank {r}: " + (f"no {pattern.format(r)}" if v is None
-                             else f"epoch {v}" if isinstance(v, int) else v)
-            for r, v in enumerate(views)]
-    raise CheckpointError(f"rank {ring.rank}: the ranks' checkpoints do not make one run "
-                          f"to resume ({'; '.join(said)}): delete {pattern.format('*')} to "
-                          "start afresh, or give each rank its file of one epoch")
+    # rank's files and takes the same decision: a rank that resumed alone, or from
+    # another epoch, would make other collective calls than the rest, which would wait
+    # for it until they timed out.
+    views = ring.mpi_comm.allgather((sorted(mine), foreign))
+    common = set.intersection(*(set(positions) for positions, _ in views))
+    if common and not any(bad for _, bad in views):
+        return mine[max(common)]
+    ranks = "; ".join(f"rank {r}: " + ", ".join(
+        bad + [said(p) if p != (0, 0) else f"the start (no {slot(pattern, r, 0)})"
+               for p in positions])
+        for r, (positions, bad) in enumerate(views))
+    why = "are not all of this run" if any(bad for _, bad in views) else \
+        "have no epoch in common"
+    raise CheckpointError(f"rank {ring.rank}: the ranks' checkpoints {why} ({ranks}): "
+                          f"delete {pattern.format('*')}.* to start afresh, or give each "
+                          "rank its files of this run")
 
 
 def use_a_gpu(comm):
@@ -118,22 +164,27 @@ def use_a_gpu(comm):
 
 
 def train(epochs=30, global_batch=64, lr=0.1, momentum=0.9, hidden=64, compression=None,
-          overlap=True, comm=None, quiet=False, seed=0, gpu=False, checkpoint=None):
+          overlap=True, comm=None, quiet=False, seed=0, gpu=False, checkpoint=None,
+          stop_check_every=10):
     """Trains on every rank of comm; returns the history (same on every rank).
     gpu: the model and data are cupy arrays, and gradients go through the GPU ring.
-    checkpoint: each rank saves its state after every epoch to its own file,
-    checkpoint.rank{r}-of-{size}, and resumes from it where every rank has one; on
-    SIGTERM the ranks stop together after the epoch (saved), and the history returned
-    ends there. (From the main thread only: it installs a signal handler.)"""
+    checkpoint: each rank saves its state after every epoch to its own two files,
+    checkpoint.rank{r}-of-{size}.even and .odd (the epoch's parity), and resumes from
+    the newest epoch that every rank has; on SIGTERM the ranks stop together, saved,
+    within stop_check_every steps, and the history returned ends with the last whole
+    epoch, and with "stopped_at" (epochs done, steps of the next done) where unfinished.
+    (From the main thread only: it installs a signal handler.)"""
     if not isinstance(comm, rr.Communicator):  # one of our own, closed when done
         with rr.Communicator(comm) as ring:  # (left unclosed if training raises)
             return train(epochs, global_batch, lr, momentum, hidden, compression, overlap,
-                         ring, quiet, seed, gpu, checkpoint)
+                         ring, quiet, seed, gpu, checkpoint, stop_check_every)
     ring = comm
     rank, size = ring.rank, ring.size
     if global_batch % size:
         raise ValueError(f"the global batch ({global_batch}) must divide evenly among "
                          f"{size} ranks")
+    if stop_check_every < 1:
+        raise ValueError(f"stop_check_every must be at least 1, not {stop_check_every}")
     shard = global_batch // size
     xp = use_a_gpu(ring) if gpu else np
     x_train, y_train, x_test, y_test = (xp.asarray(a) for a in load_digits_split())
@@ -147,7 +198,7 @@ def train(epochs=30, global_batch=64, lr=0.1, momentum=0.9, hidden=64, compressi
                "device": "GPU (cupy)" if gpu else "CPU (numpy)",
                "epoch": [], "loss": [], "train_accuracy": [], "test_accuracy": [],
                "seconds": [], "comm_seconds": []}
-    first_epoch = 1
+    first_epoch, first_step, so_far = 1, 0, None
     if checkpoint:
         # The settings a checkpoint must have been saved with to go on bit for bit
         # (not epochs: a run may be resumed to go on further than it was meant to).
@@ -162,20 +213,45 @@ def train(epochs=30, global_batch=64, lr=0.1, momentum=0.9, hidden=64, compressi
                 p[...] = xp.asarray(q)
             opt.bytes_sent = saved["bytes_sent"]  # (a count for the history, going on)
             history, first_epoch = saved["history"], saved["epoch"] + 1
+            first_step, so_far = saved["step"], saved["epoch_so_far"]
         # The handler only sets a flag. The signal lands anywhere, often partway through
         # a step, where state_dict() is refused (the step's all-reduces may be in
         # flight); and a rank that saved and left at once would make other collective
         # calls than the others, which would wait for it until they timed out. The ranks
-        # act on the flag together, at the end of an epoch (below).
+        # act on the flag together, between steps (below).
         stop = []
         previous_handler = signal.signal(signal.SIGTERM, lambda *_: stop.append(True))
+
+        def stop_agreed():
+            # Stop where any rank got SIGTERM: one tiny all-reduce, so that all of them
+            # leave at the same step.
+            return bool(ring.allreduce(np.array(len(stop) > 0, np.int32), op="max"))
+
+        def save(epoch, steps_done, losses, start, comm_before):
+            # A save partway into an epoch holds what the rest of the epoch needs: the
+            # step to go on from, and the losses of the steps done (for the epoch's
+            # mean). The shuffle needs nothing: it is made from the seed and the epoch.
+            host = [p.get() if gpu else p for p in params]  # (a numpy file either way)
+            whole = steps_done == steps_per_epoch
+            save_checkpoint(slot(pattern, rank, epoch), {
+                "run": run, "epoch": epoch if whole else epoch - 1,
+                "step": 0 if whole else steps_done, "params": host,
+                "state": opt.state_dict(), "bytes_sent": opt.bytes_sent,
+                "history": history, "epoch_so_far": None if whole else {
+                    "losses": losses, "seconds": time.perf_counter() - start,
+                    "comm_seconds": opt.comm_seconds - comm_before}})
     try:
         for epoch in range(first_epoch, epochs + 1):
             # A generator made afresh each epoch, from the seed and the epoch alone: a
             # resumed run shuffles as the uninterrupted one did with no RNG state saved.
             order = np.random.default_rng(seed * 1000 + epoch).permutation(len(y_train))
             start, comm_before, losses = time.perf_counter(), opt.comm_seconds, []
-            for step in range(steps_per_epoch):
+            if epoch == first_epoch and so_far:  # resumed partway into this epoch
+                losses = list(so_far["losses"])
+                start, comm_before = start - so_far["seconds"], comm_before - so_far[
+                    "comm_seconds"]
+            stopped = False
+            for step in range(first_step if epoch == first_epoch else 0, steps_per_epoch):
                 batch = order[step * global_batch:(step + 1) * global_batch]
                 mine = xp.asarray(batch[rank * shard:(rank + 1) * shard])
                 if overlap:  # each gradient's bucket starts all-reducing while backward goes on
@@ -188,6 +264,17 @@ def train(epochs=30, global_batch=64, lr=0.1, momentum=0.9, hidden=64, compressi
                 losses.append(loss)
                 if rank == 0 and not quiet:
                     progress_bar(step + 1, steps_per_epoch, f"epoch {epoch}/{epochs}")
+                # Every stop_check_every steps too, not at epoch ends only: a cluster's
+                # grace period after SIGTERM may be shorter than an epoch. (Not every
+                # step: each check makes the ranks wait for the slowest one.)
+                if (checkpoint and (step + 1) % stop_check_every == 0
+                        and step + 1 < steps_per_epoch and stop_agreed()):
+                    save(epoch, step + 1, losses, start, comm_before)
+                    history["stopped_at"] = (epoch - 1, step + 1)
+                    stopped = True
+                    break
+            if stopped:
+                break
             # The batch loss averaged over ranks: the mean loss of every global batch.
             epoch_loss = ring.allreduce(np.array(np.mean(losses)), op="avg").item()
             history["epoch"].append(epoch)
@@ -206,13 +293,12 @@ def train(epochs=30, global_batch=64, lr=0.1, momentum=0.9, hidden=64, compressi
                     f"({history['comm_seconds'][-1] / history['seconds'][-1]:.0%} waiting on "
                     "communication)\n")
             if checkpoint:
-                host = [p.get() if gpu else p for p in params]  # (a numpy file either way)
-                save_checkpoint(pattern.format(rank), {
-                    "run": run, "epoch": epoch, "params": host, "state": opt.state_dict(),
-                    "bytes_sent": opt.bytes_sent, "history": history})
-                # Stop where any rank got SIGTERM: the ranks agree, in one tiny
-                # all-reduce an epoch, so that all of them leave here (saved) together.
-                if ring.allreduce(np.array(len(stop) > 0, np.int32), op="max"):
+                save(epoch, steps_per_epoch, losses, start, comm_before)
+                # (After every epoch's save, even with no SIGTERM: the two-file scheme
+                # needs every rank's save to be done before any rank writes the next.)
+                if stop_agreed():
+                    if epoch < epochs:
+                        history["stopped_at"] = (epoch, 0)
                     break
     finally:
         if checkpoint:
@@ -236,9 +322,10 @@ def main():
     parser.add_argument("--gpu", action="store_true",
                         help="train on the GPU: cupy arrays, gradients through the GPU ring")
     parser.add_argument("--checkpoint", metavar="PATH",
-                        help="save every epoch to PATH.rank{r}-of-{size}, resume from there "
-                             "if every rank's file exists, and on SIGTERM stop after the "
-                             "epoch")
+                        help="save every epoch to PATH.rank{r}-of-{size}.even or .odd (by "
+                             "the epoch's parity: each rank keeps its last two), resume "
+                             "from the newest epoch every rank has, and on SIGTERM stop "
+                             "within 10 steps, saved (partway into an epoch too)")
     parser.add_argument("--json", help="write the history here")
     parser.add_argument("--plot", help="save the loss and accuracy curves here (PNG)")
     args = parser.parse_args()
@@ -283,9 +370,11 @@ def main():
         parser.error(str(error))
     if rank != 0:
         return
-    if history["epoch"][-1] < args.epochs:  # (SIGTERM; saved after this epoch)
-        print(f"\nstopped by SIGTERM after epoch {history['epoch'][-1]} of {args.epochs}, "
-              f"saved in {args.checkpoint}.rank*-of-{size}: the same command goes on")
+    if "stopped_at" in history:  # (SIGTERM; saved there)
+        epoch, step = history["stopped_at"]
+        where = f"{step} steps of epoch {epoch + 1}" if step else f"epoch {epoch}"
+        print(f"\nstopped by SIGTERM after {where} of {args.epochs}, saved in "
+              f"{args.checkpoint}.rank*-of-{size}.*: the same command goes on")
         return
     total, waiting = sum(history["seconds"]), sum(history["comm_seconds"])
     print(f"\n{history['ranks']} rank(s) on {history['device']}, "

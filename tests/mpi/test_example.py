@@ -117,10 +117,35 @@ def assert_same_run(history, other):
         assert history[key] == other[key], key
 
 
+def files(path, rank=None):
+    """This rank's (or rank's) two checkpoint files, .even and .odd."""
+    rank = MPI.COMM_WORLD.Get_rank() if rank is None else rank
+    return [f"{path}.rank{rank}-of-{MPI.COMM_WORLD.Get_size()}.{parity}"
+            for parity in ("even", "odd")]
+
+
 def saved(path):
-    with open(f"{path}.rank{MPI.COMM_WORLD.Get_rank()}-of-{MPI.COMM_WORLD.Get_size()}",
-              "rb") as f:
-        return pickle.load(f)
+    """This rank's newest checkpoint."""
+    checkpoints = []
+    for name in files(path):
+        if os.path.exists(name):
+            with open(name, "rb") as f:
+                checkpoints.append(pickle.load(f))
+    return max(checkpoints, key=train_digits.position)
+
+
+def counting_steps(monkeypatch):
+    """A list that gets one item per training step this rank takes from now on."""
+    steps, loss_and_grads = [], train_digits.loss_and_grads
+
+    def counted(*args, **kwargs):
+        steps.append(None)
+        return loss_and_grads(*args, **kwargs)
+    monkeypatch.setattr(train_digits, "loss_and_grads", counted)
+    return steps
+
+
+STEPS_PER_EPOCH = int(0.8 * 1797) // GLOBAL_BATCH
 
 
 @pytest.fixture
@@ -178,12 +203,131 @@ def test_sigterm_on_one_rank_stops_every_rank_after_the_epoch_saved(folder, monk
 def test_ranks_whose_checkpoints_are_not_of_one_run_are_told_so_on_every_rank(folder):
     rank, size = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
     train(epochs=2, checkpoint=f"{folder}/d", **SMALL)
-    with pytest.raises(CheckpointError, match=f"rank 0: {folder}/d.rank0-of-{size} was "
-                       "saved with hidden 16 \\(this run: 8\\)"):
+    with pytest.raises(CheckpointError, match=f"rank {rank}: .* are not all of this run "
+                       f"\\(rank 0: {folder}/d.rank0-of-{size}.even was saved with hidden 16 "
+                       "\\(this run: 8\\), .*odd was saved with hidden 16"):
         train(epochs=3, checkpoint=f"{folder}/d", **dict(SMALL, hidden=8))
+    # One rank's file of another run (the epoch it holds in common with the others):
+    # no rank goes on, though the others' files are all of this run.
+    train(epochs=1, checkpoint=f"{folder}/other", **dict(SMALL, lr=0.05))
+    if rank == size - 1:
+        shutil.copy(files(f"{folder}/other")[1], files(f"{folder}/d")[1])
+    with pytest.raises(CheckpointError, match=f"rank {rank}: .* are not all of this run .*"
+                       f"rank {size - 1}: {folder}/d.rank{size - 1}-of-{size}.odd was saved "
+                       "with lr 0.05 \\(this run: 0.1\\), epoch 2"):
+        train(epochs=3, checkpoint=f"{folder}/d", **SMALL)
+    train(epochs=2, checkpoint=f"{folder}/e", **SMALL)
     if size == 1:
         return
-    if rank == size - 1:  # (a job killed before this rank's first save, say)
-        os.remove(f"{folder}/d.rank{rank}-of-{size}")
-    with pytest.raises(CheckpointError, match=f"rank 0: epoch 2; .*rank {size - 1}: no "):
-        train(epochs=3, checkpoint=f"{folder}/d", **SMALL)
+    if rank == size - 1:  # (files deleted, or of another folder: no epoch in common)
+        for name in files(f"{folder}/e"):
+            os.remove(name)
+    with pytest.raises(CheckpointError, match=f"rank {rank}: .* have no epoch in common "
+                       f"\\(rank 0: epoch 1, epoch 2; .*rank {size - 1}: the start \\(no "
+                       f"{folder}/e.rank{size - 1}-of-{size}.even\\)\\)"):
+        train(epochs=3, checkpoint=f"{folder}/e", **SMALL)
+
+
+def test_a_job_killed_between_two_ranks_checkpoints_resumes_from_the_epoch_all_have(
+        folder, monkeypatch):
+    # Rank 0 (every rank but the last) has replaced its epoch-1 file with epoch 3; the
+    # last rank was killed before it did: it has epochs 1 and 2. Every rank has epoch 2.
+    rank, size = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+    train(epochs=3, checkpoint=f"{folder}/a", **SMALL)
+    train(epochs=1, checkpoint=f"{folder}/b", **SMALL)
+    behind = rank == size - 1  # (on 1 rank, that one: it goes on from epoch 2 too)
+    if behind:
+        shutil.copy(files(f"{folder}/b")[1], files(f"{folder}/a")[1])
+    assert saved(f"{folder}/a")["epoch"] == (2 if behind else 3)
+    steps = counting_steps(monkeypatch)
+    resumed = train(epochs=5, checkpoint=f"{folder}/a", **SMALL)
+    monkeypatch.undo()
+    assert len(steps) == 3 * STEPS_PER_EPOCH  # (epochs 3 to 5)
+    assert_same_run(resumed, train(epochs=5, **SMALL))
+    assert saved(f"{folder}/a")["epoch"] == 5
+
+
+class Killed(BaseException):
+    """The job killed, here (no handler catches it)."""
+
+
+KILL_POINTS = ["writing", "written", "renamed"]
+
+
+@pytest.mark.parametrize("first", KILL_POINTS)
+def test_a_job_killed_inside_a_checkpoint_save_resumes(first, folder, monkeypatch):
+    # Every rank is killed inside its save of epoch 3, at kill points that differ from
+    # rank to rank: partway through writing the .tmp file, with it whole but not
+    # renamed, or renamed but the folder not synced.
+    rank, size = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+    point = KILL_POINTS[(KILL_POINTS.index(first) + rank) % len(KILL_POINTS)]
+    points = [KILL_POINTS[(KILL_POINTS.index(first) + r) % len(KILL_POINTS)]
+              for r in range(size)]
+    saves = []
+
+    def dump(checkpoint, f):
+        saves.append(checkpoint["epoch"])
+        if saves[-1] == 3 and point == "writing":
+            f.write(pickle.dumps(checkpoint)[:1000])
+            raise Killed
+        pickle.dump(checkpoint, f)
+
+    class OS:  # train_digits' os, killed at a point
+        def __getattr__(self, name):
+            return getattr(os, name)
+
+        def replace(self, *args):
+            if saves[-1] == 3 and point == "written":
+                raise Killed
+            os.replace(*args)
+
+        def open(self, *args):
+            if saves[-1] == 3 and point == "renamed":
+                raise Killed
+            return os.open(*args)
+
+    monkeypatch.setattr(train_digits, "pickle", type("Pickle", (), {
+        "dump": staticmethod(dump), "load": staticmethod(pickle.load)}))
+    monkeypatch.setattr(train_digits, "os", OS())
+    with pytest.raises(Killed):
+        train(epochs=5, checkpoint=f"{folder}/k", **SMALL)
+    monkeypatch.undo()
+    assert saves == [1, 2, 3]
+    assert os.path.exists(files(f"{folder}/k")[1] + ".tmp") == (point != "renamed")
+    assert saved(f"{folder}/k")["epoch"] == (3 if point == "renamed" else 2)
+    steps = counting_steps(monkeypatch)
+    resumed = train(epochs=5, checkpoint=f"{folder}/k", **SMALL)
+    monkeypatch.undo()
+    went_on_from = 3 if set(points) == {"renamed"} else 2
+    assert len(steps) == (5 - went_on_from) * STEPS_PER_EPOCH
+    assert_same_run(resumed, train(epochs=5, **SMALL))
+
+
+@pytest.mark.parametrize("compression", [None, "powersgd"])
+def test_sigterm_partway_into_an_epoch_checkpoints_at_the_next_check_and_goes_on(
+        compression, folder, monkeypatch):
+    def made():
+        return PowerSGD(rank=2) if compression == "powersgd" else None
+
+    steps, loss_and_grads = [], train_digits.loss_and_grads
+
+    def sigterm_at_step_13_of_epoch_2(*args, **kwargs):
+        steps.append(None)
+        if len(steps) == STEPS_PER_EPOCH + 13 and MPI.COMM_WORLD.Get_rank() == 0:
+            signal.raise_signal(signal.SIGTERM)
+        return loss_and_grads(*args, **kwargs)
+
+    monkeypatch.setattr(train_digits, "loss_and_grads", sigterm_at_step_13_of_epoch_2)
+    stopped = train(epochs=5, compression=made(), checkpoint=f"{folder}/m",
+                    stop_check_every=5, **SMALL)
+    monkeypatch.undo()
+    assert stopped["epoch"] == [1] and stopped["stopped_at"] == (1, 15)
+    assert len(steps) == STEPS_PER_EPOCH + 15
+    assert train_digits.position(saved(f"{folder}/m")) == (1, 15)
+    steps = counting_steps(monkeypatch)
+    resumed = train(epochs=5, compression=made(), checkpoint=f"{folder}/m",
+                    stop_check_every=7, **SMALL)  # (any: it changes nothing but when)
+    monkeypatch.undo()
+    assert len(steps) == 5 * STEPS_PER_EPOCH - (STEPS_PER_EPOCH + 15)
+    assert "stopped_at" not in resumed
+    assert_same_run(resumed, train(epochs=5, compression=made(), **SMALL))
