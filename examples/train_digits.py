@@ -214,6 +214,9 @@ def train(epochs=30, global_batch=64, lr=0.1, momentum=0.9, hidden=64, compressi
             opt.bytes_sent = saved["bytes_sent"]  # (a count for the history, going on)
             history, first_epoch = saved["history"], saved["epoch"] + 1
             first_step, so_far = saved["step"], saved["epoch_so_far"]
+            if rank == 0 and not quiet:
+                sys.stderr.write(f"resuming after {said(position(saved))}, from "
+                                 f"{checkpoint}.rank*-of-{size}.*\n")
         # The handler only sets a flag. The signal lands anywhere, often partway through
         # a step, where state_dict() is refused (the step's all-reduces may be in
         # flight); and a rank that saved and left at once would make other collective
