@@ -1005,9 +1005,9 @@ def test_an_optimizer_of_ones_own_trains_as_alone_and_saves_its_state(mode):
                                        bucket_mb=0.0005)
             opt.load_state_dict(saved)
         if mode == "step-grads":
-            opt.step(loss_and_grads(params, x, y)[1])
+            opt.step(loss_and_grads(params, x, y, scale=share(len(y)))[1])
         else:
-            loss_and_grads(params, x, y, on_grad=opt.grad_ready)
+            loss_and_grads(params, x, y, scale=share(len(y)), on_grad=opt.grad_ready)
             opt.step()
     for p, q in zip(params, expected):
         np.testing.assert_allclose(p, q, rtol=1e-9, atol=1e-12)
