@@ -1,5 +1,5 @@
 """The collectives, run for real on 1, 2, 3 and 4 MPI ranks (3 catches power-of-two
-assumptions). Each case launches `mpiexec -n RANKS` on one module of tests/mpi/ with a
+assumptions), four modules on 5 and 8 too. Each case launches `mpiexec -n RANKS` on one module of tests/mpi/ with a
 timeout; every rank must pass the same tests. Ranks on one machine pass chunks through
 shared memory; the modules that move data run a second time over MPI messages
 (RINGREDUCE_SHM=0), and three a third time through slots written with streaming stores
@@ -36,6 +36,21 @@ def test_module_on_ranks(module, ranks, tmp_path, capsys):
     check_module(module, ranks, tmp_path, capsys, {})
 
 
+# Past 4 ranks, where users run: five segments on a prime count, eight on more ranks
+# than a tree search or a loss split into micro-batches assumed (each of these modules
+# failed on 5 or 8 ranks once, for reasons 1-4 could not show). The rest of tests/mpi/
+# passed on 5 and 8 ranks, and the data modules on 7 and on 5 over MPI messages, when
+# last run by hand (the same pattern, ranks=[5, 8], runs any of them).
+PAST_4_MODULES = ["test_allreduce.py", "test_collectives.py", "test_contract.py",
+                  "test_optim.py"]
+
+
+@pytest.mark.parametrize("ranks", [5, 8])
+@pytest.mark.parametrize("module", PAST_4_MODULES)
+def test_module_past_4_ranks(module, ranks, tmp_path, capsys):
+    check_module(module, ranks, tmp_path, capsys, {}, timeout=MODULES[module] * ranks / 4)
+
+
 @pytest.mark.parametrize("ranks", [2, 3, 4])
 @pytest.mark.parametrize("module", DATA_MODULES)
 def test_module_over_mpi_messages(module, ranks, tmp_path, capsys):
@@ -49,8 +64,9 @@ def test_module_through_slots_written_with_streaming_stores(module, ranks, tmp_p
     check_module(module, ranks, tmp_path, capsys, {"RINGREDUCE_SHM": "stream"})
 
 
-def check_module(module, ranks, tmp_path, capsys, env):
-    summaries = run_on_ranks(ranks, module, tmp_path, timeout=MODULES[module], env=env)
+def check_module(module, ranks, tmp_path, capsys, env, timeout=None):
+    summaries = run_on_ranks(ranks, module, tmp_path, timeout=timeout or MODULES[module],
+                             env=env)
     counts = {(s["passed"], s["failed"], s["skipped"]) for s in summaries.values()}
     assert len(counts) == 1, f"ranks disagree on what ran: {summaries}"
     passed, failed, skipped = counts.pop()
