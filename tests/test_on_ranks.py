@@ -23,11 +23,12 @@ MODULES = {  # module -> timeout in seconds at 4 oversubscribed ranks on 2 cores
     "test_device_python.py": 300,  # the Python GPU path, a stand-in cupy, the emulation
     "test_timeout.py": 300,  # ranks that never join, or stop halfway; picks its own wires
     "test_random_sequences.py": 300,  # seeded random mixes of every call, against the reference
+    "test_fast_vs_general.py": 180,  # the core's FastPath against the general path, fuzzed
 }
 
 
 DATA_MODULES = ["test_allreduce.py", "test_async.py", "test_collectives.py", "test_sim.py",
-                "test_device_ring.py", "test_random_sequences.py"]
+                "test_device_ring.py", "test_random_sequences.py", "test_fast_vs_general.py"]
 
 
 @pytest.mark.parametrize("ranks", [1, 2, 3, 4])
