@@ -12,7 +12,8 @@ exception's type and message (and whether it came from the call or from `wait()`
 
 The cases come from a generator seeded alike on every rank (every rank makes the same
 calls; only data differ): every collective; every supported dtype and unsupported ones
-(bool, object, longdouble, datetime64, str); good and bad ops (case variants, MPI's
+(bool, object, longdouble, datetime64, str) and dtypes equal to a supported one but another
+object (long long, metadata); good and bad ops (case variants, MPI's
 ops, unhashable ones); 0-d, empty, 1-d and n-d shapes, sizes that ride in the header
 exchange and sizes that go round the ring; C and F order, strided, reversed,
 byte-swapped, read-only, masked, matrix and other subclass inputs, lists and scalars;
@@ -55,6 +56,10 @@ SUPPORTED = [np.dtype(name) for name in ("int8", "int16", "int32", "int64", "uin
                                          "complex64", "complex128")]
 if BFLOAT16 is not None:
     SUPPORTED.append(BFLOAT16)
+# Dtypes equal to a supported one but not the same object numpy makes for its name:
+# long long (numpy's other int64 and uint64 on Linux), float64 with metadata.
+ALIASES = {np.dtype("int64"): np.dtype("q"), np.dtype("uint64"): np.dtype("Q"),
+           np.dtype("float64"): np.dtype("float64", metadata={"unit": "m"})}
 UNSUPPORTED = [np.dtype(bool), np.dtype(object), np.dtype(np.longdouble),
                np.dtype("datetime64[s]"), np.dtype("U3"), np.dtype("S2")]
 GOOD_OPS = ("sum", "prod", "min", "max", "avg")
@@ -63,7 +68,7 @@ OTHER_OPS = ("SUM", "Max", "avg", MPI.SUM, MPI.MIN, MPI.PROD, "mean", None, 3, [
 LAYOUTS = ("F", "strided", "reversed", "swapped", "readonly", "subclass",
            "masked", "masked hole", "matrix", "list", "scalar", "python scalar")
 COMMON_OUTS = (None, None, "fresh", "x", "x view")
-OUTS = ("overlap", "readonly", "wrong dtype",
+OUTS = ("alias", "overlap", "readonly", "wrong dtype",
         "wrong shape", "wrong ndim", "swapped", "fortran", "subclass", "masked", "list")
 ROOTS = (0, 0, 0, "last", "last", "middle", "middle", -1, "size", True, "int64", 1.0, "0")
 
@@ -130,6 +135,8 @@ class Case:
                 if self.collective != "broadcast" else None
         else:
             self.dtype = pick(rng, UNSUPPORTED) if rng.random() < 0.15 else pick(rng, SUPPORTED)
+            if rng.random() < 0.3:
+                self.dtype = ALIASES.get(self.dtype, self.dtype)
             self.op = (pick(rng, GOOD_OPS) if rng.random() < 0.7 else pick(rng, OTHER_OPS)) \
                 if reducing else None
             self.layout = pick(rng, LAYOUTS)
@@ -272,6 +279,9 @@ class Case:
             m = int(np.prod(shape, dtype=np.int64))
             start = 0 if self.mask_at % 2 else 2
             return base[start:start + m].reshape(shape)
+        if kind == "alias":  # of a dtype equal to x's, but another object
+            alias = ALIASES.get(dtype) or {v: k for k, v in ALIASES.items()}.get(dtype, dtype)
+            return fresh.view(alias)
         if kind == "readonly":
             fresh.flags.writeable = False
             return fresh
