@@ -11,18 +11,25 @@ is `out` or `x`, what `x` and `out` hold afterwards, and for a call that raises 
 exception's type and message (and whether it came from the call or from `wait()`).
 
 The cases come from a generator seeded alike on every rank (every rank makes the same
-calls; only data differ): every collective; every supported dtype and unsupported ones
-(bool, object, longdouble, datetime64, str) and dtypes equal to a supported one but another
-object (long long, metadata); good and bad ops (case variants, MPI's
-ops, unhashable ones); 0-d, empty, 1-d and n-d shapes, sizes that ride in the header
-exchange and sizes that go round the ring; C and F order, strided, reversed,
-byte-swapped, read-only, masked, matrix and other subclass inputs, lists and scalars;
-out= fresh, x itself, a view of x, overlapping x, read-only, of the wrong dtype, shape
-or byte order, a subclass, a list; allgather rows that differ per rank (the FastPath's
-guess at the result then misses); calls with an asynchronous one in flight; chunk
-sizes. The FastPath serves a dtype/op pair only once the general path validated it in
-this process (ringreduce._types.validated_pairs), so the tables are also emptied now
-and then, and either route may go first. Every rank must also succeed or fail alike.
+calls; only data differ): every collective; every supported dtype, unsupported ones
+(bool, object, longdouble, datetime64, str) and dtypes equal to a supported one but
+another object (long long, float64 with metadata); good and bad ops (case variants,
+MPI's ops, unhashable ones); 0-d, empty, 1-d and n-d shapes, sizes that ride in the
+header exchange, sizes that go round the ring, allgather results past the 1 MiB that
+is confirmed; C and F order, strided, reversed, byte-swapped, read-only, masked,
+matrix and other subclass inputs, lists and scalars; out= fresh, x itself, a view of
+x, overlapping x, read-only, of the wrong dtype, shape, ndim or byte order, F-order, a
+subclass, a list; allgather rows that differ per rank (the FastPath's guess at the
+result then misses); calls queued behind an asynchronous one, also one whose out= is
+the memory x lies in (x must be read once it is done); Handle.wait() with and without
+a timeout, after polling done(), and twice; chunk sizes. The FastPath serves a
+dtype/op pair only once the general path validated it in this process
+(ringreduce._types.validated_pairs), so the tables are also emptied now and then, and
+either route may go first. Some cases run a third time with some ranks on the FastPath
+and the others on the general path (as where ranks validated different pairs before),
+which must give the same outcome. Every rank must also succeed or fail alike (or, where
+out= fits one rank's reduce_scatter block and not another's, fail as docs/api.md says a
+one-rank bad argument does), and the FastPath must have served a fair share of cases.
 
 RINGREDUCE_FUZZ_SEED and RINGREDUCE_FUZZ_CASES (per block) change what runs, to hunt
 beyond the committed seed.
