@@ -5,7 +5,8 @@
 One step is what a data-parallel optimizer does with its gradient buckets: start an
 allreduce of each of --buckets buffers (in place), optionally with --compute-us of
 Python work before each start (the backward pass producing the next bucket, holding
-the GIL as pure-Python code does), then wait for them all. Timed alternately, step by
+the GIL as pure-Python code does), then wait for them all (--wait-each: wait for each
+one at once, as a caller that needs every result before it goes on). Timed alternately, step by
 step: ringreduce's allreduce_async, ringreduce's blocking allreduce (the same work
 after each compute), the MPI library's MPI_Iallreduce through mpi4py (Waitall at the
 end) and torch.distributed's gloo all_reduce(async_op=True) where torch is installed.
@@ -39,7 +40,8 @@ def busy_python(seconds: float) -> None:
         pass
 
 
-def candidates(comm, nbytes: int, buckets: int, compute_s: float, gloo) -> dict:
+def candidates(comm, nbytes: int, buckets: int, compute_s: float, gloo,
+               wait_each: bool = False) -> dict:
     count = nbytes // 4  # (whole float32 elements: see sizes_argument)
     # Zeros: sums in place, step after step, stay finite.
     ours, blocking, mpi = ([np.zeros(count, np.float32) for _ in range(buckets)]
@@ -50,19 +52,23 @@ def candidates(comm, nbytes: int, buckets: int, compute_s: float, gloo) -> dict:
             busy_python(compute_s)
 
     def step(buffers, start, finish):
-        """compute, then start(buffer), for each buffer; then finish(what they returned)."""
+        """compute, then start(buffer), for each buffer; then finish(what they returned)
+        (wait_each: finish([it]) for each at once)."""
         started = []
         for b in buffers:
             compute()
             started.append(start(b))
+            if wait_each:
+                finish(started)
+                started = []
         finish(started)
 
-    def wait_each(handles):
+    def wait_all(handles):
         for h in handles:
             h.wait()
 
     def ringreduce_async():
-        step(ours, lambda b: comm.allreduce_async(b, out=b), wait_each)
+        step(ours, lambda b: comm.allreduce_async(b, out=b), wait_all)
 
     def ringreduce_blocking():
         step(blocking, lambda b: comm.allreduce(b, out=b), lambda results: None)
@@ -76,7 +82,7 @@ def candidates(comm, nbytes: int, buckets: int, compute_s: float, gloo) -> dict:
         torch, dist = gloo
         tensors = [torch.zeros(count) for _ in range(buckets)]
         found["gloo async"] = lambda: step(
-            tensors, lambda t: dist.all_reduce(t, async_op=True), wait_each)
+            tensors, lambda t: dist.all_reduce(t, async_op=True), wait_all)
     return found
 
 
@@ -90,6 +96,8 @@ def main() -> None:
                         "(default: 8)")
     parser.add_argument("--compute-us", type=float, default=0.0,
                         help="Python work before each start, in microseconds (default: 0)")
+    parser.add_argument("--wait-each", action="store_true",
+                        help="wait for each call at once instead of for all at the end")
     parser.add_argument("--repeats", type=at_least(1), default=15,
                         help="timed runs per size; the median is reported (default: 15)")
     parser.add_argument("--no-gloo", action="store_true", help="skip torch's gloo")
@@ -111,14 +119,17 @@ def main() -> None:
         progress(done, len(sizes), f"{args.buckets} x {human_bytes(nbytes)}")
         steps = max(1, min(100, (16 << 20) // (nbytes * args.buckets)))
         times = time_alternating(candidates(comm, nbytes, args.buckets, args.compute_us * 1e-6,
-                                            gloo), repeats=args.repeats, inner=steps)
+                                            gloo, args.wait_each),
+                                 repeats=args.repeats, inner=steps)
         for name, seconds in times.items():
             rows.append({"bytes": nbytes, "implementation": name,
                          "time_s": seconds, "speedup_vs_mpi": times["MPI_Iallreduce"] / seconds})
     progress(len(sizes), len(sizes), "done")
     if rank == 0:
         names = list(dict.fromkeys(r["implementation"] for r in rows))
-        print(f"# {size} ranks, float32, {args.buckets} allreduces in flight per step, "
+        flight = ("each waited for at once" if args.wait_each
+                  else "in flight per step")
+        print(f"# {size} ranks, float32, {args.buckets} allreduces {flight}, "
               f"{args.compute_us:g} us of Python before each; median time per step")
         print("| bucket | " + " | ".join(names) + " | async speedup vs MPI_Iallreduce |")
         print("|---" * (len(names) + 2) + "|")
@@ -130,7 +141,7 @@ def main() -> None:
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"ranks": size, "dtype": "float32", "buckets": args.buckets,
-                           "compute_us": args.compute_us, "repeats": args.repeats,
+                           "wait_each": args.wait_each, "compute_us": args.compute_us, "repeats": args.repeats,
                            "machine": machine(), "mpi": mpi_library(),
                            "date": time.strftime("%Y-%m-%d"), "results": rows}, f, indent=1)
 

@@ -344,6 +344,8 @@ class AsyncAllreduce : public CallQueue::Call {
         });
       }
       if (PyErr_CheckSignals() != 0) throw py::error_already_set();
+    } else if (!done()) {
+      CallQueue::wake_worker(queue_);  // (a wait with a timeout leaves it to the worker)
     }
     const bool done = wait_interruptibly(seconds, [&] { return this->done(); }, [&](double slice) {
       std::unique_lock<std::mutex> lock(mutex_);
@@ -408,6 +410,7 @@ class Executor {
   int64_t pending() const { return queue_.pending(); }
   bool started() const { return queue_.started(); }
   int64_t run_by_callers() const { return queue_.run_by_callers(); }
+  int64_t turns_unwoken() const { return queue_.turns_unwoken(); }
   void hold_worker(bool held) { queue_.hold_worker(held); }
   void drain() {
     wait_interruptibly(std::nullopt, [&] { return queue_.pending() == 0; },
@@ -1287,6 +1290,8 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("started", &Executor::started)
       .def_property_readonly("run_by_callers", &Executor::run_by_callers,
                              "calls that a caller's wait() ran in its own thread")
+      .def_property_readonly("turns_unwoken", &Executor::turns_unwoken,
+                             "calls queued without waking a worker that was taking its turn")
       .def("hold_worker", &Executor::hold_worker, py::arg("held"),
            "for tests: while held, the worker starts no call")
       .def("drain", &Executor::drain, "wait until nothing is queued")

@@ -75,8 +75,10 @@ class CallQueue {
     std::condition_variable work;     // for the worker: a call to run, or stop
     bool helping = false;             // a caller runs queued calls (run_here())
     int64_t run_by_callers = 0;       // calls run_here() ran
+    int64_t turns_unwoken = 0;        // calls push() queued without waking the worker
     bool worker_held = false;         // (hold_worker())
     bool worker_waits_for_caller = false;  // to be woken when run_here() ends
+    bool worker_takes_a_turn = false;      // looks again within kCallerTurn (loop())
     std::deque<std::shared_ptr<Call>> queue;  // the front one is running, or next
     bool front_started = false;
     bool stopping = false;
@@ -136,9 +138,14 @@ class CallQueue {
   // Where the worker has a core of its own it has taken the call long before.
   static bool run_here(const std::weak_ptr<State>& queue, const Call& target,
                        const std::function<bool()>& stop);
+  // For a caller about to wait for a call that it leaves to the worker: wakes a worker
+  // taking its turn (push() did not, for a call a caller may run).
+  static void wake_worker(const std::weak_ptr<State>& queue);
   std::weak_ptr<State> state() const { return state_; }
   // How many calls callers ran (run_here()).
   int64_t run_by_callers() const;
+  // How many calls push() queued without waking the worker (it was taking its turn).
+  int64_t turns_unwoken() const;
   // For tests: while held, the worker starts no call (those waited for run in their
   // callers' threads; the others wait).
   void hold_worker(bool held);
@@ -148,8 +155,8 @@ class CallQueue {
 
  private:
   // How long the worker lets a caller's run_here() go on before it asks to be woken
-  // at its end (see loop()): the most that a call queued behind those the caller ran
-  // waits for the worker.
+  // at its end (see loop()): the most that a call queued behind those the caller ran,
+  // or queued meanwhile for a caller to run (see push()), waits for the worker.
   static constexpr std::chrono::microseconds kCallerTurn{200};
   static void start(const std::shared_ptr<State>& state);  // (under its mutex)
   static void loop(const std::shared_ptr<State>& state);

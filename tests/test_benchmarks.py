@@ -96,16 +96,19 @@ def test_bench_gpu_runs_over_the_emulated_gpu(tmp_path):
     assert (tmp_path / "again.png").stat().st_size > 0
 
 
-def test_bench_async_runs_and_writes_every_candidate(tmp_path):
+@pytest.mark.parametrize("wait_each", [False, True])
+def test_bench_async_runs_and_writes_every_candidate(tmp_path, wait_each):
     result = tmp_path / "async.json"
     done = subprocess.run(
         [mpiexec(), "-n", "2", sys.executable, "-m", "mpi4py", "benchmarks/bench_async.py",
          "--sizes", "64,20K", "--buckets", "3", "--compute-us", "10", "--repeats", "2",
-         "--no-gloo", "--json", str(result)],
+         "--no-gloo", "--json", str(result)] + ["--wait-each"] * wait_each,
         cwd=ROOT, capture_output=True, text=True, timeout=300, env=job_env())
     assert done.returncode == 0, done.stdout + done.stderr
     data = json.loads(result.read_text())
     assert data["buckets"] == 3 and data["compute_us"] == 10
+    assert data["wait_each"] == wait_each
+    assert ("each waited for at once" in done.stdout) == wait_each
     seen = {(r["implementation"], r["bytes"]) for r in data["results"]}
     for name in ("ringreduce async", "ringreduce blocking", "MPI_Iallreduce"):
         for nbytes in (64, 20 << 10):

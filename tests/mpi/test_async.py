@@ -209,6 +209,34 @@ def test_a_wait_with_a_timeout_leaves_the_calls_to_the_worker(comm):
     assert bitwise_equal(handle.wait(), expected)
 
 
+def test_a_call_queued_without_waking_the_worker_still_runs_unwaited(comm):
+    # A worker kept out by a caller that runs calls waits out its turn (200 us) without
+    # being woken by the calls queued meanwhile that a caller may run: the caller that
+    # queues one usually waits for it next. One that nobody waits for must still run,
+    # on every rank (the others wait in it), and a wait with a timeout, which leaves it
+    # to the worker, must get it. Many tries: the turn is short and not every call
+    # meets it (counted by turns_unwoken; the test holds either way).
+    needs_a_worker(comm)
+    x = rank_data(np.dtype(np.float64), 64)
+    expected = comm.allreduce(x)
+    calls = comm._executor.calls
+    before = calls.turns_unwoken
+    for attempt in range(300):
+        for _ in range(4):  # (each run here, as the worker looks on)
+            assert bitwise_equal(comm.allreduce_async(x).wait(), expected)
+        unwaited = comm.allreduce_async(x)
+        if attempt % 2:
+            assert bitwise_equal(unwaited.wait(timeout=10), expected), attempt
+            continue
+        deadline = time.monotonic() + 10
+        while not unwaited.done() and time.monotonic() < deadline:
+            pass  # (Python only: no wait, no ringreduce call)
+        assert unwaited.done(), attempt
+        assert bitwise_equal(unwaited.wait(), expected)
+    print(f"[rank {RANK}] calls queued while the worker took its turn: "
+          f"{calls.turns_unwoken - before} of 1500")
+
+
 def test_a_wait_behind_python_work_leaves_the_calls_to_the_worker(comm):
     # Work the Python layer queued (a strided input) needs the worker's thread state:
     # a call behind it is the worker's too.
