@@ -226,11 +226,15 @@ def test_a_call_queued_without_waking_the_worker_still_runs_unwaited(comm):
             assert bitwise_equal(comm.allreduce_async(x).wait(), expected)
         unwaited = comm.allreduce_async(x)
         if attempt % 2:
-            assert bitwise_equal(unwaited.wait(timeout=10), expected), attempt
+            assert bitwise_equal(unwaited.wait(timeout=60), expected), attempt
             continue
-        deadline = time.monotonic() + 10
+        # Polled with sleeps, no wait and no ringreduce call: a loop that spun instead
+        # kept the cores from the ranks' workers, which on 3 ranks of a loaded 2-core
+        # machine once took more than 10 s to get this call done. A call never started
+        # would never be done: the deadline only keeps such a failure from hanging.
+        deadline = time.monotonic() + 60
         while not unwaited.done() and time.monotonic() < deadline:
-            pass  # (Python only: no wait, no ringreduce call)
+            time.sleep(0.0002)
         assert unwaited.done(), attempt
         assert bitwise_equal(unwaited.wait(), expected)
     print(f"[rank {RANK}] calls queued while the worker took its turn: "
