@@ -141,7 +141,8 @@ def main() -> None:
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"ranks": size, "dtype": "float32", "buckets": args.buckets,
-                           "wait_each": args.wait_each, "compute_us": args.compute_us, "repeats": args.repeats,
+                           "wait_each": args.wait_each, "compute_us": args.compute_us,
+                           "repeats": args.repeats,
                            "machine": machine(), "mpi": mpi_library(),
                            "date": time.strftime("%Y-%m-%d"), "results": rows}, f, indent=1)
 

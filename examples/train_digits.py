@@ -95,8 +95,10 @@ def position(checkpoint: dict):
 
 
 def said(where) -> str:
+    """A position (epochs done, steps of the next done) in words: "epoch 4", or "10
+    steps of epoch 5"."""
     epoch, step = where
-    return f"epoch {epoch}" + (f" and {step} steps of epoch {epoch + 1}" if step else "")
+    return f"{step} steps of epoch {epoch + 1}" if step else f"epoch {epoch}"
 
 
 class CheckpointError(RuntimeError):
@@ -216,7 +218,7 @@ def train(epochs=30, global_batch=64, lr=0.1, momentum=0.9, hidden=64, compressi
             first_step, so_far = saved["step"], saved["epoch_so_far"]
             if rank == 0 and not quiet:
                 sys.stderr.write(f"resuming after {said(position(saved))}, from "
-                                 f"{checkpoint}.rank*-of-{size}.*\n")
+                                 f"{pattern.format('*')}.*\n")
         # The handler only sets a flag. The signal lands anywhere, often partway through
         # a step, where state_dict() is refused (the step's all-reduces may be in
         # flight); and a rank that saved and left at once would make other collective
@@ -374,10 +376,8 @@ def main():
     if rank != 0:
         return
     if "stopped_at" in history:  # (SIGTERM; saved there)
-        epoch, step = history["stopped_at"]
-        where = f"{step} steps of epoch {epoch + 1}" if step else f"epoch {epoch}"
-        print(f"\nstopped by SIGTERM after {where} of {args.epochs}, saved in "
-              f"{args.checkpoint}.rank*-of-{size}.*: the same command goes on")
+        print(f"\nstopped by SIGTERM after {said(history['stopped_at'])} of {args.epochs}, "
+              f"saved in {args.checkpoint}.rank*-of-{size}.*: the same command goes on")
         return
     total, waiting = sum(history["seconds"]), sum(history["comm_seconds"])
     print(f"\n{history['ranks']} rank(s) on {history['device']}, "
