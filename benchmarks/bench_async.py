@@ -6,7 +6,10 @@ One step is what a data-parallel optimizer does with its gradient buckets: start
 allreduce of each of --buckets buffers (in place), optionally with --compute-us of
 Python work before each start (the backward pass producing the next bucket, holding
 the GIL as pure-Python code does), then wait for them all (--wait-each: wait for each
-one at once, as a caller that needs every result before it goes on). Timed alternately, step by
+one at once, as a caller that needs every result before it goes on; --wait-timeout:
+ringreduce's waits with a timeout, as a program with a deadline of its own makes them),
+and with --loss end the step with a blocking allreduce of one float (the loss, or a
+metric, that a training step sums after its gradients). Timed alternately, step by
 step: ringreduce's allreduce_async, ringreduce's blocking allreduce (the same work
 after each compute), the MPI library's MPI_Iallreduce through mpi4py (Waitall at the
 end) and torch.distributed's gloo all_reduce(async_op=True) where torch is installed.
@@ -41,19 +44,21 @@ def busy_python(seconds: float) -> None:
 
 
 def candidates(comm, nbytes: int, buckets: int, compute_s: float, gloo,
-               wait_each: bool = False) -> dict:
+               wait_each: bool = False, wait_timeout: float | None = None,
+               loss: bool = False) -> dict:
     count = nbytes // 4  # (whole float32 elements: see sizes_argument)
     # Zeros: sums in place, step after step, stay finite.
     ours, blocking, mpi = ([np.zeros(count, np.float32) for _ in range(buckets)]
                            for _ in range(3))
+    loss_value = np.zeros(1, np.float32)
 
     def compute():
         if compute_s > 0:
             busy_python(compute_s)
 
-    def step(buffers, start, finish):
+    def step(buffers, start, finish, end=lambda: None):
         """compute, then start(buffer), for each buffer; then finish(what they returned)
-        (wait_each: finish([it]) for each at once)."""
+        (wait_each: finish([it]) for each at once); then end() (the loss's allreduce)."""
         started = []
         for b in buffers:
             compute()
@@ -62,27 +67,39 @@ def candidates(comm, nbytes: int, buckets: int, compute_s: float, gloo,
                 finish(started)
                 started = []
         finish(started)
+        if loss:
+            end()
 
     def wait_all(handles):
         for h in handles:
             h.wait()
 
+    def wait_all_ours(handles):
+        for h in handles:
+            h.wait(wait_timeout)
+
+    def ours_loss():
+        comm.allreduce(loss_value, out=loss_value)
+
     def ringreduce_async():
-        step(ours, lambda b: comm.allreduce_async(b, out=b), wait_all)
+        step(ours, lambda b: comm.allreduce_async(b, out=b), wait_all_ours, ours_loss)
 
     def ringreduce_blocking():
-        step(blocking, lambda b: comm.allreduce(b, out=b), lambda results: None)
+        step(blocking, lambda b: comm.allreduce(b, out=b), lambda results: None, ours_loss)
 
     def mpi_iallreduce():
-        step(mpi, lambda b: world.Iallreduce(MPI.IN_PLACE, b, op=MPI.SUM), MPI.Request.Waitall)
+        step(mpi, lambda b: world.Iallreduce(MPI.IN_PLACE, b, op=MPI.SUM), MPI.Request.Waitall,
+             lambda: world.Allreduce(MPI.IN_PLACE, loss_value, op=MPI.SUM))
 
     found = {"ringreduce async": ringreduce_async, "ringreduce blocking": ringreduce_blocking,
              "MPI_Iallreduce": mpi_iallreduce}
     if gloo is not None:
         torch, dist = gloo
         tensors = [torch.zeros(count) for _ in range(buckets)]
+        loss_tensor = torch.zeros(1)
         found["gloo async"] = lambda: step(
-            tensors, lambda t: dist.all_reduce(t, async_op=True), wait_all)
+            tensors, lambda t: dist.all_reduce(t, async_op=True), wait_all,
+            lambda: dist.all_reduce(loss_tensor))
     return found
 
 
@@ -98,6 +115,11 @@ def main() -> None:
                         help="Python work before each start, in microseconds (default: 0)")
     parser.add_argument("--wait-each", action="store_true",
                         help="wait for each call at once instead of for all at the end")
+    parser.add_argument("--wait-timeout", type=float, metavar="SECONDS",
+                        help="ringreduce's waits with this timeout (which leaves the calls "
+                        "to the worker thread) instead of none")
+    parser.add_argument("--loss", action="store_true",
+                        help="end each step with a blocking allreduce of one float32")
     parser.add_argument("--repeats", type=at_least(1), default=15,
                         help="timed runs per size; the median is reported (default: 15)")
     parser.add_argument("--no-gloo", action="store_true", help="skip torch's gloo")
@@ -109,6 +131,8 @@ def main() -> None:
         parser.error("--compute-us must be >= 0")
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
+    if args.wait_timeout is not None and not 0 < args.wait_timeout < float("inf"):
+        parser.error("--wait-timeout must be a positive number of seconds")
     sizes = sizes_argument(parser, args.sizes, DEFAULT_SIZES)
 
     comm = rr.Communicator()
@@ -119,7 +143,8 @@ def main() -> None:
         progress(done, len(sizes), f"{args.buckets} x {human_bytes(nbytes)}")
         steps = max(1, min(100, (16 << 20) // (nbytes * args.buckets)))
         times = time_alternating(candidates(comm, nbytes, args.buckets, args.compute_us * 1e-6,
-                                            gloo, args.wait_each),
+                                            gloo, args.wait_each, args.wait_timeout,
+                                            args.loss),
                                  repeats=args.repeats, inner=steps)
         for name, seconds in times.items():
             rows.append({"bytes": nbytes, "implementation": name,
@@ -129,6 +154,10 @@ def main() -> None:
         names = list(dict.fromkeys(r["implementation"] for r in rows))
         flight = ("each waited for at once" if args.wait_each
                   else "in flight per step")
+        if args.wait_timeout is not None:
+            flight += f" (ringreduce's waits: timeout={args.wait_timeout:g})"
+        if args.loss:
+            flight += ", then a blocking allreduce of one float"
         print(f"# {size} ranks, float32, {args.buckets} allreduces {flight}, "
               f"{args.compute_us:g} us of Python before each; median time per step")
         print("| bucket | " + " | ".join(names) + " | async speedup vs MPI_Iallreduce |")
@@ -141,7 +170,8 @@ def main() -> None:
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"ranks": size, "dtype": "float32", "buckets": args.buckets,
-                           "wait_each": args.wait_each, "compute_us": args.compute_us,
+                           "wait_each": args.wait_each, "wait_timeout": args.wait_timeout,
+                           "loss": args.loss, "compute_us": args.compute_us,
                            "repeats": args.repeats,
                            "machine": machine(), "mpi": mpi_library(),
                            "date": time.strftime("%Y-%m-%d"), "results": rows}, f, indent=1)

@@ -249,7 +249,9 @@ class PythonCall : public CallQueue::Call {
     Py_XDECREF(done);
     Py_DECREF(work);  // not kept until the next call comes: its result may be big
     later_releases.flush();
+    ran_.store(true, std::memory_order_release);
   }
+  bool finished() const override { return ran_.load(std::memory_order_acquire); }
   PyObject* work() const { return work_; }
 
   // The worker thread ends (stop(), with the GIL released): lets go of its thread state.
@@ -263,6 +265,7 @@ class PythonCall : public CallQueue::Call {
  private:
   static thread_local bool python_state_kept;
   PyObject* work_;  // (owned)
+  std::atomic<bool> ran_{false};
 };
 thread_local bool PythonCall::python_state_kept = false;
 
@@ -329,6 +332,7 @@ class AsyncAllreduce : public CallQueue::Call {
 
   bool done() const { return done_.load(std::memory_order_acquire); }
   bool runs_anywhere() const override { return true; }
+  bool finished() const override { return done(); }
   void queued_on(std::weak_ptr<CallQueue::State> queue) { queue_ = std::move(queue); }
 
   bool wait(std::optional<double> seconds) {
@@ -399,15 +403,19 @@ class Executor {
     WithoutGil nogil;  // (queued Python calls need it to finish)
     queue_.stop();
   }
-  void push(py::object work) {
+  // Whether it was queued (see CallQueue::refuse_calls()).
+  bool push(py::object work) {
     later_releases.flush();
-    queue_.push(std::make_shared<PythonCall>(work));
+    return queue_.push(std::make_shared<PythonCall>(work));
   }
-  void push_async(const std::shared_ptr<AsyncAllreduce>& call) {  // (its caller flushed)
+  bool push_async(const std::shared_ptr<AsyncAllreduce>& call) {  // (its caller flushed)
     call->queued_on(queue_.state());
-    queue_.push(call);
+    return queue_.push(call);
   }
+  void refuse_calls(bool refused) { queue_.refuse_calls(refused); }
+  bool refusing() const { return queue_.refusing(); }
   int64_t pending() const { return queue_.pending(); }
+  int64_t unfinished() const { return queue_.unfinished(); }
   bool started() const { return queue_.started(); }
   int64_t run_by_callers() const { return queue_.run_by_callers(); }
   int64_t turns_unwoken() const { return queue_.turns_unwoken(); }
@@ -513,7 +521,7 @@ class FastPath {
     auto call = std::make_shared<AsyncAllreduce>(core_object_, core_, x, result, a.data,
                                                  Array(result).data, a.size(), DType(dtype),
                                                  Op(reduce_op), chunk_bytes, check);
-    executor_->push_async(call);
+    if (!executor_->push_async(call)) return py::none();  // (being closed: Python says so)
     return py::cast(call);
   }
 
@@ -667,14 +675,17 @@ class FastPath {
   static_assert(sizeof(Py_intptr_t) == sizeof(int64_t), "numpy's dimensions as int64");
   static constexpr int kMaxDims = 64;  // numpy's NPY_MAXDIMS (32 before numpy 2)
 
-  // The executor's lock, if nothing is queued: held while the core runs the call, so
-  // that the worker thread (or another caller) does not run one meanwhile.
+  // The executor's lock, if no queued call is unfinished and no close has begun: held
+  // while the core runs the call, so that the worker thread (or another caller) does not
+  // run one meanwhile. (Not "nothing queued": after a wait, the call waited for may be
+  // on the queue still.)
   struct Running {
     explicit Running(FastPath& path) : lock(*path.executor_->running()) {
       later_releases.flush();  // (what finished calls let go of, big results too)
-      if (path.executor_->pending() != 0) return;
+      if (path.executor_->unfinished() != 0) return;
       acquire_running(lock, true, std::nullopt);  // (a signal handler may raise)
-      held = path.executor_->pending() == 0 && !path.core_->closed();
+      held = path.executor_->unfinished() == 0 && !path.core_->closed() &&
+             !path.executor_->refusing();
       if (!held) lock.unlock();
     }
     ~Running() {
@@ -1287,6 +1298,9 @@ PYBIND11_MODULE(_core, m) {
            "running: a RunningLock shared with other executors (none: one of its own)")
       .def("push", &Executor::push, "queue a _Work, whose execute() the worker runs with the GIL")
       .def("pending", &Executor::pending)
+      .def("unfinished", &Executor::unfinished)
+      .def("refuse_calls", &Executor::refuse_calls, py::arg("refused"))
+      .def("refusing", &Executor::refusing)
       .def_property_readonly("started", &Executor::started)
       .def_property_readonly("run_by_callers", &Executor::run_by_callers,
                              "calls that a caller's wait() ran in its own thread")

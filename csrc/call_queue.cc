@@ -21,11 +21,12 @@ void run_holding(RunningLock& running, CallQueue::Call& call) noexcept {
 
 bool CallQueue::on_worker_thread() { return worker_thread; }
 
-void CallQueue::push(std::shared_ptr<Call> call) {
+bool CallQueue::push(std::shared_ptr<Call> call) {
   State& s = *state_;
   bool wake = true;
   {
     std::lock_guard<std::mutex> lock(s.mutex);
+    if (s.refusing) return false;
     // A worker taking its turn (see loop()) looks again within kCallerTurn: a call that
     // a caller may run itself (run_here()), which a caller about to wait for it does at
     // once, need not wake it first. Waking it for each such call cost two context
@@ -45,6 +46,17 @@ void CallQueue::push(std::shared_ptr<Call> call) {
     }
   }
   if (wake) s.work.notify_all();
+  return true;
+}
+
+void CallQueue::refuse_calls(bool refused) {
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  state_->refusing = refused;
+}
+
+bool CallQueue::refusing() const {
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  return state_->refusing;
 }
 
 void CallQueue::wake_worker(const std::weak_ptr<State>& queue) {
@@ -76,6 +88,14 @@ bool CallQueue::detached_alive() const {
 int64_t CallQueue::pending() const {
   std::lock_guard<std::mutex> lock(state_->mutex);
   return static_cast<int64_t>(state_->queue.size());
+}
+
+int64_t CallQueue::unfinished() const {
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  const auto& queue = state_->queue;
+  // (In order: only the front one can have run.)
+  const bool front_over = state_->front_started && queue.front()->finished();
+  return static_cast<int64_t>(queue.size()) - (front_over ? 1 : 0);
 }
 
 bool CallQueue::wait_idle(double seconds) const {

@@ -66,6 +66,9 @@ class CallQueue {
     // needs nothing of the worker's (a call that takes the GIL keeps the worker's
     // Python thread state, so it does not).
     virtual bool runs_anywhere() const { return false; }
+    // Whether its run() is over (thread-safe): a caller that waited for it may go on
+    // before the worker has taken it off the queue (see unfinished()).
+    virtual bool finished() const { return false; }
   };
 
   // What the worker thread uses, which it keeps alive until it ends.
@@ -82,6 +85,7 @@ class CallQueue {
     std::deque<std::shared_ptr<Call>> queue;  // the front one is running, or next
     bool front_started = false;
     bool stopping = false;
+    bool refusing = false;  // (refuse_calls())
     bool detached = false;  // no stop() joins the stopping thread (see stop())
     int detached_alive = 0;  // detached threads that have not ended yet
     std::unique_ptr<std::thread> thread;
@@ -104,10 +108,25 @@ class CallQueue {
   CallQueue(const CallQueue&) = delete;
   CallQueue& operator=(const CallQueue&) = delete;
 
-  // Queues call after those queued before; starts the worker thread if it is not running.
-  void push(std::shared_ptr<Call> call);
-  // Calls queued and not finished (the one running among them).
+  // Queues call after those queued before, and starts the worker thread if it is not
+  // running; unless refuse_calls(true) came first: then queues nothing, and says so.
+  bool push(std::shared_ptr<Call> call);
+  // While refused, push() queues nothing; the calls queued before still run. For a
+  // communicator being closed: a call that another thread makes meanwhile, and that
+  // got past the Python layer's own check just before the close began, must raise then,
+  // not run after the calls in flight were drained (into the close's exchange) or on a
+  // freed communicator (raising only at its wait).
+  void refuse_calls(bool refused);
+  bool refusing() const;
+  // Calls in the queue (the one running among them, and one whose run() is over that
+  // the worker has not taken off yet).
   int64_t pending() const;
+  // Calls in the queue whose run() is not over. The worker takes a call off the queue
+  // only after its run() has told its waiter so; where the two threads share a core,
+  // the waiter often runs first, and the worker does so only at its next time slice,
+  // some 7-9 ms later here: a caller that waited for every call it made, and would run
+  // its next one at once, in its own thread, asks this, not pending().
+  int64_t unfinished() const;
   bool started() const;
   // Waits until nothing is pending, for at most `seconds`; whether nothing is.
   bool wait_idle(double seconds) const;

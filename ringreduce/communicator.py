@@ -311,16 +311,34 @@ class _Executor:
         return self.calls.pending() > 0 or self.calls.detached_alive
 
     @property
+    def in_flight(self) -> bool:
+        """Whether a queued call has yet to finish running. Unlike busy, not one that
+        has finished and that the worker has yet to take off its queue, which may take
+        it a time slice where it shares a core with the caller that waited for the call."""
+        return self.calls.unfinished() > 0
+
+    @property
     def started(self) -> bool:
         """Whether the worker thread is running."""
         return self.calls.started
 
-    def submit(self, work: _Work) -> None:
+    def submit(self, work: _Work) -> bool:
+        """Whether work was queued (or, below THREAD_MULTIPLE, run): not once calls are
+        refused."""
         if not self.threaded:
             with self.running:
+                if self.calls.refusing():
+                    return False
                 work.execute()
-            return
-        self.calls.push(work)
+            return True
+        return self.calls.push(work)
+
+    def refuse_calls(self, refused: bool = True) -> None:
+        """While refused, no call starts: submit() queues nothing, the FastPath hands
+        every call to the Python layer, and _run() raises (the calls queued before
+        still run). For a close, against a thread that got past its check of _closing
+        just before the close began."""
+        self.calls.refuse_calls(refused)
 
     def drain(self) -> None:
         self.calls.drain()
@@ -946,9 +964,11 @@ class Communicator:
         # another thread would go on making calls.
         self._closing = True
         fast, self._fast = self._fast, None
+        self._executor.refuse_calls()
         try:
             self._executor.finish()
         except BaseException:  # Ctrl-C: not closed, so usable as before
+            self._executor.refuse_calls(False)
             self._closing = False
             if fast is not None:
                 fast.chunk_bytes = self._chunk_bytes
@@ -983,6 +1003,7 @@ class Communicator:
         """From now on no call starts (another thread's raises ValueError)."""
         self._closing = True
         self._fast = None
+        self._executor.refuse_calls()
 
     def _leave(self, why: str | None) -> bool:
         """Stop using this communicator on this rank only, and tell the others. Queued
@@ -1110,7 +1131,7 @@ class Communicator:
                                  "MPI does not let a child use it")
             raise ValueError(f"{context}: this Communicator has been closed")
         if self._closing:
-            raise ValueError(f"{context}: this Communicator is being closed (by another thread)")
+            raise self._being_closed(context)
         if not self._executor.threaded:
             _check_thread(context, self._thread_level)
         try:
@@ -1124,14 +1145,23 @@ class Communicator:
         # on a GPU, where the call waits for the work queued on the caller's stream,
         # which the caller need not wait for.)
         at_once = wait or self.size == 1 and not _device.is_device_array(args[0])
-        return self._run(run, wait, at_once)
+        return self._run(context, run, wait, at_once)
+
+    def _being_closed(self, context: str) -> ValueError:
+        """The error of a call that another thread's close() refused."""
+        if self._closed:
+            return ValueError(f"{context}: this Communicator has been closed")
+        return ValueError(f"{context}: this Communicator is being closed (by another thread)")
 
     def _join_as_rejected(self, name: str) -> None:
         """For a rank that rejected its arguments to collective `name`: still take part
         in its header exchange, so that the other ranks raise MismatchError naming this
         rank instead of waiting for it forever; this rank raises its own error after."""
         core, collective, chunk = self._core, _COLLECTIVES[name], self._chunk_bytes
-        self._run(lambda: core.announce_invalid(collective, chunk), wait=True, at_once=True)
+        if self._executor.calls.refusing():
+            return  # (a close began meanwhile: this rank makes no more calls)
+        self._run(self._contexts[name], lambda: core.announce_invalid(collective, chunk),
+                  wait=True, at_once=True)
 
     # The kinds of check, its top byte: CheckedCallsMismatch is raised only where every
     # rank passed a check of one kind, that is, made the same caller's call.
@@ -1161,15 +1191,18 @@ class Communicator:
                     return Handle(call, self._async_context)
         return self._call("allreduce", self._prepare_allreduce, x, op, x, check, wait=wait)
 
-    def _run(self, run, wait: bool, at_once: bool):
+    def _run(self, context: str, run, wait: bool, at_once: bool):
         """run() now, in this thread, if at_once and nothing is in flight (else on the
-        worker thread); its result (wait), or a Handle."""
+        worker thread); its result (wait), or a Handle. Raises ValueError once another
+        thread's close() has begun."""
         executor = self._executor
-        if at_once and not executor.busy:
+        if at_once and not executor.in_flight:
             # Nothing in flight: run in this thread, the cheapest way. The lock keeps
             # the worker from starting a newly queued item meanwhile.
             with executor.running:
-                if not executor.busy:
+                if executor.calls.refusing():
+                    raise self._being_closed(context)
+                if not executor.in_flight:
                     if wait:
                         return keeping_on_departure(self._core, run)
                     # An error is raised by wait(), as the worker's would be; but
@@ -1178,7 +1211,8 @@ class Communicator:
                     work.execute(catching=Exception)
                     return Handle(work, self._async_context)
         work = _Work(self._core, run, self._pid)  # (calls in a fork()ed child raised)
-        executor.submit(work)
+        if not executor.submit(work):
+            raise self._being_closed(context)
         handle = Handle(work, self._async_context)
         return handle.wait() if wait else handle
 

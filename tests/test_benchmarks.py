@@ -96,19 +96,23 @@ def test_bench_gpu_runs_over_the_emulated_gpu(tmp_path):
     assert (tmp_path / "again.png").stat().st_size > 0
 
 
-@pytest.mark.parametrize("wait_each", [False, True])
-def test_bench_async_runs_and_writes_every_candidate(tmp_path, wait_each):
+@pytest.mark.parametrize("wait_each, timeout_and_loss", [(False, False), (True, True)])
+def test_bench_async_runs_and_writes_every_candidate(tmp_path, wait_each, timeout_and_loss):
     result = tmp_path / "async.json"
     done = subprocess.run(
         [mpiexec(), "-n", "2", sys.executable, "-m", "mpi4py", "benchmarks/bench_async.py",
          "--sizes", "64,20K", "--buckets", "3", "--compute-us", "10", "--repeats", "2",
-         "--no-gloo", "--json", str(result)] + ["--wait-each"] * wait_each,
+         "--no-gloo", "--json", str(result)] + ["--wait-each"] * wait_each
+        + ["--wait-timeout", "60", "--loss"] * timeout_and_loss,
         cwd=ROOT, capture_output=True, text=True, timeout=300, env=job_env())
     assert done.returncode == 0, done.stdout + done.stderr
     data = json.loads(result.read_text())
     assert data["buckets"] == 3 and data["compute_us"] == 10
     assert data["wait_each"] == wait_each
     assert ("each waited for at once" in done.stdout) == wait_each
+    assert data["wait_timeout"] == (60 if timeout_and_loss else None)
+    assert data["loss"] == timeout_and_loss
+    assert ("then a blocking allreduce of one float" in done.stdout) == timeout_and_loss
     seen = {(r["implementation"], r["bytes"]) for r in data["results"]}
     for name in ("ringreduce async", "ringreduce blocking", "MPI_Iallreduce"):
         for nbytes in (64, 20 << 10):
@@ -147,6 +151,7 @@ def test_bench_gradients_runs_and_writes_every_candidate(tmp_path):
     ("benchmarks/bench_async.py", ["--sizes", "0"], "not a whole number of float32"),
     ("benchmarks/bench_async.py", ["--buckets", "0"], "--buckets must be at least 1"),
     ("benchmarks/bench_async.py", ["--compute-us", "nan"], "--compute-us must be >= 0"),
+    ("benchmarks/bench_async.py", ["--wait-timeout", "0"], "--wait-timeout must be a positive"),
     ("benchmarks/bench_gradients.py", ["--models", "8"], "'8' is not COUNTxSIZE"),
     ("benchmarks/bench_gradients.py", ["--models", "0x1M"], "'0x1M' is not COUNTxSIZE"),
     ("benchmarks/bench_gradients.py", ["--models", "2x6"], "not a whole number of 4-byte"),

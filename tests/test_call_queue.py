@@ -197,3 +197,48 @@ def test_a_held_worker_starts_nothing_until_let_go_or_stopped():
     executor.push(Work(log, "stopped"))
     executor.stop()
     assert [name for name, _ in log] == ["held", "stopped"] and executor.run_by_callers == 0
+
+
+def test_unfinished_counts_the_queued_work_whose_run_is_not_over():
+    # What a caller that would run a call in its own thread asks: a call whose run is
+    # over no longer counts, though the worker may not have taken it off the queue yet.
+    executor, log = _core.Executor(), []
+    started, release = threading.Event(), threading.Event()
+    executor.push(Work(log, "running", lambda: (started.set(), release.wait(10))))
+    assert started.wait(10)
+    executor.push(Work(log, "queued"))
+    assert executor.unfinished() == 2 and executor.pending() == 2
+    release.set()
+    executor.drain()
+    assert executor.unfinished() == 0 and executor.pending() == 0
+    assert [name for name, _ in log] == ["running", "queued"]
+    # Whenever asked, at most the call at the front is over and still queued.
+    for i in range(200):
+        executor.push(Work(log, i))
+        pending, unfinished = executor.pending(), executor.unfinished()
+        assert pending - 1 <= unfinished <= pending
+    executor.drain()
+    assert executor.unfinished() == 0
+    executor.stop()
+
+
+def test_refused_calls_are_not_queued_and_those_queued_before_still_run():
+    # What close() does first, so that a call another thread makes meanwhile raises at
+    # the call instead of running after the drain.
+    executor, log = _core.Executor(), []
+    started, release = threading.Event(), threading.Event()
+    assert executor.push(Work(log, "running", lambda: (started.set(), release.wait(10))))
+    assert started.wait(10)
+    assert executor.push(Work(log, "queued"))
+    executor.refuse_calls(True)
+    assert executor.refusing()
+    assert not executor.push(Work(log, "refused"))
+    assert executor.pending() == 2
+    release.set()
+    executor.drain()
+    assert [name for name, _ in log] == ["running", "queued"]
+    executor.refuse_calls(False)  # (a close interrupted by Ctrl-C: usable again)
+    assert executor.push(Work(log, "after"))
+    executor.drain()
+    assert log[-1][0] == "after"
+    executor.stop()
