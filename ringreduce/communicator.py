@@ -1065,6 +1065,8 @@ class Communicator:
                 # by the worker itself, its last call holding the last reference, the
                 # same.) It tells the others right after them.
                 if tells_others:
+                    # (Refused only after a Ctrl-C in _leave()'s drain: its stop_soon()
+                    # makes the call in flight leave, which tells the others already.)
                     executor.calls.push(_BeginDroppedClose(core, self._serial))
                     closes_over_mpi = False
                 executor.stop_later()
