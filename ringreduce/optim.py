@@ -61,11 +61,25 @@ def _check_grad(i, g, p, who):
                         f"dtype {p.dtype}")
 
 
+def _on_the_side_of(a, p):
+    """a where p is: on the host for a numpy p (a state saved from a model on a GPU,
+    loaded into one on the CPU), else p's array module's own (as torch's
+    load_state_dict moves a state to its parameter's device)."""
+    if isinstance(p, np.ndarray):
+        if isinstance(a, np.ndarray):
+            return a
+        get = getattr(a, "get", None)  # (cupy's copy to the host; np.asarray refuses one)
+        return get() if callable(get) else np.asarray(a)
+    xp = array_module(p)
+    return a if array_module(a) is xp else xp.asarray(a)
+
+
 def _checked_state_arrays(state, key: str, params, who: str, optional=False,
                           named: str = "state") -> list:
     """state[key]: one array per parameter, shaped and typed like it (None allowed where
-    optional), or a clear error before anything is loaded. `named`: what errors call
-    `state` (a part of a larger state, say)."""
+    optional), or a clear error before anything is loaded; each where its parameter is
+    (host or GPU), whichever it was saved from. `named`: what errors call `state` (a
+    part of a larger state, say)."""
     where = f"{who}.load_state_dict"
     if not isinstance(state, dict) or key not in state:
         raise KeyError(f"{where}: the state has no {key!r} (is it a {who} state_dict()?)")
@@ -85,7 +99,7 @@ def _checked_state_arrays(state, key: str, params, who: str, optional=False,
                              f"{getattr(a, 'shape', type(a).__name__)} "
                              f"{getattr(a, 'dtype', '')}, but params[{i}] is {p.shape} "
                              f"{p.dtype} (a state of another model?)")
-    return arrays
+    return [None if a is None else _on_the_side_of(a, p) for a, p in zip(arrays, params)]
 
 
 def _state_values(state, keys, who: str) -> list:

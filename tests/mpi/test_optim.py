@@ -780,6 +780,41 @@ def test_a_run_resumed_from_a_pickled_state_dict_goes_on_bit_for_bit(name, compr
         np.testing.assert_array_equal(p, q)
 
 
+@pytest.mark.parametrize("name", ["sgd-momentum-decay", "adam"])
+def test_a_state_saved_from_a_model_on_a_gpu_loads_into_one_on_the_cpu(name):
+    # As torch's load_state_dict() does, the state goes where each parameter is: arrays
+    # saved from a GPU model (cupy's, here fake_cupy's clothes on host memory), loaded
+    # as they were into a numpy model, come to the host. Before, they loaded as they
+    # were, and the first step failed inside the optimizer's arithmetic.
+    import fake_cupy
+
+    def made(params):
+        return DistributedOptimizer(OPTIMIZERS[name](params), bucket_mb=0.0005)
+
+    def train(opt, params, steps):
+        for step in steps:
+            opt.step(loss_and_grads(params, *my_shard(*data(step)))[1])
+
+    went_on = init_params(LAYERS, seed=1)
+    opt = made(went_on)
+    train(opt, went_on, range(STEPS))
+    # (No need to go through no_sync() here: its sums load through the same check.)
+    state = opt.state_dict()
+    on_gpu = {key: [None if a is None else fake_cupy.ndarray(a.copy()) for a in arrays]
+              if isinstance(arrays, list) else arrays
+              for key, arrays in state["optimizer"].items()}
+    saved = pickle.dumps({"params": [p.copy() for p in went_on],
+                          "state": {**state, "optimizer": on_gpu}})
+    train(opt, went_on, range(STEPS, 2 * STEPS))
+    again, resumed = resumed_from(saved, made)
+    kept = again.optimizer.state_dict()
+    assert all(isinstance(a, np.ndarray) for arrays in kept.values()
+               if isinstance(arrays, list) for a in arrays if a is not None), kept
+    train(again, resumed, range(STEPS, 2 * STEPS))
+    for p, q in zip(resumed, went_on):
+        np.testing.assert_array_equal(p, q)
+
+
 # ringreduce's two optimizers, each with a state to save (momentum; Adam's moments).
 each_optimizer = pytest.mark.parametrize("make", [lambda p: SGD(p, lr=0.1, momentum=0.9),
                                                   lambda p: Adam(p, lr=0.01)],
