@@ -72,6 +72,18 @@ def save_checkpoint(path: str, checkpoint: dict) -> None:
         os.close(folder)
 
 
+def on_the_host(state):
+    """state (dicts, lists and tuples of arrays and numbers) with every GPU array copied
+    to the host: a checkpoint is a numpy file either way, which a run on the CPU can
+    resume too (load_state_dict() puts each array where its parameter is)."""
+    if isinstance(state, dict):
+        return {key: on_the_host(value) for key, value in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(on_the_host(value) for value in state)
+    get = getattr(state, "get", None) if hasattr(state, "__cuda_array_interface__") else None
+    return get() if callable(get) else state
+
+
 def slot(pattern: str, rank: int, epoch: int) -> str:
     """The file that a save made in epoch `epoch` (at its end, or partway) goes to.
 
@@ -236,12 +248,11 @@ def train(epochs=30, global_batch=64, lr=0.1, momentum=0.9, hidden=64, compressi
             # A save partway into an epoch holds what the rest of the epoch needs: the
             # step to go on from, and the losses of the steps done (for the epoch's
             # mean). The shuffle needs nothing: it is made from the seed and the epoch.
-            host = [p.get() if gpu else p for p in params]  # (a numpy file either way)
             whole = steps_done == steps_per_epoch
             save_checkpoint(slot(pattern, rank, epoch), {
                 "run": run, "epoch": epoch if whole else epoch - 1,
-                "step": 0 if whole else steps_done, "params": host,
-                "state": opt.state_dict(), "bytes_sent": opt.bytes_sent,
+                "step": 0 if whole else steps_done, "params": on_the_host(params),
+                "state": on_the_host(opt.state_dict()), "bytes_sent": opt.bytes_sent,
                 "history": history, "epoch_so_far": None if whole else {
                     "losses": losses, "seconds": time.perf_counter() - start,
                     "comm_seconds": opt.comm_seconds - comm_before}})

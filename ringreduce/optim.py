@@ -921,8 +921,11 @@ class DistributedOptimizer:
             self.optimizer._take(optimizer_state)
         else:  # (another optimizer's: its own checks come only now)
             self.optimizer.load_state_dict(optimizer_state)
-        if powersgd_state is not None:
-            self.powersgd._load(powersgd_state)  # (checked in _check_powersgd_state)
+        if powersgd_state is not None:  # (checked in _check_powersgd_state)
+            self.powersgd._load({**powersgd_state, **{  # where the parameters are
+                key: {i: _on_the_side_of(a, self.params[i])
+                      for i, a in dict(powersgd_state[key]).items()}
+                for key in ("q", "error")}})
         # fp16 scales as saved; or, where the state has none for these buckets (saved
         # without fp16, or with other buckets), as a new optimizer's: the ranks agree on
         # them at the next step, as at the first.

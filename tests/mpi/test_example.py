@@ -182,6 +182,23 @@ def test_a_run_resumed_from_its_checkpoints_goes_on_bit_for_bit(compression, fol
         np.testing.assert_array_equal(p, q)
 
 
+def test_a_checkpoint_of_a_gpu_run_holds_host_arrays_only():
+    # So that any run resumes from it, on the CPU too (load_state_dict() puts the
+    # arrays where the parameters are), and unpickling it needs no cupy.
+    import fake_cupy
+    on_gpu = fake_cupy.ndarray(np.arange(6.0).reshape(2, 3))
+    state = {"optimizer": {"lr": 0.1, "momentum_buffers": [on_gpu, None]},
+             "powersgd": {"q": {0: on_gpu}, "rank": 2}, "scales": (1.5, on_gpu)}
+    host = train_digits.on_the_host(state)
+    assert type(host["optimizer"]["momentum_buffers"][0]) is np.ndarray
+    np.testing.assert_array_equal(host["optimizer"]["momentum_buffers"][0], on_gpu.host)
+    assert host["optimizer"]["momentum_buffers"][1] is None
+    assert type(host["powersgd"]["q"][0]) is np.ndarray and host["powersgd"]["rank"] == 2
+    assert isinstance(host["scales"], tuple) and host["scales"][0] == 1.5
+    assert type(host["scales"][1]) is np.ndarray
+    assert "fake_cupy" not in pickle.dumps(host).decode("latin-1")
+
+
 def test_sigterm_on_one_rank_stops_every_rank_after_the_epoch_saved(folder, monkeypatch):
     calls = []
 

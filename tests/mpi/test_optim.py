@@ -780,8 +780,9 @@ def test_a_run_resumed_from_a_pickled_state_dict_goes_on_bit_for_bit(name, compr
         np.testing.assert_array_equal(p, q)
 
 
+@pytest.mark.parametrize("powersgd", [False, True])
 @pytest.mark.parametrize("name", ["sgd-momentum-decay", "adam"])
-def test_a_state_saved_from_a_model_on_a_gpu_loads_into_one_on_the_cpu(name):
+def test_a_state_saved_from_a_model_on_a_gpu_loads_into_one_on_the_cpu(name, powersgd):
     # As torch's load_state_dict() does, the state goes where each parameter is: arrays
     # saved from a GPU model (cupy's, here fake_cupy's clothes on host memory), loaded
     # as they were into a numpy model, come to the host. Before, they loaded as they
@@ -789,27 +790,39 @@ def test_a_state_saved_from_a_model_on_a_gpu_loads_into_one_on_the_cpu(name):
     import fake_cupy
 
     def made(params):
-        return DistributedOptimizer(OPTIMIZERS[name](params), bucket_mb=0.0005)
+        return DistributedOptimizer(OPTIMIZERS[name](params), bucket_mb=0.0005,
+                                    compression=PowerSGD(rank=2) if powersgd else None)
 
     def train(opt, params, steps):
         for step in steps:
             opt.step(loss_and_grads(params, *my_shard(*data(step)))[1])
+
+    def device(arrays):  # {index: array} or [array or None]
+        if isinstance(arrays, dict):
+            return {i: fake_cupy.ndarray(a.copy()) for i, a in arrays.items()}
+        return [None if a is None else fake_cupy.ndarray(a.copy()) for a in arrays]
 
     went_on = init_params(LAYERS, seed=1)
     opt = made(went_on)
     train(opt, went_on, range(STEPS))
     # (No need to go through no_sync() here: its sums load through the same check.)
     state = opt.state_dict()
-    on_gpu = {key: [None if a is None else fake_cupy.ndarray(a.copy()) for a in arrays]
-              if isinstance(arrays, list) else arrays
-              for key, arrays in state["optimizer"].items()}
-    saved = pickle.dumps({"params": [p.copy() for p in went_on],
-                          "state": {**state, "optimizer": on_gpu}})
+    on_gpu = {**state, "optimizer": {
+        key: device(arrays) if isinstance(arrays, list) else arrays
+        for key, arrays in state["optimizer"].items()}}
+    if powersgd:
+        assert state["powersgd"]["q"] and state["powersgd"]["error"]
+        on_gpu["powersgd"] = {**state["powersgd"], "q": device(state["powersgd"]["q"]),
+                              "error": device(state["powersgd"]["error"])}
+    saved = pickle.dumps({"params": [p.copy() for p in went_on], "state": on_gpu})
     train(opt, went_on, range(STEPS, 2 * STEPS))
     again, resumed = resumed_from(saved, made)
-    kept = again.optimizer.state_dict()
-    assert all(isinstance(a, np.ndarray) for arrays in kept.values()
-               if isinstance(arrays, list) for a in arrays if a is not None), kept
+    kept = again.state_dict()
+    loaded = [a for arrays in kept["optimizer"].values() if isinstance(arrays, list)
+              for a in arrays if a is not None]
+    if powersgd:
+        loaded += [*kept["powersgd"]["q"].values(), *kept["powersgd"]["error"].values()]
+    assert loaded and all(isinstance(a, np.ndarray) for a in loaded), kept
     train(again, resumed, range(STEPS, 2 * STEPS))
     for p, q in zip(resumed, went_on):
         np.testing.assert_array_equal(p, q)
