@@ -280,10 +280,22 @@ def allreduce_gradients(grads, op: str = "avg", comm=None, bucket_mb: float = 25
     flats = []
     try:
         check_bucket_mb(bucket_mb, "allreduce_gradients")
-        grads = list(grads)
+        if not isinstance(grads, list):
+            # One array is not a list of them: iterating a 1-D one gives numpy scalars,
+            # which cannot be written back.
+            if hasattr(grads, "__array_interface__") or hasattr(
+                    grads, "__cuda_array_interface__") or not hasattr(grads, "__iter__"):
+                raise TypeError("allreduce_gradients: grads must be a list of arrays "
+                                f"(one per parameter), got {type(grads).__name__}; for "
+                                "one array g, pass [g]")
+            grads = list(grads)
         layout = numpy_layout(grads)  # (None unless each is a plain, writeable array)
         if layout is None:
             for i, g in enumerate(grads):
+                if isinstance(g, np.generic):  # (has .shape and .dtype, but is immutable)
+                    raise TypeError(f"allreduce_gradients: grads[{i}] is a numpy scalar "
+                                    f"({type(g).__name__}), which cannot be reduced in "
+                                    "place; pass a 0-d array (np.array(value))")
                 if type(g) is not np.ndarray and (not hasattr(g, "shape")
                                                   or not hasattr(g, "dtype")):
                     raise TypeError(f"allreduce_gradients: grads[{i}] is a "

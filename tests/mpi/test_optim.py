@@ -1268,6 +1268,14 @@ def test_allreduce_gradients_averages_in_place():
     np.testing.assert_allclose(grads[2], mean_rank)
     with pytest.raises(TypeError, match="not an array"):
         rr.allreduce_gradients([[1.0, 2.0]])
+    for scalar in ([np.float64(RANK)], [np.float32(RANK), np.ones(2)]):  # on every rank
+        with pytest.raises(TypeError, match=r"grads\[0\] is a numpy scalar"):
+            rr.allreduce_gradients(scalar)
+    with pytest.raises(TypeError, match="for one array g, pass \\[g\\]"):
+        rr.allreduce_gradients(np.arange(3.0))
+    as_tuple = (np.full(2, float(RANK)),)  # (any iterable of arrays still does)
+    rr.allreduce_gradients(as_tuple)
+    np.testing.assert_allclose(as_tuple[0], mean_rank)
     big_endian = np.full(3, float(RANK), ">f8")  # (it used to raise TypeError, as out=)
     rr.allreduce_gradients([big_endian])
     np.testing.assert_allclose(big_endian, mean_rank)
@@ -1286,24 +1294,39 @@ def raises_here_or_mismatch(own_error, own_match, others_match):
 
 
 @needs_two
-@pytest.mark.parametrize("bad", ["read-only", "bucket_mb", "op", "not an array"])
+@pytest.mark.parametrize("bad", ["read-only", "bucket_mb", "op", "not an array",
+                                 "numpy scalar", "one array", "None"])
 def test_allreduce_gradients_with_a_bad_argument_on_one_rank_raises_on_every_rank(bad):
     # It used to raise there alone, before any call: the others' all-reduces paired with
     # that rank's next call (wrong numbers, then a wait to the timeout).
     grads = [np.full(3, float(RANK)), np.full(2, float(RANK), np.float32)]
     kwargs = {}
+    passed = grads
     if RANK == BAD:
         if bad == "read-only":
             grads[0].flags.writeable = False
         elif bad == "not an array":
             grads[0] = [1.0, 2.0, 3.0]
+        elif bad == "numpy scalar":
+            # (It has a shape and a dtype: packed with others, it was reduced, then
+            # failed to be written back, with numpy's "does not support item
+            # assignment"; alone, it was left as it was, silently.)
+            grads[0] = np.float64(RANK)
+        elif bad == "one array":
+            passed = grads[0]  # (its elements are numpy scalars)
+        elif bad == "None":
+            passed = None
         else:
             kwargs = {"bucket_mb": dict(bucket_mb=0), "op": dict(op="mean")}[bad]
     own = {"read-only": r"grads\[0\] is read-only", "bucket_mb": "bucket_mb must be",
-           "op": "op 'mean' is not one of", "not an array": "not an array"}[bad]
-    with raises_here_or_mismatch(TypeError if bad == "not an array" else ValueError, own,
+           "op": "op 'mean' is not one of", "not an array": "not an array",
+           "numpy scalar": r"grads\[0\] is a numpy scalar \(float64\)",
+           "one array": r"grads must be a list of arrays .*, got ndarray; for one array",
+           "None": "grads must be a list of arrays .*, got NoneType"}[bad]
+    own_error = ValueError if bad in ("read-only", "bucket_mb", "op") else TypeError
+    with raises_here_or_mismatch(own_error, own,
                                  rf"rank {BAD} rejected its arguments \(\w+Error: .*{own}"):
-        rr.allreduce_gradients(grads, **kwargs)
+        rr.allreduce_gradients(passed, **kwargs)
     if RANK != BAD:
         np.testing.assert_array_equal(grads[0], float(RANK))  # nothing was reduced
     # The next call pairs up right.
