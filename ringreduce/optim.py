@@ -27,12 +27,22 @@ from .gradients import agree_or_raise, check_bucket_mb, pack_plan
 
 
 def _check_params(params, who: str) -> list:
+    # One array is not a list of them (as torch.optim's TypeError says too): a 1-D one
+    # iterates as numpy scalars, which cannot be updated in place.
+    if hasattr(params, "__array_interface__") or hasattr(params, "__cuda_array_interface__") \
+            or not hasattr(params, "__iter__"):
+        raise TypeError(f"{who}: params must be a list of arrays (the parameters), got "
+                        f"{type(params).__name__}; for one array p, pass [p]")
     params = list(params)
     if not params:
         raise ValueError(f"{who}: params is empty")
     for i, p in enumerate(params):
         if not hasattr(p, "shape") or not hasattr(p, "dtype"):
             raise TypeError(f"{who}: params[{i}] is a {type(p).__name__}, not an array")
+        if isinstance(p, np.generic):  # (it has a shape and a dtype, but is immutable)
+            raise TypeError(f"{who}: params[{i}] is a numpy scalar ({type(p).__name__}), "
+                            "which steps cannot update in place; pass a 0-d array "
+                            "(np.array(value))")
         if p.dtype.kind != "f" and p.dtype.name != "bfloat16":
             raise TypeError(f"{who}: params[{i}] has dtype {p.dtype}; parameters must be floats")
         if not getattr(getattr(p, "flags", None), "writeable", True):  # (cupy's always are)

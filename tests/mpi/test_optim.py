@@ -678,6 +678,15 @@ def test_misuse_gets_clear_errors():
     for make in (lambda: SGD([np.zeros(2), frozen], lr=0.1), lambda: Adam([frozen])):
         with pytest.raises(ValueError, match=r"params\[\d\] is read-only"):
             make()
+    # A numpy scalar has a shape and a dtype, but cannot be updated in place (it was
+    # called read-only); nor can one array's elements, which a 1-D array iterates as.
+    for make in (lambda: SGD([np.zeros(2), np.float64(0)], lr=0.1),
+                 lambda: Adam([np.float32(0)])):
+        with pytest.raises(TypeError, match=r"params\[\d\] is a numpy scalar \(float"):
+            make()
+    for one in (np.zeros(2), np.zeros((2, 3)), None):
+        with pytest.raises(TypeError, match=r"params must be a list of arrays"):
+            SGD(one, lr=0.1)
     with pytest.raises(TypeError, match=r"grads\[0\] is a list, not an array"):
         opt.step([[1.0, 2.0], np.zeros(2)])
     with pytest.raises(TypeError, match="must have .params and .step"):
