@@ -76,8 +76,8 @@ inline void back_off(int* idle) {
 // waiting out its timeout, and close() on those ranks frees nothing that would wait for it.
 enum class Departure : int {
   GaveUp = 1,    // a timeout there
-  Left = 2,      // an error in a call, an exception left its `with` block, or close()
-                 // met a collective
+  Left = 2,      // an error in a call (Ctrl-C's too), an exception left its `with`
+                 // block, or close() met a collective
   Followed = 3,  // it learnt that another rank had left (its note names that one)
   Unclosed = 4,  // its process ended, or dropped the communicator, without closing it,
                  // every call of its own finished (told on shared memory; over MPI
@@ -140,9 +140,9 @@ struct DepartureNote {
     if (why == Departure::GaveUp)
       return " has given up on this communicator (a timeout there" +
              (waited_for >= 0 ? ", waiting for rank " + std::to_string(waited_for) : "") + ")";
-    return why == Departure::Left ? " has left this communicator (an error there, an exception that "
-                                      "left its `with` block, or close() where this rank "
-                                      "called a collective)"
+    return why == Departure::Left ? " has left this communicator (an error there, Ctrl-C, an "
+                                      "exception that left its `with` block, or close() "
+                                      "where this rank called a collective)"
            : why == Departure::Unclosed
                ? " has stopped using this communicator without closing it (its process "
                  "ended, or dropped the Communicator), after fewer calls on it than this "

@@ -567,7 +567,9 @@ def test_ctrl_c_stops_a_call_that_waits_for_ranks_that_will_not_come(mode, wire,
         world.Barrier()
     else:
         world.Barrier()
-        raised_within(10, "rank 0 has left", lambda: ring.allreduce(x))
+        # (Ctrl-C among the reasons it gives: it named only errors, exceptions and close().)
+        raised_within(10, r"rank 0 has left this communicator \(an error there, Ctrl-C, ",
+                      lambda: ring.allreduce(x))
     closes_at_once(ring)
     world.Barrier()
 
