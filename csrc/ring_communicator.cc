@@ -543,7 +543,10 @@ int64_t RingCommunicator::agree(const CallHeader& mine, std::vector<CallHeader>*
       add(describe_disagreement(headers_, "op", op_text));
       add(describe_disagreement(headers_, "count (x.size)",
                                 [](const CallHeader& h) { return std::to_string(h.count); }));
-      add(describe_disagreement(headers_, "the caller's check of the call",
+      // (What the number is, for a user who made a plain call and never gave one.)
+      add(describe_disagreement(headers_, "the caller's check of the call (a hash of what "
+                                "allreduce_gradients or a DistributedOptimizer's step "
+                                "reduces; 0: a plain call)",
                                 [](const CallHeader& h) { return std::to_string(h.check); }));
     } else if (kind == Collective::Broadcast) {
       add(describe_disagreement(headers_, "count (x.size)",

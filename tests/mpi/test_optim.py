@@ -1562,7 +1562,10 @@ def test_allreduce_gradients_never_pairs_with_a_plain_allreduce_of_its_bucket_si
     # other all-reduce of as many elements of the same dtype and op instead (one that
     # would pair with it, and mix the numbers) makes every rank raise.
     grads = [np.full(3, 1.0 + RANK), np.full(4, 1.0 + RANK)]
-    with pytest.raises(rr.MismatchError, match="the caller's check of the call"):
+    # (The message says what that check is: a plain call's rank saw only numbers.)
+    with pytest.raises(rr.MismatchError, match=r"the caller's check of the call \(a hash of "
+                       r"what allreduce_gradients or a DistributedOptimizer's step reduces; "
+                       r"0: a plain call\): \d+ on rank"):
         if RANK == BAD:
             rr.allreduce(np.full(7, 1.0 + RANK), op="avg", out=np.empty(7))
         else:
