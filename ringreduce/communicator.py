@@ -908,7 +908,8 @@ class Communicator:
             call = fast.allreduce_async(x, op, out)
             if call is not None:
                 return Handle(call, self._async_context)
-        return self._call("allreduce", self._prepare_allreduce, x, op, out, wait=False)
+        return self._call("allreduce", self._prepare_allreduce, x, op, out, wait=False,
+                          context=self._async_context)
 
     def reduce_scatter(self, x, op="sum", out=None):
         """Reduce x.ravel() over all ranks; return this rank's block of the result.
@@ -1121,8 +1122,9 @@ class Communicator:
                               gather_rest_here,
                               self._chunk_bytes, _Results.MIN_BYTES, _CONFIRM_BYTES)
 
-    def _call(self, name, prepare, *args, wait):
-        context = self._contexts[name]
+    def _call(self, name, prepare, *args, wait, context=None):
+        """context: what errors call it (else the collective's name)."""
+        context = context or self._contexts[name]
         if self._closed:
             if MPI.Is_finalized():  # (which finished every Communicator: see _finish_all)
                 raise _core.MPIError(f"{context}: MPI has been finalised (MPI.Finalize()): "

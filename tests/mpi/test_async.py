@@ -289,8 +289,11 @@ def test_a_wait_behind_python_work_leaves_the_calls_to_the_worker(comm):
 
 def test_bad_arguments_raise_at_the_call(comm):
     pending = comm.allreduce_async(np.ones(1000))
-    with pytest.raises(ValueError, match="op"):
+    with pytest.raises(ValueError, match=rf"^ringreduce\.allreduce_async \(rank {RANK} of "
+                                         rf"{SIZE}\): op 'nope' is not one of"):
         comm.allreduce_async(np.ones(3), op="nope")
+    with pytest.raises(TypeError, match=r"^ringreduce\.allreduce_async .*dtype bool"):
+        comm.allreduce_async(np.ones(3, bool))
     np.testing.assert_array_equal(pending.wait(), np.full(1000, float(SIZE)))
 
 
