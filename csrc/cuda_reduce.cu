@@ -127,6 +127,7 @@ void reduce(DType dtype, Op op, void* dst, const void* a, const void* b, int64_t
     case DType::UInt64: return launch_op<uint64_t>(op, dst, a, b, n, s);
     case DType::Complex64: return launch_complex<float>(op, dst, a, b, n, s);
     case DType::Complex128: return launch_complex<double>(op, dst, a, b, n, s);
+    case DType::Bool: return launch_op<ops::Bool>(op, dst, a, b, n, s);
   }
 }
 

@@ -4,7 +4,7 @@ namespace ringreduce {
 
 size_t dtype_size(DType dtype) {
   switch (dtype) {
-    case DType::Int8: case DType::UInt8: return 1;
+    case DType::Int8: case DType::UInt8: case DType::Bool: return 1;
     case DType::Float16: case DType::BFloat16: case DType::Int16: case DType::UInt16: return 2;
     case DType::Float32: case DType::Int32: case DType::UInt32: return 4;
     case DType::Float64: case DType::Int64: case DType::UInt64: case DType::Complex64: return 8;
@@ -16,7 +16,8 @@ size_t dtype_size(DType dtype) {
 const char* dtype_name(DType dtype) {
   static const char* const names[kNumDTypes] = {
       "float16", "bfloat16", "float32", "float64", "int8",   "int16",     "int32",
-      "int64",   "uint8",    "uint16",  "uint32",  "uint64", "complex64", "complex128"};
+      "int64",   "uint8",    "uint16",  "uint32",  "uint64", "complex64", "complex128",
+      "bool"};
   int code = static_cast<int>(dtype);
   return (code >= 0 && code < kNumDTypes) ? names[code] : "<invalid dtype>";
 }
@@ -37,7 +38,7 @@ static bool is_integer(DType d) {
 
 bool op_supported(DType dtype, Op op) {
   if (is_complex(dtype) && (op == Op::Min || op == Op::Max)) return false;
-  if (is_integer(dtype) && op == Op::Avg) return false;
+  if ((is_integer(dtype) || dtype == DType::Bool) && op == Op::Avg) return false;
   return true;
 }
 

@@ -25,8 +25,9 @@ enum class DType : int32_t {
   UInt64 = 11,
   Complex64 = 12,
   Complex128 = 13,
+  Bool = 14,  // one byte, 0 or 1: sum and max are logical or, prod and min logical and
 };
-constexpr int kNumDTypes = 14;
+constexpr int kNumDTypes = 15;
 
 enum class Op : int32_t {
   Sum = 0,
@@ -43,7 +44,7 @@ const char* op_name(Op op);
 bool is_valid_dtype(int64_t code);
 bool is_valid_op(int64_t code);
 
-// Complex numbers have no order (no min/max); integers have no exact average.
+// Complex numbers have no order (no min/max); integers and bools have no exact average.
 bool op_supported(DType dtype, Op op);
 
 }  // namespace ringreduce

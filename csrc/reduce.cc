@@ -110,6 +110,7 @@ ReduceFn select_kernel(DType dtype, Op op) {
     case DType::UInt64: return kernel_for<uint64_t>(op);
     case DType::Complex64: return complex_kernel_for<float>(op);
     case DType::Complex128: return complex_kernel_for<double>(op);
+    case DType::Bool: return kernel_for<Bool>(op);
   }
   return nullptr;
 }
@@ -185,7 +186,7 @@ void divide(DType dtype, void* data, int64_t n, int64_t divisor) {
     case DType::Complex64: return divide_loop<float>(data, 2 * n, divisor);  // each part
     case DType::Complex128: return divide_loop<double>(data, 2 * n, divisor);
     default:
-      throw std::invalid_argument(std::string("divide: integers have no average (dtype ") +
+      throw std::invalid_argument(std::string("divide: integers and bools have no average (dtype ") +
                                   dtype_name(dtype) + ")");
   }
 }

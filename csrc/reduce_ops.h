@@ -89,6 +89,9 @@ RR_HD inline uint16_t float_to_bfloat16(float f) {
 struct Half { uint16_t bits; };
 struct BFloat16 { uint16_t bits; };
 template <typename R> struct Complex { R re, im; };
+// numpy's bool: a byte, nonzero for True. Its ufuncs add as logical or and multiply as
+// logical and (False < True for min and max), and write 0 or 1 whatever byte came in.
+struct Bool { uint8_t v; };
 
 // How an element is widened for arithmetic and narrowed back.
 template <typename T> struct Arith {
@@ -165,6 +168,21 @@ struct ProdOp<Complex<R>> {
     return {a.re * b.re - a.im * b.im, a.re * b.im + a.im * b.re};
   }
 };
+
+template <>
+struct SumOp<Bool> {
+  RR_HD static Bool apply(Bool a, Bool b) { return Bool{static_cast<uint8_t>((a.v | b.v) != 0)}; }
+};
+template <>
+struct MaxOp<Bool> : SumOp<Bool> {};
+template <>
+struct ProdOp<Bool> {
+  RR_HD static Bool apply(Bool a, Bool b) {
+    return Bool{static_cast<uint8_t>((a.v != 0) & (b.v != 0))};
+  }
+};
+template <>
+struct MinOp<Bool> : ProdOp<Bool> {};
 
 // value / divisor, numpy's way: 16-bit floats first round the divisor to their own
 // type (numpy's weak-scalar rule), then widen both and round the quotient once.

@@ -143,6 +143,9 @@ def check_op_for_dtype(op: int, dtype_code: int, context: str) -> None:
     name = _core.DTYPES[dtype_code]
     if not _core.op_supported(dtype_code, op):
         why = ("complex numbers have no order" if name in _COMPLEX
+               else "a bool has no average; op='max' is True where any rank's is, "
+               "op='min' where every rank's is, and a count of the ranks needs an "
+               "integer dtype (x.astype(np.int32), op='sum')" if name == "bool"
                else "an integer average would have to round; use op='sum' and divide")
         raise UnsupportedOpError(f"{context}: op {OPS[op]!r} is not supported for dtype "
                                  f"{name} ({why})")

@@ -47,6 +47,8 @@ def numpy_reduce(a, b, op):
 
 
 def samples(dtype, n, rng):
+    if dtype.kind == "b":
+        return rng.integers(0, 2, n).astype(bool)
     if dtype.kind in "iu":
         info = np.iinfo(dtype)
         return rng.integers(info.min, info.max, n, dtype=dtype, endpoint=True)
@@ -191,3 +193,16 @@ def test_streaming_copies_are_copies_at_every_alignment_and_size():
         _core.copy_streaming(source[8:108], source[:100])
     with pytest.raises(ValueError, match="as many bytes"):
         _core.copy_streaming(np.empty(4, np.uint8), source[:5])
+
+
+@pytest.mark.parametrize("op", ["sum", "prod", "min", "max"])
+def test_bools_of_any_byte_come_out_as_numpy_writes_them(op):
+    # A bool array viewed from other bytes (np.frombuffer, a uint8 view) may hold 2 or
+    # 255 for True: numpy's ufuncs read any nonzero byte as True and write 1.
+    raw = np.array([0, 1, 2, 255, 0, 7, 128, 0], np.uint8)
+    a, b = raw.view(bool), np.roll(raw, 3).view(bool)
+    got = core_reduce(a, b, op)
+    expected = {"sum": np.add, "prod": np.multiply, "min": np.minimum,
+                "max": np.maximum}[op](a, b)
+    np.testing.assert_array_equal(got.view(np.uint8), expected.view(np.uint8))
+    assert set(got.view(np.uint8).tolist()) <= {0, 1}

@@ -42,7 +42,7 @@ def test_every_dtype_and_op_matches_reference_and_float64(combo, small_chunks, w
         assert bitwise_equal(y, reference.allreduce(x, op, world)), f"n={n}"
         assert same_on_every_rank(y)
         everyone = world.allgather(x)
-        if dtype.kind in "iu":
+        if dtype.kind in "iub":
             np.testing.assert_array_equal(y, exact_integer_reduce(everyone, op))
         else:
             check_against_float64(y, everyone, op)
@@ -286,3 +286,27 @@ def test_every_supported_dtype_is_listed():
     assert {"float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8",
             "uint16", "uint32", "uint64", "complex64", "complex128"} <= names
     assert all(supported(d, "sum") for d in DTYPES)
+
+
+def test_bools_reduce_as_any_and_every(comm):
+    # max and sum: True where any rank's is; min and prod: where every rank's is. A
+    # numpy bool scalar (np.isnan(loss), say) comes back as a 0-d array.
+    n = 1000 + 7 * SIZE
+    x = np.zeros(n, bool)
+    x[RANK::SIZE + 1] = True  # (rank r's Trues: r, r + p + 1, ...; the last index no rank's)
+    x[:3] = True  # every rank's
+    anyone = np.zeros(n, bool)
+    for r in range(SIZE):
+        anyone[r::SIZE + 1] = True
+    anyone[:3] = True
+    everyone = np.zeros(n, bool)
+    everyone[:3] = True
+    if SIZE == 1:
+        everyone = x
+    for op, expected in [("max", anyone), ("sum", anyone), ("min", everyone), ("prod", everyone)]:
+        np.testing.assert_array_equal(comm.allreduce(x, op=op), expected)
+        handle = comm.allreduce_async(x, op=op)
+        np.testing.assert_array_equal(handle.wait(), expected)
+    flag = comm.allreduce(np.bool_(RANK == SIZE - 1), op="max")
+    assert flag.dtype == bool and flag.shape == () and bool(flag)
+    assert bool(comm.allreduce(np.bool_(RANK == SIZE - 1), op="min")) == (SIZE == 1)

@@ -31,7 +31,7 @@ def test_reduce_scatter_gives_this_ranks_array_split_block(combo, small_chunks, 
         assert bitwise_equal(part, block), f"n={n}"
         assert bitwise_equal(part, reference.reduce_scatter(x, op, world))
         everyone = world.allgather(x)
-        expected_full = (exact_integer_reduce(everyone, op) if dtype.kind in "iu" else None)
+        expected_full = (exact_integer_reduce(everyone, op) if dtype.kind in "iub" else None)
         if expected_full is not None:
             np.testing.assert_array_equal(part, np.array_split(expected_full, SIZE)[RANK])
         else:

@@ -37,7 +37,7 @@ if BF16 is not None:
 INTS = [np.dtype(t) for t in (np.int8, np.int16, np.int32, np.int64,
                               np.uint8, np.uint16, np.uint32, np.uint64)]
 COMPLEX = [np.dtype(np.complex64), np.dtype(np.complex128)]
-ALL_DTYPES = FLOATS + INTS + COMPLEX
+ALL_DTYPES = FLOATS + INTS + COMPLEX + [np.dtype(bool)]
 
 needs2 = pytest.mark.skipif(SIZE < 2, reason="needs at least 2 ranks")
 
@@ -51,7 +51,8 @@ def comm():
 
 
 def is_int(dt):
-    return np.issubdtype(dt, np.integer)
+    """Exact dtypes: integers, and bool (sum and max an or, prod and min an and)."""
+    return np.issubdtype(dt, np.integer) or np.dtype(dt) == np.bool_
 
 
 def is_complex(dt):
@@ -81,6 +82,8 @@ def make_data(dt, shape, op="sum", key=()):
     """Rank-dependent random data (never all ones)."""
     dt = np.dtype(dt)
     rng = rng_for(str(dt), shape, op, *key)
+    if dt == np.bool_:
+        return rng.integers(0, 2, size=shape).astype(bool)
     if is_int(dt):
         info = np.iinfo(dt)
         return rng.integers(info.min, info.max, size=shape, dtype=dt, endpoint=True)

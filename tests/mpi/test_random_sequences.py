@@ -70,7 +70,7 @@ SMALL_CHUNKS = (64, 100, 333)
 
 
 def is_int(dtype):
-    return dtype.kind in "iu"
+    return dtype.kind in "iub"
 
 
 def allowed(dtype, op):
@@ -101,6 +101,8 @@ def values(rng, dtype, n, op):
     ones; and whether special values (inf, NaN) were put in."""
     if op is None:  # allgather, broadcast: every bit pattern, signalling NaNs included
         return rng.integers(0, 256, n * dtype.itemsize, dtype=np.uint8).view(dtype), True
+    if dtype.kind == "b":
+        return rng.integers(0, 2, n).astype(bool), False
     if is_int(dtype):
         info = np.iinfo(dtype)
         if op == "prod" and rng.random() < 0.5:  # small factors: products that mean something
