@@ -54,11 +54,18 @@ def _minimum(a, b, out):
     # np.minimum, with its ties spelled out: a NaN wins (a's first), and of two equal
     # values (+0 and -0) the first is kept. numpy leaves that choice to the loop it runs
     # (float16 keeps a, float32 with SIMD b), and every rank must pick the same zero.
-    np.copyto(out, np.where((a <= b) | (a != a), a, b))
+    # (Bools: numpy's own, which writes True as 1 whatever nonzero byte held it.)
+    if a.dtype == np.bool_:
+        np.minimum(a, b, out=out)
+    else:
+        np.copyto(out, np.where((a <= b) | (a != a), a, b))
 
 
 def _maximum(a, b, out):
-    np.copyto(out, np.where((a >= b) | (a != a), a, b))
+    if a.dtype == np.bool_:
+        np.maximum(a, b, out=out)
+    else:
+        np.copyto(out, np.where((a >= b) | (a != a), a, b))
 
 
 # The per-step operation for each op; "avg" sums and divides once at the end.

@@ -310,3 +310,18 @@ def test_bools_reduce_as_any_and_every(comm):
     flag = comm.allreduce(np.bool_(RANK == SIZE - 1), op="max")
     assert flag.dtype == bool and flag.shape == () and bool(flag)
     assert bool(comm.allreduce(np.bool_(RANK == SIZE - 1), op="min")) == (SIZE == 1)
+
+
+def test_bools_of_any_byte_match_the_reference_byte_for_byte(comm):
+    # A bool array made from other bytes (a uint8 view) holds True as any nonzero byte:
+    # the core and the reference both write it as numpy's ufuncs do, 1 (on one rank,
+    # where nothing is reduced, both return x's bytes as they are).
+    rng = np.random.default_rng([RANK, 5])
+    for n in around_inline_limit(comm, 1, (5, 100_001)):
+        x = rng.integers(0, 256, n, dtype=np.uint8).view(bool)
+        x[rng.random(n) < 0.5] = False
+        for op in ("sum", "prod", "min", "max"):
+            got = comm.allreduce(x, op=op)
+            assert bitwise_equal(got, reference.allreduce(x, op, MPI.COMM_WORLD)), (n, op)
+            if SIZE > 1:
+                assert set(np.unique(got.view(np.uint8)).tolist()) <= {0, 1}, (n, op)
