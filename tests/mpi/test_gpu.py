@@ -27,12 +27,12 @@ SIZE = MPI.COMM_WORLD.Get_size()
 RANK = MPI.COMM_WORLD.Get_rank()
 SIZES = sorted({0, 1, SIZE, 2 * SIZE + 1, 517, 100_003, 3_000_001})
 DTYPES = [np.dtype(n) for n in ("float16", "float32", "float64", "int32", "int64", "uint8",
-                                "complex64")]
+                                "complex64", "bool")]
 OPS = ["sum", "prod", "min", "max", "avg"]
 
 
 def supported(dtype, op):
-    return not (dtype.kind == "c" and op in ("min", "max") or dtype.kind in "iu" and op == "avg")
+    return not (dtype.kind == "c" and op in ("min", "max") or dtype.kind in "iub" and op == "avg")
 
 
 @pytest.fixture(scope="module", autouse=True)
