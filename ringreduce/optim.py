@@ -931,11 +931,8 @@ class DistributedOptimizer:
             self.optimizer._take(optimizer_state)
         else:  # (another optimizer's: its own checks come only now)
             self.optimizer.load_state_dict(optimizer_state)
-        if powersgd_state is not None:  # (checked in _check_powersgd_state)
-            self.powersgd._load({**powersgd_state, **{  # where the parameters are
-                key: {i: _on_the_side_of(a, self.params[i])
-                      for i, a in dict(powersgd_state[key]).items()}
-                for key in ("q", "error")}})
+        if powersgd_state is not None:  # (checked, and placed, in _checked_state)
+            self.powersgd._load(powersgd_state)
         # fp16 scales as saved; or, where the state has none for these buckets (saved
         # without fp16, or with other buckets), as a new optimizer's: the ranks agree on
         # them at the next step, as at the first.
@@ -972,14 +969,21 @@ class DistributedOptimizer:
             raise KeyError("DistributedOptimizer.load_state_dict: the state has no "
                            "'optimizer' (is it a DistributedOptimizer state_dict()?)")
         self._check_optimizer_has("load_state_dict")
+        powersgd_state = state.get("powersgd")
         if "powersgd" in state:
             self._check_powersgd_state(state["powersgd"])
+            # Where the parameters are, here with the checks: a move that fails (out of
+            # memory) is this rank's rejection, before the ranks agree to load.
+            powersgd_state = {**powersgd_state, **{
+                key: {i: _on_the_side_of(a, self.params[i])
+                      for i, a in dict(powersgd_state[key]).items()}
+                for key in ("q", "error")}}
         scales = self._checked_fp16_scales(state.get("fp16_scales"))
         sums = self._checked_sums(state.get("accumulated"))
         optimizer_state = state["optimizer"]
         if self._optimizer_checks_first:
             optimizer_state = self.optimizer._checked(optimizer_state)
-        return optimizer_state, state.get("powersgd"), scales, sums
+        return optimizer_state, powersgd_state, scales, sums
 
     def _sum_of(self, index: int):
         """params[index]'s gradient summed over the micro-batches (while _accumulated)."""

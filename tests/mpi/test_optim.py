@@ -837,6 +837,56 @@ def test_a_state_saved_from_a_model_on_a_gpu_loads_into_one_on_the_cpu(name, pow
         np.testing.assert_array_equal(p, q)
 
 
+@pytest.mark.skipif(SIZE < 2, reason="needs two ranks")
+def test_powersgd_arrays_that_fail_to_move_on_one_rank_load_nothing_anywhere(monkeypatch):
+    # (From a review of 381b7d5.) PowerSGD's saved Q and error were moved to where the
+    # parameters are only after the ranks had agreed to load, and after the optimizer's
+    # state was taken: a move that failed on one rank (out of memory copying them to
+    # the GPU, or from it) raised there alone, with the optimizer's state loaded and
+    # PowerSGD's and the micro-batch sums not, while the others had loaded everything.
+    # The moves belong to the checks, before the agreement, as SGD's and Adam's are.
+    import fake_cupy
+    bad = SIZE - 1
+
+    def made(params):
+        return DistributedOptimizer(OPTIMIZERS["sgd-momentum-decay"](params),
+                                    bucket_mb=0.0005, compression=PowerSGD(rank=2))
+
+    params = init_params(LAYERS, seed=1)
+    opt = made(params)
+    for step in range(STEPS):
+        opt.step(loss_and_grads(params, *my_shard(*data(step)))[1])
+    state = opt.state_dict()
+    assert state["powersgd"]["q"] and state["powersgd"]["error"]
+    on_gpu = {**state, "powersgd": {**state["powersgd"], **{
+        key: {i: fake_cupy.ndarray(a.copy()) for i, a in state["powersgd"][key].items()}
+        for key in ("q", "error")}}}
+    fresh = init_params(LAYERS, seed=2)
+    again = made(fresh)
+    before = again.state_dict()
+
+    def get(self, out=None):
+        raise MemoryError("copying to the host")
+
+    if RANK == bad:
+        monkeypatch.setattr(fake_cupy.ndarray, "get", get)
+    if RANK == bad:
+        with pytest.raises(MemoryError, match="copying to the host"):
+            again.load_state_dict(on_gpu)
+    else:
+        with pytest.raises(rr.MismatchError, match=rf"rank {bad} rejected its arguments"):
+            again.load_state_dict(on_gpu)
+    monkeypatch.undo()
+    kept = again.state_dict()  # nothing was loaded, on any rank
+    for a, b in zip(kept["optimizer"]["momentum_buffers"],
+                    before["optimizer"]["momentum_buffers"]):
+        assert (a is None) == (b is None)
+    assert not kept["powersgd"]["q"] and not kept["powersgd"]["error"]
+    again.load_state_dict(on_gpu)  # (and the ranks pair up again)
+    assert all(isinstance(a, np.ndarray) for key in ("q", "error")
+               for a in again.state_dict()["powersgd"][key].values())
+
+
 # ringreduce's two optimizers, each with a state to save (momentum; Adam's moments).
 each_optimizer = pytest.mark.parametrize("make", [lambda p: SGD(p, lr=0.1, momentum=0.9),
                                                   lambda p: Adam(p, lr=0.01)],
