@@ -141,7 +141,7 @@ void divide(DType dtype, void* data, int64_t n, int64_t divisor, void* stream) {
     case DType::Float64: return launch_divide<double>(data, n, divisor, s);
     case DType::Complex64: return launch_divide<float>(data, 2 * n, divisor, s);
     case DType::Complex128: return launch_divide<double>(data, 2 * n, divisor, s);
-    default: throw std::invalid_argument("avg is not defined for integers");
+    default: throw std::invalid_argument("avg is not defined for integers and bools");
   }
 }
 
