@@ -21,6 +21,14 @@ def keeping_on_departure(core, run, *arrays):
         raise
 
 
+def not_a_list_of_arrays(items) -> bool:
+    """Whether `items`, given where a list of arrays belongs (gradients, parameters), is
+    one array instead (iterating a 1-D one gives numpy scalars, which cannot be written
+    back in place; a 2-D one, its rows) or nothing iterable."""
+    return (hasattr(items, "__array_interface__") or hasattr(items, "__cuda_array_interface__")
+            or not hasattr(items, "__iter__"))
+
+
 def array_module(a):
     if isinstance(a, np.ndarray):
         return np

@@ -1133,9 +1133,9 @@ class Communicator:
                 raise ValueError(f"{context}: this Communicator belongs to process "
                                  f"{self._pid}, of which this one is a child made by fork(); "
                                  "MPI does not let a child use it")
-            raise ValueError(f"{context}: this Communicator has been closed")
+            raise self._closed_error(context)
         if self._closing:
-            raise self._being_closed(context)
+            raise self._closed_error(context)
         if not self._executor.threaded:
             _check_thread(context, self._thread_level)
         try:
@@ -1151,8 +1151,8 @@ class Communicator:
         at_once = wait or self.size == 1 and not _device.is_device_array(args[0])
         return self._run(context, run, wait, at_once)
 
-    def _being_closed(self, context: str) -> ValueError:
-        """The error of a call that another thread's close() refused."""
+    def _closed_error(self, context: str) -> ValueError:
+        """The error of a call made once close() has begun (in another thread, or done)."""
         if self._closed:
             return ValueError(f"{context}: this Communicator has been closed")
         return ValueError(f"{context}: this Communicator is being closed (by another thread)")
@@ -1205,7 +1205,7 @@ class Communicator:
             # the worker from starting a newly queued item meanwhile.
             with executor.running:
                 if executor.calls.refusing():
-                    raise self._being_closed(context)
+                    raise self._closed_error(context)
                 if not executor.in_flight:
                     if wait:
                         return keeping_on_departure(self._core, run)
@@ -1216,7 +1216,7 @@ class Communicator:
                     return Handle(work, self._async_context)
         work = _Work(self._core, run, self._pid)  # (calls in a fork()ed child raised)
         if not executor.submit(work):
-            raise self._being_closed(context)
+            raise self._closed_error(context)
         handle = Handle(work, self._async_context)
         return handle.wait() if wait else handle
 

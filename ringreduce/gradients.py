@@ -8,7 +8,7 @@ import zlib
 
 import numpy as np
 
-from ._arrays import array_module
+from ._arrays import array_module, not_a_list_of_arrays
 from ._core import CheckedCallsMismatch, MismatchError, numpy_layout, pack_gradients, \
     unpack_gradients
 from ._shortcuts import _communicator
@@ -281,10 +281,7 @@ def allreduce_gradients(grads, op: str = "avg", comm=None, bucket_mb: float = 25
     try:
         check_bucket_mb(bucket_mb, "allreduce_gradients")
         if not isinstance(grads, list):
-            # One array is not a list of them: iterating a 1-D one gives numpy scalars,
-            # which cannot be written back.
-            if hasattr(grads, "__array_interface__") or hasattr(
-                    grads, "__cuda_array_interface__") or not hasattr(grads, "__iter__"):
+            if not_a_list_of_arrays(grads):
                 raise TypeError("allreduce_gradients: grads must be a list of arrays "
                                 f"(one per parameter), got {type(grads).__name__}; for "
                                 "one array g, pass [g]")

@@ -21,16 +21,13 @@ import zlib
 import numpy as np
 
 from . import compression as _compression
-from ._arrays import array_module
+from ._arrays import array_module, not_a_list_of_arrays
 from ._core import MismatchError
 from .gradients import agree_or_raise, check_bucket_mb, pack_plan
 
 
 def _check_params(params, who: str) -> list:
-    # One array is not a list of them (as torch.optim's TypeError says too): a 1-D one
-    # iterates as numpy scalars, which cannot be updated in place.
-    if hasattr(params, "__array_interface__") or hasattr(params, "__cuda_array_interface__") \
-            or not hasattr(params, "__iter__"):
+    if not_a_list_of_arrays(params):  # (as torch.optim refuses one tensor)
         raise TypeError(f"{who}: params must be a list of arrays (the parameters), got "
                         f"{type(params).__name__}; for one array p, pass [p]")
     params = list(params)
