@@ -81,12 +81,20 @@ def _on_the_side_of(a, p):
     return a if array_module(a) is xp else xp.asarray(a)
 
 
+def _own_copy_on_the_side_of(a, p):
+    """A copy of a, where p is (a move is a copy already)."""
+    placed = _on_the_side_of(a, p)
+    return placed.copy() if placed is a else placed
+
+
 def _checked_state_arrays(state, key: str, params, who: str, optional=False,
                           named: str = "state") -> list:
     """state[key]: one array per parameter, shaped and typed like it (None allowed where
-    optional), or a clear error before anything is loaded; each where its parameter is
-    (host or GPU), whichever it was saved from. `named`: what errors call `state` (a
-    part of a larger state, say)."""
+    optional), or a clear error before anything is loaded; each a copy of its own
+    where its parameter is (host or GPU), whichever it was saved from. The copies are
+    made here, with the checks: one that fails (out of memory) fails the check, before
+    DistributedOptimizer's ranks agree to load, not on one rank after the others have
+    loaded. `named`: what errors call `state` (a part of a larger state, say)."""
     where = f"{who}.load_state_dict"
     if not isinstance(state, dict) or key not in state:
         raise KeyError(f"{where}: the state has no {key!r} (is it a {who} state_dict()?)")
@@ -106,7 +114,8 @@ def _checked_state_arrays(state, key: str, params, who: str, optional=False,
                              f"{getattr(a, 'shape', type(a).__name__)} "
                              f"{getattr(a, 'dtype', '')}, but params[{i}] is {p.shape} "
                              f"{p.dtype} (a state of another model?)")
-    return [None if a is None else _on_the_side_of(a, p) for a, p in zip(arrays, params)]
+    return [None if a is None else _own_copy_on_the_side_of(a, p)
+            for a, p in zip(arrays, params)]
 
 
 def _state_values(state, keys, who: str) -> list:
@@ -262,8 +271,7 @@ class SGD:
     def _take(self, checked: dict) -> None:
         self.lr, self.momentum = checked["lr"], checked["momentum"]
         self.weight_decay = checked["weight_decay"]
-        self.momentum_buffers = [None if b is None else b.copy()
-                                 for b in checked["momentum_buffers"]]
+        self.momentum_buffers = checked["momentum_buffers"]  # (copies: see _checked)
 
 
 class Adam:
@@ -320,8 +328,7 @@ class Adam:
     def _take(self, checked: dict) -> None:
         self.lr, self.betas, self.eps = checked["lr"], checked["betas"], checked["eps"]
         self.weight_decay, self.t = checked["weight_decay"], checked["t"]
-        self.m = [a.copy() for a in checked["m"]]
-        self.v = [a.copy() for a in checked["v"]]
+        self.m, self.v = checked["m"], checked["v"]  # (copies: see _checked)
 
 
 # float16 keeps 11 significant bits only between 6.1e-5 and 65504 (below, down to 6e-8,
@@ -941,8 +948,7 @@ class DistributedOptimizer:
         # accumulated since its last step, which belong to the run the state replaces.
         self._low_rank_sums.clear()
         self._accumulated = sums is not None
-        for i, total in enumerate(sums or ()):
-            total = array_module(self.params[i]).array(total)  # (a copy)
+        for i, total in enumerate(sums or ()):  # (copies: see _checked_sums)
             if i in self._low_rank:
                 self._low_rank_sums[i] = total
             else:

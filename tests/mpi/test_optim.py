@@ -887,6 +887,52 @@ def test_powersgd_arrays_that_fail_to_move_on_one_rank_load_nothing_anywhere(mon
                for a in again.state_dict()["powersgd"][key].values())
 
 
+class _CopyFails(np.ndarray):
+    """An array whose copy fails, as one too large for the memory left does."""
+
+    def copy(self, order="C"):
+        raise MemoryError("copying a loaded state")
+
+
+@pytest.mark.skipif(SIZE < 2, reason="needs two ranks")
+@pytest.mark.parametrize("part", ["momentum_buffers", "m", "accumulated"])
+def test_state_arrays_that_fail_to_copy_on_one_rank_load_nothing_anywhere(part):
+    # The loaded arrays were copied after the ranks had agreed to load (SGD's and
+    # Adam's _take, the sums of micro-batches): a copy that failed on one rank (out of
+    # memory) raised there alone, with the settings loaded and the arrays not, while
+    # the others had loaded everything. The copies are part of the checks now.
+    bad = SIZE - 1
+    make = (lambda p: SGD(p, lr=0.1, momentum=0.9)) if part != "m" else \
+        (lambda p: Adam(p, lr=0.01))
+    opt = DistributedOptimizer(make([np.zeros((4, 3)), np.zeros(5)]))
+    opt.step([np.full((4, 3), 1.0 + RANK), np.ones(5)])
+    if part == "accumulated":
+        with opt.no_sync():
+            opt.step([np.full((4, 3), 2.0), np.ones(5)])
+    state = opt.state_dict()
+    assert state["optimizer"]["lr"] != 0.5
+    state = {**state, "optimizer": {**state["optimizer"], "lr": 0.5}}
+    if RANK == bad:
+        holder = state["accumulated"] if part == "accumulated" else state["optimizer"]
+        key = "sums" if part == "accumulated" else part
+        holder[key] = [holder[key][0].view(_CopyFails)] + list(holder[key][1:])
+    target = DistributedOptimizer(make([np.zeros((4, 3)), np.zeros(5)]))
+    before = target.state_dict()
+    if RANK == bad:
+        with pytest.raises(MemoryError, match="copying a loaded state"):
+            target.load_state_dict(state)
+    else:
+        with pytest.raises(rr.MismatchError, match=rf"rank {bad} rejected its arguments"):
+            target.load_state_dict(state)
+    after = target.state_dict()  # nothing was loaded, on any rank
+    assert after["optimizer"]["lr"] == before["optimizer"]["lr"] != 0.5
+    assert not target._accumulated and "accumulated" not in after
+    for key, arrays in after["optimizer"].items():
+        if isinstance(arrays, list):
+            for a, b in zip(arrays, before["optimizer"][key]):
+                assert (a is None and b is None) or np.array_equal(a, b), key
+
+
 # ringreduce's two optimizers, each with a state to save (momentum; Adam's moments).
 each_optimizer = pytest.mark.parametrize("make", [lambda p: SGD(p, lr=0.1, momentum=0.9),
                                                   lambda p: Adam(p, lr=0.01)],
