@@ -39,12 +39,20 @@ def where(rank: int, size: int, call: str) -> str:
     return f"ringreduce.{call} (rank {rank} of {size})"
 
 
-def op_code(op, context: str) -> int:
-    key = op.lower() if isinstance(op, str) else _mpi_op_name(op)
+def op_code(op, context: str, dtype_name: str | None = None) -> int:
+    """op's code, for arrays of dtype_name (where mpi4py's logical and bitwise ops are
+    taken: bool only; None where the dtype is not known, as for a list of arrays)."""
+    key = op.lower() if isinstance(op, str) else _mpi_op_name(op, dtype_name)
     if key not in _OP_CODES:
+        name = _mpi_predefined_name(op)
+        only = (f"; {_op_text(op)} is taken for bool arrays only (where it is "
+                f"op={_MPI_BOOL_OPS[name]!r})" + (f", and x has dtype {dtype_name}"
+                                                  if dtype_name else "")
+                if name in _MPI_BOOL_OPS else "")
         raise ValueError(f"{context}: op {_op_text(op)} is not one of "
                          + ", ".join(repr(name) for name in OPS)
-                         + " (or MPI.SUM, MPI.PROD, MPI.MIN, MPI.MAX)")
+                         + " (or MPI.SUM, MPI.PROD, MPI.MIN, MPI.MAX; for bools MPI.LOR, "
+                         "MPI.BOR, MPI.LAND, MPI.BAND)" + only)
     return _OP_CODES[key]
 
 
@@ -57,10 +65,18 @@ def _op_text(op) -> str:
     return "(a user-defined MPI.Op)" if _is_mpi_op(op) else repr(op)
 
 
-def _mpi_op_name(op):
-    """Also accept mpi4py's MPI.SUM, MPI.PROD, MPI.MIN and MPI.MAX."""
+def _mpi_op_name(op, dtype_name: str | None):
+    """Also accept mpi4py's MPI.SUM, MPI.PROD, MPI.MIN and MPI.MAX; and for bools its
+    logical and bitwise ors and ands, as the ops that compute them there."""
     name = _mpi_predefined_name(op)
-    return name.lower() if name in ("SUM", "PROD", "MIN", "MAX") else None
+    if name in ("SUM", "PROD", "MIN", "MAX"):
+        return name.lower()
+    return _MPI_BOOL_OPS.get(name) if dtype_name == "bool" else None
+
+
+# On bools (each 0 or 1 once read), an or is a max and an and a min; on other dtypes
+# these ops are not those (3 | 4 is 7), and there is no kernel for them.
+_MPI_BOOL_OPS = {"LOR": "max", "BOR": "max", "LAND": "min", "BAND": "min"}
 
 
 # mpi4py's predefined ops, the ones ringreduce accepts first.
@@ -163,7 +179,8 @@ def reduction_codes(dtype: np.dtype, op, context: str) -> tuple[int, int]:
         return validated_pairs[dtype][op]
     except (KeyError, TypeError):  # TypeError: an unhashable op
         pass
-    codes = dtype_code(dtype, "x", context), op_code(op, context)
+    code = dtype_code(dtype, "x", context)
+    codes = code, op_code(op, context, _core.DTYPES[code])
     check_op_for_dtype(codes[1], codes[0], context)
     if isinstance(op, str):
         validated_pairs.setdefault(dtype, {})[op] = codes

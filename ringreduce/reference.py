@@ -125,8 +125,9 @@ def _ring_allgather(work: np.ndarray, bounds: list[tuple[int, int]], comm) -> No
 
 
 def _checked(x, op, where: str) -> tuple[np.ndarray, str]:
-    """x as an array, and op's name ("sum" for MPI.SUM too), if the core takes x's dtype
-    with op (else the core's own error: no bools, no integer averages)."""
+    """x as an array, and op's name ("sum" for MPI.SUM too, "max" for MPI.LOR on bools),
+    if the core takes x's dtype with op (else the core's own error: no integer
+    averages, say)."""
     x = np.asarray(x)
     _, code = reduction_codes(native(x.dtype), op, f"ringreduce.reference.{where}")
     return x, OPS[code]

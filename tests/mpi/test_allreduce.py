@@ -307,6 +307,18 @@ def test_bools_reduce_as_any_and_every(comm):
         np.testing.assert_array_equal(comm.allreduce(x, op=op), expected)
         handle = comm.allreduce_async(x, op=op)
         np.testing.assert_array_equal(handle.wait(), expected)
+    # mpi4py's logical and bitwise ops, as an Allreduce of bools would be written
+    for op, expected in [(MPI.LOR, anyone), (MPI.BOR, anyone), (MPI.LAND, everyone),
+                         (MPI.BAND, everyone)]:
+        np.testing.assert_array_equal(comm.allreduce(x, op=op), expected)
+        np.testing.assert_array_equal(comm.allreduce_async(x, op=op).wait(), expected)
+        np.testing.assert_array_equal(reference.allreduce(x, op, MPI.COMM_WORLD), expected)
+        if op in (MPI.LOR, MPI.LAND):  # (MPI takes no bitwise op on MPI_C_BOOL; numpy does)
+            mpi = np.empty_like(x)
+            MPI.COMM_WORLD.Allreduce(x, mpi, op=op)
+            np.testing.assert_array_equal(mpi, expected)
+        block = comm.reduce_scatter(x, op=op)
+        np.testing.assert_array_equal(block, np.array_split(expected, SIZE)[RANK])
     flag = comm.allreduce(np.bool_(RANK == SIZE - 1), op="max")
     assert flag.dtype == bool and flag.shape == () and bool(flag)
     assert bool(comm.allreduce(np.bool_(RANK == SIZE - 1), op="min")) == (SIZE == 1)

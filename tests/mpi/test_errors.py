@@ -31,8 +31,13 @@ def test_unknown_op_names_it_and_the_valid_ones(comm):
         with pytest.raises(ValueError):
             comm.allreduce(np.ones(3), op=bad)
     # mpi4py's ops by name (their repr is an address), and the ones that work
-    with pytest.raises(ValueError, match=r"op MPI.LAND is not one of .* \(or MPI.SUM, MPI.PROD"):
+    with pytest.raises(ValueError, match=r"op MPI.LAND is not one of .* \(or MPI.SUM, MPI.PROD"
+                                         r".*MPI.LAND is taken for bool arrays only \(where "
+                                         r"it is op='min'\), and x has dtype float64$"):
         comm.allreduce(np.ones(3), op=MPI.LAND)
+    for op in (MPI.LXOR, MPI.BXOR, MPI.MAXLOC):  # (no kernel for these, bools or not)
+        with pytest.raises(ValueError, match=r"is not one of .*MPI.BAND\)$"):
+            comm.allreduce(np.ones(3, bool), op=op)
     still_works(comm)
 
 
