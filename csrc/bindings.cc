@@ -462,7 +462,8 @@ class Executor {
 class FastPath {
  public:
   FastPath(py::object core, py::object executor, bool threaded, py::dict validated_pairs,
-           py::dict dtype_codes, py::object shape_tag, py::object results_empty,
+           py::tuple mpi_op_keys, py::dict dtype_codes, py::object shape_tag,
+           py::object results_empty,
            py::object scratch_get, py::object gather_rest, int64_t chunk_bytes,
            int64_t fresh_max_bytes, int64_t confirm_bytes)
       : chunk_bytes(chunk_bytes),
@@ -472,6 +473,7 @@ class FastPath {
         executor_(executor.cast<Executor*>()),
         threaded_(threaded),
         validated_pairs_(validated_pairs),
+        mpi_op_keys_(mpi_op_keys),
         dtype_codes_(dtype_codes),
         shape_tag_(shape_tag),
         no_row_shape_tag_(shape_tag(py::tuple()).cast<int64_t>()),
@@ -746,7 +748,7 @@ class FastPath {
     PyObject* by_op =  // borrowed, as codes
         PyDict_GetItemWithError(validated_pairs_.ptr(), py::detail::array_proxy(x.ptr())->descr);
     PyObject* codes =
-        by_op != nullptr && PyDict_Check(by_op) ? PyDict_GetItemWithError(by_op, op.ptr()) : nullptr;
+        by_op != nullptr && PyDict_Check(by_op) ? PyDict_GetItemWithError(by_op, op_key(op)) : nullptr;
     if (codes == nullptr || !PyTuple_Check(codes) || PyTuple_GET_SIZE(codes) != 2) {
       PyErr_Clear();  // (an op that cannot be hashed: the general path says so)
       return false;
@@ -754,6 +756,18 @@ class FastPath {
     *dtype = static_cast<int>(PyLong_AsLong(PyTuple_GET_ITEM(codes, 0)));
     *reduce_op = static_cast<int>(PyLong_AsLong(PyTuple_GET_ITEM(codes, 1)));
     return true;
+  }
+
+  // What stands for op in validated_pairs: an op string itself; one of mpi4py's ops
+  // (unhashable), its key there (see ringreduce._types.mpi_op_keys).
+  PyObject* op_key(py::handle op) const {
+    if (!PyUnicode_CheckExact(op.ptr())) {
+      for (py::handle pair : mpi_op_keys_) {
+        PyObject* mpi_op = PyTuple_GET_ITEM(pair.ptr(), 0);
+        if (op.ptr() == mpi_op) return PyTuple_GET_ITEM(pair.ptr(), 1);
+      }
+    }
+    return op.ptr();
   }
 
   static py::tuple row_shape(const Array& a) {
@@ -838,7 +852,9 @@ class FastPath {
   py::object executor_object_;  // keeps executor_ alive
   Executor* executor_;
   bool threaded_;  // MPI has MPI_THREAD_MULTIPLE: asynchronous calls may go to the worker
-  py::dict validated_pairs_, dtype_codes_;
+  py::dict validated_pairs_;
+  py::tuple mpi_op_keys_;  // ((op, key), ...): see op_key()
+  py::dict dtype_codes_;
   py::object shape_tag_;
   int64_t no_row_shape_tag_;
   py::object results_empty_, scratch_get_, gather_rest_;
@@ -1325,7 +1341,7 @@ PYBIND11_MODULE(_core, m) {
 
   py::class_<FastPath>(m, "FastPath",
                       "the common case of each collective without Python (None: not taken)")
-      .def(py::init<py::object, py::object, bool, py::dict, py::dict, py::object,
+      .def(py::init<py::object, py::object, bool, py::dict, py::tuple, py::dict, py::object,
                     py::object, py::object, py::object, int64_t, int64_t, int64_t>())
       .def_readwrite("chunk_bytes", &FastPath::chunk_bytes)
       .def("allreduce", &FastPath::allreduce, py::arg("x"), py::arg("op"), py::arg("out"),

@@ -3,6 +3,7 @@ checks on arrays that every collective shares. Error messages name the argument,
 the value and the rank."""
 from __future__ import annotations
 
+import functools
 import importlib.util
 
 import numpy as np
@@ -77,6 +78,37 @@ def _mpi_op_name(op, dtype_name: str | None):
 # On bools (each 0 or 1 once read), an or is a max and an and a min; on other dtypes
 # these ops are not those (3 | 4 is 7), and there is no kernel for them.
 _MPI_BOOL_OPS = {"LOR": "max", "BOR": "max", "LAND": "min", "BAND": "min"}
+
+
+class _MpiOpKey:
+    """What stands for one of mpi4py's predefined ops in validated_pairs: an MPI.Op
+    cannot be a dict key (mpi4py makes it unhashable), and a string would be one that a
+    caller could pass as the op."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"<validated_pairs' key of MPI.{self.name}>"
+
+
+@functools.cache
+def mpi_op_keys() -> tuple:
+    """((MPI.SUM, its key), ...) for each of mpi4py's ops that ringreduce takes for some
+    dtype: the op as the caller passes it, the one object mpi4py has for it (an equal
+    Op made otherwise is not found, and takes the general path)."""
+    from mpi4py import MPI
+    return tuple((getattr(MPI, name), _MpiOpKey(name))
+                 for name in ("SUM", "PROD", "MIN", "MAX", *_MPI_BOOL_OPS))
+
+
+def _mpi_op_key(op):
+    for mpi_op, key in mpi_op_keys():
+        if op is mpi_op:
+            return key
+    return None
 
 
 # mpi4py's predefined ops, the ones ringreduce accepts first.
@@ -167,23 +199,25 @@ def check_op_for_dtype(op: int, dtype_code: int, context: str) -> None:
                                  f"{name} ({why})")
 
 
-# native dtype -> {op string -> (dtype code, op code)}, once valid: what the fast path
-# (the core's FastPath) takes without further checks. Two lookups, not one keyed by
-# (dtype, op): a tuple made for every call cost more than the second lookup.
+# native dtype -> {op string, or an MPI op's key (see mpi_op_keys) -> (dtype code, op
+# code)}, once valid: what the fast path (the core's FastPath) takes without further
+# checks. Two lookups, not one keyed by (dtype, op): a tuple made for every call cost
+# more than the second lookup.
 validated_pairs: dict = {}
 
 
 def reduction_codes(dtype: np.dtype, op, context: str) -> tuple[int, int]:
     """(dtype code, op code) for a reduction of `dtype` by `op`, or a clear error."""
+    key = op if isinstance(op, str) else _mpi_op_key(op)
     try:
-        return validated_pairs[dtype][op]
-    except (KeyError, TypeError):  # TypeError: an unhashable op
+        return validated_pairs[dtype][key]
+    except KeyError:
         pass
     code = dtype_code(dtype, "x", context)
     codes = code, op_code(op, context, _core.DTYPES[code])
     check_op_for_dtype(codes[1], codes[0], context)
-    if isinstance(op, str):
-        validated_pairs.setdefault(dtype, {})[op] = codes
+    if key is not None:
+        validated_pairs.setdefault(dtype, {})[key] = codes
     return codes
 
 

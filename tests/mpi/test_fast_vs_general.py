@@ -71,7 +71,7 @@ UNSUPPORTED = [np.dtype(object), np.dtype(np.longdouble),
                np.dtype("datetime64[s]"), np.dtype("U3"), np.dtype("S2")]
 GOOD_OPS = ("sum", "prod", "min", "max", "avg")
 OTHER_OPS = ("SUM", "Max", "avg", MPI.SUM, MPI.MIN, MPI.PROD, "mean", None, 3, ["sum"],
-             MPI.BAND, b"sum")
+             MPI.BAND, MPI.LOR, MPI.LXOR, MPI.Op.f2py(MPI.SUM.py2f()), b"sum")
 LAYOUTS = ("F", "strided", "reversed", "swapped", "readonly", "subclass",
            "masked", "masked hole", "matrix", "list", "scalar", "python scalar")
 COMMON_OUTS = (None, None, "fresh", "x", "x view")
