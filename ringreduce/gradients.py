@@ -279,10 +279,10 @@ def allreduce_gradients(grads, op: str = "avg", comm=None, bucket_mb: float = 25
     rejected = None
     flats = []
     try:
-        check_bucket_mb(bucket_mb, "allreduce_gradients")
+        check_bucket_mb(bucket_mb, where)
         if not isinstance(grads, list):
             if not_a_list_of_arrays(grads):
-                raise TypeError("allreduce_gradients: grads must be a list of arrays "
+                raise TypeError(f"{where}: grads must be a list of arrays "
                                 f"(one per parameter), got {type(grads).__name__}; for "
                                 "one array g, pass [g]")
             grads = list(grads)
@@ -290,16 +290,16 @@ def allreduce_gradients(grads, op: str = "avg", comm=None, bucket_mb: float = 25
         if layout is None:
             for i, g in enumerate(grads):
                 if isinstance(g, np.generic):  # (has .shape and .dtype, but is immutable)
-                    raise TypeError(f"allreduce_gradients: grads[{i}] is a numpy scalar "
+                    raise TypeError(f"{where}: grads[{i}] is a numpy scalar "
                                     f"({type(g).__name__}), which cannot be reduced in "
                                     "place; pass a 0-d array (np.array(value))")
                 if type(g) is not np.ndarray and (not hasattr(g, "shape")
                                                   or not hasattr(g, "dtype")):
-                    raise TypeError(f"allreduce_gradients: grads[{i}] is a "
+                    raise TypeError(f"{where}: grads[{i}] is a "
                                     f"{type(g).__name__}, not an array")
                 if isinstance(g, np.ndarray) and not g.flags.writeable:
-                    raise ValueError(f"allreduce_gradients: grads[{i}] is read-only")
-                reject_masked(g, f"grads[{i}]", "allreduce_gradients")
+                    raise ValueError(f"{where}: grads[{i}] is read-only")
+                reject_masked(g, f"grads[{i}]", where)
             layout = tuple([(type(g), g.shape, g.dtype) for g in grads])
         code = op_code(op, where)
         plan, check, places = _plan_and_check(grads, layout, code,

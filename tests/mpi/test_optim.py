@@ -704,6 +704,25 @@ def test_misuse_gets_clear_errors():
     assert upper._buckets[0].wire.dtype == np.float16  # (names in any case, as ops)
 
 
+def test_allreduce_gradients_errors_on_one_rank_name_the_rank():
+    # With 64 ranks under mpiexec, a traceback that does not say which rank raised it is
+    # hard to place: allreduce_gradients' own errors begin as the collectives' do. (Every
+    # rank gets the same wrong here.)
+    here = rf"\(rank {RANK} of {SIZE}\): "
+    frozen = np.zeros(2)
+    frozen.flags.writeable = False
+    masked = np.ma.masked_array(np.zeros(2), mask=[1, 0])
+    with rr.Communicator() as ring:
+        for grads, kwargs, error, match in [
+                (np.zeros(3), {}, TypeError, "grads must be a list of arrays"),
+                ([np.zeros(2)], {"bucket_mb": -1}, ValueError, "bucket_mb must be"),
+                ([np.zeros(2), frozen], {}, ValueError, r"grads\[1\] is read-only"),
+                ([np.float64(1)], {}, TypeError, r"grads\[0\] is a numpy scalar"),
+                ([masked], {}, TypeError, r"grads\[0\] is a masked array")]:
+            with pytest.raises(error, match=rf"^ringreduce\.allreduce_gradients {here}{match}"):
+                rr.allreduce_gradients(grads, comm=ring, **kwargs)
+
+
 def test_ranks_with_different_models_are_told():
     if SIZE == 1:
         pytest.skip("needs two ranks")
