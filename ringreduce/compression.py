@@ -165,8 +165,9 @@ def _orthonormal_columns(p, xp):
     return q.astype(p.dtype)
 
 
-def wire_dtype(compression: str | None, like):
-    """The dtype gradients travel as, for None, "fp16" or "bf16"."""
+def wire_dtype(compression: str | None, like, who: str):
+    """The dtype gradients travel as, for None, "fp16" or "bf16"; who: what errors begin
+    with (DistributedOptimizer's, naming the rank)."""
     if compression is None:
         return like.dtype
     if isinstance(compression, str):
@@ -177,10 +178,10 @@ def wire_dtype(compression: str | None, like):
         try:
             import ml_dtypes
         except ImportError:
-            raise ValueError("compression='bf16' needs the ml_dtypes package") from None
+            raise ValueError(f"{who}: compression='bf16' needs the ml_dtypes package") from None
         if array_module(like) is not np:
-            raise ValueError("compression='bf16' works on numpy arrays only (cupy has no "
+            raise ValueError(f"{who}: compression='bf16' works on numpy arrays only (cupy has no "
                              "bfloat16); use 'fp16'")
         return np.dtype(ml_dtypes.bfloat16)
-    raise ValueError(f"compression must be None, 'fp16', 'bf16' or a PowerSGD instance, "
+    raise ValueError(f"{who}: compression must be None, 'fp16', 'bf16' or a PowerSGD instance, "
                      f"got {compression!r}")

@@ -88,14 +88,16 @@ def _own_copy_on_the_side_of(a, p):
 
 
 def _checked_state_arrays(state, key: str, params, who: str, optional=False,
-                          named: str = "state") -> list:
+                          named: str = "state", where: str | None = None) -> list:
     """state[key]: one array per parameter, shaped and typed like it (None allowed where
     optional), or a clear error before anything is loaded; each a copy of its own
     where its parameter is (host or GPU), whichever it was saved from. The copies are
     made here, with the checks: one that fails (out of memory) fails the check, before
     DistributedOptimizer's ranks agree to load, not on one rank after the others have
-    loaded. `named`: what errors call `state` (a part of a larger state, say)."""
-    where = f"{who}.load_state_dict"
+    loaded. `named`: what errors call `state` (a part of a larger state, say); `where`:
+    what they begin with (DistributedOptimizer's, naming the rank), else who's
+    load_state_dict."""
+    where = where or f"{who}.load_state_dict"
     if not isinstance(state, dict) or key not in state:
         raise KeyError(f"{where}: the state has no {key!r} (is it a {who} state_dict()?)")
     if not isinstance(state[key], (list, tuple, np.ndarray)):
@@ -569,13 +571,19 @@ class DistributedOptimizer:
             zlib.crc32("".join(self._model_texts).encode()), self.comm._optimizers_made)))
         self.comm._optimizers_made += 1
 
+    def _where(self, method: str = "") -> str:
+        """What this optimizer's errors begin with: the call and this rank, as the
+        collectives' do (_types.where), so that one rank's error among many is placed."""
+        call = f"DistributedOptimizer.{method}" if method else "DistributedOptimizer"
+        return f"{call} (rank {self.comm.rank} of {self.comm.size})"
+
     def _set_up(self, optimizer, bucket_mb, compression) -> None:
         """All of construction that this rank does alone (and may refuse)."""
         self.optimizer = optimizer
         if not hasattr(optimizer, "params") or not callable(getattr(optimizer, "step", None)):
-            raise TypeError("DistributedOptimizer: optimizer must have .params and .step(grads) "
+            raise TypeError(f"{self._where()}: optimizer must have .params and .step(grads) "
                             f"(as ringreduce.optim.SGD and Adam do), got {type(optimizer).__name__}")
-        self.params = _check_params(optimizer.params, "DistributedOptimizer")
+        self.params = _check_params(optimizer.params, self._where())
         # The averaged gradients are views of the buckets, which the next step
         # overwrites. ringreduce's SGD and Adam keep none of them; another optimizer
         # may (a momentum buffer that starts as the first gradient, say), and would then
@@ -584,14 +592,14 @@ class DistributedOptimizer:
         self._hand_copies = type(optimizer).step not in (SGD.step, Adam.step)
         for i, p in enumerate(self.params):
             if not p.dtype.isnative:  # (the ring's buffers are native, and so its results)
-                raise ValueError(f"DistributedOptimizer: params[{i}] has dtype {p.dtype.str}, "
+                raise ValueError(f"{self._where()}: params[{i}] has dtype {p.dtype.str}, "
                                  "in the other byte order than this machine's: make it "
                                  "p.astype(p.dtype.newbyteorder('='))")
-        check_bucket_mb(bucket_mb, "DistributedOptimizer")
+        check_bucket_mb(bucket_mb, self._where())
         self.compression = compression
         self.powersgd = compression if isinstance(compression, _compression.PowerSGD) else None
         if self.powersgd is not None and self.powersgd._taken:
-            raise ValueError("DistributedOptimizer: this PowerSGD object was given to another "
+            raise ValueError(f"{self._where()}: this PowerSGD object was given to another "
                              "DistributedOptimizer, and keeps state for its parameters (the "
                              "error fed back, the last Q): give each DistributedOptimizer a "
                              "PowerSGD(...) of its own (copy.deepcopy() of one carries its "
@@ -603,14 +611,14 @@ class DistributedOptimizer:
         if self.powersgd is not None:
             # One with state already (loaded, or a copy of one that ran): its arrays are
             # keyed by parameter index, and must fit this model, as a loaded state must.
-            self._check_powersgd_arrays(self.powersgd.state_dict(), "DistributedOptimizer",
+            self._check_powersgd_arrays(self.powersgd.state_dict(), self._where(),
                                         "compression.state_dict()")
         bucketed = [i for i in range(len(self.params)) if i not in set(self._low_rank)]
         plan = pack_plan([self.params[i] for i in bucketed], int(bucket_mb * 1024 * 1024))
         self._buckets = []
         for indices in plan:
             members = [bucketed[j] for j in indices]
-            wire = _compression.wire_dtype(cast, self.params[members[0]])
+            wire = _compression.wire_dtype(cast, self.params[members[0]], self._where())
             self._buckets.append(_Bucket(members, self.params, wire, self.comm.size))
         self._bucket_of = {i: b for b in self._buckets for i in b.indices}
         self._low_rank_sums: dict = {}       # index -> gradient (summed over micro-batches)
@@ -650,8 +658,7 @@ class DistributedOptimizer:
         partway = self._partway_error("broadcast_parameters", "the parameters broadcast "
                                       "now would be updated with gradients of the ones "
                                       "before")
-        where = f"DistributedOptimizer.broadcast_parameters (rank {self.comm.rank} of " \
-                f"{self.comm.size})"
+        where = self._where("broadcast_parameters")
         # Settings set by hand that cannot be sent (or stepped with) refuse here, with
         # the others told, not halfway through the broadcasts, where they would wait.
         rejected = partway
@@ -737,7 +744,7 @@ class DistributedOptimizer:
             raise
 
     def _report(self, index: int, grad) -> None:
-        who = "DistributedOptimizer.grad_ready"
+        who = self._where("grad_ready")
         if isinstance(index, bool) or not isinstance(index, (int, np.integer)) or not (
                 0 <= index < len(self.params)):
             raise ValueError(f"{who}: index {index!r} is not a parameter index "
@@ -776,9 +783,9 @@ class DistributedOptimizer:
             self._abandoned_by_error = False  # (as in grad_ready)
         try:
             if grads is not None:
-                grads = _check_grads(grads, self.params, "DistributedOptimizer.step")
+                grads = _check_grads(grads, self.params, self._where("step"))
                 if any(b.reported for b in self._buckets) or self._low_rank_reported:
-                    raise ValueError("DistributedOptimizer.step: gradients were already given "
+                    raise ValueError(f"{self._where('step')}: gradients were already given "
                                      "with grad_ready() in this step; call step() without "
                                      "grads")
                 for i, g in enumerate(grads):
@@ -786,7 +793,7 @@ class DistributedOptimizer:
             missing = [i for b in self._buckets for i in b.indices if i not in b.reported]
             missing += [i for i in self._low_rank if i not in self._low_rank_reported]
             if missing:
-                raise ValueError(f"DistributedOptimizer.step: no gradient reported for params "
+                raise ValueError(f"{self._where('step')}: no gradient reported for params "
                                  f"{sorted(missing)} (call grad_ready for each, or step(grads))")
         except BaseException:
             self._abandon_unless_all_started()
@@ -797,7 +804,7 @@ class DistributedOptimizer:
                 # sums with averages: nothing is left to accumulate.
                 self.abandon_step()
                 self._abandoned_by_error = True
-                raise ValueError("DistributedOptimizer.step: called inside no_sync(), but "
+                raise ValueError(f"{self._where('step')}: called inside no_sync(), but "
                                  "gradients of this step were given to grad_ready() outside "
                                  "it, which started their all-reduce; this step's gradients "
                                  "(and any accumulated before) are dropped. Give a step's "
@@ -834,7 +841,7 @@ class DistributedOptimizer:
             self.abandon_step()
             self._abandoned_by_error = True
             raise MismatchError(
-                f"DistributedOptimizer.step (rank {self.comm.rank} of {self.comm.size}): this "
+                f"{self._where('step')}: this "
                 "step's all-reduces did not pair up with the other ranks', so it is dropped "
                 "here, without an update; the next step starts clean (an abandon_step() "
                 "before its first gradient counts as this step's: call one here if the next "
@@ -853,7 +860,7 @@ class DistributedOptimizer:
 
     def _check_optimizer_has(self, method: str) -> None:
         if not callable(getattr(self.optimizer, method, None)):
-            raise TypeError(f"DistributedOptimizer.{method}: the wrapped optimizer, a "
+            raise TypeError(f"{self._where(method)}: the wrapped optimizer, a "
                             f"{type(self.optimizer).__name__}, has no {method}(); give it "
                             "state_dict() and load_state_dict(state) (as "
                             "ringreduce.optim.SGD and Adam have) to save and resume it")
@@ -911,10 +918,9 @@ class DistributedOptimizer:
                 raise partway
             if state is None and self._accumulated:
                 raise ValueError(
-                    f"DistributedOptimizer.load_state_dict (rank {self.comm.rank} of "
-                    f"{self.comm.size}): given None, but this rank holds the sums of "
-                    "micro-batches accumulated in no_sync() since the last step, which the "
-                    "next step would add to the state another rank loads (and "
+                    f"{self._where('load_state_dict')}: given None, but this rank holds the "
+                    "sums of micro-batches accumulated in no_sync() since the last step, "
+                    "which the next step would add to the state another rank loads (and "
                     "broadcast_parameters() sends). Call abandon_step() on every rank "
                     "first, which drops them, or load on this rank a state of its own")
             checked = None if state is None else self._checked_state(state)
@@ -969,7 +975,7 @@ class DistributedOptimizer:
         anything is loaded): the optimizer's state, PowerSGD's (or None), the fp16
         scales."""
         if not isinstance(state, dict) or "optimizer" not in state:
-            raise KeyError("DistributedOptimizer.load_state_dict: the state has no "
+            raise KeyError(f"{self._where('load_state_dict')}: the state has no "
                            "'optimizer' (is it a DistributedOptimizer state_dict()?)")
         self._check_optimizer_has("load_state_dict")
         powersgd_state = state.get("powersgd")
@@ -999,7 +1005,7 @@ class DistributedOptimizer:
         """state['accumulated']['sums'] (None where the state has none), checked."""
         if saved is None:
             return None
-        where = "DistributedOptimizer.load_state_dict: state['accumulated']"
+        where = f"{self._where('load_state_dict')}: state['accumulated']"
         if not isinstance(saved, dict) or not {"sums", "ranks"} <= saved.keys():
             raise KeyError(f"{where} is not the sums of micro-batches a state_dict() saves "
                            "(it needs 'sums' and 'ranks')")
@@ -1016,7 +1022,8 @@ class DistributedOptimizer:
             raise ValueError(f"{where}['sums'] is a {type(saved['sums']).__name__}, not a "
                              "list of one array per parameter (a state of another model?)")
         return _checked_state_arrays(saved, "sums", self.params, "DistributedOptimizer",
-                                     named="state['accumulated']")
+                                     named="state['accumulated']",
+                                     where=self._where("load_state_dict"))
 
     def _agree_on_loading(self, checked, rejected: Exception | None = None) -> None:
         # Ranks that load different settings (each reading its own file, one of them
@@ -1048,8 +1055,7 @@ class DistributedOptimizer:
                 "sums" if checked[3] is not None else None)
             texts = [settings, progress, sums]
         self._agree_between_steps(
-            f"DistributedOptimizer.load_state_dict (rank {self.comm.rank} of {self.comm.size})",
-            "load_state_dict",
+            self._where("load_state_dict"), "load_state_dict",
             ["would hold different optimizer settings after it (lr, momentum, betas, eps or "
              "weight_decay; a rank given None keeps its own, which broadcast_parameters() "
              "sends only for ringreduce's SGD and Adam)",
@@ -1076,7 +1082,7 @@ class DistributedOptimizer:
         started = (f"; {self._next_to_start} of its {len(self._units)} all-reduces have "
                    "started, and cannot be saved or undone") if self._next_to_start else ""
         return ValueError(
-            f"DistributedOptimizer.{method} (rank {self.comm.rank} of {self.comm.size}): "
+            f"{self._where(method)}: "
             f"called partway through a step: the gradients of params {given} were given "
             f"since the last step(){started}; {why}. Call it between steps, on every rank: "
             "after step() (inside no_sync(), after the micro-batch's step()), or after "
@@ -1127,7 +1133,7 @@ class DistributedOptimizer:
         'fp16_scales'), or None for each where saved has none for these buckets; a clear
         error for a state that no state_dict() makes."""
         scaled = self._scaled_buckets()
-        where = "DistributedOptimizer.load_state_dict: state['fp16_scales']"
+        where = f"{self._where('load_state_dict')}: state['fp16_scales']"
         if saved is None:
             return [None] * len(scaled)
         if not isinstance(saved, (list, tuple)) or not all(
@@ -1151,7 +1157,7 @@ class DistributedOptimizer:
             bucket.scale.take_numbers(mine)
 
     def _check_powersgd_state(self, state):
-        where = "DistributedOptimizer.load_state_dict"
+        where = self._where("load_state_dict")
         if not isinstance(state, dict) or not {"rank", "seed", "q", "error"} <= state.keys():
             raise KeyError(f"{where}: state['powersgd'] is not a PowerSGD state_dict()")
         saved = f"PowerSGD(rank={state['rank']}, seed={state['seed']})"
@@ -1361,7 +1367,7 @@ class DistributedOptimizer:
                     # this rank's calls: see _LiningUp): abandoning must make no more.
                     self._met_another_call = True
                     raise MismatchError(
-                        f"DistributedOptimizer (rank {self.comm.rank} of {self.comm.size}): "
+                        f"{self._where()}: "
                         f"the ranks' agreement on the fp16 scale of params {bucket.indices} "
                         "met another call on some rank (load_state_dict() or "
                         "broadcast_parameters() there, say), so this step is dropped here, "
@@ -1446,8 +1452,7 @@ class DistributedOptimizer:
         # The parameters, and how their gradients travel (buckets, compression): ranks
         # that differ in either would make different all-reduces, which pair up wrongly;
         # and the optimizer, which would move the replicas apart.
-        agree_or_raise(self.comm, f"DistributedOptimizer (rank {self.comm.rank} of "
-                                  f"{self.comm.size})",
+        agree_or_raise(self.comm, self._where(),
                        [_WHICH_CALL,
                         "wrap different parameters (number, shapes or dtypes)",
                         "send gradients differently (bucket_mb or compression)",

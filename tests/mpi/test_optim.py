@@ -704,6 +704,51 @@ def test_misuse_gets_clear_errors():
     assert upper._buckets[0].wire.dtype == np.float16  # (names in any case, as ops)
 
 
+def test_errors_raised_on_one_rank_name_the_rank():
+    # With 64 ranks under mpiexec, a traceback that does not say which rank raised it is
+    # hard to place: DistributedOptimizer's own errors begin as the collectives' do.
+    # (Every rank gets the same wrong here, and raises its own error.)
+    here = rf"\(rank {RANK} of {SIZE}\): "
+    params = [np.zeros((3, 2)), np.zeros(2)]
+    opt = DistributedOptimizer(SGD(params, lr=0.1))
+    with pytest.raises(ValueError, match=rf"^DistributedOptimizer\.step {here}got 1 gradients"):
+        opt.step([np.zeros((3, 2))])
+    with pytest.raises(ValueError, match=rf"^DistributedOptimizer\.grad_ready {here}index 5"):
+        opt.grad_ready(5, np.zeros(2))
+    with pytest.raises(ValueError, match=rf"^DistributedOptimizer\.step {here}no gradient "
+                                         r"reported for params \[0, 1\]"):
+        opt.step()
+    with pytest.raises(KeyError, match=rf"DistributedOptimizer\.load_state_dict {here}the "
+                                       "state has no 'optimizer'"):
+        opt.load_state_dict({"lr": 0.1})
+    with pytest.raises(ValueError, match=rf"^DistributedOptimizer\.load_state_dict {here}"
+                                         r"state\['fp16_scales'\] is not a list"):
+        opt.load_state_dict({**opt.state_dict(), "fp16_scales": 3})
+    with pytest.raises(ValueError, match=rf"^DistributedOptimizer {here}bucket_mb must be"):
+        DistributedOptimizer(SGD([np.zeros(2)], lr=0.1), bucket_mb=0)
+    with pytest.raises(ValueError, match=rf"^DistributedOptimizer {here}compression must be"):
+        DistributedOptimizer(SGD([np.zeros(2)], lr=0.1), compression="int8")
+    with pytest.raises(TypeError, match=rf"^DistributedOptimizer {here}optimizer must have"):
+        DistributedOptimizer(object())
+
+    class NoState:  # (an optimizer of one's own, without state_dict())
+        def __init__(self, params):
+            self.params = params
+
+        def step(self, grads):
+            pass
+
+    with pytest.raises(TypeError, match=rf"^DistributedOptimizer\.state_dict {here}the "
+                                        "wrapped optimizer, a NoState, has no state_dict"):
+        DistributedOptimizer(NoState([np.zeros(2)])).state_dict()
+    # The plain optimizers have no communicator, and say no rank.
+    for make in (lambda: SGD([np.zeros(2)], lr=-1.0), lambda: Adam([np.zeros(2)], lr=-1.0),
+                 lambda: SGD([np.zeros(2)], lr=0.1).step([np.zeros(3)])):
+        with pytest.raises(ValueError) as raised:
+            make()
+        assert "rank" not in str(raised.value)
+
+
 def test_allreduce_gradients_errors_on_one_rank_name_the_rank():
     # With 64 ranks under mpiexec, a traceback that does not say which rank raised it is
     # hard to place: allreduce_gradients' own errors begin as the collectives' do. (Every
@@ -1338,7 +1383,8 @@ def test_a_powersgd_with_state_of_another_model_is_refused_by_a_new_optimizer():
     saved = ran.state_dict()["powersgd"]
     free = PowerSGD(rank=2)
     free.load_state_dict(saved)
-    with pytest.raises(ValueError, match=r"^DistributedOptimizer: compression.state_dict\(\)"
+    with pytest.raises(ValueError, match=rf"^DistributedOptimizer \(rank {RANK} of {SIZE}\): "
+                                         r"compression.state_dict\(\)"
                                          r"\['q'\]\[0\] is \(30, 2\) float64, but for "
                                          r"params\[0\] \(50, 20\) float64 it is \(20, 2\)"):
         DistributedOptimizer(SGD([np.zeros((50, 20))], lr=0.1), compression=free)
