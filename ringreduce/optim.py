@@ -120,11 +120,12 @@ def _checked_state_arrays(state, key: str, params, who: str, optional=False,
             for a, p in zip(arrays, params)]
 
 
-def _state_values(state, keys, who: str) -> list:
-    """state[key] for each key, or a clear error before anything is loaded."""
+def _state_values(state, keys, who: str, where: str | None = None) -> list:
+    """state[key] for each key, or a clear error before anything is loaded (`where`: as
+    in _checked_state_arrays)."""
     missing = [key for key in keys if key not in state]
     if missing:
-        raise KeyError(f"{who}.load_state_dict: the state has no "
+        raise KeyError(f"{where or f'{who}.load_state_dict'}: the state has no "
                        f"{', '.join(map(repr, missing))} (is it a {who} state_dict()?)")
     return [state[key] for key in keys]
 
@@ -259,14 +260,15 @@ class SGD:
     def load_state_dict(self, state: dict) -> None:
         self._take(self._checked(state))
 
-    def _checked(self, state) -> dict:
+    def _checked(self, state, where: str = "SGD.load_state_dict") -> dict:
         """What load_state_dict(state) loads, checked: everything before anything is
         loaded (a state that failed halfway through left the settings loaded before
-        it: lr and momentum without weight_decay, say)."""
+        it: lr and momentum without weight_decay, say). `where`: what errors begin with
+        (DistributedOptimizer's, naming the rank)."""
         buffers = _checked_state_arrays(state, "momentum_buffers", self.params, "SGD",
-                                        optional=True)
-        lr, momentum, weight_decay = _state_values(state, self._SETTINGS, "SGD")
-        _check_sgd_settings(lr, momentum, weight_decay, "SGD.load_state_dict")
+                                        optional=True, where=where)
+        lr, momentum, weight_decay = _state_values(state, self._SETTINGS, "SGD", where)
+        _check_sgd_settings(lr, momentum, weight_decay, where)
         return {"lr": lr, "momentum": momentum, "weight_decay": weight_decay,
                 "momentum_buffers": buffers}
 
@@ -314,15 +316,15 @@ class Adam:
     def load_state_dict(self, state: dict) -> None:
         self._take(self._checked(state))
 
-    def _checked(self, state) -> dict:
+    def _checked(self, state, where: str = "Adam.load_state_dict") -> dict:
         """What load_state_dict(state) loads, checked (as in SGD._checked)."""
-        m = _checked_state_arrays(state, "m", self.params, "Adam")
-        v = _checked_state_arrays(state, "v", self.params, "Adam")
+        m = _checked_state_arrays(state, "m", self.params, "Adam", where=where)
+        v = _checked_state_arrays(state, "v", self.params, "Adam", where=where)
         lr, betas, eps, weight_decay, t = _state_values(
-            state, self._SETTINGS + ("t",), "Adam")
-        _check_adam_settings(lr, betas, eps, weight_decay, "Adam.load_state_dict")
+            state, self._SETTINGS + ("t",), "Adam", where)
+        _check_adam_settings(lr, betas, eps, weight_decay, where)
         if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or t < 0:
-            raise ValueError(f"Adam.load_state_dict: state['t'] (the steps taken) must be an "
+            raise ValueError(f"{where}: state['t'] (the steps taken) must be an "
                              f"int >= 0, got {t!r}")
         return {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay,
                 "t": int(t), "m": m, "v": v}
@@ -991,7 +993,9 @@ class DistributedOptimizer:
         sums = self._checked_sums(state.get("accumulated"))
         optimizer_state = state["optimizer"]
         if self._optimizer_checks_first:
-            optimizer_state = self.optimizer._checked(optimizer_state)
+            optimizer_state = self.optimizer._checked(
+                optimizer_state, f"{self._where('load_state_dict')}: "
+                                 f"{type(self.optimizer).__name__}'s state")
         return optimizer_state, powersgd_state, scales, sums
 
     def _sum_of(self, index: int):

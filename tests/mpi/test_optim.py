@@ -1012,9 +1012,12 @@ def test_a_state_of_another_model_is_refused(make):
     for other in ([np.zeros((4, 3)), np.zeros(3)], [np.zeros((2, 2))],
                   [np.zeros((4, 3), np.float32)]):
         target = make(other)
-        with pytest.raises(ValueError, match="a state of another model"):
+        with pytest.raises(ValueError, match=r"^(SGD|Adam)\.load_state_dict: .*a state of "
+                                             "another model"):
             target.load_state_dict(saved)
-        with pytest.raises(ValueError, match="a state of another model"):
+        with pytest.raises(ValueError, match=rf"^DistributedOptimizer\.load_state_dict \(rank "
+                                             rf"{RANK} of {SIZE}\): (SGD|Adam)'s state: .*a "
+                                             "state of another model"):
             DistributedOptimizer(make(other)).load_state_dict({"optimizer": saved})
     with pytest.raises(KeyError, match="state_dict"):
         make(small).load_state_dict({"lr": 0.1})
@@ -1080,13 +1083,16 @@ def test_ranks_that_would_load_different_states_are_told_and_none_loads(make, di
                 }.get(differs, None)
     settings = r"would hold different optimizer settings after it \(lr, momentum"
     steps = r"load states of different steps or runs \(Adam's step count"
+    # (The wrapped optimizer's own check, with the rank where it failed.)
+    corrupt = (rf"DistributedOptimizer\.load_state_dict \(rank 1 of {SIZE}\): \w+'s state: "
+               "need lr > 0")
     error, match = {
         "lr": (rr.MismatchError, settings + r".*: ranks \[1\] differ from rank 0"),
         "an earlier step": (rr.MismatchError, steps + r".*: ranks \[1\] differ from rank 0"),
         "fp16 scale": (rr.MismatchError, steps + r".*: ranks \[1\] differ from rank 0"),
-        "a corrupt state": (ValueError, "need lr > 0") if RANK == 1 else (
-            rr.MismatchError, r"rank 1 rejected its arguments \(ValueError: \w+\.load_state_dict:"
-                              r" need lr > 0.*\), so no rank loaded its state"),
+        "a corrupt state": (ValueError, rf"^{corrupt}") if RANK == 1 else (
+            rr.MismatchError, rf"rank 1 rejected its arguments \(ValueError: {corrupt}.*\), so no "
+                              "rank loaded its state"),
     }[differs]
     target = made()
     before = target.state_dict()
