@@ -76,13 +76,16 @@ def progress(done: int, total: int, what: str) -> None:
     sys.stderr.flush()
 
 
-def allreduce_candidates(comm, x, gloo, with_reference):
+def allreduce_candidates(comm, x, gloo, with_reference, mpi_op=False):
     out_rr, out_mpi, inplace = np.empty_like(x), np.empty_like(x), x.copy()
     candidates = {
         "ringreduce": lambda: comm.allreduce(x, out=out_rr),
         "ringreduce in place": lambda: comm.allreduce(inplace, out=inplace),
         "MPI_Allreduce": lambda: world.Allreduce(x, out_mpi, op=MPI.SUM),
     }
+    if mpi_op:
+        out_op = np.empty_like(x)
+        candidates["ringreduce op=MPI.SUM"] = lambda: comm.allreduce(x, op=MPI.SUM, out=out_op)
     if with_reference:
         candidates["numpy reference"] = lambda: reference.allreduce(x, "sum", world)
     if gloo is not None:
@@ -123,6 +126,9 @@ def main() -> None:
     parser.add_argument("--no-reference", action="store_true",
                         help="skip the numpy reference ring (slow at large sizes)")
     parser.add_argument("--no-gloo", action="store_true", help="skip torch's gloo")
+    parser.add_argument("--mpi-op", action="store_true",
+                        help="also time ringreduce given mpi4py's MPI.SUM as its op, as code "
+                             "ported from mpi4py passes it (the default passes 'sum')")
     parser.add_argument("--json", type=output_file(), help="write every measurement here")
     parser.add_argument("--plot", type=output_file(plot=True),
                         help="save busbw vs size here (PNG, or by its suffix: PDF, SVG, ...)")
@@ -142,7 +148,8 @@ def main() -> None:
         count = nbytes // 4  # (whole float32 elements: see sizes_argument)
         x = np.random.default_rng(rank).standard_normal(count).astype(np.float32)
         if collective == "allreduce":
-            candidates = allreduce_candidates(comm, x, gloo, not args.no_reference)
+            candidates = allreduce_candidates(comm, x, gloo, not args.no_reference,
+                                              args.mpi_op)
         else:
             candidates = collective_candidates(comm, collective, x)
         times = time_alternating(candidates, repeats=args.repeats,

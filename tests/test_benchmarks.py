@@ -17,7 +17,7 @@ def test_bench_allreduce_and_summarize(tmp_path):
     result = tmp_path / "run.json"
     done = subprocess.run(
         [mpiexec(), "-n", "2", sys.executable, "-m", "mpi4py", "benchmarks/bench_allreduce.py",
-         "--sizes", "64,20K", "--repeats", "2", "--no-gloo", "--json", str(result),
+         "--sizes", "64,20K", "--repeats", "2", "--no-gloo", "--mpi-op", "--json", str(result),
          "--plot", str(tmp_path / "busbw.png")],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
         env=job_env())
@@ -31,6 +31,7 @@ def test_bench_allreduce_and_summarize(tmp_path):
             assert (collective, "ringreduce", nbytes) in seen
             assert (collective, peer, nbytes) in seen
     assert ("allreduce", "numpy reference", 64) in seen
+    assert ("allreduce", "ringreduce op=MPI.SUM", 20 << 10) in seen
     assert all(r["time_s"] > 0 and r["speedup_vs_mpi"] > 0 for r in rows)
     assert (tmp_path / "busbw.png").stat().st_size > 0
 
