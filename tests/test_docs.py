@@ -57,6 +57,23 @@ def test_readme_example_runs_on_two_ranks(tmp_path):
     assert outputs[0][1] == outputs[1][1]  # the same numbers on both ranks
 
 
+def test_the_mpi4py_comparison_runs_on_3_ranks(tmp_path):
+    # docs/api.md's "Coming from mpi4py": each mpi4py call beside ringreduce's, asserted
+    # equal; on 3 ranks, where blocks and row counts differ per rank.
+    sys.path.insert(0, str(ROOT / "tests"))
+    from launch import job_env, mpiexec
+
+    code = re.search(r"```python\n(# from_mpi4py\.py\n.*?)```",
+                     (ROOT / "docs" / "api.md").read_text(), re.S).group(1)
+    script = tmp_path / "from_mpi4py.py"
+    script.write_text(code + "print('all equal')\n")
+    done = subprocess.run([mpiexec(), "-n", "3", sys.executable, "-m", "mpi4py", str(script)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env=job_env())
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.count("all equal") == 3, done.stdout + done.stderr
+
+
 @pytest.mark.parametrize("ranks", [1, 2, 3, 4])
 def test_the_training_script_gives_the_output_shown_on_1_to_4_ranks(tmp_path, ranks):
     sys.path.insert(0, str(ROOT / "tests"))
