@@ -46,10 +46,12 @@ def op_code(op, context: str, dtype_name: str | None = None) -> int:
     key = op.lower() if isinstance(op, str) else _mpi_op_name(op, dtype_name)
     if key not in _OP_CODES:
         name = _mpi_predefined_name(op)
-        only = (f"; {_op_text(op)} is taken for bool arrays only (where it is "
-                f"op={_MPI_BOOL_OPS[name]!r})" + (f", and x has dtype {dtype_name}"
-                                                  if dtype_name else "")
-                if name in _MPI_BOOL_OPS else "")
+        only = ""
+        if name in _MPI_BOOL_OPS:
+            same = f"op={_MPI_BOOL_OPS[name]!r}"
+            only = (f"; {_op_text(op)} is taken for bool arrays only (where it is {same})"
+                    + (f", and x has dtype {dtype_name}" if dtype_name else
+                       f", by the collectives: here, pass {same}, which on bools is the same"))
         raise ValueError(f"{context}: op {_op_text(op)} is not one of "
                          + ", ".join(repr(name) for name in OPS)
                          + " (or MPI.SUM, MPI.PROD, MPI.MIN, MPI.MAX; for bools MPI.LOR, "

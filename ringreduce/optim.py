@@ -68,23 +68,25 @@ def _check_grad(i, g, p, who):
                         f"dtype {p.dtype}")
 
 
-def _on_the_side_of(a, p):
+def _on_the_side_of(a, p, copy: bool = False):
     """a where p is: on the host for a numpy p (a state saved from a model on a GPU,
     loaded into one on the CPU), else p's array module's own (as torch's
-    load_state_dict moves a state to its parameter's device)."""
+    load_state_dict moves a state to its parameter's device). copy: an array of its
+    own, sharing no memory with a (a move between host and GPU is one already; one from
+    another array type may not be: np.asarray of an array-like can be a view of it)."""
     if isinstance(p, np.ndarray):
         if isinstance(a, np.ndarray):
-            return a
+            return a.copy() if copy else a
         get = getattr(a, "get", None)  # (cupy's copy to the host; np.asarray refuses one)
-        return get() if callable(get) else np.asarray(a)
+        if hasattr(a, "__cuda_array_interface__") and callable(get):
+            return get()
+        return np.array(a) if copy else np.asarray(a)
     xp = array_module(p)
-    return a if array_module(a) is xp else xp.asarray(a)
-
-
-def _own_copy_on_the_side_of(a, p):
-    """A copy of a, where p is (a move is a copy already)."""
-    placed = _on_the_side_of(a, p)
-    return placed.copy() if placed is a else placed
+    if array_module(a) is xp:
+        return a.copy() if copy else a
+    if isinstance(a, np.ndarray):
+        return xp.asarray(a)  # (from the host: a copy)
+    return xp.array(a) if copy else xp.asarray(a)
 
 
 def _checked_state_arrays(state, key: str, params, who: str, optional=False,
@@ -116,7 +118,7 @@ def _checked_state_arrays(state, key: str, params, who: str, optional=False,
                              f"{getattr(a, 'shape', type(a).__name__)} "
                              f"{getattr(a, 'dtype', '')}, but params[{i}] is {p.shape} "
                              f"{p.dtype} (a state of another model?)")
-    return [None if a is None else _own_copy_on_the_side_of(a, p)
+    return [None if a is None else _on_the_side_of(a, p, copy=True)
             for a, p in zip(arrays, params)]
 
 

@@ -35,6 +35,12 @@ def test_unknown_op_names_it_and_the_valid_ones(comm):
                                          r".*MPI.LAND is taken for bool arrays only \(where "
                                          r"it is op='min'\), and x has dtype float64$"):
         comm.allreduce(np.ones(3), op=MPI.LAND)
+    flags = [np.ones(3, bool)]  # (allreduce_gradients takes op names before the arrays)
+    with pytest.raises(ValueError, match=r"MPI.LOR is taken .* by the collectives: here, "
+                                         r"pass op='max', which on bools is the same$"):
+        rr.allreduce_gradients(flags, op=MPI.LOR, comm=comm)
+    rr.allreduce_gradients(flags, op="max", comm=comm)
+    assert flags[0].all()
     for op in (MPI.LXOR, MPI.BXOR, MPI.MAXLOC):  # (no kernel for these, bools or not)
         with pytest.raises(ValueError, match=r"is not one of .*MPI.BAND\)$"):
             comm.allreduce(np.ones(3, bool), op=op)

@@ -997,6 +997,37 @@ def test_state_arrays_that_fail_to_copy_on_one_rank_load_nothing_anywhere(part):
                 assert (a is None and b is None) or np.array_equal(a, b), key
 
 
+class _ReadInPlace:
+    """A host array-like that numpy reads without a copy (as it does a pandas Series
+    or an array of another library exposing __array_interface__)."""
+
+    def __init__(self, array):
+        self.array = array
+        self.shape, self.dtype = array.shape, array.dtype
+        self.__array_interface__ = array.__array_interface__
+
+
+@pytest.mark.parametrize("distributed", [False, True])
+def test_a_loaded_state_shares_no_memory_with_an_array_like_it_was_given(distributed):
+    # (From a review of c49428d.) The copy was skipped wherever the move to the
+    # parameter's side returned another object than the state's array, taken for a copy:
+    # np.asarray of an array-like is a view of its memory, so the optimizer's buffers
+    # were the caller's, each changing the other.
+    opt = SGD([np.zeros((4, 3)), np.zeros(5)], lr=0.1, momentum=0.9)
+    opt.step([np.ones((4, 3)), np.ones(5)])
+    state = opt.state_dict()
+    given = [b.copy() for b in state["momentum_buffers"]]
+    state["momentum_buffers"] = [_ReadInPlace(b) for b in given]
+    target = SGD([np.zeros((4, 3)), np.zeros(5)], lr=0.1, momentum=0.9)
+    if distributed:
+        DistributedOptimizer(target).load_state_dict({"optimizer": state})
+    else:
+        target.load_state_dict(state)
+    for loaded, mine in zip(target.momentum_buffers, given):
+        assert isinstance(loaded, np.ndarray) and not np.shares_memory(loaded, mine)
+        np.testing.assert_array_equal(loaded, mine)
+
+
 # ringreduce's two optimizers, each with a state to save (momentum; Adam's moments).
 each_optimizer = pytest.mark.parametrize("make", [lambda p: SGD(p, lr=0.1, momentum=0.9),
                                                   lambda p: Adam(p, lr=0.01)],
