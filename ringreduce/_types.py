@@ -71,7 +71,8 @@ def _op_text(op) -> str:
 def _mpi_op_name(op, dtype_name: str | None):
     """Also accept mpi4py's MPI.SUM, MPI.PROD, MPI.MIN and MPI.MAX; and for bools its
     logical and bitwise ors and ands, as the ops that compute them there."""
-    name = _mpi_predefined_name(op)
+    key = _mpi_op_key(op)  # (the op as callers pass it: found without comparing)
+    name = key.name if key is not None else _mpi_predefined_name(op)
     if name in ("SUM", "PROD", "MIN", "MAX"):
         return name.lower()
     return _MPI_BOOL_OPS.get(name) if dtype_name == "bool" else None
