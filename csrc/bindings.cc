@@ -481,12 +481,19 @@ class FastPath {
         scratch_get_(scratch_get),
         gather_rest_(gather_rest),
         fresh_max_bytes_(fresh_max_bytes),
-        confirm_bytes_(confirm_bytes) {}
+        confirm_bytes_(confirm_bytes),
+        numpy_scalar_type_(py::module_::import("numpy").attr("generic")) {}
 
   int64_t chunk_bytes;  // the Communicator's, kept in step by its setter
 
   // `check`: see RingCommunicator::allreduce().
   py::object allreduce(py::handle x, py::handle op, py::handle out, int64_t check) {
+    py::object from_scalar;
+    if (!is_plain(x)) {
+      from_scalar = scalar_as_array(x);
+      if (!from_scalar) return py::none();
+      x = from_scalar;
+    }
     int dtype, reduce_op;
     if (!allreduce_arguments(x, op, out, &dtype, &reduce_op)) return py::none();
     const Array a(x);
@@ -707,6 +714,21 @@ class FastPath {
     return is_plain_out(out, a, a.nd, a.dims, false, false);
   }
 
+  // A numpy scalar or a Python float, int or bool (a loss, np.isnan(loss): reduced once a
+  // step, some 4 us each through the general path) as the 0-d array np.asarray() makes
+  // of it, which the general path reduces too; null for anything else, or where that
+  // fails (the general path then says why).
+  py::object scalar_as_array(py::handle x) const {
+    PyObject* p = x.ptr();
+    if (!PyFloat_CheckExact(p) && !PyLong_CheckExact(p) && !PyBool_Check(p) &&
+        !PyObject_TypeCheck(p, reinterpret_cast<PyTypeObject*>(numpy_scalar_type_.ptr()))) {
+      return py::object();
+    }
+    PyObject* array = py::detail::npy_api::get().PyArray_FromAny_(p, nullptr, 0, 0, 0, nullptr);
+    if (array == nullptr) PyErr_Clear();
+    return py::reinterpret_steal<py::object>(array);
+  }
+
   // Exactly numpy.ndarray (no subclass: a masked array has its own rules), C-contiguous.
   static bool is_plain(py::handle h) {
     const auto& api = py::detail::npy_api::get();
@@ -859,6 +881,7 @@ class FastPath {
   int64_t no_row_shape_tag_;
   py::object results_empty_, scratch_get_, gather_rest_;
   int64_t fresh_max_bytes_, confirm_bytes_;
+  py::object numpy_scalar_type_;  // numpy.generic (see scalar_as_array())
 };
 
 // allreduce_gradients' packing of small gradients into one flat buffer and back, by

@@ -137,6 +137,23 @@ def test_bench_gradients_runs_and_writes_every_candidate(tmp_path):
     assert "| 2 x 128 KiB | 256 KiB |" in done.stdout
 
 
+def test_bench_scalar_runs_and_writes_every_candidate(tmp_path):
+    result = tmp_path / "scalar.json"
+    done = subprocess.run(
+        [mpiexec(), "-n", "2", sys.executable, "-m", "mpi4py", "benchmarks/bench_scalar.py",
+         "--repeats", "2", "--json", str(result)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, env=job_env())
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = json.loads(result.read_text())["results"]
+    for value in ("float32 loss (sum)", "bool flag (max)"):
+        names = {r["implementation"] for r in rows if r["value"] == value}
+        assert names == {"ringreduce, numpy scalar", "ringreduce, Python scalar",
+                         "ringreduce, 0-d array", "mpi4py allreduce (pickled)",
+                         "MPI_Allreduce (1 element)"}, names
+    assert all(r["time_s"] > 0 and r["speedup_vs_mpi"] > 0 for r in rows)
+    assert "| bool flag (max) | ringreduce, numpy scalar |" in done.stdout
+
+
 @pytest.mark.parametrize("script, argv, message", [
     ("benchmarks/bench_allreduce.py", ["--sizes", "1.5.3K"], "'1.5.3K' is not a size"),
     ("benchmarks/bench_allreduce.py", ["--sizes", "64,"], "'' is not a size"),
@@ -145,6 +162,7 @@ def test_bench_gradients_runs_and_writes_every_candidate(tmp_path):
     ("benchmarks/bench_allreduce.py", ["--json", "/nonexistent-folder/b.json"], "no folder"),
     ("benchmarks/bench_allreduce.py", ["--plot", "busbw.txt"], "a plot is written as"),
     ("benchmarks/bench_async.py", ["--repeats", "0"], "--repeats: must be at least 1"),
+    ("benchmarks/bench_scalar.py", ["--repeats", "0"], "--repeats: must be at least 1"),
     ("benchmarks/ps_vs_ring.py", ["--mib", "0"], "--mib: must be above 0"),
     ("benchmarks/fit_model.py", ["--repeats", "-1"], "--repeats: must be at least 1"),
     ("benchmarks/fit_model.py", [], "run it on 2 ranks or more"),

@@ -352,6 +352,28 @@ def test_mpi4pys_ops_take_the_fast_path_as_the_op_names_do(comm):
     np.testing.assert_array_equal(comm.allreduce(x, op=other_sum), comm.allreduce(x))
 
 
+def test_a_scalar_takes_the_fast_path_as_a_0d_array_does(comm):
+    # A loss or np.isnan(loss), reduced once a step, took the general path (4.4 us
+    # against 0.8 us for a 0-d array on 2 ranks): as np.asarray makes it, it takes the
+    # FastPath now, and comes back as the general path returns it, a 0-d array.
+    total = np.float32(SIZE * 1.5 + SIZE * (SIZE - 1) / 2)
+    for x, op, expected in [(np.float32(1.5 + RANK), "sum", total),
+                            (np.bool_(RANK == SIZE - 1), "max", np.bool_(True)),
+                            (1.5 + RANK, "max", np.float64(1.5 + SIZE - 1)),
+                            (RANK, MPI.SUM, np.int64(SIZE * (SIZE - 1) // 2)),
+                            (RANK == 0, MPI.LAND, np.bool_(SIZE == 1))]:
+        general = comm.allreduce(x, op=op)  # (validates the dtype and op, once)
+        served = comm._fast.allreduce(x, op, None)
+        for got in (general, served):
+            assert type(got) is np.ndarray and got.shape == () and got.dtype == expected.dtype
+            assert got == expected, (x, op, got)
+    # Not what np.asarray makes no array the ring takes of, nor an out= the scalar.
+    for x in (np.str_("a"), 2 ** 70, np.datetime64(1, "s")):
+        assert comm._fast.allreduce(x, "sum", None) is None
+    with pytest.raises(TypeError, match="out must be a numpy.ndarray"):
+        comm.allreduce(np.float32(1), out=np.float32(1))
+
+
 def test_bools_of_any_byte_match_the_reference_byte_for_byte(comm):
     # A bool array made from other bytes (a uint8 view) holds True as any nonzero byte:
     # the core and the reference both write it as numpy's ufuncs do, 1 (on one rank,
