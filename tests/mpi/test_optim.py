@@ -910,7 +910,7 @@ def test_powersgd_arrays_that_fail_to_move_on_one_rank_load_nothing_anywhere(mon
     # PowerSGD's and the micro-batch sums not, while the others had loaded everything.
     # The moves belong to the checks, before the agreement, as SGD's and Adam's are.
     import fake_cupy
-    bad = SIZE - 1
+    bad = BAD  # (the rank raises_here_or_mismatch expects its own error on)
 
     def made(params):
         return DistributedOptimizer(OPTIMIZERS["sgd-momentum-decay"](params),
@@ -934,12 +934,9 @@ def test_powersgd_arrays_that_fail_to_move_on_one_rank_load_nothing_anywhere(mon
 
     if RANK == bad:
         monkeypatch.setattr(fake_cupy.ndarray, "get", get)
-    if RANK == bad:
-        with pytest.raises(MemoryError, match="copying to the host"):
-            again.load_state_dict(on_gpu)
-    else:
-        with pytest.raises(rr.MismatchError, match=rf"rank {bad} rejected its arguments"):
-            again.load_state_dict(on_gpu)
+    with raises_here_or_mismatch(MemoryError, "copying to the host",
+                                 rf"rank {bad} rejected its arguments"):
+        again.load_state_dict(on_gpu)
     monkeypatch.undo()
     kept = again.state_dict()  # nothing was loaded, on any rank
     for a, b in zip(kept["optimizer"]["momentum_buffers"],
@@ -965,7 +962,7 @@ def test_state_arrays_that_fail_to_copy_on_one_rank_load_nothing_anywhere(part):
     # Adam's _take, the sums of micro-batches): a copy that failed on one rank (out of
     # memory) raised there alone, with the settings loaded and the arrays not, while
     # the others had loaded everything. The copies are part of the checks now.
-    bad = SIZE - 1
+    bad = BAD  # (as above)
     make = (lambda p: SGD(p, lr=0.1, momentum=0.9)) if part != "m" else \
         (lambda p: Adam(p, lr=0.01))
     opt = DistributedOptimizer(make([np.zeros((4, 3)), np.zeros(5)]))
@@ -982,12 +979,9 @@ def test_state_arrays_that_fail_to_copy_on_one_rank_load_nothing_anywhere(part):
         holder[key] = [holder[key][0].view(_CopyFails)] + list(holder[key][1:])
     target = DistributedOptimizer(make([np.zeros((4, 3)), np.zeros(5)]))
     before = target.state_dict()
-    if RANK == bad:
-        with pytest.raises(MemoryError, match="copying a loaded state"):
-            target.load_state_dict(state)
-    else:
-        with pytest.raises(rr.MismatchError, match=rf"rank {bad} rejected its arguments"):
-            target.load_state_dict(state)
+    with raises_here_or_mismatch(MemoryError, "copying a loaded state",
+                                 rf"rank {bad} rejected its arguments"):
+        target.load_state_dict(state)
     after = target.state_dict()  # nothing was loaded, on any rank
     assert after["optimizer"]["lr"] == before["optimizer"]["lr"] != 0.5
     assert not target._accumulated and "accumulated" not in after
