@@ -14,9 +14,6 @@ each run the slowest rank's time.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import sys
 import time
 
@@ -26,8 +23,8 @@ from mpi4py import MPI
 import ringreduce as rr
 from ringreduce import reference
 from ringreduce.sim import need_matplotlib, parse_bytes
-from timing import (at_least, bus_bandwidth, human_bytes, human_time, inner_iterations, mpi_library,
-                    output_file, save_size_plot, start_gloo, time_alternating)
+from timing import (at_least, bus_bandwidth, human_bytes, human_time, inner_iterations,
+                    output_file, save_size_plot, start_gloo, time_alternating, write_json)
 
 world = MPI.COMM_WORLD
 rank, size = world.Get_rank(), world.Get_size()
@@ -166,22 +163,10 @@ def main() -> None:
     if rank == 0:
         print_tables(rows)
         if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"ranks": size, "dtype": "float32", "repeats": args.repeats,
-                           "machine": machine(), "mpi": mpi_library(),
-                           "date": time.strftime("%Y-%m-%d"), "results": rows}, f, indent=1)
+            write_json(args.json, ranks=size, dtype="float32", repeats=args.repeats,
+                       results=rows)
         if args.plot:
             plot(rows, args.plot)
-
-
-def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if "model name" in line)
-    except (OSError, StopIteration):
-        pass
-    return f"{cpu}, {os.cpu_count()} cores"
 
 
 def print_tables(rows) -> None:
@@ -192,7 +177,7 @@ def print_tables(rows) -> None:
             continue
         names = list(dict.fromkeys(r["implementation"] for r in mine))
         print(f"\n## {collective}")
-        print(f"| size | " + " | ".join(f"{n} time | busbw" for n in names)
+        print("| size | " + " | ".join(f"{n} time | busbw" for n in names)
               + " | speedup vs MPI (" + " / ".join(
                   n for n in names if n.startswith("ringreduce") and "in place" not in n)
               + ") |")

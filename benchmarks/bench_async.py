@@ -19,16 +19,15 @@ MPI_Iallreduce.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 import numpy as np
 from mpi4py import MPI
 
 import ringreduce as rr
-from bench_allreduce import machine, progress, sizes_argument
-from timing import (at_least, human_bytes, human_time, mpi_library, output_file, start_gloo,
-                    time_alternating)
+from bench_allreduce import progress, sizes_argument
+from timing import (at_least, human_bytes, human_time, output_file, start_gloo,
+                    time_alternating, write_json)
 
 world = MPI.COMM_WORLD
 rank, size = world.Get_rank(), world.Get_size()
@@ -168,13 +167,10 @@ def main() -> None:
                   + " | ".join(human_time(mine[n]["time_s"]) for n in names)
                   + f" | {mine['ringreduce async']['speedup_vs_mpi']:.2f}x |")
         if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"ranks": size, "dtype": "float32", "buckets": args.buckets,
-                           "wait_each": args.wait_each, "wait_timeout": args.wait_timeout,
-                           "loss": args.loss, "compute_us": args.compute_us,
-                           "repeats": args.repeats,
-                           "machine": machine(), "mpi": mpi_library(),
-                           "date": time.strftime("%Y-%m-%d"), "results": rows}, f, indent=1)
+            write_json(args.json, ranks=size, dtype="float32", buckets=args.buckets,
+                       wait_each=args.wait_each, wait_timeout=args.wait_timeout,
+                       loss=args.loss, compute_us=args.compute_us, repeats=args.repeats,
+                       results=rows)
 
 
 if __name__ == "__main__":

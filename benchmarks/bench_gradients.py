@@ -19,16 +19,14 @@ rank's) and ringreduce's speedup over each.
 from __future__ import annotations
 
 import argparse
-import json
-import time
 
 import numpy as np
 from mpi4py import MPI
 
 import ringreduce as rr
-from bench_allreduce import machine, progress
-from timing import at_least, byte_size, human_bytes, human_time, mpi_library, output_file, \
-    start_gloo, time_alternating
+from bench_allreduce import progress
+from timing import at_least, byte_size, human_bytes, human_time, output_file, start_gloo, \
+    time_alternating, write_json
 
 world = MPI.COMM_WORLD
 rank, size = world.Get_rank(), world.Get_size()
@@ -135,11 +133,8 @@ def main() -> None:
               + " | ".join(human_time(mine[n]["time_s"]) for n in names) + " | "
               + " | ".join(f"{mine[n]['speedup']:.2f}x" for n in others) + " |")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"ranks": size, "dtype": "float32", "repeats": args.repeats,
-                       "machine": machine(), "mpi": mpi_library(),
-                       "torch": None if gloo is None else gloo[0].__version__,
-                       "date": time.strftime("%Y-%m-%d"), "results": rows}, f, indent=1)
+        write_json(args.json, ranks=size, dtype="float32", repeats=args.repeats,
+                   torch=None if gloo is None else gloo[0].__version__, results=rows)
 
 
 if __name__ == "__main__":

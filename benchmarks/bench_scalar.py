@@ -13,15 +13,12 @@ allreduce and over MPI_Allreduce.
 from __future__ import annotations
 
 import argparse
-import json
-import time
 
 import numpy as np
 from mpi4py import MPI
 
 import ringreduce as rr
-from bench_allreduce import machine
-from timing import at_least, human_time, mpi_library, output_file, time_alternating
+from timing import at_least, human_time, output_file, time_alternating, write_json
 
 world = MPI.COMM_WORLD
 rank, size = world.Get_rank(), world.Get_size()
@@ -68,10 +65,7 @@ def main() -> None:
         print(f"| {r['value']} | {r['implementation']} | {human_time(r['time_s'])} | "
               f"{r['speedup_vs_pickled']:.2f}x | {r['speedup_vs_mpi']:.2f}x |")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"ranks": size, "repeats": args.repeats, "inner": INNER,
-                       "machine": machine(), "mpi": mpi_library(),
-                       "date": time.strftime("%Y-%m-%d"), "results": rows}, f, indent=1)
+        write_json(args.json, ranks=size, repeats=args.repeats, inner=INNER, results=rows)
 
 
 if __name__ == "__main__":

@@ -13,9 +13,7 @@ pipeline overlaps reducing with moving, so the measured time may beat the model.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-import time
 
 import numpy as np
 from mpi4py import MPI
@@ -23,7 +21,7 @@ from mpi4py import MPI
 import ringreduce as rr
 from ringreduce import _core
 from timing import (at_least, human_bytes, human_time, inner_iterations, output_file,
-                    save_size_plot, time_alternating)
+                    save_size_plot, time_alternating, write_json)
 
 world = MPI.COMM_WORLD
 rank, size = world.Get_rank(), world.Get_size()
@@ -92,10 +90,8 @@ def main() -> None:
         print(f"| {human_bytes(r['bytes'])} | {human_time(r['model_s'])} | "
               f"{human_time(r['measured_s'])} | {r['measured_s'] / r['model_s']:.2f} |")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"ranks": p, "alpha_s": alpha, "beta_s_per_byte": beta,
-                       "gamma_s_per_byte": gamma, "date": time.strftime("%Y-%m-%d"),
-                       "rows": rows}, f, indent=1)
+        write_json(args.json, ranks=p, alpha_s=alpha, beta_s_per_byte=beta,
+                   gamma_s_per_byte=gamma, rows=rows)
     if args.plot:
         import matplotlib
 

@@ -5,8 +5,10 @@ drift on a shared machine hits them all alike."""
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
+import platform
 import socket
 import statistics
 import time
@@ -99,6 +101,24 @@ def start_gloo(comm=MPI.COMM_WORLD):
 def mpi_library() -> str:
     """The MPI library's name and version, one line (Open MPI's text ends in a NUL)."""
     return MPI.Get_library_version().rstrip("\x00").splitlines()[0].strip()
+
+
+def machine() -> str:
+    """The CPU's model name and the number of cores."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if "model name" in line)
+    except (OSError, StopIteration):
+        pass
+    return f"{cpu}, {os.cpu_count()} cores"
+
+
+def write_json(path: str, **fields) -> None:
+    """A benchmark's --json file: its fields, and what it was measured on and when."""
+    with open(path, "w") as f:
+        json.dump({**fields, "machine": machine(), "mpi": mpi_library(),
+                   "date": time.strftime("%Y-%m-%d")}, f, indent=1)
 
 
 def inner_iterations(nbytes: int) -> int:

@@ -17,7 +17,6 @@ phases, and summarised apart.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -27,7 +26,7 @@ import numpy as np
 from mpi4py import MPI
 
 import ringreduce as rr
-from timing import at_least, output_file
+from timing import at_least, output_file, write_json
 
 world = MPI.COMM_WORLD
 rank, size = world.Get_rank(), world.Get_size()
@@ -120,9 +119,7 @@ def main() -> None:
     print(f"\n{len(rounds)} rounds in {args.seconds:.0f} s, {size} ranks")
     summary = summarise(rounds, tests)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"ranks": size, "seconds": args.seconds, "rounds": rounds,
-                       "summary": summary, "date": time.strftime("%Y-%m-%d")}, f, indent=1)
+        write_json(args.json, ranks=size, seconds=args.seconds, rounds=rounds, summary=summary)
     if args.plot:
         plot(rounds, tests, args.plot)
 
