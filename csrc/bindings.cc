@@ -769,8 +769,10 @@ class FastPath {
   bool reduction_codes(py::handle x, py::handle op, int* dtype, int* reduce_op) const {
     PyObject* by_op =  // borrowed, as codes
         PyDict_GetItemWithError(validated_pairs_.ptr(), py::detail::array_proxy(x.ptr())->descr);
-    PyObject* codes =
-        by_op != nullptr && PyDict_Check(by_op) ? PyDict_GetItemWithError(by_op, op_key(op)) : nullptr;
+    PyObject* key = op_key(op);  // (null: an op the general path keys nothing for)
+    PyObject* codes = by_op != nullptr && PyDict_Check(by_op) && key != nullptr
+                          ? PyDict_GetItemWithError(by_op, key)
+                          : nullptr;
     if (codes == nullptr || !PyTuple_Check(codes) || PyTuple_GET_SIZE(codes) != 2) {
       PyErr_Clear();  // (an op that cannot be hashed: the general path says so)
       return false;
@@ -780,16 +782,17 @@ class FastPath {
     return true;
   }
 
-  // What stands for op in validated_pairs: an op string itself; one of mpi4py's ops
-  // (unhashable), its key there (see ringreduce._types.mpi_op_keys).
+  // What stands for op in validated_pairs, as ringreduce._types.reduction_codes looks it
+  // up: an op string itself; one of mpi4py's ops (unhashable), its key there (see
+  // ringreduce._types.mpi_op_keys); null for anything else, which the general path looks
+  // up nothing for (an object equal to "sum", or a key itself, must not find "sum"'s).
   PyObject* op_key(py::handle op) const {
-    if (!PyUnicode_CheckExact(op.ptr())) {
-      for (py::handle pair : mpi_op_keys_) {
-        PyObject* mpi_op = PyTuple_GET_ITEM(pair.ptr(), 0);
-        if (op.ptr() == mpi_op) return PyTuple_GET_ITEM(pair.ptr(), 1);
-      }
+    if (PyUnicode_Check(op.ptr())) return op.ptr();
+    for (py::handle pair : mpi_op_keys_) {
+      PyObject* mpi_op = PyTuple_GET_ITEM(pair.ptr(), 0);
+      if (op.ptr() == mpi_op) return PyTuple_GET_ITEM(pair.ptr(), 1);
     }
-    return op.ptr();
+    return nullptr;
   }
 
   static py::tuple row_shape(const Array& a) {

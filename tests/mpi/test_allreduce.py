@@ -352,6 +352,25 @@ def test_mpi4pys_ops_take_the_fast_path_as_the_op_names_do(comm):
     np.testing.assert_array_equal(comm.allreduce(x, op=other_sum), comm.allreduce(x))
 
 
+def test_an_op_the_general_path_refuses_is_not_served_by_the_fast_path(comm):
+    # The general path looks an op up in validated_pairs by the string itself, or by
+    # its key for one of mpi4py's ops, and by nothing else: an object that only equals
+    # a validated op string (a UserString), or a key itself, is refused there, so the
+    # FastPath must not serve it either (it looked such objects up as they were).
+    import collections
+    x = np.arange(3.0) + RANK
+    comm.allreduce(x, op="sum")
+    comm.allreduce(x, op=MPI.SUM)  # (both validated for float64)
+    key = next(key for op, key in rr._types.mpi_op_keys() if op is MPI.SUM)
+    for op in (collections.UserString("sum"), key):
+        assert comm._fast.allreduce(x, op, None) is None, op
+        assert comm._fast.allreduce_async(x, op, None) is None, op
+        assert comm._fast.reduce_scatter(x, op, None) is None, op
+        with pytest.raises(ValueError, match="is not one of"):
+            comm.allreduce(x, op=op)
+    assert comm._fast.allreduce(x, np.str_("sum"), None) is not None  # (a str: served)
+
+
 def test_a_scalar_takes_the_fast_path_as_a_0d_array_does(comm):
     # A loss or np.isnan(loss), reduced once a step, took the general path (4.4 us
     # against 0.8 us for a 0-d array on 2 ranks): as np.asarray makes it, it takes the
