@@ -552,6 +552,8 @@ class DistributedOptimizer:
         from ._shortcuts import _communicator
 
         self.comm = _communicator(comm)  # (first: making it is collective)
+        # (grad_ready's, made once: it is called for every parameter, every step)
+        self._grad_ready_where = self._where("grad_ready")
         try:
             self._set_up(optimizer, bucket_mb, compression)
         except Exception as error:  # (an array-like whose dtype has no .kind, say)
@@ -748,7 +750,7 @@ class DistributedOptimizer:
             raise
 
     def _report(self, index: int, grad) -> None:
-        who = self._where("grad_ready")
+        who = self._grad_ready_where
         if isinstance(index, bool) or not isinstance(index, (int, np.integer)) or not (
                 0 <= index < len(self.params)):
             raise ValueError(f"{who}: index {index!r} is not a parameter index "
