@@ -784,7 +784,7 @@ class FastPath {
 
   // What stands for op in validated_pairs, as ringreduce._types.reduction_codes looks it
   // up: an op string itself; one of mpi4py's ops (unhashable), its key there (see
-  // ringreduce._types.mpi_op_keys); null for anything else, which the general path looks
+  // ringreduce._types.MPI_OP_KEYS); null for anything else, which the general path looks
   // up nothing for (an object equal to "sum", or a key itself, must not find "sum"'s).
   PyObject* op_key(py::handle op) const {
     if (PyUnicode_Check(op.ptr())) return op.ptr();

@@ -3,10 +3,10 @@ checks on arrays that every collective shares. Error messages name the argument,
 the value and the rank."""
 from __future__ import annotations
 
-import functools
 import importlib.util
 
 import numpy as np
+from mpi4py import MPI
 
 from . import _core
 
@@ -97,18 +97,17 @@ class _MpiOpKey:
         return f"<validated_pairs' key of MPI.{self.name}>"
 
 
-@functools.cache
-def mpi_op_keys() -> tuple:
-    """((MPI.SUM, its key), ...) for each of mpi4py's ops that ringreduce takes for some
-    dtype: the op as the caller passes it, the one object mpi4py has for it (an equal
-    Op made otherwise is not found, and takes the general path)."""
-    from mpi4py import MPI
-    return tuple((getattr(MPI, name), _MpiOpKey(name))
-                 for name in ("SUM", "PROD", "MIN", "MAX", *_MPI_BOOL_OPS))
+# ((MPI.SUM, its key), ...) for each of mpi4py's ops that ringreduce takes for some
+# dtype: the op as the caller passes it, the one object mpi4py has for it (an equal Op
+# made otherwise is not found, and takes the general path). Made once, at import (made
+# at first use, two threads could each make keys of their own, and the FastPath would
+# then look up one thread's where the other's were stored).
+MPI_OP_KEYS = tuple((getattr(MPI, name), _MpiOpKey(name))
+                    for name in ("SUM", "PROD", "MIN", "MAX", *_MPI_BOOL_OPS))
 
 
 def _mpi_op_key(op):
-    for mpi_op, key in mpi_op_keys():
+    for mpi_op, key in MPI_OP_KEYS:
         if op is mpi_op:
             return key
     return None
@@ -120,10 +119,6 @@ _MPI_OP_NAMES = ("SUM", "PROD", "MIN", "MAX", "LAND", "BAND", "LOR", "BOR", "LXO
 
 
 def _is_mpi_op(op) -> bool:
-    try:
-        from mpi4py import MPI
-    except ImportError:  # pragma: no cover
-        return False
     return isinstance(op, MPI.Op)
 
 
@@ -131,7 +126,6 @@ def _mpi_predefined_name(op):
     """"SUM" for MPI.SUM, and so on; None for anything else."""
     if not _is_mpi_op(op):
         return None
-    from mpi4py import MPI
     for name in _MPI_OP_NAMES:
         if op == getattr(MPI, name, None):
             return name
@@ -202,7 +196,7 @@ def check_op_for_dtype(op: int, dtype_code: int, context: str) -> None:
                                  f"{name} ({why})")
 
 
-# native dtype -> {op string, or an MPI op's key (see mpi_op_keys) -> (dtype code, op
+# native dtype -> {op string, or an MPI op's key (see MPI_OP_KEYS) -> (dtype code, op
 # code)}, once valid: what the fast path (the core's FastPath) takes without further
 # checks. Two lookups, not one keyed by (dtype, op): a tuple made for every call cost
 # more than the second lookup.

@@ -361,7 +361,7 @@ def test_an_op_the_general_path_refuses_is_not_served_by_the_fast_path(comm):
     x = np.arange(3.0) + RANK
     comm.allreduce(x, op="sum")
     comm.allreduce(x, op=MPI.SUM)  # (both validated for float64)
-    key = next(key for op, key in rr._types.mpi_op_keys() if op is MPI.SUM)
+    key = next(key for op, key in rr._types.MPI_OP_KEYS if op is MPI.SUM)
     for op in (collections.UserString("sum"), key):
         assert comm._fast.allreduce(x, op, None) is None, op
         assert comm._fast.allreduce_async(x, op, None) is None, op
