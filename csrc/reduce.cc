@@ -186,8 +186,9 @@ void divide(DType dtype, void* data, int64_t n, int64_t divisor) {
     case DType::Complex64: return divide_loop<float>(data, 2 * n, divisor);  // each part
     case DType::Complex128: return divide_loop<double>(data, 2 * n, divisor);
     default:
-      throw std::invalid_argument(std::string("divide: integers and bools have no average (dtype ") +
-                                  dtype_name(dtype) + ")");
+      throw std::invalid_argument(
+          std::string("divide: integers and bools have no average (dtype ") + dtype_name(dtype) +
+          ")");
   }
 }
 

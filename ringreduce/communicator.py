@@ -1118,8 +1118,8 @@ class Communicator:
         if self._thread_level < MPI.THREAD_SERIALIZED:
             return None  # (every call checks its thread, in Python)
         return _core.FastPath(core, executor.calls, executor.threaded, t.validated_pairs,
-                              t.MPI_OP_KEYS, t.dtype_codes, t.shape_tag, results.empty, self._scratch.get,
-                              gather_rest_here,
+                              t.MPI_OP_KEYS, t.dtype_codes, t.shape_tag, results.empty,
+                              self._scratch.get, gather_rest_here,
                               self._chunk_bytes, _Results.MIN_BYTES, _CONFIRM_BYTES)
 
     def _call(self, name, prepare, *args, wait, context=None):

@@ -84,9 +84,7 @@ def _on_the_side_of(a, p, copy: bool = False):
     xp = array_module(p)
     if array_module(a) is xp:
         return a.copy() if copy else a
-    if isinstance(a, np.ndarray):
-        return xp.asarray(a)  # (from the host: a copy)
-    return xp.array(a) if copy else xp.asarray(a)
+    return xp.array(a) if copy else xp.asarray(a)  # (host to GPU: one copy either way)
 
 
 def _checked_state_arrays(state, key: str, params, who: str, optional=False,
