@@ -251,6 +251,16 @@ def readable_copy(array: np.ndarray) -> np.ndarray:
     return np.array(array, dtype=native(array.dtype), order="C")
 
 
+def reject_not_an_array(x, argument: str, context: str, why: str) -> None:
+    """Refuses what is not an array to update in place: why says what would be done to
+    it ("steps update it in place", say)."""
+    if isinstance(x, np.generic):  # (it has a shape and a dtype, but is immutable)
+        raise TypeError(f"{context}: {argument} is a numpy scalar ({type(x).__name__}), "
+                        f"but {why}; pass a 0-d array (np.array(value))")
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        raise TypeError(f"{context}: {argument} is a {type(x).__name__}, not an array")
+
+
 def reject_masked(x, argument: str, context: str) -> None:
     # Only the data would travel, masked elements included: a wrong answer, silently.
     # (A masked array with nothing masked, as some readers return, is just its data.)

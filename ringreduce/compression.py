@@ -119,8 +119,10 @@ class PowerSGD:
         return result, call.p.nbytes + call.q.nbytes
 
     def state_dict(self) -> dict:
-        return {"rank": self.rank, "seed": self.seed, "q": dict(self._q),
-                "error": dict(self._error)}
+        # Copies, as SGD's and Adam's are: a state to keep, not a way into this one.
+        return {"rank": self.rank, "seed": self.seed,
+                "q": {i: q.copy() for i, q in self._q.items()},
+                "error": {i: e.copy() for i, e in self._error.items()}}
 
     def load_state_dict(self, state: dict) -> None:
         if self._taken:

@@ -8,6 +8,7 @@ import zlib
 
 import numpy as np
 
+from . import _types
 from ._arrays import array_module, not_a_list_of_arrays
 from ._core import CheckedCallsMismatch, MismatchError, numpy_layout, pack_gradients, \
     unpack_gradients
@@ -275,7 +276,7 @@ def allreduce_gradients(grads, op: str = "avg", comm=None, bucket_mb: float = 25
     they do before any data moves (else every rank raises, and nothing is reduced).
     """
     ring = _communicator(comm)  # (first: making it is collective, whatever the arguments)
-    where = f"ringreduce.allreduce_gradients (rank {ring.rank} of {ring.size})"
+    where = _types.where(ring.rank, ring.size, "allreduce_gradients")
     rejected = None
     flats = []
     try:
@@ -289,14 +290,8 @@ def allreduce_gradients(grads, op: str = "avg", comm=None, bucket_mb: float = 25
         layout = numpy_layout(grads)  # (None unless each is a plain, writeable array)
         if layout is None:
             for i, g in enumerate(grads):
-                if isinstance(g, np.generic):  # (has .shape and .dtype, but is immutable)
-                    raise TypeError(f"{where}: grads[{i}] is a numpy scalar "
-                                    f"({type(g).__name__}), which cannot be reduced in "
-                                    "place; pass a 0-d array (np.array(value))")
-                if type(g) is not np.ndarray and (not hasattr(g, "shape")
-                                                  or not hasattr(g, "dtype")):
-                    raise TypeError(f"{where}: grads[{i}] is a "
-                                    f"{type(g).__name__}, not an array")
+                _types.reject_not_an_array(g, f"grads[{i}]", where,
+                                           "gradients are reduced in place")
                 if isinstance(g, np.ndarray) and not g.flags.writeable:
                     raise ValueError(f"{where}: grads[{i}] is read-only")
                 reject_masked(g, f"grads[{i}]", where)

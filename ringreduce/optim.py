@@ -20,7 +20,7 @@ import zlib
 
 import numpy as np
 
-from . import compression as _compression
+from . import _types, compression as _compression
 from ._arrays import array_module, not_a_list_of_arrays
 from ._core import MismatchError
 from .gradients import agree_or_raise, check_bucket_mb, pack_plan
@@ -34,12 +34,7 @@ def _check_params(params, who: str) -> list:
     if not params:
         raise ValueError(f"{who}: params is empty")
     for i, p in enumerate(params):
-        if not hasattr(p, "shape") or not hasattr(p, "dtype"):
-            raise TypeError(f"{who}: params[{i}] is a {type(p).__name__}, not an array")
-        if isinstance(p, np.generic):  # (it has a shape and a dtype, but is immutable)
-            raise TypeError(f"{who}: params[{i}] is a numpy scalar ({type(p).__name__}), "
-                            "which steps cannot update in place; pass a 0-d array "
-                            "(np.array(value))")
+        _types.reject_not_an_array(p, f"params[{i}]", who, "steps update parameters in place")
         if p.dtype.kind != "f" and p.dtype.name != "bfloat16":
             raise TypeError(f"{who}: params[{i}] has dtype {p.dtype}; parameters must be floats")
         if not getattr(getattr(p, "flags", None), "writeable", True):  # (cupy's always are)
@@ -577,9 +572,9 @@ class DistributedOptimizer:
 
     def _where(self, method: str = "") -> str:
         """What this optimizer's errors begin with: the call and this rank, as the
-        collectives' do (_types.where), so that one rank's error among many is placed."""
+        collectives' do, so that one rank's error among many is placed."""
         call = f"DistributedOptimizer.{method}" if method else "DistributedOptimizer"
-        return f"{call} (rank {self.comm.rank} of {self.comm.size})"
+        return _types.where(self.comm.rank, self.comm.size, call)
 
     def _set_up(self, optimizer, bucket_mb, compression) -> None:
         """All of construction that this rank does alone (and may refuse)."""
