@@ -71,7 +71,10 @@ def _on_the_side_of(a, p, copy: bool = False):
     another array type may not be: np.asarray of an array-like can be a view of it)."""
     if isinstance(p, np.ndarray):
         if isinstance(a, np.ndarray):
-            return a.copy() if copy else a
+            # A plain array, whatever subclass a is (np.matrix's * is a matrix product,
+            # and a state saved after would hold one again).
+            a = a.copy() if copy else a
+            return a if type(a) is np.ndarray else a.view(np.ndarray)
         get = getattr(a, "get", None)  # (cupy's copy to the host; np.asarray refuses one)
         if hasattr(a, "__cuda_array_interface__") and callable(get):
             return get()
@@ -980,10 +983,10 @@ class DistributedOptimizer:
         powersgd_state = state.get("powersgd")
         if "powersgd" in state:
             self._check_powersgd_state(state["powersgd"])
-            # Where the parameters are, here with the checks: a move that fails (out of
-            # memory) is this rank's rejection, before the ranks agree to load.
+            # Copies where the parameters are, here with the checks: one that fails (out
+            # of memory) is this rank's rejection, before the ranks agree to load.
             powersgd_state = {**powersgd_state, **{
-                key: {i: _on_the_side_of(a, self.params[i])
+                key: {i: _on_the_side_of(a, self.params[i], copy=True)
                       for i, a in dict(powersgd_state[key]).items()}
                 for key in ("q", "error")}}
         scales = self._checked_fp16_scales(state.get("fp16_scales"))

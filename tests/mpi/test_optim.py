@@ -873,6 +873,31 @@ def test_what_state_dict_returns_is_a_copy_that_writing_to_leaves_the_run_alone(
         np.testing.assert_array_equal(left_alone, written_to)
 
 
+def test_a_loaded_state_is_taken_as_plain_arrays_of_its_own():
+    # (From a review.) PowerSGD's loaded arrays were the caller's own: writing to the
+    # state after loading it changed the run. And a state's np.matrix (a subclass)
+    # stayed one in the optimizer, and in every state saved after.
+    def run(scribble: bool):
+        params = [np.zeros((40, 30))]
+        opt = DistributedOptimizer(SGD(params, lr=0.1, momentum=0.9),
+                                   compression=PowerSGD(rank=2))
+        opt.step([np.full((40, 30), 1.0 + RANK) + np.eye(40, 30)])
+        state = opt.state_dict()
+        state["optimizer"]["momentum_buffers"] = [
+            b.view(np.matrix) for b in state["optimizer"]["momentum_buffers"]]
+        opt.load_state_dict(state)
+        assert type(opt.optimizer.momentum_buffers[0]) is np.ndarray
+        assert type(opt.state_dict()["optimizer"]["momentum_buffers"][0]) is np.ndarray
+        if scribble:
+            for part in ("q", "error"):
+                state["powersgd"][part][0][...] = 1e6
+            state["optimizer"]["momentum_buffers"][0][...] = 1e6
+        opt.step([np.full((40, 30), 2.0 - RANK) + np.eye(40, 30)])
+        return params[0]
+
+    np.testing.assert_array_equal(run(False), run(True))
+
+
 def resumed_from(saved: bytes, made):
     """A new optimizer (made(params)) on new parameters, resumed from saved, a pickled
     {"params", "state"}: as a run restarted from its checkpoint file is."""
