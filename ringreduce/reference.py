@@ -29,7 +29,8 @@ every rank ends with the same bytes, computed once by the segment's owner.
 Cost: each step moves one segment (N/p bytes) per rank, for 2(p-1) steps: every rank
 sends and receives 2(p-1)/p * N bytes, which is optimal. The C++ core adds one thing
 this file leaves out: it cuts each segment into chunks, so that a chunk can be sent on
-while the next one is still arriving.
+while the next one is still arriving. docs/ring.md walks through the same steps (and
+`python -m ringreduce explain` prints them); csrc/ring_schedule.h is this schedule in C++.
 """
 from __future__ import annotations
 
@@ -95,7 +96,10 @@ def _ring_reduce_scatter(work: np.ndarray, op: str, comm) -> None:
         comm.Sendrecv(_raw(work[slice(*seg[send])]), dest=right, recvbuf=_raw(received),
                       source=left)
         mine = work[slice(*seg[recv])]
-        REDUCE[op](mine, received, out=mine)  # my data first, then what came around
+        # My data first, then what came around, as the core does (out = input OP
+        # received): min and max keep the first of two tied values (+0 and -0), so the
+        # order decides the result's bits, which the tests hold the core to.
+        REDUCE[op](mine, received, out=mine)
     if op == "avg":
         _divide(work[slice(*seg[rank])], size)
 
