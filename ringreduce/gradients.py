@@ -269,7 +269,7 @@ def _unpack(grads, indices, places, flat) -> None:
 def allreduce_gradients(grads, op: str = "avg", comm=None, bucket_mb: float = 25.0):
     """Reduce every array in ``grads`` across ranks, in place; returns ``grads``.
 
-    Small arrays of one dtype are packed into flat buffers of about ``bucket_mb`` MB,
+    Small arrays of one dtype are packed into flat buffers of about ``bucket_mb`` MiB,
     each all-reduced in one call, then unpacked; numpy arrays of 64 KiB or more are
     reduced in place, each in a call of its own. Collective: every rank must pass the
     same list of shapes and dtypes, op and bucket_mb, and the first call checks that

@@ -7,7 +7,7 @@ for cupy gradients).
     opt.step(grads)                    # average grads across ranks, then update params
 
 Parameters are updated in place. Gradients are packed into flat buckets of about
-``bucket_mb`` MB, last parameter first (the order backward produces them); each bucket
+``bucket_mb`` MiB, last parameter first (the order backward produces them); each bucket
 is all-reduced asynchronously as soon as it and the buckets before it are complete, so
 with ``grad_ready`` the communication overlaps the rest of the backward pass.
 """
@@ -277,7 +277,10 @@ class SGD:
 
 
 class Adam:
-    """Adam (Kingma & Ba) with bias correction and L2 weight decay, as torch.optim.Adam."""
+    """Adam (Kingma & Ba) with bias correction and L2 weight decay, as torch.optim.Adam:
+    g += weight_decay * p; t += 1; m = b1 * m + (1 - b1) * g; v = b2 * v + (1 - b2) * g * g;
+    p -= lr * (m / (1 - b1 ** t)) / (sqrt(v / (1 - b2 ** t)) + eps), with (b1, b2) = betas
+    and m, v starting at 0."""
 
     _SETTINGS = ("lr", "betas", "eps", "weight_decay")  # (as SGD's)
     _check_settings = staticmethod(_check_adam_settings)
