@@ -29,7 +29,7 @@ from fractions import Fraction
 
 from . import _core
 
-# The ring is simulated rank by rank and step by step: p * 2(p-1) segments, some 15 s
+# The ring is simulated rank by rank and step by step: p * 2(p-1) segments, some 10 s
 # for 2048 ranks. The formulas of docs/cost-model.md take any p.
 MAX_RANKS = 4096
 
@@ -361,7 +361,7 @@ def parse_bytes(text: str) -> int:
     return int(value)
 
 
-# From here on ring() runs for seconds (p * 2(p-1) schedule lookups: some 15 s for 2048
+# From here on ring() runs for seconds (p * 2(p-1) schedule lookups: some 10 s for 2048
 # ranks, four times that for 4096), so main() shows how far it is.
 SLOW_RING_RANKS = 1024
 
