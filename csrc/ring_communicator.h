@@ -105,7 +105,8 @@ class RingCommunicator {
   static constexpr int64_t kShmMaxBytes = 8 << 20;     // larger calls go through MPI
   static constexpr int64_t kInlineMaxBytes = 256;      // payload a header may carry (MPI)
   // ... through shared memory. On 2 ranks the inline call wins over the ring up to
-  // ~32 KiB (16 KiB: 4.9 us; 32 KiB: 7.8 us inline, 7.5 us as a ring; 64 KiB: 13.6 vs 12.4).
+  // somewhere below 32 KiB (16 KiB: 4.9 us; 32 KiB: 7.8 us inline, 7.5 us as a ring;
+  // 64 KiB: 13.6 vs 12.4), hence 16 KiB.
   static constexpr int64_t kShmInlineMaxBytes = 16 * 1024;
   // A broadcast's payload is only the root's, which every other rank copies once: it
   // rides in the root's board up to this many bytes (the boards are made that large).
