@@ -543,6 +543,11 @@ class DistributedOptimizer:
     arrays of its own, which it may keep; state_dict() and load_state_dict() need its
     own state_dict() and load_state_dict(state).
 
+    Either step(grads), or grad_ready(i, g) for each gradient as backward produces it
+    and then step(): a bucket's all-reduce starts once its gradients, and those of the
+    buckets before it, are in, while backward goes on (docs/training.md walks through a
+    whole script).
+
     Construction is collective: every rank must wrap parameters of the same shapes
     (and so are load_state_dict() and broadcast_parameters()).
     """
