@@ -100,7 +100,12 @@ def explain(ranks: int = 4, count: int = 12, chunk_elems: int | None = None) -> 
 def _elements(span) -> str:
     first, n = span
     return "nothing" if n == 0 else (f"element {first}" if n == 1
-                                     else f"elements {first}-{first + n - 1}")
+                                     else f"elements {_range(span)}")
+
+
+def _range(span) -> str:
+    first, n = span
+    return f"{first}" if n == 1 else f"{first}-{first + n - 1}"
 
 
 def _sum(contributors, ranks) -> str:
@@ -144,9 +149,9 @@ def format_text(e: Explanation) -> str:
         lines.append(f"{step.phase}, step {step.number} of {total}:")
         for t in step.transfers:
             action = "adds it to its own copy" if t.reduces else "keeps it"
-            spans = ", ".join(f"[{a}..{a + n - 1}]" for a, n in t.chunks)
-            what = ("no elements" if not t.chunks else f"elements {spans}" if len(t.chunks) == 1
-                    else f"elements {spans}, in {len(t.chunks)} chunks")
+            what = ("no elements" if not t.chunks else _elements(t.chunks[0])
+                    if len(t.chunks) == 1 else
+                    f"elements {', '.join(map(_range, t.chunks))}, in {len(t.chunks)} chunks")
             lines.append(f"  rank {t.rank} sends S{t.segment} to rank {t.to} ({what}); "
                          f"receives S{t.receives} from rank {(t.rank - 1) % e.ranks} and "
                          f"{action}")

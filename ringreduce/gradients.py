@@ -44,7 +44,7 @@ def check_bucket_mb(bucket_mb, who: str) -> None:
     if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float, np.integer,
                                                                  np.floating)) \
             or not 0 < bucket_mb < float("inf"):
-        raise ValueError(f"{who}: bucket_mb must be a number of megabytes > 0, got {bucket_mb!r}")
+        raise ValueError(f"{who}: bucket_mb must be a number of MiB > 0, got {bucket_mb!r}")
 
 
 def _reason_from(ring, first: int, error) -> str:
