@@ -5,7 +5,8 @@
 Everything here is read from ringreduce's own RingSchedule, the C++ class that drives
 the core (exposed by the binding), so the explanation is the algorithm that runs, not a
 second description of it. Only the partial sums are worked out here: which ranks' data
-each rank's copy of each segment contains after each step. Steps are counted from 1
+each rank's copy of each segment contains after each step, and in what order each
+segment's terms are added up (its bits). Steps are counted from 1
 here, from 0 in docs/ring.md and the code; docs/ring.md walks through the output.
 """
 from __future__ import annotations
@@ -46,6 +47,10 @@ class Explanation:
     segments: list  # (first element, number of elements) per segment
     chunks_per_segment: list
     steps: list = field(default_factory=list)
+    # orders[s]: how segment s is summed, as its owner (rank s) ends the reduce-scatter
+    # with it: "x0+(x3+(x2+x1))" (each rank adds what arrives to its own data, its own
+    # first). Every chunk of it, on every path, in that order: its bits are the result's.
+    orders: list = field(default_factory=list)
 
 
 # For reading: the steps and what every rank holds grow as ranks**3 (ranks**4 in
@@ -55,6 +60,7 @@ MAX_RANKS = 32
 # takes minutes to draw and its labels run together.
 MAX_DRAWN_RANKS = 8
 MAX_CHUNKS = 4096  # over all segments
+MAX_ORDERS_SHOWN = 8  # segments whose order of summing is printed (each has p terms)
 
 
 def explain(ranks: int = 4, count: int = 12, chunk_elems: int | None = None) -> Explanation:
@@ -77,11 +83,13 @@ def explain(ranks: int = 4, count: int = 12, chunk_elems: int | None = None) -> 
     if count == 0:  # (the core makes no ring steps for nothing: nor does this)
         return result
     holds = [[[r] for _ in range(ranks)] for r in range(ranks)]
+    sums = [[f"x{r}"] * ranks for r in range(ranks)]  # each copy's expression
     for phase, send_of, recv_of, reduces in (
             ("reduce-scatter", "reduce_scatter_send_segment", "reduce_scatter_recv_segment", True),
             ("all-gather", "allgather_send_segment", "allgather_recv_segment", False)):
         for k in range(s0.steps_per_phase):
             transfers, before = [], [[list(c) for c in row] for row in holds]
+            sums_before = [list(row) for row in sums]
             for sched in schedules:
                 r, seg = sched.rank, getattr(sched, send_of)(k)
                 incoming = getattr(sched, recv_of)(k)
@@ -92,8 +100,14 @@ def explain(ranks: int = 4, count: int = 12, chunk_elems: int | None = None) -> 
                 arrived = before[sched.left][incoming]
                 holds[r][incoming] = sorted(set(holds[r][incoming]) | set(arrived)) if reduces \
                     else list(arrived)
+                if reduces:  # (out = input OP received, as the core and reference.py do)
+                    came = sums_before[sched.left][incoming]
+                    sums[r][incoming] = (f"{sums[r][incoming]}+"
+                                         + (f"({came})" if "+" in came else came))
             result.steps.append(Step(phase, k + 1, transfers,
                                      [[list(c) for c in row] for row in holds]))
+            if reduces and k == s0.steps_per_phase - 1:
+                result.orders = [sums[s][s] for s in range(ranks)]
     return result
 
 
@@ -166,6 +180,17 @@ def format_text(e: Explanation) -> str:
     lines.append(f"Each rank sent and received 2(p-1)/p x N = {per_rank:g} elements on average "
                  f"(N = {e.count}), in 2(p-1) = {2 * (e.ranks - 1)} steps. Every rank now holds "
                  "every segment summed over all ranks, computed once by the segment's owner.")
+    lines.append("")
+    lines += textwrap.wrap(
+        "In what order: each rank adds what arrives to its own data (its own first), so "
+        "each segment is summed in one order, chunk by chunk, whatever the chunk size; the "
+        "all-gather then copies those bits to every rank, which thus end with the same "
+        "result to the last bit:", width=90)
+    shown = e.orders if e.ranks <= MAX_ORDERS_SHOWN else e.orders[:1]
+    lines += [f"  S{s} = {order}" for s, order in enumerate(shown)]
+    if len(shown) < e.ranks:
+        lines.append("  (and each segment alike: from the rank after its owner around to "
+                     "its owner)")
     return "\n".join(lines)
 
 

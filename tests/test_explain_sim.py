@@ -42,6 +42,23 @@ def test_text_names_the_steps_and_partial_sums():
     assert "x0+x3" in text  # rank 0's copy of S2 after step 1
 
 
+@pytest.mark.parametrize("ranks", [2, 3, 4, 9])
+def test_each_segment_is_summed_from_the_rank_after_its_owner_around_to_it(ranks):
+    # (tests/mpi/test_allreduce.py holds the core's results to these orders, bit for bit.)
+    e = explain(ranks, 5 * ranks, chunk_elems=2)
+    expected = []
+    for s in range(ranks):
+        order = f"x{(s + 1) % ranks}"
+        for k in range(2, ranks + 1):
+            order = f"x{(s + k) % ranks}+" + (f"({order})" if k > 2 else order)
+        expected.append(order)
+    assert e.orders == expected
+    text = format_text(e)
+    assert "S0 = x0+(x3+(x2+x1))" in text if ranks == 4 else f"S0 = {expected[0]}" in text
+    assert (f"S1 = {expected[1]}" in text) == (ranks <= 8)
+    assert not explain(1, 5).orders and not explain(3, 0).orders
+
+
 def test_command_line_writes_the_figure(tmp_path):
     figure = tmp_path / "ring.svg"
     done = subprocess.run([sys.executable, "-m", "ringreduce", "explain", "--ranks", "3",

@@ -48,6 +48,35 @@ def test_every_dtype_and_op_matches_reference_and_float64(combo, small_chunks, w
             check_against_float64(y, everyone, op)
 
 
+@pytest.mark.skipif(SIZE < 2, reason="one rank sums nothing")
+@pytest.mark.parametrize("chunked", [False, True])
+def test_each_segment_is_summed_in_the_order_explain_prints(chunked, comm, small_chunks, world):
+    # `python -m ringreduce explain` tells a learner in what order each segment's terms
+    # are added ("S0 = x0+(x3+(x2+x1))"): float32 sums of those expressions, evaluated
+    # here by numpy, are the core's results bit for bit, whatever the chunk size, in
+    # the header exchange and in the ring.
+    from ringreduce.explain import explain
+
+    ring = small_chunks if chunked else comm
+    for n in around_inline_limit(ring, 4, [SIZE, 1000, 100_003]):
+        rng = np.random.default_rng([RANK, n])
+        # Magnitudes far apart, so that another order rounds otherwise.
+        x = (rng.standard_normal(n) * 10.0 ** rng.integers(-6, 7, n)).astype(np.float32)
+        y = ring.allreduce(x)
+        terms = world.allgather(x)
+        e = explain(SIZE, n)
+        reordered = 0
+        for (first, count), order in zip(e.segments, e.orders):
+            part = slice(first, first + count)
+            named = {f"x{r}": terms[r][part] for r in range(SIZE)}
+            expected = eval(order, {}, named)
+            assert bitwise_equal(y[part], expected), (n, order)
+            in_rank_order = sum(terms[r][part] for r in range(1, SIZE))
+            reordered += np.count_nonzero(terms[0][part] + in_rank_order != expected)
+        if SIZE > 2 and n >= 1000:  # (the check can fail: another order differs)
+            assert reordered > 0
+
+
 @pytest.mark.parametrize("dtype", [d for d in DTYPES if d.kind == "f" or d == BFLOAT16], ids=str)
 @pytest.mark.parametrize("op", ["min", "max"])
 def test_min_and_max_break_ties_as_the_reference_on_every_rank(dtype, op, small_chunks, world):
