@@ -154,7 +154,13 @@ def format_text(e: Explanation) -> str:
         lines += textwrap.wrap(
             f"(The all-gather is shown in these chunks too, as through shared memory; over "
             f"MPI messages the core sends its chunks up to {_core.COPY_CHUNK_FACTOR} times "
-            "larger, as it only copies.)", width=90)
+            "larger, as it only copies. Steps are shown whole, one after another; the core "
+            "sends each chunk on as soon as it has it, so that the steps overlap.)", width=90)
+        if e.ranks <= sim.MAX_TIMELINE_RANKS and \
+                max(e.chunks_per_segment) <= sim.MAX_TIMELINE_CHUNKS:
+            lines += ["The overlap, drawn for float32 elements:",
+                      f"  python -m ringreduce sim --ranks {e.ranks} --bytes {4 * e.count} "
+                      f"--chunk {4 * e.chunk_elems} --allgather-factor 1 --timeline pipeline.svg"]
     width = max(6, max(len(_sum(c, e.ranks)) for step in e.steps for row in step.holds
                        for c in row) + 2)
     for step in e.steps:

@@ -167,6 +167,9 @@ class Timeline:
 # The timeline is worked out chunk by chunk for every rank (see timeline_entries());
 # a million entries take a few seconds and some 100 MB.
 MAX_TIMELINE_ENTRIES = 1_000_000
+# What --timeline draws at most: past these its rows and bars run together.
+MAX_TIMELINE_RANKS = 8
+MAX_TIMELINE_CHUNKS = 64  # per segment
 MAX_CHUNK_ELEMS = (1 << 62) - 1
 
 
@@ -468,12 +471,13 @@ def main(argv=None) -> int:
             parser.error("--timeline needs --chunk")
         if len(args.ranks) != 1:
             parser.error("--timeline draws one ring: give one --ranks value")
-        if not 2 <= args.ranks[0] <= 8:
-            parser.error(f"--timeline draws a ring of 2 to 8 ranks, not {args.ranks[0]}")
+        if not 2 <= args.ranks[0] <= MAX_TIMELINE_RANKS:
+            parser.error(f"--timeline draws a ring of 2 to {MAX_TIMELINE_RANKS} ranks, not "
+                         f"{args.ranks[0]}")
         most = max(chunks_per_segment(args.ranks[0], count, c // 4) for c in chunks)
-        if most > 64:
-            parser.error(f"--timeline draws at most 64 chunks per segment, not {most}: use "
-                         "larger chunks or fewer bytes")
+        if most > MAX_TIMELINE_CHUNKS:
+            parser.error(f"--timeline draws at most {MAX_TIMELINE_CHUNKS} chunks per segment, "
+                         f"not {most}: use larger chunks or fewer bytes")
         if os.path.splitext(args.timeline)[1].lower() not in (".svg", ".png", ".pdf"):
             parser.error(f"--timeline: {args.timeline!r} does not end in .svg, .png or .pdf")
         folder = os.path.dirname(os.path.abspath(args.timeline))

@@ -330,6 +330,23 @@ def test_pipeline_of_nothing_or_of_one_rank_takes_no_time():
     assert sim.pipeline(1, 1000, 10).seconds == 0.0
 
 
+def test_explain_in_chunks_names_the_sim_command_that_draws_their_overlap(tmp_path):
+    # Explain shows chunked steps whole, one after another; the command it names draws
+    # the same ring pipelined, and runs as printed.
+    text = format_text(explain(3, 12, chunk_elems=2))
+    command = [line.strip() for line in text.splitlines()
+               if line.strip().startswith("python -m ringreduce sim")]
+    assert command == ["python -m ringreduce sim --ranks 3 --bytes 48 --chunk 8 "
+                       "--allgather-factor 1 --timeline pipeline.svg"]
+    done = subprocess.run([sys.executable] + shlex.split(command[0])[1:], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "pipeline.svg").stat().st_size > 0
+    # None where sim cannot draw it, nor where no segment has more than one chunk.
+    for ranks, count, chunk in [(9, 27, 1), (3, 12, None), (2, 200, 1)]:
+        assert "ringreduce sim" not in format_text(explain(ranks, count, chunk))
+
+
 def test_sim_command_line_models_and_draws_the_pipeline(tmp_path):
     figure = tmp_path / "pipeline.svg"
     done = subprocess.run([sys.executable, "-m", "ringreduce", "sim", "--ranks", "3", "--bytes",
