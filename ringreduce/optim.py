@@ -1264,12 +1264,12 @@ class DistributedOptimizer:
         updates nothing (catch it, and go on with the next step). Not inside
         no_sync(), where it makes none, nor once it had given every gradient, which
         started all its calls as a step's: there the others cannot tell, so every rank
-        must abandon that step (see docs/training.md)."""
+        must abandon that step (see docs/api.md, Data-parallel training)."""
         if self._abandoned_by_error and self._untouched():
             # grad_ready() or step() abandoned this step already, at its error: a second
             # set of calls would pair with the others' next step. (It cannot tell this
             # from the next step's abandon before any gradient, which the others make
-            # calls for: docs/training.md says how to keep the two apart.)
+            # calls for: docs/api.md says how to keep the two apart.)
             self._abandoned_by_error = False
             return
         if (not self._accumulating or self._next_to_start > 0) and not self._met_another_call:
