@@ -252,8 +252,8 @@ def readable_copy(array: np.ndarray) -> np.ndarray:
 
 
 def reject_not_an_array(x, argument: str, context: str, why: str) -> None:
-    """Refuses what is not an array to update in place: why says what would be done to
-    it ("steps update it in place", say)."""
+    """Refuses what is not an array that can be updated in place; why: what would be
+    done to it ("gradients are reduced in place", say)."""
     if isinstance(x, np.generic):  # (it has a shape and a dtype, but is immutable)
         raise TypeError(f"{context}: {argument} is a numpy scalar ({type(x).__name__}), "
                         f"but {why}; pass a 0-d array (np.array(value))")

@@ -6,8 +6,8 @@ Everything here is read from ringreduce's own RingSchedule, the C++ class that d
 the core (exposed by the binding), so the explanation is the algorithm that runs, not a
 second description of it. Only the partial sums are worked out here: which ranks' data
 each rank's copy of each segment contains after each step, and in what order each
-segment's terms are added up (its bits). Steps are counted from 1
-here, from 0 in docs/ring.md and the code; docs/ring.md walks through the output.
+segment's terms are added up (which decides its bits). Steps are counted from 1 here,
+from 0 in docs/ring.md and the code; docs/ring.md walks through the output.
 """
 from __future__ import annotations
 
