@@ -236,6 +236,18 @@ def as_input_array(x, argument: str, context: str) -> np.ndarray:
     return array
 
 
+def named(error: MemoryError, context: str) -> MemoryError:
+    """numpy's own MemoryError ("Unable to allocate 32.0 TiB for an array ...") with the
+    call and the rank in front, as every other error of a call has them; any other kind
+    (cupy's OutOfMemoryError, one that names them already) as it is. (numpy raises its
+    own subclass, _ArrayMemoryError, whose constructor takes a shape and a dtype: the
+    error made here is a plain MemoryError.)"""
+    numpys = type(error) is MemoryError or type(error).__module__.startswith("numpy")
+    if not numpys or str(error).startswith(context):
+        return error
+    return MemoryError(f"{context}: {error}").with_traceback(error.__traceback__)
+
+
 def native(dtype: np.dtype) -> np.dtype:
     """dtype in this machine's byte order: what the core computes in, and results are."""
     return dtype if dtype.isnative else dtype.newbyteorder("=")

@@ -79,9 +79,9 @@ def input_copy(core, x, name: str, chunk: int) -> np.ndarray:
     instead of waiting for it."""
     try:
         return t.readable_copy(x)
-    except MemoryError:
+    except MemoryError as error:
         core.announce_invalid(_COLLECTIVES[name], chunk)
-        raise
+        raise t.named(error, t.where(core.rank, core.size, name)) from None
 
 
 def gather_rows(core, source, rows, row_shape, dtype, chunk, out, results):
@@ -1140,8 +1140,10 @@ class Communicator:
             _check_thread(context, self._thread_level)
         try:
             run = prepare(context, *args)
-        except Exception:  # TypeError, ValueError, a MemoryError copying x, ...
+        except Exception as error:  # TypeError, ValueError, a MemoryError copying x, ...
             self._join_as_rejected(name)
+            if isinstance(error, MemoryError):
+                raise t.named(error, context) from None
             raise
         # One rank waits for no one, so an asynchronous call on host arrays is done at
         # once, in this thread: handing it to the worker thread costs more than the call

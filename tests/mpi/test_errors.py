@@ -635,3 +635,23 @@ def test_an_interrupt_while_making_a_result_is_raised_not_swallowed(monkeypatch)
         with pytest.raises(KeyboardInterrupt, match="test: Ctrl-C"):
             comm.allreduce(x)
         still_works(comm)
+
+
+@pytest.mark.parametrize("call", ["allreduce", "allreduce_async", "reduce_scatter",
+                                  "allgather", "broadcast"])
+def test_numpys_memory_error_names_the_call_and_the_rank(call, comm):
+    # A result, workspace or copy of x that numpy cannot allocate raised numpy's own
+    # MemoryError ("Unable to allocate 32.0 TiB for an array ..."), the one error of a
+    # call that named neither the call nor the rank.
+    if call == "broadcast" and SIZE > 1:
+        pytest.skip("the ranks other than the root need a writeable x of 32 TiB")
+    huge = np.broadcast_to(np.float64(1), (1 << 42,))  # 32 TiB, strided: copied first
+    run = {"allreduce": lambda: comm.allreduce(huge),
+           "allreduce_async": lambda: comm.allreduce_async(huge).wait(),
+           "reduce_scatter": lambda: comm.reduce_scatter(huge),
+           "allgather": lambda: comm.allgather(huge),
+           "broadcast": lambda: comm.broadcast(huge, root=0)}[call]
+    with pytest.raises(MemoryError, match=rf"^ringreduce\.{call} \(rank {RANK} of {SIZE}\): "
+                                          r"Unable to allocate"):
+        run()
+    still_works(comm)
