@@ -298,6 +298,11 @@ def check_out(out, shape: tuple, dtype: np.dtype, context: str, array_type=np.nd
     are known only later)."""
     if not isinstance(out, array_type):
         raise TypeError(f"{context}: out must be a {type_name}, got {type(out).__name__}")
+    if isinstance(out, np.ma.MaskedArray) and np.ma.is_masked(out):
+        # Its data would be written, and the mask kept: results hidden where it masks.
+        raise TypeError(f"{context}: out is a masked array with masked elements, under "
+                        "which the result would stay hidden; pass out.data, or unmask it "
+                        "first (out.mask = False)")
     if out.dtype != dtype and out.dtype == dtype.newbyteorder("S"):
         raise TypeError(f"{context}: out has non-native byte order ({out.dtype}); the result "
                         f"is written in native order, so pass out of dtype {dtype}")

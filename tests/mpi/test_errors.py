@@ -243,6 +243,29 @@ def test_masked_arrays_are_refused_rather_than_reduced_without_their_mask(call, 
     still_works(comm)
 
 
+@pytest.mark.parametrize("call", ["allreduce", "allreduce_async", "reduce_scatter",
+                                  "allgather"])
+def test_a_masked_out_is_refused_rather_than_written_under_its_mask(call, comm):
+    # (From a review.) Its data was written and its mask kept: results at the masked
+    # places stayed hidden.
+    x = np.full(SIZE * 2, RANK + 1.0)
+    size = {"reduce_scatter": 2, "allgather": SIZE * SIZE * 2}.get(call, SIZE * 2)
+    mask = np.zeros(size, bool)
+    mask[1] = True
+    out = np.ma.masked_array(np.zeros(size), mask=mask)
+    with pytest.raises(TypeError, match="out is a masked array with masked elements"):
+        result = getattr(comm, call)(x, out=out)
+        if call == "allreduce_async":
+            result.wait()
+    assert not out.data.any()
+    unmasked = np.ma.masked_array(np.zeros(size))  # (nothing masked: its data is written)
+    result = getattr(comm, call)(x, out=unmasked)
+    if call == "allreduce_async":
+        result.wait()
+    assert unmasked.data.all()
+    still_works(comm)
+
+
 def test_bad_broadcast_arguments(comm):
     for root, error in ((SIZE, ValueError), (-1, ValueError), ("0", TypeError), (True, TypeError)):
         with pytest.raises(error, match="root"):
