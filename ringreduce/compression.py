@@ -136,12 +136,25 @@ class PowerSGD:
             raise KeyError("PowerSGD.load_state_dict: the state is not a PowerSGD "
                            "state_dict() (it needs 'rank', 'seed', 'q' and 'error')")
         PowerSGD(state["rank"], state["seed"])  # (the constructor's checks and errors)
-        self._load(state)
+        # Arrays of its own, as the optimizer's load_state_dict() takes them: writing to
+        # the state after loading it leaves this one alone, and an ndarray subclass
+        # (np.matrix, whose * is a matrix product) is a plain array here.
+        self._load({**state, **{key: {i: _own_copy(a) for i, a in dict(state[key]).items()}
+                                for key in ("q", "error")}})
 
     def _load(self, state: dict) -> None:
         """Loads a state already checked (DistributedOptimizer.load_state_dict's way)."""
         self.rank, self.seed = state["rank"], int(state["seed"])
         self._q, self._error = dict(state["q"]), dict(state["error"])
+
+
+def _own_copy(a):
+    """A copy of a loaded array, where it is (host or GPU); plain for an ndarray subclass.
+    (Anything else is left as it is, for the optimizer's checks to refuse.)"""
+    if not hasattr(a, "shape") or not callable(getattr(a, "copy", None)):
+        return a
+    a = a.copy()
+    return a.view(np.ndarray) if isinstance(a, np.ndarray) and type(a) is not np.ndarray else a
 
 
 class _LowRankCall:

@@ -898,6 +898,33 @@ def test_a_loaded_state_is_taken_as_plain_arrays_of_its_own():
     np.testing.assert_array_equal(run(False), run(True))
 
 
+def test_a_powersgd_given_a_state_takes_it_as_plain_arrays_of_its_own():
+    # (From a review.) As the optimizer's load_state_dict() does: a PowerSGD that loads
+    # a state itself, and is then given to an optimizer (one holding state), kept the
+    # caller's arrays (writing to the state after loading it changed the run) and an
+    # np.matrix as one.
+    def run(scribble: bool):
+        first = DistributedOptimizer(SGD([np.zeros((40, 30))], lr=0.1),
+                                     compression=PowerSGD(rank=2))
+        first.step([np.full((40, 30), 1.0 + RANK) + np.eye(40, 30)])
+        state = first.state_dict()["powersgd"]
+        state["error"] = {i: e.view(np.matrix) for i, e in state["error"].items()}
+        powersgd = PowerSGD(rank=2)
+        powersgd.load_state_dict(state)
+        params = [np.zeros((40, 30))]
+        opt = DistributedOptimizer(SGD(params, lr=0.1), compression=powersgd)
+        assert type(powersgd.state_dict()["error"][0]) is np.ndarray
+        if scribble:
+            for part in ("q", "error"):
+                state[part][0][...] = 1e6
+        for _ in range(2):
+            opt.step([np.full((40, 30), 2.0 - RANK) + np.eye(40, 30)])
+        assert type(opt.state_dict()["powersgd"]["error"][0]) is np.ndarray
+        return params[0]
+
+    np.testing.assert_array_equal(run(False), run(True))
+
+
 def resumed_from(saved: bytes, made):
     """A new optimizer (made(params)) on new parameters, resumed from saved, a pickled
     {"params", "state"}: as a run restarted from its checkpoint file is."""
