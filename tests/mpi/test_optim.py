@@ -2311,7 +2311,7 @@ def test_an_error_in_a_micro_batch_takes_its_gradients_given_before_out_again(co
                 opt.step()
             except ValueError as error:
                 assert RANK == BAD and micro == 1 and "has shape" in str(error)
-                for i, total in enumerate(before):  # (exactly: training.md)
+                for i, total in enumerate(before):  # (exactly: api.md)
                     np.testing.assert_array_equal(opt._sum_of(i), total)
     opt.step([np.ones((4, 4)), np.ones(3)])
     micro_batches = 4 * SIZE - 1  # BAD's second was dropped
@@ -2518,7 +2518,7 @@ def test_one_rank_partway_through_a_step_is_refused_on_every_rank_without_a_hang
     state = opt.state_dict()
     opt.load_state_dict(state)
     opt.broadcast_parameters()
-    opt.abandon_step()  # (in the handler, as training.md says: here it makes no calls)
+    opt.abandon_step()  # (in the handler, as api.md says: here it makes no calls)
     opt.step([grad] * 4)
     everyone = MPI.COMM_WORLD.allgather([p.tobytes() for p in params])
     assert all(mine == everyone[0] for mine in everyone)
