@@ -37,3 +37,9 @@ def array_module(a):
     except ImportError:
         return np
     return cupy.get_array_module(a)
+
+
+def plain(a):
+    """a as a plain array: a view of an ndarray subclass's data (np.matrix, whose * is a
+    matrix product, saved again as one), anything else as it is."""
+    return a.view(np.ndarray) if isinstance(a, np.ndarray) and type(a) is not np.ndarray else a

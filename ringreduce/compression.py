@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._arrays import array_module
+from ._arrays import array_module, plain
 
 
 class PowerSGD:
@@ -137,24 +137,16 @@ class PowerSGD:
                            "state_dict() (it needs 'rank', 'seed', 'q' and 'error')")
         PowerSGD(state["rank"], state["seed"])  # (the constructor's checks and errors)
         # Arrays of its own, as the optimizer's load_state_dict() takes them: writing to
-        # the state after loading it leaves this one alone, and an ndarray subclass
-        # (np.matrix, whose * is a matrix product) is a plain array here.
-        self._load({**state, **{key: {i: _own_copy(a) for i, a in dict(state[key]).items()}
+        # the state after loading it leaves this one alone. (Anything without copy() is
+        # left for the optimizer's checks to refuse.)
+        self._load({**state, **{key: {i: plain(a.copy()) if hasattr(a, "copy") else a
+                                      for i, a in dict(state[key]).items()}
                                 for key in ("q", "error")}})
 
     def _load(self, state: dict) -> None:
         """Loads a state already checked (DistributedOptimizer.load_state_dict's way)."""
         self.rank, self.seed = state["rank"], int(state["seed"])
         self._q, self._error = dict(state["q"]), dict(state["error"])
-
-
-def _own_copy(a):
-    """A copy of a loaded array, where it is (host or GPU); plain for an ndarray subclass.
-    (Anything else is left as it is, for the optimizer's checks to refuse.)"""
-    if not hasattr(a, "shape") or not callable(getattr(a, "copy", None)):
-        return a
-    a = a.copy()
-    return a.view(np.ndarray) if isinstance(a, np.ndarray) and type(a) is not np.ndarray else a
 
 
 class _LowRankCall:

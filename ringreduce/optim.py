@@ -21,7 +21,7 @@ import zlib
 import numpy as np
 
 from . import _types, compression as _compression
-from ._arrays import array_module, not_a_list_of_arrays
+from ._arrays import array_module, not_a_list_of_arrays, plain
 from ._core import MismatchError
 from .gradients import agree_or_raise, check_bucket_mb, pack_plan
 
@@ -71,10 +71,7 @@ def _on_the_side_of(a, p, copy: bool = False):
     another array type may not be: np.asarray of an array-like can be a view of it)."""
     if isinstance(p, np.ndarray):
         if isinstance(a, np.ndarray):
-            # A plain array, whatever subclass a is (np.matrix's * is a matrix product,
-            # and a state saved after would hold one again).
-            a = a.copy() if copy else a
-            return a if type(a) is np.ndarray else a.view(np.ndarray)
+            return plain(a.copy() if copy else a)
         get = getattr(a, "get", None)  # (cupy's copy to the host; np.asarray refuses one)
         if hasattr(a, "__cuda_array_interface__") and callable(get):
             return get()
