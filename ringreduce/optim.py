@@ -617,9 +617,14 @@ class DistributedOptimizer:
                           if self.powersgd is not None and self.powersgd.compresses(p.shape)]
         if self.powersgd is not None:
             # One with state already (loaded, or a copy of one that ran): its arrays are
-            # keyed by parameter index, and must fit this model, as a loaded state must.
-            self._check_powersgd_arrays(self.powersgd.state_dict(), self._where(),
-                                        "compression.state_dict()")
+            # keyed by parameter index, and must fit this model, as a loaded state must,
+            # and go where the parameters are, as the optimizer's own load_state_dict()
+            # puts them (a state saved from a model on a GPU, given to one on the CPU).
+            state = self.powersgd.state_dict()
+            self._check_powersgd_arrays(state, self._where(), "compression.state_dict()")
+            self.powersgd._load({**state, **{
+                key: {i: _on_the_side_of(a, self.params[i]) for i, a in state[key].items()}
+                for key in ("q", "error")}})
         bucketed = [i for i in range(len(self.params)) if i not in set(self._low_rank)]
         plan = pack_plan([self.params[i] for i in bucketed], int(bucket_mb * 1024 * 1024))
         self._buckets = []

@@ -1536,6 +1536,31 @@ def test_a_powersgd_with_state_of_another_model_is_refused_by_a_new_optimizer():
     DistributedOptimizer(SGD([np.zeros((40, 30))], lr=0.1), compression=fits)
 
 
+def test_a_powersgd_given_a_state_saved_on_a_gpu_takes_it_where_the_parameters_are():
+    # (From a review.) The optimizer's load_state_dict() moves a state to its parameters'
+    # side; a PowerSGD that loaded one itself, then given to an optimizer, kept it
+    # where it was saved: GPU arrays (fake_cupy's clothes here) beside numpy parameters.
+    import fake_cupy
+
+    grad = np.full((40, 30), 1.0 + RANK) + np.eye(40, 30)
+    ran = DistributedOptimizer(SGD([np.zeros((40, 30))], lr=0.1), compression=PowerSGD(rank=2))
+    ran.step([grad])
+    saved = ran.state_dict()["powersgd"]
+    on_gpu = {**saved, **{key: {i: fake_cupy.ndarray(a) for i, a in saved[key].items()}
+                          for key in ("q", "error")}}
+    free = PowerSGD(rank=2)
+    free.load_state_dict(on_gpu)
+    params = [np.zeros((40, 30))]
+    opt = DistributedOptimizer(SGD(params, lr=0.1), compression=free)
+    held = opt.powersgd.state_dict()
+    assert all(type(a) is np.ndarray for key in ("q", "error") for a in held[key].values())
+    opt.step([grad])
+    same = DistributedOptimizer(SGD([np.zeros((40, 30))], lr=0.1), compression=PowerSGD(rank=2))
+    same.load_state_dict({"optimizer": ran.optimizer.state_dict(), "powersgd": saved})
+    same.step([grad])
+    np.testing.assert_array_equal(params[0], same.params[0])
+
+
 def test_a_powersgd_state_saved_on_another_number_of_ranks_is_refused():
     # (From a review.) Each rank's PowerSGD state is its own (what its approximations
     # missed): loaded on another number of ranks (rank 0's on a new rank 2 too, or on
