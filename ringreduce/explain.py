@@ -244,7 +244,7 @@ def draw(e: Explanation, path: str) -> None:
             cx, cy = 1.55 * x, 1.55 * y
             width = 0.6 / e.ranks
             for s, contributors in enumerate(step.holds[r]):
-                share = len(contributors) / e.ranks
+                share = (len(contributors) - 1) / (e.ranks - 1)  # (1 rank's data to all)
                 left = cx - 0.3 + 0.6 * s / e.ranks
                 ax.add_patch(plt.Rectangle((left + 0.1 * width, cy - 0.08), 0.8 * width, 0.16,
                                            facecolor=colors(share), edgecolor="black",
@@ -257,9 +257,10 @@ def draw(e: Explanation, path: str) -> None:
         "rank, one square per segment: how many ranks' data its copy holds (yellow: all "
         "of them)", width=60 * columns), fontsize=9)
     fig.tight_layout(rect=(0, 0, 0.93, 1))
-    # The colour key: ranks whose data a copy of a segment holds, 1 to p.
+    # The colour key: ranks whose data a copy of a segment holds, 1 to p (no copy
+    # holds none).
     key = fig.add_axes((0.945, 0.15, 0.012, 0.7))
-    scale = plt.cm.ScalarMappable(cmap=colors, norm=matplotlib.colors.Normalize(0, e.ranks))
+    scale = plt.cm.ScalarMappable(cmap=colors, norm=matplotlib.colors.Normalize(1, e.ranks))
     bar = fig.colorbar(scale, cax=key)
     bar.set_ticks(range(1, e.ranks + 1))
     bar.set_label("ranks' data in the copy", fontsize=8)
