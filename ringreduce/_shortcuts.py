@@ -7,7 +7,7 @@ import threading
 
 from mpi4py import MPI
 
-from .communicator import Communicator, mpi_unusable_here
+from .communicator import Communicator, checked_mpi_comm, mpi_unusable_here
 
 # The Communicator made for an MPI communicator hangs on the communicator itself, as an
 # MPI attribute: every mpi4py object for the same communicator (a new one per call, as
@@ -20,15 +20,14 @@ _keyval_made = threading.Lock()  # (two threads' first calls would make two)
 _made: list = []
 
 
-def _communicator(comm) -> Communicator:
+def _communicator(comm, caller: str) -> Communicator:
     global _keyval
     if isinstance(comm, Communicator):
         return comm
-    if comm is None:
+    if comm is None and not mpi_unusable_here():
         comm = MPI.COMM_WORLD
-    if mpi_unusable_here() or not isinstance(comm, MPI.Comm) or comm == MPI.COMM_NULL \
-            or comm.Is_inter():
-        return Communicator(comm)  # (which says what is wrong, touching no MPI)
+    else:  # (the error, if any, names the function called, not the Communicator)
+        comm = checked_mpi_comm(comm, caller)
     if _keyval is None:
         with _keyval_made:
             if _keyval is None:
@@ -45,24 +44,24 @@ def _communicator(comm) -> Communicator:
 
 def allreduce(x, op="sum", out=None, comm=None):
     """Communicator(comm).allreduce(x, op, out); comm=None means MPI.COMM_WORLD."""
-    return _communicator(comm).allreduce(x, op=op, out=out)
+    return _communicator(comm, "allreduce").allreduce(x, op=op, out=out)
 
 
 def allreduce_async(x, op="sum", out=None, comm=None):
     """Communicator(comm).allreduce_async(x, op, out)."""
-    return _communicator(comm).allreduce_async(x, op=op, out=out)
+    return _communicator(comm, "allreduce_async").allreduce_async(x, op=op, out=out)
 
 
 def reduce_scatter(x, op="sum", out=None, comm=None):
     """Communicator(comm).reduce_scatter(x, op, out)."""
-    return _communicator(comm).reduce_scatter(x, op=op, out=out)
+    return _communicator(comm, "reduce_scatter").reduce_scatter(x, op=op, out=out)
 
 
 def allgather(x, out=None, comm=None):
     """Communicator(comm).allgather(x, out)."""
-    return _communicator(comm).allgather(x, out=out)
+    return _communicator(comm, "allgather").allgather(x, out=out)
 
 
 def broadcast(x, root=0, comm=None):
     """Communicator(comm).broadcast(x, root)."""
-    return _communicator(comm).broadcast(x, root=root)
+    return _communicator(comm, "broadcast").broadcast(x, root=root)

@@ -637,6 +637,35 @@ def mpi_unusable_here() -> bool:
     return _FORK_CHILD or MPI.Is_finalized()
 
 
+def checked_mpi_comm(comm, caller: str, pid: int | None = None):
+    """The MPI communicator a Communicator would be made over (comm=None: COMM_WORLD),
+    or the error, naming ringreduce.<caller>, that says why none can be: checked before
+    anything else touches MPI, which after MPI_Finalize, or in a child made by fork(),
+    ends the process without a word. pid: this process's, where the caller has it (it
+    costs a system call, which the module-level functions make no room for: they go by
+    what os.fork() told _after_fork_in_child)."""
+    if _FORK_CHILD or (pid is not None and pid != _PROCESS and _MPI_BEFORE_FORK):
+        raise ValueError(f"ringreduce.{caller}: process {os.getpid()} is a child made "
+                         f"by fork() of MPI's process {_PROCESS}; MPI does not let a "
+                         "child use it")
+    if MPI.Is_finalized():
+        raise _core.MPIError(f"ringreduce.{caller}: MPI has been finalised "
+                             "(MPI.Finalize()): no Communicator can be made")
+    if comm is None:
+        comm = MPI.COMM_WORLD
+    if isinstance(comm, Communicator):
+        comm = comm.mpi_comm
+    if not isinstance(comm, MPI.Comm):
+        raise TypeError(f"ringreduce.{caller}: comm must be an mpi4py communicator, "
+                        f"got {type(comm).__name__}")
+    if comm == MPI.COMM_NULL:
+        raise ValueError(f"ringreduce.{caller}: comm is MPI.COMM_NULL")
+    if isinstance(comm, MPI.Intercomm) or comm.Is_inter():
+        raise TypeError(f"ringreduce.{caller}: comm must be an intracommunicator, "
+                        f"got an intercommunicator ({type(comm).__name__})")
+    return comm
+
+
 def _uncaught_exception() -> BaseException | None:
     """The exception ending the process, if one does: Python prints it and keeps it in
     sys.last_value before it runs the atexit functions. sys.exit() sets nothing. In an
@@ -764,25 +793,7 @@ class Communicator:
     def __init__(self, comm=None, *, chunk_bytes: int | None = None,
                  timeout: float | None = _FROM_ENVIRONMENT):
         self._pid = os.getpid()  # the process it belongs to (see _after_fork_in_child)
-        if self._pid != _PROCESS and _MPI_BEFORE_FORK:
-            raise ValueError(f"ringreduce.Communicator: process {self._pid} is a child made "
-                             f"by fork() of MPI's process {_PROCESS}; MPI does not let a "
-                             "child use it")
-        if MPI.Is_finalized():
-            raise _core.MPIError("ringreduce.Communicator: MPI has been finalised "
-                                 "(MPI.Finalize()): no Communicator can be made")
-        if comm is None:
-            comm = MPI.COMM_WORLD
-        if isinstance(comm, Communicator):
-            comm = comm.mpi_comm
-        if not isinstance(comm, MPI.Comm):
-            raise TypeError(f"ringreduce.Communicator: comm must be an mpi4py communicator, "
-                            f"got {type(comm).__name__}")
-        if comm == MPI.COMM_NULL:
-            raise ValueError("ringreduce.Communicator: comm is MPI.COMM_NULL")
-        if isinstance(comm, MPI.Intercomm) or comm.Is_inter():
-            raise TypeError(f"ringreduce.Communicator: comm must be an intracommunicator, "
-                            f"got an intercommunicator ({type(comm).__name__})")
+        comm = checked_mpi_comm(comm, "Communicator", self._pid)
         if not isinstance(comm, MPI.Intracomm):
             comm = MPI.Intracomm(comm)  # (an MPI.Comm of an intracommunicator)
         context = t.where(comm.Get_rank(), comm.Get_size(), "Communicator")

@@ -275,7 +275,8 @@ def allreduce_gradients(grads, op: str = "avg", comm=None, bucket_mb: float = 25
     same list of shapes and dtypes, op and bucket_mb, and the first call checks that
     they do before any data moves (else every rank raises, and nothing is reduced).
     """
-    ring = _communicator(comm)  # (first: making it is collective, whatever the arguments)
+    # First: making the Communicator is collective, whatever the arguments.
+    ring = _communicator(comm, "allreduce_gradients")
     where = _types.where(ring.rank, ring.size, "allreduce_gradients")
     rejected = None
     flats = []

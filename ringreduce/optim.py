@@ -552,7 +552,7 @@ class DistributedOptimizer:
     def __init__(self, optimizer, comm=None, bucket_mb: float = 25.0, compression=None):
         from ._shortcuts import _communicator
 
-        self.comm = _communicator(comm)  # (first: making it is collective)
+        self.comm = _communicator(comm, "DistributedOptimizer")  # (first: it is collective)
         # (grad_ready's, made once: it is called for every parameter, every step)
         self._grad_ready_where = self._where("grad_ready")
         try:

@@ -595,6 +595,13 @@ def test_calls_after_mpi_finalize_raise(tmp_path, shm):
                  "module-level on COMM_SELF", "new Communicator"):
         assert done.stdout.count(f"{name} raised ") == 2, done.stdout
     assert "MPI has been finalised" in done.stdout
+    # Each names the call made: the module-level function, not the Communicator it
+    # would have made.
+    for name, call in [("module-level", "allreduce"), ("module-level on COMM_SELF",
+                                                          "allreduce"),
+                       ("new Communicator", "Communicator")]:
+        assert done.stdout.count(f"{name} raised ringreduce.{call}: MPI has been") == 2, \
+            done.stdout
     assert done.stdout.count("closed") == 2
 
 

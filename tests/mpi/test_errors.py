@@ -9,6 +9,7 @@ import pytest
 from mpi4py import MPI
 
 import ringreduce as rr
+from ringreduce.optim import SGD, DistributedOptimizer
 
 SIZE = MPI.COMM_WORLD.Get_size()
 RANK = MPI.COMM_WORLD.Get_rank()
@@ -297,6 +298,18 @@ def test_bad_communicators_and_settings():
         rr.Communicator("world")
     with pytest.raises(ValueError, match="COMM_NULL"):
         rr.Communicator(MPI.COMM_NULL)
+    # The module-level functions, which make a Communicator, name themselves.
+    x = np.ones(3)
+    for call, name in [(lambda comm: rr.allreduce(x, comm=comm), "allreduce"),
+                       (lambda comm: rr.allgather(x, comm=comm), "allgather"),
+                       (lambda comm: rr.allreduce_gradients([x], comm=comm),
+                        "allreduce_gradients"),
+                       (lambda comm: DistributedOptimizer(SGD([x], lr=0.1), comm=comm),
+                        "DistributedOptimizer")]:
+        with pytest.raises(ValueError, match=rf"^ringreduce\.{name}: comm is MPI\.COMM_NULL"):
+            call(MPI.COMM_NULL)
+        with pytest.raises(TypeError, match=rf"^ringreduce\.{name}: comm must be an mpi4py "):
+            call("world")
     # A setting's error names where it was given and the rank (every rank prints it).
     made = rf"ringreduce\.Communicator \(rank {RANK} of {SIZE}\): chunk_bytes must be"
     with pytest.raises(ValueError, match=made):
