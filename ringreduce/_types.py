@@ -248,6 +248,21 @@ def named(error: MemoryError, context: str) -> MemoryError:
     return MemoryError(f"{context}: {error}").with_traceback(error.__traceback__)
 
 
+def renamed(error: Exception, ran: str | None, called: str) -> Exception:
+    """error, whose message begins with `ran` ("ringreduce.allreduce", the collective
+    the core ran), as an error of the same kind that begins with `called` (the call the
+    caller made, "ringreduce.allreduce_async") instead; any other as it is."""
+    message = str(error)
+    if ran is None or ran == called or not message.startswith(ran) \
+            or message[len(ran):len(ran) + 1] not in (" ", ":"):
+        return error
+    try:
+        again = type(error)(called + message[len(ran):])
+    except Exception:  # (a kind whose constructor takes more than a message)
+        return error
+    return again.with_traceback(error.__traceback__)
+
+
 def native(dtype: np.dtype) -> np.dtype:
     """dtype in this machine's byte order: what the core computes in, and results are."""
     return dtype if dtype.isnative else dtype.newbyteorder("=")

@@ -178,12 +178,17 @@ class _Results:
 class Handle:
     """A collective in flight. ``wait()`` returns its result (or raises its error)."""
 
-    __slots__ = ("_work", "_error", "_context")
+    __slots__ = ("_work", "_error", "_context", "_ran")
 
-    def __init__(self, work: "_Work", context: str):
+    def __init__(self, work: "_Work", context: str, ran: str | None = None):
         self._work = work
         self._error = None  # what the call raised, raised again by every wait()
         self._context = context  # "ringreduce.allreduce_async (rank 1 of 4)", for errors
+        # The name the core's errors begin with ("ringreduce.allreduce": the collective
+        # it runs), which wait() replaces with the call's, where the caller made it as
+        # allreduce_async (None: a call of the library's own, inside a step or
+        # allreduce_gradients, whose errors say what ran).
+        self._ran = ran
 
     def done(self) -> bool:
         """True once the collective has finished (successfully or not)."""
@@ -226,8 +231,10 @@ class Handle:
         try:
             return work.outcome()
         except Exception as error:  # (the core's error is made anew each time)
-            self._error = error
-            raise
+            self._error = t.renamed(error, self._ran, self._context.split(" (rank ")[0])
+            if self._error is error:
+                raise
+        raise self._error from None  # (the same error, with the call made in front)
 
 
 class _Work:
@@ -918,9 +925,11 @@ class Communicator:
         if fast is not None:
             call = fast.allreduce_async(x, op, out)
             if call is not None:
-                return Handle(call, self._async_context)
-        return self._call("allreduce", self._prepare_allreduce, x, op, out, wait=False,
-                          context=self._async_context)
+                return Handle(call, self._async_context, "ringreduce.allreduce")
+        handle = self._call("allreduce", self._prepare_allreduce, x, op, out, wait=False,
+                            context=self._async_context)
+        handle._ran = "ringreduce.allreduce"
+        return handle
 
     def reduce_scatter(self, x, op="sum", out=None):
         """Reduce x.ravel() over all ranks; return this rank's block of the result.

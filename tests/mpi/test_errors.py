@@ -109,15 +109,29 @@ def test_gpu_like_arrays_get_a_clear_error(comm):
 
 
 @needs_two
+@pytest.mark.parametrize("call", ["allreduce", "allreduce_async"])
 @pytest.mark.parametrize("what", ["count", "dtype", "op"])
-def test_ranks_that_disagree_all_raise_mismatch(what, comm):
+def test_ranks_that_disagree_all_raise_mismatch(what, call, comm):
     count = 10 + (RANK if what == "count" else 0)
     dtype = np.float64 if (what == "dtype" and RANK == SIZE - 1) else np.float32
     op = "max" if (what == "op" and RANK == 0) else "sum"
     with pytest.raises(rr.MismatchError) as info:
-        comm.allreduce(np.ones(count, dtype), op=op)
+        if call == "allreduce":
+            comm.allreduce(np.ones(count, dtype), op=op)
+        else:
+            handle = comm.allreduce_async(np.ones(count, dtype), op=op)
+            try:
+                handle.wait()
+            except rr.MismatchError as first:  # every wait raises the same error
+                with pytest.raises(rr.MismatchError) as again:
+                    handle.wait()
+                assert again.value is first
+                raise
     message = str(info.value)
-    assert what in message and f"rank {RANK} of {SIZE}" in message
+    # (The core names the collective it ran, allreduce; the error, the call made.)
+    assert message.startswith(f"ringreduce.{call}: ranks disagree (raised on rank {RANK} "
+                              f"of {SIZE}): "), message
+    assert what in message
     if what == "count":
         assert "10 on rank 0" in message and f"{10 + SIZE - 1} on rank {SIZE - 1}" in message
     if what == "dtype":

@@ -120,8 +120,10 @@ def a_ring_over(wire, monkeypatch, **kwargs):
 
 
 @needs_two
+@pytest.mark.parametrize("call", ["allreduce", "allreduce_async"])
 @pytest.mark.parametrize("wire", ["shared memory", "MPI"])
-def test_a_rank_that_never_joins_a_call_makes_the_others_raise(wire, world, monkeypatch):
+def test_a_rank_that_never_joins_a_call_makes_the_others_raise(wire, call, world,
+                                                               monkeypatch):
     ring = a_ring_over(wire, monkeypatch)
     x = np.full(4, RANK + 1.0)
     world.Barrier()
@@ -129,8 +131,11 @@ def test_a_rank_that_never_joins_a_call_makes_the_others_raise(wire, world, monk
         others = {2: "rank 1 has", 3: "ranks 1, 2 have"}.get(SIZE, f"ranks 1-{SIZE - 1} have")
         missing = (f"{others} not joined this call within 0.5 s" if wire == "shared memory"
                    else "for every rank to join this call")
-        message = waited_for(missing, lambda: ring.allreduce(x))
-        assert message.startswith(f"ringreduce.allreduce (rank 0 of {SIZE}): ")
+        # (The async call is run by the wait itself, or by the worker thread.)
+        run = ring.allreduce if call == "allreduce" else lambda x: ring.allreduce_async(x).wait()
+        message = waited_for(missing, lambda: run(x))
+        # The call made, where the core names the collective it ran (allreduce).
+        assert message.startswith(f"ringreduce.{call} (rank 0 of {SIZE}): "), message
         assert "can no longer be used" in message
         with pytest.raises(rr.CollectiveTimeoutError, match="gave up earlier"):
             ring.allreduce(x)
