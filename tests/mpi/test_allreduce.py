@@ -242,26 +242,26 @@ def test_module_level_functions_keep_one_communicator_per_mpi_communicator(world
     # making and a duplicate that was never freed: MPI ran out of them after some 2000.
     from ringreduce._shortcuts import _communicator
 
-    first = _communicator(world)
+    first = _communicator(world, "allreduce")
     x = rank_data(np.dtype(np.float64), 10)
     expected = sum(world.allgather(x))
     for _ in range(10):
-        assert _communicator(MPI.Intracomm(world)) is first
-        assert _communicator(MPI.Comm(world)) is first  # (an intracommunicator too)
+        assert _communicator(MPI.Intracomm(world), "allreduce") is first
+        assert _communicator(MPI.Comm(world), "allreduce") is first  # (an intracomm too)
         np.testing.assert_allclose(rr.allreduce(x, comm=MPI.Intracomm(world)), expected,
                                    rtol=1e-12, atol=1e-12)
     # A duplicate is another communicator; one made after it is freed (perhaps at its
     # handle) finds nothing of it.
     dup = world.Dup()
     try:
-        of_dup = _communicator(dup)
+        of_dup = _communicator(dup, "allreduce")
         assert of_dup is not first and of_dup.size == world.Get_size()
     finally:
         dup.Free()
     color = world.Get_rank() % 2
     sub = world.Split(color, key=world.Get_rank())
     try:
-        of_sub = _communicator(sub)
+        of_sub = _communicator(sub, "allreduce")
         assert of_sub is not of_dup and of_sub.size == sub.Get_size()
         members = world.allgather(color)
         np.testing.assert_allclose(

@@ -1911,7 +1911,7 @@ def test_allreduce_gradients_where_the_first_call_fails_before_its_exchange(
     # input runs out of memory) raises its own error; the others learn of it in that
     # exchange and raise MismatchError at once, instead of waiting in the step that
     # finds out what differs (which only ranks that all made the checked call make).
-    ring = rr._shortcuts._communicator(None)
+    ring = rr._shortcuts._communicator(None, "allreduce")
     if not fast_path:  # (Python's checks: what a thread level below SERIALIZED takes)
         monkeypatch.setattr(ring, "_fast", None)
     if RANK == BAD:
