@@ -1,13 +1,16 @@
 """Step by step, what every rank of the ring sends, receives and holds.
 
-    python -m ringreduce explain --ranks 4 --count 12 [--chunk 2] [--svg ring.svg]
+    python -m ringreduce explain --ranks 4 --count 12 [--chunk 2] [--values] [--svg ring.svg]
 
 Everything here is read from ringreduce's own RingSchedule, the C++ class that drives
 the core (exposed by the binding), so the explanation is the algorithm that runs, not a
-second description of it. Only the partial sums are worked out here: which ranks' data
-each rank's copy of each segment contains after each step, and in what order each
-segment's terms are added up (which decides its bits). Steps are counted from 1 here,
-from 0 in docs/ring.md and the code; docs/ring.md walks through the output.
+second description of it. What is worked out here is the partial sums: which ranks'
+data each rank's copy of each segment contains after each step, and in what order each
+segment's terms are added up (which decides its bits). With --values, the steps are
+also carried out on numbers, a small integer array per rank, chunk by chunk as the
+schedule sends them, and every rank's numbers are shown after each step. Steps are
+counted from 1 here, from 0 in docs/ring.md and the code; docs/ring.md walks through
+the output.
 """
 from __future__ import annotations
 
@@ -17,6 +20,8 @@ import os
 import sys
 import textwrap
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from . import _core, sim
 
@@ -37,6 +42,7 @@ class Step:
     number: int  # 1-based within the phase
     transfers: list
     holds: list  # holds[rank][segment] = sorted ranks whose data that copy contains
+    values: np.ndarray | None = None  # values[rank] = its buffer afterwards (--values)
 
 
 @dataclass
@@ -51,6 +57,7 @@ class Explanation:
     # with it: "x0+(x3+(x2+x1))" (each rank adds what arrives to its own data, its own
     # first). Every chunk of it, on every path, in that order: its bits are the result's.
     orders: list = field(default_factory=list)
+    inputs: np.ndarray | None = None  # inputs[rank]: its buffer before the first step (--values)
 
 
 # For reading: the steps and what every rank holds grow as ranks**3 (ranks**4 in
@@ -61,14 +68,62 @@ MAX_RANKS = 32
 MAX_DRAWN_RANKS = 8
 MAX_CHUNKS = 4096  # over all segments
 MAX_ORDERS_SHOWN = 8  # segments whose order of summing is printed (each has p terms)
+# --values writes each element as a number of one digit per rank, and each rank's buffer
+# on one line: past 8 digits the eye loses which digit is which rank, and past 100
+# characters a line wraps in many terminals.
+MAX_VALUES_RANKS = 8
+MAX_VALUES_LINE = 100
 
 
-def explain(ranks: int = 4, count: int = 12, chunk_elems: int | None = None) -> Explanation:
-    """The whole ring all-reduce of `count` elements on `ranks` ranks, step by step."""
+def value_inputs(ranks: int, count: int) -> np.ndarray:
+    """inputs[r][i]: what rank r holds at element i, with --values."""
+    # Each rank has a decimal digit of its own, rank 0's the leftmost, and puts there a
+    # tag for the element, from 1 to 9 (i % 9 + 1). A sum then has no carries and spells
+    # out whose data it holds: on 4 ranks x0+x3 at element 6 is 7000 + 0007 = 7007, a 0
+    # being a rank not yet in; the full sum is 7777. The tags tell neighbouring
+    # elements apart (all ones would hide an element added in the wrong place).
+    places = 10 ** np.arange(ranks - 1, -1, -1, dtype=np.int64)
+    tags = np.arange(count, dtype=np.int64) % 9 + 1
+    return places[:, None] * tags[None, :]
+
+
+def _value_columns(ranks: int, count: int) -> list:
+    """The width of each segment's column of numbers (its header, S0, at the least)."""
+    digits = ranks + 1  # (a space after each number)
+    base, extra = divmod(count, ranks)  # (np.array_split's sizes, without the array)
+    sizes = [base + (s < extra) for s in range(ranks)]
+    return [max(len(f"S{s}"), n * digits - 1) for s, n in enumerate(sizes)]
+
+
+def _values_line(ranks: int, count: int) -> int:
+    """How long a rank's line of numbers is: its label, then the segments, two spaces apart."""
+    return 10 + sum(_value_columns(ranks, count)) + 2 * (ranks - 1)
+
+
+def _check_values(ranks: int, count: int) -> None:
+    if ranks > MAX_VALUES_RANKS:
+        raise ValueError(f"--values shows at most {MAX_VALUES_RANKS} ranks (a digit each in "
+                         f"every number), not {ranks}")
+    if _values_line(ranks, count) > MAX_VALUES_LINE:
+        most = 0
+        while _values_line(ranks, most + 1) <= MAX_VALUES_LINE:
+            most += 1
+        raise ValueError(f"--values prints each rank's buffer on one line, {ranks} digits an "
+                         f"element: {count} elements make lines of "
+                         f"{_values_line(ranks, count)} characters, more than "
+                         f"{MAX_VALUES_LINE}; on {ranks} ranks, use at most {most} elements")
+
+
+def explain(ranks: int = 4, count: int = 12, chunk_elems: int | None = None,
+            values: bool = False) -> Explanation:
+    """The whole ring all-reduce of `count` elements on `ranks` ranks, step by step; with
+    `values`, also carried out on value_inputs(ranks, count)."""
     sim._check(ranks, count)  # (the simulator's rules for a ring: one set of them)
     if ranks > MAX_RANKS:
         raise ValueError(f"ranks must be at most {MAX_RANKS} here, got {ranks}: the steps are for "
                          "reading (for bytes and times at any scale: python -m ringreduce sim)")
+    if values:
+        _check_values(ranks, count)
     if chunk_elems is None:
         chunk_elems = max(1, -(-count // ranks))  # one chunk per segment
     sim._check_chunk_elems(chunk_elems)
@@ -80,6 +135,10 @@ def explain(ranks: int = 4, count: int = 12, chunk_elems: int | None = None) -> 
     result = Explanation(ranks, count, chunk_elems,
                          [s0.segment(s) for s in range(ranks)],
                          [s0.num_chunks(s) for s in range(ranks)])
+    buffers = None
+    if values:
+        result.inputs = value_inputs(ranks, count)
+        buffers = result.inputs.copy()
     if count == 0:  # (the core makes no ring steps for nothing: nor does this)
         return result
     holds = [[[r] for _ in range(ranks)] for r in range(ranks)]
@@ -90,6 +149,7 @@ def explain(ranks: int = 4, count: int = 12, chunk_elems: int | None = None) -> 
         for k in range(s0.steps_per_phase):
             transfers, before = [], [[list(c) for c in row] for row in holds]
             sums_before = [list(row) for row in sums]
+            values_before = None if buffers is None else buffers.copy()
             for sched in schedules:
                 r, seg = sched.rank, getattr(sched, send_of)(k)
                 incoming = getattr(sched, recv_of)(k)
@@ -104,11 +164,27 @@ def explain(ranks: int = 4, count: int = 12, chunk_elems: int | None = None) -> 
                     came = sums_before[sched.left][incoming]
                     sums[r][incoming] = (f"{sums[r][incoming]}+"
                                          + (f"({came})" if "+" in came else came))
+                if values:
+                    _receive(buffers, values_before, schedules[sched.left], r, k, send_of,
+                             reduces)
             result.steps.append(Step(phase, k + 1, transfers,
-                                     [[list(c) for c in row] for row in holds]))
+                                     [[list(c) for c in row] for row in holds],
+                                     None if buffers is None else buffers.copy()))
             if reduces and k == s0.steps_per_phase - 1:
                 result.orders = [sums[s][s] for s in range(ranks)]
     return result
+
+
+def _receive(buffers, before, sender, r, k, send_of, reduces) -> None:
+    """Rank r takes in, chunk by chunk, what its left neighbour `sender` sends at step k:
+    the elements the sender's schedule names, as the sender's buffer held them before
+    the step, added to r's own (its own first, as in the core) or copied over them."""
+    segment = getattr(sender, send_of)(k)
+    for c in range(sender.num_chunks(segment)):
+        first, n = sender.chunk(segment, c)
+        arrived = before[sender.rank, first:first + n]
+        mine = buffers[r, first:first + n]
+        buffers[r, first:first + n] = mine + arrived if reduces else arrived
 
 
 def _elements(span) -> str:
@@ -132,6 +208,71 @@ def _counted(n: int, thing: str) -> str:
     return f"{n} {thing}" if n == 1 else f"{n} {thing}s"
 
 
+def _value_rows(e: Explanation, rows) -> list:
+    """Lines of numbers, a column per segment: a header, then a line per (label, buffer)."""
+    widths = _value_columns(e.ranks, e.count)
+    lines = [("  " + " " * 8 + "  ".join(f"S{s}".ljust(w) for s, w in enumerate(widths)))
+             .rstrip()]
+    for label, buffer in rows:
+        cells = [" ".join(f"{v:0{e.ranks}d}" for v in buffer[first:first + n]) or "-"
+                 for first, n in e.segments]
+        lines.append((f"  {label}".ljust(10) + "  ".join(c.ljust(w) for c, w in
+                                                        zip(cells, widths))).rstrip())
+    return lines
+
+
+def _values_start(e: Explanation) -> list:
+    if e.count == 0:
+        return ["(--values: no elements, so no numbers to show.)"]
+    if e.ranks == 1:
+        how = "its element i is i % 9 + 1:"
+    else:
+        i, last = min(6, e.count - 1), e.ranks - 1
+        a, b = e.inputs[0, i], e.inputs[last, i]
+        how = (f"element i is i % 9 + 1 in the rank's own digit, rank 0's the leftmost, so "
+               f"that a sum shows whose data it holds (x0+x{last} at element {i}: "
+               f"{a:0{e.ranks}d} + {b:0{e.ranks}d} = {a + b:0{e.ranks}d}):")
+    whose = "the rank's input" if e.ranks == 1 else "each rank's input"
+    return textwrap.wrap(f"With --values, {whose}: {how}", width=90) + \
+        _value_rows(e, [(f"rank {r}", row) for r, row in enumerate(e.inputs)])
+
+
+def _final_values(e: Explanation) -> np.ndarray:
+    return e.steps[-1].values if e.steps else e.inputs
+
+
+def _ranks_off_the_sum(e: Explanation) -> list:
+    """The ranks whose buffer after the last step is not np.sum of the inputs over the
+    ranks, the plain sum without the ring: what the steps must give (--values)."""
+    expected = e.inputs.sum(axis=0)
+    return [r for r, row in enumerate(_final_values(e)) if not np.array_equal(row, expected)]
+
+
+def values_agree(e: Explanation) -> bool:
+    """Whether every rank ends with np.sum of the inputs (explained with values=True)."""
+    return not _ranks_off_the_sum(e)
+
+
+def _values_end(e: Explanation) -> list:
+    if e.count == 0:
+        return []
+    final, expected, wrong = _final_values(e), e.inputs.sum(axis=0), _ranks_off_the_sum(e)
+    if not wrong:
+        return [""] + textwrap.wrap(
+            "The numbers: every rank's buffer is now the result below; numpy adds up the "
+            "inputs without the ring, np.sum(inputs, axis=0), to compare:", width=90) + \
+            _value_rows(e, [("result", final[0]), ("np.sum", expected)]) + \
+            ["Checked: the same on every rank, and the same as np.sum."]
+    return [""] + textwrap.wrap(
+        "The numbers: every rank's buffer now, and numpy's sum of the inputs without the "
+        "ring, np.sum(inputs, axis=0):", width=90) + \
+        _value_rows(e, [(f"rank {r}", row) for r, row in enumerate(final)]
+                    + [("np.sum", expected)]) + \
+        [f"WRONG: {', '.join(f'rank {r}' for r in wrong)} "
+         f"{'differs' if len(wrong) == 1 else 'differ'} from np.sum: the steps above are not "
+         "the ring all-reduce (a bug in ringreduce: please report it)."]
+
+
 def format_text(e: Explanation) -> str:
     if e.ranks == 1:
         ring = ("on 1 rank.",
@@ -144,12 +285,13 @@ def format_text(e: Explanation) -> str:
              f"{ring[1]} chunks of at most {_counted(e.chunk_elems, 'element')}:"]
     for s, span in enumerate(e.segments):
         lines.append(f"  S{s}: {_elements(span)}, {_counted(e.chunks_per_segment[s], 'chunk')}")
+    values = e.inputs is not None
     if e.ranks == 1:
         lines.append("One rank: nothing to send; the result is the input.")
-        return "\n".join(lines)
+        return "\n".join(lines + (_values_start(e) + _values_end(e) if values else []))
     if e.count == 0:
         lines.append("No elements: nothing to send, and no steps; the result is empty.")
-        return "\n".join(lines)
+        return "\n".join(lines + (_values_start(e) if values else []))
     if max(e.chunks_per_segment) > 1:
         lines += textwrap.wrap(
             f"(The all-gather is shown in these chunks too, as through shared memory; over "
@@ -161,6 +303,8 @@ def format_text(e: Explanation) -> str:
             lines += ["The overlap, drawn for float32 elements:",
                       f"  python -m ringreduce sim --ranks {e.ranks} --bytes {4 * e.count} "
                       f"--chunk {4 * e.chunk_elems} --allgather-factor 1 --timeline pipeline.svg"]
+    if values:
+        lines += [""] + _values_start(e)
     width = max(6, max(len(_sum(c, e.ranks)) for step in e.steps for row in step.holds
                        for c in row) + 2)
     for step in e.steps:
@@ -181,6 +325,9 @@ def format_text(e: Explanation) -> str:
         for r, row in enumerate(step.holds):
             lines.append((f"  rank {r}".ljust(10) + "".join(_sum(c, e.ranks).ljust(width)
                                                            for c in row)).rstrip())
+        if values:
+            lines.append("  afterwards, the numbers each rank holds:")
+            lines += _value_rows(e, [(f"rank {r}", row) for r, row in enumerate(step.values)])
     per_rank = 2 * (e.ranks - 1) * e.count / e.ranks
     lines.append("")
     lines.append(f"Each rank sent and received 2(p-1)/p x N = {per_rank:g} elements on average "
@@ -197,6 +344,8 @@ def format_text(e: Explanation) -> str:
     if len(shown) < e.ranks:
         lines.append("  (and each segment alike: from the rank after its owner around to "
                      "its owner)")
+    if values:
+        lines += _values_end(e)
     return "\n".join(lines)
 
 
@@ -280,6 +429,11 @@ def main(argv=None) -> int:
     parser.add_argument("--count", type=int, default=12, help="elements in the buffer")
     parser.add_argument("--chunk", type=int, default=None,
                         help="elements per chunk (None: one chunk per segment)")
+    parser.add_argument("--values", action="store_true",
+                        help="also carry the steps out on small integers and print every rank's "
+                        "numbers after each step, checked against numpy's sum at the end (at most "
+                        f"{MAX_VALUES_RANKS} ranks, in lines of at most {MAX_VALUES_LINE} "
+                        "characters)")
     parser.add_argument("--svg", metavar="FILE", help="also draw the steps (.svg, .png, .pdf; "
                         f"at most {MAX_DRAWN_RANKS} ranks)")
     args = parser.parse_args(argv)
@@ -300,7 +454,7 @@ def main(argv=None) -> int:
     if args.chunk is not None and not 1 <= args.chunk < 1 << 62:
         parser.error(f"--chunk must be from 1 to 2**62 - 1 elements, got {args.chunk}")
     try:
-        e = explain(args.ranks, args.count, args.chunk)
+        e = explain(args.ranks, args.count, args.chunk, values=args.values)
     except ValueError as error:
         parser.error(str(error))
     print(format_text(e))
@@ -313,7 +467,7 @@ def main(argv=None) -> int:
         except OSError as error:
             parser.error(f"--svg: cannot write {args.svg!r}: {error}")
         print(f"\nfigure: {args.svg}")
-    return 0
+    return 1 if args.values and not values_agree(e) else 0
 
 
 if __name__ == "__main__":
