@@ -1,4 +1,5 @@
 """The explainer and the simulator, in one process (their MPI check is in tests/mpi)."""
+import re
 import shlex
 import subprocess
 import sys
@@ -8,7 +9,7 @@ import pytest
 
 import ringreduce as rr
 from ringreduce import _core, reference, sim
-from ringreduce.explain import explain, format_text
+from ringreduce.explain import MAX_VALUES_LINE, explain, format_text, values_agree
 
 
 @pytest.mark.parametrize("ranks,count", [(1, 5), (2, 1), (3, 7), (4, 12), (5, 3)])
@@ -184,6 +185,11 @@ def test_pipeline_reports_each_step_of_both_phases():
     (["explain", "--svg", ".svg"], "'.svg' has no file name before .svg"),
     (["explain", "--ranks", "1", "--svg", "r.svg"], "makes no steps to draw"),
     (["explain", "--count", "0", "--svg", "r.svg"], "makes no steps to draw"),
+    (["explain", "--values", "--ranks", "9", "--count", "9"], "--values shows at most 8 ranks"),
+    (["explain", "--values", "--count", "18"],
+     "18 elements make lines of 102 characters, more than 100; on 4 ranks, use at most 17"),
+    (["explain", "--values", "--count", str(1 << 61), "--chunk", str(1 << 60)],
+     "on 4 ranks, use at most 17 elements"),
 ])
 def test_command_lines_refuse_what_they_cannot_do(argv, message):
     # A usage error, at once: not a traceback, a negative time, or minutes of work
@@ -473,3 +479,131 @@ def test_the_reference_refuses_what_the_core_refuses():
         reference.reduce_scatter(np.ones(3), "mean")
     from mpi4py import MPI
     np.testing.assert_array_equal(reference.allreduce(np.arange(3.0), MPI.MAX), np.arange(3.0))
+
+
+def _explained_values(ranks, count, chunk=None):
+    """Run `explain --values` and read back what it printed: the inputs; for each step,
+    its whose-data table (a set of ranks per rank and segment) and every rank's numbers;
+    and the closing result and np.sum lines. Each line of numbers must be laid out as
+    the segments are: a group of zero-padded numbers, one digit per rank, per segment."""
+    argv = ["--ranks", str(ranks), "--count", str(count)] + \
+        ([] if chunk is None else ["--chunk", str(chunk)])
+    done = subprocess.run([sys.executable, "-m", "ringreduce", "explain", "--values", *argv],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    sizes = [len(a) for a in np.array_split(np.empty(count), ranks)]
+    lines = done.stdout.splitlines()
+
+    def numbers(line, label):
+        assert line.startswith(f"  {label}".ljust(10)), (label, line)
+        groups = re.split(r" {2,}", line[10:].strip())
+        assert [0 if g == "-" else len(g.split()) for g in groups] == sizes, line
+        tokens = [t for g in groups if g != "-" for t in g.split()]
+        assert all(len(t) == ranks for t in tokens), line
+        return np.array([int(t) for t in tokens], dtype=np.int64)
+
+    def whose(cell):
+        return set(range(ranks)) if cell == "all" else {int(x) for x in
+                                                       cell.replace("x", "").split("+")}
+
+    start = next(i for i, line in enumerate(lines) if line.startswith("With --values"))
+    header = next(i for i in range(start, len(lines)) if lines[i].startswith("          S0"))
+    inputs = np.array([numbers(lines[header + 1 + r], f"rank {r}") for r in range(ranks)])
+    steps = []
+    for i, line in enumerate(lines):
+        if line == "  afterwards, whose data each rank's copy of each segment holds:":
+            steps.append({"holds": [[whose(c) for c in lines[i + 2 + r][10:].split()]
+                                    for r in range(ranks)]})
+        elif line == "  afterwards, the numbers each rank holds:":
+            steps[-1]["values"] = np.array([numbers(lines[i + 2 + r], f"rank {r}")
+                                            for r in range(ranks)])
+    result = next(i for i, line in enumerate(lines) if line.startswith("  result  "))
+    return (inputs, steps, numbers(lines[result], "result"),
+            numbers(lines[result + 1], "np.sum"), lines[result + 2])
+
+
+def _ring_by_the_book(inputs):
+    """Every rank's buffer after each step, the steps taken as reference.py takes them
+    (whole segments, its send and receive formulas), with no RingSchedule and no chunks."""
+    ranks, count = inputs.shape
+    bounds = reference.segment_bounds(count, ranks)
+    work, after = inputs.copy(), []
+    for reduces, received in ((True, lambda r, k: (r - 2 - k) % ranks),
+                              (False, lambda r, k: (r - 1 - k) % ranks)):
+        for k in range(ranks - 1):
+            before = work.copy()
+            for r in range(ranks):
+                part = slice(*bounds[received(r, k)])
+                came = before[(r - 1) % ranks, part]
+                work[r, part] = work[r, part] + came if reduces else came
+            after.append(work.copy())
+    return after
+
+
+@pytest.mark.parametrize("chunk", [None, 1, 2])
+@pytest.mark.parametrize("ranks,count", [(1, 5), (2, 5), (3, 7), (4, 12), (4, 3)])
+def test_explain_values_are_the_ring_done_by_hand_and_end_as_the_plain_sum(ranks, count, chunk):
+    inputs, steps, result, plain_sum, verdict = _explained_values(ranks, count, chunk)
+    # Rank r holds element i's tag, i % 9 + 1, in its own digit (rank 0's the leftmost).
+    expected_inputs = np.array([[(i % 9 + 1) * 10 ** (ranks - 1 - r) for i in range(count)]
+                                for r in range(ranks)])
+    np.testing.assert_array_equal(inputs, expected_inputs)
+    by_the_book = _ring_by_the_book(expected_inputs)
+    assert len(steps) == len(by_the_book) == 2 * (ranks - 1)
+    for k, (step, book) in enumerate(zip(steps, by_the_book)):
+        np.testing.assert_array_equal(step["values"], book, err_msg=f"step {k + 1}")
+        # and each copy of each segment is the sum of what the whose-data table names
+        for r in range(ranks):
+            for s, (first, stop) in enumerate(reference.segment_bounds(count, ranks)):
+                named = sum(expected_inputs[c, first:stop] for c in step["holds"][r][s])
+                np.testing.assert_array_equal(step["values"][r, first:stop], named)
+    np.testing.assert_array_equal(plain_sum, expected_inputs.sum(axis=0))
+    np.testing.assert_array_equal(result, expected_inputs.sum(axis=0))
+    if steps:
+        assert (steps[-1]["values"] == result).all()  # every rank's buffer
+    assert verdict == "Checked: the same on every rank, and the same as np.sum."
+
+
+def test_explain_values_in_the_docs_x0_plus_x3_is_7007():
+    # The worked example the output and docs/ring.md give: rank 0's S2 after step 1.
+    e = explain(4, 12, values=True)
+    assert e.steps[0].holds[0][2] == [0, 3]
+    assert list(e.steps[0].values[0, 6:9]) == [7007, 8008, 9009]
+    assert "x0+x3 at element 6: 7000 + 0007 = 7007" in " ".join(format_text(e).split())
+
+
+def test_explain_values_says_so_when_the_steps_do_not_give_the_sum():
+    # The check is live: a buffer off by one, or a ring whose receives only copy,
+    # is reported, and the command fails.
+    e = explain(3, 6, values=True)
+    e.steps[-1].values[1, 2] += 1
+    text = format_text(e)
+    assert "WRONG: rank 1 differs from np.sum" in text and "Checked" not in text
+    assert not values_agree(e)
+    copying = ("import sys; from ringreduce import explain as x; receive = x._receive; "
+               "x._receive = lambda *a: receive(*a[:-1], False); "
+               "from ringreduce.__main__ import main; "
+               "sys.exit(main(['explain', '--values', '--ranks', '3', '--count', '6']))")
+    done = subprocess.run([sys.executable, "-c", copying], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "WRONG: rank 0, rank 1, rank 2 differ from np.sum" in done.stdout
+
+
+@pytest.mark.parametrize("ranks", range(1, 9))
+def test_explain_values_takes_every_count_whose_lines_fit_and_refuses_one_more(ranks):
+    most = 0
+    while True:
+        try:
+            explain(ranks, most + 1, values=True)
+        except ValueError as refused:
+            assert f"use at most {most} elements" in str(refused)
+            break
+        most += 1
+    assert most >= ranks  # at least a number in every segment
+    rows = [line for line in format_text(explain(ranks, most, values=True)).splitlines()
+            if re.fullmatch(r"  (rank \d|result|np\.sum) +[\d -]+", line)]
+    assert len(rows) == ranks * (1 + 2 * (ranks - 1)) + 2  # inputs, each step, the end
+    widest = max(len(line) for line in rows)
+    # within the limit, and one more number (its digits and a space) would not be
+    assert widest <= MAX_VALUES_LINE < widest + ranks + 1
