@@ -38,6 +38,61 @@ def test_every_figure_is_made_by_the_figures_script(tmp_path):
     assert {"ring_4_ranks.svg", "cost_model_ranks.png"} <= {p.name for p in tmp_path.iterdir()}
 
 
+def _fenced_blocks(page: str):
+    """(language, body) of each fenced block of a Markdown page, in order."""
+    blocks, language, body = [], None, []
+    for line in page.splitlines():
+        if line.startswith("```"):
+            if language is None:
+                language, body = line[3:].strip(), []
+            else:
+                blocks.append((language, "\n".join(body)))
+                language = None
+        elif language is not None:
+            body.append(line)
+    return blocks
+
+
+def test_every_excerpt_of_explain_in_the_docs_is_what_it_prints():
+    # A `text` block after a `bash` block that runs `python -m ringreduce explain` quotes
+    # what that command prints (its drawing left out): the block's lines, one after
+    # another, as they are in the output.
+    quoted = 0
+    for page in sorted((ROOT / "docs").glob("*.md")):
+        command = None
+        for language, body in _fenced_blocks(page.read_text()):
+            if language == "bash":
+                runs = [line for line in body.splitlines()
+                        if line.startswith("python -m ringreduce explain")]
+                command = runs[-1] if runs else None
+            elif language == "text" and command is not None:
+                argv = re.sub(r" --svg \S+", "", command).split()[1:]
+                done = subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True,
+                                      text=True, timeout=120)
+                assert done.returncode == 0, done.stderr
+                shown, printed = body.splitlines(), done.stdout.splitlines()
+                assert any(printed[i:i + len(shown)] == shown for i in range(len(printed))), \
+                    f"{page.name}: not what `{command}` prints:\n{body}"
+                quoted += 1
+    assert quoted >= 4  # docs/ring.md's first step, and three of --values
+
+
+def test_the_limits_of_explain_values_are_the_ones_docs_ring_md_gives():
+    from ringreduce.explain import MAX_VALUES_LINE, MAX_VALUES_RANKS, explain
+
+    page = " ".join((ROOT / "docs" / "ring.md").read_text().split())
+    most = 0
+    while most < 1000:
+        try:
+            explain(4, most + 1, values=True)
+        except ValueError:
+            break
+        most += 1
+    assert (f"`--values` takes up to {MAX_VALUES_RANKS} ranks (a digit each) and as many "
+            f"elements as keep a rank's numbers on a line of {MAX_VALUES_LINE} characters "
+            f"({most} on 4 ranks)") in page
+
+
 def test_readme_example_runs_on_two_ranks(tmp_path):
     sys.path.insert(0, str(ROOT / "tests"))
     from launch import job_env, mpiexec
