@@ -576,3 +576,69 @@ def test_close_from_a_signal_handler_in_the_middle_of_a_call_does_not_hang():
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
+
+
+@pytest.mark.parametrize("wire", ["shared memory", "MPI"])
+def test_threads_each_with_a_communicator_of_their_own_run_at_once(wire, world, monkeypatch):
+    # What api.md tells threads to do: a Communicator each. Each thread's calls pair
+    # with the same thread's on the other ranks, whatever order the threads run in on
+    # each rank (a pause drawn per rank and thread shuffles them differently), and each
+    # call's result is its own thread's data: small calls done in the header exchange,
+    # ring calls, queued ones, every collective.
+    if MPI.Query_thread() < MPI.THREAD_MULTIPLE:  # (see api.md: they would wait for
+        pytest.skip("MPI below MPI_THREAD_MULTIPLE: one thread at a time")  # each other)
+    monkeypatch.setenv("RINGREDUCE_SHM", "1" if wire == "shared memory" else "0")
+    threads, calls = 3, 12
+    rings = [rr.Communicator(timeout=60) for _ in range(threads)]  # (made in one order)
+    monkeypatch.delenv("RINGREDUCE_SHM")
+    if any(ring.transport != wire for ring in rings):
+        for ring in rings:
+            ring.close()
+        pytest.skip(f"the ranks are not all on one machine: no {wire}")
+    failures = []
+
+    def data(rank, t, i, n):  # (exact in float64: every sum below is of integers)
+        return np.arange(n, dtype=np.float64) + 1000.0 * rank + 100_000.0 * t + i
+
+    def expected_sum(t, i, n):
+        return sum(data(r, t, i, n) for r in range(SIZE))
+
+    def work(t):
+        ring, pause = rings[t], np.random.default_rng([RANK, t])
+        try:
+            for i in range(calls):
+                time.sleep(pause.uniform(0, 0.003))
+                n = (5, 3000, 70_001)[i % 3]  # header, one chunk, many chunks
+                kind = i % 4
+                if kind == 0:
+                    got, want = ring.allreduce(data(RANK, t, i, n)), expected_sum(t, i, n)
+                elif kind == 1:
+                    handles = [ring.allreduce_async(data(RANK, t, i + j, n)) for j in range(3)]
+                    got = np.concatenate([h.wait() for h in reversed(handles)])
+                    want = np.concatenate([expected_sum(t, i + j, n) for j in (2, 1, 0)])
+                elif kind == 2:
+                    got = ring.allgather(data(RANK, t, i, n))
+                    want = np.concatenate([data(r, t, i, n) for r in range(SIZE)])
+                else:
+                    root = (t + i) % SIZE
+                    got = ring.broadcast(data(RANK, t, i, n), root=root)
+                    want = data(root, t, i, n)
+                if not np.array_equal(got, want):
+                    failures.append(f"thread {t}, call {i} (kind {kind}, {n} elements): "
+                                    f"wrong result")
+            block = ring.reduce_scatter(data(RANK, t, calls, 10 * SIZE + 1))
+            mine = np.array_split(expected_sum(t, calls, 10 * SIZE + 1), SIZE)[RANK]
+            if not np.array_equal(block, mine):
+                failures.append(f"thread {t}: reduce_scatter's block is wrong")
+        except Exception as error:  # (a timeout: calls that paired with another thread's)
+            failures.append(f"thread {t}: {type(error).__name__}: {error}")
+
+    running = [threading.Thread(target=work, args=(t,), daemon=True) for t in range(threads)]
+    for thread in running:
+        thread.start()
+    for thread in running:
+        thread.join(timeout=120)
+    assert not any(thread.is_alive() for thread in running), "a thread never finished"
+    for ring in rings:
+        ring.close()
+    assert not failures, failures
