@@ -1,6 +1,7 @@
 """Bad input gets a clear error naming the argument, the value and the rank; ranks
 that disagree all raise MismatchError; and the communicator stays usable after."""
 import gc
+import re
 import time
 import warnings
 
@@ -704,4 +705,119 @@ def test_numpys_memory_error_names_the_call_and_the_rank(call, comm):
     with pytest.raises(MemoryError, match=rf"^ringreduce\.{call} \(rank {RANK} of {SIZE}\): "
                                           r"Unable to allocate"):
         run()
+    still_works(comm)
+
+
+class _GpuArrayWithoutAGpu:
+    __cuda_array_interface__ = {"shape": (4,), "typestr": "<f8", "data": (0, False),
+                                "version": 3}
+
+
+def _read_only(a):
+    a.flags.writeable = False
+    return a
+
+
+def _out_size(call):
+    """The size of call's result for an x of 8 elements (at least 2 on up to 4 ranks)."""
+    return {"allgather": 8 * SIZE, "reduce_scatter": len(np.array_split(range(8), SIZE)[RANK])
+            }.get(call, 8)
+
+
+def _masked(size):
+    return np.ma.masked_array(np.ones(size), mask=np.arange(size) == 1)
+
+
+# Each argument error of the table in docs/api.md: the case, which calls take it, what
+# to pass for a call (given its result's size), the error, and what its message must
+# show besides the call and the rank (the argument and its value).
+_REDUCTIONS = ("allreduce", "allreduce_async", "reduce_scatter")
+_ALL = _REDUCTIONS + ("allgather",)
+_BAD_ARGUMENTS = {
+    "unknown op": (_REDUCTIONS, lambda n: (np.ones(8), {"op": "mean"}), ValueError,
+                   r"op 'mean' is not one of 'sum', 'prod', 'min', 'max', 'avg'"),
+    "unsupported dtype": (_ALL, lambda n: (np.ones(8, object), {}), TypeError,
+                          r"x has dtype object, which is not supported; supported dtypes: "
+                          r"float16, .*float32"),
+    "masked x": (_ALL, lambda n: (_masked(8), {}), TypeError,
+                 r"x is a masked array with masked elements"),
+    "masked out": (_ALL, lambda n: (np.ones(8), {"out": _masked(n)}), TypeError,
+                   r"out is a masked array with masked elements"),
+    "op undefined for the dtype": (_REDUCTIONS, lambda n: (np.ones(8, np.int32), {"op": "avg"}),
+                                   rr.UnsupportedOpError,
+                                   r"op 'avg' is not supported for dtype int32"),
+    "out of the wrong dtype": (_ALL, lambda n: (np.ones(8), {"out": np.ones(n, np.float32)}),
+                               TypeError, r"out has dtype float32, expected float64"),
+    "out not an ndarray": (_ALL, lambda n: (np.ones(8), {"out": [0.0] * n}), TypeError,
+                           r"out must be a numpy.ndarray, got list"),
+    # (allgather's rows are the ranks' agreement: a wrong number is a MismatchError on
+    # every rank, tested above; rows of the wrong shape are this rank's own error.)
+    "out of the wrong shape": (_REDUCTIONS, lambda n: (np.ones(8), {"out": np.ones(n + 1)}),
+                               ValueError, r"out has shape \((\d+),\), expected"),
+    "out rows of the wrong shape": (("allgather",),
+                                    lambda n: (np.ones(8), {"out": np.ones((n, 2))}),
+                                    ValueError, r"out .*rows of shape \(\)"),
+    "out not C-contiguous": (_ALL, lambda n: (np.ones(8), {"out": np.ones(2 * n)[::2]}),
+                             ValueError, r"out is not C-contiguous \(strides \(16,\)\)"),
+    "out read-only": (_ALL, lambda n: (np.ones(8), {"out": _read_only(np.ones(n))}),
+                      ValueError, r"out is read-only"),
+    "GPU array without a GPU": (_ALL, lambda n: (_GpuArrayWithoutAGpu(), {}), TypeError,
+                                r"x is a GPU array \(_GpuArrayWithoutAGpu\)"),
+}
+
+
+@pytest.mark.parametrize("module_level", [False, True], ids=["method", "module-level"])
+@pytest.mark.parametrize("call", ["allreduce", "allreduce_async", "reduce_scatter", "allgather"])
+@pytest.mark.parametrize("case", list(_BAD_ARGUMENTS))
+def test_every_argument_error_names_the_call_the_argument_the_value_and_the_rank(
+        case, call, module_level, comm):
+    # api.md's Errors: "Every message names the call, the argument, the value, and the
+    # rank", for every call (the module-level functions name themselves, not the
+    # Communicator they use). Every rank passes the same bad argument.
+    calls, arguments, error, shows = _BAD_ARGUMENTS[case]
+    if call not in calls:
+        pytest.skip(f"{call} takes no such argument")
+    x, kwargs = arguments(_out_size(call))
+    if module_level:
+        kwargs["comm"] = comm
+    run = getattr(rr if module_level else comm, call)
+    with pytest.raises(error) as info:
+        result = run(x, **kwargs)
+        if call == "allreduce_async":
+            result.wait()
+    message = str(info.value)
+    assert message.startswith(f"ringreduce.{call} (rank {RANK} of {SIZE}): "), message
+    assert re.search(shows, message), (shows, message)
+    still_works(comm)
+
+
+@pytest.mark.parametrize("module_level", [False, True], ids=["method", "module-level"])
+def test_every_broadcast_argument_error_names_the_call_the_argument_the_value_and_the_rank(
+        module_level, comm):
+    run = rr.broadcast if module_level else comm.broadcast
+    extra = {"comm": comm} if module_level else {}
+    cases = [((np.ones(3),), {"root": SIZE}, ValueError, rf"root {SIZE} is not a rank"),
+             ((np.ones(3),), {"root": -1}, ValueError, r"root -1 is not a rank"),
+             ((np.ones(3),), {"root": "0"}, TypeError, r"root must be an int, got str"),
+             ((np.ones(3, ">f4"),), {}, TypeError, r"x has non-native byte order \(>f4\)"),
+             (([1.0],), {}, TypeError, r"x must be a numpy.ndarray .*got list"),
+             ((np.ones(3, object),), {}, TypeError, r"x has dtype object"),
+             ((np.ma.masked_array(np.ones(3), mask=[0, 1, 0]),), {}, TypeError,
+              r"x is a masked array with masked elements"),
+             ((_GpuArrayWithoutAGpu(),), {}, TypeError, r"x is a GPU array")]
+    for args, kwargs, error, shows in cases:
+        with pytest.raises(error) as info:
+            run(*args, **kwargs, **extra)
+        message = str(info.value)
+        assert message.startswith(f"ringreduce.broadcast (rank {RANK} of {SIZE}): "), message
+        assert re.search(shows, message), (shows, message)
+    if SIZE > 1:  # read-only x where it is written: on the ranks other than the root
+        if RANK == 0:  # (the root only reads: it hears of the others' refusal)
+            with pytest.raises(rr.MismatchError, match="rejected its arguments"):
+                run(np.ones(3), root=0, **extra)
+        else:
+            with pytest.raises(ValueError) as info:
+                run(_read_only(np.ones(3)), root=0, **extra)
+            assert str(info.value).startswith(
+                f"ringreduce.broadcast (rank {RANK} of {SIZE}): x is read-only"), info.value
     still_works(comm)
