@@ -68,6 +68,20 @@ def test_unsupported_dtype_names_it_and_the_supported_ones(x, comm):
     still_works(comm)
 
 
+def test_the_errors_of_the_library_are_the_built_in_kinds_api_md_names(comm):
+    # So that `except RuntimeError` and `except TimeoutError` catch them.
+    assert issubclass(rr.MismatchError, RuntimeError)
+    assert issubclass(rr.MPIError, RuntimeError)
+    assert issubclass(rr.CollectiveTimeoutError, TimeoutError)
+    assert issubclass(rr.UnsupportedOpError, TypeError)
+    assert issubclass(rr.UnsupportedOpError, ValueError)
+    if SIZE > 1:
+        with pytest.raises(RuntimeError) as info:
+            comm.allreduce(np.ones(3 + RANK))
+        assert type(info.value) is rr.MismatchError
+    still_works(comm)
+
+
 @pytest.mark.parametrize("dtype,op", [(np.complex64, "min"), (np.complex128, "max"),
                                       (np.int32, "avg"), (np.uint8, "avg"), (np.bool_, "avg")])
 def test_op_without_meaning_for_the_dtype(dtype, op, comm):
