@@ -299,6 +299,35 @@ def test_module_level_functions_keep_one_communicator_per_mpi_communicator(world
         sub.Free()
 
 
+def test_a_communicator_serves_where_an_mpi4py_one_is_taken(world):
+    # api.md: comm.mpi_comm is the mpi4py communicator it was made from; the module-level
+    # functions use an rr.Communicator passed as comm= as it is (its chunk size, and
+    # once closed it says so); rr.Communicator(ring) makes a new one over ring.mpi_comm.
+    backwards = world.Split(0, key=-world.Get_rank())  # (its ranks are not the world's)
+    try:
+        ring = rr.Communicator(backwards, chunk_bytes=64)
+        assert ring.mpi_comm is backwards and not ring.closed
+        x = rank_data(np.dtype(np.float64), 100)
+        expected = sum(world.allgather(x))
+        np.testing.assert_allclose(rr.allreduce(x, comm=ring), expected, rtol=1e-12)
+        assert rr.reduce_scatter(x, comm=ring).size == len(
+            np.array_split(x, SIZE)[backwards.Get_rank()])
+        other = rr.Communicator(ring)
+        assert other is not ring and other.mpi_comm is backwards
+        assert (other.rank, other.size) == (backwards.Get_rank(), SIZE)
+        assert other.chunk_bytes != 64  # (a new one: the default, not ring's)
+        ring.close()
+        assert ring.closed
+        for call in (lambda: rr.allreduce(x, comm=ring), lambda: rr.broadcast(x, comm=ring)):
+            with pytest.raises(ValueError, match="has been closed"):
+                call()
+        with other:
+            np.testing.assert_allclose(rr.allreduce(x, comm=other), expected, rtol=1e-12)
+        assert other.closed  # (a with block that ends closes it)
+    finally:
+        backwards.Free()
+
+
 def test_sub_communicators(world):
     # Two independent rings (even and odd ranks) at the same time.
     color = world.Get_rank() % 2
