@@ -187,6 +187,17 @@ def test_communicator_rank_size(comm):
     assert comm.size == SIZE
 
 
+def test_the_op_names_and_the_default_chunk_size_are_the_documented_ones():
+    assert rr.OPS == ("sum", "prod", "min", "max", "avg")
+    with rr.Communicator(WORLD, chunk_bytes=None) as c:
+        assert c.chunk_bytes == 256 * 1024
+        x = make_data(np.float32, (5000,), "sum", ("chunks",))
+        y = c.allreduce(x)
+        c.chunk_bytes = 64  # settable at any time
+        assert c.chunk_bytes == 64
+        assert c.allreduce(x).tobytes() == y.tobytes()
+
+
 def test_default_communicator_is_comm_world():
     with rr.Communicator() as c:
         assert c.rank == RANK and c.size == SIZE

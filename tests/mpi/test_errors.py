@@ -49,6 +49,21 @@ def test_unknown_op_names_it_and_the_valid_ones(comm):
     still_works(comm)
 
 
+def test_user_defined_mpi_ops_and_minloc_are_refused_by_name(comm):
+    # api.md, Coming from mpi4py: "No user-defined MPI.Op, MPI.MAXLOC/MINLOC or MPI.LXOR".
+    # (An Op's repr is an address: the message says what it is instead.)
+    mine = MPI.Op.Create(lambda a, b, datatype: None, commute=True)
+    try:
+        for op, shown in ((mine, r"\(a user-defined MPI.Op\)"), (MPI.MINLOC, "MPI.MINLOC")):
+            for x in (np.ones(3), np.ones(3, bool)):
+                with pytest.raises(ValueError, match=rf"^ringreduce\.allreduce \(rank {RANK} of "
+                                                     rf"{SIZE}\): op {shown} is not one of"):
+                    comm.allreduce(x, op=op)
+    finally:
+        mine.Free()
+    still_works(comm)
+
+
 def test_op_names_are_case_insensitive_and_mpi_ops_work(comm):
     x = np.arange(4.0)
     np.testing.assert_array_equal(comm.allreduce(x, op="MAX"), x)
