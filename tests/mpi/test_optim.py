@@ -549,6 +549,31 @@ def test_powersgd_sends_fewer_bytes_and_keeps_replicas_equal():
     assert all(b == blobs[0] for b in blobs)
 
 
+def test_comm_seconds_counts_the_time_step_waited_on_the_ring():
+    # api.md: "opt.comm_seconds: time step() waited on the ring". The last rank comes
+    # 0.5 s late to a step: the others' step() waits for it, and counts that wait.
+    if SIZE == 1:
+        pytest.skip("needs a rank to wait for")
+    import time
+
+    params = init_params(LAYERS, seed=1)
+    opt = DistributedOptimizer(SGD(params, lr=0.1))
+    assert opt.comm_seconds == 0.0
+    grads = loss_and_grads(params, *my_shard(*data(0)))[1]
+    opt.step(grads)
+    before = opt.comm_seconds
+    MPI.COMM_WORLD.Barrier()
+    start = time.perf_counter()
+    if RANK == SIZE - 1:
+        time.sleep(0.5)
+    opt.step(grads)
+    took = time.perf_counter() - start
+    waited = opt.comm_seconds - before
+    assert 0 < waited <= took
+    if RANK != SIZE - 1:
+        assert waited > 0.25, waited  # (its own work in step() is a few ms)
+
+
 @pytest.mark.parametrize("bucket_mb", [8 / 2**20, 25.0], ids=["a bucket each", "one bucket"])
 def test_powersgd_starts_during_backward_in_the_same_order_on_every_rank(bucket_mb):
     # A matrix's first all-reduce (of P) starts as soon as its gradient is in, in its
