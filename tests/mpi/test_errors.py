@@ -842,7 +842,10 @@ def test_every_broadcast_argument_error_names_the_call_the_argument_the_value_an
         assert re.search(shows, message), (shows, message)
     if SIZE > 1:  # read-only x where it is written: on the ranks other than the root
         if RANK == 0:  # (the root only reads: it hears of the others' refusal)
-            with pytest.raises(rr.MismatchError, match="rejected its arguments"):
+            others = ("rank 1 rejected its" if SIZE == 2 else "ranks 1, 2 rejected their"
+                      if SIZE == 3 else f"ranks 1-{SIZE - 1} rejected their")
+            with pytest.raises(rr.MismatchError, match=rf"\(raised on rank 0 of {SIZE}\): "
+                                                       rf"{others} arguments"):
                 run(np.ones(3), root=0, **extra)
         else:
             with pytest.raises(ValueError) as info:
