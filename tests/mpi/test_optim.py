@@ -551,7 +551,7 @@ def test_powersgd_sends_fewer_bytes_and_keeps_replicas_equal():
 
 def test_comm_seconds_counts_the_time_step_waited_on_the_ring():
     # api.md: "opt.comm_seconds: time step() waited on the ring". The last rank comes
-    # 0.5 s late to a step: the others' step() waits for it, and counts that wait.
+    # 1 s late to a step: the others' step() waits for it, and counts that wait.
     if SIZE == 1:
         pytest.skip("needs a rank to wait for")
     import time
@@ -565,13 +565,15 @@ def test_comm_seconds_counts_the_time_step_waited_on_the_ring():
     MPI.COMM_WORLD.Barrier()
     start = time.perf_counter()
     if RANK == SIZE - 1:
-        time.sleep(0.5)
+        time.sleep(1.0)
     opt.step(grads)
     took = time.perf_counter() - start
     waited = opt.comm_seconds - before
     assert 0 < waited <= took
     if RANK != SIZE - 1:
-        assert waited > 0.25, waited  # (its own work in step() is a few ms)
+        # (Its own work in step() is a few ms; the margin is for a rank that a loaded
+        # machine holds up between the barrier and its step.)
+        assert waited > 0.4, waited
 
 
 @pytest.mark.parametrize("bucket_mb", [8 / 2**20, 25.0], ids=["a bucket each", "one bucket"])
