@@ -3,6 +3,7 @@
 #include "reduce_ops.h"
 
 #include <atomic>
+#include <cstring>
 #include <stdexcept>
 #include <string>
 
@@ -29,10 +30,55 @@ __attribute__((always_inline)) inline void reduce_elements(T* dst, const T* a,
   for (int64_t i = 0; i < n; ++i) dst[i] = OpT<T>::apply(a[i], b[i]);
 }
 
+// numpy's arrays may start at any byte (np.frombuffer at an odd offset, a field of a
+// packed record), and reading or writing through a T* that is not aligned for T is
+// undefined behaviour (UBSan: "store to misaligned address ... for type 'float'"), which
+// allows the compiler to vectorise with moves that fault there. Such arrays take this
+// loop, whose elements go in and out through memcpy (the same bits). Not every call:
+// the compiler vectorises it less well (complex numbers not at all).
+template <typename T>
+__attribute__((always_inline)) inline T load_element(const char* p) {
+  T value;
+  std::memcpy(&value, p, sizeof(T));
+  return value;
+}
+
+template <typename T>
+__attribute__((always_inline)) inline void store_element(char* p, const T& value) {
+  std::memcpy(p, &value, sizeof(T));
+}
+
+template <typename T, template <typename> class OpT>
+__attribute__((always_inline)) inline void reduce_unaligned(void* dst, const void* a,
+                                                            const void* __restrict b,
+                                                            int64_t n) {
+  char* d = static_cast<char*>(dst);
+  const char* x = static_cast<const char*>(a);
+  const char* y = static_cast<const char*>(b);
+  for (int64_t i = 0; i < n; ++i) {
+    const size_t at = static_cast<size_t>(i) * sizeof(T);
+    store_element(d + at, OpT<T>::apply(load_element<T>(x + at), load_element<T>(y + at)));
+  }
+}
+
+template <typename T>
+bool aligned_for(const void* p) {
+  return reinterpret_cast<uintptr_t>(p) % alignof(T) == 0;
+}
+
+template <typename T, template <typename> class OpT>
+__attribute__((always_inline)) inline void reduce_any(void* dst, const void* a,
+                                                      const void* __restrict b, int64_t n) {
+  if (aligned_for<T>(dst) && aligned_for<T>(a) && aligned_for<T>(b))
+    reduce_elements<T, OpT>(static_cast<T*>(dst), static_cast<const T*>(a),
+                            static_cast<const T*>(b), n);
+  else
+    reduce_unaligned<T, OpT>(dst, a, b, n);
+}
+
 template <typename T, template <typename> class OpT>
 void reduce_loop(void* dst, const void* a, const void* __restrict b, int64_t n) {
-  reduce_elements<T, OpT>(static_cast<T*>(dst), static_cast<const T*>(a),
-                          static_cast<const T*>(b), n);
+  reduce_any<T, OpT>(dst, a, b, n);
 }
 
 #if RINGREDUCE_HAVE_X86_DISPATCH
@@ -46,8 +92,7 @@ void reduce_loop(void* dst, const void* a, const void* __restrict b, int64_t n) 
 template <typename T, template <typename> class OpT>
 __attribute__((target("avx2"))) void reduce_loop_avx2(void* dst, const void* a,
                                                       const void* __restrict b, int64_t n) {
-  reduce_elements<T, OpT>(static_cast<T*>(dst), static_cast<const T*>(a),
-                          static_cast<const T*>(b), n);
+  reduce_any<T, OpT>(dst, a, b, n);
 }
 
 bool has_avx2() {
@@ -117,8 +162,11 @@ ReduceFn select_kernel(DType dtype, Op op) {
 
 template <typename T>
 void divide_loop(void* data_v, int64_t n, int64_t divisor) {
-  T* data = static_cast<T*>(data_v);
-  for (int64_t i = 0; i < n; ++i) data[i] = divide_element(data[i], divisor);
+  char* data = static_cast<char*>(data_v);  // (at any address: see reduce_unaligned())
+  for (int64_t i = 0; i < n; ++i) {
+    char* at = data + static_cast<size_t>(i) * sizeof(T);
+    store_element(at, divide_element(load_element<T>(at), divisor));
+  }
 }
 
 #if RINGREDUCE_HAVE_F16C
@@ -130,22 +178,27 @@ bool has_f16c() {
   return supported;
 }
 
-__attribute__((target("avx,f16c"))) void reduce_half_f16c(bool product, uint16_t* dst,
-                                                           const uint16_t* a,
-                                                           const uint16_t* __restrict b,
+__attribute__((target("avx,f16c"))) void reduce_half_f16c(bool product, void* dst,
+                                                           const void* a,
+                                                           const void* __restrict b,
                                                            int64_t n) {
+  char* d = static_cast<char*>(dst);  // (at any address: see reduce_unaligned())
+  const char* x8 = static_cast<const char*>(a);
+  const char* __restrict y8 = static_cast<const char*>(b);
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
-    const __m256 x = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a + i)));
-    const __m256 y = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + i)));
+    const __m256 x =
+        _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x8 + 2 * i)));
+    const __m256 y =
+        _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(y8 + 2 * i)));
     const __m256 z = product ? _mm256_mul_ps(x, y) : _mm256_add_ps(x, y);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i),
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(d + 2 * i),
                      _mm256_cvtps_ph(z, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
   }
   using H = Half;
   for (; i < n; ++i) {
-    const H x{a[i]}, y{b[i]};
-    dst[i] = (product ? ProdOp<H>::apply(x, y) : SumOp<H>::apply(x, y)).bits;
+    const H x = load_element<H>(x8 + 2 * i), y = load_element<H>(y8 + 2 * i);
+    store_element(d + 2 * i, product ? ProdOp<H>::apply(x, y) : SumOp<H>::apply(x, y));
   }
 }
 #endif
@@ -157,8 +210,7 @@ void reduce(DType dtype, Op op, void* dst, const void* a, const void* b, int64_t
 #if RINGREDUCE_HAVE_F16C
   if (dtype == DType::Float16 && (op == Op::Sum || op == Op::Avg || op == Op::Prod) &&
       cpu_kernels.load(std::memory_order_relaxed) && has_f16c()) {
-    return reduce_half_f16c(op == Op::Prod, static_cast<uint16_t*>(dst),
-                            static_cast<const uint16_t*>(a), static_cast<const uint16_t*>(b), n);
+    return reduce_half_f16c(op == Op::Prod, dst, a, b, n);
   }
 #endif
   ReduceFn fn = select_kernel(dtype, op);
