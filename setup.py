@@ -152,4 +152,15 @@ core = Pybind11Extension(
     extra_compile_args=["-O3", "-ffp-contract=off"],
 )
 
+# RINGREDUCE_SANITIZE=address (ASan with UBSan) or thread (TSan) instruments the core for
+# the checks in docs/development.md; its -O1 comes after, and wins over, the -O3 above.
+SANITIZERS = {"address": "address,undefined", "thread": "thread"}
+sanitize = os.environ.get("RINGREDUCE_SANITIZE")
+if sanitize:
+    if sanitize not in SANITIZERS:
+        sys.exit(f"ringreduce: RINGREDUCE_SANITIZE must be address or thread; got {sanitize!r}")
+    flags = [f"-fsanitize={SANITIZERS[sanitize]}", "-fno-omit-frame-pointer", "-g"]
+    core.extra_compile_args += flags + ["-O1"]
+    core.extra_link_args += flags
+
 setup(packages=["ringreduce"], ext_modules=[core], cmdclass={"build_ext": BuildWithCuda})
