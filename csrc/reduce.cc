@@ -195,64 +195,53 @@ void divide_any(void* data, int64_t n, int64_t divisor) {
 }
 
 #if RINGREDUCE_HAVE_F16C
-// float16 sum and product with the F16C instructions, chosen at run time: 8 halves
-// widened to float32 at once, combined, and rounded back to nearest even in hardware,
-// which gives the same bits as float_to_half (NaN payloads aside). 30x the scalar speed.
+// float16 with the F16C instructions, chosen at run time: 8 halves widened to float32
+// at once. Sums and products are rounded back to nearest even in hardware, which gives
+// the same bits as float_to_half (NaN payloads aside): 30x the scalar speed. Min and max
+// compare the widened values (exactly) as MinOp and MaxOp do, and keep the chosen
+// operand's own bits (a NaN in a first), where the scalar loop's widening made them 30x
+// slower than the sums.
 bool has_f16c() {
   static const bool supported = __builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c");
   return supported;
 }
 
-__attribute__((target("avx,f16c"))) void reduce_half_f16c(bool product, void* dst,
-                                                           const void* a,
+__attribute__((target("avx,f16c"))) void reduce_half_f16c(Op op, void* dst, const void* a,
                                                            const void* __restrict b,
                                                            int64_t n) {
   char* d = static_cast<char*>(dst);  // (at any address: see reduce_unaligned())
   const char* x8 = static_cast<const char*>(a);
   const char* __restrict y8 = static_cast<const char*>(b);
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    const __m256 x =
-        _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x8 + 2 * i)));
-    const __m256 y =
-        _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(y8 + 2 * i)));
-    const __m256 z = product ? _mm256_mul_ps(x, y) : _mm256_add_ps(x, y);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(d + 2 * i),
-                     _mm256_cvtps_ph(z, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-  }
-  using H = Half;
-  for (; i < n; ++i) {
-    const H x = load_element<H>(x8 + 2 * i), y = load_element<H>(y8 + 2 * i);
-    store_element(d + 2 * i, product ? ProdOp<H>::apply(x, y) : SumOp<H>::apply(x, y));
-  }
-}
-
-// float16 min and max, 8 at a time: compared widened to float32 (exactly), as MinOp and
-// MaxOp compare, and the chosen operand's own bits kept (a NaN in a first). The scalar
-// loop's widening made them 30x slower than the sums.
-__attribute__((target("avx,f16c"))) void minmax_half_f16c(bool max, void* dst, const void* a,
-                                                           const void* __restrict b,
-                                                           int64_t n) {
-  char* d = static_cast<char*>(dst);  // (at any address: see reduce_unaligned())
-  const char* x8 = static_cast<const char*>(a);
-  const char* __restrict y8 = static_cast<const char*>(b);
+  const bool picks = op == Op::Min || op == Op::Max;
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
     const __m128i xh = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x8 + 2 * i));
     const __m128i yh = _mm_loadu_si128(reinterpret_cast<const __m128i*>(y8 + 2 * i));
     const __m256 x = _mm256_cvtph_ps(xh), y = _mm256_cvtph_ps(yh);
-    const __m256 ordered = max ? _mm256_cmp_ps(x, y, _CMP_GE_OQ) : _mm256_cmp_ps(x, y, _CMP_LE_OQ);
-    const __m256 take_x = _mm256_or_ps(ordered, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
-    // The 8 lanes' all-ones or zeros, narrowed to 16 bits (saturating keeps each so).
-    const __m256i wide = _mm256_castps_si256(take_x);
-    const __m128i take = _mm_packs_epi32(_mm256_castsi256_si128(wide),
-                                         _mm256_extractf128_si256(wide, 1));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(d + 2 * i), _mm_blendv_epi8(yh, xh, take));
+    __m128i z;
+    if (picks) {
+      const __m256 ordered =
+          op == Op::Max ? _mm256_cmp_ps(x, y, _CMP_GE_OQ) : _mm256_cmp_ps(x, y, _CMP_LE_OQ);
+      const __m256 take_x = _mm256_or_ps(ordered, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+      // The 8 lanes' all-ones or zeros, narrowed to 16 bits (saturating keeps each so).
+      const __m256i wide = _mm256_castps_si256(take_x);
+      const __m128i take = _mm_packs_epi32(_mm256_castsi256_si128(wide),
+                                           _mm256_extractf128_si256(wide, 1));
+      z = _mm_blendv_epi8(yh, xh, take);
+    } else {
+      z = _mm256_cvtps_ph(op == Op::Prod ? _mm256_mul_ps(x, y) : _mm256_add_ps(x, y),
+                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    }
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(d + 2 * i), z);
   }
   using H = Half;
   for (; i < n; ++i) {
     const H x = load_element<H>(x8 + 2 * i), y = load_element<H>(y8 + 2 * i);
-    store_element(d + 2 * i, max ? MaxOp<H>::apply(x, y) : MinOp<H>::apply(x, y));
+    const H z = op == Op::Prod  ? ProdOp<H>::apply(x, y)
+                : op == Op::Min ? MinOp<H>::apply(x, y)
+                : op == Op::Max ? MaxOp<H>::apply(x, y)
+                                : SumOp<H>::apply(x, y);  // (and Avg's sums)
+    store_element(d + 2 * i, z);
   }
 }
 
@@ -281,14 +270,8 @@ __attribute__((target("avx,f16c"))) void divide_half_f16c(void* data, int64_t n,
 void reduce(DType dtype, Op op, void* dst, const void* a, const void* b, int64_t n) {
   if (n <= 0) return;
 #if RINGREDUCE_HAVE_F16C
-  if (dtype == DType::Float16 && (op == Op::Sum || op == Op::Avg || op == Op::Prod) &&
-      cpu_kernels.load(std::memory_order_relaxed) && has_f16c()) {
-    return reduce_half_f16c(op == Op::Prod, dst, a, b, n);
-  }
-  if (dtype == DType::Float16 && (op == Op::Min || op == Op::Max) &&
-      cpu_kernels.load(std::memory_order_relaxed) && has_f16c()) {
-    return minmax_half_f16c(op == Op::Max, dst, a, b, n);
-  }
+  if (dtype == DType::Float16 && cpu_kernels.load(std::memory_order_relaxed) && has_f16c())
+    return reduce_half_f16c(op, dst, a, b, n);  // (every op is defined for float16)
 #endif
   ReduceFn fn = select_kernel(dtype, op);
   if (fn == nullptr)
