@@ -175,6 +175,9 @@ class _Results:
             return buffer.view(dtype).reshape(shape)
 
 
+_HANDLE_ERROR = threading.Lock()  # (Handle.wait's first error: rare, so one for all)
+
+
 class Handle:
     """A collective in flight. ``wait()`` returns its result (or raises its error)."""
 
@@ -231,10 +234,14 @@ class Handle:
         try:
             return work.outcome()
         except Exception as error:  # (the core's error is made anew each time)
-            self._error = t.renamed(error, self._ran, self._context.split(" (rank ")[0])
-            if self._error is error:
-                raise
-        raise self._error from None  # (the same error, with the call made in front)
+            raised = t.renamed(error, self._ran, self._context.split(" (rank ")[0])
+        with _HANDLE_ERROR:  # (threads waiting at once: every wait raises the first's)
+            if self._error is None:
+                self._error = raised
+        # Raised outside the except block, so that the core's error (its message
+        # replaced) is not chained, and without `from None`, which would hide the
+        # exception the caller may be handling around wait().
+        raise self._error
 
 
 class _Work:

@@ -172,6 +172,23 @@ def test_ranks_that_disagree_all_raise_mismatch(what, call, comm):
 
 
 @needs_two
+def test_an_async_error_keeps_the_exception_the_caller_was_handling(comm):
+    # wait() puts allreduce_async in the core's error's place; a wait() made while the
+    # caller handles an exception of its own must still chain to it, as any raise does
+    # ("During handling of the above exception ..."), on the first wait and later ones.
+    handle = comm.allreduce_async(np.ones(3 + RANK))
+    for _ in range(2):
+        try:
+            raise KeyError("the caller's own")
+        except KeyError as own:
+            with pytest.raises(rr.MismatchError, match=r"^ringreduce\.allreduce_async: ") as info:
+                handle.wait()
+            assert info.value.__context__ is own
+            assert not info.value.__suppress_context__
+    still_works(comm)
+
+
+@needs_two
 def test_small_and_large_counts_on_different_ranks(comm):
     # Rank 0's call is small enough to travel inside the header message, the others'
     # are not; the mismatch is still caught, not misread as data.
