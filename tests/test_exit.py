@@ -738,12 +738,17 @@ with rr.Communicator(timeout=30) as ring:
         if child == 0:  # a worker that calls, fails inside the parent's `with` block, ends
             if finished.wait()[0] != 2.0:  # done before the fork: its result is here too
                 os._exit(4)
-            for call in (lambda: ring.allreduce(np.ones(4)), lambda: rr.allreduce(np.ones(4)),
-                         lambda: rr.Communicator(), pending.wait):
+            # Each error names the call made (the module-level function, not the
+            # Communicator it would make).
+            for call, name in ((lambda: ring.allreduce(np.ones(4)), "allreduce ("),
+                               (lambda: rr.allreduce(np.ones(4)), "allreduce:"),
+                               (lambda: rr.Communicator(), "Communicator:"),
+                               (pending.wait, "allreduce_async (")):
                 try:
                     call()
                 except ValueError as error:
                     assert "child made by fork()" in str(error), error
+                    assert str(error).startswith(f"ringreduce.{name}"), error
                 else:
                     os._exit(3)  # it took the parent's place in the ring, or waited
             # Memory of the child's own, where the ring was mapped in the parent (the
