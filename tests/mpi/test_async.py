@@ -597,7 +597,7 @@ def test_threads_each_with_a_communicator_of_their_own_run_at_once(wire, world, 
     if any(ring.transport != wire for ring in rings):
         for ring in rings:
             ring.close()
-        pytest.skip(f"the ranks are not all on one machine: no {wire}")
+        pytest.skip(f"no {wire}: {rings[0].transport_reason}")  # (one rank, or not one machine)
     failures = []
 
     def data(rank, t, i, n):  # (exact in float64: every sum below is of integers)
