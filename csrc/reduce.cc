@@ -251,8 +251,7 @@ __attribute__((target("avx,f16c"))) void reduce_half_f16c(Op op, void* dst, cons
 __attribute__((target("avx,f16c"))) void divide_half_f16c(void* data, int64_t n,
                                                            int64_t divisor) {
   char* d = static_cast<char*>(data);  // (at any address: see reduce_unaligned())
-  const Half h = Half{float_to_half(static_cast<float>(divisor))};
-  const __m256 by = _mm256_set1_ps(half_to_float(h.bits));
+  const __m256 by = _mm256_set1_ps(widened_divisor<Half>(divisor));
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
     const __m256 x = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + 2 * i)));

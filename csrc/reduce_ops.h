@@ -184,14 +184,21 @@ struct ProdOp<Bool> {
 template <>
 struct MinOp<Bool> : ProdOp<Bool> {};
 
-// value / divisor, numpy's way: 16-bit floats first round the divisor to their own
-// type (numpy's weak-scalar rule), then widen both and round the quotient once.
+// What a 16-bit float T is divided by, numpy's way: the divisor rounded to T first
+// (numpy's weak-scalar rule), then widened.
+template <typename T>
+RR_HD inline float widened_divisor(int64_t divisor) {
+  using A = Arith<T>;
+  return A::load(A::store(static_cast<float>(divisor)));
+}
+
+// value / divisor, numpy's way: 16-bit floats divide by widened_divisor() and round
+// the quotient once.
 template <typename T>
 RR_HD inline T divide_element(T value, int64_t divisor) {
   if constexpr (std::is_same_v<T, Half> || std::is_same_v<T, BFloat16>) {
     using A = Arith<T>;
-    const float d = A::load(A::store(static_cast<float>(divisor)));
-    return A::store(A::load(value) / d);
+    return A::store(A::load(value) / widened_divisor<T>(divisor));
   } else {
     return value / static_cast<T>(divisor);
   }
