@@ -139,14 +139,14 @@ class PowerSGD:
         # Arrays of its own, as the optimizer's load_state_dict() takes them: writing to
         # the state after loading it leaves this one alone. (Anything without copy() is
         # left for the optimizer's checks to refuse.)
-        self._load({**state, **{key: {i: plain(a.copy()) if hasattr(a, "copy") else a
-                                      for i, a in dict(state[key]).items()}
-                                for key in ("q", "error")}})
+        self._load(state, lambda i, a: plain(a.copy()) if hasattr(a, "copy") else a)
 
-    def _load(self, state: dict) -> None:
-        """Loads a state already checked (DistributedOptimizer.load_state_dict's way)."""
+    def _load(self, state: dict, convert=lambda i, a: a) -> None:
+        """Loads a state already checked (DistributedOptimizer.load_state_dict's way),
+        each array of Q and of the error as convert(parameter index, array) gives it."""
         self.rank, self.seed = state["rank"], int(state["seed"])
-        self._q, self._error = dict(state["q"]), dict(state["error"])
+        self._q, self._error = ({i: convert(i, a) for i, a in dict(state[key]).items()}
+                                for key in ("q", "error"))
 
 
 class _LowRankCall:

@@ -622,9 +622,7 @@ class DistributedOptimizer:
             # puts them (a state saved from a model on a GPU, given to one on the CPU).
             state = self.powersgd.state_dict()
             self._check_powersgd_arrays(state, self._where(), "compression.state_dict()")
-            self.powersgd._load({**state, **{
-                key: {i: _on_the_side_of(a, self.params[i]) for i, a in state[key].items()}
-                for key in ("q", "error")}})
+            self.powersgd._load(state, lambda i, a: _on_the_side_of(a, self.params[i]))
         bucketed = [i for i in range(len(self.params)) if i not in set(self._low_rank)]
         plan = pack_plan([self.params[i] for i in bucketed], int(bucket_mb * 1024 * 1024))
         self._buckets = []
