@@ -90,8 +90,7 @@ def value_inputs(ranks: int, count: int) -> np.ndarray:
 def _value_columns(ranks: int, count: int) -> list:
     """The width of each segment's column of numbers (its header, S0, at the least)."""
     digits = ranks + 1  # (a space after each number)
-    base, extra = divmod(count, ranks)  # (np.array_split's sizes, without the array)
-    sizes = [base + (s < extra) for s in range(ranks)]
+    sizes = [_core.segment_of(s, ranks, count)[1] for s in range(ranks)]  # (the core's)
     return [max(len(f"S{s}"), n * digits - 1) for s, n in enumerate(sizes)]
 
 
