@@ -181,11 +181,12 @@ _HANDLE_ERROR = threading.Lock()  # (Handle.wait's first error: rare, so one for
 class Handle:
     """A collective in flight. ``wait()`` returns its result (or raises its error)."""
 
-    __slots__ = ("_work", "_error", "_context", "_ran")
+    __slots__ = ("_work", "_error", "_frames", "_context", "_ran")
 
     def __init__(self, work: "_Work", context: str, ran: str | None = None):
         self._work = work
         self._error = None  # what the call raised, raised again by every wait()
+        self._frames = None  # its traceback below wait(), which each raise starts anew
         self._context = context  # "ringreduce.allreduce_async (rank 1 of 4)", for errors
         # The name the core's errors begin with ("ringreduce.allreduce": the collective
         # it runs), which wait() replaces with the call's, where the caller made it as
@@ -230,18 +231,23 @@ class Handle:
                 raise TimeoutError(f"{self._context}: still running after Handle.wait's "
                                    f"timeout of {timeout} s (wait again for its result)")
         if self._error is not None:
-            raise self._error
+            raise self._error.with_traceback(self._frames)
         try:
             return work.outcome()
         except Exception as error:  # (the core's error is made anew each time)
             raised = t.renamed(error, self._ran, self._context.split(" (rank ")[0])
+            # Its traceback begins with this wait() and outcome(), and each raise puts
+            # the raising wait() first: without them the caller reads each frame once.
+            frames = raised.__traceback__
+            while frames is not None and frames.tb_frame.f_code in _WAIT_FRAMES:
+                frames = frames.tb_next
         with _HANDLE_ERROR:  # (threads waiting at once: every wait raises the first's)
             if self._error is None:
-                self._error = raised
+                self._error, self._frames = raised, frames
         # Raised outside the except block, so that the core's error (its message
         # replaced) is not chained, and without `from None`, which would hide the
         # exception the caller may be handling around wait().
-        raise self._error
+        raise self._error.with_traceback(self._frames)
 
 
 class _Work:
@@ -280,6 +286,9 @@ class _Work:
             except catching as error:
                 self.error = error
         self.finished.set()
+
+
+_WAIT_FRAMES = (Handle.wait.__code__, _Work.outcome.__code__)
 
 
 # MPI without THREAD_MULTIPLE lets one thread at a time call it (SERIALIZED), or only

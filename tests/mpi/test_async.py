@@ -5,6 +5,7 @@ import signal
 import sys
 import threading
 import time
+import traceback
 import warnings
 import weakref
 from fractions import Fraction
@@ -129,6 +130,8 @@ def test_mismatch_surfaces_at_wait_and_the_queue_goes_on(comm):
     with pytest.raises(rr.MismatchError) as again:
         bad.wait()
     assert again.value is raised.value  # one error, as a _Work keeps it
+    for info in (raised, again):  # (wait() once, then where the call ran)
+        assert [frame.name for frame in traceback.extract_tb(info.tb)].count("wait") == 1
     assert on_the_worker_without_python(bad) == comm._executor.threaded
     np.testing.assert_array_equal(after.wait(), np.full(5, float(SIZE)))
 
