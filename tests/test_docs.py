@@ -160,3 +160,23 @@ def test_the_training_table_is_the_stored_runs():
         assert (loss, accuracy, megabytes) == (f"{run['loss'][-1]:.4f}",
                                                f"{run['test_accuracy'][-1]:.3f}",
                                                f"{run['bytes_sent_per_rank'] / 1e6:.1f}"), path
+
+
+def test_the_readmes_links_lead_to_files_and_headings_that_exist():
+    # README.md is not part of the site, so mkdocs does not check its links.
+    from markdown.extensions.toc import slugify
+
+    def headings(page: Path) -> set:
+        text = re.sub(r"^```.*?^```", "", page.read_text(), flags=re.S | re.M)
+        return {slugify(title.strip(), "-") for title in re.findall(r"^#+ (.*)$", text, re.M)}
+
+    readme = ROOT / "README.md"
+    links = [link for link in re.findall(r"\]\(([^)\s]+)\)", readme.read_text())
+             if not link.startswith(("http://", "https://"))]
+    assert len(links) >= 10, links
+    for link in links:
+        path, _, anchor = link.partition("#")
+        target = ROOT / path
+        assert target.exists(), f"README.md links to {link}: no such file"
+        if anchor:
+            assert anchor in headings(target), f"README.md links to {link}: no such heading"
