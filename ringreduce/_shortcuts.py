@@ -43,25 +43,34 @@ def _communicator(comm, caller: str) -> Communicator:
 
 
 def allreduce(x, op="sum", out=None, comm=None):
-    """Communicator(comm).allreduce(x, op, out); comm=None means MPI.COMM_WORLD."""
+    """``Communicator.allreduce(x, op, out)`` on the Communicator kept for ``comm``.
+
+    ``comm=None`` means ``MPI.COMM_WORLD``. The first call on an MPI communicator makes
+    its Communicator (collectively, on every rank) and later calls reuse it; an
+    ``rr.Communicator`` given as ``comm`` is used as it is.
+    """
     return _communicator(comm, "allreduce").allreduce(x, op=op, out=out)
 
 
 def allreduce_async(x, op="sum", out=None, comm=None):
-    """Communicator(comm).allreduce_async(x, op, out)."""
+    """``Communicator.allreduce_async(x, op, out)`` on the Communicator kept for ``comm``
+    (see allreduce)."""
     return _communicator(comm, "allreduce_async").allreduce_async(x, op=op, out=out)
 
 
 def reduce_scatter(x, op="sum", out=None, comm=None):
-    """Communicator(comm).reduce_scatter(x, op, out)."""
+    """``Communicator.reduce_scatter(x, op, out)`` on the Communicator kept for ``comm``
+    (see allreduce)."""
     return _communicator(comm, "reduce_scatter").reduce_scatter(x, op=op, out=out)
 
 
 def allgather(x, out=None, comm=None):
-    """Communicator(comm).allgather(x, out)."""
+    """``Communicator.allgather(x, out)`` on the Communicator kept for ``comm`` (see
+    allreduce)."""
     return _communicator(comm, "allgather").allgather(x, out=out)
 
 
 def broadcast(x, root=0, comm=None):
-    """Communicator(comm).broadcast(x, root)."""
+    """``Communicator.broadcast(x, root)`` on the Communicator kept for ``comm`` (see
+    allreduce)."""
     return _communicator(comm, "broadcast").broadcast(x, root=root)
