@@ -899,7 +899,9 @@ class Communicator:
 
     @property
     def transport(self) -> str:
-        """How chunks travel: "shared memory" when all ranks share one node, else "MPI"."""
+        """How chunks travel: "shared memory" when all ranks share one node, else "MPI"
+        (also on one rank, with RINGREDUCE_SHM=0, or where the ranks cannot map each
+        other's memory: transport_reason says which)."""
         return self._core.transport
 
     @property
