@@ -34,14 +34,17 @@ failures=()
 step "MPI from .whl/"
 PREFIX=/tmp/ringreduce-mpi
 ls .whl/*.whl >/dev/null 2>&1 || { echo "no wheels in .whl/: run scripts/fetch_gpu_wheels.sh first"; exit 1; }
-"$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --ignore-installed \
-  --prefix "$PREFIX" \
-  .whl/*.whl || exit 1
+# (.whl/ holds an mpi4py wheel for each Python it might meet: pip takes the one that fits)
+"$PY" -m pip install -q --no-index --find-links .whl --no-deps --no-compile --no-cache-dir \
+  --ignore-installed --prefix "$PREFIX" mpich mpi4py || exit 1
 SITE=$(echo "$PREFIX"/lib/python3*/site-packages)
 export PYTHONPATH="$SITE:$PWD" PATH="$PREFIX/bin:$PATH" MPICC="$PREFIX/bin/mpicc"
 # tests/launch.py would otherwise prefer an mpiexec beside the python, another MPI's
 export RINGREDUCE_MPIEXEC="$PREFIX/bin/mpiexec"
 export MPI4PY_LIBMPI="$PREFIX/lib/libmpi.so.12" OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1
+# An image that turns on TF32 for cupy's float32 matrix products (10-bit mantissas)
+# would fail the PowerSGD test, which holds them to numpy's within 1e-4.
+unset CUPY_TF32
 has() { "$PY" -c "import $1" >/dev/null 2>&1; }
 # setup.py refuses a pybind11 before 2.12 (it misreads numpy 2's dtypes).
 recent_pybind11() { "$PY" -c "import pybind11, sys
