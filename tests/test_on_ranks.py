@@ -21,6 +21,7 @@ MODULES = {  # module -> timeout in seconds at 4 oversubscribed ranks on 2 cores
     "test_sim.py": 300,
     "test_device_ring.py": 300,  # the GPU engine over its host emulation
     "test_device_python.py": 300,  # the Python GPU path, a stand-in cupy, the emulation
+    "test_gpu_emulated.py": 300,  # test_gpu.py's own tests there, bar those that need a GPU
     "test_timeout.py": 300,  # ranks that never join, or stop halfway; picks its own wires
     "test_random_sequences.py": 300,  # seeded random mixes of every call, against the reference
     "test_fast_vs_general.py": 180,  # the core's FastPath against the general path, fuzzed

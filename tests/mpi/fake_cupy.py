@@ -3,10 +3,18 @@ machines without a GPU: arrays that present __cuda_array_interface__, streams, e
 and devices that do nothing (though streams are current per thread, as cupy's are).
 Paired with the core's host emulation of the GPU (ringreduce._device._EMULATE), the
 Python half of the GPU path (argument checks, out=, in place, strides, the async
-worker, allgather's allocation) runs under MPI in CI. What cupy and CUDA really do is
-for tests/mpi/test_gpu.py, on a GPU."""
+worker, allgather's allocation) runs under MPI in CI.
+
+The arrays also do arithmetic, as cupy's do, in numpy on the host: operators, methods,
+numpy's ufuncs and functions on them (cupy implements __array_ufunc__ and
+__array_function__), and cupy's own functions where they are numpy's. As in cupy,
+reductions return 0-d arrays, and an implicit conversion to a numpy array raises
+TypeError. So the code for cupy models (optimizers, compression, the digits example)
+runs here too (test_gpu_emulated.py). What cupy and CUDA really do is for
+tests/mpi/test_gpu.py, on a GPU."""
 from __future__ import annotations
 
+import sys
 import threading
 import types
 
@@ -45,10 +53,10 @@ class ndarray:
     device = property(lambda self: _DeviceId())
 
     def __getitem__(self, key):
-        return ndarray(self.host[key])
+        return ndarray(np.asarray(self.host[_host(key)]))
 
     def __setitem__(self, key, value):
-        self.host[key] = value.host if isinstance(value, ndarray) else value
+        self.host[_host(key)] = _host(value)
 
     def reshape(self, *shape):
         return ndarray(self.host.reshape(*shape))
@@ -68,11 +76,148 @@ class ndarray:
     def __float__(self):
         return float(self.host)
 
+    # Arithmetic, in numpy on the host (cupy's own would run kernels on the GPU).
+    def __array__(self, *args, **kwargs):
+        raise TypeError("Implicit conversion to a NumPy array is not allowed. "
+                        "Please use `.get()` to construct a NumPy array explicitly.")
 
-def asarray(x):
+    def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
+        if "out" in kwargs:
+            kwargs["out"] = tuple(_host(o) for o in kwargs["out"])
+        return _device_array(getattr(ufunc, method)(*_operands(inputs), **_host(kwargs)))
+
+    def __array_function__(self, func, types, args, kwargs):
+        return _device_array(func(*_host(args), **_host(kwargs)))
+
+    def __len__(self):
+        return len(self.host)
+
+    def __iter__(self):
+        return (self[i] for i in range(len(self)))
+
+    def __bool__(self):
+        return bool(self.host)
+
+    def __int__(self):
+        return int(self.host)
+
+    def __complex__(self):
+        return complex(self.host)
+
+    def __repr__(self):
+        return f"fake_cupy.{self.host!r}"
+
+    def item(self):
+        return self.host.item()
+
+    def tolist(self):
+        return self.host.tolist()
+
+    T = property(lambda self: ndarray(self.host.T))
+    real = property(lambda self: ndarray(self.host.real))
+    imag = property(lambda self: ndarray(self.host.imag))
+
+
+def _host(x):
+    """x with every fake array in it (nested in tuples, lists, dicts) as its numpy array."""
     if isinstance(x, ndarray):
-        return x
-    return ndarray(np.asarray(x))
+        return x.host
+    if isinstance(x, (tuple, list)):
+        return type(x)(_host(item) for item in x)
+    if isinstance(x, dict):
+        return {key: _host(value) for key, value in x.items()}
+    return x
+
+
+def _operands(x):
+    """_host(x), refusing numpy arrays as cupy's kernels do (of any shape: a 0-d one is
+    no scalar to cupy), where an operator, a ufunc or an elementwise function of
+    cupy's would launch one."""
+    if isinstance(x, np.ndarray):
+        raise TypeError(f"Unsupported type {type(x)}")
+    if isinstance(x, (tuple, list)):
+        return type(x)(_operands(item) for item in x)
+    return _host(x)
+
+
+def _device_array(x):
+    """numpy's result as cupy's would be: arrays (and scalars: cupy's reductions give
+    0-d arrays) on the "GPU"; tuples of them too."""
+    if isinstance(x, (np.ndarray, np.generic)):
+        return ndarray(np.asarray(x))
+    if isinstance(x, tuple):
+        return tuple(_device_array(item) for item in x)
+    return x
+
+
+def _on_device(function, operands=_operands):
+    def on_device(*args, **kwargs):
+        return _device_array(function(*operands(args), **_host(kwargs)))
+
+    on_device.__name__ = function.__name__
+    return on_device
+
+
+# Operators and methods: numpy's, on the host array, with results on the "GPU". The
+# in-place ones write into the host array and return the same fake array.
+for _name in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul", "and",
+              "or", "xor", "lshift", "rshift"):
+    for _form in ("__{}__", "__r{}__"):
+        _dunder = _form.format(_name)
+        setattr(ndarray, _dunder, (lambda d: lambda self, other: _device_array(
+            getattr(self.host, d)(_operands(other))))(_dunder))
+
+    def _in_place(self, other, _dunder=f"__i{_name}__"):
+        result = getattr(self.host, _dunder)(_operands(other))
+        if result is not self.host:  # (numpy writes in place, or says it cannot)
+            return NotImplemented
+        return self
+
+    setattr(ndarray, f"__i{_name}__", _in_place)
+for _dunder in ("__lt__", "__le__", "__gt__", "__ge__", "__eq__", "__ne__", "__neg__",
+                "__pos__", "__abs__", "__invert__"):
+    setattr(ndarray, _dunder, (lambda d: lambda self, *other: _device_array(
+        getattr(self.host, d)(*_operands(other))))(_dunder))
+ndarray.__hash__ = None  # (as cupy's and numpy's arrays: __eq__ is elementwise)
+for _method in ("sum", "prod", "mean", "max", "min", "all", "any", "astype", "view", "fill",
+                "dot", "conj", "argmax", "argmin", "clip", "squeeze", "flatten", "ravel",
+                "transpose", "std", "var", "cumsum", "nonzero", "round", "swapaxes"):
+    setattr(ndarray, _method, (lambda m: lambda self, *args, **kwargs: _device_array(
+        getattr(self.host, m)(*_host(args), **_host(kwargs))))(_method))
+
+# cupy's functions that are numpy's (by name: a name real cupy lacks is not here).
+# Those that make an array take numpy's too (its data, or its shape and dtype).
+for _name in ("zeros_like", "ones_like", "full_like", "array"):
+    globals()[_name] = _on_device(getattr(np, _name), operands=_host)
+for _name in ("zeros", "full", "arange",
+              "linspace", "sqrt", "exp", "log", "log1p", "expm1", "tanh", "abs", "absolute",
+              "sign", "maximum", "minimum", "isfinite", "isnan", "isinf", "where", "sum",
+              "prod", "mean", "max", "min", "amax", "amin", "argmax", "argmin", "matmul",
+              "dot", "outer", "stack", "vstack", "hstack", "split", "array_split", "clip",
+              "square", "einsum", "allclose", "array_equal", "count_nonzero", "take",
+              "cumsum", "diag", "eye", "logaddexp", "round",
+              "multiply", "add", "subtract", "divide", "negative", "reshape", "transpose",
+              "copyto", "any", "all", "nonzero", "unique", "sort", "argsort", "float_power",
+              "ravel", "concatenate", "ascontiguousarray"):
+    globals()[_name] = _on_device(getattr(np, _name))
+del _name, _form, _dunder, _method
+linalg = types.SimpleNamespace(qr=_on_device(np.linalg.qr), norm=_on_device(np.linalg.norm),
+                               svd=_on_device(np.linalg.svd))
+for _dtype in ("float16", "float64", "int8", "int16", "int32", "int64", "uint8", "uint16",
+               "uint32", "uint64", "complex64", "complex128", "bool_", "dtype", "newaxis",
+               "pi", "inf", "nan"):
+    globals()[_dtype] = getattr(np, _dtype)
+del _dtype
+
+
+def get_array_module(*arrays):
+    return sys.modules[__name__] if any(isinstance(a, ndarray) for a in arrays) else np
+
+
+def asarray(x, dtype=None):
+    if isinstance(x, ndarray):
+        return x if dtype is None or x.dtype == dtype else x.astype(dtype)
+    return ndarray(np.asarray(x, dtype))
 
 
 def asnumpy(x):
@@ -84,32 +229,20 @@ def asnumpy(x):
 allocations = []
 
 
-def empty(shape, dtype):
+def empty(shape, dtype=float):
     allocations.append((threading.get_ident(), get_current_stream().ptr))
     return ndarray(np.empty(shape, dtype))
 
 
-def empty_like(x):
-    return ndarray(np.empty_like(x.host))
+def empty_like(x, dtype=None):
+    return ndarray(np.empty_like(x.host, dtype))
 
 
-def ones(shape, dtype):
+def ones(shape, dtype=float):
     return ndarray(np.ones(shape, dtype))
 
 
 float32 = np.float32
-
-
-def ascontiguousarray(x):
-    return ndarray(np.ascontiguousarray(x.host))
-
-
-def ravel(x):
-    return ndarray(np.ravel(x.host))
-
-
-def concatenate(arrays):
-    return ndarray(np.concatenate([a.host for a in arrays]))
 
 
 class _Nothing:
