@@ -15,6 +15,13 @@
 #define RINGREDUCE_HAVE_F16C 0
 #define RINGREDUCE_HAVE_X86_DISPATCH 0
 #endif
+// GCC 11 has both the AVX512-BF16 intrinsics and their run-time check; clang's check came
+// later, so clang builds keep the AVX2 loop for bfloat16.
+#if RINGREDUCE_HAVE_X86_DISPATCH && !defined(__clang__) && __GNUC__ >= 11
+#define RINGREDUCE_HAVE_AVX512_BF16 1
+#else
+#define RINGREDUCE_HAVE_AVX512_BF16 0
+#endif
 
 namespace ringreduce {
 
@@ -264,10 +271,110 @@ __attribute__((target("avx,f16c"))) void divide_half_f16c(void* data, int64_t n,
 }
 #endif
 
+#if RINGREDUCE_HAVE_AVX512_BF16
+// bfloat16 sums, products and an average's division where the CPU rounds float32 to
+// bfloat16 itself (AVX512-BF16: Intel since Cooper Lake, AMD since Zen 4), 8 at a time,
+// in 256-bit registers (no 512-bit ones: they slow some Intel cores' clocks down). The
+// compiler's AVX2 loop rounds with integer arithmetic, 2.3x slower here (64 Ki
+// elements: 32 us against 65-68 us; F16C's float16 loop: 18-24 us). The instruction
+// always rounds to nearest even, as float_to_bfloat16 does, but flushes a subnormal
+// result to zero and keeps a NaN's payload, where float_to_bfloat16 (as ml_dtypes) keeps
+// subnormals and makes every NaN one quiet NaN: 8 results with either go through the
+// scalar code instead (rare in gradients), so every result has the scalar loop's bits.
+bool has_avx512_bf16() {
+  static const bool supported =
+      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
+  return supported;
+}
+
+// The scalar code, for the elements [from, to): out of line, so as not to crowd the
+// vector loops' registers.
+__attribute__((noinline, cold)) void reduce_bfloat16_scalar(Op op, char* d, const char* x,
+                                                            const char* y, int64_t from,
+                                                            int64_t to) {
+  using B = BFloat16;
+  for (int64_t i = from; i < to; ++i) {
+    const B a = load_element<B>(x + 2 * i), b = load_element<B>(y + 2 * i);
+    store_element(d + 2 * i,
+                  op == Op::Prod ? ProdOp<B>::apply(a, b) : SumOp<B>::apply(a, b));
+  }
+}
+
+__attribute__((noinline, cold)) void divide_bfloat16_scalar(char* d, int64_t from, int64_t to,
+                                                            int64_t divisor) {
+  for (int64_t i = from; i < to; ++i)
+    store_element(d + 2 * i, divide_element(load_element<BFloat16>(d + 2 * i), divisor));
+}
+
+__attribute__((target("avx2,avx512f,avx512vl,avx512bf16"))) __attribute__((always_inline))
+inline __m256 widened_bfloat16(const char* p) {
+  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+
+// Whether any of the 8 floats is subnormal or NaN (which the instruction rounds
+// otherwise than float_to_bfloat16).
+__attribute__((target("avx2,avx512f,avx512vl,avx512bf16"))) __attribute__((always_inline))
+inline bool unroundable(__m256 v) {
+  const __m256i magnitude =
+      _mm256_and_si256(_mm256_castps_si256(v), _mm256_set1_epi32(0x7fffffff));
+  const __mmask8 subnormal = _mm256_cmplt_epu32_mask(
+      _mm256_sub_epi32(magnitude, _mm256_set1_epi32(1)), _mm256_set1_epi32(0x7fffff));
+  const __mmask8 nan = _mm256_cmpgt_epu32_mask(magnitude, _mm256_set1_epi32(0x7f800000));
+  return (subnormal | nan) != 0;
+}
+
+__attribute__((target("avx2,avx512f,avx512vl,avx512bf16"))) __attribute__((always_inline))
+inline void store_bfloat16(char* p, __m256 v) {
+  const __m128bh rounded = _mm256_cvtneps_pbh(v);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), reinterpret_cast<const __m128i&>(rounded));
+}
+
+template <bool kProduct>
+__attribute__((target("avx2,avx512f,avx512vl,avx512bf16"))) void reduce_bfloat16_avx512(
+    void* dst, const void* a, const void* __restrict b, int64_t n) {
+  char* d = static_cast<char*>(dst);  // (at any address: see reduce_unaligned())
+  const char* x8 = static_cast<const char*>(a);
+  const char* __restrict y8 = static_cast<const char*>(b);
+  const Op op = kProduct ? Op::Prod : Op::Sum;
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 x = widened_bfloat16(x8 + 2 * i), y = widened_bfloat16(y8 + 2 * i);
+    const __m256 z = kProduct ? _mm256_mul_ps(x, y) : _mm256_add_ps(x, y);
+    if (__builtin_expect(unroundable(z), 0))
+      reduce_bfloat16_scalar(op, d, x8, y8, i, i + 8);
+    else
+      store_bfloat16(d + 2 * i, z);
+  }
+  reduce_bfloat16_scalar(op, d, x8, y8, i, n);
+}
+
+__attribute__((target("avx2,avx512f,avx512vl,avx512bf16"))) void divide_bfloat16_avx512(
+    void* data, int64_t n, int64_t divisor) {
+  char* d = static_cast<char*>(data);  // (at any address: see reduce_unaligned())
+  const __m256 by = _mm256_set1_ps(widened_divisor<BFloat16>(divisor));
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 q = _mm256_div_ps(widened_bfloat16(d + 2 * i), by);
+    if (__builtin_expect(unroundable(q), 0))
+      divide_bfloat16_scalar(d, i, i + 8, divisor);
+    else
+      store_bfloat16(d + 2 * i, q);
+  }
+  divide_bfloat16_scalar(d, i, n, divisor);
+}
+#endif
+
 }  // namespace
 
 void reduce(DType dtype, Op op, void* dst, const void* a, const void* b, int64_t n) {
   if (n <= 0) return;
+#if RINGREDUCE_HAVE_AVX512_BF16
+  if (dtype == DType::BFloat16 && (op == Op::Sum || op == Op::Avg || op == Op::Prod) &&
+      cpu_kernels.load(std::memory_order_relaxed) && has_avx512_bf16())
+    return op == Op::Prod ? reduce_bfloat16_avx512<true>(dst, a, b, n)
+                          : reduce_bfloat16_avx512<false>(dst, a, b, n);
+#endif
 #if RINGREDUCE_HAVE_F16C
   if (dtype == DType::Float16 && cpu_kernels.load(std::memory_order_relaxed) && has_f16c())
     return reduce_half_f16c(op, dst, a, b, n);  // (every op is defined for float16)
@@ -292,6 +399,11 @@ void divide(DType dtype, void* data, int64_t n, int64_t divisor) {
 #if RINGREDUCE_HAVE_F16C
   if (dtype == DType::Float16 && cpu_kernels.load(std::memory_order_relaxed) && has_f16c())
     return divide_half_f16c(data, n, divisor);
+#endif
+#if RINGREDUCE_HAVE_AVX512_BF16
+  if (dtype == DType::BFloat16 && cpu_kernels.load(std::memory_order_relaxed) &&
+      has_avx512_bf16())
+    return divide_bfloat16_avx512(data, n, divisor);
 #endif
   switch (dtype) {
     case DType::Float16: return divide_any<Half>(data, n, divisor);

@@ -194,6 +194,37 @@ def test_float16_every_value_against_numpy(op):
         assert np.isnan(got[nan]).all()
 
 
+@pytest.mark.skipif(BFLOAT16 is None, reason="needs ml_dtypes")
+@pytest.mark.parametrize("op", ["sum", "prod", "avg"])
+def test_bfloat16_every_value_against_numpy(op):
+    # As for float16. Where the CPU rounds to bfloat16 itself (AVX512-BF16), it flushes
+    # subnormal results to zero: so every subnormal also meets every other's neighbours,
+    # and every small normal its neighbour's negation, whose sums are subnormal.
+    every = np.arange(65536, dtype=np.uint16).view(BFLOAT16)
+    rng = np.random.default_rng(12)
+    pairs = [(rng.permutation(every), rng.permutation(every)) for _ in range(4)]
+    subnormal = np.arange(1, 128, dtype=np.uint16)
+    subnormal = np.concatenate([subnormal, subnormal | 0x8000])
+    for shift in range(1, 9):  # (each subnormal with 8 others, at every place in 8 lanes)
+        pairs.append((subnormal.view(BFLOAT16), np.roll(subnormal, shift).view(BFLOAT16)))
+    small = np.arange(0x80, 0x200, dtype=np.uint16)
+    pairs.append((small.view(BFLOAT16), (small[::-1] ^ 0x8000).view(BFLOAT16)))
+    pairs.append((small.view(BFLOAT16), ((small + 1) ^ 0x8000).view(BFLOAT16)))
+    for x, y in pairs:
+        got = core_reduce(x, y, op)
+        want = numpy_reduce(x, y, op)
+        nan = np.isnan(want)
+        assert got[~nan].tobytes() == want[~nan].tobytes()
+        assert np.isnan(got[nan]).all()
+    tiny = np.concatenate([subnormal, small]).view(BFLOAT16)
+    for divisor in (2, 3, 1000):  # (quotients of small normals are subnormal)
+        got = tiny.copy()
+        _core.divide(got, _core.DTYPES.index("bfloat16"), divisor)
+        want = tiny.copy()
+        reference._divide(want, divisor)
+        assert got.tobytes() == want.tobytes()
+
+
 def test_undefined_combinations_raise_instead_of_crashing():
     z = np.ones(3, np.complex64)
     with pytest.raises(ValueError, match="min"):
