@@ -115,7 +115,10 @@ def _divide(segment: np.ndarray, size: int) -> None:
     if size == 1:
         return  # x / 1 is x (and a signalling NaN keeps its bits, as in the core)
     parts = segment.view(segment.real.dtype) if np.iscomplexobj(segment) else segment
-    np.true_divide(parts, size, out=parts)
+    # By the count as a number of the segment's own type, as numpy 2 converts a Python
+    # int (and the core does): numpy 1 divided float16 in float32 by the exact count
+    # once it did not fit (2049 ranks and more: float16 has 2048, then 2050).
+    np.true_divide(parts, parts.dtype.type(size), out=parts)
 
 
 def _ring_allgather(work: np.ndarray, bounds: list[tuple[int, int]], comm) -> None:
