@@ -1,6 +1,7 @@
 """The benchmark scripts run, end to end, on 2 ranks at a few small sizes, and their
 output holds what docs/performance.md is made from. Speed is not checked here: it is
 measured by running the benchmarks on purpose, never asserted in a test."""
+import importlib.util
 import json
 import subprocess
 import sys
@@ -154,6 +155,24 @@ def test_bench_scalar_runs_and_writes_every_candidate(tmp_path):
     assert "| bool flag (max) | ringreduce, numpy scalar |" in done.stdout
 
 
+def test_bench_dtypes_runs_and_writes_every_dtype(tmp_path):
+    result = tmp_path / "dtypes.json"
+    done = subprocess.run(
+        [mpiexec(), "-n", "2", sys.executable, "-m", "mpi4py", "benchmarks/bench_dtypes.py",
+         "--counts", "1K,3", "--repeats", "2", "--json", str(result)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, env=job_env())
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = json.loads(result.read_text())["results"]
+    names = {"float32", "float16"} | ({"bfloat16"} if importlib.util.find_spec("ml_dtypes")
+                                      else set())
+    for count in (1024, 3):
+        for op in ("sum", "avg"):
+            assert {r["dtype"] for r in rows if (r["count"], r["op"]) == (count, op)} == names
+    assert all(r["time_s"] > 0 for r in rows)
+    assert all(r["vs_float32"] == 1.0 for r in rows if r["dtype"] == "float32")
+    assert "| 1024 | avg | float16 |" in done.stdout
+
+
 @pytest.mark.parametrize("script, argv, message", [
     ("benchmarks/bench_allreduce.py", ["--sizes", "1.5.3K"], "'1.5.3K' is not a size"),
     ("benchmarks/bench_allreduce.py", ["--sizes", "64,"], "'' is not a size"),
@@ -163,6 +182,7 @@ def test_bench_scalar_runs_and_writes_every_candidate(tmp_path):
     ("benchmarks/bench_allreduce.py", ["--plot", "busbw.txt"], "a plot is written as"),
     ("benchmarks/bench_async.py", ["--repeats", "0"], "--repeats: must be at least 1"),
     ("benchmarks/bench_scalar.py", ["--repeats", "0"], "--repeats: must be at least 1"),
+    ("benchmarks/bench_dtypes.py", ["--counts", "1K,0"], "'0' is not a count of elements"),
     ("benchmarks/ps_vs_ring.py", ["--mib", "0"], "--mib: must be above 0"),
     ("benchmarks/fit_model.py", ["--repeats", "-1"], "--repeats: must be at least 1"),
     ("benchmarks/fit_model.py", [], "run it on 2 ranks or more"),
