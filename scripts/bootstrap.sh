@@ -5,7 +5,10 @@
 #
 # To use a system MPI instead (MPICH or Open MPI), point MPICC at its mpicc:
 #   MPICC=/usr/bin/mpicc bash scripts/bootstrap.sh
-# mpi4py is then built from source against that MPI, and so is ringreduce.
+#   MPICC=/usr/bin/mpicc.mpich bash scripts/bootstrap.sh   # Debian's MPICH beside Open MPI
+# mpi4py is then built from source against that MPI, and so is ringreduce, and
+# .venv/bin/mpiexec starts that MPI's launcher (scripts/mpiexec_for.sh finds it beside
+# mpicc; MPIEXEC=/path/to/mpiexec names it where it is elsewhere).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -26,10 +29,50 @@ if [ "$(cat "$deps_stamp" 2>/dev/null)" != "$deps_wanted" ]; then
     "${PIP[@]}" uninstall -y mpich mpi4py >/dev/null 2>&1 || true
     MPICC="$MPICC" "${PIP[@]}" install --no-binary=mpi4py --no-cache-dir mpi4py
   else
+    # a system MPI's launcher (below) is not the wheel's
+    ! grep -qs "ringreduce bootstrap.sh" "$VENV/bin/mpiexec" || rm -f "$VENV/bin/mpiexec"
     "${PIP[@]}" install mpich mpi4py
   fi
   "${PIP[@]}" install -r scripts/requirements.txt
   echo "$deps_wanted" > "$deps_stamp"
+fi
+
+# A system MPI's launcher, where the mpich wheel's would be: the tests, scripts/demo.sh
+# and an activated .venv start .venv/bin/mpiexec. The one on PATH may be another MPI's
+# (Debian's /usr/bin/mpiexec is Open MPI's when both are installed), which starts every
+# rank as a job of its own, of one rank. A script that execs it, not a link: MPICH's
+# Hydra looks for hydra_pmi_proxy beside the path it was started by.
+WRAPPER_MARK="# ringreduce bootstrap.sh: the launcher of MPICC's MPI"
+if [ -n "${MPICC:-}" ]; then
+  launcher=${MPIEXEC:-$(bash scripts/mpiexec_for.sh "$MPICC" || true)}
+  if [ -n "$launcher" ] && ! launcher=$(command -v "$launcher"); then
+    echo "bootstrap: MPIEXEC=${MPIEXEC:-}: no such executable" >&2
+    exit 1
+  elif [ -z "$launcher" ]; then
+    echo "bootstrap: no mpiexec beside $MPICC: the tests will start the one on PATH;" \
+         "name this MPI's with MPIEXEC=/path/to/mpiexec" >&2
+  else
+    wrapper=$(printf '#!/bin/sh\n%s\nexec %q "$@"\n' "$WRAPPER_MARK" "$launcher")
+    if [ "$(cat "$VENV/bin/mpiexec" 2>/dev/null)" != "$wrapper" ]; then
+      echo "$wrapper" > "$VENV/bin/mpiexec.new"
+      chmod +x "$VENV/bin/mpiexec.new"
+      # (Open MPI's variables let it run 2 ranks on 1 core, and as root; MPICH ignores them.)
+      sizes=$(OMPI_MCA_rmaps_base_oversubscribe=1 OMPI_ALLOW_RUN_AS_ROOT=1 \
+              OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 timeout 120 "$VENV/bin/mpiexec.new" -n 2 \
+              "$VENV/bin/python" -c 'from mpi4py import MPI; print(MPI.COMM_WORLD.Get_size())' \
+              2>"$VENV/.mpiexec-check.err" | tr '\n' ' ' || true)
+      if [ "$sizes" != "2 2 " ]; then
+        rm -f "$VENV/bin/mpiexec.new"
+        echo "bootstrap: $launcher -n 2 did not start one job of 2 ranks (sizes: $sizes)." \
+             "Is it the launcher of $MPICC's MPI? Name that one with MPIEXEC=/path/to/mpiexec." \
+             "Its errors:" >&2
+        tail -n 20 "$VENV/.mpiexec-check.err" >&2
+        exit 1
+      fi
+      echo "bootstrap: $VENV/bin/mpiexec starts $launcher"
+      mv -f "$VENV/bin/mpiexec.new" "$VENV/bin/mpiexec"
+    fi
+  fi
 fi
 
 # Rebuild the extension when its sources or the MPI change. No build isolation:

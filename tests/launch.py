@@ -23,7 +23,8 @@ ROOT = Path(__file__).resolve().parent.parent
 def mpiexec() -> str:
     """RINGREDUCE_MPIEXEC where set (a path, or a name on PATH: the GPU check names the
     MPI it installed, which the python there does not sit beside), else the mpiexec
-    beside this python (the mpich wheel's in a virtual environment), else PATH's."""
+    beside this python (the mpich wheel's in a virtual environment, or the script that
+    scripts/bootstrap.sh puts there to start a system MPI's, under MPICC), else PATH's."""
     named = os.environ.get("RINGREDUCE_MPIEXEC")
     if named:
         found = shutil.which(named)

@@ -48,3 +48,41 @@ def test_the_mpiexec_named_by_ringreduce_mpiexec_starts_the_jobs(tmp_path, monke
     monkeypatch.setenv("RINGREDUCE_MPIEXEC", str(tmp_path / "missing"))
     with pytest.raises(RuntimeError, match="RINGREDUCE_MPIEXEC=.*missing.*no such executable"):
         mpiexec()
+
+
+def test_bootstrap_finds_the_mpiexec_of_the_mpi_that_mpicc_names(tmp_path):
+    # scripts/mpiexec_for.sh, which bootstrap.sh asks for the launcher it links as
+    # .venv/bin/mpiexec under MPICC. Debian's layout with MPICH and Open MPI both
+    # installed: /usr/bin/mpicc and /usr/bin/mpiexec are alternatives of their own, here
+    # MPICH's mpicc beside Open MPI's mpiexec, whose ranks would each be a job of one.
+    from launch import ROOT
+    usr, alt, opt = (tmp_path / d for d in ("bin", "alternatives", "opt"))
+    for folder in (usr, alt, opt):
+        folder.mkdir()
+    for name in ("mpicc.mpich", "mpiexec.hydra", "opal_wrapper", "orterun", "gcc"):
+        (usr / name).write_text("#!/bin/sh\n")
+        (usr / name).chmod(0o755)
+    for link, target in [("bin/mpiexec.mpich", "mpiexec.hydra"),  # relative, as Debian's
+                         ("bin/mpicc.openmpi", str(usr / "opal_wrapper")),
+                         ("bin/mpiexec.openmpi", "orterun"),
+                         ("alternatives/mpi", str(usr / "mpicc.mpich")),
+                         ("alternatives/mpirun", str(usr / "mpiexec.openmpi")),
+                         ("bin/mpicc", str(alt / "mpi")),
+                         ("bin/mpiexec", str(alt / "mpirun")),
+                         ("opt/mpicc", str(usr / "gcc")),
+                         ("opt/mpiexec", str(usr / "orterun"))]:
+        (tmp_path / link).symlink_to(target)
+
+    def launcher(mpicc):
+        done = subprocess.run(["bash", str(ROOT / "scripts" / "mpiexec_for.sh"), mpicc],
+                              capture_output=True, text=True,
+                              env={**os.environ, "PATH": f"{usr}{os.pathsep}/usr/bin:/bin"})
+        return done.stdout.strip() if done.returncode == 0 else None
+
+    assert launcher(str(usr / "mpicc")) == str(usr / "mpiexec.mpich")
+    assert launcher("mpicc") == str(usr / "mpiexec.mpich")  # a name on PATH
+    assert launcher(str(usr / "mpicc.mpich")) == str(usr / "mpiexec.mpich")
+    assert launcher(str(usr / "mpicc.openmpi")) == str(usr / "mpiexec.openmpi")
+    assert launcher(str(opt / "mpicc")) == str(opt / "mpiexec")  # one MPI in a prefix
+    assert launcher(str(usr / "gcc")) is None
+    assert launcher(str(tmp_path / "missing")) is None
