@@ -266,8 +266,7 @@ __attribute__((target("avx,f16c"))) void divide_half_f16c(void* data, int64_t n,
                      _mm256_cvtps_ph(_mm256_div_ps(x, by),
                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
   }
-  for (; i < n; ++i)
-    store_element(d + 2 * i, divide_element(load_element<Half>(d + 2 * i), divisor));
+  divide_elements<Half>(d + 2 * i, n - i, divisor);
 }
 #endif
 
@@ -287,23 +286,21 @@ bool has_avx512_bf16() {
   return supported;
 }
 
-// The scalar code, for the elements [from, to): out of line, so as not to crowd the
+// The scalar loops, for the elements [from, to): out of line, so as not to crowd the
 // vector loops' registers.
-__attribute__((noinline, cold)) void reduce_bfloat16_scalar(Op op, char* d, const char* x,
-                                                            const char* y, int64_t from,
-                                                            int64_t to) {
-  using B = BFloat16;
-  for (int64_t i = from; i < to; ++i) {
-    const B a = load_element<B>(x + 2 * i), b = load_element<B>(y + 2 * i);
-    store_element(d + 2 * i,
-                  op == Op::Prod ? ProdOp<B>::apply(a, b) : SumOp<B>::apply(a, b));
-  }
+__attribute__((noinline, cold)) void reduce_bfloat16_scalar(bool product, char* d,
+                                                            const char* x, const char* y,
+                                                            int64_t from, int64_t to) {
+  const size_t at = 2 * static_cast<size_t>(from);
+  if (product)
+    reduce_unaligned<BFloat16, ProdOp>(d + at, x + at, y + at, to - from);
+  else
+    reduce_unaligned<BFloat16, SumOp>(d + at, x + at, y + at, to - from);
 }
 
 __attribute__((noinline, cold)) void divide_bfloat16_scalar(char* d, int64_t from, int64_t to,
                                                             int64_t divisor) {
-  for (int64_t i = from; i < to; ++i)
-    store_element(d + 2 * i, divide_element(load_element<BFloat16>(d + 2 * i), divisor));
+  divide_elements<BFloat16>(d + 2 * static_cast<size_t>(from), to - from, divisor);
 }
 
 __attribute__((target("avx2,avx512f,avx512vl,avx512bf16"))) __attribute__((always_inline))
@@ -336,17 +333,16 @@ __attribute__((target("avx2,avx512f,avx512vl,avx512bf16"))) void reduce_bfloat16
   char* d = static_cast<char*>(dst);  // (at any address: see reduce_unaligned())
   const char* x8 = static_cast<const char*>(a);
   const char* __restrict y8 = static_cast<const char*>(b);
-  const Op op = kProduct ? Op::Prod : Op::Sum;
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
     const __m256 x = widened_bfloat16(x8 + 2 * i), y = widened_bfloat16(y8 + 2 * i);
     const __m256 z = kProduct ? _mm256_mul_ps(x, y) : _mm256_add_ps(x, y);
     if (__builtin_expect(unroundable(z), 0))
-      reduce_bfloat16_scalar(op, d, x8, y8, i, i + 8);
+      reduce_bfloat16_scalar(kProduct, d, x8, y8, i, i + 8);
     else
       store_bfloat16(d + 2 * i, z);
   }
-  reduce_bfloat16_scalar(op, d, x8, y8, i, n);
+  reduce_bfloat16_scalar(kProduct, d, x8, y8, i, n);
 }
 
 __attribute__((target("avx2,avx512f,avx512vl,avx512bf16"))) void divide_bfloat16_avx512(
