@@ -68,16 +68,18 @@ def main() -> None:
     comm = rr.Communicator()
     rng = np.random.default_rng(rank)
     rows = []
+    kinds = dtypes()
     jobs = [(count, op) for count in counts for op in ("sum", "avg")]
     for done, (count, op) in enumerate(jobs):
         if rank == 0:
             progress(done, len(jobs), f"{count} elements, {op}")
         data = rng.standard_normal(count)
         candidates = {}
-        for dtype in dtypes():
+        for dtype in kinds:
             x = data.astype(dtype)
             out = np.empty_like(x)
-            candidates[dtype.name] = (lambda x=x, out=out: comm.allreduce(x, op=op, out=out))
+            candidates[dtype.name] = (lambda x=x, out=out, op=op:
+                                      comm.allreduce(x, op=op, out=out))
         times = time_alternating(candidates, repeats=args.repeats,
                                  inner=inner_iterations(count * 4))
         for name, seconds in times.items():
