@@ -25,16 +25,16 @@ deps_stamp="$VENV/.ringreduce-deps"
 if [ "$(cat "$deps_stamp" 2>/dev/null)" != "$deps_wanted" ]; then
   echo "bootstrap: installing dependencies (${MPICC:-MPICH from PyPI})"
   "${PIP[@]}" install --upgrade pip
-  # An mpi4py built for another MPI than the one wanted now (MPICC's, or the wheel's)
-  # would stay, as pip sees it installed: ringreduce then refuses to import.
-  if [ "$(head -n 1 "$deps_stamp" 2>/dev/null | cut -d' ' -f1)" != "mpi=${MPICC:-mpich-wheel}" ]; then
-    "${PIP[@]}" uninstall -y mpi4py >/dev/null 2>&1 || true
-  fi
   if [ -n "${MPICC:-}" ]; then
     "${PIP[@]}" uninstall -y mpich mpi4py >/dev/null 2>&1 || true
     MPICC="$MPICC" "${PIP[@]}" install --no-binary=mpi4py --no-cache-dir mpi4py
   else
-    # a system MPI's launcher (below) is not the wheel's
+    # Back from a system MPI: its mpi4py, built for it, would stay (pip sees one
+    # installed), and ringreduce then refuses to import; its launcher (below) is not
+    # the wheel's.
+    if [ "$(head -n 1 "$deps_stamp" 2>/dev/null | cut -d' ' -f1)" != "mpi=mpich-wheel" ]; then
+      "${PIP[@]}" uninstall -y mpi4py >/dev/null 2>&1 || true
+    fi
     ! grep -qs "ringreduce bootstrap.sh" "$VENV/bin/mpiexec" || rm -f "$VENV/bin/mpiexec"
     "${PIP[@]}" install mpich mpi4py
   fi
