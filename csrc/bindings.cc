@@ -1268,12 +1268,15 @@ PYBIND11_MODULE(_core, m) {
   // The schedule itself, for ringreduce.explain and ringreduce.sim: the same code that
   // decides what the core sends, so the explanations cannot drift from it.
   py::class_<RingSchedule>(m, "RingSchedule")
-      .def(py::init([](int rank, int size, int64_t count, int64_t chunk_elems) {
-             return RingSchedule::split_evenly(rank, size, count, chunk_elems);
+      .def(py::init([](int rank, int size, int64_t count, int64_t chunk_elems,
+                       std::vector<int> ring) {
+             return RingSchedule::split_evenly(rank, size, count, chunk_elems, std::move(ring));
            }),
-           py::arg("rank"), py::arg("size"), py::arg("count"), py::arg("chunk_elems"))
+           py::arg("rank"), py::arg("size"), py::arg("count"), py::arg("chunk_elems"),
+           py::arg("ring") = std::vector<int>())
       .def_property_readonly("rank", &RingSchedule::rank)
       .def_property_readonly("size", &RingSchedule::size)
+      .def_property_readonly("position", &RingSchedule::position)
       .def_property_readonly("left", &RingSchedule::left)
       .def_property_readonly("right", &RingSchedule::right)
       .def_property_readonly("steps_per_phase", &RingSchedule::steps_per_phase)
@@ -1396,6 +1399,7 @@ PYBIND11_MODULE(_core, m) {
                     "seconds a call waits on another rank before raising (<= 0: forever)")
       .def_property_readonly("transport", &RingCommunicator::transport_name)
       .def_property_readonly("transport_reason", &RingCommunicator::transport_reason)
+      .def_property_readonly("ring_order", &RingCommunicator::ring_order)
       .def_property_readonly("ring_bytes_sent", &RingCommunicator::ring_bytes_sent)
       .def_property_readonly("ring_steps", &RingCommunicator::ring_steps)
       .def_property_readonly("exchanges", &RingCommunicator::exchanges,

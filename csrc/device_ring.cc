@@ -241,7 +241,7 @@ RingSchedule RingCommunicator::device_reduce_scatter_call(DeviceCall& call, Coll
       make_header(collective, dtype, op, count, chunk_bytes, kDeviceMemory, check);
   const int64_t elems = chunk_elems(agree(h), es);
   grow_device_scratch(collective, es, count);
-  RingSchedule sched = RingSchedule::split_evenly(rank(), size(), count, elems);
+  RingSchedule sched = RingSchedule::split_evenly(rank(), size(), count, elems, ring_);
   guarded(collective_name(collective), [&] {
     run_device_reduce_scatter(call, sched, dtype, op, input, out);
     const Span mine = sched.segment(rank());
@@ -431,7 +431,7 @@ void RingCommunicator::allgather_device(DeviceCall call, const void* input, void
   int64_t total = 0;
   for (int r = 0; r < size(); ++r) total += counts[r] = row_counts[r] * row_elems;
   const RingSchedule sched(rank(), size(), counts,
-                           chunk_elems(pending_allgather_chunk_bytes_, es));
+                           chunk_elems(pending_allgather_chunk_bytes_, es), ring_);
   // Every rank knows the total, and the limit that the counts' header exchange agreed
   // on, so all take the same path.
   const int64_t total_bytes = total * static_cast<int64_t>(es);
@@ -505,10 +505,12 @@ void RingCommunicator::broadcast_device(DeviceCall call, void* buf, int64_t coun
     if (size() == 1) return;
     if (call.direct) {
       dev.synchronize(Device::kCompute);
-      ring_broadcast(rank(), size(), root, *transport_, buf, bytes, chunk, kWindow);
+      ring_broadcast(ring_position(rank()), size(), ring_position(root), *transport_, buf,
+                     bytes, chunk, kWindow);
       return;
     }
-    staged_broadcast(rank(), size(), root, *transport_, dev, static_cast<char*>(buf),
+    staged_broadcast(ring_position(rank()), size(), ring_position(root), *transport_, dev,
+                     static_cast<char*>(buf),
                      host_mirror_->get(bytes), bytes, chunk, kWindow);
   });
   scope.end(call.user_stream);

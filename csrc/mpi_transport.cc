@@ -158,6 +158,8 @@ MpiTransport::MpiTransport(MPI_Comm user_comm, double timeout_s,
   // The same on the duplicate: known now for messages while it is being made.
   check_mpi(MPI_Comm_rank(user_comm, &rank_), "MPI_Comm_rank", -1);
   check_mpi(MPI_Comm_size(user_comm, &size_), "MPI_Comm_size", -1);
+  left_ = (rank_ + size_ - 1) % size_;
+  right_ = (rank_ + 1) % size_;
   check_creation_stopped();
   // Its duplicate would wait out the timeout for a rank that will never make it.
   const int ended = ended_rank(user_comm, size_);
@@ -301,7 +303,7 @@ Transport::Request MpiTransport::send_right(const void* buf, int64_t bytes, int 
   used_ = true;
   requests_.push_back(MPI_REQUEST_NULL);
   is_send_.push_back(true);
-  check(MPI_Isend(buf, static_cast<int>(bytes), MPI_BYTE, (rank_ + 1) % size_, wrap_tag(tag),
+  check(MPI_Isend(buf, static_cast<int>(bytes), MPI_BYTE, right_, wrap_tag(tag),
                   comm_, &requests_.back()),
         "MPI_Isend");
   return static_cast<Request>(requests_.size() - 1);
@@ -311,7 +313,7 @@ Transport::Request MpiTransport::recv_left(void* buf, int64_t bytes, int tag) {
   used_ = true;
   requests_.push_back(MPI_REQUEST_NULL);
   is_send_.push_back(false);
-  check(MPI_Irecv(buf, static_cast<int>(bytes), MPI_BYTE, (rank_ + size_ - 1) % size_,
+  check(MPI_Irecv(buf, static_cast<int>(bytes), MPI_BYTE, left_,
                   wrap_tag(tag), comm_, &requests_.back()),
         "MPI_Irecv");
   return static_cast<Request>(requests_.size() - 1);
@@ -340,8 +342,7 @@ bool MpiTransport::wait_patiently(MPI_Request* request, const char* call) {
 void MpiTransport::wait(Request request) {
   if (wait_patiently(&requests_[request], "MPI_Test")) return;
   const bool send = is_send_[request];
-  throw neighbour_timeout(timeout_s_, send ? (rank_ + 1) % size_ : (rank_ + size_ - 1) % size_,
-                          !send);
+  throw neighbour_timeout(timeout_s_, send ? right_ : left_, !send);
 }
 
 bool MpiTransport::test(Request request) {

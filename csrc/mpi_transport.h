@@ -75,6 +75,13 @@ class MpiTransport final : public Transport {
   bool test(Request request) override;
   void wait_all() override;
 
+  // The ring's neighbours (ranks): rank - 1 and rank + 1 until told otherwise (see
+  // ring_order_by_machine).
+  void set_neighbours(int left, int right) {
+    left_ = left;
+    right_ = right;
+  }
+
   // How long wait(), wait_all() and allgather_bytes() wait without progress before
   // throwing TimeoutError (<= 0: forever). They poll (MPI_Test) either way.
   void set_timeout(double seconds) { timeout_s_ = seconds; }
@@ -158,6 +165,8 @@ class MpiTransport final : public Transport {
   MPI_Comm comm_ = MPI_COMM_NULL;
   int rank_ = 0;
   int size_ = 1;
+  int left_ = -1;  // set with rank_ and size_
+  int right_ = -1;
   int tag_ub_ = 32767;  // the least MPI guarantees; replaced by the real bound
   // Why making a Communicator gave up, then `left`: what that leaves behind.
   std::string creation_timeout_text(const char* left) const;

@@ -140,8 +140,17 @@ RingCommunicator::RingCommunicator(MPI_Comm user_comm, double timeout_s,
     : transport_(std::make_unique<MpiTransport>(user_comm, timeout_s, interrupts, refusal)) {
   const int p = size();
   const int64_t board_payload = std::max(inline_capacity_for(p, true), kShmBroadcastInlineBytes);
+  std::vector<std::string> machines;
   shm_ = ShmChannel::create(*transport_, kShmSlotBytes, kShmSlots,
-                            sizeof(CallHeader) + board_payload, &why_not_shared_memory_);
+                            sizeof(CallHeader) + board_payload, &why_not_shared_memory_,
+                            &machines);
+  if (!shm_) {  // (shared memory: one machine, so rank order)
+    ring_ = ring_order_by_machine(machines);
+    ring_positions_.resize(ring_.size());
+    for (size_t q = 0; q < ring_.size(); ++q) ring_positions_[ring_[q]] = static_cast<int>(q);
+    const int position = ring_position(rank());
+    transport_->set_neighbours(rank_at((position + p - 1) % p), rank_at((position + 1) % p));
+  }
   inline_capacity_ = inline_capacity_for(p, shm_ != nullptr);
   broadcast_inline_capacity_ = shm_ ? board_payload : inline_capacity_;
   if (!shm_) {
@@ -157,6 +166,12 @@ RingCommunicator::RingCommunicator(MPI_Comm user_comm, double timeout_s,
   tuners_.fill(WireTuner(kStreamingStores));
   set_timeout(timeout_s);
   transport_->created();
+}
+
+std::vector<int> RingCommunicator::ring_order() const {
+  std::vector<int> order(size());
+  for (int q = 0; q < size(); ++q) order[q] = rank_at(q);
+  return order;
 }
 
 std::string RingCommunicator::world_ranks_note(MPI_Comm comm) {
@@ -198,7 +213,7 @@ RingSchedule RingCommunicator::agree_on_ring(CallHeader h, int64_t bytes, size_t
   const int64_t agreed_chunk = agree(h);
   *shm = take_agreed_wire(bytes);
   return RingSchedule::split_evenly(rank(), size(), h.count,
-                                    ring_chunk_elems(agreed_chunk, elem_size, *shm));
+                                    ring_chunk_elems(agreed_chunk, elem_size, *shm), ring_);
 }
 
 template <typename Run>
@@ -636,19 +651,21 @@ void RingCommunicator::allreduce_host(const CallHeader& header, const void* inpu
 
 void RingCommunicator::reduce_inline(int s, void* dst, int64_t count, DType dtype, Op op) {
   // Segment s in exactly the order the ring reduces it (see ring_schedule.h),
-  // x[s] OP (x[s-1] OP (... OP x[s+1])), so the answer is the ring's, bit for bit. The
-  // first step reads two payloads and the last writes into dst, so that on two ranks a
-  // segment is one pass; two scratch accumulators take turns in between.
+  // x[s] OP (x[s-1] OP (... OP x[s+1])), ranks as they go round the ring from s, so the
+  // answer is the ring's, bit for bit. The first step reads two payloads and the last
+  // writes into dst, so that on two ranks a segment is one pass; two scratch
+  // accumulators take turns in between.
   const int p = size();
+  const int q = ring_position(s);
   const size_t es = dtype_size(dtype);
   const Span seg = segment_of(s, p, count);
   if (seg.count == 0) return;
   const int64_t offset = seg.offset * static_cast<int64_t>(es);
   char* scratch[2] = {inline_scratch_.data(), inline_scratch_.data() + inline_capacity_};
-  const char* acc = inline_payload((s + 1) % p) + offset;
+  const char* acc = inline_payload(rank_at((q + 1) % p)) + offset;
   for (int j = 2; j <= p; ++j) {
     char* into = j == p ? static_cast<char*>(dst) : scratch[j % 2];
-    reduce(dtype, op, into, inline_payload((s + j) % p) + offset, acc, seg.count);
+    reduce(dtype, op, into, inline_payload(rank_at((q + j) % p)) + offset, acc, seg.count);
     acc = into;
   }
   if (op == Op::Avg) divide(dtype, dst, seg.count, p);
@@ -772,7 +789,7 @@ void RingCommunicator::allgather(const void* input, void* out,
   // headers_ still holds allgather_counts()'s exchange, rank 0's wire with it.
   const bool shm = take_agreed_wire(total_bytes);
   const RingSchedule sched(rank(), size(), counts,
-                           ring_chunk_elems(pending_allgather_chunk_bytes_, es, shm));
+                           ring_chunk_elems(pending_allgather_chunk_bytes_, es, shm), ring_);
   const Span mine = sched.segment(rank());
   char* dst = static_cast<char*>(out) + mine.offset * es;
   copy_bytes(dst, input, mine.count * es);  // x may be a view into out (gathering in place)
@@ -859,7 +876,7 @@ void RingCommunicator::broadcast_host(const CallHeader& header, void* buf) {
                       ring_chunk_elems(agreed_chunk, es, true) * static_cast<int64_t>(es));
     } else {
       const int64_t chunk = copy_chunk_elems(chunk_elems(agreed_chunk, es), es);
-      ring_broadcast(rank(), size(), root, *transport_, buf, bytes,
+      ring_broadcast(ring_position(rank()), size(), ring_position(root), *transport_, buf, bytes,
                      chunk * static_cast<int64_t>(es), kWindow);
     }
   };

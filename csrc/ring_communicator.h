@@ -150,6 +150,9 @@ class RingCommunicator {
   // Why the transport is MPI ("" when it is shared memory).
   const std::string& transport_reason() const { return why_not_shared_memory_; }
   int size() const { return transport_->size(); }
+  // The ranks in the order the ring goes round (see ring_order_by_machine): rank order
+  // unless the ranks are on several machines and not placed machine by machine.
+  std::vector<int> ring_order() const;
 
   // out = OP over ranks of input; out may equal input. count elements on every rank.
   // `check`: any value, the same on every rank, or every rank throws MismatchError
@@ -456,6 +459,10 @@ class RingCommunicator {
 
   std::unique_ptr<MpiTransport> transport_;
   std::string why_not_shared_memory_;
+  std::vector<int> ring_;  // ring_order_by_machine's: empty for rank order
+  std::vector<int> ring_positions_;  // [rank]: where it is on ring_ (empty with it)
+  int ring_position(int rank) const { return ring_.empty() ? rank : ring_positions_[rank]; }
+  int rank_at(int position) const { return ring_.empty() ? position : ring_[position]; }
   // On a communicator other than MPI_COMM_WORLD (or a copy of it), what its ranks are
   // there, added to error messages; "" on the world.
   static std::string world_ranks_note(MPI_Comm comm);

@@ -4,6 +4,7 @@
 #include <cstring>
 #include <stdexcept>
 #include <string>
+#include <unordered_map>
 
 #include "copy.h"
 #include "reduce.h"
@@ -11,12 +12,37 @@
 
 namespace ringreduce {
 
+std::vector<int> ring_order_by_machine(const std::vector<std::string>& machines) {
+  const int size = static_cast<int>(machines.size());
+  // Each rank keyed by its machine's lowest rank; a stable sort keeps rank order within.
+  std::unordered_map<std::string, int> lowest;
+  std::vector<int> key(size), ring(size);
+  for (int r = 0; r < size; ++r) key[r] = lowest.emplace(machines[r], r).first->second;
+  for (int r = 0; r < size; ++r) ring[r] = r;
+  std::stable_sort(ring.begin(), ring.end(), [&](int a, int b) { return key[a] < key[b]; });
+  for (int q = 0; q < size; ++q)
+    if (ring[q] != q) return ring;
+  return {};
+}
+
 RingSchedule::RingSchedule(int rank, int size, std::vector<int64_t> segment_counts,
-                           int64_t chunk_elems)
-    : rank_(rank), size_(size), chunk_elems_(chunk_elems) {
+                           int64_t chunk_elems, std::vector<int> ring)
+    : rank_(rank), size_(size), position_(rank), ring_(std::move(ring)), chunk_elems_(chunk_elems) {
   if (size < 1 || rank < 0 || rank >= size)
     throw std::invalid_argument("RingSchedule: rank " + std::to_string(rank) +
                                 " is not in [0, size=" + std::to_string(size) + ")");
+  if (!ring_.empty()) {
+    std::vector<bool> seen(size, false);
+    bool valid = static_cast<int>(ring_.size()) == size;
+    for (int q = 0; valid && q < size; ++q) {
+      valid = ring_[q] >= 0 && ring_[q] < size && !seen[ring_[q]];
+      if (valid) seen[ring_[q]] = true;
+      if (valid && ring_[q] == rank) position_ = q;
+    }
+    if (!valid)
+      throw std::invalid_argument("RingSchedule: the ring must hold each of the " +
+                                  std::to_string(size) + " ranks once");
+  }
   if (static_cast<int>(segment_counts.size()) != size)
     throw std::invalid_argument("RingSchedule: need one segment count per rank");
   if (chunk_elems < 1) throw std::invalid_argument("RingSchedule: chunk_elems must be >= 1");
@@ -28,11 +54,12 @@ RingSchedule::RingSchedule(int rank, int size, std::vector<int64_t> segment_coun
   }
 }
 
-RingSchedule RingSchedule::split_evenly(int rank, int size, int64_t count, int64_t chunk_elems) {
+RingSchedule RingSchedule::split_evenly(int rank, int size, int64_t count, int64_t chunk_elems,
+                                        std::vector<int> ring) {
   // np.array_split: the first count % size segments get one element more.
   std::vector<int64_t> counts(size, count / size);
   for (int s = 0; s < count % size; ++s) counts[s] += 1;
-  return RingSchedule(rank, size, std::move(counts), chunk_elems);
+  return RingSchedule(rank, size, std::move(counts), chunk_elems, std::move(ring));
 }
 
 RingSchedule RingSchedule::with_chunk_elems(int64_t chunk_elems) const {

@@ -7,6 +7,11 @@
 // chunk_elems elements, the unit of pipelining. Each rank receives from its *left*
 // neighbour (rank - 1) and sends to its *right* neighbour (rank + 1).
 //
+// That is the ring in rank order, drawn below. Ranks on several machines may go round in
+// another order, each machine's ranks side by side (see ring_order_by_machine): then
+// "rank r" below reads "the rank at ring position r", and segment s is still rank s's
+// block of the buffer, reduced at the position that rank holds.
+//
 // Reduce-scatter takes size-1 *steps*. At step k rank r sends segment (r-1-k) and
 // receives segment (r-2-k), reducing it into its own copy, so that after the last
 // step rank r holds segment r fully reduced. With size = 4 (S = segment):
@@ -31,6 +36,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <string>
 #include <vector>
 
 #include "dtype.h"
@@ -52,20 +58,36 @@ struct ChunkRef {
   int64_t chunk;
 };
 
+// The order in which ranks go round the ring: ring[q] is the rank at position q. Ranks
+// of one machine side by side, machines in the order of their lowest rank, each one's
+// ranks in rank order; `machines[r]` names rank r's machine. Every rank computes the same
+// from the same names. Rank order itself where that already holds (one machine, or
+// ranks placed machine by machine): an empty vector. Why: ranks placed round-robin
+// (mpiexec's -f hosts without counts: rank r on host r mod H) would otherwise send
+// every chunk of the ring between machines, all of a machine's ranks at once over one
+// network link; side by side, only H links of the ring leave a machine.
+std::vector<int> ring_order_by_machine(const std::vector<std::string>& machines);
+
 class RingSchedule {
  public:
-  // Segments of the given element counts, one per rank, laid out back to back.
-  RingSchedule(int rank, int size, std::vector<int64_t> segment_counts, int64_t chunk_elems);
+  // Segments of the given element counts, one per rank, laid out back to back (segment
+  // s is rank s's). ring: as ring_order_by_machine returns (empty: rank order).
+  RingSchedule(int rank, int size, std::vector<int64_t> segment_counts, int64_t chunk_elems,
+               std::vector<int> ring = {});
   // Segments laid out like np.array_split(range(count), size).
-  static RingSchedule split_evenly(int rank, int size, int64_t count, int64_t chunk_elems);
+  static RingSchedule split_evenly(int rank, int size, int64_t count, int64_t chunk_elems,
+                                   std::vector<int> ring = {});
 
   // The same segments cut into chunks of another size.
   RingSchedule with_chunk_elems(int64_t chunk_elems) const;
 
   int rank() const { return rank_; }
   int size() const { return size_; }
-  int left() const { return wrap(rank_ - 1); }
-  int right() const { return wrap(rank_ + 1); }
+  // Where this rank is on the ring (its rank, in rank order), and who is where.
+  int position() const { return position_; }
+  int rank_at(int position) const { return ring_.empty() ? wrap(position) : ring_[wrap(position)]; }
+  int left() const { return rank_at(position_ - 1); }
+  int right() const { return rank_at(position_ + 1); }
   int steps_per_phase() const { return size_ - 1; }
   int64_t chunk_elems() const { return chunk_elems_; }
   int64_t total_count() const { return offsets_.back(); }
@@ -74,10 +96,10 @@ class RingSchedule {
   int64_t num_chunks(int s) const;
   Span chunk(int s, int64_t c) const;  // offsets relative to the whole buffer
 
-  int reduce_scatter_send_segment(int step) const { return wrap(rank_ - 1 - step); }
-  int reduce_scatter_recv_segment(int step) const { return wrap(rank_ - 2 - step); }
-  int allgather_send_segment(int step) const { return wrap(rank_ - step); }
-  int allgather_recv_segment(int step) const { return wrap(rank_ - 1 - step); }
+  int reduce_scatter_send_segment(int step) const { return rank_at(position_ - 1 - step); }
+  int reduce_scatter_recv_segment(int step) const { return rank_at(position_ - 2 - step); }
+  int allgather_send_segment(int step) const { return rank_at(position_ - step); }
+  int allgather_recv_segment(int step) const { return rank_at(position_ - 1 - step); }
   int send_segment(Phase phase, int step) const {
     return phase == Phase::ReduceScatter ? reduce_scatter_send_segment(step)
                                          : allgather_send_segment(step);
@@ -95,6 +117,8 @@ class RingSchedule {
 
   int rank_;
   int size_;
+  int position_;
+  std::vector<int> ring_;  // empty: rank order
   int64_t chunk_elems_;
   std::vector<int64_t> offsets_;  // size + 1 entries; segment s is [offsets_[s], offsets_[s+1])
 };
@@ -164,7 +188,8 @@ struct BroadcastHooks {
 };
 
 // Broadcast from root: a pipelined chain root -> root+1 -> ... -> root-1, chunk by
-// chunk over the whole buffer.
+// chunk over the whole buffer (rank and root: positions on the ring, which the
+// transport's neighbours follow).
 void ring_broadcast(int rank, int size, int root, Transport& transport, void* buf,
                     int64_t bytes, int64_t chunk_bytes, int window,
                     const BroadcastHooks& hooks = {});

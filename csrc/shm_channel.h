@@ -46,9 +46,12 @@ class ShmChannel {
   // checked by this wire's waits too (see check_departures()): the transport must
   // outlive the channel.
   // why_not: set, when it returns nullptr, to why (the same on every rank).
+  // machines: set to the machine each rank is on (host name and boot id), as the ranks
+  // told each other; the same on every rank (see ring_order_by_machine).
   static std::unique_ptr<ShmChannel> create(MpiTransport& transport, int64_t slot_bytes,
                                             int slots, int64_t board_bytes,
-                                            std::string* why_not);
+                                            std::string* why_not,
+                                            std::vector<std::string>* machines);
   ~ShmChannel();
   ShmChannel(const ShmChannel&) = delete;
   ShmChannel& operator=(const ShmChannel&) = delete;

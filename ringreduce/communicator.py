@@ -854,6 +854,7 @@ class Communicator:
         self._serial = next(_made)  # (__del__ needs it once there is a core)
         self.rank: int = self._core.rank
         self.size: int = self._core.size
+        self._ring = tuple(self._core.ring_order)
         self._executor = _Executor(threaded)
         self._closed = False
         self._closing = False  # close() has begun: no more calls
@@ -909,6 +910,14 @@ class Communicator:
         """Why chunks travel as MPI messages ("" when through shared memory): the same
         on every rank, e.g. "the ranks are on more than one machine: ..."."""
         return self._core.transport_reason
+
+    @property
+    def ring(self) -> tuple:
+        """The ranks in the order the ring goes round (each sends to the next, the last
+        to the first): (0, 1, ..., size-1) unless the ranks are on several machines and
+        were not placed machine by machine; then each machine's ranks side by side, so
+        that only as many chunks cross between machines as there are machines."""
+        return self._ring
 
     @property
     def closed(self) -> bool:

@@ -26,6 +26,11 @@ All-gather, p-1 more steps. At step k rank r sends segment r-k and receives segm
 r-1-k, this time only copying it. Each finished segment travels p-1 hops again, so
 every rank ends with the same bytes, computed once by the segment's owner.
 
+Ranks need not go round in rank order: `ring` (Communicator.ring) lists them in the order
+they do, and "rank r" above then reads "the rank at position r of the ring"; segment s
+is still rank s's block, and still ends on rank s. The core puts each machine's ranks
+side by side on the ring, so that few chunks travel between machines.
+
 Cost: each step moves one segment (N/p bytes) per rank, for 2(p-1) steps: every rank
 sends and receives 2(p-1)/p * N bytes, which is optimal. The C++ core adds one thing
 this file leaves out: it cuts each segment into chunks, so that a chunk can be sent on
@@ -33,6 +38,9 @@ while the next one is still arriving. docs/ring.md walks through the same steps 
 `python -m ringreduce explain` prints them); csrc/ring_schedule.h is this schedule in C++.
 """
 from __future__ import annotations
+
+import os
+import socket
 
 import numpy as np
 from mpi4py import MPI
@@ -85,13 +93,51 @@ def segment_bounds(count: int, size: int) -> list[tuple[int, int]]:
     return bounds
 
 
-def _ring_reduce_scatter(work: np.ndarray, op: str, comm) -> None:
+def machine_of_this_process() -> str:
+    """The machine this rank runs on, as the core names it: host name / boot id (the
+    boot id tells apart hosts that share a name). RINGREDUCE_TEST_MACHINE, for tests,
+    pretends: "a,b" puts MPI_COMM_WORLD's rank r on the (r mod 2)th of a and b."""
+    pretend = os.environ.get("RINGREDUCE_TEST_MACHINE")
+    if pretend:
+        names = pretend.split(",")
+        host = names[MPI.COMM_WORLD.Get_rank() % len(names)]
+    else:
+        host = socket.gethostname()[:64]
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.readline().strip()
+    except OSError:
+        boot = ""
+    return f"{host}/{boot}"[:127]
+
+
+def ring_order(comm=MPI.COMM_WORLD) -> list[int]:
+    """The ranks in the order they go round the ring: each machine's side by side,
+    machines in the order of their lowest rank. Rank order on one machine, or where
+    mpiexec placed ranks machine by machine; round-robin placements (rank r on host
+    r mod H) would otherwise send every step of the ring between machines."""
+    machines = comm.allgather(machine_of_this_process())
+    return sorted(range(len(machines)), key=lambda r: machines.index(machines[r]))
+
+
+def _ring_of(comm, ring) -> tuple[list[int], int]:
+    """The ranks in ring order (ring_order(comm) if ring is None), and this rank's
+    position."""
+    size = comm.Get_size()
+    ring = ring_order(comm) if ring is None else [int(r) for r in ring]
+    if sorted(ring) != list(range(size)):
+        raise ValueError(f"ring must hold each of the {size} ranks once, got {ring}")
+    return ring, ring.index(comm.Get_rank())
+
+
+def _ring_reduce_scatter(work: np.ndarray, op: str, comm, ring=None) -> None:
     """Leave segment `rank` of `work` (a flat array) reduced over all ranks."""
-    rank, size = comm.Get_rank(), comm.Get_size()
-    left, right = (rank - 1) % size, (rank + 1) % size
+    ring, me = _ring_of(comm, ring)
+    size = len(ring)
+    left, right = ring[(me - 1) % size], ring[(me + 1) % size]
     seg = segment_bounds(work.size, size)
     for step in range(size - 1):
-        send, recv = (rank - 1 - step) % size, (rank - 2 - step) % size
+        send, recv = ring[(me - 1 - step) % size], ring[(me - 2 - step) % size]
         received = np.empty(seg[recv][1] - seg[recv][0], work.dtype)
         comm.Sendrecv(_raw(work[slice(*seg[send])]), dest=right, recvbuf=_raw(received),
                       source=left)
@@ -101,7 +147,7 @@ def _ring_reduce_scatter(work: np.ndarray, op: str, comm) -> None:
         # order decides the result's bits, which the tests hold the core to.
         REDUCE[op](mine, received, out=mine)
     if op == "avg":
-        _divide(work[slice(*seg[rank])], size)
+        _divide(work[slice(*seg[comm.Get_rank()])], size)
 
 
 def _raw(segment: np.ndarray) -> np.ndarray:
@@ -121,12 +167,13 @@ def _divide(segment: np.ndarray, size: int) -> None:
     np.true_divide(parts, parts.dtype.type(size), out=parts)
 
 
-def _ring_allgather(work: np.ndarray, bounds: list[tuple[int, int]], comm) -> None:
+def _ring_allgather(work: np.ndarray, bounds: list[tuple[int, int]], comm, ring=None) -> None:
     """Fill every segment of `work` from its owner; rank r starts with segment r."""
-    rank, size = comm.Get_rank(), comm.Get_size()
-    left, right = (rank - 1) % size, (rank + 1) % size
+    ring, me = _ring_of(comm, ring)
+    size = len(ring)
+    left, right = ring[(me - 1) % size], ring[(me + 1) % size]
     for step in range(size - 1):
-        send, recv = (rank - step) % size, (rank - 1 - step) % size
+        send, recv = ring[(me - step) % size], ring[(me - 1 - step) % size]
         comm.Sendrecv(_raw(work[slice(*bounds[send])]), dest=right,
                       recvbuf=_raw(work[slice(*bounds[recv])]), source=left)
 
@@ -140,25 +187,26 @@ def _checked(x, op, where: str) -> tuple[np.ndarray, str]:
     return x, OPS[code]
 
 
-def allreduce(x, op: str = "sum", comm=MPI.COMM_WORLD) -> np.ndarray:
-    """The element-wise reduction of x over all ranks, on every rank."""
+def allreduce(x, op: str = "sum", comm=MPI.COMM_WORLD, ring=None) -> np.ndarray:
+    """The element-wise reduction of x over all ranks, on every rank. ring: the ranks
+    in the order they go round (None: as the core orders them, see ring_order)."""
     x, op = _checked(x, op, "allreduce")
     work = np.array(x, copy=True).reshape(-1)
-    _ring_reduce_scatter(work, op, comm)
-    _ring_allgather(work, segment_bounds(work.size, comm.Get_size()), comm)
+    _ring_reduce_scatter(work, op, comm, ring)
+    _ring_allgather(work, segment_bounds(work.size, comm.Get_size()), comm, ring)
     return work.reshape(x.shape)
 
 
-def reduce_scatter(x, op: str = "sum", comm=MPI.COMM_WORLD) -> np.ndarray:
+def reduce_scatter(x, op: str = "sum", comm=MPI.COMM_WORLD, ring=None) -> np.ndarray:
     """This rank's block (np.array_split layout) of the reduction of x.ravel()."""
     x, op = _checked(x, op, "reduce_scatter")
     work = np.array(x, copy=True).reshape(-1)
-    _ring_reduce_scatter(work, op, comm)
+    _ring_reduce_scatter(work, op, comm, ring)
     start, stop = segment_bounds(work.size, comm.Get_size())[comm.Get_rank()]
     return work[start:stop].copy()
 
 
-def allgather(x, comm=MPI.COMM_WORLD) -> np.ndarray:
+def allgather(x, comm=MPI.COMM_WORLD, ring=None) -> np.ndarray:
     """Every rank's x concatenated along axis 0 (ranks may differ in len(x))."""
     x = np.atleast_1d(np.asarray(x))
     rows = comm.allgather(x.shape[0])
@@ -167,7 +215,7 @@ def allgather(x, comm=MPI.COMM_WORLD) -> np.ndarray:
     bounds = [(int(starts[r]), int(starts[r + 1])) for r in range(len(rows))]
     work = np.empty(int(starts[-1]), x.dtype)
     work[slice(*bounds[comm.Get_rank()])] = x.reshape(-1)
-    _ring_allgather(work, bounds, comm)
+    _ring_allgather(work, bounds, comm, ring)
     return work.reshape((sum(rows),) + x.shape[1:])
 
 

@@ -69,13 +69,16 @@ def _nothing(algorithm: str, ranks: int) -> Result:
 
 
 def ring(ranks: int, count: int, elem_size: int = 4, alpha=ALPHA, beta=BETA,
-         gamma=GAMMA, progress=None) -> Result:
+         gamma=GAMMA, progress=None, ring_order=None) -> Result:
     """Runs RingSchedule for every virtual rank: what the core would send and when.
-    progress, if given, is called as progress(steps done, steps in all) after each step."""
+    progress, if given, is called as progress(steps done, steps in all) after each step.
+    ring_order: the ranks in the order they go round (Communicator.ring; None: rank
+    order)."""
     _check(ranks, count, elem_size)
     if count == 0:
         return _nothing("ring", ranks)
-    schedules = [_core.RingSchedule(r, ranks, count, max(1, count)) for r in range(ranks)]
+    order = list(ring_order or [])
+    schedules = [_core.RingSchedule(r, ranks, count, max(1, count), order) for r in range(ranks)]
     sent = [0] * ranks
     received = [0] * ranks
     seconds, steps = 0.0, 0

@@ -250,6 +250,44 @@ def test_the_schedule_gives_its_chunks_in_the_order_explain_shows():
         s.phase_chunks("all-gather", True)
 
 
+@pytest.mark.parametrize("ranks", [1, 2, 3, 4, 5, 7])
+def test_a_ring_in_any_order_leaves_each_segment_reduced_on_its_own_rank(ranks):
+    # Ranks going round in another order (Communicator.ring, on several machines): each
+    # rank's neighbours are its ring neighbours, what one sends at a step is what its
+    # right neighbour receives, and after reduce-scatter rank s holds segment s summed
+    # over every rank; after all-gather every rank holds every finished segment.
+    rng = np.random.default_rng(ranks)
+    for ring in [list(range(ranks)), list(rng.permutation(ranks))] + (
+            [[0, 2, 1, 3]] if ranks == 4 else []):
+        ring = [int(r) for r in ring]
+        schedules = [_core.RingSchedule(r, ranks, 10 * ranks + 3, 4, ring)
+                     for r in range(ranks)]
+        for r, s in enumerate(schedules):
+            q = ring.index(r)
+            assert (s.position, s.left, s.right) == (
+                q, ring[(q - 1) % ranks], ring[(q + 1) % ranks])
+            assert s.segment(r) == _core.RingSchedule(r, ranks, 10 * ranks + 3, 4).segment(r)
+        holds = [[{r} for _ in range(ranks)] for r in range(ranks)]  # holds[rank][segment]
+        for phase in ("reduce_scatter", "allgather"):
+            for k in range(ranks - 1):
+                sends = [(s.right, getattr(s, f"{phase}_send_segment")(k), r)
+                         for r, s in enumerate(schedules)]
+                for to, segment, sender in sends:
+                    assert getattr(schedules[to], f"{phase}_recv_segment")(k) == segment
+                before = [[set(c) for c in row] for row in holds]
+                for to, segment, sender in sends:
+                    holds[to][segment] = (before[to][segment] | before[sender][segment]
+                                          if phase == "reduce_scatter"
+                                          else set(before[sender][segment]))
+            if phase == "reduce_scatter":
+                assert all(holds[r][r] == set(range(ranks)) for r in range(ranks)), ring
+        assert all(c == set(range(ranks)) for row in holds for c in row), ring
+    for bad in ([0] * ranks if ranks > 1 else [1], list(range(ranks + 1)),
+                [ranks] + list(range(1, ranks))):
+        with pytest.raises(ValueError, match="the ring must hold each of the"):
+            _core.RingSchedule(0, ranks, 10, 4, bad)
+
+
 @pytest.mark.parametrize("ranks", [1, 2, 3, 4, 5])
 def test_pipeline_with_one_chunk_per_segment_is_the_step_by_step_ring(ranks):
     count = ranks * 1000

@@ -3,7 +3,9 @@ assumptions), four modules on 5 and 8 too. Each case launches `mpiexec -n RANKS`
 timeout; every rank must pass the same tests. Ranks on one machine pass chunks through
 shared memory; the modules that move data run a second time over MPI messages
 (RINGREDUCE_SHM=0), and three a third time through slots written with streaming stores
-(RINGREDUCE_SHM=stream), so every wire is tested."""
+(RINGREDUCE_SHM=stream), so every wire is tested; and they run once more on ranks that
+say they are on two machines (RINGREDUCE_TEST_MACHINE), whose ring goes round in
+another order."""
 import os
 
 import pytest
@@ -59,6 +61,16 @@ def test_module_over_mpi_messages(module, ranks, tmp_path, capsys):
     check_module(module, ranks, tmp_path, capsys, {"RINGREDUCE_SHM": "0"})
 
 
+# Ranks that say they are on two machines, placed round-robin (rank r on machine r mod
+# 2, as mpiexec -f hosts places them when the file gives no counts): MPI messages, and a
+# ring that goes round each machine's ranks in turn (0, 2, 1, 3 on 4 ranks; on 3 the
+# other way round), which the reference follows too (reference.ring_order).
+@pytest.mark.parametrize("ranks", [3, 4])
+@pytest.mark.parametrize("module", DATA_MODULES + ["test_timeout.py"])
+def test_module_on_two_machines_placed_round_robin(module, ranks, tmp_path, capsys):
+    check_module(module, ranks, tmp_path, capsys, {"RINGREDUCE_TEST_MACHINE": "a,b"})
+
+
 @pytest.mark.parametrize("ranks", [2, 3, 4])
 @pytest.mark.parametrize("module", ["test_allreduce.py", "test_collectives.py",
                                     "test_random_sequences.py"])
@@ -75,7 +87,8 @@ def check_module(module, ranks, tmp_path, capsys, env, timeout=None):
     assert failed == 0 and passed > 0
     with capsys.disabled():
         wire = {"0": " over MPI messages", "stream": " with streaming slot stores"}.get(
-            env.get("RINGREDUCE_SHM"), "")
+            env.get("RINGREDUCE_SHM"), " on two machines, round-robin"
+            if "RINGREDUCE_TEST_MACHINE" in env else "")
         print(f"\n  {module} on {ranks} rank(s){wire}: {passed} passed, {skipped} skipped on "
               "each rank", end="")
 

@@ -1,6 +1,7 @@
 """Data and expectations shared by the tests that run on every rank."""
 import contextlib
 import functools
+import os
 import threading
 
 import numpy as np
@@ -18,6 +19,23 @@ except ImportError:  # bfloat16 tests are skipped without ml_dtypes
 
 DTYPES = [BFLOAT16 if name == "bfloat16" else np.dtype(name) for name in rr.supported_dtypes()]
 OPS = list(rr.OPS)
+
+
+def pretended_machines(size=MPI.COMM_WORLD.Get_size()):
+    """The machine each rank of MPI_COMM_WORLD says it is on, under
+    RINGREDUCE_TEST_MACHINE ("a,b": round-robin over two); None where it is unset."""
+    names = os.environ.get("RINGREDUCE_TEST_MACHINE")
+    if not names:
+        return None
+    names = names.split(",")
+    return [names[r % len(names)] for r in range(size)]
+
+
+def on_one_machine():
+    """Whether the ranks may share memory: all on one machine (pretended or not), and
+    RINGREDUCE_SHM not 0."""
+    return (len(set(pretended_machines() or [None])) == 1
+            and os.environ.get("RINGREDUCE_SHM") != "0")
 
 
 def supported(dtype, op):

@@ -9,7 +9,8 @@ import ringreduce as rr
 from ringreduce import reference
 
 from helpers import (BFLOAT16, COMBOS, DTYPES, around_inline_limit, bitwise_equal,
-                     check_against_float64, combo_id, exact_integer_reduce, rank_data,
+                     check_against_float64, combo_id, exact_integer_reduce, on_one_machine,
+                     pretended_machines, rank_data,
                      same_on_every_rank, supported)
 
 SIZE = MPI.COMM_WORLD.Get_size()
@@ -66,7 +67,9 @@ def test_each_segment_is_summed_in_the_order_explain_prints(chunked, comm, small
         terms = world.allgather(x)
         e = explain(SIZE, n)
         reordered = 0
-        for (first, count), order in zip(e.segments, e.orders):
+        for s, ((first, count), order) in enumerate(zip(e.segments, e.orders)):
+            if ring.ring != tuple(range(SIZE)):  # (ranks on several machines, round-robin)
+                order = order_around(ring.ring, s)
             part = slice(first, first + count)
             named = {f"x{r}": terms[r][part] for r in range(SIZE)}
             expected = eval(order, {}, named)
@@ -75,6 +78,25 @@ def test_each_segment_is_summed_in_the_order_explain_prints(chunked, comm, small
             reordered += np.count_nonzero(terms[0][part] + in_rank_order != expected)
         if SIZE > 2 and n >= 1000:  # (the check can fail: another order differs)
             assert reordered > 0
+
+
+def order_around(ring, s):
+    """explain's order of segment s, for ranks that go round in the order `ring`: its
+    owner's term first, then the one to its left on the ring, and so on round."""
+    q = ring.index(s)
+    terms = [f"x{ring[(q - j) % len(ring)]}" for j in range(len(ring))]
+    order = terms.pop()
+    while terms:
+        order = f"{terms.pop()}+{'(' + order + ')' if '+' in order else order}"
+    return order
+
+
+def test_order_around_the_ring_in_rank_order_is_explains():
+    from ringreduce.explain import explain
+
+    for ranks in range(2, 7):
+        assert explain(ranks, ranks).orders == [order_around(list(range(ranks)), s)
+                                                for s in range(ranks)]
 
 
 @pytest.mark.parametrize("dtype", [d for d in DTYPES if d.kind == "f" or d == BFLOAT16], ids=str)
@@ -361,9 +383,18 @@ def test_ring_traffic_never_mixes_with_the_users(comm, world):
 
 
 def test_transport_is_shared_memory_on_one_machine(comm):
-    shm_off = os.environ.get("RINGREDUCE_SHM") == "0"
-    expected = "MPI" if shm_off or SIZE == 1 else "shared memory"
+    expected = "shared memory" if on_one_machine() and SIZE > 1 else "MPI"
     assert comm.transport == expected
+
+
+def test_the_ring_goes_round_each_machine_in_turn(comm, world):
+    # Machine by machine, in the order of their lowest ranks; each one's in rank order.
+    machines = pretended_machines() or [None] * SIZE
+    expected = tuple(sorted(range(SIZE), key=lambda r: machines.index(machines[r])))
+    assert comm.ring == expected
+    assert reference.ring_order(world) == list(expected)
+    if SIZE == 4 and machines == ["a", "b", "a", "b"]:
+        assert comm.ring == (0, 2, 1, 3)  # (the sort above, spelled out once)
 
 
 def test_every_supported_dtype_is_listed():
