@@ -48,16 +48,17 @@ def job_env(extra: dict | None = None) -> dict:
 
 
 def run_script(tmp_path, name, text, env=None, timeout=60, args=(), abort_on_exception=True,
-               ranks=2):
+               ranks=2, cwd=None):
     """The job (on 2 ranks unless told); by default run by `python -m mpi4py`, which
-    ends the job (MPI_Abort) when an exception is not caught."""
+    ends the job (MPI_Abort) when an exception is not caught. It runs in cwd (this
+    process's own unless given)."""
     script = tmp_path / name
     script.write_text(text)
     python = [sys.executable, "-m", "mpi4py"] if abort_on_exception else [sys.executable]
     try:
         return subprocess.run([mpiexec(), "-n", str(ranks), *python, str(script), *args],
                               capture_output=True, text=True, timeout=timeout,
-                              env=job_env(env))
+                              env=job_env(env), cwd=cwd)
     except subprocess.TimeoutExpired:
         subprocess.run(["pkill", "-f", str(script)])
         raise AssertionError("the job hung instead of ending") from None

@@ -1,11 +1,16 @@
-"""The documentation site builds with no warnings, and every figure in it comes from a
-script in this repository."""
-import os
+"""The documentation site builds with no warnings, every figure in it comes from a
+script in this repository, and every python block in it runs (or, where marked not to,
+fits the API)."""
+import ast
+import inspect
 import json
+import os
 import re
 import subprocess
 import sys
+import typing
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 
@@ -38,18 +43,28 @@ def test_every_figure_is_made_by_the_figures_script(tmp_path):
     assert {"ring_4_ranks.svg", "cost_model_ranks.png"} <= {p.name for p in tmp_path.iterdir()}
 
 
-def _fenced_blocks(page: str):
-    """(language, body) of each fenced block of a Markdown page, in order."""
-    blocks, language, body = [], None, []
-    for line in page.splitlines():
+class Fence(NamedTuple):
+    language: str
+    body: str
+    line: int  # of the opening ```, from 1
+    before: str  # the last non-blank line above it ("" if none)
+
+
+def _fenced_blocks(page: str) -> list[Fence]:
+    """Each fenced block of a Markdown page, in order."""
+    blocks, language, body, start, before, last_text = [], None, [], 0, "", ""
+    for number, line in enumerate(page.splitlines(), 1):
         if line.startswith("```"):
             if language is None:
-                language, body = line[3:].strip(), []
+                language, body, start, before = line[3:].strip(), [], number, last_text
             else:
-                blocks.append((language, "\n".join(body)))
+                blocks.append(Fence(language, "\n".join(body), start, before))
                 language = None
         elif language is not None:
             body.append(line)
+        if line.strip():
+            last_text = line.strip()
+    assert language is None, f"the block opened on line {start} is never closed"
     return blocks
 
 
@@ -60,7 +75,7 @@ def test_every_excerpt_of_explain_in_the_docs_is_what_it_prints():
     quoted = 0
     for page in sorted((ROOT / "docs").glob("*.md")):
         command = None
-        for language, body in _fenced_blocks(page.read_text()):
+        for language, body, *_ in _fenced_blocks(page.read_text()):
             if language == "bash":
                 runs = [line for line in body.splitlines()
                         if line.startswith("python -m ringreduce explain")]
@@ -180,3 +195,276 @@ def test_the_readmes_links_lead_to_files_and_headings_that_exist():
         assert target.exists(), f"README.md links to {link}: no such file"
         if anchor:
             assert anchor in headings(target), f"README.md links to {link}: no such heading"
+
+
+# -- Every python block of the docs ------------------------------------------------------
+#
+# Every ```python block of README.md and docs/*.md runs, as it is, on 2 ranks (under
+# `python -m mpi4py`, so that an error on one rank ends the job), unless the last
+# non-blank line above it is an HTML comment `<!-- not run: why -->` (which neither the
+# site nor GitHub shows). A block that imports cupy runs over tests/mpi/fake_cupy.py and
+# the core's host emulation of a GPU, as tests/mpi/test_gpu_emulated.py does. A block not
+# run (a synopsis, a fragment) is checked against the code instead: every call it makes
+# on a name the page binds (by an import, or `comm = rr.Communicator(...)`) must fit the
+# signature, and every attribute it names must exist.
+# (The tests above check what some of these blocks print; these check that all run.)
+
+DOC_PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+NOT_RUN = re.compile(r"<!-- not run: (.+) -->")
+
+# What a block that imports cupy runs first (as tests/mpi/emulated_bench_gpu.py does), in a
+# namespace of its own, so that the block sees none of these names.
+EMULATED_GPU = f"""\
+import sys
+sys.path.insert(0, {str(ROOT / "tests" / "mpi")!r})
+import fake_cupy
+sys.modules["cupy"] = fake_cupy
+import ringreduce as rr
+from ringreduce import _device
+_device._EMULATE = True
+_device._cupy = lambda *args: fake_cupy
+rr.cuda_available = lambda: True
+"""
+
+
+class PythonBlock(NamedTuple):
+    page: str  # relative to the repository
+    line: int
+    code: str
+    not_run: str | None  # why, where marked `<!-- not run: why -->`
+
+    def __str__(self):
+        return f"{self.page}:{self.line}"
+
+
+def _python_blocks() -> list[PythonBlock]:
+    blocks = []
+    for page in DOC_PAGES:
+        for fence in _fenced_blocks(page.read_text()):
+            if fence.language == "python":
+                marked = NOT_RUN.fullmatch(fence.before)
+                blocks.append(PythonBlock(str(page.relative_to(ROOT)), fence.line, fence.body,
+                                          marked and marked.group(1)))
+    return blocks
+
+
+PYTHON_BLOCKS = _python_blocks()
+
+
+def test_the_python_blocks_are_found():
+    # (a change of the fences' form must not leave the tests below with nothing to run)
+    run = [str(block) for block in PYTHON_BLOCKS if block.not_run is None]
+    assert len(run) >= 6, run
+    assert {"README.md", "docs/index.md", "docs/api.md", "docs/gpu.md",
+            "docs/training.md"} <= {block.page for block in PYTHON_BLOCKS}
+    for page in DOC_PAGES:  # a marker that does not sit right above a block does nothing
+        markers = sum(1 for line in page.read_text().splitlines()
+                      if NOT_RUN.fullmatch(line.strip()))
+        marked = [b for b in PYTHON_BLOCKS
+                  if b.not_run and b.page == str(page.relative_to(ROOT))]
+        assert markers == len(marked), (f"{page.name}: a `<!-- not run: why -->` that is not "
+                                        "the last line above a ```python block")
+
+
+@pytest.mark.parametrize("block", [b for b in PYTHON_BLOCKS if b.not_run is None], ids=str)
+def test_every_python_block_of_the_docs_runs_on_2_ranks(tmp_path, block):
+    from launch import run_script
+
+    on_gpu = re.search(r"^\s*(import|from) cupy\b", block.code, re.M)
+    # The block starts on its line of the page, so that a traceback's line numbers are
+    # the page's; the emulation, if any, takes line 1.
+    first_line = f"exec({EMULATED_GPU!r}, {{}})" if on_gpu else ""
+    done = run_script(tmp_path, "block.py", first_line + "\n" * block.line + block.code,
+                      timeout=60, cwd=tmp_path)
+    assert done.returncode == 0, (
+        f"the python block at {block} fails on 2 ranks (exit {done.returncode}; the "
+        f"traceback's line numbers are the page's); mend it, or, if it is not meant to "
+        f"run, put `<!-- not run: why -->` above it:\n"
+        f"{done.stdout[-4000:]}{done.stderr[-4000:]}")
+
+
+class _Instance(NamedTuple):
+    """What `SomeClass(...)` stands for, or a call whose return annotation is SomeClass."""
+    cls: type
+
+
+class _Method(NamedTuple):
+    """What `instance.method` stands for: the function, which takes self first."""
+    function: typing.Callable
+
+
+def _attributes_set_on_self(cls: type) -> set:
+    """The names the methods of cls (and of its bases) assign as `self.name`: instance
+    attributes, which the class itself does not have."""
+    names = set()
+    for klass in cls.__mro__[:-1]:
+        try:
+            tree = ast.parse(inspect.getsource(klass).lstrip())  # (a nested class is indented)
+        except (OSError, TypeError):  # (defined in C)
+            continue
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store)
+                    and isinstance(node.value, ast.Name) and node.value.id == "self"):
+                names.add(node.attr)
+    return names
+
+
+def _returned_class(function):
+    """The class a function's return annotation names, if it names one."""
+    try:
+        returned = typing.get_type_hints(function).get("return")
+    except Exception:  # (an annotation that cannot be evaluated here: unknown)
+        return None
+    return returned if isinstance(returned, type) else None
+
+
+def _api_problems(code: str, names: dict) -> tuple[list[str], int]:
+    """(what in this code does not fit the API, how many calls and attributes were
+    checked). names: what each name stands for (a module, class or function; or an
+    _Instance), from the page's blocks before; the code's own imports and assignments
+    are added to it, for the blocks after."""
+    problems, checked, known = [], 0, {}  # known: id(node) -> what it stands for
+
+    def meaning(node):
+        """What an expression stands for, or None where it is nothing known."""
+        if id(node) in known:
+            return known[id(node)]
+        known[id(node)] = found = _meaning(node)
+        return found
+
+    def _meaning(node):
+        nonlocal checked
+        if isinstance(node, ast.Name):
+            return names.get(node.id)
+        if isinstance(node, ast.Attribute):
+            owner = meaning(node.value)
+            shown = ast.unparse(node)
+            if owner is None:
+                return None
+            checked += 1
+            if isinstance(owner, _Instance):
+                cls = owner.cls
+                if not hasattr(cls, node.attr):
+                    if node.attr not in _attributes_set_on_self(cls):
+                        problems.append(f"{shown}: {cls.__name__} has no attribute {node.attr!r}")
+                    return None
+                member = inspect.getattr_static(cls, node.attr)
+                if isinstance(node.ctx, ast.Store):
+                    if isinstance(member, property) and member.fset is None:
+                        problems.append(f"{shown} = ...: {cls.__name__}.{node.attr} is read-only")
+                    return None
+                if isinstance(member, property):
+                    return None
+                return _Method(getattr(cls, node.attr))
+            if not hasattr(owner, node.attr):
+                problems.append(f"{shown}: {getattr(owner, '__name__', owner)} has no "
+                                f"attribute {node.attr!r}")
+                return None
+            return getattr(owner, node.attr)
+        if isinstance(node, ast.Call):
+            target = meaning(node.func)
+            if target is None or isinstance(target, _Instance):
+                return None
+            method = isinstance(target, _Method)
+            function = target.function if method else target
+            if not callable(function):
+                problems.append(f"{ast.unparse(node)}: {ast.unparse(node.func)} is not callable")
+                return None
+            if not any(isinstance(a, ast.Starred) for a in node.args) and \
+                    all(k.arg is not None for k in node.keywords):
+                try:
+                    signature = inspect.signature(function)
+                except (TypeError, ValueError):  # (no signature to read: a builtin's)
+                    signature = None
+                if signature is not None:
+                    checked += 1
+                    arguments = [None] * (len(node.args) + method)  # (self first, for a method)
+                    try:
+                        signature.bind(*arguments, **{k.arg: None for k in node.keywords})
+                    except TypeError as error:
+                        problems.append(f"{ast.unparse(node)}: {error} (the signature is "
+                                        f"{ast.unparse(node.func)}{signature})")
+            if isinstance(function, type):
+                return _Instance(function)
+            returned = _returned_class(function)
+            return _Instance(returned) if returned else None
+        return None
+
+    for statement in ast.parse(code).body:
+        if isinstance(statement, (ast.Import, ast.ImportFrom)):
+            for alias in statement.names:  # (one by one: a name gone spoils no other)
+                one = (ast.Import([alias]) if isinstance(statement, ast.Import) else
+                       ast.ImportFrom(statement.module, [alias], statement.level))
+                scope = {}
+                try:
+                    exec(compile(ast.fix_missing_locations(ast.Module([one], [])), "<block>",
+                                 "exec"), scope)
+                except ImportError as error:
+                    module = (statement.module or "" if isinstance(one, ast.ImportFrom)
+                              else alias.name)
+                    if module.split(".")[0] != "cupy":  # (which these tests do without)
+                        problems.append(f"{ast.unparse(one)}: {error}")
+                    continue
+                del scope["__builtins__"]
+                names.update(scope)
+            continue
+        for node in ast.walk(statement):  # (outermost first: a call before its arguments)
+            if isinstance(node, (ast.Attribute, ast.Call)):
+                meaning(node)
+        for node in ast.walk(statement):  # a name bound here is unknown from now on, ...
+            if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                names[node.id] = None
+        if isinstance(statement, ast.Assign):  # ... unless it is simply assigned
+            for target in statement.targets:
+                if isinstance(target, ast.Name):
+                    names[target.id] = meaning(statement.value)
+    return problems, checked
+
+
+def _pages_names_before(block: PythonBlock) -> dict:
+    """What the names the page's blocks before this one bind stand for, as a reader
+    following the page takes them (docs/gpu.md's fragment uses the comm made above)."""
+    names = {}
+    for earlier in PYTHON_BLOCKS:
+        if earlier.page == block.page and earlier.line < block.line:
+            _api_problems(earlier.code, names)
+    return names
+
+
+@pytest.mark.parametrize("block", [b for b in PYTHON_BLOCKS if b.not_run], ids=str)
+def test_every_call_in_a_python_block_not_run_fits_the_api(block):
+    problems, checked = _api_problems(block.code, _pages_names_before(block))
+    assert checked, f"{block} is not run, and nothing in it names the API: is it Python?"
+    assert not problems, f"{block} (not run: {block.not_run}):\n" + "\n".join(problems)
+
+
+def test_the_check_of_blocks_not_run_finds_what_does_not_fit():
+    code = """
+import ringreduce as rr
+from ringreduce.optim import SGD, NoSuchOptimizer
+comm = rr.Communicator(chunk=4)
+comm.allreduce(x, "sum", None, 3)
+comm.allreduce_asink(x)
+comm.rank, comm.ranks
+comm.transport = "MPI"
+h = comm.allreduce_async(x)
+h.wait(timeout=1, then=2)
+rr.no_such_function()
+opt = SGD(params, lr=0.1)
+opt.step(grads)
+opt.lr, opt.momentum, opt.nesterov
+"""
+    problems, checked = _api_problems(code, {})
+    expected = ["cannot import name 'NoSuchOptimizer'",
+                "rr.Communicator(chunk=4): got an unexpected keyword argument 'chunk'",
+                "comm.allreduce(x, 'sum', None, 3): too many positional arguments",
+                "comm.allreduce_asink: Communicator has no attribute 'allreduce_asink'",
+                "comm.ranks: Communicator has no attribute 'ranks'",
+                "comm.transport = ...: Communicator.transport is read-only",
+                "h.wait(timeout=1, then=2): got an unexpected keyword argument 'then'",
+                "rr.no_such_function: ringreduce has no attribute 'no_such_function'",
+                "opt.nesterov: SGD has no attribute 'nesterov'"]
+    for problem in expected:
+        assert sum(problem in found for found in problems) == 1, (problem, problems)
+    assert len(problems) == len(expected), problems
+    assert checked >= 15

@@ -244,6 +244,12 @@ def ones(shape, dtype=float):
 
 float32 = np.float32
 
+# cupy.random's one function that docs/gpu.md's example calls (tests/test_docs.py runs it
+# here), with cupy's signature: standard_normal(size=None, dtype=float).
+random = types.SimpleNamespace(
+    standard_normal=lambda size=None, dtype=float: ndarray(np.asarray(
+        np.random.default_rng().standard_normal(size, dtype=np.dtype(dtype)))))
+
 
 class _Nothing:
     id = 0
