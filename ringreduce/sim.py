@@ -2,6 +2,7 @@
 
     python -m ringreduce sim --ranks 1024 --bytes 100M [--alpha 5e-6 --beta 1e-10 --gamma 1e-10]
     python -m ringreduce sim --ranks 3 --bytes 12M --chunk 1M [--timeline pipeline.svg]
+    python -m ringreduce sim --ranks 16 --bytes 100M --machines 2 [--placement block]
 
 The ring is simulated by running ringreduce's own RingSchedule (the C++ class the core
 runs) for every virtual rank, step by step, so the traffic it reports is the traffic the
@@ -14,7 +15,10 @@ classic alternatives are modelled beside it:
   (ranks beyond the largest power of two fold in first and get the result last).
 
 Time follows the alpha-beta-gamma model: a step costs alpha + (bytes moved) * beta +
-(bytes reduced) * gamma, steps in sequence; see docs/cost-model.md.
+(bytes reduced) * gamma, steps in sequence; see docs/cost-model.md. With --machines, the
+ring's links between machines share each machine's network link instead (net_beta per
+byte, times the links crossing there at once): the ring in rank order against the one
+the core goes round, each machine's ranks side by side.
 """
 from __future__ import annotations
 
@@ -37,6 +41,8 @@ MAX_RANKS = 4096
 # with mpi4py's Sendrecv, gamma with the core's float32 sum, on the development
 # machine: see docs/cost-model.md); pass your network's values for a cluster.
 ALPHA, BETA, GAMMA = 2e-6, 1.2e-10, 1.6e-10
+# With --machines: seconds per byte over one machine's network link, 100 Gb/s.
+NET_BETA = 8e-11
 
 
 @dataclass
@@ -68,13 +74,36 @@ def _nothing(algorithm: str, ranks: int) -> Result:
     return Result(algorithm, ranks, 0, 0, [0] * ranks, [0] * ranks, 0.0)
 
 
+def machine_ring_order(machines) -> list:
+    """The order the core puts ranks in round the ring, given the machine of each:
+    each machine's ranks side by side, machines in the order of their lowest rank."""
+    machines = list(machines)
+    return sorted(range(len(machines)), key=lambda r: machines.index(machines[r]))
+
+
+def placed(ranks: int, machines: int, placement: str) -> list:
+    """The machine of each rank, as mpiexec places them: "block" (machine by machine,
+    as many ranks on each) or "round-robin" (rank r on machine r mod machines)."""
+    if placement == "round-robin":
+        return [r % machines for r in range(ranks)]
+    if placement == "block":
+        return [r * machines // ranks for r in range(ranks)]
+    raise ValueError(f"placement must be 'block' or 'round-robin', got {placement!r}")
+
+
 def ring(ranks: int, count: int, elem_size: int = 4, alpha=ALPHA, beta=BETA,
-         gamma=GAMMA, progress=None, ring_order=None) -> Result:
+         gamma=GAMMA, progress=None, ring_order=None, machines=None, net_beta=NET_BETA) -> Result:
     """Runs RingSchedule for every virtual rank: what the core would send and when.
     progress, if given, is called as progress(steps done, steps in all) after each step.
     ring_order: the ranks in the order they go round (Communicator.ring; None: rank
-    order)."""
+    order). machines: the machine of each rank (None: one machine). A link of the ring
+    between two machines then takes net_beta per byte (the machine's network link, not
+    beta) times the number of the ring's links that share that network link at once,
+    on either machine: the cost of a ring that crosses between machines more often than
+    it must."""
     _check(ranks, count, elem_size)
+    if machines is not None and len(machines) != ranks:
+        raise ValueError(f"machines: need one per rank ({ranks}), got {len(machines)}")
     if count == 0:
         return _nothing("ring", ranks)
     order = list(ring_order or [])
@@ -87,18 +116,42 @@ def ring(ranks: int, count: int, elem_size: int = 4, alpha=ALPHA, beta=BETA,
         recv_of = getattr(_core.RingSchedule, f"{phase}_recv_segment")
         for k in range(schedules[0].steps_per_phase):
             slowest = 0
+            links = []
             for s in schedules:
                 out = s.segment(send_of(s, k))[1] * elem_size
                 sent[s.rank] += out
                 received[s.right] += out
                 assert recv_of(schedules[s.right], k) == send_of(s, k)  # the ring matches up
                 slowest = max(slowest, out)
-            # Every rank works at once; a step lasts as long as its largest segment.
-            seconds += alpha + slowest * beta + (slowest * gamma if reduces else 0.0)
+                links.append((s.rank, s.right, out))
+            if machines is None:
+                # Every rank works at once; a step lasts as long as its largest segment.
+                seconds += alpha + slowest * beta + (slowest * gamma if reduces else 0.0)
+            else:
+                seconds += _step_across_machines(links, machines, alpha, beta, gamma if
+                                                 reduces else 0.0, net_beta)
             steps += 1
             if progress is not None:
                 progress(steps, 2 * schedules[0].steps_per_phase)
     return Result("ring", ranks, count * elem_size, steps, sent, received, seconds)
+
+
+def _step_across_machines(links, machines, alpha, beta, gamma, net_beta) -> float:
+    """One step's time: its slowest link, where links between machines share each
+    machine's network link (out and in) with the others crossing there at once."""
+    leaving, arriving = {}, {}
+    for sender, receiver, out in links:
+        if out and machines[sender] != machines[receiver]:
+            leaving[machines[sender]] = leaving.get(machines[sender], 0) + 1
+            arriving[machines[receiver]] = arriving.get(machines[receiver], 0) + 1
+    slowest = 0.0
+    for sender, receiver, out in links:
+        if machines[sender] == machines[receiver]:
+            wire = out * beta
+        else:
+            wire = out * net_beta * max(leaving[machines[sender]], arriving[machines[receiver]])
+        slowest = max(slowest, alpha + wire + out * gamma)
+    return slowest
 
 
 def naive(ranks: int, count: int, elem_size: int = 4, alpha=ALPHA, beta=BETA,
@@ -434,6 +487,16 @@ def main(argv=None) -> int:
     parser.add_argument("--timeline", metavar="FILE",
                         help="draw the pipeline, one chunk per segment above each --chunk "
                              "(one --ranks value, at most 8; .svg, .png or .pdf)")
+    parser.add_argument("--machines", type=int, default=1, metavar="H",
+                        help="ranks spread over H machines, each with one network link: "
+                             "compares the ring in rank order with the ring the core goes "
+                             "round, machine by machine")
+    parser.add_argument("--placement", choices=("round-robin", "block"), default="round-robin",
+                        help="with --machines: how mpiexec placed the ranks (round-robin: "
+                             "rank r on machine r mod H, as -f hosts without counts)")
+    parser.add_argument("--net-beta", type=float, default=NET_BETA,
+                        help="with --machines: seconds per byte over a machine's network "
+                             "link (the default is 100 Gb/s)")
     args = parser.parse_args(argv)
     args.ranks = getattr(args, "ranks", None) or [4, 64, 1024]  # (--ranks 3 --ranks 5: both)
     try:
@@ -449,9 +512,14 @@ def main(argv=None) -> int:
         parser.error(f"--bytes: {nbytes} is not a whole number of float32 elements (4 bytes)")
     if nbytes // 4 > MAX_CHUNK_ELEMS:
         parser.error(f"--bytes: {args.bytes!r} is more than 2**62 - 1 float32 elements")
-    for name in ("alpha", "beta", "gamma"):
+    for name in ("alpha", "beta", "gamma", "net_beta"):
         if not 0 <= getattr(args, name) < float("inf"):  # (NaN too)
-            parser.error(f"--{name} must be a finite number of seconds >= 0")
+            parser.error(f"--{name.replace('_', '-')} must be a finite number of seconds >= 0")
+    if args.machines < 1 or args.machines > min(args.ranks):
+        parser.error(f"--machines must be from 1 to the fewest --ranks ({min(args.ranks)}), "
+                     f"got {args.machines}")
+    if args.machines > 1 and (args.chunk or args.timeline):
+        parser.error("--machines models the ring step by step: not with --chunk or --timeline")
     chunks = []
     for text in args.chunk:
         try:
@@ -505,6 +573,8 @@ def main(argv=None) -> int:
     if chunks:
         print("(ring in chunks: all-gather in the same chunks)" if args.allgather_factor == 1
               else f"(ring in chunks: all-gather in chunks {args.allgather_factor} times larger)")
+    if args.machines > 1:
+        return _print_machines(args, count)
     print("| ranks | algorithm | steps | most bytes sent by one rank | modelled time |")
     print("|---|---|---|---|---|")
     for p in args.ranks:
@@ -532,6 +602,25 @@ def main(argv=None) -> int:
         except OSError as error:
             parser.error(f"--timeline: cannot write {args.timeline!r}: {error}")
         print(f"\nfigure: {args.timeline}")
+    return 0
+
+
+def _print_machines(args, count: int) -> int:
+    """The ring in rank order against the ring machine by machine, on --machines."""
+    print(f"over {args.machines} machines, placed {args.placement}; between machines "
+          f"net_beta={args.net_beta:g} s/B, shared by the ring's links that cross at once")
+    print("| ranks | ring | links between machines | modelled time |")
+    print("|---|---|---|---|")
+    for p in args.ranks:
+        machines = placed(p, args.machines, args.placement)
+        for name, order in (("rank order", list(range(p))),
+                            ("machine by machine (the core's)", machine_ring_order(machines))):
+            r = ring(p, count, 4, args.alpha, args.beta, args.gamma,
+                     progress=_StepProgress(f"simulating the ring of {p} ranks",
+                                            after=0 if p >= SLOW_RING_RANKS else 1),
+                     ring_order=order, machines=machines, net_beta=args.net_beta)
+            crossing = sum(machines[order[q]] != machines[order[(q + 1) % p]] for q in range(p))
+            print(f"| {p} | {name} | {crossing} | {r.seconds * 1e3:.3f} ms |")
     return 0
 
 

@@ -3,6 +3,7 @@ import re
 import shlex
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -190,6 +191,12 @@ def test_pipeline_reports_each_step_of_both_phases():
      "18 elements make lines of 102 characters, more than 100; on 4 ranks, use at most 17"),
     (["explain", "--values", "--count", str(1 << 61), "--chunk", str(1 << 60)],
      "on 4 ranks, use at most 17 elements"),
+    (["sim", "--ranks", "4", "8", "--machines", "5"],
+     "--machines must be from 1 to the fewest --ranks (4), got 5"),
+    (["sim", "--machines", "0"], "--machines must be from 1"),
+    (["sim", "--machines", "2", "--chunk", "1M"], "not with --chunk or --timeline"),
+    (["sim", "--machines", "2", "--net-beta", "nan"], "--net-beta must be a finite number"),
+    (["sim", "--machines", "2", "--placement", "random"], "invalid choice: 'random'"),
 ])
 def test_command_lines_refuse_what_they_cannot_do(argv, message):
     # A usage error, at once: not a traceback, a negative time, or minutes of work
@@ -286,6 +293,56 @@ def test_a_ring_in_any_order_leaves_each_segment_reduced_on_its_own_rank(ranks):
                 [ranks] + list(range(1, ranks))):
         with pytest.raises(ValueError, match="the ring must hold each of the"):
             _core.RingSchedule(0, ranks, 10, 4, bad)
+
+
+def test_a_ring_across_machines_is_modelled_link_by_link():
+    # 16 ranks of 1 MiB (equal segments of 64 KiB), placed round-robin on 2 machines.
+    p, count, a, b, g, net = 16, 1 << 18, 1e-6, 1e-10, 2e-10, 3e-10
+    machines = sim.placed(p, 2, "round-robin")
+    assert machines == [r % 2 for r in range(p)] and sim.placed(p, 2, "block") == [0] * 8 + [1] * 8
+    order = sim.machine_ring_order(machines)
+    assert order == list(range(0, p, 2)) + list(range(1, p, 2))
+    seg = count // p * 4
+    # Rank order: every link crosses, 8 of them out of (and into) each machine at once.
+    rank_order = sim.ring(p, count, 4, a, b, g, machines=machines, net_beta=net)
+    crossing = a + seg * net * 8
+    assert rank_order.seconds == pytest.approx((p - 1) * (crossing + seg * g) + (p - 1) * crossing)
+    # Machine by machine: two links cross, one out of each machine; the rest are local.
+    by_machine = sim.ring(p, count, 4, a, b, g, ring_order=order, machines=machines,
+                          net_beta=net)
+    step = max(a + seg * net, a + seg * b)
+    assert by_machine.seconds == pytest.approx((p - 1) * (step + seg * g) + (p - 1) * step)
+    assert by_machine.bytes_sent == rank_order.bytes_sent
+    # One machine: the model without machines, to the last bit.
+    assert sim.ring(p, count + 5, 4, a, b, g, machines=[0] * p, net_beta=net).seconds == \
+        sim.ring(p, count + 5, 4, a, b, g).seconds
+    with pytest.raises(ValueError, match="need one per rank"):
+        sim.ring(p, count, machines=[0, 1])
+    with pytest.raises(ValueError, match="placement must be"):
+        sim.placed(p, 2, "cyclic")
+
+
+def test_sim_compares_the_two_rings_on_machines():
+    done = subprocess.run([sys.executable, "-m", "ringreduce", "sim", "--ranks", "16",
+                           "--bytes", "1M", "--machines", "4"], capture_output=True, text=True,
+                          timeout=60, check=True)
+    rows = [line.split("|")[1:-1] for line in done.stdout.splitlines()
+            if line.startswith("| 16 |")]
+    assert [(r[1].strip(), r[2].strip()) for r in rows] == [
+        ("rank order", "16"), ("machine by machine (the core's)", "4")]
+    times = [float(r[3].split()[0]) for r in rows]
+    assert times[1] < times[0]
+
+
+def test_the_table_of_rings_on_machines_in_the_cost_model_is_what_sim_prints():
+    page = (Path(__file__).resolve().parent.parent / "docs" / "cost-model.md").read_text()
+    command = "python -m ringreduce sim --ranks 16 64 --bytes 100M --machines 2"
+    assert command in page
+    done = subprocess.run([sys.executable] + command.split()[1:], capture_output=True,
+                          text=True, timeout=120, check=True)
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| 16 |")
+            or line.startswith("| 64 |")]
+    assert len(rows) == 4 and all(row in page for row in rows), rows
 
 
 @pytest.mark.parametrize("ranks", [1, 2, 3, 4, 5])
