@@ -232,7 +232,9 @@ class SGD:
         grads = _check_grads(grads, self.params, "SGD.step")
         for i, (p, g) in enumerate(zip(self.params, grads)):
             if self.weight_decay:
-                g = g + self.weight_decay * p
+                # In p's dtype, as with a Python float: a numpy scalar (np.float64) would
+                # widen g, and the momentum buffer made from it.
+                g = (g + self.weight_decay * p).astype(p.dtype, copy=False)
             if self.momentum:
                 buf = self.momentum_buffers[i]
                 if buf is None:

@@ -2304,6 +2304,28 @@ def test_sgd_momentum_of_a_0d_parameter_is_that_of_a_1_element_one(weight_decay)
     assert float(alone.params[0]) == pytest.approx(float(expected[0]), rel=1e-12)
 
 
+@pytest.mark.parametrize("dtype, weight_decay", [(np.float32, np.float64(1e-3)),
+                                                 (np.float16, np.float32(1e-3))],
+                         ids=["float32-np.float64", "float16-np.float32"])
+def test_sgd_momentum_stays_in_the_parameters_dtype_with_a_numpy_weight_decay(dtype,
+                                                                              weight_decay):
+    # (A numpy scalar weight_decay, np.float64(1e-3) from a config or np.logspace, is not
+    # a weak Python float: g + weight_decay * p widened the gradient, and the momentum
+    # buffer made from it was float64 beside float32 parameters: the optimizer's own
+    # state_dict() was then refused by load_state_dict().)
+    def make(seed):
+        params = [np.random.default_rng(seed).standard_normal(s).astype(dtype)
+                  for s in [(3, 4), ()]]
+        return params, DistributedOptimizer(SGD(params, lr=0.1, momentum=0.9,
+                                                weight_decay=weight_decay))
+    params, opt = make(1)
+    rng = np.random.default_rng(2 + RANK)
+    opt.step([rng.standard_normal(p.shape).astype(dtype) for p in params])
+    assert [b.dtype for b in opt.optimizer.momentum_buffers] == [np.dtype(dtype)] * 2
+    _, resumed = make(1)
+    resumed.load_state_dict(opt.state_dict())
+
+
 @needs_two
 @pytest.mark.parametrize("where", ["in the handler", "after the try block"])
 def test_an_abandon_of_a_failed_step_makes_no_calls_and_lets_the_next_abandon_count(where):
