@@ -628,10 +628,22 @@ class DistributedOptimizer:
         bucketed = [i for i in range(len(self.params)) if i not in set(self._low_rank)]
         plan = pack_plan([self.params[i] for i in bucketed], int(bucket_mb * 1024 * 1024))
         self._buckets = []
+        # Checked here, where each rank can still refuse for all: the ring's own error
+        # would come at every step's first all-reduce.
+        travels = [(i, self.params[i].dtype) for i in self._low_rank]
         for indices in plan:
             members = [bucketed[j] for j in indices]
             wire = _compression.wire_dtype(cast, self.params[members[0]], self._where())
+            travels += [(i, wire) for i in members]
             self._buckets.append(_Bucket(members, self.params, wire, self.comm.size))
+        reduced = _types.supported_dtypes()
+        for i, dtype in sorted(travels):
+            if dtype.name not in reduced:
+                raise TypeError(f"{self._where()}: params[{i}] has dtype "
+                                f"{self.params[i].dtype}, and its gradients would travel as "
+                                f"{dtype}, which the ring does not reduce (it takes "
+                                f"{', '.join(n for n in reduced if 'float' in n)}); give "
+                                "the optimizer float64 parameters, or compression='fp16'")
         self._bucket_of = {i: b for b in self._buckets for i in b.indices}
         self._low_rank_sums: dict = {}       # index -> gradient (summed over micro-batches)
         self._low_rank_reported: set = set()  # reported in the current (micro-)step

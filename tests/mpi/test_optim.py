@@ -2764,3 +2764,18 @@ def test_a_state_loaded_between_micro_batches_replaces_the_sums_accumulated(make
                                                    r".*differ from rank 0"):
             target.load_state_dict(mid if RANK == 0 else None)
         assert not target._accumulated
+
+
+@pytest.mark.skipif(np.dtype(np.longdouble).itemsize <= 8, reason="long double is float64 here")
+def test_parameters_whose_gradients_the_ring_cannot_reduce_are_refused_when_made():
+    # float128 parameters: SGD alone steps them, but the ring takes no float128, so a
+    # DistributedOptimizer refuses them when made (on every rank), rather than at every
+    # step's first all-reduce; as fp16 they travel, and train.
+    params = [np.ones(3, np.float32), np.linspace(0, 1, 5).astype(np.longdouble)]
+    with pytest.raises(TypeError, match=r"params\[1\] has dtype float128, and its gradients "
+                                        r"would travel as float128, which the ring does not"):
+        DistributedOptimizer(SGD(params, lr=0.5))
+    opt = DistributedOptimizer(SGD(params, lr=0.5), compression="fp16")
+    opt.step([np.full(3, RANK, np.float32), np.full(5, RANK, np.longdouble)])
+    expected = np.linspace(0, 1, 5) - 0.5 * (SIZE - 1) / 2
+    np.testing.assert_allclose(params[1].astype(np.float64), expected, atol=1e-3)
