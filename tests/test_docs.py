@@ -218,12 +218,7 @@ EMULATED_GPU = f"""\
 import sys
 sys.path.insert(0, {str(ROOT / "tests" / "mpi")!r})
 import fake_cupy
-sys.modules["cupy"] = fake_cupy
-import ringreduce as rr
-from ringreduce import _device
-_device._EMULATE = True
-_device._cupy = lambda *args: fake_cupy
-rr.cuda_available = lambda: True
+fake_cupy.emulate_gpu()
 """
 
 

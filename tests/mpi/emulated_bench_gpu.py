@@ -10,13 +10,6 @@ sys.path.insert(0, HERE)
 
 import fake_cupy  # noqa: E402
 
-sys.modules["cupy"] = fake_cupy
-
-import ringreduce as rr  # noqa: E402
-from ringreduce import _device  # noqa: E402
-
-_device._EMULATE = True
-_device._cupy = lambda *args: fake_cupy
-rr.cuda_available = lambda: True
+fake_cupy.emulate_gpu()
 sys.argv[0] = os.path.join(HERE, "..", "..", "benchmarks", "bench_gpu.py")
 runpy.run_path(sys.argv[0], run_name="__main__")

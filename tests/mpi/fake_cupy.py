@@ -323,3 +323,22 @@ cuda = types.SimpleNamespace(
 
 def get_default_memory_pool():
     return types.SimpleNamespace(free_all_blocks=lambda: None)
+
+
+def emulate_gpu(patch=None) -> None:
+    """Makes this module ringreduce's cupy, over the core's host emulation of a GPU, in
+    this process: `import cupy` gives it, ringreduce takes its arrays for GPU arrays,
+    and rr.cuda_available() says True (the digits example asks it before it takes
+    cupy). patch: a pytest MonkeyPatch that undoes it all (None: for good)."""
+    import ringreduce as rr
+    from ringreduce import _device
+
+    this = sys.modules[__name__]
+    set_attribute = setattr if patch is None else patch.setattr
+    if patch is None:
+        sys.modules["cupy"] = this
+    else:
+        patch.setitem(sys.modules, "cupy", this)
+    set_attribute(_device, "_EMULATE", True)
+    set_attribute(_device, "_cupy", lambda *args: this)
+    set_attribute(rr, "cuda_available", lambda: True)

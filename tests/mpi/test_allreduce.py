@@ -1,6 +1,4 @@
 """allreduce on every dtype x op, every awkward size, in place and out of place."""
-import os
-
 import numpy as np
 import pytest
 from mpi4py import MPI

@@ -13,7 +13,7 @@ import pytest
 from mpi4py import MPI
 
 import ringreduce as rr
-from ringreduce import _core, _device, reference
+from ringreduce import _core, reference
 
 import fake_cupy as cp
 from helpers import (bitwise_equal, check_gpu_argument_errors,
@@ -27,8 +27,7 @@ RANK = MPI.COMM_WORLD.Get_rank()
 @pytest.fixture(scope="module", autouse=True)
 def emulated_gpu():
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(_device, "_EMULATE", True)
-        patch.setattr(_device, "_cupy", lambda *args: cp)
+        cp.emulate_gpu(patch)
         yield
 
 

@@ -16,7 +16,6 @@ sys.modules["cupy"] = fake_cupy  # (before test_gpu imports it; this process onl
 import pytest  # noqa: E402
 
 import ringreduce as rr  # noqa: E402
-from ringreduce import _device  # noqa: E402
 
 import test_gpu  # noqa: E402
 
@@ -37,10 +36,7 @@ del _name, _test
 @pytest.fixture(scope="module", autouse=True)
 def emulated_gpu():
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(_device, "_EMULATE", True)
-        patch.setattr(_device, "_cupy", lambda *args: fake_cupy)
-        # (the digits example checks for a usable GPU before it takes cupy)
-        patch.setattr(rr, "cuda_available", lambda: True)
+        fake_cupy.emulate_gpu(patch)
         yield
 
 
