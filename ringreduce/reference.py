@@ -117,7 +117,10 @@ def ring_order(comm=MPI.COMM_WORLD) -> list[int]:
     mpiexec placed ranks machine by machine; round-robin placements (rank r on host
     r mod H) would otherwise send every step of the ring between machines."""
     machines = comm.allgather(machine_of_this_process())
-    return sorted(range(len(machines)), key=lambda r: machines.index(machines[r]))
+    lowest = {}  # machine -> its lowest rank
+    for r, machine in enumerate(machines):
+        lowest.setdefault(machine, r)
+    return sorted(range(len(machines)), key=lambda r: lowest[machines[r]])
 
 
 def _ring_of(comm, ring) -> tuple[list[int], int]:

@@ -31,6 +31,8 @@ from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from fractions import Fraction
 
+import numpy as np
+
 from . import _core
 
 # The ring is simulated rank by rank and step by step: p * 2(p-1) segments, some 10 s
@@ -77,8 +79,10 @@ def _nothing(algorithm: str, ranks: int) -> Result:
 def machine_ring_order(machines) -> list:
     """The order the core puts ranks in round the ring, given the machine of each:
     each machine's ranks side by side, machines in the order of their lowest rank."""
-    machines = list(machines)
-    return sorted(range(len(machines)), key=lambda r: machines.index(machines[r]))
+    lowest = {}  # machine -> its lowest rank
+    for r, machine in enumerate(machines):
+        lowest.setdefault(machine, r)
+    return sorted(range(len(machines)), key=lambda r: lowest[machines[r]])
 
 
 def placed(ranks: int, machines: int, placement: str) -> list:
@@ -108,6 +112,9 @@ def ring(ranks: int, count: int, elem_size: int = 4, alpha=ALPHA, beta=BETA,
         return _nothing("ring", ranks)
     order = list(ring_order or [])
     schedules = [_core.RingSchedule(r, ranks, count, max(1, count), order) for r in range(ranks)]
+    if machines is not None:  # (as numbers from 0, whatever names they had)
+        machine_of = np.unique(np.array(machines, dtype=object).astype(str),
+                               return_inverse=True)[1].reshape(-1)
     sent = [0] * ranks
     received = [0] * ranks
     seconds, steps = 0.0, 0
@@ -128,7 +135,7 @@ def ring(ranks: int, count: int, elem_size: int = 4, alpha=ALPHA, beta=BETA,
                 # Every rank works at once; a step lasts as long as its largest segment.
                 seconds += alpha + slowest * beta + (slowest * gamma if reduces else 0.0)
             else:
-                seconds += _step_across_machines(links, machines, alpha, beta, gamma if
+                seconds += _step_across_machines(links, machine_of, alpha, beta, gamma if
                                                  reduces else 0.0, net_beta)
             steps += 1
             if progress is not None:
@@ -136,22 +143,19 @@ def ring(ranks: int, count: int, elem_size: int = 4, alpha=ALPHA, beta=BETA,
     return Result("ring", ranks, count * elem_size, steps, sent, received, seconds)
 
 
-def _step_across_machines(links, machines, alpha, beta, gamma, net_beta) -> float:
+def _step_across_machines(links, machine_of, alpha, beta, gamma, net_beta) -> float:
     """One step's time: its slowest link, where links between machines share each
-    machine's network link (out and in) with the others crossing there at once."""
-    leaving, arriving = {}, {}
-    for sender, receiver, out in links:
-        if out and machines[sender] != machines[receiver]:
-            leaving[machines[sender]] = leaving.get(machines[sender], 0) + 1
-            arriving[machines[receiver]] = arriving.get(machines[receiver], 0) + 1
-    slowest = 0.0
-    for sender, receiver, out in links:
-        if machines[sender] == machines[receiver]:
-            wire = out * beta
-        else:
-            wire = out * net_beta * max(leaving[machines[sender]], arriving[machines[receiver]])
-        slowest = max(slowest, alpha + wire + out * gamma)
-    return slowest
+    machine's network link (out and in) with the others crossing there at once.
+    machine_of: each rank's machine as a number from 0 (numpy)."""
+    sender, receiver, out = (np.array(column) for column in zip(*links))
+    leaves, enters = machine_of[sender], machine_of[receiver]
+    crossing = (leaves != enters) & (out > 0)
+    machines = int(machine_of.max()) + 1
+    leaving = np.bincount(leaves[crossing], minlength=machines)
+    arriving = np.bincount(enters[crossing], minlength=machines)
+    sharing = np.maximum(leaving[leaves], arriving[enters])
+    wire = np.where(leaves != enters, out * net_beta * sharing, out * beta)
+    return float(np.max(alpha + wire + out * gamma))
 
 
 def naive(ranks: int, count: int, elem_size: int = 4, alpha=ALPHA, beta=BETA,
