@@ -395,6 +395,18 @@ def test_the_ring_goes_round_each_machine_in_turn(comm, world):
         assert comm.ring == (0, 2, 1, 3)  # (the sort above, spelled out once)
 
 
+def test_the_reference_names_pretended_machines_as_the_core_does(world, monkeypatch):
+    # The core keeps 64 bytes of a host name (as gethostname gives at most), pretended
+    # ones too: names that differ only past that are one machine to both, so the
+    # reference goes round the core's ring.
+    long = "m" * 64
+    monkeypatch.setenv("RINGREDUCE_TEST_MACHINE", f"{long}x,{long}y")
+    with rr.Communicator() as comm:
+        assert comm.ring == tuple(reference.ring_order(world)) == tuple(range(SIZE))
+        x = rank_data(np.dtype(np.float32), 1000)
+        assert bitwise_equal(comm.allreduce(x), reference.allreduce(x, "sum", world))
+
+
 def test_every_supported_dtype_is_listed():
     names = {d.name for d in DTYPES}
     assert {"float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8",
