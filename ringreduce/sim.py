@@ -522,6 +522,12 @@ def main(argv=None) -> int:
     if args.machines < 1 or args.machines > min(args.ranks):
         parser.error(f"--machines must be from 1 to the fewest --ranks ({min(args.ranks)}), "
                      f"got {args.machines}")
+    given = [f"--{name.replace('_', '-')}" for name, default in
+             (("placement", "round-robin"), ("net_beta", NET_BETA))
+             if getattr(args, name) != default]
+    if given and args.machines == 1:
+        parser.error(f"{' and '.join(given)} {'models' if len(given) == 1 else 'model'} ranks "
+                     "on several machines: give --machines too (2 or more)")
     if args.machines > 1 and (args.chunk or args.timeline):
         parser.error("--machines models the ring step by step: not with --chunk or --timeline")
     chunks = []

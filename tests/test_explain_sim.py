@@ -197,6 +197,9 @@ def test_pipeline_reports_each_step_of_both_phases():
     (["sim", "--machines", "2", "--chunk", "1M"], "not with --chunk or --timeline"),
     (["sim", "--machines", "2", "--net-beta", "nan"], "--net-beta must be a finite number"),
     (["sim", "--machines", "2", "--placement", "random"], "invalid choice: 'random'"),
+    (["sim", "--placement", "block"], "--placement models ranks on several machines"),
+    (["sim", "--net-beta", "1e-9", "--placement", "block"],
+     "--placement and --net-beta model ranks on several machines: give --machines too"),
 ])
 def test_command_lines_refuse_what_they_cannot_do(argv, message):
     # A usage error, at once: not a traceback, a negative time, or minutes of work
