@@ -34,6 +34,7 @@ class Transfer:
     to: int
     receives: int  # the segment coming in from the left
     reduces: bool  # reduce-scatter adds what arrives; all-gather only copies it
+    source: int = -1  # the left neighbour, whose send this rank receives
 
 
 @dataclass
@@ -58,6 +59,7 @@ class Explanation:
     # first). Every chunk of it, on every path, in that order: its bits are the result's.
     orders: list = field(default_factory=list)
     inputs: np.ndarray | None = None  # inputs[rank]: its buffer before the first step (--values)
+    ring: list = field(default_factory=list)  # the ranks in the order they go round
 
 
 # For reading: the steps and what every rank holds grow as ranks**3 (ranks**4 in
@@ -114,10 +116,15 @@ def _check_values(ranks: int, count: int) -> None:
 
 
 def explain(ranks: int = 4, count: int = 12, chunk_elems: int | None = None,
-            values: bool = False) -> Explanation:
+            values: bool = False, ring=None) -> Explanation:
     """The whole ring all-reduce of `count` elements on `ranks` ranks, step by step; with
-    `values`, also carried out on value_inputs(ranks, count)."""
+    `values`, also carried out on value_inputs(ranks, count). ring: the ranks in the
+    order they go round (Communicator.ring; None: rank order)."""
     sim._check(ranks, count)  # (the simulator's rules for a ring: one set of them)
+    ring = list(range(ranks)) if ring is None else list(ring)
+    if sorted(ring) != list(range(ranks)) or not all(isinstance(r, int) for r in ring):
+        raise ValueError(f"the ring must list each of the {ranks} ranks once, got "
+                         f"{','.join(map(str, ring))}")
     if ranks > MAX_RANKS:
         raise ValueError(f"ranks must be at most {MAX_RANKS} here, got {ranks}: the steps are for "
                          "reading (for bytes and times at any scale: python -m ringreduce sim)")
@@ -126,14 +133,15 @@ def explain(ranks: int = 4, count: int = 12, chunk_elems: int | None = None,
     if chunk_elems is None:
         chunk_elems = max(1, -(-count // ranks))  # one chunk per segment
     sim._check_chunk_elems(chunk_elems)
-    s0 = _core.RingSchedule(0, ranks, count, chunk_elems)
+    s0 = _core.RingSchedule(0, ranks, count, chunk_elems, ring)
     if sum(s0.num_chunks(s) for s in range(ranks)) > MAX_CHUNKS:
         raise ValueError(f"{count} elements in chunks of {chunk_elems} make more than "
                          f"{MAX_CHUNKS} chunks to show: use fewer elements or larger chunks")
-    schedules = [s0] + [_core.RingSchedule(r, ranks, count, chunk_elems) for r in range(1, ranks)]
+    schedules = [s0] + [_core.RingSchedule(r, ranks, count, chunk_elems, ring)
+                        for r in range(1, ranks)]
     result = Explanation(ranks, count, chunk_elems,
                          [s0.segment(s) for s in range(ranks)],
-                         [s0.num_chunks(s) for s in range(ranks)])
+                         [s0.num_chunks(s) for s in range(ranks)], ring=ring)
     buffers = None
     if values:
         result.inputs = value_inputs(ranks, count)
@@ -154,7 +162,7 @@ def explain(ranks: int = 4, count: int = 12, chunk_elems: int | None = None,
                 incoming = getattr(sched, recv_of)(k)
                 transfers.append(Transfer(r, seg, [sched.chunk(seg, c) for c in
                                                    range(sched.num_chunks(seg))],
-                                          sched.right, incoming, reduces))
+                                          sched.right, incoming, reduces, sched.left))
                 # What arrives is the left neighbour's copy as it was before this step.
                 arrived = before[sched.left][incoming]
                 holds[r][incoming] = sorted(set(holds[r][incoming]) | set(arrived)) if reduces \
@@ -280,8 +288,11 @@ def format_text(e: Explanation) -> str:
         ring = (f"on {e.ranks} ranks. Each rank sends to its right neighbour and receives "
                 "from its left.",
                 f"The buffer is cut into {e.ranks} segments (like np.array_split), each into")
-    lines = [f"Ring all-reduce of {_counted(e.count, 'element')} {ring[0]}",
-             f"{ring[1]} chunks of at most {_counted(e.chunk_elems, 'element')}:"]
+    lines = [f"Ring all-reduce of {_counted(e.count, 'element')} {ring[0]}"]
+    if e.ring != sorted(e.ring):
+        lines.append(f"The ranks go round in the order {' -> '.join(map(str, e.ring + e.ring[:1]))}"
+                     " (as on several machines): right and left are along it.")
+    lines.append(f"{ring[1]} chunks of at most {_counted(e.chunk_elems, 'element')}:")
     for s, span in enumerate(e.segments):
         lines.append(f"  S{s}: {_elements(span)}, {_counted(e.chunks_per_segment[s], 'chunk')}")
     values = e.inputs is not None
@@ -316,7 +327,7 @@ def format_text(e: Explanation) -> str:
                     if len(t.chunks) == 1 else
                     f"elements {', '.join(map(_range, t.chunks))}, in {len(t.chunks)} chunks")
             lines.append(f"  rank {t.rank} sends S{t.segment} to rank {t.to} ({what}); "
-                         f"receives S{t.receives} from rank {(t.rank - 1) % e.ranks} and "
+                         f"receives S{t.receives} from rank {t.source} and "
                          f"{action}")
         lines.append("  afterwards, whose data each rank's copy of each segment holds:")
         lines.append(("  " + " " * 8 + "".join(f"S{s}".ljust(width)
@@ -369,7 +380,8 @@ def draw(e: Explanation, path: str) -> None:
         ax.set_ylim(-1.9, 1.9)
         ax.set_aspect("equal")
         ax.set_title(f"{step.phase}, step {step.number}", fontsize=10)
-        angle = [math.pi / 2 - 2 * math.pi * r / e.ranks for r in range(e.ranks)]
+        # Round the circle in ring order (rank order unless e.ring says otherwise).
+        angle = [math.pi / 2 - 2 * math.pi * e.ring.index(r) / e.ranks for r in range(e.ranks)]
         where = [(math.cos(a), math.sin(a)) for a in angle]
         for t in step.transfers:
             (x0, y0), (x1, y1) = where[t.rank], where[t.to]
@@ -435,7 +447,16 @@ def main(argv=None) -> int:
                         "characters)")
     parser.add_argument("--svg", metavar="FILE", help="also draw the steps (.svg, .png, .pdf; "
                         f"at most {MAX_DRAWN_RANKS} ranks)")
+    parser.add_argument("--ring", metavar="R,R,...",
+                        help="the order the ranks go round, e.g. 0,2,1,3 (as Communicator.ring "
+                        "on ranks placed round-robin over two machines; default: rank order)")
     args = parser.parse_args(argv)
+    ring = None
+    if args.ring is not None:
+        try:
+            ring = [int(r) for r in args.ring.split(",")]
+        except ValueError:
+            parser.error(f"--ring: {args.ring!r} is not a list of ranks such as 0,2,1,3")
     if args.svg:  # (checked before the text is printed)
         name = os.path.basename(args.svg)
         if os.path.splitext(name)[1].lower() not in (".svg", ".png", ".pdf"):
@@ -453,7 +474,7 @@ def main(argv=None) -> int:
     if args.chunk is not None and not 1 <= args.chunk < 1 << 62:
         parser.error(f"--chunk must be from 1 to 2**62 - 1 elements, got {args.chunk}")
     try:
-        e = explain(args.ranks, args.count, args.chunk, values=args.values)
+        e = explain(args.ranks, args.count, args.chunk, values=args.values, ring=ring)
     except ValueError as error:
         parser.error(str(error))
     print(format_text(e))

@@ -198,6 +198,8 @@ def test_pipeline_reports_each_step_of_both_phases():
     (["sim", "--machines", "2", "--net-beta", "nan"], "--net-beta must be a finite number"),
     (["sim", "--machines", "2", "--placement", "random"], "invalid choice: 'random'"),
     (["sim", "--placement", "block"], "--placement models ranks on several machines"),
+    (["explain", "--ring", "0,2,2,3"], "the ring must list each of the 4 ranks once, got 0,2,2,3"),
+    (["explain", "--ring", "0;1"], "--ring: '0;1' is not a list of ranks such as 0,2,1,3"),
     (["sim", "--net-beta", "1e-9", "--placement", "block"],
      "--placement and --net-beta model ranks on several machines: give --machines too"),
 ])
@@ -296,6 +298,30 @@ def test_a_ring_in_any_order_leaves_each_segment_reduced_on_its_own_rank(ranks):
                 [ranks] + list(range(1, ranks))):
         with pytest.raises(ValueError, match="the ring must hold each of the"):
             _core.RingSchedule(0, ranks, 10, 4, bad)
+
+
+def test_explain_follows_a_ring_in_another_order():
+    # 0 -> 2 -> 1 -> 3 -> 0, as Communicator.ring on 4 ranks placed round-robin on two
+    # machines: each segment starts at the rank after its owner on the ring and picks up
+    # the ranks along it, its owner's data last; the numbers still add up to np.sum.
+    e = explain(4, 8, values=True, ring=[0, 2, 1, 3])
+    assert e.orders == ["x0+(x3+(x1+x2))", "x1+(x2+(x0+x3))", "x2+(x0+(x3+x1))",
+                        "x3+(x1+(x2+x0))"]
+    assert values_agree(e)
+    for step in e.steps:
+        senders = {t.to: t for t in step.transfers}
+        for t in step.transfers:  # what a rank receives is what its left neighbour sends
+            assert senders[t.rank].rank == t.source and senders[t.rank].segment == t.receives
+            assert (t.to, t.source) == ({0: 2, 2: 1, 1: 3, 3: 0}[t.rank],
+                                        {2: 0, 1: 2, 3: 1, 0: 3}[t.rank])
+    text = format_text(e)
+    assert "The ranks go round in the order 0 -> 2 -> 1 -> 3 -> 0" in text
+    assert "rank 0 sends S3 to rank 2 (elements 6-7); receives S1 from rank 3" in text
+    assert explain(4, 8, ring=[0, 1, 2, 3]).orders == explain(4, 8).orders
+    assert "go round in the order" not in format_text(explain(4, 8, ring=[0, 1, 2, 3]))
+    for bad in ([0, 1, 1, 3], [0, 1, 2], [0, 1, 2, 4], [0, 1.0, 2, 3]):
+        with pytest.raises(ValueError, match="the ring must list each of the 4 ranks once"):
+            explain(4, 8, ring=bad)
 
 
 def test_a_ring_across_machines_is_modelled_link_by_link():
