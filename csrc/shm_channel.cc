@@ -53,6 +53,8 @@ struct Offer {
   uint64_t token[2];   // what that memory holds at kTokenAt
   int32_t ready;       // 1: made and mapped, and this rank wants the wire
   int32_t refused;     // if not: kTurnedOff, or the errno of the making (0: unknown)
+  int32_t rank_order;  // 1: RINGREDUCE_RING=ranks here (see ring_order_by_machine)
+  int32_t unused = 0;
 };
 
 constexpr int32_t kTurnedOff = -1;  // RINGREDUCE_SHM=0 on that rank
@@ -217,6 +219,8 @@ std::unique_ptr<ShmChannel> ShmChannel::create(MpiTransport& transport, int64_t 
   // file, so the others cannot map it and fall back together, or time out.
   Offer mine{};
   machine_of_this_process(mine.host, sizeof(mine.host));
+  const char* ring_setting = std::getenv("RINGREDUCE_RING");
+  mine.rank_order = ring_setting != nullptr && std::strcmp(ring_setting, "ranks") == 0;
   OwnMemory own{&mine};
   if (shm_disabled_by_environment()) {
     mine.refused = kTurnedOff;
@@ -233,9 +237,13 @@ std::unique_ptr<ShmChannel> ShmChannel::create(MpiTransport& transport, int64_t 
   std::vector<Offer> offers(size);
   transport.creation_allgather(&mine, offers.data(), sizeof(Offer));
   // On every rank alike: all saw the same offers.
+  // A ring in rank order, if any rank asks (all see the same offers, so all agree):
+  // then every rank names the same machine for ring_order_by_machine.
+  bool rank_order = false;
+  for (int r = 0; r < size; ++r) rank_order = rank_order || offers[r].rank_order;
   for (int r = 0; r < size; ++r) {
     offers[r].host[sizeof(offers[r].host) - 1] = 0;
-    (*machines)[r] = offers[r].host;
+    (*machines)[r] = rank_order ? std::string("(RINGREDUCE_RING=ranks)") : offers[r].host;
   }
   for (int r = 0; r < size; ++r) {
     if (offers[r].ready) continue;

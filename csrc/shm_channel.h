@@ -47,7 +47,8 @@ class ShmChannel {
   // outlive the channel.
   // why_not: set, when it returns nullptr, to why (the same on every rank).
   // machines: set to the machine each rank is on (host name and boot id), as the ranks
-  // told each other; the same on every rank (see ring_order_by_machine).
+  // told each other; the same on every rank (see ring_order_by_machine). All the same
+  // name where a rank has RINGREDUCE_RING=ranks, which keeps the ring in rank order.
   static std::unique_ptr<ShmChannel> create(MpiTransport& transport, int64_t slot_bytes,
                                             int slots, int64_t board_bytes,
                                             std::string* why_not,

@@ -770,6 +770,11 @@ _SWITCHES = {
                        "0 (no shared memory), 1 (shared memory for every call it can take, "
                        "untimed), stream (the same, its slots written with streaming "
                        "stores) or unset (each call size timed on every wire)"),
+    "RINGREDUCE_RING": (("machines", "ranks"),
+                        "machines (on several machines, each one's ranks side by side on "
+                        "the ring) or ranks (rank order, as benchmarks/bench_placement.py "
+                        "compares; any rank asking for it decides for all) or unset "
+                        "(machines)"),
     "RINGREDUCE_CUDA_AWARE": (("0", "1"),
                               "0 (GPU buffers staged through host memory), 1 (handed to "
                               "MPI as they are) or unset (as the MPI library says it can)"),

@@ -115,8 +115,13 @@ def ring_order(comm=MPI.COMM_WORLD) -> list[int]:
     """The ranks in the order they go round the ring: each machine's side by side,
     machines in the order of their lowest rank. Rank order on one machine, or where
     mpiexec placed ranks machine by machine; round-robin placements (rank r on host
-    r mod H) would otherwise send every step of the ring between machines."""
-    machines = comm.allgather(machine_of_this_process())
+    r mod H) would otherwise send every step of the ring between machines. Rank order
+    too where any rank has RINGREDUCE_RING=ranks (for comparing the two)."""
+    told = comm.allgather((machine_of_this_process(),
+                           os.environ.get("RINGREDUCE_RING") == "ranks"))
+    if any(rank_order for _, rank_order in told):  # (one rank asking decides for all)
+        return list(range(len(told)))
+    machines = [machine for machine, _ in told]
     lowest = {}  # machine -> its lowest rank
     for r, machine in enumerate(machines):
         lowest.setdefault(machine, r)

@@ -138,6 +138,29 @@ def test_bench_gradients_runs_and_writes_every_candidate(tmp_path):
     assert "| 2 x 128 KiB | 256 KiB |" in done.stdout
 
 
+def test_bench_placement_times_both_rings_on_ranks_that_pretend_to_be_on_two_machines(
+        tmp_path):
+    # On one machine the two rings take the same time; here only that both are made
+    # as they should be, timed, and reported, is checked.
+    result = tmp_path / "placement.json"
+    done = subprocess.run(
+        [mpiexec(), "-n", "4", sys.executable, "-m", "mpi4py", "benchmarks/bench_placement.py",
+         "--sizes", "4K,256K", "--repeats", "2", "--json", str(result)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        env=job_env({"RINGREDUCE_TEST_MACHINE": "a,b"}))
+    assert done.returncode == 0, done.stdout + done.stderr
+    data = json.loads(result.read_text())
+    assert data["ring_by_machine"] == [0, 2, 1, 3] and data["ring_in_rank_order"] == [0, 1, 2, 3]
+    assert [m.split("/")[0] for m in data["machines"]] == ["a", "b", "a", "b"]
+    seen = {(r["implementation"], r["bytes"]) for r in data["results"]}
+    assert seen == {(name, n) for name in ("machine by machine", "rank order", "MPI_Allreduce")
+                    for n in (4096, 256 << 10)}
+    assert all(r["time_s"] > 0 for r in data["results"])
+    assert ("4 ranks on 2 machine(s); ring machine by machine: (0, 2, 1, 3) (2 links between "
+            "machines); in rank order: 4 links between machines") in done.stdout
+    assert "| 256 KiB |" in done.stdout
+
+
 def test_bench_scalar_runs_and_writes_every_candidate(tmp_path):
     result = tmp_path / "scalar.json"
     done = subprocess.run(
@@ -182,6 +205,8 @@ def test_bench_dtypes_runs_and_writes_every_dtype(tmp_path):
     ("benchmarks/bench_allreduce.py", ["--plot", "busbw.txt"], "a plot is written as"),
     ("benchmarks/bench_async.py", ["--repeats", "0"], "--repeats: must be at least 1"),
     ("benchmarks/bench_scalar.py", ["--repeats", "0"], "--repeats: must be at least 1"),
+    ("benchmarks/bench_placement.py", ["--sizes", "3"], "not a whole number of float32"),
+    ("benchmarks/bench_placement.py", ["--json", "/nonexistent-folder/p.json"], "no folder"),
     ("benchmarks/bench_dtypes.py", ["--counts", "1K,0"], "'0' is not a count of elements"),
     ("benchmarks/ps_vs_ring.py", ["--mib", "0"], "--mib: must be above 0"),
     ("benchmarks/fit_model.py", ["--repeats", "-1"], "--repeats: must be at least 1"),

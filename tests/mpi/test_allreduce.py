@@ -1,4 +1,6 @@
 """allreduce on every dtype x op, every awkward size, in place and out of place."""
+import os
+
 import numpy as np
 import pytest
 from mpi4py import MPI
@@ -368,6 +370,8 @@ def test_the_ring_goes_round_each_machine_in_turn(comm, world):
     # Machine by machine, in the order of their lowest ranks; each one's in rank order.
     machines = pretended_machines() or [None] * SIZE
     expected = tuple(sorted(range(SIZE), key=lambda r: machines.index(machines[r])))
+    if os.environ.get("RINGREDUCE_RING") == "ranks":
+        expected = tuple(range(SIZE))
     assert comm.ring == expected
     assert reference.ring_order(world) == list(expected)
     if SIZE == 4 and machines == ["a", "b", "a", "b"]:
@@ -384,6 +388,21 @@ def test_the_reference_names_pretended_machines_as_the_core_does(world, monkeypa
         assert comm.ring == tuple(reference.ring_order(world)) == tuple(range(SIZE))
         x = rank_data(np.dtype(np.float32), 1000)
         assert bitwise_equal(comm.allreduce(x), reference.allreduce(x, "sum", world))
+
+
+def test_one_rank_asking_for_rank_order_decides_for_all(world, monkeypatch):
+    # RINGREDUCE_RING=ranks (bench_placement.py's other ring) on the last rank only:
+    # every rank goes round in rank order, and the reference follows.
+    if RANK == SIZE - 1:
+        monkeypatch.setenv("RINGREDUCE_RING", "ranks")
+    with rr.Communicator() as ring:
+        assert ring.ring == tuple(range(SIZE))
+        assert reference.ring_order(world) == list(range(SIZE))
+        x = rank_data(np.dtype(np.float32), 1000 * SIZE + 3)
+        assert bitwise_equal(ring.allreduce(x), reference.allreduce(x, "sum", world))
+    monkeypatch.setenv("RINGREDUCE_RING", "rank")  # (a typo: refused, on every rank)
+    with pytest.raises(ValueError, match="RINGREDUCE_RING must be machines .* got 'rank'"):
+        rr.Communicator()
 
 
 def test_every_supported_dtype_is_listed():
