@@ -141,10 +141,11 @@ RingCommunicator::RingCommunicator(MPI_Comm user_comm, double timeout_s,
   const int p = size();
   const int64_t board_payload = std::max(inline_capacity_for(p, true), kShmBroadcastInlineBytes);
   std::vector<std::string> machines;
+  bool ring_in_rank_order = false;
   shm_ = ShmChannel::create(*transport_, kShmSlotBytes, kShmSlots,
                             sizeof(CallHeader) + board_payload, &why_not_shared_memory_,
-                            &machines);
-  if (!shm_) {  // (shared memory: one machine, so rank order)
+                            &machines, &ring_in_rank_order);
+  if (!shm_ && !ring_in_rank_order) {  // (shared memory: one machine, so rank order)
     ring_ = ring_order_by_machine(machines);
     ring_positions_.resize(ring_.size());
     for (size_t q = 0; q < ring_.size(); ++q) ring_positions_[ring_[q]] = static_cast<int>(q);

@@ -191,9 +191,11 @@ char* map_others(const char* name, size_t bytes) {
 std::unique_ptr<ShmChannel> ShmChannel::create(MpiTransport& transport, int64_t slot_bytes,
                                                int slots, int64_t board_bytes,
                                                std::string* why_not,
-                                               std::vector<std::string>* machines) {
+                                               std::vector<std::string>* machines,
+                                               bool* ring_in_rank_order) {
   const int rank = transport.rank(), size = transport.size();
   machines->assign(size, std::string());
+  *ring_in_rank_order = false;
   if (size == 1) {
     *why_not = "one rank: no ring";
     return nullptr;
@@ -237,13 +239,11 @@ std::unique_ptr<ShmChannel> ShmChannel::create(MpiTransport& transport, int64_t 
   std::vector<Offer> offers(size);
   transport.creation_allgather(&mine, offers.data(), sizeof(Offer));
   // On every rank alike: all saw the same offers.
-  // A ring in rank order, if any rank asks (all see the same offers, so all agree):
-  // then every rank names the same machine for ring_order_by_machine.
-  bool rank_order = false;
-  for (int r = 0; r < size; ++r) rank_order = rank_order || offers[r].rank_order;
+  // A ring in rank order if any rank asks: all see the same offers, so all agree.
   for (int r = 0; r < size; ++r) {
     offers[r].host[sizeof(offers[r].host) - 1] = 0;
-    (*machines)[r] = rank_order ? std::string("(RINGREDUCE_RING=ranks)") : offers[r].host;
+    (*machines)[r] = offers[r].host;
+    *ring_in_rank_order = *ring_in_rank_order || offers[r].rank_order;
   }
   for (int r = 0; r < size; ++r) {
     if (offers[r].ready) continue;

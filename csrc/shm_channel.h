@@ -47,12 +47,13 @@ class ShmChannel {
   // outlive the channel.
   // why_not: set, when it returns nullptr, to why (the same on every rank).
   // machines: set to the machine each rank is on (host name and boot id), as the ranks
-  // told each other; the same on every rank (see ring_order_by_machine). All the same
-  // name where a rank has RINGREDUCE_RING=ranks, which keeps the ring in rank order.
+  // told each other; the same on every rank (see ring_order_by_machine).
+  // ring_in_rank_order: set where any rank has RINGREDUCE_RING=ranks (on every rank alike).
   static std::unique_ptr<ShmChannel> create(MpiTransport& transport, int64_t slot_bytes,
                                             int slots, int64_t board_bytes,
                                             std::string* why_not,
-                                            std::vector<std::string>* machines);
+                                            std::vector<std::string>* machines,
+                                            bool* ring_in_rank_order);
   ~ShmChannel();
   ShmChannel(const ShmChannel&) = delete;
   ShmChannel& operator=(const ShmChannel&) = delete;
