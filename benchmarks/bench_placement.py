@@ -25,6 +25,7 @@ from mpi4py import MPI
 import ringreduce as rr
 from bench_allreduce import progress, sizes_argument
 from ringreduce import reference
+from ringreduce.sim import crossings
 from timing import (at_least, bus_bandwidth, human_bytes, human_time, inner_iterations,
                     output_file, time_alternating, write_json)
 
@@ -48,12 +49,6 @@ def communicators():
         else:
             os.environ["RINGREDUCE_RING"] = before
     return by_machine, in_rank_order
-
-
-def crossings(ring, machines) -> int:
-    """How many links of the ring join two machines."""
-    return sum(machines[ring[q]] != machines[ring[(q + 1) % len(ring)]]
-               for q in range(len(ring)))
 
 
 def main() -> None:

@@ -46,6 +46,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ._types import OPS, native, reduction_codes
+from .sim import machine_ring_order
 
 
 def _multiply(a, b, out):
@@ -121,11 +122,7 @@ def ring_order(comm=MPI.COMM_WORLD) -> list[int]:
                            os.environ.get("RINGREDUCE_RING") == "ranks"))
     if any(rank_order for _, rank_order in told):  # (one rank asking decides for all)
         return list(range(len(told)))
-    machines = [machine for machine, _ in told]
-    lowest = {}  # machine -> its lowest rank
-    for r, machine in enumerate(machines):
-        lowest.setdefault(machine, r)
-    return sorted(range(len(machines)), key=lambda r: lowest[machines[r]])
+    return machine_ring_order([machine for machine, _ in told])
 
 
 def _ring_of(comm, ring) -> tuple[list[int], int]:

@@ -85,6 +85,13 @@ def machine_ring_order(machines) -> list:
     return sorted(range(len(machines)), key=lambda r: lowest[machines[r]])
 
 
+def crossings(ring, machines) -> int:
+    """How many links of the ring (the ranks in the order they go round) join two
+    machines (machines[r]: rank r's)."""
+    return sum(machines[ring[q]] != machines[ring[(q + 1) % len(ring)]]
+               for q in range(len(ring)))
+
+
 def placed(ranks: int, machines: int, placement: str) -> list:
     """The machine of each rank, as mpiexec places them: "block" (machine by machine,
     as many ranks on each) or "round-robin" (rank r on machine r mod machines)."""
@@ -629,8 +636,7 @@ def _print_machines(args, count: int) -> int:
                      progress=_StepProgress(f"simulating the ring of {p} ranks",
                                             after=0 if p >= SLOW_RING_RANKS else 1),
                      ring_order=order, machines=machines, net_beta=args.net_beta)
-            crossing = sum(machines[order[q]] != machines[order[(q + 1) % p]] for q in range(p))
-            print(f"| {p} | {name} | {crossing} | {r.seconds * 1e3:.3f} ms |")
+            print(f"| {p} | {name} | {crossings(order, machines)} | {r.seconds * 1e3:.3f} ms |")
     return 0
 
 
