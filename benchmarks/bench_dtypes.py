@@ -71,8 +71,7 @@ def main() -> None:
     kinds = dtypes()
     jobs = [(count, op) for count in counts for op in ("sum", "avg")]
     for done, (count, op) in enumerate(jobs):
-        if rank == 0:
-            progress(done, len(jobs), f"{count} elements, {op}")
+        progress(done, len(jobs), f"{count} elements, {op}")  # (rank 0's only)
         data = rng.standard_normal(count)
         candidates = {}
         for dtype in kinds:
@@ -85,8 +84,7 @@ def main() -> None:
         for name, seconds in times.items():
             rows.append({"count": count, "op": op, "dtype": name, "time_s": seconds,
                          "vs_float32": seconds / times["float32"]})
-    if rank == 0:
-        progress(len(jobs), len(jobs), "done")
+    progress(len(jobs), len(jobs), "done")
     comm.close()
     if rank != 0:
         return
