@@ -921,7 +921,8 @@ class Communicator:
         """The ranks in the order the ring goes round (each sends to the next, the last
         to the first): (0, 1, ..., size-1) unless the ranks are on several machines and
         were not placed machine by machine; then each machine's ranks side by side, so
-        that only as many chunks cross between machines as there are machines."""
+        that only as many chunks cross between machines as there are machines (unless
+        a rank has RINGREDUCE_RING=ranks)."""
         return self._ring
 
     @property
