@@ -83,7 +83,8 @@ def _on_the_side_of(a, p, copy: bool = False):
 
 
 def _checked_state_arrays(state, key: str, params, who: str, optional=False,
-                          named: str = "state", where: str | None = None) -> list:
+                          named: str = "state", where: str | None = None,
+                          kept_as=None) -> list:
     """state[key]: one array per parameter, shaped and typed like it (None allowed where
     optional), or a clear error before anything is loaded; each a copy of its own
     where its parameter is (host or GPU), whichever it was saved from. The copies are
@@ -91,7 +92,9 @@ def _checked_state_arrays(state, key: str, params, who: str, optional=False,
     DistributedOptimizer's ranks agree to load, not on one rank after the others have
     loaded. `named`: what errors call `state` (a part of a larger state, say); `where`:
     what they begin with (DistributedOptimizer's, naming the rank), else who's
-    load_state_dict."""
+    load_state_dict. `kept_as(p)`: the dtype the arrays are kept in where it is not
+    p's (Adam's float32 moments of 16-bit parameters); one in p's dtype is taken too,
+    and converted."""
     where = where or f"{who}.load_state_dict"
     if not isinstance(state, dict) or key not in state:
         raise KeyError(f"{where}: the state has no {key!r} (is it a {who} state_dict()?)")
@@ -103,16 +106,20 @@ def _checked_state_arrays(state, key: str, params, who: str, optional=False,
     if len(arrays) != len(params):
         raise ValueError(f"{where}: {named}[{key!r}] holds {len(arrays)} arrays, not one "
                          f"array per parameter of {len(params)} (a state of another model?)")
+    kept = [p.dtype if kept_as is None else np.dtype(kept_as(p)) for p in params]
     for i, (a, p) in enumerate(zip(arrays, params)):
         if a is None and optional:
             continue
-        if getattr(a, "shape", None) != p.shape or getattr(a, "dtype", None) != p.dtype:
+        if getattr(a, "shape", None) != p.shape or \
+                getattr(a, "dtype", None) not in (p.dtype, kept[i]):
+            also = "" if kept[i] == p.dtype else f" (kept as {kept[i]})"
             raise ValueError(f"{where}: {named}[{key!r}][{i}] is "
                              f"{getattr(a, 'shape', type(a).__name__)} "
                              f"{getattr(a, 'dtype', '')}, but params[{i}] is {p.shape} "
-                             f"{p.dtype} (a state of another model?)")
-    return [None if a is None else _on_the_side_of(a, p, copy=True)
-            for a, p in zip(arrays, params)]
+                             f"{p.dtype}{also} (a state of another model?)")
+    return [None if a is None else
+            _on_the_side_of(a, p, copy=a.dtype == dtype).astype(dtype, copy=False)
+            for a, p, dtype in zip(arrays, params, kept)]
 
 
 def _state_values(state, keys, who: str, where: str | None = None) -> list:
@@ -275,11 +282,22 @@ class SGD:
         self.momentum_buffers = checked["momentum_buffers"]  # (copies: see _checked)
 
 
+def _moment_dtype(p) -> np.dtype:
+    """The dtype Adam keeps p's moments in: float32 for 16-bit parameters, else p's own.
+    float16 rounds eps=1e-8 to 0, and (1 - 0.999) * g * g to 0 for gradients under
+    5e-3, and a step divides m by sqrt(v) + eps: m of 1e-5 over 0 sent a parameter to
+    -inf at the first step. bfloat16 keeps 8 significant bits: 0.999 * v rounds back to v, which
+    then never decays."""
+    return np.dtype(np.float32) if p.dtype.itemsize < 4 else p.dtype
+
+
 class Adam:
     """Adam (Kingma & Ba) with bias correction and L2 weight decay, as torch.optim.Adam:
     g += weight_decay * p; t += 1; m = b1 * m + (1 - b1) * g; v = b2 * v + (1 - b2) * g * g;
     p -= lr * (m / (1 - b1 ** t)) / (sqrt(v / (1 - b2 ** t)) + eps), with (b1, b2) = betas
-    and m, v starting at 0."""
+    and m, v starting at 0. Unlike torch's, for float16 and bfloat16 parameters m and v
+    are float32 and each step is computed in float32, then rounded into p once (see
+    _moment_dtype)."""
 
     _SETTINGS = ("lr", "betas", "eps", "weight_decay")  # (as SGD's)
     _check_settings = staticmethod(_check_adam_settings)
@@ -290,8 +308,8 @@ class Adam:
         _check_adam_settings(lr, betas, eps, weight_decay, "Adam")
         self.lr, self.betas, self.eps, self.weight_decay = lr, tuple(betas), eps, weight_decay
         self.t = 0
-        self.m = [array_module(p).zeros_like(p) for p in self.params]
-        self.v = [array_module(p).zeros_like(p) for p in self.params]
+        self.m = [array_module(p).zeros(p.shape, _moment_dtype(p)) for p in self.params]
+        self.v = [array_module(p).zeros(p.shape, _moment_dtype(p)) for p in self.params]
 
     def step(self, grads) -> None:
         grads = _check_grads(grads, self.params, "Adam.step")
@@ -300,13 +318,17 @@ class Adam:
         correction1, correction2 = 1 - b1 ** self.t, 1 - b2 ** self.t
         for p, g, m, v in zip(self.params, grads, self.m, self.v):
             xp = array_module(p)
+            wide = p if m.dtype == p.dtype else p.astype(m.dtype)  # (16-bit p: float32)
+            g = g.astype(m.dtype, copy=False)
             if self.weight_decay:
-                g = g + self.weight_decay * p
+                g = g + self.weight_decay * wide
             m *= b1
             m += (1 - b1) * g
             v *= b2
             v += (1 - b2) * g * g
-            p -= self.lr * (m / correction1) / (xp.sqrt(v / correction2) + self.eps)
+            wide -= self.lr * (m / correction1) / (xp.sqrt(v / correction2) + self.eps)
+            if wide is not p:
+                p[...] = wide
 
     def state_dict(self) -> dict:
         return {"lr": self.lr, "betas": self.betas, "eps": self.eps,
@@ -318,8 +340,12 @@ class Adam:
 
     def _checked(self, state, where: str = "Adam.load_state_dict") -> dict:
         """What load_state_dict(state) loads, checked (as in SGD._checked)."""
-        m = _checked_state_arrays(state, "m", self.params, "Adam", where=where)
-        v = _checked_state_arrays(state, "v", self.params, "Adam", where=where)
+        # (m and v in a 16-bit parameter's own dtype are taken too: a state saved before
+        # they were kept in float32, or written by hand as torch's would be.)
+        m = _checked_state_arrays(state, "m", self.params, "Adam", where=where,
+                                  kept_as=_moment_dtype)
+        v = _checked_state_arrays(state, "v", self.params, "Adam", where=where,
+                                  kept_as=_moment_dtype)
         lr, betas, eps, weight_decay, t = _state_values(
             state, self._SETTINGS + ("t",), "Adam", where)
         _check_adam_settings(lr, betas, eps, weight_decay, where)

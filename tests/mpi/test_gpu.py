@@ -309,6 +309,24 @@ def test_allreduce_gradients_and_the_distributed_optimizer_on_cupy(world):
         for h, d in zip(host_params, gpu_params):
             np.testing.assert_allclose(cupy.asnumpy(d), h, rtol=1e-5, atol=1e-6)
 
+    # float16 parameters: Adam keeps float32 moments on the GPU too (in float16, 1e-4
+    # gradients sent the parameters to -inf at the first step).
+    host_params = [p.astype(np.float16) for p in start]
+    gpu_params = [cupy.asarray(p) for p in host_params]
+    host_opt = DistributedOptimizer(Adam(host_params, lr=0.01), bucket_mb=0.001)
+    gpu_opt = DistributedOptimizer(Adam(gpu_params, lr=0.01), bucket_mb=0.001)
+    for step_grads in grads:
+        small = [(1e-5 * g).astype(np.float16) for g in step_grads]
+        host_opt.step(small)
+        gpu_opt.step([cupy.asarray(g) for g in small])
+    assert all(m.dtype == np.float32 for m in gpu_opt.optimizer.m + gpu_opt.optimizer.v)
+    for h, d in zip(host_params, gpu_params):
+        d = cupy.asnumpy(d)
+        assert d.dtype == np.float16 and np.all(np.isfinite(d))
+        # (the GPU's float32 sqrt and division may round a step to the next float16)
+        np.testing.assert_allclose(d.astype(np.float64), h.astype(np.float64),
+                                   rtol=2.0 ** -10, atol=2.0 ** -24)
+
 
 def test_fp16_and_powersgd_compression_on_cupy_as_on_the_host(world):
     # fp16: gradients of 1e-9, which arrive only through the bucket's scale, as on the

@@ -633,6 +633,94 @@ def test_powersgd_takes_16_bit_parameters(dtype):
     np.testing.assert_allclose(params[0].astype(np.float64), wide[0], rtol=2e-2, atol=2e-2)
 
 
+def _adam_in_float64(p, grads, lr, betas, eps, weight_decay, dtype):
+    """Adam written out in float64, the parameter rounded to dtype after each step:
+    what Adam on 16-bit parameters should do, to float32's rounding of the step."""
+    m, v = np.zeros_like(p), np.zeros_like(p)
+    b1, b2 = betas
+    for t, g in enumerate(grads, start=1):
+        g = g + weight_decay * p
+        m = b1 * m + (1 - b1) * g
+        v = b2 * v + (1 - b2) * g * g
+        step = lr * (m / (1 - b1 ** t)) / (np.sqrt(v / (1 - b2 ** t)) + eps)
+        p = (p - step).astype(dtype).astype(np.float64)
+    return p, m, v
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_adam_on_16_bit_parameters_keeps_float32_moments(dtype):
+    # Adam computed in the parameters' own dtype: float16 rounds eps=1e-8 to 0 and
+    # (1 - 0.999) * g * g to 0 for gradients under 5e-3, so a first step of 1e-4 gradients sent
+    # every parameter to -inf (m / (sqrt(0) + 0)); in bfloat16, 0.999 * v rounds back
+    # to v, which never decayed. The moments are float32 now, the step computed there.
+    if dtype == "bfloat16":
+        dtype = pytest.importorskip("ml_dtypes").bfloat16
+    dtype = np.dtype(dtype)
+    rng = np.random.default_rng([RANK, 11])
+    start = rng.uniform(-2, 2, 64).astype(dtype)
+    # gradients from 1e-2 down to 1e-6, then none at all (v must decay)
+    grads = [(rng.standard_normal(64) * 10.0 ** -rng.integers(2, 7, 64)).astype(dtype)
+             for _ in range(8)] + [np.zeros(64, dtype)] * 4
+    params = [start.copy()]
+    opt = Adam(params, lr=1e-2, weight_decay=1e-3)
+    for g in grads:
+        opt.step([g])
+    assert params[0].dtype == dtype and opt.m[0].dtype == opt.v[0].dtype == np.float32
+    assert np.all(np.isfinite(params[0].astype(np.float64)))
+    p, m, v = _adam_in_float64(start.astype(np.float64), [g.astype(np.float64) for g in grads],
+                               1e-2, (0.9, 0.999), 1e-8, 1e-3, dtype)
+    np.testing.assert_allclose(opt.m[0], m, rtol=1e-4, atol=1e-12)
+    np.testing.assert_allclose(opt.v[0], v, rtol=1e-4, atol=1e-16)
+    # (float32's rounding of a step can tip a parameter to the next 16-bit value)
+    spacing = np.abs(np.spacing(np.abs(p).astype(dtype)).astype(np.float64))
+    assert np.all(np.abs(params[0].astype(np.float64) - p) <= spacing)
+
+
+def test_adam_state_of_16_bit_parameters_saves_float32_and_loads_either():
+    params = [np.ones(4, np.float16), np.ones(3)]
+    opt = Adam(params, lr=0.1)
+    opt.step([np.full(4, 1e-4, np.float16), np.full(3, 0.5)])
+    state = opt.state_dict()
+    assert [a.dtype for a in state["m"] + state["v"]] == [np.float32, np.float64] * 2
+    # A state with float16 moments (saved before they were kept in float32) loads, and
+    # is kept in float32 from then on.
+    old = dict(state, m=[state["m"][0].astype(np.float16), state["m"][1]])
+    fresh = Adam([np.ones(4, np.float16), np.ones(3)], lr=0.1)
+    fresh.load_state_dict(old)
+    assert fresh.m[0].dtype == np.float32 and fresh.m[0] is not old["m"][0]
+    np.testing.assert_array_equal(fresh.m[0], state["m"][0].astype(np.float16))
+    for wrong, match in ((np.float64, r"state\['v'\]\[0\] is \(4,\) float64, but params\[0\] "
+                                      r"is \(4,\) float16 \(kept as float32\)"),
+                         (np.float32, r"state\['v'\]\[1\] is \(3,\) float32, but params\[1\] "
+                                      r"is \(3,\) float64 \(a state")):
+        bad = dict(state, v=[state["v"][0].astype(wrong), state["v"][1].astype(wrong)])
+        with pytest.raises(ValueError, match=match):
+            fresh.load_state_dict(bad)
+
+
+@pytest.mark.parametrize("compression", [None, "fp16"])
+def test_distributed_adam_on_float16_parameters_stays_finite_and_together(compression):
+    # The ranks' replicas take the same float32 moments through broadcast_parameters()
+    # and the same steps from then on.
+    params = [np.random.default_rng(RANK).uniform(-1, 1, 40).astype(np.float16)]
+    opt = DistributedOptimizer(Adam(params, lr=1e-3), compression=compression)
+    opt.optimizer.m[0][:] = RANK  # (different until broadcast)
+    opt.broadcast_parameters(root=0)
+    assert opt.optimizer.m[0].dtype == np.float32 and not opt.optimizer.m[0].any()
+    plain = [params[0].copy()]
+    single = Adam(plain, lr=1e-3)
+    for step in range(5):
+        grads = [np.full(40, 1e-4 * (1 + RANK) * (step + 1), np.float16)]
+        opt.step(grads)
+        average = np.mean(MPI.COMM_WORLD.allgather(grads[0].astype(np.float64)), axis=0)
+        single.step([average.astype(np.float16)])
+    assert np.all(np.isfinite(params[0]))
+    np.testing.assert_allclose(params[0].astype(np.float64), plain[0].astype(np.float64),
+                               atol=2.0 ** -10)  # (one float16 spacing at 1)
+    blobs = MPI.COMM_WORLD.allgather(params[0].tobytes() + opt.optimizer.v[0].tobytes())
+    assert all(b == blobs[0] for b in blobs), "replicas differ"
+
+
 def test_powersgd_with_error_feedback_converges_to_the_average():
     # A constant, full-rank gradient: one rank-2 step is far from the average, but with
     # error feedback the running mean of the steps closes in on it (like 1/steps).
