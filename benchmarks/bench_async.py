@@ -1,4 +1,5 @@
-"""Asynchronous allreduce beside its peers, timed in one run:
+"""Asynchronous allreduce (or --collective reduce_scatter, allgather, broadcast) beside
+its peers, timed in one run:
 
     mpiexec -n 2 python -m mpi4py benchmarks/bench_async.py --json out.json
 
@@ -14,7 +15,10 @@ step: ringreduce's allreduce_async, ringreduce's blocking allreduce (the same wo
 after each compute), the MPI library's MPI_Iallreduce through mpi4py (Waitall at the
 end) and torch.distributed's gloo all_reduce(async_op=True) where torch is installed.
 Reported: the median time per step (the slowest rank's), and ringreduce's speedup over
-MPI_Iallreduce.
+MPI_Iallreduce. The other collectives go the same way, each against the MPI library's
+own nonblocking one (MPI_Ireduce_scatter, MPI_Iallgather, MPI_Ibcast) and, for
+allgather and broadcast, gloo's; a bucket is then each rank's input (reduce_scatter:
+the whole buffer, of which each rank gets its block; allgather: one rank's part).
 """
 from __future__ import annotations
 
@@ -34,6 +38,10 @@ rank, size = world.Get_rank(), world.Get_size()
 
 DEFAULT_SIZES = [8, 4 << 10, 64 << 10, 1 << 20, 16 << 20]
 
+# Each collective's name in the MPI library, the peer its speedup is given against.
+PEERS = {"allreduce": "MPI_Iallreduce", "reduce_scatter": "MPI_Ireduce_scatter",
+         "allgather": "MPI_Iallgather", "broadcast": "MPI_Ibcast"}
+
 
 def busy_python(seconds: float) -> None:
     """Pure-Python work for `seconds`: it holds the GIL throughout."""
@@ -42,13 +50,56 @@ def busy_python(seconds: float) -> None:
         pass
 
 
+def calls(collective: str, comm, count: int, buckets: int):
+    """For each of ringreduce async, ringreduce blocking and the MPI library: the
+    buckets, each an input and an output (the input itself where the call works in
+    place), and how to start a call on one (returning what to wait for)."""
+    def buffers(out_count=None):  # (zeros: sums in place, step after step, stay finite)
+        made = []
+        for _ in range(buckets):
+            x = np.zeros(count, np.float32)
+            made.append((x, x if out_count is None else np.empty(out_count, np.float32)))
+        return made
+
+    if collective == "allreduce":
+        return [(buffers(), lambda b: comm.allreduce_async(b[0], out=b[1])),
+                (buffers(), lambda b: comm.allreduce(b[0], out=b[1])),
+                (buffers(), lambda b: world.Iallreduce(MPI.IN_PLACE, b[1], op=MPI.SUM))]
+    if collective == "broadcast":
+        return [(buffers(), lambda b: comm.broadcast_async(b[0], root=0)),
+                (buffers(), lambda b: comm.broadcast(b[0], root=0)),
+                (buffers(), lambda b: world.Ibcast(b[0], root=0))]
+    if collective == "reduce_scatter":
+        blocks = [len(block) for block in np.array_split(np.empty(count), size)]
+        return [(buffers(blocks[rank]), lambda b: comm.reduce_scatter_async(b[0], out=b[1])),
+                (buffers(blocks[rank]), lambda b: comm.reduce_scatter(b[0], out=b[1])),
+                (buffers(blocks[rank]),
+                 lambda b: world.Ireduce_scatter(b[0], b[1], blocks, op=MPI.SUM))]
+    return [(buffers(count * size), lambda b: comm.allgather_async(b[0], out=b[1])),
+            (buffers(count * size), lambda b: comm.allgather(b[0], out=b[1])),
+            (buffers(count * size), lambda b: world.Iallgather(b[0], b[1]))]
+
+
+def gloo_call(collective: str, dist, torch, count: int):
+    """gloo's asynchronous call of `collective` on one tensor (None: gloo has none)."""
+    if collective == "allreduce":
+        return lambda t: dist.all_reduce(t, async_op=True)
+    if collective == "broadcast":
+        return lambda t: dist.broadcast(t, src=0, async_op=True)
+    if collective == "allgather":
+        outputs = {}  # (each bucket's own)
+        return lambda t: dist.all_gather(
+            outputs.setdefault(id(t), [torch.zeros(count) for _ in range(size)]), t,
+            async_op=True)
+    return None
+
+
 def candidates(comm, nbytes: int, buckets: int, compute_s: float, gloo,
                wait_each: bool = False, wait_timeout: float | None = None,
-               loss: bool = False) -> dict:
+               loss: bool = False, collective: str = "allreduce") -> dict:
     count = nbytes // 4  # (whole float32 elements: see sizes_argument)
-    # Zeros: sums in place, step after step, stay finite.
-    ours, blocking, mpi = ([np.zeros(count, np.float32) for _ in range(buckets)]
-                           for _ in range(3))
+    (ours, start_ours), (blocking, start_blocking), (mpi, start_mpi) = calls(
+        collective, comm, count, buckets)
     loss_value = np.zeros(1, np.float32)
 
     def compute():
@@ -81,24 +132,24 @@ def candidates(comm, nbytes: int, buckets: int, compute_s: float, gloo,
         comm.allreduce(loss_value, out=loss_value)
 
     def ringreduce_async():
-        step(ours, lambda b: comm.allreduce_async(b, out=b), wait_all_ours, ours_loss)
+        step(ours, start_ours, wait_all_ours, ours_loss)
 
     def ringreduce_blocking():
-        step(blocking, lambda b: comm.allreduce(b, out=b), lambda results: None, ours_loss)
+        step(blocking, start_blocking, lambda results: None, ours_loss)
 
-    def mpi_iallreduce():
-        step(mpi, lambda b: world.Iallreduce(MPI.IN_PLACE, b, op=MPI.SUM), MPI.Request.Waitall,
+    def mpi_nonblocking():
+        step(mpi, start_mpi, MPI.Request.Waitall,
              lambda: world.Allreduce(MPI.IN_PLACE, loss_value, op=MPI.SUM))
 
     found = {"ringreduce async": ringreduce_async, "ringreduce blocking": ringreduce_blocking,
-             "MPI_Iallreduce": mpi_iallreduce}
-    if gloo is not None:
+             PEERS[collective]: mpi_nonblocking}
+    start_gloo_call = None if gloo is None else gloo_call(collective, gloo[1], gloo[0], count)
+    if start_gloo_call is not None:
         torch, dist = gloo
         tensors = [torch.zeros(count) for _ in range(buckets)]
         loss_tensor = torch.zeros(1)
-        found["gloo async"] = lambda: step(
-            tensors, lambda t: dist.all_reduce(t, async_op=True), wait_all,
-            lambda: dist.all_reduce(loss_tensor))
+        found["gloo async"] = lambda: step(tensors, start_gloo_call, wait_all,
+                                           lambda: dist.all_reduce(loss_tensor))
     return found
 
 
@@ -108,7 +159,9 @@ def main() -> None:
         epilog="Rank 0 prints the table. The defaults take about a minute on 2 ranks.")
     parser.add_argument("--sizes", help="comma-separated bytes per bucket, e.g. 8,64K,1M "
                         f"(default: {','.join(human_bytes(n).replace(' ', '') for n in DEFAULT_SIZES)})")
-    parser.add_argument("--buckets", type=int, default=8, help="allreduces in flight per step "
+    parser.add_argument("--collective", choices=sorted(PEERS), default="allreduce",
+                        help="the call timed (default: allreduce)")
+    parser.add_argument("--buckets", type=int, default=8, help="calls in flight per step "
                         "(default: 8)")
     parser.add_argument("--compute-us", type=float, default=0.0,
                         help="Python work before each start, in microseconds (default: 0)")
@@ -135,7 +188,8 @@ def main() -> None:
     sizes = sizes_argument(parser, args.sizes, DEFAULT_SIZES)
 
     comm = rr.Communicator()
-    gloo = None if args.no_gloo else start_gloo()
+    gloo = None if args.no_gloo or args.collective == "reduce_scatter" else start_gloo()
+    peer = PEERS[args.collective]
     comm.allreduce(np.zeros(1, np.float32))  # (the FastPath serves a dtype and op seen before)
     rows = []
     for done, nbytes in enumerate(sizes):
@@ -143,11 +197,11 @@ def main() -> None:
         steps = max(1, min(100, (16 << 20) // (nbytes * args.buckets)))
         times = time_alternating(candidates(comm, nbytes, args.buckets, args.compute_us * 1e-6,
                                             gloo, args.wait_each, args.wait_timeout,
-                                            args.loss),
+                                            args.loss, args.collective),
                                  repeats=args.repeats, inner=steps)
         for name, seconds in times.items():
             rows.append({"bytes": nbytes, "implementation": name,
-                         "time_s": seconds, "speedup_vs_mpi": times["MPI_Iallreduce"] / seconds})
+                         "time_s": seconds, "speedup_vs_mpi": times[peer] / seconds})
     progress(len(sizes), len(sizes), "done")
     if rank == 0:
         names = list(dict.fromkeys(r["implementation"] for r in rows))
@@ -157,9 +211,9 @@ def main() -> None:
             flight += f" (ringreduce's waits: timeout={args.wait_timeout:g})"
         if args.loss:
             flight += ", then a blocking allreduce of one float"
-        print(f"# {size} ranks, float32, {args.buckets} allreduces {flight}, "
+        print(f"# {size} ranks, float32, {args.buckets} {args.collective} calls {flight}, "
               f"{args.compute_us:g} us of Python before each; median time per step")
-        print("| bucket | " + " | ".join(names) + " | async speedup vs MPI_Iallreduce |")
+        print("| bucket | " + " | ".join(names) + f" | async speedup vs {peer} |")
         print("|---" * (len(names) + 2) + "|")
         for nbytes in dict.fromkeys(r["bytes"] for r in rows):
             mine = {r["implementation"]: r for r in rows if r["bytes"] == nbytes}
@@ -167,7 +221,8 @@ def main() -> None:
                   + " | ".join(human_time(mine[n]["time_s"]) for n in names)
                   + f" | {mine['ringreduce async']['speedup_vs_mpi']:.2f}x |")
         if args.json:
-            write_json(args.json, ranks=size, dtype="float32", buckets=args.buckets,
+            write_json(args.json, ranks=size, dtype="float32", collective=args.collective,
+                       peer=peer, buckets=args.buckets,
                        wait_each=args.wait_each, wait_timeout=args.wait_timeout,
                        loss=args.loss, compute_us=args.compute_us, repeats=args.repeats,
                        results=rows)

@@ -16,7 +16,8 @@ if _core.mpi_library_version().strip() != _MPI.Get_library_version().strip():
         "Rebuild ringreduce with the mpicc of mpi4py's MPI (set MPICC), "
         "e.g. `MPICC=/path/to/mpicc pip install --no-build-isolation .`")
 
-from ._shortcuts import allgather, allreduce, allreduce_async, broadcast, reduce_scatter
+from ._shortcuts import allgather, allgather_async, allreduce, allreduce_async, broadcast, \
+    broadcast_async, reduce_scatter, reduce_scatter_async
 from ._types import OPS, UnsupportedOpError, cuda_available, supported_dtypes
 from .gradients import allreduce_gradients
 from .communicator import Communicator, Handle
@@ -37,6 +38,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Communicator", "Handle", "MismatchError", "MPIError", "CollectiveTimeoutError",
     "UnsupportedOpError", "OPS",
-    "allreduce", "allreduce_async", "reduce_scatter", "allgather", "broadcast",
+    "allreduce", "allreduce_async", "reduce_scatter", "reduce_scatter_async", "allgather",
+    "allgather_async", "broadcast", "broadcast_async",
     "supported_dtypes", "allreduce_gradients", "cuda_available",
 ]

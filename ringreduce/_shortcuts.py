@@ -64,13 +64,31 @@ def reduce_scatter(x, op="sum", out=None, comm=None):
     return _communicator(comm, "reduce_scatter").reduce_scatter(x, op=op, out=out)
 
 
+def reduce_scatter_async(x, op="sum", out=None, comm=None):
+    """``Communicator.reduce_scatter_async(x, op, out)`` on the Communicator kept for
+    ``comm`` (see allreduce)."""
+    return _communicator(comm, "reduce_scatter_async").reduce_scatter_async(x, op=op, out=out)
+
+
 def allgather(x, out=None, comm=None):
     """``Communicator.allgather(x, out)`` on the Communicator kept for ``comm`` (see
     allreduce)."""
     return _communicator(comm, "allgather").allgather(x, out=out)
 
 
+def allgather_async(x, out=None, comm=None):
+    """``Communicator.allgather_async(x, out)`` on the Communicator kept for ``comm``
+    (see allreduce)."""
+    return _communicator(comm, "allgather_async").allgather_async(x, out=out)
+
+
 def broadcast(x, root=0, comm=None):
     """``Communicator.broadcast(x, root)`` on the Communicator kept for ``comm`` (see
     allreduce)."""
     return _communicator(comm, "broadcast").broadcast(x, root=root)
+
+
+def broadcast_async(x, root=0, comm=None):
+    """``Communicator.broadcast_async(x, root)`` on the Communicator kept for ``comm``
+    (see allreduce)."""
+    return _communicator(comm, "broadcast_async").broadcast_async(x, root=root)

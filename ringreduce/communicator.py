@@ -868,8 +868,9 @@ class Communicator:
         self._results = _Results()  # results without out=: big ones reuse kept buffers
         self._fast = self._make_fast_path()  # the common case of every call (None: closing)
         self._optimizers_made = 0  # DistributedOptimizers over this one (see optim.py)
-        self._contexts = {name: t.where(self.rank, self.size, name) for name in _COLLECTIVES}
-        self._async_context = t.where(self.rank, self.size, "allreduce_async")  # (Handles')
+        self._contexts = {call: t.where(self.rank, self.size, call)
+                          for name in _COLLECTIVES for call in (name, name + "_async")}
+        self._async_context = self._contexts["allreduce_async"]  # (Handles')
         _live.add(self)
 
     # -- properties ---------------------------------------------------------------
@@ -959,10 +960,7 @@ class Communicator:
             call = fast.allreduce_async(x, op, out)
             if call is not None:
                 return Handle(call, self._async_context, "ringreduce.allreduce")
-        handle = self._call("allreduce", self._prepare_allreduce, x, op, out, wait=False,
-                            context=self._async_context)
-        handle._ran = "ringreduce.allreduce"
-        return handle
+        return self._call_async("allreduce", self._prepare_allreduce, x, op, out)
 
     def reduce_scatter(self, x, op="sum", out=None):
         """Reduce x.ravel() over all ranks; return this rank's block of the result.
@@ -977,6 +975,12 @@ class Communicator:
             if result is not None:
                 return result
         return self._call("reduce_scatter", self._prepare_reduce_scatter, x, op, out, wait=True)
+
+    def reduce_scatter_async(self, x, op="sum", out=None) -> Handle:
+        """Start reduce_scatter and return a Handle; ``handle.wait()`` gives this rank's
+        block. As for allreduce_async, neither x nor out may be touched until then, and
+        calls of every kind complete in the order they were made."""
+        return self._call_async("reduce_scatter", self._prepare_reduce_scatter, x, op, out)
 
     def allgather(self, x, out=None):
         """Every rank's x concatenated along axis 0, in rank order.
@@ -993,6 +997,11 @@ class Communicator:
                 return result
         return self._call("allgather", self._prepare_allgather, x, out, wait=True)
 
+    def allgather_async(self, x, out=None) -> Handle:
+        """Start allgather and return a Handle; ``handle.wait()`` gives the gathered
+        array. As for allreduce_async, neither x nor out may be touched until then."""
+        return self._call_async("allgather", self._prepare_allgather, x, out)
+
     def broadcast(self, x, root: int = 0):
         """Overwrite x on every rank with root's x, in place; return x."""
         fast = self._fast
@@ -1001,6 +1010,11 @@ class Communicator:
             if result is not None:
                 return result
         return self._call("broadcast", self._prepare_broadcast, x, root, wait=True)
+
+    def broadcast_async(self, x, root: int = 0) -> Handle:
+        """Start broadcast and return a Handle; ``handle.wait()`` returns x, then
+        holding root's data. x may not be touched (on root: written) until then."""
+        return self._call_async("broadcast", self._prepare_broadcast, x, root)
 
     def close(self) -> None:
         """Finish collectives in flight and free the private MPI communicator.
@@ -1175,8 +1189,17 @@ class Communicator:
                               self._scratch.get, gather_rest_here,
                               self._chunk_bytes, _Results.MIN_BYTES, _CONFIRM_BYTES)
 
+    def _call_async(self, name, prepare, *args) -> Handle:
+        """The collective `name` made as `name`_async: its Handle, whose errors say so."""
+        handle = self._call(name, prepare, *args, wait=False,
+                            context=self._contexts[name + "_async"])
+        handle._ran = f"ringreduce.{name}"
+        return handle
+
     def _call(self, name, prepare, *args, wait, context=None):
-        """context: what errors call it (else the collective's name)."""
+        """context: what errors call it (else the collective's name), a Handle's too
+        (else allreduce_async's)."""
+        handle_context = context or self._async_context
         context = context or self._contexts[name]
         if self._closed:
             if MPI.Is_finalized():  # (which finished every Communicator: see _finish_all)
@@ -1204,7 +1227,7 @@ class Communicator:
         # on a GPU, where the call waits for the work queued on the caller's stream,
         # which the caller need not wait for.)
         at_once = wait or self.size == 1 and not _device.is_device_array(args[0])
-        return self._run(context, run, wait, at_once)
+        return self._run(context, run, wait, at_once, handle_context)
 
     def _closed_error(self, context: str) -> ValueError:
         """The error of a call made once close() has begun (in another thread, or done)."""
@@ -1250,11 +1273,14 @@ class Communicator:
                     return Handle(call, self._async_context)
         return self._call("allreduce", self._prepare_allreduce, x, op, x, check, wait=wait)
 
-    def _run(self, context: str, run, wait: bool, at_once: bool):
+    def _run(self, context: str, run, wait: bool, at_once: bool,
+             handle_context: str | None = None):
         """run() now, in this thread, if at_once and nothing is in flight (else on the
-        worker thread); its result (wait), or a Handle. Raises ValueError once another
+        worker thread); its result (wait), or a Handle (whose errors begin with
+        handle_context, by default allreduce_async's). Raises ValueError once another
         thread's close() has begun."""
         executor = self._executor
+        handle_context = handle_context or self._async_context
         if at_once and not executor.in_flight:
             # Nothing in flight: run in this thread, the cheapest way. The lock keeps
             # the worker from starting a newly queued item meanwhile.
@@ -1268,11 +1294,11 @@ class Communicator:
                     # Ctrl-C (KeyboardInterrupt) here and now, as a blocking call's.
                     work = _Work(self._core, run, self._pid)
                     work.execute(catching=Exception)
-                    return Handle(work, self._async_context)
+                    return Handle(work, handle_context)
         work = _Work(self._core, run, self._pid)  # (calls in a fork()ed child raised)
         if not executor.submit(work):
             raise self._closed_error(context)
-        handle = Handle(work, self._async_context)
+        handle = Handle(work, handle_context)
         return handle.wait() if wait else handle
 
     def _cuda_direct(self) -> bool:

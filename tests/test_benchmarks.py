@@ -123,6 +123,27 @@ def test_bench_async_runs_and_writes_every_candidate(tmp_path, wait_each, timeou
     assert "| 20 KiB |" in done.stdout
 
 
+@pytest.mark.parametrize("collective, peer", [("reduce_scatter", "MPI_Ireduce_scatter"),
+                                              ("allgather", "MPI_Iallgather"),
+                                              ("broadcast", "MPI_Ibcast")])
+def test_bench_async_times_the_other_collectives_against_their_peers(tmp_path, collective,
+                                                                     peer):
+    result = tmp_path / "async.json"
+    done = subprocess.run(
+        [mpiexec(), "-n", "2", sys.executable, "-m", "mpi4py", "benchmarks/bench_async.py",
+         "--collective", collective, "--sizes", "12,20K", "--buckets", "3", "--repeats", "2",
+         "--no-gloo", "--json", str(result)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, env=job_env())
+    assert done.returncode == 0, done.stdout + done.stderr
+    data = json.loads(result.read_text())
+    assert data["collective"] == collective and data["peer"] == peer
+    seen = {(r["implementation"], r["bytes"]) for r in data["results"]}
+    assert seen == {(name, nbytes) for name in ("ringreduce async", "ringreduce blocking", peer)
+                    for nbytes in (12, 20 << 10)}
+    assert f"3 {collective} calls in flight per step" in done.stdout
+    assert f"| async speedup vs {peer} |" in done.stdout
+
+
 def test_bench_gradients_runs_and_writes_every_candidate(tmp_path):
     result = tmp_path / "gradients.json"
     done = subprocess.run(

@@ -1,4 +1,5 @@
-"""allreduce_async: many in flight, results in order, errors at wait()."""
+"""allreduce_async, reduce_scatter_async, allgather_async and broadcast_async: many in
+flight, results in order, errors at wait()."""
 import collections
 import re
 import signal
@@ -15,6 +16,7 @@ import pytest
 from mpi4py import MPI
 
 import ringreduce as rr
+from ringreduce import reference
 
 from helpers import bitwise_equal, on_the_worker_without_python, rank_data, worker_held
 
@@ -134,6 +136,160 @@ def test_mismatch_surfaces_at_wait_and_the_queue_goes_on(comm):
         assert [frame.name for frame in traceback.extract_tb(info.tb)].count("wait") == 1
     assert on_the_worker_without_python(bad) == comm._executor.threaded
     np.testing.assert_array_equal(after.wait(), np.full(5, float(SIZE)))
+
+
+def _every_async_call(comm, salt=0):
+    """Calls of every kind, each made with its _async form and blocking: (name, start,
+    expected), where start() makes the asynchronous call and returns (its Handle, what
+    its wait() must return, or None for a new array), and expected is the blocking
+    call's result (computed now, with nothing in flight)."""
+    calls = []
+    for n, dtype in ((0, np.float32), (7, np.int64), (1003, np.float64), (4097, np.float16)):
+        x = rank_data(np.dtype(dtype), n, salt=salt + n)
+        calls.append((f"reduce_scatter {n} {dtype.__name__}", x,
+                      lambda x=x: (comm.reduce_scatter_async(x), None),
+                      comm.reduce_scatter(x)))
+    x = rank_data(np.dtype(np.float32), 2000, salt=salt + 1)[::2]  # (strided: copied)
+    out = np.empty(len(np.array_split(np.empty(1000), SIZE)[RANK]), np.float32)
+    calls.append(("reduce_scatter max out=", x,
+                  lambda: (comm.reduce_scatter_async(x, op="max", out=out), out),
+                  comm.reduce_scatter(x, op="max")))
+    rows = (RANK * 2 + 1) % 4  # (one rank with none, on 4)
+    y = rank_data(np.dtype(np.int32), rows * 6, salt=salt + 2).reshape(rows, 2, 3)
+    calls.append(("allgather rows", y, lambda: (comm.allgather_async(y), None),
+                  comm.allgather(y)))
+    total = sum((r * 2 + 1) % 4 for r in range(SIZE))
+    gathered = np.empty((total, 2, 3), np.int32)
+    calls.append(("allgather out=", y, lambda: (comm.allgather_async(y, out=gathered), gathered),
+                  comm.allgather(y)))
+    scalar = np.float64(RANK + 0.5)
+    calls.append(("allgather 0-d", scalar, lambda: (comm.allgather_async(scalar), None),
+                  comm.allgather(scalar)))
+    for root in range(SIZE):
+        z = rank_data(np.dtype(np.complex64), 5000, salt=salt + 10 + root)
+        want = comm.broadcast(z.copy(), root=root)
+        calls.append((f"broadcast root {root}", z, lambda z=z, root=root:
+                      (comm.broadcast_async(z, root=root), z), want))
+    return calls
+
+
+def test_every_collective_has_an_async_form_that_gives_the_blocking_result(small_chunks, comm):
+    # Each in flight with the others, with allreduce_async and blocking calls between
+    # them, and waited for in reverse order: the same bits as the blocking call's.
+    for ring in (small_chunks, comm):
+        calls = _every_async_call(ring)
+        a = rank_data(np.dtype(np.float32), 3000, salt=99)
+        a_sum, a_max = ring.allreduce(a), ring.allreduce(a, op="max")
+        started = []
+        for k, (name, x, start, want) in enumerate(calls):
+            started.append((name, *start(), want))
+            if k % 3 == 0:
+                started.append(("allreduce_async", ring.allreduce_async(a), None, a_sum))
+            if k % 4 == 1:  # (a blocking call queues behind them)
+                assert bitwise_equal(ring.allreduce(a, op="max"), a_max)
+        for name, handle, returns, want in reversed(started):
+            got = handle.wait()
+            assert handle.done()
+            if returns is not None:
+                assert got is returns, name
+            assert bitwise_equal(got, want), name
+            assert handle.wait() is got  # (waiting twice gives the same array)
+
+
+def test_async_collectives_match_the_reference_ring(comm):
+    x = rank_data(np.dtype(np.float64), 10_007, salt=3)
+    handles = [comm.reduce_scatter_async(x, op=op) for op in ("sum", "prod", "min", "avg")]
+    for op, handle in zip(("sum", "prod", "min", "avg"), handles):
+        assert bitwise_equal(handle.wait(), reference.reduce_scatter(x, op)), op
+    y = rank_data(np.dtype(np.int16), 3 * (RANK + 1), salt=4).reshape(RANK + 1, 3)
+    np.testing.assert_array_equal(comm.allgather_async(y).wait(), reference.allgather(y))
+
+
+def test_calls_of_every_kind_finish_in_the_order_they_were_made(comm):
+    needs_a_worker(comm)
+    x = rank_data(np.dtype(np.float32), 200_000)
+    if RANK == SIZE - 1:
+        time.sleep(0.3)  # (so that on the other ranks several are still queued)
+    handles = [comm.allreduce_async(x), comm.reduce_scatter_async(x), comm.allgather_async(x),
+               comm.broadcast_async(x.copy(), root=SIZE - 1), comm.reduce_scatter_async(x[::2]),
+               comm.allreduce_async(x, op="max")]
+    while not handles[-1].done():
+        done = [h.done() for h in handles]
+        assert done == sorted(done, reverse=True), done
+        time.sleep(0.0001)
+    assert bitwise_equal(handles[3].wait(), MPI.COMM_WORLD.bcast(x, root=SIZE - 1))
+    assert handles[2].wait().shape == (SIZE * x.size,)
+
+
+def test_bad_arguments_to_an_async_collective_raise_at_the_call_on_that_rank_only(comm):
+    # The others' calls are made, and their waits raise MismatchError naming the rank
+    # (as for a blocking call: the rank that rejected its arguments still joins the
+    # call's header exchange); the calls after go on.
+    pending = comm.allreduce_async(np.ones(1000))
+    x = np.arange(12.0)
+    bad = {"reduce_scatter_async": lambda: comm.reduce_scatter_async(x, op="nope"),
+           "allgather_async": lambda: comm.allgather_async(x, out=np.empty(3, np.int8)),
+           "broadcast_async": lambda: comm.broadcast_async(x.astype(">f8"))}
+    good = {"reduce_scatter_async": lambda: comm.reduce_scatter_async(x),
+            "allgather_async": lambda: comm.allgather_async(x),
+            "broadcast_async": lambda: comm.broadcast_async(x.copy())}
+    for name in bad:
+        if RANK == 0:
+            with pytest.raises((ValueError, TypeError),
+                               match=rf"^ringreduce\.{name} \(rank 0 of {SIZE}\): "):
+                bad[name]()
+        else:
+            handle = good[name]()
+            with pytest.raises(rr.MismatchError, match=rf"^ringreduce\.{name}\b.*rank 0"):
+                handle.wait()
+    np.testing.assert_array_equal(pending.wait(), np.full(1000, float(SIZE)))
+    np.testing.assert_array_equal(comm.allgather_async(np.array([RANK])).wait(),
+                                  np.arange(SIZE))
+
+
+def test_ranks_that_start_different_async_calls_all_raise_at_wait(comm):
+    if SIZE < 2:
+        pytest.skip("needs two ranks to disagree")
+    x = np.arange(12.0)
+    roots = comm.broadcast_async(x.copy(), root=RANK)
+    kinds = comm.allgather_async(x) if RANK == 0 else comm.reduce_scatter_async(x)
+    after = comm.reduce_scatter_async(x)
+    with pytest.raises(rr.MismatchError, match=r"^ringreduce\.broadcast_async: ranks disagree"
+                                               r".*root: 0 on rank 0; 1 on rank 1"):
+        roots.wait()
+    with pytest.raises(rr.MismatchError):
+        kinds.wait()
+    assert bitwise_equal(after.wait(), reference.reduce_scatter(x, "sum"))
+
+
+def test_async_collectives_wait_with_a_timeout(comm):
+    if SIZE == 1:
+        pytest.skip("needs a rank to wait for")
+    x = np.ones(1000)
+    if RANK == SIZE - 1:
+        time.sleep(0.5)  # the others' calls wait for this rank's
+    handles = {"reduce_scatter_async": comm.reduce_scatter_async(x),
+               "allgather_async": comm.allgather_async(x),
+               "broadcast_async": comm.broadcast_async(x.copy())}
+    for name, handle in handles.items():
+        try:
+            handle.wait(timeout=0.01)
+            assert RANK == SIZE - 1 or name != "reduce_scatter_async", \
+                "done before the last rank started it"
+        except TimeoutError as error:
+            assert f"ringreduce.{name} (rank {RANK} of {SIZE}): still running" in str(error)
+        handle.wait(timeout=60)
+    assert bitwise_equal(handles["allgather_async"].wait(), np.ones(SIZE * 1000))
+
+
+def test_module_level_async_collectives(world):
+    x = rank_data(np.dtype(np.float32), 999, salt=5)
+    handles = [rr.reduce_scatter_async(x), rr.allgather_async(x, comm=world),
+               rr.broadcast_async(x.copy(), root=SIZE - 1)]
+    assert bitwise_equal(handles[0].wait(), reference.reduce_scatter(x, "sum"))
+    assert bitwise_equal(handles[1].wait(), np.concatenate(world.allgather(x)))
+    assert bitwise_equal(handles[2].wait(), world.bcast(x, root=SIZE - 1))
+    assert {"reduce_scatter_async", "allgather_async", "broadcast_async"} <= set(rr.__all__)
 
 
 @pytest.mark.parametrize("held_on", ["every rank", "rank 0"])
@@ -483,10 +639,15 @@ def test_python_keeps_running_while_the_ring_works(comm):
 def test_close_finishes_work_in_flight(world):
     ring = rr.Communicator()
     handles = [ring.allreduce_async(np.full(1000, float(i))) for i in range(5)]
+    others = [ring.reduce_scatter_async(np.full(1000, 1.0)), ring.allgather_async(np.ones(3)),
+              ring.broadcast_async(np.full(4, float(RANK)), root=SIZE - 1)]
     ring.close()
     for i, h in enumerate(handles):
         assert h.done()
         np.testing.assert_array_equal(h.wait(), np.full(1000, float(i * SIZE)))
+    assert all(h.done() for h in others)
+    assert (others[0].wait() == SIZE).all() and others[1].wait().shape == (3 * SIZE,)
+    np.testing.assert_array_equal(others[2].wait(), np.full(4, SIZE - 1.0))
 
 
 def test_one_rank_async_calls_are_done_when_they_return():

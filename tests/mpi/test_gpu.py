@@ -220,6 +220,44 @@ def test_several_async_calls_in_flight(gpu_comm):
         assert bitwise_equal(cupy.asnumpy(h.wait()), reference.allreduce(a, "avg"))
 
 
+def test_async_collectives_wait_for_slow_kernels_on_the_callers_stream(gpu_comm):
+    # As test_waits_for_slow_kernels_on_the_callers_stream, for reduce_scatter_async,
+    # allgather_async and broadcast_async, in flight together on the worker thread.
+    n = 1 << 20
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        part = gpu_comm.reduce_scatter_async(late_filled(n, RANK + 1))
+        gathered = gpu_comm.allgather_async(late_filled(n, RANK + 1))
+        sent = gpu_comm.broadcast_async(late_filled(n, RANK + 1), root=SIZE - 1)
+        part, gathered, sent = part.wait() + 1, gathered.wait() + 1, sent.wait() + 1
+    stream.synchronize()
+    total = SIZE * (SIZE + 1) / 2
+    assert (cupy.asnumpy(part) == total + 1).all()
+    np.testing.assert_array_equal(cupy.asnumpy(gathered.reshape(SIZE, n)[:, [0, -1]]),
+                                  np.repeat(np.arange(2, SIZE + 2, dtype=np.float32), 2)
+                                  .reshape(SIZE, 2))
+    assert (cupy.asnumpy(sent) == SIZE + 1).all()
+
+
+def test_async_reduce_scatter_allgather_broadcast(gpu_comm, world):
+    # In flight together, with an allreduce_async among them: each as the reference.
+    x = rank_data(np.dtype(np.float32), 100_003, "sum", salt=4)
+    rows = (RANK * 2 + 1) % 4
+    y = np.arange(rows * 6, dtype=np.int64).reshape(rows, 2, 3) + 100 * RANK
+    z = rank_data(np.dtype(np.float64), 300_001, salt=9)
+    dz = cupy.asarray(z)
+    handles = [gpu_comm.reduce_scatter_async(cupy.asarray(x)),
+               gpu_comm.allreduce_async(cupy.asarray(x)),
+               gpu_comm.allgather_async(cupy.asarray(y)),
+               gpu_comm.broadcast_async(dz, root=SIZE - 1)]
+    assert handles[3].wait() is dz
+    assert bitwise_equal(cupy.asnumpy(handles[0].wait()), reference.reduce_scatter(x, "sum"))
+    assert bitwise_equal(cupy.asnumpy(handles[1].wait()), reference.allreduce(x, "sum"))
+    np.testing.assert_array_equal(cupy.asnumpy(handles[2].wait()),
+                                  np.concatenate(world.allgather(y)))
+    assert bitwise_equal(cupy.asnumpy(dz), world.bcast(z, root=SIZE - 1))
+
+
 def test_reduce_scatter_allgather_broadcast(gpu_comm, world):
     for n in (0, 5, 517, 100_003):
         x = rank_data(np.dtype(np.float32), n, "sum", salt=4)

@@ -24,6 +24,7 @@ GPU_ONLY = {
     "test_waits_for_slow_kernels_on_the_callers_stream",
     "test_a_queued_allgather_waits_for_the_per_thread_default_stream",
     "test_a_freed_result_still_read_on_a_per_thread_stream_is_not_overwritten",
+    "test_async_collectives_wait_for_slow_kernels_on_the_callers_stream",
 }
 assert GPU_ONLY <= set(vars(test_gpu)), "a GPU-only test was renamed: update GPU_ONLY"
 
