@@ -232,13 +232,21 @@ bool acquire_running(RunningLock& lock, bool blocking, std::optional<double> tim
 // result or error), with the GIL.
 class PythonCall : public CallQueue::Call {
  public:
-  explicit PythonCall(py::object work) : work_(work.release().ptr()) {}
+  // anywhere: a caller's wait() may run it in its own thread (CallQueue::run_here()),
+  // as it may an AsyncAllreduce: a collective of host arrays, whose Python runs as well
+  // on the caller's Python thread as on the worker's. Not one on a GPU, whose stream
+  // and current device are the worker's own (see _device._Launch).
+  PythonCall(py::object work, bool anywhere)
+      : work_(work.release().ptr()), anywhere_(anywhere) {}
   ~PythonCall() override { later_releases.add(work_); }
   void run() override {
+    // A thread with a Python thread state of its own (a caller's, in run_here()) keeps
+    // it; one without (the worker) gets one here.
+    const bool had_state = PyGILState_GetThisThreadState() != nullptr;
     py::gil_scoped_acquire gil;
     // The worker's Python thread state, made at its first Python call, is kept for the
     // next ones (making one for every call costs some 20 us) until the thread ends.
-    if (!python_state_kept) {
+    if (!had_state && !python_state_kept) {
       gil.inc_ref();
       python_state_kept = true;
     }
@@ -252,6 +260,7 @@ class PythonCall : public CallQueue::Call {
     ran_.store(true, std::memory_order_release);
   }
   bool finished() const override { return ran_.load(std::memory_order_acquire); }
+  bool runs_anywhere() const override { return anywhere_; }
   PyObject* work() const { return work_; }
 
   // The worker thread ends (stop(), with the GIL released): lets go of its thread state.
@@ -265,9 +274,46 @@ class PythonCall : public CallQueue::Call {
  private:
   static thread_local bool python_state_kept;
   PyObject* work_;  // (owned)
+  const bool anywhere_;
   std::atomic<bool> ran_{false};
 };
 thread_local bool PythonCall::python_state_kept = false;
+
+// A _Work's place in its queue (its `queued`), for its Handle's wait(): weak, so that
+// it keeps neither the call nor the queue alive (the call holds the _Work).
+class QueuedPythonCall {
+ public:
+  QueuedPythonCall(std::weak_ptr<PythonCall> call, std::weak_ptr<CallQueue::State> queue)
+      : call_(std::move(call)), queue_(std::move(queue)) {}
+  // For a wait() without a timeout: where the worker has not started the call, and it
+  // and every call queued before it may run anywhere, runs them in this thread (as
+  // AsyncAllreduce::wait() does), up to a Ctrl-C; whether it ran the call.
+  bool run_here() {
+    std::shared_ptr<PythonCall> call = call_.lock();  // (none: it ran, and left)
+    if (call == nullptr || !call->runs_anywhere()) return false;
+    const uint64_t interrupts = sigints.load(std::memory_order_relaxed);
+    bool ran;
+    {
+      WithoutGil nogil;
+      ran = CallQueue::run_here(queue_, *call, [&] {
+        return sigints.load(std::memory_order_relaxed) != interrupts;
+      });
+    }
+    call.reset();  // (with the GIL: the last reference may hold its _Work)
+    later_releases.flush();
+    return ran;
+  }
+  // For a wait() with a timeout, which leaves the call to the worker: wakes a worker
+  // taking its turn (push() did not, for a call that may run anywhere).
+  void wake_worker() {
+    WithoutGil nogil;
+    CallQueue::wake_worker(queue_);
+  }
+
+ private:
+  std::weak_ptr<PythonCall> call_;
+  std::weak_ptr<CallQueue::State> queue_;
+};
 
 // An allreduce of host arrays queued by FastPath::allreduce_async(): run on the worker
 // without Python, waited for through its Handle (the same interface as a _Work: done(),
@@ -403,10 +449,13 @@ class Executor {
     WithoutGil nogil;  // (queued Python calls need it to finish)
     queue_.stop();
   }
-  // Whether it was queued (see CallQueue::refuse_calls()).
-  bool push(py::object work) {
+  // Whether it was queued (see CallQueue::refuse_calls()). anywhere: see PythonCall;
+  // work.queued, if work has it, is set to its QueuedPythonCall.
+  bool push(py::object work, bool anywhere) {
     later_releases.flush();
-    return queue_.push(std::make_shared<PythonCall>(work));
+    auto call = std::make_shared<PythonCall>(work, anywhere);
+    if (py::hasattr(work, "queued")) work.attr("queued") = QueuedPythonCall(call, queue_.state());
+    return queue_.push(std::move(call));
   }
   bool push_async(const std::shared_ptr<AsyncAllreduce>& call) {  // (its caller flushed)
     call->queued_on(queue_.state());
@@ -1341,7 +1390,9 @@ PYBIND11_MODULE(_core, m) {
                        "the worker thread of a Communicator's asynchronous calls (csrc/call_queue.h)")
       .def(py::init<std::shared_ptr<RunningLock>>(), py::arg("running") = nullptr,
            "running: a RunningLock shared with other executors (none: one of its own)")
-      .def("push", &Executor::push, "queue a _Work, whose execute() the worker runs with the GIL")
+      .def("push", &Executor::push, py::arg("work"), py::arg("anywhere") = false,
+           "queue a _Work, whose execute() the worker runs with the GIL (anywhere: or a "
+           "caller's wait(), in its own thread)")
       .def("pending", &Executor::pending)
       .def("unfinished", &Executor::unfinished)
       .def("refuse_calls", &Executor::refuse_calls, py::arg("refused"))
@@ -1361,6 +1412,10 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("detached_alive", &Executor::detached_alive,
                              "whether a thread stop_later() left is still running")
       .def_property_readonly("running", &Executor::running);
+  py::class_<QueuedPythonCall>(m, "QueuedPythonCall", "a _Work's place in its queue")
+      .def("run_here", &QueuedPythonCall::run_here,
+           "run it, and the calls before it, in this thread, where that may be; whether it ran")
+      .def("wake_worker", &QueuedPythonCall::wake_worker);
   py::class_<AsyncAllreduce, std::shared_ptr<AsyncAllreduce>>(
       m, "AsyncAllreduce", "an allreduce of host arrays queued on the worker thread")
       .def("done", &AsyncAllreduce::done)

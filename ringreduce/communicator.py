@@ -201,7 +201,7 @@ class Handle:
     def wait(self, timeout: float | None = None):
         """Block until the collective finishes; return its result array.
 
-        Without a timeout, an allreduce of numpy arrays that the worker thread has not
+        Without a timeout, a call on host (numpy) arrays that the worker thread has not
         started runs in this thread (after the calls queued before it), which saves
         handing it over; it is then a blocking call for signal handlers too. With a
         timeout (seconds), raise TimeoutError if it has not finished by then; the
@@ -234,6 +234,15 @@ class Handle:
             raise self._error.with_traceback(self._frames)
         try:
             return work.outcome()
+        except KeyboardInterrupt:
+            # Ctrl-C stopped a call this thread ran (a wait's run_here()): raised here
+            # once, as by a blocking call; later waits raise what the call's would,
+            # stopped on the worker (as the FastPath's calls do).
+            with _HANDLE_ERROR:
+                if self._error is None:
+                    self._error = RuntimeError(f"{self._context}: interrupted (SIGINT) on this "
+                                               "rank, which is leaving the communicator")
+            raise
         except Exception as error:  # (the core's error is made anew each time)
             raised = t.renamed(error, self._ran, self._context.split(" (rank ")[0])
             # Its traceback begins with this wait() and outcome(), and each raise puts
@@ -251,7 +260,7 @@ class Handle:
 
 
 class _Work:
-    __slots__ = ("core", "run", "result", "error", "finished", "cancelled", "pid")
+    __slots__ = ("core", "run", "result", "error", "finished", "cancelled", "pid", "queued")
 
     def __init__(self, core, run, pid):
         self.pid = pid  # the process whose worker thread runs it
@@ -261,11 +270,21 @@ class _Work:
         self.error = None
         self.finished = threading.Event()
         self.cancelled = None  # the error to raise instead, if set before it starts
+        self.queued = None  # its place in the worker's queue, once there (the core sets it)
 
     def done(self) -> bool:
         return self.finished.is_set()
 
     def wait(self, timeout: float | None) -> bool:
+        queued = self.queued
+        if queued is not None and not self.finished.is_set():
+            # As the FastPath's calls: without a timeout, this thread runs the call if
+            # the worker has not started it (and the calls queued before it), where it
+            # may (host arrays: see Executor.push); with one, it leaves it to the worker.
+            if timeout is None:
+                queued.run_here()
+            else:
+                queued.wake_worker()
         return self.finished.wait(timeout)
 
     def outcome(self):
@@ -345,16 +364,17 @@ class _Executor:
         """Whether the worker thread is running."""
         return self.calls.started
 
-    def submit(self, work: _Work) -> bool:
+    def submit(self, work: _Work, anywhere: bool = False) -> bool:
         """Whether work was queued (or, below THREAD_MULTIPLE, run): not once calls are
-        refused."""
+        refused. anywhere: a wait() may run it in the waiting thread (a collective of
+        host arrays; not one on a GPU, which the worker's thread serves)."""
         if not self.threaded:
             with self.running:
                 if self.calls.refusing():
                     return False
                 work.execute()
             return True
-        return self.calls.push(work)
+        return self.calls.push(work, anywhere)
 
     def refuse_calls(self, refused: bool = True) -> None:
         """While refused, no call starts: submit() queues nothing, the FastPath hands
@@ -1226,8 +1246,9 @@ class Communicator:
         # itself (some 15 us; a small call on one rank takes about 1 us). (Not
         # on a GPU, where the call waits for the work queued on the caller's stream,
         # which the caller need not wait for.)
-        at_once = wait or self.size == 1 and not _device.is_device_array(args[0])
-        return self._run(context, run, wait, at_once, handle_context)
+        on_host = not _device.is_device_array(args[0])
+        at_once = wait or self.size == 1 and on_host
+        return self._run(context, run, wait, at_once, handle_context, anywhere=on_host)
 
     def _closed_error(self, context: str) -> ValueError:
         """The error of a call made once close() has begun (in another thread, or done)."""
@@ -1243,7 +1264,7 @@ class Communicator:
         if self._executor.calls.refusing():
             return  # (a close began meanwhile: this rank makes no more calls)
         self._run(self._contexts[name], lambda: core.announce_invalid(collective, chunk),
-                  wait=True, at_once=True)
+                  wait=True, at_once=True, anywhere=True)
 
     # The kinds of check, its top byte: CheckedCallsMismatch is raised only where every
     # rank passed a check of one kind, that is, made the same caller's call.
@@ -1274,11 +1295,11 @@ class Communicator:
         return self._call("allreduce", self._prepare_allreduce, x, op, x, check, wait=wait)
 
     def _run(self, context: str, run, wait: bool, at_once: bool,
-             handle_context: str | None = None):
+             handle_context: str | None = None, anywhere: bool = False):
         """run() now, in this thread, if at_once and nothing is in flight (else on the
-        worker thread); its result (wait), or a Handle (whose errors begin with
-        handle_context, by default allreduce_async's). Raises ValueError once another
-        thread's close() has begun."""
+        worker thread, or where anywhere, in a thread that waits for it); its result
+        (wait), or a Handle (whose errors begin with handle_context, by default
+        allreduce_async's). Raises ValueError once another thread's close() has begun."""
         executor = self._executor
         handle_context = handle_context or self._async_context
         if at_once and not executor.in_flight:
@@ -1296,7 +1317,7 @@ class Communicator:
                     work.execute(catching=Exception)
                     return Handle(work, handle_context)
         work = _Work(self._core, run, self._pid)  # (calls in a fork()ed child raised)
-        if not executor.submit(work):
+        if not executor.submit(work, anywhere):
             raise self._closed_error(context)
         handle = Handle(work, handle_context)
         return handle.wait() if wait else handle
