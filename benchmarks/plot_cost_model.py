@@ -1,4 +1,4 @@
-"""The cost-model figure of docs/cost-model.md: modelled all-reduce time against the
+r"""The cost-model figure of docs/cost-model.md: modelled all-reduce time against the
 number of ranks for ring, naive and recursive doubling (ringreduce.sim, with alpha, beta
 and gamma as fit_model.py measured them), and ringreduce's measured times at 2 ranks.
 

@@ -1,4 +1,4 @@
-"""Parameter server vs ring, measured with ringreduce's own reference code:
+r"""Parameter server vs ring, measured with ringreduce's own reference code:
 
     mpiexec -n 4 python -m mpi4py benchmarks/ps_vs_ring.py --mib 4 \
         --plot docs/images/ps_vs_ring_4.png

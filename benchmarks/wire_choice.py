@@ -1,4 +1,4 @@
-"""Shared memory or MPI messages: how the timed choice of wire (csrc/wire_tuner.h) holds
+r"""Shared memory or MPI messages: how the timed choice of wire (csrc/wire_tuner.h) holds
 up on a shared machine, measured for minutes on end:
 
     mpiexec -n 2 python -m mpi4py benchmarks/wire_choice.py --seconds 420 \
@@ -63,7 +63,8 @@ def timed(call, n):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description="\n\n".join(__doc__.split("\n\n")[:2]),
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seconds", type=at_least(0, float), default=420,
                         help="how long to alternate the ways (default: 420)")
     parser.add_argument("--json", type=output_file(), help="write every round here")
