@@ -391,6 +391,66 @@ def test_the_table_of_rings_on_machines_in_the_cost_model_is_what_sim_prints():
     assert len(rows) == 4 and all(row in page for row in rows), rows
 
 
+def _three_figures(value: float) -> str:
+    """46.0, 42.9, 294: as docs/cost-model.md rounds the times it quotes."""
+    return f"{value:#.3g}".rstrip(".")
+
+
+def test_the_times_the_cost_model_quotes_for_1024_ranks_are_what_its_sim_command_prints():
+    page = " ".join((Path(__file__).resolve().parent.parent / "docs" / "cost-model.md")
+                    .read_text().split())
+    command = ".venv/bin/python -m ringreduce sim --ranks 4 64 1024 --bytes 100M"
+    assert command in page
+    done = subprocess.run([sys.executable] + command.split()[1:], capture_output=True,
+                          text=True, timeout=120, check=True)
+    ms = {}
+    for line in done.stdout.splitlines():
+        cells = [cell.strip() for cell in line.strip("|").split("|")]
+        if cells[0] == "1024":
+            ms[cells[1]] = float(cells[-1].removesuffix(" ms"))
+    assert set(ms) == {"ring", "naive", "recursive doubling"}, done.stdout
+    said = (f"for 100 MiB on 1024 ranks: ring {_three_figures(ms['ring'])} ms, naive "
+            f"{_three_figures(ms['naive'] / 1e3)} s, recursive doubling "
+            f"{_three_figures(ms['recursive doubling'])} ms")
+    assert said in page, said
+
+
+def test_the_cost_model_table_is_the_model_with_the_stored_fit():
+    # docs/cost-model.md's table of ring, naive and recursive doubling, which
+    # benchmarks/plot_cost_model.py prints, row by row against ringreduce.sim with the
+    # alpha, beta and gamma of benchmarks/results/model_p2.json (and the fit as the text
+    # gives it).
+    import json
+
+    root = Path(__file__).resolve().parent.parent
+    page = (root / "docs" / "cost-model.md").read_text()
+    fit = json.loads((root / "benchmarks" / "results" / "model_p2.json").read_text())
+    alpha, beta, gamma = fit["alpha_s"], fit["beta_s_per_byte"], fit["gamma_s_per_byte"]
+    assert (f"α = {alpha * 1e6:.1f} µs, β = {beta * 1e9:.3f} ns/byte ({1e-9 / beta:.2f} GB/s), "
+            f"γ = {gamma * 1e9:.3f} ns/byte ({1e-9 / gamma:.2f} GB/s)") in " ".join(page.split())
+    rows = re.findall(r"^\| (\d+) (KiB|MiB) \| (\d+) \| ([\d.]+ ms) \| ([\d.]+ ms) \| ([\d.]+ ms) \|$",
+                      page, re.M)
+    assert len(rows) == 9, rows
+
+    def ring(ranks, count):
+        # Simulating 1024 ranks takes seconds a size; where p divides the count, the
+        # simulated ring takes the table's formula to the rounding, as checked here once.
+        if ranks < 1024:
+            return sim.ring(ranks, count, 4, alpha, beta, gamma).seconds
+        nbytes = count * 4
+        return (2 * (ranks - 1) * alpha + 2 * (ranks - 1) / ranks * nbytes * beta
+                + (ranks - 1) / ranks * nbytes * gamma)
+
+    assert ring(1024, 1024) == pytest.approx(sim.ring(1024, 1024, 4, alpha, beta, gamma).seconds,
+                                             rel=1e-12)
+    for number, unit, ranks, *shown in rows:
+        count = (int(number) << (10 if unit == "KiB" else 20)) // 4
+        modelled = [ring(int(ranks), count)] + [
+            fn(int(ranks), count, 4, alpha, beta, gamma).seconds
+            for fn in (sim.naive, sim.recursive_doubling)]
+        assert shown == [f"{t * 1e3:.3f} ms" for t in modelled], (number, unit, ranks)
+
+
 @pytest.mark.parametrize("ranks", [1, 2, 3, 4, 5])
 def test_pipeline_with_one_chunk_per_segment_is_the_step_by_step_ring(ranks):
     count = ranks * 1000
