@@ -85,6 +85,8 @@ class PowerSGD:
         if q is None:
             q = xp.asarray(np.random.default_rng(self.seed + index).standard_normal((m, r)))
             q = q.astype(matrix.dtype)
+        else:
+            q = _columns_near_1(q, xp)
         p = matrix @ q
         return _LowRankCall(index, grad, matrix, p,
                             comm._allreduce_checked(p, op, check, wait=False))
@@ -165,6 +167,18 @@ def computing_dtype(dtype) -> np.dtype:
     1/3 as bfloat16 is 0.334, 2 ** -30 as float16 is 0), else their own."""
     dtype = np.dtype(dtype)
     return np.dtype(np.float32) if dtype.itemsize < 4 else dtype
+
+
+def _columns_near_1(q, xp):
+    """q with each column multiplied by the power of two that brings its largest
+    magnitude into [0.5, 1). The Q kept for the warm start (M^T P, P orthonormal) is
+    as large as the gradient M, and P = M Q was as large as its square: float32
+    gradients of 1e18 overflowed it (NaN updates), and of 1e-30 underflowed it to 0.
+    Only P's direction counts (its columns are made orthonormal next), and a power of
+    two scales exactly: in between, P's columns come out bit for bit as before."""
+    top = xp.abs(q).max(axis=0) if q.size else xp.zeros(q.shape[1:], q.dtype)
+    exponent = xp.frexp(top)[1]  # (0 for a column of 0s, which stays as it is)
+    return xp.ldexp(q, -exponent).astype(q.dtype, copy=False)
 
 
 def _orthonormal_columns(p, xp):

@@ -760,6 +760,34 @@ def test_powersgd_recovers_after_an_inf_or_nan_on_one_rank():
         np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("size", [2.0 ** 60, 2.0 ** -100], ids=["1e18", "1e-30"])
+def test_powersgd_keeps_gradients_far_from_float32s_limits(dtype, size):
+    # The Q kept for the warm start is M^T P, as large as the gradient M, and the next
+    # step's P = M Q was as large as its square: float32 (and bfloat16, computed in
+    # float32) gradients of 1e18 made P overflow, and every second step's update was
+    # NaN on every rank; gradients of 1e-30 made P underflow to 0, and 90% of the
+    # update came back as 0. Both are 8 or more orders from float32's limits.
+    if dtype == "bfloat16":
+        dtype = pytest.importorskip("ml_dtypes").bfloat16
+    dtype = np.dtype(dtype)
+    # Rank-2 gradients, which rank 2 carries whole: each step's update is the average.
+    # (Small integers times a power of two: exact in bfloat16 too.)
+    rows = np.random.default_rng(3).integers(0, 4, (20, 2))
+    columns = np.random.default_rng([RANK, 4]).integers(0, 4, (2, 30))
+    grad = (rows @ columns * size).astype(dtype)
+    average = np.mean(MPI.COMM_WORLD.allgather(grad.astype(np.float64)), axis=0)
+    params = [np.zeros((20, 30), dtype)]
+    opt = DistributedOptimizer(SGD(params, lr=1.0), compression=PowerSGD(rank=2))
+    for step in range(1, 5):
+        params[0][...] = 0
+        opt.step([grad])
+        update = -params[0].astype(np.float64)
+        assert np.isfinite(update).all(), f"step {step}"
+        np.testing.assert_allclose(update, average, rtol=1e-2, atol=1e-3 * average.max(),
+                                   err_msg=f"step {step}")
+
+
 def test_misuse_gets_clear_errors():
     params = [np.zeros((3, 2)), np.zeros(2)]
     opt = DistributedOptimizer(SGD(params, lr=0.1))
