@@ -67,12 +67,14 @@ class PowerSGD:
     # hands P's all-reduce to the ring, project() waits for it and hands over Q's, and
     # finish() waits for that. Every rank must make the same calls in the same order.
 
-    def start(self, index: int, grad, comm, op: str = "avg", check: int = 0
+    def start(self, index: int, grad, comm, op: str = "avg", check: int = 0, dtype=None
               ) -> "_LowRankCall":
         """P = M Q (M: grad plus what earlier steps missed), averaged asynchronously.
         (op: DistributedOptimizer.abandon_step sends an abandoned step's with another,
         so that a rank that steps cannot take them for its own step's; check: what its
-        all-reduces carry, or 0 for nothing, see Communicator._allreduce_checked.)"""
+        all-reduces carry, or 0 for nothing, see Communicator._allreduce_checked;
+        dtype: the approximation's, where not grad's own: DistributedOptimizer's float32
+        sums of 16-bit micro-batches.)"""
         xp = array_module(grad)
         n = grad.shape[0]
         matrix = grad.reshape(n, -1)
@@ -89,7 +91,8 @@ class PowerSGD:
             q = _columns_near_1(q, xp)
         p = matrix @ q
         return _LowRankCall(index, grad, matrix, p,
-                            comm._allreduce_checked(p, op, check, wait=False))
+                            comm._allreduce_checked(p, op, check, wait=False),
+                            grad.dtype if dtype is None else np.dtype(dtype))
 
     def project(self, call: "_LowRankCall", comm, op: str = "avg", check: int = 0) -> None:
         """Once P is averaged: Q = M^T P, with P's columns made orthonormal, averaged
@@ -103,7 +106,7 @@ class PowerSGD:
         """Once Q is averaged: the approximation P Q^T, and the bytes this rank sent."""
         call.handle.wait()
         approximation = call.p @ call.q.T
-        result = approximation.reshape(call.grad.shape).astype(call.grad.dtype, copy=False)
+        result = approximation.reshape(call.grad.shape).astype(call.dtype, copy=False)
         if bool(array_module(call.q).isfinite(call.q).all()):
             # What the update gets is the result, in the gradient's own dtype: what
             # rounding a 16-bit one loses is missed too, and fed back with the rest.
@@ -154,11 +157,12 @@ class PowerSGD:
 class _LowRankCall:
     """One gradient's PowerSGD all-reduces in flight (see PowerSGD.start)."""
 
-    __slots__ = ("index", "grad", "matrix", "p", "q", "handle")
+    __slots__ = ("index", "grad", "matrix", "p", "q", "handle", "dtype")
 
-    def __init__(self, index, grad, matrix, p, handle):
+    def __init__(self, index, grad, matrix, p, handle, dtype):
         self.index, self.grad, self.matrix, self.p, self.handle = index, grad, matrix, p, handle
         self.q = None
+        self.dtype = dtype  # the approximation's
 
 
 def computing_dtype(dtype) -> np.dtype:

@@ -2141,6 +2141,103 @@ def test_uneven_accumulation_sums_each_ranks_micro_batches():
     np.testing.assert_allclose(params[0], -((SIZE + 1) / SIZE + 1.0))
 
 
+@pytest.mark.parametrize("compression", [None, "fp16", "bf16", "powersgd"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_no_sync_sums_many_16_bit_micro_batches_without_losing_them(dtype, compression):
+    # no_sync() summed 16-bit gradients in their own dtype, rounding at every micro-
+    # batch: the sum stops growing once a gradient is below half its spacing. 1000
+    # micro-batches of 1e-3 summed to 0.5 in bfloat16 (0.98 in float16), and 4096 of
+    # 1.0 to 256 (2048), on every wire, PowerSGD's matrices too.
+    dtype = np.dtype(pytest.importorskip("ml_dtypes").bfloat16 if dtype == "bfloat16"
+                     else dtype)
+    shapes = [(8,), (16, 16)]  # (PowerSGD compresses the matrix, rank 1 carrying it whole)
+    for count, value in ((1000, 1e-3), (4096, 1.0)):
+        params = [np.zeros(shape, dtype) for shape in shapes]
+        opt = DistributedOptimizer(SGD(params, lr=1.0), compression=PowerSGD(rank=1)
+                                   if compression == "powersgd" else compression)
+        grads = [np.full(shape, value, dtype) for shape in shapes]
+        with opt.no_sync():
+            for _ in range(count - 1):
+                opt.step(grads)
+        opt.step(grads)
+        exact = count * float(grads[0][0])  # (the same on every rank, so the average)
+        for p in params:
+            np.testing.assert_allclose(-p.astype(np.float64), exact, rtol=2 ** -7,
+                                       err_msg=f"{count} micro-batches of {value}")
+
+
+@needs_two
+@pytest.mark.parametrize("compression", [None, "fp16", "bf16", "powersgd"])
+def test_float16_sums_of_micro_batches_past_65504_average_to_what_float16_holds(compression):
+    # Rank 0's sum of 100 micro-batches of 1000 is 1e5, past float16's top, but the
+    # average with the others' -500s is not: summed in float16 it was inf, and every
+    # parameter -inf (NaN with PowerSGD). The float32 sums travel scaled like any.
+    params = [np.zeros(8, np.float16), np.zeros((16, 16), np.float16)]
+    opt = DistributedOptimizer(SGD(params, lr=1.0), compression=PowerSGD(rank=1)
+                               if compression == "powersgd" else compression)
+    value = 1000.0 if RANK == 0 else -500.0
+    grads = [np.full(p.shape, value, np.float16) for p in params]
+    with opt.no_sync():
+        for _ in range(99):
+            opt.step(grads)
+    opt.step(grads)
+    average = 100 * (1000.0 - 500.0 * (SIZE - 1)) / SIZE
+    for p in params:
+        np.testing.assert_allclose(-p.astype(np.float64), average, rtol=2 ** -7)
+
+
+@pytest.mark.parametrize("compression", [None, "fp16", "powersgd"])
+def test_16_bit_sums_of_micro_batches_save_in_float32_and_resume_bit_for_bit(compression):
+    # The float32 sums (above) are what a state between micro-batches saves: saved in
+    # the parameters' 16 bits, a resumed run would add the rest to sums rounded once
+    # more than the run that went on. A micro-batch that fails puts them back exactly,
+    # and a state with sums in 16 bits (saved before they were float32) loads too.
+    shapes = [(12, 10), (7,)]
+
+    def made(dtype):
+        params = [np.ones(shape, dtype) for shape in shapes]
+        return params, DistributedOptimizer(
+            SGD(params, lr=0.5), bucket_mb=0.0005,
+            compression=PowerSGD(rank=2) if compression == "powersgd" else compression)
+
+    rng = np.random.default_rng([RANK, 5])
+    batches = [[(rng.standard_normal(shape) * 1e-3).astype(np.float16) for shape in shapes]
+               for _ in range(6)]
+    went_on, opt = made(np.float16)
+    with opt.no_sync():
+        for grads in batches[:3]:
+            opt.step(grads)
+        with pytest.raises(ValueError, match="has shape"):  # (taken out again)
+            opt.grad_ready(0, batches[3][0])
+            opt.grad_ready(1, np.ones(1, np.float16))
+    state = opt.state_dict()
+    assert [s.dtype for s in state["accumulated"]["sums"]] == [np.float32] * 2
+    saved = pickle.dumps({"params": went_on, "state": state})
+    for grads in batches[3:5]:
+        with opt.no_sync():
+            opt.step(grads)
+    opt.step(batches[5])
+    for sums in (state["accumulated"]["sums"],
+                 [s.astype(np.float16) for s in state["accumulated"]["sums"]]):
+        resumed, again = made(np.float16)
+        checkpoint = pickle.loads(saved)
+        checkpoint["state"]["accumulated"]["sums"] = sums
+        for p, q in zip(resumed, checkpoint["params"]):
+            p[...] = q
+        again.load_state_dict(checkpoint["state"])
+        for grads in batches[3:5]:
+            with again.no_sync():
+                again.step(grads)
+        again.step(batches[5])
+        if sums[0].dtype == np.float32:
+            for p, q in zip(resumed, went_on):
+                np.testing.assert_array_equal(p, q)
+        else:  # (close: each sum was rounded to float16 once more)
+            for p, q in zip(resumed, went_on):
+                np.testing.assert_allclose(p.astype(np.float64), q.astype(np.float64),
+                                           atol=2.0 ** -10)
+
+
 @needs_two
 def test_steps_after_no_sync_and_abandoned_steps_on_every_rank_pair_up():
     # no_sync() and abandon_step() on every rank alike, then a step: its calls pair up.
