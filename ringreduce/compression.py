@@ -105,9 +105,18 @@ class PowerSGD:
     def finish(self, call: "_LowRankCall") -> tuple[object, int]:
         """Once Q is averaged: the approximation P Q^T, and the bytes this rank sent."""
         call.handle.wait()
+        xp = array_module(call.q)
         approximation = call.p @ call.q.T
+        finite = bool(xp.isfinite(call.q).all())
+        if finite and approximation.dtype != call.dtype:
+            # Into the 16-bit dtype's range: an approximation overshoots the gradient
+            # here and there (rank 1 of [[1, 1], [1, 0]] has 1.17), and of float16
+            # gradients up to 50000 came back inf, with the gradient minus inf fed
+            # back (the next step all NaN). What clipping misses is fed back below.
+            top = float(np.finfo(call.dtype).max)
+            approximation = xp.clip(approximation, -top, top)
         result = approximation.reshape(call.grad.shape).astype(call.dtype, copy=False)
-        if bool(array_module(call.q).isfinite(call.q).all()):
+        if finite:
             # What the update gets is the result, in the gradient's own dtype: what
             # rounding a 16-bit one loses is missed too, and fed back with the rest.
             used = approximation if result.dtype == approximation.dtype else \

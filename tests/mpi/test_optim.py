@@ -2700,6 +2700,32 @@ def test_powersgd_feeds_back_what_rounding_to_a_16_bit_gradient_loses(dtype):
     np.testing.assert_allclose(handed + kept, averaged, atol=1e-5)
 
 
+def test_powersgd_approximations_past_float16s_top_do_not_spoil_the_steps_after():
+    # Rank 1 approximates [[1, 1], [1, 0]] (blocks of 50000) with elements of 1.17
+    # times that: past float16's top (65504). Half the update came back inf at the
+    # second step, the error fed back (the gradient minus inf) made all of the third
+    # NaN, and the parameters stayed NaN. The approximation is clipped to float16's
+    # range on its way out, and what clipping misses is fed back with the rest.
+    gradients = []
+
+    class Kept:  # (an optimizer that keeps what it is handed)
+        params = [np.zeros((30, 20), np.float16)]
+
+        def step(self, grads):
+            gradients.append(grads[0].astype(np.float64))
+
+    opt = DistributedOptimizer(Kept(), compression=PowerSGD(rank=1))
+    block = (np.kron([[1, 1], [1, 0]], np.ones((15, 10))) * 50000).astype(np.float16)
+    steps = [block] * 3 + [np.ones((30, 20), np.float16)] * 3
+    for grad in steps:
+        opt.step([grad])
+    for step, handed in enumerate(gradients):
+        assert np.isfinite(handed).all(), f"step {step}"
+    kept = np.mean(MPI.COMM_WORLD.allgather(opt.powersgd._error[0].astype(np.float64)), axis=0)
+    np.testing.assert_allclose(sum(gradients) + kept, sum(g.astype(np.float64) for g in steps),
+                               rtol=1e-3)
+
+
 def _made_for_partway(compression):
     """Four parameters: with buckets of two each (3 and 2, 1 and 0) or, with PowerSGD,
     one all-reduce each; and what gradients to give for none, one or every one of the
