@@ -84,11 +84,18 @@ class PowerSGD:
         if index in self._error:
             matrix = matrix + self._error[index]
         q = self._q.get(index)
-        if q is None:
-            q = xp.asarray(np.random.default_rng(self.seed + index).standard_normal((m, r)))
-            q = q.astype(matrix.dtype)
-        else:
+        if q is not None:
             q = _columns_near_1(q, xp)
+            # A column of 0s (Q = M^T P of a step of 0s) stays 0 in P = M Q, whose
+            # orthonormal columns QR then makes the first unit vectors: Q held only M's
+            # first rows from then on, and gradients elsewhere were never sent again.
+            # Such a column is drawn from the seed again (Q is the same on every rank,
+            # and so is the choice).
+            empty = ~q.any(axis=0)
+            if bool(empty.any()):
+                q = xp.where(empty, _first_q(self.seed + index, m, r, xp, q.dtype), q)
+        if q is None:
+            q = _first_q(self.seed + index, m, r, xp, matrix.dtype)
         p = matrix @ q
         return _LowRankCall(index, grad, matrix, p,
                             comm._allreduce_checked(p, op, check, wait=False),
@@ -180,6 +187,11 @@ def computing_dtype(dtype) -> np.dtype:
     1/3 as bfloat16 is 0.334, 2 ** -30 as float16 is 0), else their own."""
     dtype = np.dtype(dtype)
     return np.dtype(np.float32) if dtype.itemsize < 4 else dtype
+
+
+def _first_q(seed: int, m: int, r: int, xp, dtype):
+    """The Q a matrix's first step starts from (m x r), random from seed."""
+    return xp.asarray(np.random.default_rng(seed).standard_normal((m, r))).astype(dtype)
 
 
 def _columns_near_1(q, xp):

@@ -788,6 +788,30 @@ def test_powersgd_keeps_gradients_far_from_float32s_limits(dtype, size):
                                    err_msg=f"step {step}")
 
 
+def test_powersgd_after_a_step_of_zero_gradients_sends_the_next_ones():
+    # A step of 0s (a layer frozen, an embedding's rows that no example used) left Q
+    # all 0s, so the next P = M Q was 0, whose orthonormal columns QR makes the first
+    # unit vectors: the next Q held only the first rows of M. Gradients in the other
+    # rows were never sent again, at any step (all went into the error fed back).
+    # Columns of Q that are all 0 are drawn from the seed again.
+    handed = []
+
+    class Kept:
+        params = [np.zeros((30, 20))]
+
+        def step(self, grads):
+            handed.append(grads[0].copy())
+
+    opt = DistributedOptimizer(Kept(), compression=PowerSGD(rank=2))
+    grad = np.zeros((30, 20))
+    opt.step([grad])
+    grad[5:] = 1.0 + RANK  # (rank 1: rank 2 carries it whole)
+    for _ in range(3):
+        opt.step([grad])
+        np.testing.assert_allclose(handed[-1][5:], (SIZE + 1) / 2, rtol=1e-6)
+        np.testing.assert_allclose(handed[-1][:5], 0, atol=1e-6)
+
+
 def test_misuse_gets_clear_errors():
     params = [np.zeros((3, 2)), np.zeros(2)]
     opt = DistributedOptimizer(SGD(params, lr=0.1))
