@@ -222,7 +222,9 @@ class _LiningUp:
 
 class SGD:
     """Stochastic gradient descent with momentum and L2 weight decay, as torch.optim.SGD:
-    g += weight_decay * p; buf = momentum * buf + g (buf = g at first); p -= lr * buf."""
+    g += weight_decay * p; buf = momentum * buf + g (buf = g at first); p -= lr * buf.
+    Unlike torch's, for float16 and bfloat16 parameters buf is float32 and each step is
+    computed in float32, then rounded into p once (see _moment_dtype)."""
 
     # Its settings, in the order _check_settings takes them (which state_dict() saves,
     # and DistributedOptimizer.broadcast_parameters() sends).
@@ -238,10 +240,13 @@ class SGD:
     def step(self, grads) -> None:
         grads = _check_grads(grads, self.params, "SGD.step")
         for i, (p, g) in enumerate(zip(self.params, grads)):
+            dtype = _moment_dtype(p)
+            wide = p if dtype == p.dtype else p.astype(dtype)  # (16-bit p: float32)
+            g = g.astype(dtype, copy=False)
             if self.weight_decay:
-                # In p's dtype, as with a Python float: a numpy scalar (np.float64) would
-                # widen g, and the momentum buffer made from it.
-                g = (g + self.weight_decay * p).astype(p.dtype, copy=False)
+                # In wide's dtype, as with a Python float: a numpy scalar (np.float64)
+                # would widen g, and the momentum buffer made from it.
+                g = (g + self.weight_decay * wide).astype(dtype, copy=False)
             if self.momentum:
                 buf = self.momentum_buffers[i]
                 if buf is None:
@@ -254,7 +259,9 @@ class SGD:
                     buf *= self.momentum
                     buf += g
                 g = buf
-            p -= self.lr * g
+            wide -= self.lr * g
+            if wide is not p:
+                p[...] = wide
 
     def state_dict(self) -> dict:
         return {"lr": self.lr, "momentum": self.momentum, "weight_decay": self.weight_decay,
@@ -270,7 +277,7 @@ class SGD:
         it: lr and momentum without weight_decay, say). `where`: what errors begin with
         (DistributedOptimizer's, naming the rank)."""
         buffers = _checked_state_arrays(state, "momentum_buffers", self.params, "SGD",
-                                        optional=True, where=where)
+                                        optional=True, where=where, kept_as=_moment_dtype)
         lr, momentum, weight_decay = _state_values(state, self._SETTINGS, "SGD", where)
         _check_sgd_settings(lr, momentum, weight_decay, where)
         return {"lr": lr, "momentum": momentum, "weight_decay": weight_decay,
@@ -283,11 +290,14 @@ class SGD:
 
 
 def _moment_dtype(p) -> np.dtype:
-    """The dtype Adam keeps p's moments in: float32 for 16-bit parameters, else p's own.
-    float16 rounds eps=1e-8 to 0, and (1 - 0.999) * g * g to 0 for gradients under
-    5e-3, and a step divides m by sqrt(v) + eps: m of 1e-5 over 0 sent a parameter to
-    -inf at the first step. bfloat16 keeps 8 significant bits: 0.999 * v rounds back to v, which
-    then never decays."""
+    """The dtype Adam keeps p's moments in, and SGD its momentum buffer, each step
+    computed there: float32 for 16-bit parameters, else p's own. float16 rounds
+    eps=1e-8 to 0, and (1 - 0.999) * g * g to 0 for gradients under 5e-3, and a step
+    divides m by sqrt(v) + eps: m of 1e-5 over 0 sent a parameter to -inf at the first
+    step; and a momentum buffer of gradients of 1e4 (momentum 0.9: 1e5) overflowed.
+    bfloat16 keeps 8 significant bits: 0.999 * v rounds back to v, which then never
+    decays, and with momentum 0.99 and gradients of 0.1 the buffer stopped at 6.69
+    instead of 10."""
     return np.dtype(np.float32) if p.dtype.itemsize < 4 else p.dtype
 
 
@@ -766,7 +776,7 @@ class DistributedOptimizer:
                     buffers[i] = None
                     continue
                 if buffers[i] is None:
-                    buffers[i] = array_module(p).zeros_like(p)
+                    buffers[i] = array_module(p).zeros(p.shape, _moment_dtype(p))
                 self.comm.broadcast(buffers[i], root=root)
 
     @contextlib.contextmanager

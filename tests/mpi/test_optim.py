@@ -676,6 +676,38 @@ def test_adam_on_16_bit_parameters_keeps_float32_moments(dtype):
     assert np.all(np.abs(params[0].astype(np.float64) - p) <= spacing)
 
 
+@pytest.mark.parametrize("dtype, momentum, gradient", [("bfloat16", 0.99, 0.1),
+                                                      ("float16", 0.9, 1e4)])
+def test_sgd_momentum_of_16_bit_parameters_is_kept_in_float32(dtype, momentum, gradient):
+    # In the parameters' own 16 bits, a bfloat16 momentum buffer of gradients of 0.1
+    # (momentum 0.99) stopped growing at 6.69 instead of 10 (every step a third too
+    # small from then on), and a float16 one of gradients of 1e4 (momentum 0.9)
+    # overflowed to inf, and the parameters with it.
+    if dtype == "bfloat16":
+        dtype = pytest.importorskip("ml_dtypes").bfloat16
+    dtype = np.dtype(dtype)
+    params = [np.zeros(5, dtype)]
+    opt = SGD(params, lr=1e-4, momentum=momentum, weight_decay=1e-3)
+    p, buf = np.zeros(5), None
+    gradient = float(np.array(gradient, dtype))  # (0.1 in bfloat16: 0.10009765625)
+    for _ in range(300):
+        opt.step([np.full(5, gradient, dtype)])
+        g = gradient + 1e-3 * p
+        buf = g if buf is None else momentum * buf + g
+        p = (p - 1e-4 * buf).astype(dtype).astype(np.float64)
+    assert opt.momentum_buffers[0].dtype == np.float32 and params[0].dtype == dtype
+    np.testing.assert_allclose(opt.momentum_buffers[0], buf, rtol=1e-5)
+    assert np.all(np.isfinite(params[0].astype(np.float64)))
+    spacing = np.abs(np.spacing(np.abs(p).astype(dtype)).astype(np.float64))
+    assert np.all(np.abs(params[0].astype(np.float64) - p) <= spacing)
+    state = opt.state_dict()
+    assert state["momentum_buffers"][0].dtype == np.float32
+    state["momentum_buffers"] = [np.full(5, 3.0, dtype)]  # (16 bits, as saved before)
+    opt.load_state_dict(state)
+    assert opt.momentum_buffers[0].dtype == np.float32
+    np.testing.assert_array_equal(opt.momentum_buffers[0], np.full(5, 3.0))
+
+
 def test_adam_state_of_16_bit_parameters_saves_float32_and_loads_either():
     params = [np.ones(4, np.float16), np.ones(3)]
     opt = Adam(params, lr=0.1)
@@ -2558,7 +2590,8 @@ def test_sgd_momentum_stays_in_the_parameters_dtype_with_a_numpy_weight_decay(dt
     params, opt = make(1)
     rng = np.random.default_rng(2 + RANK)
     opt.step([rng.standard_normal(p.shape).astype(dtype) for p in params])
-    assert [b.dtype for b in opt.optimizer.momentum_buffers] == [np.dtype(dtype)] * 2
+    kept = np.float32 if dtype == np.float16 else dtype  # (16 bits: float32 buffers)
+    assert [b.dtype for b in opt.optimizer.momentum_buffers] == [np.dtype(kept)] * 2
     _, resumed = make(1)
     resumed.load_state_dict(opt.state_dict())
 
