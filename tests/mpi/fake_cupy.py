@@ -195,7 +195,7 @@ for _name in ("zeros", "full", "arange",
               "prod", "mean", "max", "min", "amax", "amin", "argmax", "argmin", "matmul",
               "dot", "outer", "stack", "vstack", "hstack", "split", "array_split", "clip",
               "square", "einsum", "allclose", "array_equal", "count_nonzero", "take",
-              "cumsum", "diag", "eye", "logaddexp", "round",
+              "cumsum", "diag", "eye", "logaddexp", "round", "frexp", "ldexp",
               "multiply", "add", "subtract", "divide", "negative", "reshape", "transpose",
               "copyto", "any", "all", "nonzero", "unique", "sort", "argsort", "float_power",
               "ravel", "concatenate", "ascontiguousarray"):
