@@ -261,6 +261,7 @@ class PythonCall : public CallQueue::Call {
   }
   bool finished() const override { return ran_.load(std::memory_order_acquire); }
   bool runs_anywhere() const override { return anywhere_; }
+  bool takes_the_gil() const override { return true; }
   PyObject* work() const { return work_; }
 
   // The worker thread ends (stop(), with the GIL released): lets go of its thread state.

@@ -66,6 +66,8 @@ class CallQueue {
     // needs nothing of the worker's (a call that takes the GIL keeps the worker's
     // Python thread state, so it does not).
     virtual bool runs_anywhere() const { return false; }
+    // Whether its run() takes Python's GIL (a call the Python layer queued).
+    virtual bool takes_the_gil() const { return false; }
     // Whether its run() is over (thread-safe): a caller that waited for it may go on
     // before the worker has taken it off the queue (see unfinished()).
     virtual bool finished() const { return false; }
@@ -81,7 +83,9 @@ class CallQueue {
     int64_t turns_unwoken = 0;        // calls push() queued without waking the worker
     bool worker_held = false;         // (hold_worker())
     bool worker_waits_for_caller = false;  // to be woken when run_here() ends
-    bool worker_takes_a_turn = false;      // looks again within kCallerTurn (loop())
+    bool worker_takes_a_turn = false;      // looks again within a turn (loop())
+    bool caller_ran_calls = false;         // since the worker last took one (loop())
+    bool worker_called = false;            // by wake_worker(), during a turn
     std::deque<std::shared_ptr<Call>> queue;  // the front one is running, or next
     bool front_started = false;
     bool stopping = false;
@@ -177,6 +181,10 @@ class CallQueue {
   // at its end (see loop()): the most that a call queued behind those the caller ran,
   // or queued meanwhile for a caller to run (see push()), waits for the worker.
   static constexpr std::chrono::microseconds kCallerTurn{200};
+  // How long the worker leaves a call that takes the GIL to a caller that has just run
+  // calls itself (see loop()): longer, so that a caller running one such call after
+  // another, some 100 us each, does so with the worker asleep throughout.
+  static constexpr std::chrono::microseconds kGilCallerTurn{2000};
   static void start(const std::shared_ptr<State>& state);  // (under its mutex)
   static void loop(const std::shared_ptr<State>& state);
 

@@ -392,19 +392,24 @@ handles = [comm.allreduce_async(x), comm.allreduce_async(np.full(8, 2.0)),
            comm.allreduce_async(np.full(8, 3.0))]
 kept = comm if comm.rank == 1 else None
 del x, comm  # rank 0's goes on the worker thread, after its first call, before the others
-results = [float(handle.wait()[0]) for handle in handles]
+results = [float(handle.wait(WAIT)[0]) for handle in handles]
 print(f"results {results}\\n", end="", flush=True)
 """
 
 
+@pytest.mark.parametrize("wait, dropped_on", [(300, "Dummy"), (None, "MainThread")],
+                         ids=["by the worker", "by a wait that ran the call"])
 def test_a_communicator_dropped_by_its_worker_thread_runs_its_queued_calls_then_closes(
-        tmp_path):
+        tmp_path, wait, dropped_on):
     # Its close began when it was dropped, before the calls queued after the first: they
-    # waited out their timeout on rank 0, and rank 1's raised.
-    done = run_script(tmp_path, "dropped_by_worker.py", DROPPED_BY_ITS_WORKER,
+    # waited out their timeout on rank 0, and rank 1's raised. (A wait with a timeout
+    # leaves the first call, of the Python layer, to the worker; one without runs it,
+    # and the Communicator is dropped there, in the main thread.)
+    done = run_script(tmp_path, "dropped_by_worker.py",
+                      f"WAIT = {wait}\n" + DROPPED_BY_ITS_WORKER,
                       env={"RINGREDUCE_SHM": "0"}, abort_on_exception=False)
     assert done.returncode == 0, done.stderr
-    assert "rank 0 dropped it on Dummy" in done.stdout, done  # (the worker thread)
+    assert f"rank 0 dropped it on {dropped_on}" in done.stdout, done
     assert done.stdout.count("results [2.0, 4.0, 6.0]") == 2, done
 
 
