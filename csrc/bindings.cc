@@ -233,7 +233,7 @@ bool acquire_running(RunningLock& lock, bool blocking, std::optional<double> tim
 class PythonCall : public CallQueue::Call {
  public:
   // anywhere: a caller's wait() may run it in its own thread (CallQueue::run_here()),
-  // as it may an AsyncAllreduce: a collective of host arrays, whose Python runs as well
+  // as it may an AsyncCall: a collective of host arrays, whose Python runs as well
   // on the caller's Python thread as on the worker's. Not one on a GPU, whose stream
   // and current device are the worker's own (see _device._Launch).
   PythonCall(py::object work, bool anywhere)
@@ -288,7 +288,7 @@ class QueuedPythonCall {
       : call_(std::move(call)), queue_(std::move(queue)) {}
   // For a wait() without a timeout: where the worker has not started the call, and it
   // and every call queued before it may run anywhere, runs them in this thread (as
-  // AsyncAllreduce::wait() does), up to a Ctrl-C; whether it ran the call.
+  // AsyncCall::wait() does), up to a Ctrl-C; whether it ran the call.
   bool run_here() {
     std::shared_ptr<PythonCall> call = call_.lock();  // (none: it ran, and left)
     if (call == nullptr || !call->runs_anywhere()) return false;
@@ -316,21 +316,22 @@ class QueuedPythonCall {
   std::weak_ptr<CallQueue::State> queue_;
 };
 
-// An allreduce of host arrays queued by FastPath::allreduce_async(): run on the worker
-// without Python, waited for through its Handle (the same interface as a _Work: done(),
-// wait(), outcome(), pid).
-class AsyncAllreduce : public CallQueue::Call {
+// A collective of host arrays queued by the FastPath (allreduce_async(),
+// reduce_scatter_async(), broadcast_async()): `ring` runs it on the worker without
+// Python; waited for through its Handle (the same interface as a _Work: done(), wait(),
+// outcome(), pid). x: its input; result: what wait() returns; workspace: a buffer it
+// uses besides (reduce_scatter's), or None: each kept alive until the call is over.
+class AsyncCall : public CallQueue::Call {
  public:
-  AsyncAllreduce(py::handle core, RingCommunicator* ring, py::handle x, py::handle result,
-                 const void* input, void* out, int64_t count, DType dtype, Op op,
-                 int64_t chunk_bytes, int64_t check)
-      : ring_(ring), input_(input), out_(out), count_(count), dtype_(dtype), op_(op),
-        chunk_bytes_(chunk_bytes), check_(check), pid_(getpid()) {
+  AsyncCall(py::handle core, RingCommunicator* ring, py::handle x, py::handle result,
+            py::handle workspace, std::function<void()> call)
+      : ring_(ring), call_(std::move(call)), pid_(getpid()) {
     core_ = core.inc_ref().ptr();
     x_ = x.inc_ref().ptr();
     result_ = result.inc_ref().ptr();
+    workspace_ = workspace.inc_ref().ptr();
   }
-  ~AsyncAllreduce() override {
+  ~AsyncCall() override {
     // In a child made by fork(), a thread of the parent's may have been waiting on the
     // condition: destroying it would wait for that thread for good.
     if (getpid() != pid_) (void)finished_.release();
@@ -339,13 +340,14 @@ class AsyncAllreduce : public CallQueue::Call {
     if (kept_) return;  // its rank left mid-call: MPI may still read or write them
     later_releases.add(x_);
     later_releases.add(result_);
+    later_releases.add(workspace_);
   }
 
   void run() override {  // without the GIL
     if (!cancelling_.load(std::memory_order_acquire)) {
       const bool departed_before = ring_->departed();
       try {
-        ring_->allreduce(input_, out_, count_, dtype_, op_, chunk_bytes_, check_);
+        call_();
       } catch (...) {
         error_ = std::current_exception();
         kept_ = ring_->departed() && !departed_before;
@@ -353,7 +355,10 @@ class AsyncAllreduce : public CallQueue::Call {
       if (!kept_) {  // a finished call does not keep its input alive
         later_releases.add(x_);
         x_ = nullptr;
+        later_releases.add(workspace_);
+        workspace_ = nullptr;
       }
+      call_ = nullptr;
     }
     {
       std::lock_guard<std::mutex> lock(mutex_);
@@ -367,6 +372,7 @@ class AsyncAllreduce : public CallQueue::Call {
   void done_here() {
     later_releases.add(x_);
     x_ = nullptr;
+    call_ = nullptr;
     done_.store(true, std::memory_order_release);
   }
 
@@ -424,15 +430,10 @@ class AsyncAllreduce : public CallQueue::Call {
   PyObject* core_;  // keeps ring_ alive (owned, as are the others)
   PyObject* x_;
   PyObject* result_;
+  PyObject* workspace_;
   PyObject* cancelled_ = nullptr;
   std::atomic<bool> cancelling_{false};
-  const void* input_;
-  void* out_;
-  int64_t count_;
-  DType dtype_;
-  Op op_;
-  int64_t chunk_bytes_;
-  int64_t check_;  // (see RingCommunicator::allreduce())
+  std::function<void()> call_;  // the collective (pointers and numbers only: no Python)
   pid_t pid_;
   std::exception_ptr error_;
   bool kept_ = false;
@@ -458,7 +459,7 @@ class Executor {
     if (py::hasattr(work, "queued")) work.attr("queued") = QueuedPythonCall(call, queue_.state());
     return queue_.push(std::move(call));
   }
-  bool push_async(const std::shared_ptr<AsyncAllreduce>& call) {  // (its caller flushed)
+  bool push_async(const std::shared_ptr<AsyncCall>& call) {  // (its caller flushed)
     call->queued_on(queue_.state());
     return queue_.push(call);
   }
@@ -479,7 +480,7 @@ class Executor {
     queue_.for_each_waiting([&](CallQueue::Call& call) {
       if (auto* python = dynamic_cast<PythonCall*>(&call)) {
         py::handle(python->work()).attr("cancelled") = error;
-      } else if (auto* async = dynamic_cast<AsyncAllreduce*>(&call)) {
+      } else if (auto* async = dynamic_cast<AsyncCall*>(&call)) {
         async->cancel(error);
       }
     });
@@ -565,7 +566,7 @@ class FastPath {
     return result;
   }
 
-  // Queues the allreduce on the worker thread and returns its AsyncAllreduce; None for
+  // Queues the allreduce on the worker thread and returns its AsyncCall; None for
   // anything the general path serves.
   py::object allreduce_async(py::handle x, py::handle op, py::handle out, int64_t check) {
     if (core_->closed()) return py::none();
@@ -577,10 +578,77 @@ class FastPath {
     later_releases.flush();  // (a kept buffer a finished call let go of may serve again)
     py::object result = out.is_none() ? new_result(a, a.nd, a.dims) : py::reinterpret_borrow<py::object>(out);
     if (!result) return py::none();
-    auto call = std::make_shared<AsyncAllreduce>(core_object_, core_, x, result, a.data,
-                                                 Array(result).data, a.size(), DType(dtype),
-                                                 Op(reduce_op), chunk_bytes, check);
+    RingCommunicator* ring = core_;
+    const void* input = a.data;
+    void* output = Array(result).data;
+    const int64_t count = a.size(), chunk = chunk_bytes;
+    auto call = std::make_shared<AsyncCall>(
+        core_object_, core_, x, result, py::none(),
+        [=] { ring->allreduce(input, output, count, DType(dtype), Op(reduce_op), chunk, check); });
     if (!executor_->push_async(call)) return py::none();  // (being closed: Python says so)
+    return py::cast(call);
+  }
+
+  // reduce_scatter(x, op, out) queued on the worker thread, as allreduce_async(); its
+  // AsyncCall, or None where the Python layer serves the call (one rank among them).
+  py::object reduce_scatter_async(py::handle x, py::handle op, py::handle out) {
+    if (core_->closed() || core_->size() == 1 || !threaded_) return py::none();
+    int dtype, reduce_op;
+    if (!is_plain(x) || !reduction_codes(x, op, &dtype, &reduce_op)) return py::none();
+    const Array a(x);
+    const int64_t n = a.size();
+    const int64_t count = RingCommunicator::segment_of(core_->rank(), core_->size(), n).count;
+    // (As reduce_scatter(): out may overlap x only where x rides in the header exchange,
+    // which copies it before out is written.)
+    const bool inline_call = core_->rides_inline(a.nbytes());
+    if (!out.is_none() && !is_plain_out(out, a, 1, &count, false, inline_call))
+      return py::none();
+    later_releases.flush();
+    py::object result = out.is_none() ? new_result(a, 1, &count) : py::reinterpret_borrow<py::object>(out);
+    if (!result) return py::none();
+    py::object work = py::none();  // (the Python layer's _Scratch, which runs serialise)
+    void* workspace = Array(result).data;
+    if (!inline_call) {
+      work = py::reinterpret_steal<py::object>(
+          PyObject_CallFunction(scratch_get_.ptr(), "L", static_cast<long long>(a.nbytes())));
+      if (!work) {
+        clear_memory_error();
+        return py::none();
+      }
+      if (!is_plain(work) || Array(work).nbytes() < a.nbytes()) return py::none();
+      workspace = Array(work).data;
+    }
+    RingCommunicator* ring = core_;
+    const void* input = a.data;
+    void* output = Array(result).data;
+    const int64_t chunk = chunk_bytes;
+    auto call = std::make_shared<AsyncCall>(
+        core_object_, core_, x, result, work, [=] {
+          ring->reduce_scatter(input, workspace, n, DType(dtype), Op(reduce_op), chunk, output);
+        });
+    if (!executor_->push_async(call)) return py::none();
+    return py::cast(call);
+  }
+
+  // broadcast(x, root) queued on the worker thread, as allreduce_async().
+  py::object broadcast_async(py::handle x, py::handle root_object) {
+    if (core_->closed() || core_->size() == 1 || !threaded_) return py::none();
+    int dtype;
+    if (!is_plain(x) || !PyLong_CheckExact(root_object.ptr()) || !dtype_code(x, &dtype))
+      return py::none();
+    int overflow = 0;
+    const long root = PyLong_AsLongAndOverflow(root_object.ptr(), &overflow);
+    if (overflow || root < 0 || root >= core_->size()) return py::none();
+    const Array a(x);
+    if (!a.writeable() && root != core_->rank()) return py::none();  // (root only reads)
+    later_releases.flush();
+    RingCommunicator* ring = core_;
+    void* data = a.data;
+    const int64_t n = a.size(), chunk = chunk_bytes;
+    auto call = std::make_shared<AsyncCall>(
+        core_object_, core_, x, x, py::none(),
+        [=] { ring->broadcast(data, n, DType(dtype), static_cast<int>(root), chunk); });
+    if (!executor_->push_async(call)) return py::none();
     return py::cast(call);
   }
 
@@ -899,7 +967,7 @@ class FastPath {
 
   // One rank waits for no one: an asynchronous allreduce is a copy, done here and now
   // (handing it to the worker thread costs ten times the copy: some 7 us against 0.7 us
-  // for 8 bytes). Its AsyncAllreduce comes back done. Not with calls in flight, which
+  // for 8 bytes). Its AsyncCall comes back done. Not with calls in flight, which
   // it must follow; nor after an error, which the general path raises from wait().
   py::object one_rank_async(py::handle x, py::handle op, py::handle out, int64_t check) {
     int dtype, reduce_op;
@@ -915,9 +983,7 @@ class FastPath {
     py::object result = out.is_none() ? new_result(a, a.nd, a.dims) : py::reinterpret_borrow<py::object>(out);
     if (!result) return py::none();
     copy_bytes(Array(result).data, a.data, a.nbytes());  // (x OP nothing is x; x / 1 too)
-    auto call = std::make_shared<AsyncAllreduce>(core_object_, core_, x, result, a.data,
-                                                 Array(result).data, a.size(), DType(dtype),
-                                                 Op(reduce_op), chunk_bytes, check);
+    auto call = std::make_shared<AsyncCall>(core_object_, core_, x, result, py::none(), nullptr);
     call->done_here();
     return py::cast(call);
   }
@@ -1417,12 +1483,12 @@ PYBIND11_MODULE(_core, m) {
       .def("run_here", &QueuedPythonCall::run_here,
            "run it, and the calls before it, in this thread, where that may be; whether it ran")
       .def("wake_worker", &QueuedPythonCall::wake_worker);
-  py::class_<AsyncAllreduce, std::shared_ptr<AsyncAllreduce>>(
-      m, "AsyncAllreduce", "an allreduce of host arrays queued on the worker thread")
-      .def("done", &AsyncAllreduce::done)
-      .def("wait", &AsyncAllreduce::wait, py::arg("seconds") = std::optional<double>())
-      .def("outcome", &AsyncAllreduce::outcome)
-      .def_property_readonly("pid", &AsyncAllreduce::pid);
+  py::class_<AsyncCall, std::shared_ptr<AsyncCall>>(
+      m, "AsyncCall", "a collective of host arrays queued on the worker thread")
+      .def("done", &AsyncCall::done)
+      .def("wait", &AsyncCall::wait, py::arg("seconds") = std::optional<double>())
+      .def("outcome", &AsyncCall::outcome)
+      .def_property_readonly("pid", &AsyncCall::pid);
 
   py::class_<FastPath>(m, "FastPath",
                       "the common case of each collective without Python (None: not taken)")
@@ -1434,8 +1500,10 @@ PYBIND11_MODULE(_core, m) {
       .def("allreduce_async", &FastPath::allreduce_async, py::arg("x"), py::arg("op"),
            py::arg("out"), py::arg("check") = 0)
       .def("reduce_scatter", &FastPath::reduce_scatter)
+      .def("reduce_scatter_async", &FastPath::reduce_scatter_async)
       .def("allgather", &FastPath::allgather)
-      .def("broadcast", &FastPath::broadcast);
+      .def("broadcast", &FastPath::broadcast)
+      .def("broadcast_async", &FastPath::broadcast_async);
 
   py::class_<RingCommunicator>(m, "RingCommunicator")
       .def(py::init([](uintptr_t comm_address, double timeout_s, const std::string& refusal) {

@@ -220,7 +220,7 @@ class Handle:
                 seconds = math.inf
             # threading cannot wait that long, but can wait forever
             timeout = None if seconds >= threading.TIMEOUT_MAX else seconds
-        work = self._work  # a _Work, or the core's AsyncAllreduce
+        work = self._work  # a _Work, or the core's AsyncCall
         if not work.done():
             if os.getpid() != work.pid:
                 # The worker thread that would finish it exists only in the parent.
@@ -1000,6 +1000,12 @@ class Communicator:
         """Start reduce_scatter and return a Handle; ``handle.wait()`` gives this rank's
         block. As for allreduce_async, neither x nor out may be touched until then, and
         calls of every kind complete in the order they were made."""
+        fast = self._fast
+        if fast is not None:
+            call = fast.reduce_scatter_async(x, op, out)
+            if call is not None:
+                return Handle(call, self._contexts["reduce_scatter_async"],
+                              "ringreduce.reduce_scatter")
         return self._call_async("reduce_scatter", self._prepare_reduce_scatter, x, op, out)
 
     def allgather(self, x, out=None):
@@ -1034,6 +1040,11 @@ class Communicator:
     def broadcast_async(self, x, root: int = 0) -> Handle:
         """Start broadcast and return a Handle; ``handle.wait()`` returns x, then
         holding root's data. x may not be touched (on root: written) until then."""
+        fast = self._fast
+        if fast is not None:
+            call = fast.broadcast_async(x, root)
+            if call is not None:
+                return Handle(call, self._contexts["broadcast_async"], "ringreduce.broadcast")
         return self._call_async("broadcast", self._prepare_broadcast, x, root)
 
     def close(self) -> None:

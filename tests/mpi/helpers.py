@@ -162,10 +162,11 @@ def check_gpu_argument_errors(comm, cp):
 
 
 def on_the_worker_without_python(handle) -> bool:
-    """Whether the FastPath queued the allreduce_async of this handle: it runs on the
+    """Whether the FastPath queued the asynchronous call of this handle: it runs on the
     worker thread without the GIL (else it was queued as Python work, or ran at once).
-    (On one rank the FastPath does the call at once, and its handle passes this too.)"""
-    return isinstance(handle._work, rr._core.AsyncAllreduce)
+    (On one rank the FastPath does an allreduce at once, and its handle passes this
+    too.)"""
+    return isinstance(handle._work, rr._core.AsyncCall)
 
 
 def run_threads_of(name, monkeypatch) -> list:

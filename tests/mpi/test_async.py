@@ -59,19 +59,25 @@ def test_calls_queued_without_python_and_with_it_run_in_order(comm):
     np.testing.assert_array_equal(gathered, np.arange(SIZE))
 
 
-def test_calls_on_the_worker_finish_while_this_thread_holds_the_gil(comm):
-    # The worker needs no GIL for an allreduce of host arrays: the calls finish while
-    # this thread runs Python without a pause. A worker that took the GIL before or
-    # after each call (as a Python thread does) would wait out the switch interval,
-    # set here to 5 s, for every one of them.
+@pytest.mark.parametrize("collective", ["allreduce", "reduce_scatter", "broadcast"])
+def test_calls_on_the_worker_finish_while_this_thread_holds_the_gil(comm, collective):
+    # The worker needs no GIL for an allreduce, reduce_scatter or broadcast of host
+    # arrays: the calls finish while this thread runs Python without a pause. A worker
+    # that took the GIL before or after each call (as a Python thread does) would wait
+    # out the switch interval, set here to 5 s, for every one of them.
     needs_a_worker(comm)
     x = rank_data(np.dtype(np.float32), 1 << 16)
-    expected = comm.allreduce(x)
+    if collective == "broadcast":
+        expected = comm.broadcast(x.copy(), root=0)
+        start_one = lambda: comm.broadcast_async(x.copy(), root=0)  # noqa: E731
+    else:
+        expected = getattr(comm, collective)(x)
+        start_one = lambda: getattr(comm, collective + "_async")(x)  # noqa: E731
     interval = sys.getswitchinterval()
     sys.setswitchinterval(5.0)
     try:
         start = time.monotonic()
-        handles = [comm.allreduce_async(x) for _ in range(4)]
+        handles = [start_one() for _ in range(4)]
         while not handles[-1].done() and time.monotonic() - start < 4:
             pass
         done = handles[-1].done()
@@ -429,17 +435,18 @@ def test_a_call_queued_without_waking_the_worker_still_runs_unwaited(comm):
 
 
 def test_a_wait_runs_the_python_layers_calls_on_host_arrays_too(comm):
-    # The Python layer's calls on host arrays (a strided input, reduce_scatter_async)
-    # run in a waiting thread as the FastPath's do: handed to the worker, each cost two
-    # context switches and two handovers of the GIL (some 150 us a call on 2 ranks that
-    # share a core with their workers, against some 15 us).
+    # The Python layer's calls on host arrays (strided inputs, an allgather_async) run
+    # in a waiting thread as the FastPath's do: handed to the worker, each cost two
+    # context switches and two handovers of the GIL (some 150 us a step of eight 8-byte
+    # reduce_scatter_async calls on 2 ranks that share a core with their workers,
+    # against some 100 us).
     needs_a_worker(comm)
     a = rank_data(np.dtype(np.float64), 4000)
     b = rank_data(np.dtype(np.float32), 50, salt=1)
-    expected = [comm.allreduce(a[::2]), comm.reduce_scatter(a), comm.allreduce(b)]
+    expected = [comm.allreduce(a[::2]), comm.allgather(a), comm.allreduce(b)]
     with worker_held(comm) as calls:
         before = calls.run_by_callers
-        handles = [comm.allreduce_async(a[::2]), comm.reduce_scatter_async(a),
+        handles = [comm.allreduce_async(a[::2]), comm.allgather_async(a),
                    comm.allreduce_async(b)]
         assert [on_the_worker_without_python(h) for h in handles] == [False, False, True]
         assert bitwise_equal(handles[2].wait(), expected[2])
