@@ -2238,8 +2238,12 @@ def test_float16_sums_of_micro_batches_past_65504_average_to_what_float16_holds(
             opt.step(grads)
     opt.step(grads)
     average = 100 * (1000.0 - 500.0 * (SIZE - 1)) / SIZE
+    # (bf16 rounds every partial sum of the ring to 8 bits, and those are larger than
+    # the average, which the others' sums cancel in part: on 8 ranks 0.9% off.)
+    rtol = SIZE * 2 ** -8 if compression == "bf16" else 2 ** -7
     for p in params:
-        np.testing.assert_allclose(-p.astype(np.float64), average, rtol=2 ** -7)
+        assert np.all(np.isfinite(p))
+        np.testing.assert_allclose(-p.astype(np.float64), average, rtol=rtol)
 
 
 @pytest.mark.parametrize("compression", [None, "fp16", "powersgd"])
