@@ -228,6 +228,45 @@ bool acquire_running(RunningLock& lock, bool blocking, std::optional<double> tim
   return held;
 }
 
+// The call whose wait() this thread runs queued calls for (CallQueue::run_here()), and
+// whether Ctrl-C stopped one queued before it that the Python layer queued: Python's
+// handler then raised KeyboardInterrupt inside that call (this being the main thread),
+// which kept it as its own error, so that nothing else would raise it (see run_for_wait()).
+thread_local const CallQueue::Call* waited_call = nullptr;
+thread_local bool interrupted_earlier_call = false;
+
+// For a wait() without a timeout: runs `target`, after the calls queued before it, in
+// this thread where the worker has not started them and they may run here (see
+// CallQueue::run_here()), up to a Ctrl-C; whether it ran target. Ctrl-C raises
+// KeyboardInterrupt here, also where it stopped a call before target (whose handle
+// raises what the worker's would), not target's error from the worker later.
+// after: run with the GIL before anything is raised.
+template <typename After>
+bool run_for_wait(const std::weak_ptr<CallQueue::State>& queue, const CallQueue::Call& target,
+                  After after) {
+  const uint64_t interrupts = sigints.load(std::memory_order_relaxed);
+  const CallQueue::Call* const outer = waited_call;
+  waited_call = &target;
+  interrupted_earlier_call = false;
+  bool ran;
+  {
+    WithoutGil nogil;
+    ran = CallQueue::run_here(queue, target, [&] {
+      return sigints.load(std::memory_order_relaxed) != interrupts;
+    });
+  }
+  waited_call = outer;
+  const bool interrupted = interrupted_earlier_call;
+  interrupted_earlier_call = false;
+  after();
+  if (PyErr_CheckSignals() != 0) throw py::error_already_set();
+  if (interrupted) {
+    PyErr_SetNone(PyExc_KeyboardInterrupt);
+    throw py::error_already_set();
+  }
+  return ran;
+}
+
 // A call the Python layer queued: its _Work, whose execute() runs it (and keeps its
 // result or error), with the GIL.
 class PythonCall : public CallQueue::Call {
@@ -255,6 +294,7 @@ class PythonCall : public CallQueue::Call {
     PyObject* done = PyObject_CallMethod(work, "execute", nullptr);
     if (done == nullptr) PyErr_WriteUnraisable(work);  // (execute() catches everything)
     Py_XDECREF(done);
+    if (waited_call != nullptr && waited_call != this) note_interrupt(work);
     Py_DECREF(work);  // not kept until the next call comes: its result may be big
     later_releases.flush();
     ran_.store(true, std::memory_order_release);
@@ -273,6 +313,22 @@ class PythonCall : public CallQueue::Call {
   }
 
  private:
+  // Run by a wait() for a call queued after it: if Ctrl-C raised KeyboardInterrupt in
+  // it, that wait raises it (run_for_wait()), and the call's own wait() what the
+  // worker's would (work.interrupt_raised).
+  static void note_interrupt(PyObject* work) {
+    PyObject* error = PyObject_GetAttrString(work, "error");
+    if (error == nullptr) {
+      PyErr_Clear();
+      return;
+    }
+    if (PyErr_GivenExceptionMatches(error, PyExc_KeyboardInterrupt)) {
+      interrupted_earlier_call = true;
+      if (PyObject_SetAttrString(work, "interrupt_raised", Py_True) != 0) PyErr_Clear();
+    }
+    Py_DECREF(error);
+  }
+
   static thread_local bool python_state_kept;
   PyObject* work_;  // (owned)
   const bool anywhere_;
@@ -292,17 +348,10 @@ class QueuedPythonCall {
   bool run_here() {
     std::shared_ptr<PythonCall> call = call_.lock();  // (none: it ran, and left)
     if (call == nullptr || !call->runs_anywhere()) return false;
-    const uint64_t interrupts = sigints.load(std::memory_order_relaxed);
-    bool ran;
-    {
-      WithoutGil nogil;
-      ran = CallQueue::run_here(queue_, *call, [&] {
-        return sigints.load(std::memory_order_relaxed) != interrupts;
-      });
-    }
-    call.reset();  // (with the GIL: the last reference may hold its _Work)
-    later_releases.flush();
-    return ran;
+    return run_for_wait(queue_, *call, [&] {
+      call.reset();  // (with the GIL: the last reference may hold its _Work)
+      later_releases.flush();
+    });
   }
   // For a wait() with a timeout, which leaves the call to the worker: wakes a worker
   // taking its turn (push() did not, for a call that may run anywhere).
@@ -393,14 +442,7 @@ class AsyncCall : public CallQueue::Call {
       // Where the worker has not started it, this thread runs it, after the calls
       // queued before it (CallQueue::run_here()), up to a Ctrl-C, which stops a call it
       // runs as it would stop one on the worker, and is raised here as from any wait.
-      const uint64_t interrupts = sigints.load(std::memory_order_relaxed);
-      {
-        WithoutGil nogil;
-        CallQueue::run_here(queue_, *this, [&] {
-          return sigints.load(std::memory_order_relaxed) != interrupts;
-        });
-      }
-      if (PyErr_CheckSignals() != 0) throw py::error_already_set();
+      run_for_wait(queue_, *this, [] {});
     } else if (!done()) {
       CallQueue::wake_worker(queue_);  // (a wait with a timeout leaves it to the worker)
     }

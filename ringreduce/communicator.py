@@ -242,7 +242,10 @@ class Handle:
                 if self._error is None:
                     self._error = RuntimeError(f"{self._context}: interrupted (SIGINT) on this "
                                                "rank, which is leaving the communicator")
-            raise
+            if not getattr(work, "interrupt_raised", False):
+                raise
+            # (Raised by the wait of a later call, which ran this one: not twice.)
+            raised = frames = None
         except Exception as error:  # (the core's error is made anew each time)
             raised = t.renamed(error, self._ran, self._context.split(" (rank ")[0])
             # Its traceback begins with this wait() and outcome(), and each raise puts
@@ -260,7 +263,8 @@ class Handle:
 
 
 class _Work:
-    __slots__ = ("core", "run", "result", "error", "finished", "cancelled", "pid", "queued")
+    __slots__ = ("core", "run", "result", "error", "finished", "cancelled", "pid", "queued",
+                 "interrupt_raised")
 
     def __init__(self, core, run, pid):
         self.pid = pid  # the process whose worker thread runs it
@@ -271,6 +275,9 @@ class _Work:
         self.finished = threading.Event()
         self.cancelled = None  # the error to raise instead, if set before it starts
         self.queued = None  # its place in the worker's queue, once there (the core sets it)
+        # Its error, a KeyboardInterrupt, was raised by the wait() of a call queued after
+        # it, which ran it (the core sets it): its own wait() raises what the worker's would.
+        self.interrupt_raised = False
 
     def done(self) -> bool:
         return self.finished.is_set()

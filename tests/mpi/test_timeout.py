@@ -587,6 +587,43 @@ def test_ctrl_c_stops_a_call_that_waits_for_ranks_that_will_not_come(mode, wire,
 
 
 @needs_two
+@pytest.mark.parametrize("waited", ["FastPath", "Python"])
+def test_ctrl_c_in_an_earlier_python_call_that_a_wait_runs_raises_from_that_wait(
+        waited, world, monkeypatch):
+    # A wait() runs the calls queued before its own in its thread (CallQueue::run_here).
+    # Where Ctrl-C stops one of them that the Python layer queued, Python's handler
+    # raises KeyboardInterrupt inside it, which that call kept as its own error: the
+    # wait that ran it raised nothing, left its own call to the worker and raised what
+    # that call met there (RuntimeError, the rank having left), or, with the worker
+    # held, waited for it. It must raise KeyboardInterrupt, as where the worker runs
+    # the calls; the interrupted call's own wait raises what the worker's would.
+    ring = a_ring_over("shared memory", monkeypatch)
+    if not ring._executor.threaded:
+        pytest.skip("MPI without MPI_THREAD_MULTIPLE: asynchronous calls run inline")
+    ring.timeout = 60
+    x = np.full(1 << 16, 1.0, np.float32)
+    if RANK == 0:
+        with ctrl_c_soon():
+            with worker_held(ring) as calls:
+                first = ring.allreduce_async(async_input("Python"))
+                second = ring.allreduce_async(async_input(waited))
+                assert queued_by("Python", first) and queued_by(waited, second)
+                with pytest.raises(KeyboardInterrupt):
+                    second.wait()
+                assert calls.run_by_callers == 1
+        assert ring._core.departed
+        for handle in (first, second):
+            with pytest.raises(RuntimeError, match=r"interrupted \(SIGINT\)"):
+                handle.wait(10)
+        world.Barrier()
+    else:
+        world.Barrier()
+        raised_within(10, r"rank 0 has left this communicator", lambda: ring.allreduce(x))
+    closes_at_once(ring)
+    world.Barrier()
+
+
+@needs_two
 def test_ctrl_c_still_stops_a_call_after_signal_signal_replaced_the_handler(world):
     # signal.signal(SIGINT, ...) after importing ringreduce replaces the handler that
     # counts SIGINTs for the core; making a Communicator puts it back in front.
