@@ -514,6 +514,14 @@ class Executor {
   int64_t turns_unwoken() const { return queue_.turns_unwoken(); }
   void hold_worker(bool held) { queue_.hold_worker(held); }
   void drain() {
+    // Inside a call this thread runs for its wait() (a signal handler that closes the
+    // Communicator, run in the middle of a call of the Python layer's): nothing else
+    // runs before that call returns, which it cannot while this waits. So this goes
+    // on, as in a blocking call; the calls queued behind it run after.
+    if (queue_.helping_here()) {
+      later_releases.flush();
+      return;
+    }
     wait_interruptibly(std::nullopt, [&] { return queue_.pending() == 0; },
                        [&](double slice) { return queue_.wait_idle(slice); });
     later_releases.flush();

@@ -81,6 +81,11 @@ bool CallQueue::started() const {
   return state_->thread != nullptr;
 }
 
+bool CallQueue::helping_here() const {
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  return state_->helping && state_->helper == std::this_thread::get_id();
+}
+
 bool CallQueue::detached_alive() const {
   std::lock_guard<std::mutex> lock(state_->mutex);
   return state_->detached_alive > 0;
@@ -136,7 +141,9 @@ void CallQueue::stop(bool wait) {
     thread = std::move(s.thread);
     // Marked together with `stopping`: a worker that finds the queue empty the moment
     // the lock is let go must see that no stop() will join it (and clear the flags).
-    detach = !wait || thread->get_id() == std::this_thread::get_id();
+    // (The worker waits for a helping caller: that one cannot wait for it.)
+    detach = !wait || thread->get_id() == std::this_thread::get_id() ||
+             (s.helping && s.helper == std::this_thread::get_id());
     if (detach) {
       s.detached = true;
       ++s.detached_alive;
@@ -172,11 +179,13 @@ bool CallQueue::run_here(const std::weak_ptr<State>& queue, const Call& target,
     const bool was_worker = worker_thread;
     explicit Helping(State& state) : s(state) {
       s.helping = true;
+      s.helper = std::this_thread::get_id();
       worker_thread = true;  // (what the calls let go of goes where the worker's does)
     }
     ~Helping() {  // (under the lock: run_holding() throws nothing)
       worker_thread = was_worker;
       s.helping = false;
+      s.helper = std::thread::id();
       s.caller_ran_calls = true;
       if ((!s.queue.empty() && s.worker_waits_for_caller) || s.stopping) s.work.notify_all();
     }

@@ -79,6 +79,7 @@ class CallQueue {
     std::condition_variable changed;  // a call left the queue (for wait_idle())
     std::condition_variable work;     // for the worker: a call to run, or stop
     bool helping = false;             // a caller runs queued calls (run_here())
+    std::thread::id helper;           // which (while helping)
     int64_t run_by_callers = 0;       // calls run_here() ran
     int64_t turns_unwoken = 0;        // calls push() queued without waking the worker
     bool worker_held = false;         // (hold_worker())
@@ -139,7 +140,8 @@ class CallQueue {
   void for_each_waiting(const std::function<void(Call&)>& f);
   // Lets the queued calls run, then ends the worker thread (push() starts a new one).
   // With wait=false, or called by the worker itself (a call that drops the last
-  // reference to its communicator), it returns at once, and the thread ends after the
+  // reference to its communicator) or by a caller inside a call it runs for the worker
+  // (helping_here(): a signal handler's close()), it returns at once, and the thread ends after the
   // queue is empty (detached_alive() until then): a communicator dropped with calls in
   // flight must not wait for them, as they may wait for ranks that wait for what this
   // thread does next. In a child made by fork(), where the thread does not exist, it
@@ -147,6 +149,11 @@ class CallQueue {
   void stop(bool wait = true);
   // Whether a thread that stop() left to end on its own is still running.
   bool detached_alive() const;
+  // Whether this thread is running queued calls (run_here()), and so inside one of them
+  // (a signal handler's Python, run in the middle of a call of the Python layer's): the
+  // queue cannot empty before it returns, nor the worker take over; stop() then leaves
+  // the worker to end on its own.
+  bool helping_here() const;
   const std::shared_ptr<RunningLock>& running() const { return state_->running; }
 
   // For a caller about to wait for `target`: if the worker has not started the call at

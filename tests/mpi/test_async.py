@@ -772,6 +772,66 @@ def test_close_from_a_signal_handler_in_the_middle_of_a_call_does_not_hang():
         signal.signal(signal.SIGALRM, previous)
 
 
+def _signalling_after_its_call(comm, signum):
+    """comm's next allreduce of the general path raises signum in the middle of its
+    call (once the core is done), where Python runs that signal's handler."""
+    prepare = comm._prepare_allreduce
+
+    def signalling(*args):
+        run = prepare(*args)
+
+        def run_then_signal():
+            result = run()
+            signal.raise_signal(signum)  # (its handler runs here, in this call)
+            return result
+
+        return run_then_signal
+
+    comm._prepare_allreduce = signalling
+
+
+class _Hung(Exception):
+    pass
+
+
+def test_close_from_a_signal_handler_in_a_call_that_a_wait_runs_does_not_hang(world):
+    # A wait() runs the Python layer's calls on host arrays in its own thread; Python
+    # runs the main thread's signal handlers in the middle of such a call, as in a
+    # blocking call. A handler that closes the Communicator there waited for good for
+    # the queue to empty, the call it waited for being its own thread's (and the
+    # worker waiting for that thread); it must close as from a blocking call: the call
+    # goes on and ends, and the calls queued after it raise at their wait.
+    comm = rr.Communicator(timeout=60)
+    needs_a_worker(comm)
+    x = rank_data(np.dtype(np.float64), 4000)
+    expected = comm.allreduce(x[::2])
+
+    def hung(signum, frame):
+        raise _Hung("close() from the signal handler did not return within 10 s")
+
+    previous = signal.signal(signal.SIGUSR1, lambda signum, frame: comm.close())
+    previous_usr2 = signal.signal(signal.SIGUSR2, hung)
+    watchdog = threading.Timer(10, signal.pthread_kill,
+                               (threading.main_thread().ident, signal.SIGUSR2))
+    try:
+        with worker_held(comm) as calls:
+            _signalling_after_its_call(comm, signal.SIGUSR1)
+            handle = comm.allreduce_async(x[::2])
+            later = comm.allreduce_async(x)
+            assert [on_the_worker_without_python(h) for h in (handle, later)] == [False, True]
+            watchdog.start()
+            assert bitwise_equal(handle.wait(), expected)
+            assert calls.run_by_callers == 1
+        assert comm.closed
+        with pytest.raises(ValueError, match="closed"):
+            later.wait(10)
+    finally:
+        watchdog.cancel()
+        signal.signal(signal.SIGUSR1, previous)
+        signal.signal(signal.SIGUSR2, previous_usr2)
+        comm.close()
+
+
 @pytest.mark.parametrize("wire", ["shared memory", "MPI"])
 def test_threads_each_with_a_communicator_of_their_own_run_at_once(wire, world, monkeypatch):
     # What api.md tells threads to do: a Communicator each. Each thread's calls pair
