@@ -229,39 +229,41 @@ bool acquire_running(RunningLock& lock, bool blocking, std::optional<double> tim
 }
 
 // The call whose wait() this thread runs queued calls for (CallQueue::run_here()), and
-// whether Ctrl-C stopped one queued before it that the Python layer queued: Python's
-// handler then raised KeyboardInterrupt inside that call (this being the main thread),
-// which kept it as its own error, so that nothing else would raise it (see run_for_wait()).
+// what a signal handler raised (KeyboardInterrupt on Ctrl-C, SystemExit, ...: not an
+// Exception) inside one queued before it that the Python layer queued, which this
+// thread ran (Python runs the main thread's handlers there): that call kept it as its
+// own error, so that nothing else would raise it (see run_for_wait()). Owned.
 thread_local const CallQueue::Call* waited_call = nullptr;
-thread_local bool interrupted_earlier_call = false;
+thread_local PyObject* raised_in_earlier_call = nullptr;
 
 // For a wait() without a timeout: runs `target`, after the calls queued before it, in
 // this thread where the worker has not started them and they may run here (see
 // CallQueue::run_here()), up to a Ctrl-C; whether it ran target. Ctrl-C raises
 // KeyboardInterrupt here, also where it stopped a call before target (whose handle
-// raises what the worker's would), not target's error from the worker later.
-// after: run with the GIL before anything is raised.
+// raises what the worker's would), not target's error from the worker later; so does
+// what another signal's handler raised in such a call, after which the calls left go
+// to the worker. after: run with the GIL before anything is raised.
 template <typename After>
 bool run_for_wait(const std::weak_ptr<CallQueue::State>& queue, const CallQueue::Call& target,
                   After after) {
   const uint64_t interrupts = sigints.load(std::memory_order_relaxed);
   const CallQueue::Call* const outer = waited_call;
   waited_call = &target;
-  interrupted_earlier_call = false;
   bool ran;
   {
     WithoutGil nogil;
-    ran = CallQueue::run_here(queue, target, [&] {
-      return sigints.load(std::memory_order_relaxed) != interrupts;
+    ran = CallQueue::run_here(queue, target, [&] {  // (after a call a handler raised in)
+      return sigints.load(std::memory_order_relaxed) != interrupts ||
+             raised_in_earlier_call != nullptr;
     });
   }
   waited_call = outer;
-  const bool interrupted = interrupted_earlier_call;
-  interrupted_earlier_call = false;
+  py::object raised = py::reinterpret_steal<py::object>(raised_in_earlier_call);
+  raised_in_earlier_call = nullptr;
   after();
   if (PyErr_CheckSignals() != 0) throw py::error_already_set();
-  if (interrupted) {
-    PyErr_SetNone(PyExc_KeyboardInterrupt);
+  if (raised) {
+    PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(raised.ptr())), raised.ptr());
     throw py::error_already_set();
   }
   return ran;
@@ -313,17 +315,21 @@ class PythonCall : public CallQueue::Call {
   }
 
  private:
-  // Run by a wait() for a call queued after it: if Ctrl-C raised KeyboardInterrupt in
-  // it, that wait raises it (run_for_wait()), and the call's own wait() what the
-  // worker's would (work.interrupt_raised).
+  // Run by a wait() for a call queued after it: if a signal handler raised in it (see
+  // raised_in_earlier_call), that wait raises it (run_for_wait()); a KeyboardInterrupt,
+  // the call's own wait() then raises what the worker's would (work.interrupt_raised).
   static void note_interrupt(PyObject* work) {
     PyObject* error = PyObject_GetAttrString(work, "error");
     if (error == nullptr) {
       PyErr_Clear();
       return;
     }
-    if (PyErr_GivenExceptionMatches(error, PyExc_KeyboardInterrupt)) {
-      interrupted_earlier_call = true;
+    if (PyExceptionInstance_Check(error) &&
+        !PyErr_GivenExceptionMatches(error, PyExc_Exception)) {
+      if (raised_in_earlier_call == nullptr) {  // (the wait runs no more calls)
+        Py_INCREF(error);
+        raised_in_earlier_call = error;
+      }
       if (PyObject_SetAttrString(work, "interrupt_raised", Py_True) != 0) PyErr_Clear();
     }
     Py_DECREF(error);

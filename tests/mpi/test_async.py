@@ -790,6 +790,40 @@ def _signalling_after_its_call(comm, signum):
     comm._prepare_allreduce = signalling
 
 
+def test_what_a_signal_handler_raises_in_a_call_a_wait_runs_for_a_later_one_is_raised_there(
+        world):
+    # Python runs the main thread's signal handlers in the middle of the Python layer's
+    # calls that a wait() runs. What one raised there (SystemExit, from a SIGTERM
+    # handler say) was kept as that call's error, and the wait of a later call went on
+    # as if nothing had happened (the program did not exit). The wait raises it, and
+    # runs no more calls (as a wait the worker's calls keep waiting raises it at once).
+    comm = rr.Communicator(timeout=60)
+    needs_a_worker(comm)
+    x = rank_data(np.dtype(np.float64), 4000)
+    expected = comm.allreduce(x)
+    comm.allreduce(x[::2])  # (the dtype and op seen: the second goes on from the FastPath)
+
+    def exiting(signum, frame):
+        raise SystemExit(3)
+
+    previous = signal.signal(signal.SIGUSR1, exiting)
+    try:
+        with worker_held(comm) as calls:
+            _signalling_after_its_call(comm, signal.SIGUSR1)
+            first = comm.allreduce_async(x[::2])
+            second = comm.allreduce_async(x)
+            assert [on_the_worker_without_python(h) for h in (first, second)] == [False, True]
+            with pytest.raises(SystemExit, match="3"):
+                second.wait()
+            assert calls.run_by_callers == 1
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    assert bitwise_equal(second.wait(), expected)  # (the worker's)
+    with pytest.raises(SystemExit, match="3"):
+        first.wait()
+    comm.close()
+
+
 class _Hung(Exception):
     pass
 
