@@ -542,7 +542,8 @@ def ctrl_c_soon():
 @needs_two
 @pytest.mark.parametrize("wire", ["shared memory", "MPI"])
 @pytest.mark.parametrize("mode", ["blocking", "async, FastPath", "async, Python",
-                                  "async, FastPath, run by wait()"])
+                                  "async, FastPath, run by wait()",
+                                  "async, Python, run by wait()"])
 def test_ctrl_c_stops_a_call_that_waits_for_ranks_that_will_not_come(mode, wire, world,
                                                                     monkeypatch):
     # Rank 0 calls alone; a SIGINT to it (Ctrl-C) stops the call at its next look around
