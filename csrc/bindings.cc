@@ -553,6 +553,7 @@ class Executor {
     later_releases.flush();
   }
   bool detached_alive() const { return queue_.detached_alive(); }
+  bool helping_here() const { return queue_.helping_here(); }
   std::shared_ptr<RunningLock> running() const { return queue_.running(); }
 
  private:
@@ -1532,6 +1533,9 @@ PYBIND11_MODULE(_core, m) {
       .def("stop", &Executor::stop, "let queued calls run, then end the worker thread")
       .def("stop_later", &Executor::stop_later,
            "the worker thread ends once the queued calls have run; returns at once")
+      .def("helping_here", &Executor::helping_here,
+           "whether this thread is inside a queued call it runs for its wait() (a signal "
+           "handler's Python, in the middle of the Python layer's call)")
       .def_property_readonly("detached_alive", &Executor::detached_alive,
                              "whether a thread stop_later() left is still running")
       .def_property_readonly("running", &Executor::running);

@@ -1320,13 +1320,17 @@ class Communicator:
         allreduce_async's). Raises ValueError once another thread's close() has begun."""
         executor = self._executor
         handle_context = handle_context or self._async_context
-        if at_once and not executor.in_flight:
-            # Nothing in flight: run in this thread, the cheapest way. The lock keeps
-            # the worker from starting a newly queued item meanwhile.
+        # Nothing in flight: run in this thread, the cheapest way; the same inside a
+        # call this thread runs for its wait() (a signal handler's call, made in the
+        # middle of one of the Python layer's), which, queued, would wait for good
+        # behind that call: then it runs here and now, as inside a blocking call.
+        calls = executor.calls
+        if at_once and (not executor.in_flight or calls.helping_here()):
+            # The lock keeps the worker from starting a newly queued item meanwhile.
             with executor.running:
-                if executor.calls.refusing():
+                if calls.refusing():
                     raise self._closed_error(context)
-                if not executor.in_flight:
+                if not executor.in_flight or calls.helping_here():
                     if wait:
                         return keeping_on_departure(self._core, run)
                     # An error is raised by wait(), as the worker's would be; but

@@ -773,11 +773,12 @@ def test_close_from_a_signal_handler_in_the_middle_of_a_call_does_not_hang():
 
 
 def _signalling_after_its_call(comm, signum):
-    """comm's next allreduce of the general path raises signum in the middle of its
-    call (once the core is done), where Python runs that signal's handler."""
+    """comm's next allreduce of the general path (only that one) raises signum in the
+    middle of its call (once the core is done), where Python runs that signal's handler."""
     prepare = comm._prepare_allreduce
 
     def signalling(*args):
+        del comm._prepare_allreduce  # (the class's again)
         run = prepare(*args)
 
         def run_then_signal():
@@ -864,6 +865,49 @@ def test_close_from_a_signal_handler_in_a_call_that_a_wait_runs_does_not_hang(wo
         signal.signal(signal.SIGUSR1, previous)
         signal.signal(signal.SIGUSR2, previous_usr2)
         comm.close()
+
+
+@pytest.mark.parametrize("call", ["allreduce, FastPath", "allreduce, Python", "allgather"])
+def test_a_blocking_call_from_a_signal_handler_in_a_call_that_a_wait_runs_does_not_hang(
+        call, world):
+    # As close() above: a handler that makes a blocking call on the Communicator in
+    # the middle of a call that a wait() runs (to agree on a checkpoint at SIGTERM,
+    # say, every rank's handler coming at the same point) queued it behind that call
+    # and waited for the worker, which waited for this thread. It runs there and then,
+    # as from a blocking call.
+    comm = rr.Communicator(timeout=60)
+    needs_a_worker(comm)
+    x = rank_data(np.dtype(np.float64), 4000)
+    expected = comm.allreduce(x[::2])
+    y = np.full(3, float(RANK + 1))
+    made = {"allreduce, FastPath": lambda: comm.allreduce(y),
+            "allreduce, Python": lambda: comm.allreduce(y[::-1]),
+            "allgather": lambda: comm.allgather(y)}[call]
+    in_handler = []
+
+    def hung(signum, frame):
+        raise _Hung("the blocking call from the signal handler did not return within 10 s")
+
+    previous = signal.signal(signal.SIGUSR1, lambda signum, frame: in_handler.append(made()))
+    previous_usr2 = signal.signal(signal.SIGUSR2, hung)
+    watchdog = threading.Timer(10, signal.pthread_kill,
+                               (threading.main_thread().ident, signal.SIGUSR2))
+    try:
+        with worker_held(comm):
+            _signalling_after_its_call(comm, signal.SIGUSR1)
+            handle = comm.allreduce_async(x[::2])
+            later = comm.allreduce_async(x)
+            watchdog.start()
+            assert bitwise_equal(handle.wait(), expected)
+    finally:
+        watchdog.cancel()
+        signal.signal(signal.SIGUSR1, previous)
+        signal.signal(signal.SIGUSR2, previous_usr2)
+    total = SIZE * (SIZE + 1) / 2
+    want = np.full(3, total) if call != "allgather" else np.repeat(np.arange(1.0, SIZE + 1), 3)
+    assert len(in_handler) == 1 and (in_handler[0] == want).all()
+    assert bitwise_equal(later.wait(), comm.allreduce(x))
+    comm.close()
 
 
 @pytest.mark.parametrize("wire", ["shared memory", "MPI"])
