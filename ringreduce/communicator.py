@@ -275,8 +275,9 @@ class _Work:
         self.finished = threading.Event()
         self.cancelled = None  # the error to raise instead, if set before it starts
         self.queued = None  # its place in the worker's queue, once there (the core sets it)
-        # Its error, a KeyboardInterrupt, was raised by the wait() of a call queued after
-        # it, which ran it (the core sets it): its own wait() raises what the worker's would.
+        # Its error, what a signal handler raised in it (KeyboardInterrupt, SystemExit),
+        # was raised by the wait() of a call queued after it, which ran it (the core sets
+        # it): its own wait() raises what the worker's would for a KeyboardInterrupt.
         self.interrupt_raised = False
 
     def done(self) -> bool:
