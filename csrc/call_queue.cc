@@ -34,6 +34,7 @@ bool CallQueue::push(std::shared_ptr<Call> call) {
     // for an 8-byte call and its wait on 2 ranks).
     wake = !(s.worker_takes_a_turn && call->runs_anywhere());
     if (!wake) ++s.turns_unwoken;
+    if (!call->runs_anywhere()) s.worker_called = true;  // (a call only it may run)
     s.queue.push_back(std::move(call));
     // (While stop() waits, its thread runs this call before it ends.)
     if (s.thread == nullptr && !s.stopping) {
@@ -65,8 +66,8 @@ void CallQueue::wake_worker(const std::weak_ptr<State>& queue) {
   State& s = *state;
   {
     std::lock_guard<std::mutex> lock(s.mutex);
+    s.worker_called = true;  // (also for a turn about to begin: see loop())
     if (!s.worker_takes_a_turn) return;
-    s.worker_called = true;
   }
   s.work.notify_all();
 }
@@ -270,7 +271,6 @@ void CallQueue::loop(const std::shared_ptr<State>& state) {
           // this turn). It ends early where a wait with a timeout leaves its call to
           // this thread (wake_worker()), or a call that needs this thread is queued.
           s.caller_ran_calls = false;
-          s.worker_called = false;
           s.worker_takes_a_turn = true;
           s.work.wait_for(lock, kGilCallerTurn,
                           [&] { return !ready() || s.stopping || s.worker_called; });
@@ -296,6 +296,7 @@ void CallQueue::loop(const std::shared_ptr<State>& state) {
       call = s.queue.front();
       s.front_started = true;
       s.caller_ran_calls = false;
+      s.worker_called = false;  // (whoever called it, it has come)
     }
     run_holding(*s.running, *call);
     // Let go of it before it leaves the queue: whoever waits for the queue to empty then

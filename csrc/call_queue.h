@@ -86,7 +86,7 @@ class CallQueue {
     bool worker_waits_for_caller = false;  // to be woken when run_here() ends
     bool worker_takes_a_turn = false;      // looks again within a turn (loop())
     bool caller_ran_calls = false;         // since the worker last took one (loop())
-    bool worker_called = false;            // by wake_worker(), during a turn
+    bool worker_called = false;  // by wake_worker(), or a call only it may run: no turn
     std::deque<std::shared_ptr<Call>> queue;  // the front one is running, or next
     bool front_started = false;
     bool stopping = false;
