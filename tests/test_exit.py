@@ -388,6 +388,10 @@ if comm.rank == 1:
 x = Holding((1 << 16,))
 x[...] = 1.0
 x.comm = comm  # only the first call's input holds the Communicator on rank 0
+if WAIT is None and comm.rank == 0:  # the waits run the calls (the worker takes none)
+    calls = comm._executor.calls
+    calls.hold_worker(True)
+    threading.Timer(2, calls.hold_worker, (False,)).start()  # (for what is left after)
 handles = [comm.allreduce_async(x), comm.allreduce_async(np.full(8, 2.0)),
            comm.allreduce_async(np.full(8, 3.0))]
 kept = comm if comm.rank == 1 else None
