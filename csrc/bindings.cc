@@ -663,18 +663,9 @@ class FastPath {
     later_releases.flush();
     py::object result = out.is_none() ? new_result(a, 1, &count) : py::reinterpret_borrow<py::object>(out);
     if (!result) return py::none();
-    py::object work = py::none();  // (the Python layer's _Scratch, which runs serialise)
-    void* workspace = Array(result).data;
-    if (!inline_call) {
-      work = py::reinterpret_steal<py::object>(
-          PyObject_CallFunction(scratch_get_.ptr(), "L", static_cast<long long>(a.nbytes())));
-      if (!work) {
-        clear_memory_error();
-        return py::none();
-      }
-      if (!is_plain(work) || Array(work).nbytes() < a.nbytes()) return py::none();
-      workspace = Array(work).data;
-    }
+    py::object work = reduce_scatter_workspace(a, inline_call, result);
+    if (!work) return py::none();
+    void* workspace = Array(work).data;
     RingCommunicator* ring = core_;
     const void* input = a.data;
     void* output = Array(result).data;
@@ -726,17 +717,8 @@ class FastPath {
     const int64_t chunk = chunk_bytes;  // (read here, with the GIL)
     py::object result = out.is_none() ? new_result(a, 1, &count) : py::reinterpret_borrow<py::object>(out);
     if (!result) return py::none();
-    // The ring's workspace, as big as x: the one the Python layer keeps (its _Scratch).
-    py::object work = result;
-    if (!inline_call) {
-      work = py::reinterpret_steal<py::object>(
-          PyObject_CallFunction(scratch_get_.ptr(), "L", static_cast<long long>(a.nbytes())));
-      if (!work) {
-        clear_memory_error();
-        return py::none();
-      }
-      if (!is_plain(work) || Array(work).nbytes() < a.nbytes()) return py::none();
-    }
+    py::object work = reduce_scatter_workspace(a, inline_call, result);
+    if (!work) return py::none();
     void* dst = Array(result).data;
     void* workspace = Array(work).data;
     keeping_on_departure(*core_, {x, result, work}, [&] {
@@ -863,6 +845,22 @@ class FastPath {
   // while the core runs the call, so that the worker thread (or another caller) does not
   // run one meanwhile. (Not "nothing queued": after a wait, the call waited for may be
   // on the queue still.)
+  // reduce_scatter's workspace, as big as x: the one the Python layer keeps (its
+  // _Scratch, which the executor's runs serialise), or the result itself for a call
+  // that rides in the header exchange; a null object where the Python layer must serve
+  // the call (no memory for it, say).
+  py::object reduce_scatter_workspace(const Array& a, bool inline_call, py::handle result) {
+    if (inline_call) return py::reinterpret_borrow<py::object>(result);
+    py::object work = py::reinterpret_steal<py::object>(
+        PyObject_CallFunction(scratch_get_.ptr(), "L", static_cast<long long>(a.nbytes())));
+    if (!work) {
+      clear_memory_error();
+      return py::object();
+    }
+    if (!is_plain(work) || Array(work).nbytes() < a.nbytes()) return py::object();
+    return work;
+  }
+
   struct Running {
     explicit Running(FastPath& path) : lock(*path.executor_->running()) {
       later_releases.flush();  // (what finished calls let go of, big results too)
