@@ -682,13 +682,9 @@ class FastPath {
   py::object broadcast_async(py::handle x, py::handle root_object) {
     if (core_->closed() || core_->size() == 1 || !threaded_) return py::none();
     int dtype;
-    if (!is_plain(x) || !PyLong_CheckExact(root_object.ptr()) || !dtype_code(x, &dtype))
-      return py::none();
-    int overflow = 0;
-    const long root = PyLong_AsLongAndOverflow(root_object.ptr(), &overflow);
-    if (overflow || root < 0 || root >= core_->size()) return py::none();
+    long root;
+    if (!broadcast_arguments(x, root_object, &dtype, &root)) return py::none();
     const Array a(x);
-    if (!a.writeable() && root != core_->rank()) return py::none();  // (root only reads)
     later_releases.flush();
     RingCommunicator* ring = core_;
     void* data = a.data;
@@ -790,14 +786,9 @@ class FastPath {
 
   py::object broadcast(py::handle x, py::handle root_object) {
     int dtype;
-    if (!is_plain(x) || !PyLong_CheckExact(root_object.ptr()) || !dtype_code(x, &dtype))
-      return py::none();
-    int overflow = 0;
-    const long root = PyLong_AsLongAndOverflow(root_object.ptr(), &overflow);
-    if (overflow || root < 0 || root >= core_->size()) return py::none();
+    long root;
+    if (!broadcast_arguments(x, root_object, &dtype, &root)) return py::none();
     const Array a(x);
-    // The root only reads its x, which may be read-only.
-    if (!a.writeable() && root != core_->rank()) return py::none();
     Running running(*this);
     if (!running.held) return py::none();
     const int64_t chunk = chunk_bytes;  // (read here, with the GIL)
@@ -845,6 +836,18 @@ class FastPath {
   // while the core runs the call, so that the worker thread (or another caller) does not
   // run one meanwhile. (Not "nothing queued": after a wait, the call waited for may be
   // on the queue still.)
+  // x and root as the Python layer would take them for a broadcast; their codes.
+  bool broadcast_arguments(py::handle x, py::handle root_object, int* dtype,
+                           long* root) const {
+    if (!is_plain(x) || !PyLong_CheckExact(root_object.ptr()) || !dtype_code(x, dtype))
+      return false;
+    int overflow = 0;
+    *root = PyLong_AsLongAndOverflow(root_object.ptr(), &overflow);
+    if (overflow || *root < 0 || *root >= core_->size()) return false;
+    // The root only reads its x, which may be read-only.
+    return Array(x).writeable() || *root == core_->rank();
+  }
+
   // reduce_scatter's workspace, as big as x: the one the Python layer keeps (its
   // _Scratch, which the executor's runs serialise), or the result itself for a call
   // that rides in the header exchange; a null object where the Python layer must serve
