@@ -224,7 +224,7 @@ class SGD:
     """Stochastic gradient descent with momentum and L2 weight decay, as torch.optim.SGD:
     g += weight_decay * p; buf = momentum * buf + g (buf = g at first); p -= lr * buf.
     Unlike torch's, for float16 and bfloat16 parameters buf is float32 and each step is
-    computed in float32, then rounded into p once (see _moment_dtype)."""
+    computed in float32, then rounded into p once (see _kept_dtype)."""
 
     # Its settings, in the order _check_settings takes them (which state_dict() saves,
     # and DistributedOptimizer.broadcast_parameters() sends).
@@ -240,7 +240,7 @@ class SGD:
     def step(self, grads) -> None:
         grads = _check_grads(grads, self.params, "SGD.step")
         for i, (p, g) in enumerate(zip(self.params, grads)):
-            dtype = _moment_dtype(p)
+            dtype = _kept_dtype(p)
             wide = p if dtype == p.dtype else p.astype(dtype)  # (16-bit p: float32)
             g = g.astype(dtype, copy=False)
             if self.weight_decay:
@@ -277,7 +277,7 @@ class SGD:
         it: lr and momentum without weight_decay, say). `where`: what errors begin with
         (DistributedOptimizer's, naming the rank)."""
         buffers = _checked_state_arrays(state, "momentum_buffers", self.params, "SGD",
-                                        optional=True, where=where, kept_as=_moment_dtype)
+                                        optional=True, where=where, kept_as=_kept_dtype)
         lr, momentum, weight_decay = _state_values(state, self._SETTINGS, "SGD", where)
         _check_sgd_settings(lr, momentum, weight_decay, where)
         return {"lr": lr, "momentum": momentum, "weight_decay": weight_decay,
@@ -289,16 +289,17 @@ class SGD:
         self.momentum_buffers = checked["momentum_buffers"]  # (copies: see _checked)
 
 
-def _moment_dtype(p) -> np.dtype:
-    """The dtype Adam keeps p's moments in, and SGD its momentum buffer, each step
-    computed there: float32 for 16-bit parameters, else p's own. float16 rounds
-    eps=1e-8 to 0, and (1 - 0.999) * g * g to 0 for gradients under 5e-3, and a step
-    divides m by sqrt(v) + eps: m of 1e-5 over 0 sent a parameter to -inf at the first
-    step; and a momentum buffer of gradients of 1e4 (momentum 0.9: 1e5) overflowed.
-    bfloat16 keeps 8 significant bits: 0.999 * v rounds back to v, which then never
-    decays, and with momentum 0.99 and gradients of 0.1 the buffer stopped at 6.69
-    instead of 10."""
-    return np.dtype(np.float32) if p.dtype.itemsize < 4 else p.dtype
+def _kept_dtype(p) -> np.dtype:
+    """The dtype SGD keeps p's momentum buffer in, Adam its moments, and
+    DistributedOptimizer its sums over no_sync()'s micro-batches, each step computed
+    there: float32 for 16-bit parameters (compression.computing_dtype), else p's own.
+    float16 rounds eps=1e-8 to 0, and (1 - 0.999) * g * g to 0 for gradients under
+    5e-3, and a step divides m by sqrt(v) + eps: m of 1e-5 over 0 sent a parameter to
+    -inf at the first step; and a momentum buffer of gradients of 1e4 (momentum 0.9:
+    1e5) overflowed. bfloat16 keeps 8 significant bits: 0.999 * v rounds back to v,
+    which then never decays, and with momentum 0.99 and gradients of 0.1 the buffer
+    stopped at 6.69 instead of 10."""
+    return _compression.computing_dtype(p.dtype)
 
 
 class Adam:
@@ -307,7 +308,7 @@ class Adam:
     p -= lr * (m / (1 - b1 ** t)) / (sqrt(v / (1 - b2 ** t)) + eps), with (b1, b2) = betas
     and m, v starting at 0. Unlike torch's, for float16 and bfloat16 parameters m and v
     are float32 and each step is computed in float32, then rounded into p once (see
-    _moment_dtype)."""
+    _kept_dtype)."""
 
     _SETTINGS = ("lr", "betas", "eps", "weight_decay")  # (as SGD's)
     _check_settings = staticmethod(_check_adam_settings)
@@ -318,8 +319,8 @@ class Adam:
         _check_adam_settings(lr, betas, eps, weight_decay, "Adam")
         self.lr, self.betas, self.eps, self.weight_decay = lr, tuple(betas), eps, weight_decay
         self.t = 0
-        self.m = [array_module(p).zeros(p.shape, _moment_dtype(p)) for p in self.params]
-        self.v = [array_module(p).zeros(p.shape, _moment_dtype(p)) for p in self.params]
+        self.m = [array_module(p).zeros(p.shape, _kept_dtype(p)) for p in self.params]
+        self.v = [array_module(p).zeros(p.shape, _kept_dtype(p)) for p in self.params]
 
     def step(self, grads) -> None:
         grads = _check_grads(grads, self.params, "Adam.step")
@@ -353,9 +354,9 @@ class Adam:
         # (m and v in a 16-bit parameter's own dtype are taken too: a state saved before
         # they were kept in float32, or written by hand as torch's would be.)
         m = _checked_state_arrays(state, "m", self.params, "Adam", where=where,
-                                  kept_as=_moment_dtype)
+                                  kept_as=_kept_dtype)
         v = _checked_state_arrays(state, "v", self.params, "Adam", where=where,
-                                  kept_as=_moment_dtype)
+                                  kept_as=_kept_dtype)
         lr, betas, eps, weight_decay, t = _state_values(
             state, self._SETTINGS + ("t",), "Adam", where)
         _check_adam_settings(lr, betas, eps, weight_decay, where)
@@ -776,7 +777,7 @@ class DistributedOptimizer:
                     buffers[i] = None
                     continue
                 if buffers[i] is None:
-                    buffers[i] = array_module(p).zeros(p.shape, _moment_dtype(p))
+                    buffers[i] = array_module(p).zeros(p.shape, _kept_dtype(p))
                 self.comm.broadcast(buffers[i], root=root)
 
     @contextlib.contextmanager
@@ -1096,7 +1097,7 @@ class DistributedOptimizer:
         return _checked_state_arrays(saved, "sums", self.params, "DistributedOptimizer",
                                      named="state['accumulated']",
                                      where=self._where("load_state_dict"),
-                                     kept_as=lambda p: _compression.computing_dtype(p.dtype))
+                                     kept_as=_kept_dtype)
 
     def _agree_on_loading(self, checked, rejected: Exception | None = None) -> None:
         # Ranks that load different settings (each reading its own file, one of them
