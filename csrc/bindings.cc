@@ -642,8 +642,7 @@ class FastPath {
     auto call = std::make_shared<AsyncCall>(
         core_object_, core_, x, result, py::none(),
         [=] { ring->allreduce(input, output, count, DType(dtype), Op(reduce_op), chunk, check); });
-    if (!executor_->push_async(call)) return py::none();  // (being closed: Python says so)
-    return py::cast(call);
+    return queued(call);
   }
 
   // reduce_scatter(x, op, out) queued on the worker thread, as allreduce_async(); its
@@ -654,12 +653,9 @@ class FastPath {
     if (!is_plain(x) || !reduction_codes(x, op, &dtype, &reduce_op)) return py::none();
     const Array a(x);
     const int64_t n = a.size();
-    const int64_t count = RingCommunicator::segment_of(core_->rank(), core_->size(), n).count;
-    // (As reduce_scatter(): out may overlap x only where x rides in the header exchange,
-    // which copies it before out is written.)
-    const bool inline_call = core_->rides_inline(a.nbytes());
-    if (!out.is_none() && !is_plain_out(out, a, 1, &count, false, inline_call))
-      return py::none();
+    int64_t count;
+    bool inline_call;
+    if (!reduce_scatter_out(a, out, &count, &inline_call)) return py::none();
     later_releases.flush();
     py::object result = out.is_none() ? new_result(a, 1, &count) : py::reinterpret_borrow<py::object>(out);
     if (!result) return py::none();
@@ -674,8 +670,7 @@ class FastPath {
         core_object_, core_, x, result, work, [=] {
           ring->reduce_scatter(input, workspace, n, DType(dtype), Op(reduce_op), chunk, output);
         });
-    if (!executor_->push_async(call)) return py::none();
-    return py::cast(call);
+    return queued(call);
   }
 
   // broadcast(x, root) queued on the worker thread, as allreduce_async().
@@ -692,8 +687,7 @@ class FastPath {
     auto call = std::make_shared<AsyncCall>(
         core_object_, core_, x, x, py::none(),
         [=] { ring->broadcast(data, n, DType(dtype), static_cast<int>(root), chunk); });
-    if (!executor_->push_async(call)) return py::none();
-    return py::cast(call);
+    return queued(call);
   }
 
   py::object reduce_scatter(py::handle x, py::handle op, py::handle out) {
@@ -702,12 +696,9 @@ class FastPath {
     const Array a(x);
     const int64_t n = a.size();
     if (core_->size() == 1) return one_rank_copy(a, out, 1, &n);
-    const int64_t count = RingCommunicator::segment_of(core_->rank(), core_->size(), n).count;
-    // A call that rides in the header exchange copies x there before it writes out, so
-    // out may overlap x; the ring reads x while it writes, so then out must not.
-    const bool inline_call = core_->rides_inline(a.nbytes());
-    if (!out.is_none() && !is_plain_out(out, a, 1, &count, false, inline_call))
-      return py::none();
+    int64_t count;
+    bool inline_call;
+    if (!reduce_scatter_out(a, out, &count, &inline_call)) return py::none();
     Running running(*this);
     if (!running.held) return py::none();
     const int64_t chunk = chunk_bytes;  // (read here, with the GIL)
@@ -846,6 +837,24 @@ class FastPath {
     if (overflow || *root < 0 || *root >= core_->size()) return false;
     // The root only reads its x, which may be read-only.
     return Array(x).writeable() || *root == core_->rank();
+  }
+
+  // Whether out (None, or an array) is one reduce_scatter of x writes this rank's block
+  // into without the Python layer's checks; the block's length, and whether the call
+  // rides in the header exchange. Such a call copies x there before it writes out, so
+  // out may overlap x; the ring reads x while it writes, so then out must not.
+  bool reduce_scatter_out(const Array& a, py::handle out, int64_t* count,
+                          bool* inline_call) const {
+    *count = RingCommunicator::segment_of(core_->rank(), core_->size(), a.size()).count;
+    *inline_call = core_->rides_inline(a.nbytes());
+    return out.is_none() || is_plain_out(out, a, 1, count, false, *inline_call);
+  }
+
+  // An AsyncCall queued on the worker thread, for its Handle; None where calls are
+  // refused (a close began: the Python layer says so).
+  py::object queued(const std::shared_ptr<AsyncCall>& call) {
+    if (!executor_->push_async(call)) return py::none();
+    return py::cast(call);
   }
 
   // reduce_scatter's workspace, as big as x: the one the Python layer keeps (its

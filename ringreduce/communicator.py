@@ -34,6 +34,10 @@ from . import _types as t
 from ._arrays import keeping_on_departure
 
 _COLLECTIVES = dict(_core.COLLECTIVES)
+# The collectives whose _async form the core's FastPath may queue, and its method for
+# it (allgather's takes the Python layer: see FastPath in csrc/bindings.cc).
+_FAST_ASYNC = {"allreduce": "allreduce_async", "reduce_scatter": "reduce_scatter_async",
+               "broadcast": "broadcast_async"}
 # allgather outputs at least this big are confirmed (see below); each Communicator's
 # FastPath reads it when the Communicator is made (tests lower it before that).
 _CONFIRM_BYTES = 1 << 20
@@ -983,11 +987,6 @@ class Communicator:
         Neither x nor out may be touched until then. Any number may be in flight;
         they complete in the order they were started.
         """
-        fast = self._fast
-        if fast is not None:
-            call = fast.allreduce_async(x, op, out)
-            if call is not None:
-                return Handle(call, self._async_context, "ringreduce.allreduce")
         return self._call_async("allreduce", self._prepare_allreduce, x, op, out)
 
     def reduce_scatter(self, x, op="sum", out=None):
@@ -1008,12 +1007,6 @@ class Communicator:
         """Start reduce_scatter and return a Handle; ``handle.wait()`` gives this rank's
         block. As for allreduce_async, neither x nor out may be touched until then, and
         calls of every kind complete in the order they were made."""
-        fast = self._fast
-        if fast is not None:
-            call = fast.reduce_scatter_async(x, op, out)
-            if call is not None:
-                return Handle(call, self._contexts["reduce_scatter_async"],
-                              "ringreduce.reduce_scatter")
         return self._call_async("reduce_scatter", self._prepare_reduce_scatter, x, op, out)
 
     def allgather(self, x, out=None):
@@ -1048,11 +1041,6 @@ class Communicator:
     def broadcast_async(self, x, root: int = 0) -> Handle:
         """Start broadcast and return a Handle; ``handle.wait()`` returns x, then
         holding root's data. x may not be touched (on root: written) until then."""
-        fast = self._fast
-        if fast is not None:
-            call = fast.broadcast_async(x, root)
-            if call is not None:
-                return Handle(call, self._contexts["broadcast_async"], "ringreduce.broadcast")
         return self._call_async("broadcast", self._prepare_broadcast, x, root)
 
     def close(self) -> None:
@@ -1229,10 +1217,16 @@ class Communicator:
                               self._chunk_bytes, _Results.MIN_BYTES, _CONFIRM_BYTES)
 
     def _call_async(self, name, prepare, *args) -> Handle:
-        """The collective `name` made as `name`_async: its Handle, whose errors say so."""
-        handle = self._call(name, prepare, *args, wait=False,
-                            context=self._contexts[name + "_async"])
-        handle._ran = f"ringreduce.{name}"
+        """The collective `name` made as `name`_async: its Handle, whose errors say so;
+        queued by the FastPath where it takes the call, else by the Python layer."""
+        context, ran = self._contexts[name + "_async"], f"ringreduce.{name}"
+        fast, fast_async = self._fast, _FAST_ASYNC.get(name)
+        if fast is not None and fast_async is not None:
+            call = getattr(fast, fast_async)(*args)
+            if call is not None:
+                return Handle(call, context, ran)
+        handle = self._call(name, prepare, *args, wait=False, context=context)
+        handle._ran = ran
         return handle
 
     def _call(self, name, prepare, *args, wait, context=None):
