@@ -269,6 +269,49 @@ bool run_for_wait(const std::weak_ptr<CallQueue::State>& queue, const CallQueue:
   return ran;
 }
 
+// Where `call`, which `error` (a Python exception, or anything) stopped, ran for the
+// wait() of a call queued after it, and a signal handler raised error (KeyboardInterrupt
+// on Ctrl-C, SystemExit, ...: not an Exception): that wait raises it (run_for_wait());
+// whether it was so. (With the GIL.)
+bool raised_for_a_later_wait(const CallQueue::Call& call, PyObject* error) {
+  if (waited_call == nullptr || waited_call == &call || !PyExceptionInstance_Check(error) ||
+      PyErr_GivenExceptionMatches(error, PyExc_Exception)) {
+    return false;
+  }
+  if (raised_in_earlier_call == nullptr) {  // (the wait runs no more calls)
+    Py_INCREF(error);
+    raised_in_earlier_call = error;
+  }
+  return true;
+}
+
+// The GIL, for a queued call that runs Python: on a thread with a Python thread state
+// of its own (a caller's, running calls for its wait()), with that; on the worker, with
+// one made at its first Python call and kept for the next ones (making one for every
+// call costs some 20 us) until the thread ends.
+class GilForQueuedCall {
+ public:
+  GilForQueuedCall() {
+    if (!had_state_ && !python_state_kept) {
+      gil_.inc_ref();
+      python_state_kept = true;
+    }
+  }
+  // The worker thread ends (stop(), with the GIL released): lets go of its thread state.
+  static void thread_end() {
+    if (!python_state_kept) return;
+    py::gil_scoped_acquire gil;
+    gil.dec_ref();  // (and its destructor the last reference, which deletes the state)
+    python_state_kept = false;
+  }
+
+ private:
+  const bool had_state_ = PyGILState_GetThisThreadState() != nullptr;  // (before gil_)
+  py::gil_scoped_acquire gil_;
+  static thread_local bool python_state_kept;
+};
+thread_local bool GilForQueuedCall::python_state_kept = false;
+
 // A call the Python layer queued: its _Work, whose execute() runs it (and keeps its
 // result or error), with the GIL.
 class PythonCall : public CallQueue::Call {
@@ -281,22 +324,13 @@ class PythonCall : public CallQueue::Call {
       : work_(work.release().ptr()), anywhere_(anywhere) {}
   ~PythonCall() override { later_releases.add(work_); }
   void run() override {
-    // A thread with a Python thread state of its own (a caller's, in run_here()) keeps
-    // it; one without (the worker) gets one here.
-    const bool had_state = PyGILState_GetThisThreadState() != nullptr;
-    py::gil_scoped_acquire gil;
-    // The worker's Python thread state, made at its first Python call, is kept for the
-    // next ones (making one for every call costs some 20 us) until the thread ends.
-    if (!had_state && !python_state_kept) {
-      gil.inc_ref();
-      python_state_kept = true;
-    }
+    GilForQueuedCall gil;
     PyObject* work = work_;
     work_ = nullptr;
     PyObject* done = PyObject_CallMethod(work, "execute", nullptr);
     if (done == nullptr) PyErr_WriteUnraisable(work);  // (execute() catches everything)
     Py_XDECREF(done);
-    if (waited_call != nullptr && waited_call != this) note_interrupt(work);
+    note_interrupt(work);
     Py_DECREF(work);  // not kept until the next call comes: its result may be big
     later_releases.flush();
     ran_.store(true, std::memory_order_release);
@@ -306,41 +340,27 @@ class PythonCall : public CallQueue::Call {
   bool takes_the_gil() const override { return true; }
   PyObject* work() const { return work_; }
 
-  // The worker thread ends (stop(), with the GIL released): lets go of its thread state.
-  static void thread_end() {
-    if (!python_state_kept) return;
-    py::gil_scoped_acquire gil;
-    gil.dec_ref();  // (and its destructor the last reference, which deletes the state)
-    python_state_kept = false;
-  }
 
  private:
-  // Run by a wait() for a call queued after it: if a signal handler raised in it (see
-  // raised_in_earlier_call), that wait raises it (run_for_wait()); a KeyboardInterrupt,
-  // the call's own wait() then raises what the worker's would (work.interrupt_raised).
-  static void note_interrupt(PyObject* work) {
+  // Run by a wait() for a call queued after it: if a signal handler raised in it, its
+  // own wait() raises what the worker's would (work.interrupt_raised).
+  void note_interrupt(PyObject* work) {
     PyObject* error = PyObject_GetAttrString(work, "error");
     if (error == nullptr) {
       PyErr_Clear();
       return;
     }
-    if (PyExceptionInstance_Check(error) &&
-        !PyErr_GivenExceptionMatches(error, PyExc_Exception)) {
-      if (raised_in_earlier_call == nullptr) {  // (the wait runs no more calls)
-        Py_INCREF(error);
-        raised_in_earlier_call = error;
-      }
-      if (PyObject_SetAttrString(work, "interrupt_raised", Py_True) != 0) PyErr_Clear();
+    if (raised_for_a_later_wait(*this, error) &&
+        PyObject_SetAttrString(work, "interrupt_raised", Py_True) != 0) {
+      PyErr_Clear();
     }
     Py_DECREF(error);
   }
 
-  static thread_local bool python_state_kept;
   PyObject* work_;  // (owned)
   const bool anywhere_;
   std::atomic<bool> ran_{false};
 };
-thread_local bool PythonCall::python_state_kept = false;
 
 // A _Work's place in its queue (its `queued`), for its Handle's wait(): weak, so that
 // it keeps neither the call nor the queue alive (the call holds the _Work).
@@ -371,15 +391,69 @@ class QueuedPythonCall {
   std::weak_ptr<CallQueue::State> queue_;
 };
 
-// A collective of host arrays queued by the FastPath (allreduce_async(),
-// reduce_scatter_async(), broadcast_async()): `ring` runs it on the worker without
-// Python; waited for through its Handle (the same interface as a _Work: done(), wait(),
-// outcome(), pid). x: its input; result: what wait() returns; workspace: a buffer it
-// uses besides (reduce_scatter's), or None: each kept alive until the call is over.
+// allgather of a contiguous host array into a result held before the exchange: out=,
+// or a guess (this rank's rows times the ranks). Where every rank's rows add up to it,
+// the exchange fills it in the same step (rows that ride along) or the ring does;
+// where not, remake(total rows) first makes one of the true size (with the GIL: the
+// Python layer's _Results.empty) and returns its data, or throws. A big result is
+// confirmed by every rank unless every rank held one of the right size (as
+// gather_output() in Python), so that one that cannot make its result does not leave
+// the others waiting in the ring.
+struct GuessedGather {
+  const void* input;
+  int64_t rows, row_elems, row_shape_tag, itemsize;
+  DType dtype;
+  int64_t chunk_bytes;
+  int64_t out_rows;  // out='s (-1: none)
+  void* held;        // the result held before the exchange, and its rows
+  int64_t held_rows;
+  int64_t confirm_bytes;
+
+  template <typename Remake>
+  void run(RingCommunicator& ring, Remake remake) const {
+    const std::vector<int64_t> counts = ring.allgather_counts(
+        rows, row_elems, row_shape_tag, dtype, chunk_bytes, kHostMemory, out_rows, input, held_rows);
+    int64_t total = 0;
+    for (int64_t r : counts) total += r;
+    void* into = held;
+    std::exception_ptr failed;  // (raised once the others know)
+    if (total != held_rows) {  // (never with out=, which allgather_counts checked)
+      try {
+        into = remake(total);
+      } catch (...) {
+        into = nullptr;
+        failed = std::current_exception();
+      }
+    }
+    const int64_t bytes = total * row_elems * itemsize;
+    if (bytes >= confirm_bytes && !ring.allgather_results_held())
+      ring.allgather_confirm(into != nullptr, bytes);  // (throws everywhere if one failed)
+    if (failed) std::rethrow_exception(failed);
+    if (!ring.allgather_from_counts(into, total, counts, row_elems, dtype))
+      ring.allgather(input, into, counts, row_elems, dtype);  // the ring
+  }
+};
+
+// allgather's result of `rows` rows of x's shape and dtype, from `empty` (the Python
+// layer's _Results.empty). With the GIL.
+py::object gather_result(py::handle empty, py::handle x, int64_t rows) {
+  const auto* proxy = py::detail::array_proxy(x.ptr());
+  py::tuple shape(proxy->nd);
+  shape[0] = py::int_(rows);
+  for (int i = 1; i < proxy->nd; ++i) shape[i] = py::int_(static_cast<int64_t>(proxy->dimensions[i]));
+  return empty(shape, py::handle(proxy->descr));
+}
+
+// A collective of host arrays queued by the FastPath (its *_async()): `call` runs it
+// on the worker without Python (but for an allgather's remade_result()); waited for
+// through its Handle (the same interface as a _Work: done(), wait(), outcome(), pid).
+// x: its input; result: what wait() returns; workspace: a buffer it uses besides
+// (reduce_scatter's), or None: each kept alive until the call is over.
 class AsyncCall : public CallQueue::Call {
  public:
+  using Collective = std::function<void(AsyncCall&)>;
   AsyncCall(py::handle core, RingCommunicator* ring, py::handle x, py::handle result,
-            py::handle workspace, std::function<void()> call)
+            py::handle workspace, Collective call)
       : ring_(ring), call_(std::move(call)), pid_(getpid()) {
     core_ = core.inc_ref().ptr();
     x_ = x.inc_ref().ptr();
@@ -392,6 +466,7 @@ class AsyncCall : public CallQueue::Call {
     if (getpid() != pid_) (void)finished_.release();
     later_releases.add(core_);
     later_releases.add(cancelled_);
+    later_releases.add(empty_);
     if (kept_) return;  // its rank left mid-call: MPI may still read or write them
     later_releases.add(x_);
     later_releases.add(result_);
@@ -402,7 +477,7 @@ class AsyncCall : public CallQueue::Call {
     if (!cancelling_.load(std::memory_order_acquire)) {
       const bool departed_before = ring_->departed();
       try {
-        call_();
+        call_(*this);
       } catch (...) {
         error_ = std::current_exception();
         kept_ = ring_->departed() && !departed_before;
@@ -413,6 +488,8 @@ class AsyncCall : public CallQueue::Call {
         later_releases.add(workspace_);
         workspace_ = nullptr;
       }
+      later_releases.add(empty_);
+      empty_ = nullptr;
       call_ = nullptr;
     }
     {
@@ -437,6 +514,29 @@ class AsyncCall : public CallQueue::Call {
     cancelled_ = error.inc_ref().ptr();
     cancelling_.store(true, std::memory_order_release);
   }
+
+  // For an allgather queued with a guess at its result's size: where the ranks' rows
+  // add up to other than it, what remade_result() makes the result with (the Python
+  // layer's _Results.empty).
+  void remakes_with(py::handle empty) { empty_ = empty.inc_ref().ptr(); }
+  // The result, of `rows` rows, made anew in place of the guess; its data. With the
+  // GIL, as the Python layer's calls take it. Throws what making it raised; where a
+  // signal handler did (Ctrl-C) while this ran for the wait of a later call, that wait
+  // raises it (see PythonCall::note_interrupt()).
+  void* remade_result(int64_t rows) {
+    GilForQueuedCall gil;
+    Py_CLEAR(result_);  // (the wrong guess, let go of first)
+    try {
+      result_ = gather_result(empty_, x_, rows).release().ptr();
+    } catch (py::error_already_set& error) {
+      if (raised_for_a_later_wait(*this, error.value().ptr())) interrupt_raised_ = true;
+      throw;
+    }
+    return py::detail::array_proxy(result_)->data;
+  }
+  // Its error (KeyboardInterrupt) was raised by the wait() of a later call, which ran
+  // it: its own wait() raises what the worker's would (see Handle.wait in Python).
+  bool interrupt_raised() const { return interrupt_raised_; }
 
   bool done() const { return done_.load(std::memory_order_acquire); }
   bool runs_anywhere() const override { return true; }
@@ -479,9 +579,11 @@ class AsyncCall : public CallQueue::Call {
   PyObject* x_;
   PyObject* result_;
   PyObject* workspace_;
+  PyObject* empty_ = nullptr;  // (see remakes_with())
   PyObject* cancelled_ = nullptr;
   std::atomic<bool> cancelling_{false};
-  std::function<void()> call_;  // the collective (pointers and numbers only: no Python)
+  Collective call_;  // the collective (pointers and numbers only: no Python)
+  bool interrupt_raised_ = false;
   pid_t pid_;
   std::exception_ptr error_;
   bool kept_ = false;
@@ -494,7 +596,7 @@ class AsyncCall : public CallQueue::Call {
 class Executor {
  public:
   explicit Executor(std::shared_ptr<RunningLock> running)
-      : queue_(&PythonCall::thread_end, std::move(running)) {}
+      : queue_(&GilForQueuedCall::thread_end, std::move(running)) {}
   ~Executor() {  // (from Python, with the GIL)
     WithoutGil nogil;  // (queued Python calls need it to finish)
     queue_.stop();
@@ -572,7 +674,7 @@ class FastPath {
   FastPath(py::object core, py::object executor, bool threaded, py::dict validated_pairs,
            py::tuple mpi_op_keys, py::dict dtype_codes, py::object shape_tag,
            py::object results_empty,
-           py::object scratch_get, py::object gather_rest, int64_t chunk_bytes,
+           py::object scratch_get, int64_t chunk_bytes,
            int64_t fresh_max_bytes, int64_t confirm_bytes)
       : chunk_bytes(chunk_bytes),
         core_object_(core),
@@ -587,7 +689,6 @@ class FastPath {
         no_row_shape_tag_(shape_tag(py::tuple()).cast<int64_t>()),
         results_empty_(results_empty),
         scratch_get_(scratch_get),
-        gather_rest_(gather_rest),
         fresh_max_bytes_(fresh_max_bytes),
         confirm_bytes_(confirm_bytes),
         numpy_scalar_type_(py::module_::import("numpy").attr("generic")) {}
@@ -641,7 +742,9 @@ class FastPath {
     const int64_t count = a.size(), chunk = chunk_bytes;
     auto call = std::make_shared<AsyncCall>(
         core_object_, core_, x, result, py::none(),
-        [=] { ring->allreduce(input, output, count, DType(dtype), Op(reduce_op), chunk, check); });
+        [=](AsyncCall&) {
+          ring->allreduce(input, output, count, DType(dtype), Op(reduce_op), chunk, check);
+        });
     return queued(call);
   }
 
@@ -667,7 +770,7 @@ class FastPath {
     void* output = Array(result).data;
     const int64_t chunk = chunk_bytes;
     auto call = std::make_shared<AsyncCall>(
-        core_object_, core_, x, result, work, [=] {
+        core_object_, core_, x, result, work, [=](AsyncCall&) {
           ring->reduce_scatter(input, workspace, n, DType(dtype), Op(reduce_op), chunk, output);
         });
     return queued(call);
@@ -686,7 +789,7 @@ class FastPath {
     const int64_t n = a.size(), chunk = chunk_bytes;
     auto call = std::make_shared<AsyncCall>(
         core_object_, core_, x, x, py::none(),
-        [=] { ring->broadcast(data, n, DType(dtype), static_cast<int>(root), chunk); });
+        [=](AsyncCall&) { ring->broadcast(data, n, DType(dtype), static_cast<int>(root), chunk); });
     return queued(call);
   }
 
@@ -720,59 +823,49 @@ class FastPath {
     const Array a(x);
     if (a.nd == 0) return py::none();
     if (core_->size() == 1) return one_rank_copy(a, out, a.nd, a.dims);
-    const int64_t rows = a.dims[0];
-    int64_t row_elems = 1;
-    for (int i = 1; i < a.nd; ++i) row_elems *= a.dims[i];
-    // A guess at the result: out=, or this rank's rows times the ranks. If every rank's
-    // rows add up to it, the exchange fills it in the same step (rows that ride along)
-    // or the ring does, and the call is done. Made before the exchange, which tells
-    // every rank whether every rank's guess was right: a big result is confirmed by
-    // every rank (gather_output() in Python) unless all were, as then none allocates.
-    // Not from the buffers kept for big results (fresh_max_bytes_ on), where a wrong
-    // guess would push out the one the true size could have had, to save microseconds
-    // of a call that takes milliseconds.
-    py::object guess;
-    if (!out.is_none()) {
-      if (!is_plain_out(out, a, a.nd, a.dims, true, true)) return py::none();
-      guess = py::reinterpret_borrow<py::object>(out);
-    } else if (a.nbytes() * core_->size() >= fresh_max_bytes_) {
-      return py::none();
-    }
-    const int64_t tag = a.nd == 1 ? no_row_shape_tag_ : shape_tag_(row_shape(a)).cast<int64_t>();
+    if (!allgather_out(a, out)) return py::none();
     Running running(*this);
     if (!running.held) return py::none();
-    const int64_t chunk = chunk_bytes;  // (read here, with the GIL)
-    if (!guess) {
-      int64_t dims[kMaxDims];
-      std::copy(a.dims, a.dims + a.nd, dims);
-      dims[0] = rows * core_->size();
-      guess = new_result(a, a.nd, dims);
-      if (!guess) return py::none();
+    py::object result = allgather_guess(a, out);
+    if (!result) return py::none();
+    const GuessedGather gather = guessed_gather(a, dtype, out, result);
+    const bool departed_before = core_->departed();
+    try {
+      WithoutGil nogil;
+      gather.run(*core_, [&](int64_t rows) {
+        py::gil_scoped_acquire gil;
+        result = py::object();  // (the wrong guess, let go of first)
+        result = gather_result(results_empty_, x, rows);
+        return Array(result).data;
+      });
+    } catch (...) {
+      if (core_->departed() && !departed_before) {  // (see keeping_on_departure())
+        x.inc_ref();
+        result.inc_ref();
+      }
+      throw;
     }
-    const Array into(guess);
-    std::vector<int64_t> counts;
-    const bool done = keeping_on_departure(*core_, {x, guess}, [&] {
-      counts = core_->allgather_counts(rows, row_elems, tag, DType(dtype), chunk, kHostMemory,
-                                       out.is_none() ? -1 : into.dims[0], a.data, into.dims[0]);
-      int64_t total = 0;
-      for (int64_t r : counts) total += r;
-      if (total != into.dims[0]) return false;
-      // As gather_output() does where another rank allocates its result now (ours is
-      // here, so there is nothing to fail).
-      if (into.nbytes() >= confirm_bytes_ && !core_->allgather_results_held())
-        core_->allgather_confirm(true, into.nbytes());
-      if (core_->allgather_from_counts(into.data, into.dims[0], counts, row_elems,
-                                       DType(dtype)))
-        return true;
-      core_->allgather(a.data, into.data, counts, row_elems, DType(dtype));  // the ring
-      return true;
-    });
-    if (done) return guess;
-    guess = py::object();  // (a wrong guess: not held while the true result is made)
-    // The ranks' rows add up to something else: the rest of the call in Python, which
-    // makes (or checks) the result, still under the lock.
-    return gather_rest_(x, py::cast(counts), row_shape(a), row_elems, dtype,
-                        out.is_none() ? py::none() : py::reinterpret_borrow<py::object>(out));
+    return result;
+  }
+
+  // allgather(x, out) queued on the worker thread, as allreduce_async().
+  py::object allgather_async(py::handle x, py::handle out) {
+    if (core_->closed() || core_->size() == 1 || !threaded_) return py::none();
+    int dtype;
+    if (!is_plain(x) || !dtype_code(x, &dtype)) return py::none();
+    const Array a(x);
+    if (a.nd == 0 || !allgather_out(a, out)) return py::none();
+    later_releases.flush();
+    py::object result = allgather_guess(a, out);
+    if (!result) return py::none();
+    const GuessedGather gather = guessed_gather(a, dtype, out, result);
+    RingCommunicator* ring = core_;
+    auto call = std::make_shared<AsyncCall>(
+        core_object_, core_, x, result, py::none(), [=](AsyncCall& self) {
+          gather.run(*ring, [&](int64_t rows) { return self.remade_result(rows); });
+        });
+    call->remakes_with(results_empty_);
+    return queued(call);
   }
 
   py::object broadcast(py::handle x, py::handle root_object) {
@@ -848,6 +941,40 @@ class FastPath {
     *count = RingCommunicator::segment_of(core_->rank(), core_->size(), a.size()).count;
     *inline_call = core_->rides_inline(a.nbytes());
     return out.is_none() || is_plain_out(out, a, 1, count, false, *inline_call);
+  }
+
+  // Whether allgather takes out (None, or an array) without the Python layer's checks;
+  // without out=, whether the result is small enough to guess at (below).
+  bool allgather_out(const Array& a, py::handle out) const {
+    if (!out.is_none()) return is_plain_out(out, a, a.nd, a.dims, true, true);
+    // Not from the buffers kept for big results (fresh_max_bytes_ on), where a wrong
+    // guess would push out the one the true size could have had, to save microseconds
+    // of a call that takes milliseconds.
+    return a.nbytes() * core_->size() < fresh_max_bytes_;
+  }
+
+  // allgather's result held before the exchange (GuessedGather): out=, or a guess at it,
+  // this rank's rows times the ranks; null where that cannot be allocated.
+  py::object allgather_guess(const Array& a, py::handle out) const {
+    if (!out.is_none()) return py::reinterpret_borrow<py::object>(out);
+    int64_t dims[kMaxDims];
+    std::copy(a.dims, a.dims + a.nd, dims);
+    dims[0] *= core_->size();
+    return new_result(a, a.nd, dims);
+  }
+
+  GuessedGather guessed_gather(const Array& a, int dtype, py::handle out,
+                               py::handle result) const {
+    const Array into(result);
+    int64_t row_elems = 1;
+    for (int i = 1; i < a.nd; ++i) row_elems *= a.dims[i];
+    const int64_t tag = a.nd == 1 ? no_row_shape_tag_ : shape_tag_(row_shape(a)).cast<int64_t>();
+    return GuessedGather{a.data,        a.dims[0],
+                         row_elems,     tag,
+                         a.itemsize,    DType(dtype),
+                         chunk_bytes,   out.is_none() ? -1 : into.dims[0],
+                         into.data,     into.dims[0],
+                         confirm_bytes_};
   }
 
   // An AsyncCall queued on the worker thread, for its Handle; None where calls are
@@ -1065,7 +1192,7 @@ class FastPath {
   py::dict dtype_codes_;
   py::object shape_tag_;
   int64_t no_row_shape_tag_;
-  py::object results_empty_, scratch_get_, gather_rest_;
+  py::object results_empty_, scratch_get_;
   int64_t fresh_max_bytes_, confirm_bytes_;
   py::object numpy_scalar_type_;  // numpy.generic (see scalar_as_array())
 };
@@ -1558,12 +1685,13 @@ PYBIND11_MODULE(_core, m) {
       .def("done", &AsyncCall::done)
       .def("wait", &AsyncCall::wait, py::arg("seconds") = std::optional<double>())
       .def("outcome", &AsyncCall::outcome)
+      .def_property_readonly("interrupt_raised", &AsyncCall::interrupt_raised)
       .def_property_readonly("pid", &AsyncCall::pid);
 
   py::class_<FastPath>(m, "FastPath",
                       "the common case of each collective without Python (None: not taken)")
       .def(py::init<py::object, py::object, bool, py::dict, py::tuple, py::dict, py::object,
-                    py::object, py::object, py::object, int64_t, int64_t, int64_t>())
+                    py::object, py::object, int64_t, int64_t, int64_t>())
       .def_readwrite("chunk_bytes", &FastPath::chunk_bytes)
       .def("allreduce", &FastPath::allreduce, py::arg("x"), py::arg("op"), py::arg("out"),
            py::arg("check") = 0)
@@ -1572,6 +1700,7 @@ PYBIND11_MODULE(_core, m) {
       .def("reduce_scatter", &FastPath::reduce_scatter)
       .def("reduce_scatter_async", &FastPath::reduce_scatter_async)
       .def("allgather", &FastPath::allgather)
+      .def("allgather_async", &FastPath::allgather_async)
       .def("broadcast", &FastPath::broadcast)
       .def("broadcast_async", &FastPath::broadcast_async);
 

@@ -35,9 +35,9 @@ from ._arrays import keeping_on_departure
 
 _COLLECTIVES = dict(_core.COLLECTIVES)
 # The collectives whose _async form the core's FastPath may queue, and its method for
-# it (allgather's takes the Python layer: see FastPath in csrc/bindings.cc).
-_FAST_ASYNC = {"allreduce": "allreduce_async", "reduce_scatter": "reduce_scatter_async",
-               "broadcast": "broadcast_async"}
+# it (see FastPath in csrc/bindings.cc).
+_FAST_ASYNC = {name: name + "_async"
+               for name in ("allreduce", "reduce_scatter", "allgather", "broadcast")}
 # allgather outputs at least this big are confirmed (see below); each Communicator's
 # FastPath reads it when the Communicator is made (tests lower it before that).
 _CONFIRM_BYTES = 1 << 20
@@ -90,20 +90,15 @@ def input_copy(core, x, name: str, chunk: int) -> np.ndarray:
 
 def gather_rows(core, source, rows, row_shape, dtype, chunk, out, results):
     """allgather of a contiguous host array: every rank's row count first (with the
-    rows themselves when they are small enough to ride along), then the result, then
-    the ring. (The core's FastPath, guessing the result's size, saves a step more.)"""
+    rows themselves when they are small enough to ride along), then the result (out, or
+    a new array from results, a _Results), then the ring. (The core's FastPath, which
+    guesses the result's size before the exchange, saves a step more: GuessedGather.)"""
     row_elems, tag = row_layout(row_shape)
     out_rows = -1 if out is None else out.shape[0]
     # The result's size is known only once every rank has said its row count (and the
     # core has checked out= against them, on every rank). Positional arguments only:
     # keywords cost pybind11 almost a microsecond, as much as the exchange itself.
     counts = core.allgather_counts(rows, row_elems, tag, dtype, chunk, out_rows, False, source)
-    return gather_rest(core, source, counts, row_shape, row_elems, dtype, out, results)
-
-
-def gather_rest(core, source, counts, row_shape, row_elems, dtype, out, results):
-    """allgather's second half, once every rank's row count is known: the result
-    (out, or a new array from results, a _Results), then the ring."""
     total = sum(counts)
     result = gather_output(
         core, lambda: out if out is not None else results.empty((total,) + row_shape, source.dtype),
@@ -1203,18 +1198,13 @@ class Communicator:
         which cost a small call as much as its exchange; it returns None for anything
         else, which the general path serves. It holds none of this Communicator, only
         what the calls need (no cycle: a dropped Communicator still warns at once)."""
-        core, results = self._core, self._results
-
-        def gather_rest_here(source, counts, row_shape, row_elems, dtype, out):
-            return gather_rest(core, source, counts, row_shape, row_elems, dtype, out, results)
-
         executor = self._executor
         if self._thread_level < MPI.THREAD_SERIALIZED:
             return None  # (every call checks its thread, in Python)
-        return _core.FastPath(core, executor.calls, executor.threaded, t.validated_pairs,
-                              t.MPI_OP_KEYS, t.dtype_codes, t.shape_tag, results.empty,
-                              self._scratch.get, gather_rest_here,
-                              self._chunk_bytes, _Results.MIN_BYTES, _CONFIRM_BYTES)
+        return _core.FastPath(self._core, executor.calls, executor.threaded, t.validated_pairs,
+                              t.MPI_OP_KEYS, t.dtype_codes, t.shape_tag, self._results.empty,
+                              self._scratch.get, self._chunk_bytes, _Results.MIN_BYTES,
+                              _CONFIRM_BYTES)
 
     def _call_async(self, name, prepare, *args) -> Handle:
         """The collective `name` made as `name`_async: its Handle, whose errors say so;

@@ -435,18 +435,18 @@ def test_a_call_queued_without_waking_the_worker_still_runs_unwaited(comm):
 
 
 def test_a_wait_runs_the_python_layers_calls_on_host_arrays_too(comm):
-    # The Python layer's calls on host arrays (strided inputs, an allgather_async) run
-    # in a waiting thread as the FastPath's do: handed to the worker, each cost two
+    # The Python layer's calls on host arrays (strided inputs, here) run in a waiting
+    # thread as the FastPath's do: handed to the worker, each cost two
     # context switches and two handovers of the GIL (some 150 us a step of eight 8-byte
     # reduce_scatter_async calls on 2 ranks that share a core with their workers,
     # against some 100 us).
     needs_a_worker(comm)
     a = rank_data(np.dtype(np.float64), 4000)
     b = rank_data(np.dtype(np.float32), 50, salt=1)
-    expected = [comm.allreduce(a[::2]), comm.allgather(a), comm.allreduce(b)]
+    expected = [comm.allreduce(a[::2]), comm.allgather(a[::3]), comm.allreduce(b)]
     with worker_held(comm) as calls:
         before = calls.run_by_callers
-        handles = [comm.allreduce_async(a[::2]), comm.allgather_async(a),
+        handles = [comm.allreduce_async(a[::2]), comm.allgather_async(a[::3]),
                    comm.allreduce_async(b)]
         assert [on_the_worker_without_python(h) for h in handles] == [False, False, True]
         assert bitwise_equal(handles[2].wait(), expected[2])
@@ -974,3 +974,62 @@ def test_threads_each_with_a_communicator_of_their_own_run_at_once(wire, world, 
     for ring in rings:
         ring.close()
     assert not failures, failures
+
+
+@pytest.mark.skipif(SIZE == 1, reason="one rank gathers at once")
+@pytest.mark.parametrize("raised", [SystemExit, KeyboardInterrupt])
+def test_what_is_raised_remaking_an_allgather_async_result_in_a_wait_is_raised_there(
+        raised, world, monkeypatch):
+    # allgather_async remakes its result with Python (_Results.empty) where the ranks'
+    # rows add up to other than its guess, with the GIL, where Python may run a signal
+    # handler. Run by the wait of a later call, what a handler raised there is that
+    # wait's to raise, as for the Python layer's calls (above); the call's own wait
+    # raises it too (KeyboardInterrupt: what the worker's would, once).
+    from ringreduce import communicator
+
+    empty, armed = communicator._Results.empty, [True]
+
+    def refused(self, shape, dtype):  # (for the gathered rows only, until disarmed)
+        if armed and len(shape) == 2:
+            raise raised("test: a signal handler raised")
+        return empty(self, shape, dtype)
+
+    monkeypatch.setattr(communicator._Results, "empty", refused)  # (before the FastPath)
+    comm = rr.Communicator(timeout=60)
+    needs_a_worker(comm)
+    x = rank_data(np.dtype(np.float32), 6, salt=2).reshape(2, 3)[: 1 if RANK == 0 else 2]
+    y = rank_data(np.dtype(np.float64), 4000)
+    expected = comm.allreduce(y)
+    with worker_held(comm) as calls:
+        first = comm.allgather_async(x)  # (every rank guesses wrong: 1 row or 2)
+        second = comm.allreduce_async(y)
+        assert on_the_worker_without_python(first) and on_the_worker_without_python(second)
+        with pytest.raises(raised, match="test: a signal handler raised"):
+            second.wait()
+        assert calls.run_by_callers == 1
+    assert bitwise_equal(second.wait(), expected)  # (the worker's)
+    if raised is KeyboardInterrupt:
+        with pytest.raises(RuntimeError, match=r"^ringreduce\.allgather_async .*interrupted"):
+            first.wait()
+    else:
+        with pytest.raises(raised, match="test: a signal handler raised"):
+            first.wait()
+    armed.clear()
+    assert bitwise_equal(comm.allgather_async(x).wait(), np.concatenate(world.allgather(x)))
+    comm.close()
+
+
+def test_allgather_async_of_contiguous_arrays_runs_without_python(comm, world):
+    # The FastPath queues it with a guess at the result (this rank's rows times the
+    # ranks), which the worker remakes (with the GIL) only where the ranks' rows add up
+    # to something else; out= is taken as the result from the start.
+    for rows in (4, 1 + RANK % 2, 5000):
+        x = rank_data(np.dtype(np.int32), rows * 3, salt=rows).reshape(rows, 3)
+        want = np.concatenate(world.allgather(x))
+        for out in (None, np.empty_like(want)):
+            handle = comm.allgather_async(x, out=out)
+            assert on_the_worker_without_python(handle) == (comm._executor.threaded
+                                                             and SIZE > 1), rows
+            got = handle.wait()
+            assert out is None or got is out
+            assert bitwise_equal(got, want), (rows, out is None)

@@ -141,22 +141,25 @@ def test_the_common_calls_never_reach_the_general_path(world, monkeypatch):
 def test_small_allgather_is_one_step_when_the_ranks_rows_match_the_guess(world, monkeypatch):
     # The fast path allocates the result for as many rows on every rank as on this
     # one (or takes out=); if right, the exchange that brings the rows fills it. If
-    # not, a second step (gather_rest) copies them into a result of the right size.
-    second_steps = []
-    gather_rest = communicator.gather_rest
-    monkeypatch.setattr(communicator, "gather_rest",
-                        lambda *args: second_steps.append(args) or gather_rest(*args))
+    # not, a second step makes a result of the right size (from _Results.empty, patched
+    # before the Communicator, whose fast path holds it) and copies them there. The
+    # same for allgather_async, whose guess is remade on the worker thread.
+    remade = []
+    empty = communicator._Results.empty
+    monkeypatch.setattr(communicator._Results, "empty",
+                        lambda self, shape, dtype: remade.append(shape) or empty(self, shape, dtype))
     with rr.Communicator() as ring:
         for rows, out in ((3, None), (3, np.empty((3 * SIZE, 2))),
                           (RANK + 1, None), (RANK + 1, np.empty((SIZE * (SIZE + 1) // 2, 2)))):
             x = rank_data(np.dtype(np.float64), rows * 2, salt=10).reshape(rows, 2)
-            second_steps.clear()
-            g = ring.allgather(x, out=out)
-            assert bitwise_equal(g, np.concatenate(world.allgather(x)))
-            assert out is None or g is out
             total = sum(world.allgather(rows))
             one_step = out is not None or rows * SIZE == total  # out= has the true size
-            assert bool(second_steps) != one_step, (rows, out is None, len(second_steps))
+            for call in (ring.allgather, lambda x, out: ring.allgather_async(x, out=out).wait()):
+                remade.clear()
+                g = call(x, out=out)
+                assert bitwise_equal(g, np.concatenate(world.allgather(x)))
+                assert out is None or g is out
+                assert remade == ([] if one_step else [(total, 2)]), (rows, out is None)
 
 
 @pytest.mark.skipif(SIZE == 1, reason="one rank has no header exchange")

@@ -543,15 +543,16 @@ class _NumpyWithoutMemory:
 
 
 @needs_two
+@pytest.mark.parametrize("call", ["allgather", "allgather_async"])
 @pytest.mark.parametrize("others", ["guess_wrong", "give_out", "guess_right"])
 def test_a_rank_that_cannot_allocate_allgathers_output_does_not_hang_the_others(
-        others, comm, monkeypatch):
+        others, call, comm, monkeypatch):
     # Rank 1 allocates its result after the exchange (Python's np.empty, made to fail
     # here): as its rows differ from the others' (no guess at the size is right), or
     # as its x is strided (no guess is made). The others must wait for its
     # confirmation rather than go on into the ring, also where they hold their result
     # already: out=, or a guess that was right (the core's fast path allocates it
-    # before the exchange).
+    # before the exchange). allgather_async's remakes its result on the worker thread.
     from ringreduce import communicator
 
     rows = 1024 + (RANK == 1 and others != "guess_right")
@@ -562,8 +563,11 @@ def test_a_rank_that_cannot_allocate_allgathers_output_does_not_hang_the_others(
     out = np.empty((total, 256), np.float32) if others == "give_out" and RANK != 1 else None
     if RANK == 1:
         monkeypatch.setattr(communicator, "np", _NumpyWithoutMemory())
-    with pytest.raises(MemoryError, match="rank 1 could not allocate"):
-        comm.allgather(x, out=out)
+    with pytest.raises(MemoryError, match=rf"^ringreduce\.{call}\b.*rank 1 could not allocate"):
+        if call == "allgather":
+            comm.allgather(x, out=out)
+        else:
+            comm.allgather_async(x, out=out).wait()
     monkeypatch.undo()
     still_works(comm)
     every_rows = MPI.COMM_WORLD.allgather(len(x))
