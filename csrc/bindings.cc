@@ -328,7 +328,7 @@ class PythonCall : public CallQueue::Call {
     PyObject* work = work_;
     work_ = nullptr;
     PyObject* done = PyObject_CallMethod(work, "execute", nullptr);
-    if (done == nullptr) PyErr_WriteUnraisable(work);  // (execute() catches everything)
+    if (done == nullptr) keep_escaped_error(work);
     Py_XDECREF(done);
     note_interrupt(work);
     Py_DECREF(work);  // not kept until the next call comes: its result may be big
@@ -342,6 +342,19 @@ class PythonCall : public CallQueue::Call {
 
 
  private:
+  // What escaped execute(), which keeps every error of its call: one that a signal
+  // handler raised between two of its lines, outside its try (Ctrl-C in a call that a
+  // wait() runs). The call's error all the same, so that its waits raise it rather than
+  // wait for good for a call never marked finished.
+  static void keep_escaped_error(PyObject* work) {
+    py::error_already_set escaped;  // (fetched: no error is set now)
+    try {
+      py::handle(work).attr("keep_escaped")(escaped.value());
+    } catch (py::error_already_set& error) {
+      error.discard_as_unraisable(py::reinterpret_borrow<py::object>(work));
+    }
+  }
+
   // Run by a wait() for a call queued after it: if a signal handler raised in it, its
   // own wait() raises what the worker's would (work.interrupt_raised).
   void note_interrupt(PyObject* work) {

@@ -1033,3 +1033,40 @@ def test_allgather_async_of_contiguous_arrays_runs_without_python(comm, world):
             got = handle.wait()
             assert out is None or got is out
             assert bitwise_equal(got, want), (rows, out is None)
+
+
+@pytest.mark.parametrize("runner", ["worker", "wait"])
+def test_what_escapes_a_queued_calls_execute_is_its_error_not_a_hang(runner, world,
+                                                                      monkeypatch):
+    # _Work.execute() keeps every error of its call, inside its try; but Python runs a
+    # signal handler between any two lines, so Ctrl-C can raise just outside it, in a
+    # call that a wait() runs in the main thread. The call was then never marked
+    # finished, and its waits waited for good. Whatever escapes execute() is the
+    # call's error (raised here on every rank, before any of them runs the call, so
+    # the calls after go on as usual).
+    from ringreduce.communicator import _Work
+
+    comm = rr.Communicator(timeout=60)
+    needs_a_worker(comm)
+    x = rank_data(np.dtype(np.float64), 4000)
+    expected = comm.allreduce(x)
+    execute = _Work.execute
+
+    def interrupted(self, *args, **kwargs):
+        monkeypatch.setattr(_Work, "execute", execute)  # (once)
+        raise KeyboardInterrupt("test: Ctrl-C between two lines")
+
+    monkeypatch.setattr(_Work, "execute", interrupted)
+    with worker_held(comm, held=runner == "wait"):
+        handle = comm.allreduce_async(x[::2])  # (strided: the Python layer's call)
+        assert not on_the_worker_without_python(handle)
+        # (A wait that hangs fails the test instead: the watchdog finishes the call.)
+        watchdog = threading.Timer(20, handle._work.finished.set)
+        watchdog.start()
+        try:
+            with pytest.raises(KeyboardInterrupt, match="between two lines"):
+                handle.wait(timeout=None if runner == "wait" else 30)
+        finally:
+            watchdog.cancel()
+    assert bitwise_equal(comm.allreduce_async(x).wait(), expected)
+    comm.close()
