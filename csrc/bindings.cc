@@ -467,7 +467,7 @@ class AsyncCall : public CallQueue::Call {
   using Collective = std::function<void(AsyncCall&)>;
   AsyncCall(py::handle core, RingCommunicator* ring, py::handle x, py::handle result,
             py::handle workspace, Collective call)
-      : ring_(ring), call_(std::move(call)), pid_(getpid()) {
+      : ring_(ring), call_(std::move(call)), pid_(this_process()) {
     core_ = core.inc_ref().ptr();
     x_ = x.inc_ref().ptr();
     result_ = result.inc_ref().ptr();
@@ -476,7 +476,7 @@ class AsyncCall : public CallQueue::Call {
   ~AsyncCall() override {
     // In a child made by fork(), a thread of the parent's may have been waiting on the
     // condition: destroying it would wait for that thread for good.
-    if (getpid() != pid_) (void)finished_.release();
+    if (this_process() != pid_) (void)finished_.release();
     later_releases.add(core_);
     later_releases.add(cancelled_);
     later_releases.add(empty_);

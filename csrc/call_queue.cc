@@ -1,5 +1,6 @@
 #include "call_queue.h"
 
+#include <pthread.h>
 #include <sched.h>
 #include <unistd.h>
 
@@ -18,6 +19,19 @@ void run_holding(RunningLock& running, CallQueue::Call& call) noexcept {
   call.run();
 }
 }  // namespace
+
+pid_t this_process() {
+  static std::atomic<pid_t> cached{0};
+  pid_t pid = cached.load(std::memory_order_relaxed);
+  if (pid != 0) return pid;
+  static std::once_flag registered;
+  std::call_once(registered, [] {
+    pthread_atfork(nullptr, nullptr, [] { cached.store(getpid(), std::memory_order_relaxed); });
+  });
+  pid = getpid();
+  cached.store(pid, std::memory_order_relaxed);
+  return pid;
+}
 
 bool CallQueue::on_worker_thread() { return worker_thread; }
 
@@ -73,7 +87,7 @@ void CallQueue::wake_worker(const std::weak_ptr<State>& queue) {
 }
 
 void CallQueue::start(const std::shared_ptr<State>& state) {
-  state->owner = getpid();
+  state->owner = this_process();
   state->thread = std::make_unique<std::thread>([state] { loop(state); });
 }
 
@@ -121,7 +135,7 @@ void CallQueue::for_each_waiting(const std::function<void(Call&)>& f) {
 void CallQueue::stop(bool wait) {
   State& s = *state_;
   const pid_t owner = s.owner.load();
-  if (owner != 0 && owner != getpid()) {
+  if (owner != 0 && owner != this_process()) {
     // A child made by fork(), where only the forking thread lives on: the worker is
     // the parent's, and its lock and condition may be as that thread left them (held,
     // or waited on, which would make destroying them wait for good). So the State is
@@ -168,7 +182,7 @@ bool CallQueue::run_here(const std::weak_ptr<State>& queue, const Call& target,
   State& s = *state;
   if (s.running->held_here()) return false;  // (a call of this thread's own runs)
   std::unique_lock<std::mutex> lock(s.mutex);
-  if (s.helping || s.front_started || s.owner.load() != getpid()) return false;
+  if (s.helping || s.front_started || s.owner.load() != this_process()) return false;
   size_t upto = 0;  // target's place
   while (upto < s.queue.size() && s.queue[upto].get() != &target) ++upto;
   if (upto == s.queue.size()) return false;  // (running, or done)

@@ -54,6 +54,11 @@ class RunningLock {
   int depth_ = 0;  // (changed only by the holder, under mutex_)
 };
 
+// getpid() without its system call (glibc stopped caching it in 2.25), which every
+// asynchronous call would make two or three of (some 70 ns each) to tell a child made by
+// fork() from its parent. Renewed in such a child by a pthread_atfork() handler.
+pid_t this_process();
+
 class CallQueue {
  public:
   class Call {

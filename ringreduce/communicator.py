@@ -34,10 +34,11 @@ from . import _types as t
 from ._arrays import keeping_on_departure
 
 _COLLECTIVES = dict(_core.COLLECTIVES)
-# The collectives whose _async form the core's FastPath may queue, and its method for
-# it (see FastPath in csrc/bindings.cc).
-_FAST_ASYNC = {name: name + "_async"
-               for name in ("allreduce", "reduce_scatter", "allgather", "broadcast")}
+# Each collective's _async form: its name (the core's FastPath's method that queues it,
+# see csrc/bindings.cc), and the name the core's errors begin with, which a Handle's
+# replace with it.
+_ASYNC = {name: (name + "_async", f"ringreduce.{name}")
+          for name in ("allreduce", "reduce_scatter", "allgather", "broadcast")}
 # allgather outputs at least this big are confirmed (see below); each Communicator's
 # FastPath reads it when the Communicator is made (tests lower it before that).
 _CONFIRM_BYTES = 1 << 20
@@ -1217,10 +1218,10 @@ class Communicator:
     def _call_async(self, name, prepare, *args) -> Handle:
         """The collective `name` made as `name`_async: its Handle, whose errors say so;
         queued by the FastPath where it takes the call, else by the Python layer."""
-        context, ran = self._contexts[name + "_async"], f"ringreduce.{name}"
-        fast, fast_async = self._fast, _FAST_ASYNC.get(name)
-        if fast is not None and fast_async is not None:
-            call = getattr(fast, fast_async)(*args)
+        fast_name, ran = _ASYNC[name]
+        context, fast = self._contexts[fast_name], self._fast
+        if fast is not None:
+            call = getattr(fast, fast_name)(*args)
             if call is not None:
                 return Handle(call, context, ran)
         handle = self._call(name, prepare, *args, wait=False, context=context)
