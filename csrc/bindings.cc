@@ -346,13 +346,24 @@ class PythonCall : public CallQueue::Call {
   // handler raised between two of its lines, outside its try (Ctrl-C in a call that a
   // wait() runs). The call's error all the same, so that its waits raise it rather than
   // wait for good for a call never marked finished.
+  // Where the call had finished, a signal handler's error is raised by the wait this
+  // thread runs the call for, if any; anything else is written as unraisable.
   static void keep_escaped_error(PyObject* work) {
     py::error_already_set escaped;  // (fetched: no error is set now)
+    bool kept = false;
     try {
-      py::handle(work).attr("keep_escaped")(escaped.value());
+      py::object keep = py::getattr(work, "keep_escaped", py::none());
+      kept = !keep.is_none() && keep(escaped.value()).cast<bool>();
     } catch (py::error_already_set& error) {
       error.discard_as_unraisable(py::reinterpret_borrow<py::object>(work));
     }
+    if (kept) return;
+    PyObject* error = escaped.value().ptr();
+    if (waited_call != nullptr && !PyErr_GivenExceptionMatches(error, PyExc_Exception)) {
+      if (raised_in_earlier_call == nullptr) raised_in_earlier_call = escaped.value().inc_ref().ptr();
+      return;
+    }
+    escaped.discard_as_unraisable(py::reinterpret_borrow<py::object>(work));
   }
 
   // Run by a wait() for a call queued after it: if a signal handler raised in it, its
@@ -404,14 +415,20 @@ class QueuedPythonCall {
   std::weak_ptr<CallQueue::State> queue_;
 };
 
+// What GuessedGather throws where its remake could not make the result: the caller
+// raises the Python error its remake kept (never held by a C++ exception, which another
+// thread may destroy without the GIL, and which pybind11 restores only once).
+struct ResultNotMade {};
+
 // allgather of a contiguous host array into a result held before the exchange: out=,
 // or a guess (this rank's rows times the ranks). Where every rank's rows add up to it,
 // the exchange fills it in the same step (rows that ride along) or the ring does;
-// where not, remake(total rows) first makes one of the true size (with the GIL: the
-// Python layer's _Results.empty) and returns its data, or throws. A big result is
-// confirmed by every rank unless every rank held one of the right size (as
+// where not, remake(total rows, &interrupted) first makes one of the true size (with
+// the GIL: the Python layer's _Results.empty) and returns its data, or null, having
+// kept what making it raised (and said whether a signal handler raised it). A big
+// result is confirmed by every rank unless every rank held one of the right size (as
 // gather_output() in Python), so that one that cannot make its result does not leave
-// the others waiting in the ring.
+// the others waiting in the ring: every rank takes the same steps.
 struct GuessedGather {
   const void* input;
   int64_t rows, row_elems, row_shape_tag, itemsize;
@@ -429,19 +446,18 @@ struct GuessedGather {
     int64_t total = 0;
     for (int64_t r : counts) total += r;
     void* into = held;
-    std::exception_ptr failed;  // (raised once the others know)
-    if (total != held_rows) {  // (never with out=, which allgather_counts checked)
+    bool interrupted = false;
+    // (Never with out=, which allgather_counts checked.)
+    if (total != held_rows) into = remake(total, &interrupted);
+    const int64_t bytes = total * row_elems * itemsize;
+    if (bytes >= confirm_bytes && !ring.allgather_results_held()) {
       try {
-        into = remake(total);
+        ring.allgather_confirm(into != nullptr, bytes);  // (throws everywhere if one failed)
       } catch (...) {
-        into = nullptr;
-        failed = std::current_exception();
+        if (!interrupted) throw;  // (Ctrl-C is raised as Ctrl-C, not as no memory)
       }
     }
-    const int64_t bytes = total * row_elems * itemsize;
-    if (bytes >= confirm_bytes && !ring.allgather_results_held())
-      ring.allgather_confirm(into != nullptr, bytes);  // (throws everywhere if one failed)
-    if (failed) std::rethrow_exception(failed);
+    if (into == nullptr) throw ResultNotMade();
     if (!ring.allgather_from_counts(into, total, counts, row_elems, dtype))
       ring.allgather(input, into, counts, row_elems, dtype);  // the ring
   }
@@ -479,6 +495,7 @@ class AsyncCall : public CallQueue::Call {
     if (this_process() != pid_) (void)finished_.release();
     later_releases.add(core_);
     later_releases.add(cancelled_);
+    later_releases.add(raised_);
     later_releases.add(empty_);
     if (kept_) return;  // its rank left mid-call: MPI may still read or write them
     later_releases.add(x_);
@@ -491,6 +508,7 @@ class AsyncCall : public CallQueue::Call {
       const bool departed_before = ring_->departed();
       try {
         call_(*this);
+      } catch (const ResultNotMade&) {  // (its error: raised_)
       } catch (...) {
         error_ = std::current_exception();
         kept_ = ring_->departed() && !departed_before;
@@ -533,17 +551,20 @@ class AsyncCall : public CallQueue::Call {
   // layer's _Results.empty).
   void remakes_with(py::handle empty) { empty_ = empty.inc_ref().ptr(); }
   // The result, of `rows` rows, made anew in place of the guess; its data. With the
-  // GIL, as the Python layer's calls take it. Throws what making it raised; where a
-  // signal handler did (Ctrl-C) while this ran for the wait of a later call, that wait
-  // raises it (see PythonCall::note_interrupt()).
-  void* remade_result(int64_t rows) {
+  // GIL, as the Python layer's calls take it. Null where making it raised: outcome()
+  // raises that (*interrupted: a signal handler's error, as Ctrl-C's); where such an
+  // error came while this ran for the wait of a later call, that wait raises it too
+  // (see PythonCall::note_interrupt()).
+  void* remade_result(int64_t rows, bool* interrupted) {
     GilForQueuedCall gil;
     Py_CLEAR(result_);  // (the wrong guess, let go of first)
     try {
       result_ = gather_result(empty_, x_, rows).release().ptr();
     } catch (py::error_already_set& error) {
-      if (raised_for_a_later_wait(*this, error.value().ptr())) interrupt_raised_ = true;
-      throw;
+      raised_ = error.value().inc_ref().ptr();
+      *interrupted = !error.matches(PyExc_Exception);
+      if (raised_for_a_later_wait(*this, raised_)) interrupt_raised_ = true;
+      return nullptr;
     }
     return py::detail::array_proxy(result_)->data;
   }
@@ -576,11 +597,12 @@ class AsyncCall : public CallQueue::Call {
   // of, the input of this one among them.)
   py::object outcome() {
     later_releases.flush();
-    if (cancelling_.load(std::memory_order_acquire)) {
-      PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(cancelled_)), cancelled_);
+    const bool cancelled = cancelling_.load(std::memory_order_acquire);
+    if (!cancelled && error_) std::rethrow_exception(error_);
+    if (PyObject* raised = cancelled ? cancelled_ : raised_) {  // (raised anew by each wait)
+      PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(raised)), raised);
       throw py::error_already_set();
     }
-    if (error_) std::rethrow_exception(error_);
     return py::reinterpret_borrow<py::object>(result_);
   }
   long pid() const { return static_cast<long>(pid_); }
@@ -593,6 +615,7 @@ class AsyncCall : public CallQueue::Call {
   PyObject* result_;
   PyObject* workspace_;
   PyObject* empty_ = nullptr;  // (see remakes_with())
+  PyObject* raised_ = nullptr;  // what remade_result() raised (owned, as the others)
   PyObject* cancelled_ = nullptr;
   std::atomic<bool> cancelling_{false};
   Collective call_;  // the collective (pointers and numbers only: no Python)
@@ -843,14 +866,23 @@ class FastPath {
     if (!result) return py::none();
     const GuessedGather gather = guessed_gather(a, dtype, out, result);
     const bool departed_before = core_->departed();
+    std::exception_ptr raised;  // (what making the result raised: restored here, once)
     try {
       WithoutGil nogil;
-      gather.run(*core_, [&](int64_t rows) {
+      gather.run(*core_, [&](int64_t rows, bool* interrupted) -> void* {
         py::gil_scoped_acquire gil;
         result = py::object();  // (the wrong guess, let go of first)
-        result = gather_result(results_empty_, x, rows);
+        try {
+          result = gather_result(results_empty_, x, rows);
+        } catch (py::error_already_set& error) {
+          *interrupted = !error.matches(PyExc_Exception);
+          raised = std::current_exception();
+          return nullptr;
+        }
         return Array(result).data;
       });
+    } catch (const ResultNotMade&) {
+      std::rethrow_exception(raised);
     } catch (...) {
       if (core_->departed() && !departed_before) {  // (see keeping_on_departure())
         x.inc_ref();
@@ -875,7 +907,9 @@ class FastPath {
     RingCommunicator* ring = core_;
     auto call = std::make_shared<AsyncCall>(
         core_object_, core_, x, result, py::none(), [=](AsyncCall& self) {
-          gather.run(*ring, [&](int64_t rows) { return self.remade_result(rows); });
+          gather.run(*ring, [&](int64_t rows, bool* interrupted) {
+            return self.remade_result(rows, interrupted);
+          });
         });
     call->remakes_with(results_empty_);
     return queued(call);
@@ -1467,6 +1501,7 @@ PYBIND11_MODULE(_core, m) {
     }
   });
   chain_sigint_handler();
+  this_process();  // (its handler registered now, not by a call racing a fork())
   m.def(
       "wait_until_no_thread_without_gil",
       [](double seconds) {

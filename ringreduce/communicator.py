@@ -314,13 +314,16 @@ class _Work:
                 self.error = error
         self.finished.set()
 
-    def keep_escaped(self, error: BaseException) -> None:
+    def keep_escaped(self, error: BaseException) -> bool:
         """What escaped execute() where the core ran it (a signal handler's error, raised
         between two of its lines, outside its try), if it was not finished: the call's
-        error (also where it had its result), so that no wait() waits for good."""
-        if not self.finished.is_set():
-            self.error = error
-            self.finished.set()
+        error (also where it had its result), so that no wait() waits for good. Whether
+        it was kept (else the core raises it from the wait that ran the call, if any)."""
+        if self.finished.is_set():
+            return False
+        self.error = error
+        self.finished.set()
+        return True
 
 
 _WAIT_FRAMES = (Handle.wait.__code__, _Work.outcome.__code__)

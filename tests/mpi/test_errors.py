@@ -574,6 +574,40 @@ def test_a_rank_that_cannot_allocate_allgathers_output_does_not_hang_the_others(
     np.testing.assert_array_equal(comm.allgather(x)[:, 0], np.repeat(np.arange(SIZE), every_rows))
 
 
+class _NumpyInterrupted(_NumpyWithoutMemory):
+    """numpy, except that np.empty meets Ctrl-C."""
+
+    @staticmethod
+    def empty(*args, **kwargs):
+        raise KeyboardInterrupt("test: Ctrl-C in np.empty")
+
+
+@needs_two
+@pytest.mark.parametrize("call", ["allgather", "allgather_async"])
+def test_ctrl_c_while_a_rank_makes_a_big_allgather_result_is_raised_there(
+        call, comm, monkeypatch):
+    # Rank 1's rows differ from the others' (every rank's guess at the result is wrong),
+    # and Ctrl-C comes while it makes the result after the exchange. It still takes
+    # part in the confirmation, as one without the memory does, so that the others
+    # raise instead of waiting for it in the ring; but it raises KeyboardInterrupt, not
+    # the confirmation's error.
+    from ringreduce import communicator
+
+    rows = 1024 + (RANK == 1)
+    x = np.full((rows, 256), RANK, np.float32)  # 1 MiB per rank: the output is confirmed
+    if RANK == 1:
+        monkeypatch.setattr(communicator, "np", _NumpyInterrupted())
+    start = getattr(comm, call)
+    expected = (KeyboardInterrupt, "test: Ctrl-C") if RANK == 1 else \
+        (MemoryError, rf"^ringreduce\.{call}\b.*rank 1 could not allocate")
+    with pytest.raises(expected[0], match=expected[1]):
+        result = start(x)
+        if call == "allgather_async":
+            result.wait()
+    monkeypatch.undo()
+    still_works(comm)
+
+
 @needs_two
 @pytest.mark.parametrize("call", ["allgather", "allreduce", "reduce_scatter"])
 def test_a_small_call_that_cannot_allocate_its_result_does_not_hang_the_others(
