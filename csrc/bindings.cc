@@ -330,7 +330,7 @@ class PythonCall : public CallQueue::Call {
     PyObject* done = PyObject_CallMethod(work, "execute", nullptr);
     if (done == nullptr) keep_escaped_error(work);
     Py_XDECREF(done);
-    note_interrupt(work);
+    if (waited_call != nullptr && waited_call != this) note_interrupt(work);
     Py_DECREF(work);  // not kept until the next call comes: its result may be big
     later_releases.flush();
     ran_.store(true, std::memory_order_release);
@@ -340,14 +340,13 @@ class PythonCall : public CallQueue::Call {
   bool takes_the_gil() const override { return true; }
   PyObject* work() const { return work_; }
 
-
  private:
   // What escaped execute(), which keeps every error of its call: one that a signal
   // handler raised between two of its lines, outside its try (Ctrl-C in a call that a
-  // wait() runs). The call's error all the same, so that its waits raise it rather than
-  // wait for good for a call never marked finished.
-  // Where the call had finished, a signal handler's error is raised by the wait this
-  // thread runs the call for, if any; anything else is written as unraisable.
+  // wait() runs). The call's error all the same (work.keep_escaped()), so that its
+  // waits raise it rather than wait for good for a call never marked finished; where
+  // the call had finished, the wait this thread runs it for raises it (a signal
+  // handler's error), or it is written as unraisable (anything else, or no such wait).
   static void keep_escaped_error(PyObject* work) {
     py::error_already_set escaped;  // (fetched: no error is set now)
     bool kept = false;
