@@ -1,8 +1,8 @@
 """Seeded random sequences of calls, the same on every rank, checked against what every
 rank's inputs say the result must be.
 
-Each sequence interleaves allreduce (blocking and async, several in flight, waited in a
-shuffled order), reduce_scatter, allgather and broadcast on two Communicators (the
+Each sequence interleaves allreduce, reduce_scatter, allgather and broadcast (blocking and
+async, several in flight, waited in a shuffled order) on two Communicators (the
 default chunks, and chunks of 64-333 bytes for small calls), with sizes on either side of the core's
 thresholds (inline in the header, the broadcast board, a shared-memory slot per
 segment, the 1 MiB at which allgather confirms its result, rarely the 8 MiB beyond
@@ -272,6 +272,8 @@ class Sequence:
                 self.async_call()
             elif step == "overwrite_after_read":
                 self.overwrite_after_read()
+            elif step != "allreduce" and self.plan.random() < 0.3:  # its _async form
+                self.in_flight.append(getattr(self, step)(asynchronous=True))
             else:
                 self.blocking(step)
         if self.plan.random() < 0.5:  # close() finishes the calls in flight first
@@ -470,7 +472,7 @@ class Sequence:
 
     # -- reduce_scatter ------------------------------------------------------------------
 
-    def reduce_scatter(self):
+    def reduce_scatter(self, asynchronous=False):
         self.index += 1
         dtype, op, n, v, special, layouts = self.reduction_input()
         shape = v.shape
@@ -483,7 +485,8 @@ class Sequence:
         if mode == "shifted block":  # one element off this rank's own block
             start = offset + 1 if offset + 1 + count <= n else max(offset - 1, 0)
         comm = self.comm_for(v.nbytes)
-        what = (f"reduce_scatter {dtype} {op} shape {shape}, x {layouts}, out {modes}, "
+        what = (f"reduce_scatter{'_async' if asynchronous else ''} {dtype} {op} shape {shape}, "
+                f"x {layouts}, out {modes}, "
                 f"chunk {comm.chunk_bytes} (rank {RANK})")
         message = self.describe(what)
         everyone = gather(v, self.token())
@@ -499,9 +502,11 @@ class Sequence:
         else:
             out = None if mode == "new" else np.full(count, 3, dtype)
         x_before = x.copy() if mode in ("new", "out") else None
-        result = self.entry(comm, "reduce_scatter")(x, op=self.spelled(op), out=out)
+        name = "reduce_scatter_async" if asynchronous else "reduce_scatter"
+        made = self.entry(comm, name)(x, op=self.spelled(op), out=out)
 
         def check():
+            result = made.wait() if asynchronous else made
             if out is not None:
                 assert result is out, message
             assert result.shape == (count,) and result.dtype == native(dtype), message
@@ -516,7 +521,7 @@ class Sequence:
 
     # -- allgather -----------------------------------------------------------------------
 
-    def allgather(self):
+    def allgather(self, asynchronous=False):
         self.index += 1
         dtype = self.choose(DTYPES)
         row_shape = self.choose([(), (3,), (2, 5), (1,), (4, 0)], p=[0.4, 0.2, 0.2, 0.15, 0.05])
@@ -556,7 +561,8 @@ class Sequence:
         gives_out, layout = outs[RANK], layouts[RANK]
         v, _ = values(self.data_rng(), dtype, rows * row_elems, None)
         v = v.reshape((rows,) + row_shape)
-        what = (f"allgather {dtype} rows {rows_per_rank} of {row_shape}, x {layouts}, "
+        what = (f"allgather{'_async' if asynchronous else ''} {dtype} rows {rows_per_rank} of "
+                f"{row_shape}, x {layouts}, "
                 f"out given {outs}, chunk {comm.chunk_bytes} (rank {RANK})")
         message = self.describe(what)
         expected = np.concatenate(gather(v, self.token()), axis=0)
@@ -573,9 +579,10 @@ class Sequence:
         else:
             x = laid_out(v, layout)
         x_before = None if layout in IN_OUT else x.copy()
-        result = self.entry(comm, "allgather")(x, out=out)
+        made = self.entry(comm, "allgather_async" if asynchronous else "allgather")(x, out=out)
 
         def check():
+            result = made.wait() if asynchronous else made
             if out is not None:
                 assert result is out, message
             assert result.shape == expected.shape, f"{message}: shape {result.shape}"
@@ -589,7 +596,7 @@ class Sequence:
 
     # -- broadcast -----------------------------------------------------------------------
 
-    def broadcast(self):
+    def broadcast(self, asynchronous=False):
         self.index += 1
         dtype = self.choose(DTYPES)
         n = self.count(dtype.itemsize, board=self.plan.random() < 0.5)
@@ -603,7 +610,8 @@ class Sequence:
         layout = layouts[RANK]
         v, _ = values(self.data_rng(), dtype, n, None)
         v = v.reshape(shape)
-        what = (f"broadcast {dtype} shape {shape} from {root}, x {layouts}, "
+        what = (f"broadcast{'_async' if asynchronous else ''} {dtype} shape {shape} from {root}, "
+                f"x {layouts}, "
                 f"chunk {comm.chunk_bytes} (rank {RANK})")
         message = self.describe(what)
         expected = gather(v, self.token())[root]
@@ -614,9 +622,10 @@ class Sequence:
         else:
             base = None
             x = laid_out(v, layout)
-        result = self.entry(comm, "broadcast")(x, root=root)
+        made = self.entry(comm, "broadcast_async" if asynchronous else "broadcast")(x, root=root)
 
         def check():
+            result = made.wait() if asynchronous else made
             assert result is x, message
             assert np.ascontiguousarray(x).tobytes() == expected.tobytes(), (
                 f"{message}: not root's x")
