@@ -552,7 +552,7 @@ def test_a_rank_that_cannot_allocate_allgathers_output_does_not_hang_the_others(
     # as its x is strided (no guess is made). The others must wait for its
     # confirmation rather than go on into the ring, also where they hold their result
     # already: out=, or a guess that was right (the core's fast path allocates it
-    # before the exchange). allgather_async's remakes its result on the worker thread.
+    # before the exchange). allgather_async remakes its result on the worker thread.
     from ringreduce import communicator
 
     rows = 1024 + (RANK == 1 and others != "guess_right")
