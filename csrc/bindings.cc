@@ -419,12 +419,24 @@ class QueuedPythonCall {
 // thread may destroy without the GIL, and which pybind11 restores only once).
 struct ResultNotMade {};
 
+// Why a remake could not make the result: the kind of error making it raised, and
+// whether a signal handler raised it (KeyboardInterrupt, SystemExit: not an Exception).
+struct RemakeFailure {
+  std::string kind;
+  bool interrupted = false;
+  // From the error just caught (with the GIL).
+  explicit RemakeFailure(const py::error_already_set& error)
+      : kind(Py_TYPE(error.value().ptr())->tp_name),
+        interrupted(!error.matches(PyExc_Exception)) {}
+  RemakeFailure() = default;
+};
+
 // allgather of a contiguous host array into a result held before the exchange: out=,
 // or a guess (this rank's rows times the ranks). Where every rank's rows add up to it,
 // the exchange fills it in the same step (rows that ride along) or the ring does;
-// where not, remake(total rows, &interrupted) first makes one of the true size (with
-// the GIL: the Python layer's _Results.empty) and returns its data, or null, having
-// kept what making it raised (and said whether a signal handler raised it). A big
+// where not, remake(total rows, &failure) first makes one of the true size (with the
+// GIL: the Python layer's _Results.empty) and returns its data, or null, having kept
+// what making it raised (and said what in failure: RemakeFailure). A big
 // result is confirmed by every rank unless every rank held one of the right size (as
 // gather_output() in Python), so that one that cannot make its result does not leave
 // the others waiting in the ring: every rank takes the same steps.
@@ -445,16 +457,18 @@ struct GuessedGather {
     int64_t total = 0;
     for (int64_t r : counts) total += r;
     void* into = held;
-    bool interrupted = false;
+    RemakeFailure failure;
     // (Never with out=, which allgather_counts checked.)
-    if (total != held_rows) into = remake(total, &interrupted);
+    if (total != held_rows) into = remake(total, &failure);
     const int64_t bytes = total * row_elems * itemsize;
     if (bytes >= confirm_bytes && !ring.allgather_results_held()) {
       try {
         ring.allgather_confirm(into != nullptr, bytes);  // (throws everywhere if one failed)
       } catch (...) {
-        if (!interrupted) throw;  // (Ctrl-C is raised as Ctrl-C, not as no memory)
+        if (!failure.interrupted) throw;  // (Ctrl-C is raised as Ctrl-C, not as no memory)
       }
+    } else if (into == nullptr) {
+      ring.allgather_abandon(failure.kind);
     }
     if (into == nullptr) throw ResultNotMade();
     if (!ring.allgather_from_counts(into, total, counts, row_elems, dtype))
@@ -551,17 +565,17 @@ class AsyncCall : public CallQueue::Call {
   void remakes_with(py::handle empty) { empty_ = empty.inc_ref().ptr(); }
   // The result, of `rows` rows, made anew in place of the guess; its data. With the
   // GIL, as the Python layer's calls take it. Null where making it raised: outcome()
-  // raises that (*interrupted: a signal handler's error, as Ctrl-C's); where such an
-  // error came while this ran for the wait of a later call, that wait raises it too
-  // (see PythonCall::note_interrupt()).
-  void* remade_result(int64_t rows, bool* interrupted) {
+  // raises that (*failure says what it was); a signal handler's error (Ctrl-C's) that
+  // came while this ran for the wait of a later call, that wait raises too (see
+  // PythonCall::note_interrupt()).
+  void* remade_result(int64_t rows, RemakeFailure* failure) {
     GilForQueuedCall gil;
     Py_CLEAR(result_);  // (the wrong guess, let go of first)
     try {
       result_ = gather_result(empty_, x_, rows).release().ptr();
     } catch (py::error_already_set& error) {
       raised_ = error.value().inc_ref().ptr();
-      *interrupted = !error.matches(PyExc_Exception);
+      *failure = RemakeFailure(error);
       if (raised_for_a_later_wait(*this, raised_)) interrupt_raised_ = true;
       return nullptr;
     }
@@ -868,13 +882,13 @@ class FastPath {
     std::exception_ptr raised;  // (what making the result raised: restored here, once)
     try {
       WithoutGil nogil;
-      gather.run(*core_, [&](int64_t rows, bool* interrupted) -> void* {
+      gather.run(*core_, [&](int64_t rows, RemakeFailure* failure) -> void* {
         py::gil_scoped_acquire gil;
         result = py::object();  // (the wrong guess, let go of first)
         try {
           result = gather_result(results_empty_, x, rows);
         } catch (py::error_already_set& error) {
-          *interrupted = !error.matches(PyExc_Exception);
+          *failure = RemakeFailure(error);
           raised = std::current_exception();
           return nullptr;
         }
@@ -906,8 +920,8 @@ class FastPath {
     RingCommunicator* ring = core_;
     auto call = std::make_shared<AsyncCall>(
         core_object_, core_, x, result, py::none(), [=](AsyncCall& self) {
-          gather.run(*ring, [&](int64_t rows, bool* interrupted) {
-            return self.remade_result(rows, interrupted);
+          gather.run(*ring, [&](int64_t rows, RemakeFailure* failure) {
+            return self.remade_result(rows, failure);
           });
         });
     call->remakes_with(results_empty_);
@@ -1863,6 +1877,11 @@ PYBIND11_MODULE(_core, m) {
            [](RingCommunicator& self, bool ok, int64_t out_bytes) {
              WithoutGil nogil;
              self.allgather_confirm(ok, out_bytes);
+           })
+      .def("allgather_abandon",
+           [](RingCommunicator& self, const std::string& why) {
+             WithoutGil nogil;
+             self.allgather_abandon(why);
            })
       .def("allgather",
            [](RingCommunicator& self, py::array x, py::array out,

@@ -814,6 +814,17 @@ void RingCommunicator::allgather(const void* input, void* out,
   });
 }
 
+void RingCommunicator::allgather_abandon(const std::string& why) {
+  if (pending_allgather_inline_) {  // (the others have every row already)
+    pending_allgather_inline_ = false;
+    return;
+  }
+  if (size() == 1 || departed_) return;
+  broken_ = "an allgather's result could not be made on this rank (" + why +
+            "), which left the communicator";
+  depart(Departure::Left);
+}
+
 bool RingCommunicator::allgather_from_counts(void* out, int64_t out_rows,
                                              const std::vector<int64_t>& row_counts,
                                              int64_t row_elems, DType dtype) {

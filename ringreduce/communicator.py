@@ -53,14 +53,24 @@ def gather_output(core, allocate, nbytes: int):
     rank, and nbytes is) confirms that it has its result, one tiny collective, and all
     raise MemoryError if any has not; unless every rank held a result of the right
     size before the call (``out=``, or the core's fast path's guess, as the header
-    exchange told them all), when none allocates.
+    exchange told them all), when none allocates. A rank that fails to make a smaller
+    one (or meets Ctrl-C there) leaves the communicator where the others need it in
+    the ring, so that they raise at once (the core's allgather_abandon()).
     """
     if nbytes < _CONFIRM_BYTES or core.allgather_results_held:
-        return allocate()
+        try:
+            return allocate()
+        except BaseException as error:
+            core.allgather_abandon(type(error).__name__)
+            raise
     try:
         result = allocate()
-    except Exception:
-        core.allgather_confirm(False, nbytes)  # raises, naming this rank, everywhere
+    except BaseException as error:
+        try:
+            core.allgather_confirm(False, nbytes)  # raises, naming this rank, everywhere
+        except Exception:
+            if isinstance(error, Exception):
+                raise  # (the confirmation's error; Ctrl-C's is raised as itself)
         raise
     core.allgather_confirm(True, nbytes)
     return result

@@ -609,6 +609,42 @@ def test_ctrl_c_while_a_rank_makes_a_big_allgather_result_is_raised_there(
 
 
 @needs_two
+@pytest.mark.parametrize("call", ["allgather", "allgather_async", "python"])
+def test_a_rank_that_cannot_make_a_small_allgather_result_leaves_not_hangs_the_others(
+        call, monkeypatch):
+    # A result below the size that is confirmed, of rows too big to come with the row
+    # counts: the others go on into the ring, where they need rank 0. It could not make
+    # its result (numpy's MemoryError here; a signal handler's error alike) and raised,
+    # and the others waited for it until their timeout, as did its next call for them.
+    # It leaves the communicator instead, so that they raise at once, naming it; its
+    # own later calls say why. (The fast path, its async form on the worker, and a
+    # strided x, which takes the Python layer's path.)
+    from ringreduce import communicator
+
+    ring = rr.Communicator(timeout=30)
+    rows = RANK + 1  # (every guess but one on 3 ranks is wrong: rows differ)
+    x = np.full((2 * rows, 3000), RANK, np.float64)  # 24 KB rows: beyond the header
+    x = x[::2] if call == "python" else x[:rows]
+    if RANK == 0:
+        monkeypatch.setattr(communicator, "np", _NumpyWithoutMemory())
+    start = time.monotonic()
+    with pytest.raises(BaseException) as raised:
+        if call == "allgather_async":
+            ring.allgather_async(x).wait()
+        else:
+            ring.allgather(x)
+    monkeypatch.undo()
+    if RANK == 0:
+        assert raised.type is MemoryError and "np.empty refused" in str(raised.value)
+        with pytest.raises(RuntimeError, match="allgather's result could not be made on this "
+                                               r"rank \(MemoryError"):
+            ring.allreduce(np.ones(3))
+    else:
+        assert "rank 0" in str(raised.value), raised.value
+        assert time.monotonic() - start < 15, "waited for its timeout"
+
+
+@needs_two
 @pytest.mark.parametrize("call", ["allgather", "allreduce", "reduce_scatter"])
 def test_a_small_call_that_cannot_allocate_its_result_does_not_hang_the_others(
         call, monkeypatch, world):
