@@ -228,6 +228,19 @@ bool acquire_running(RunningLock& lock, bool blocking, std::optional<double> tim
   return held;
 }
 
+// Raises `error`, a Python exception object (owned elsewhere), as a C++ exception that
+// pybind11 hands back to Python: anew each time, where an error is raised by every wait.
+[[noreturn]] void raise_object(PyObject* error) {
+  PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(error)), error);
+  throw py::error_already_set();
+}
+
+// Whether `error` is what a signal handler raises (KeyboardInterrupt on Ctrl-C,
+// SystemExit, ...): an exception, not an Exception. (With the GIL.)
+bool from_a_signal_handler(PyObject* error) {
+  return PyExceptionInstance_Check(error) && !PyErr_GivenExceptionMatches(error, PyExc_Exception);
+}
+
 // The call whose wait() this thread runs queued calls for (CallQueue::run_here()), and
 // what a signal handler raised (KeyboardInterrupt on Ctrl-C, SystemExit, ...: not an
 // Exception) inside one queued before it that the Python layer queued, which this
@@ -262,27 +275,26 @@ bool run_for_wait(const std::weak_ptr<CallQueue::State>& queue, const CallQueue:
   raised_in_earlier_call = nullptr;
   after();
   if (PyErr_CheckSignals() != 0) throw py::error_already_set();
-  if (raised) {
-    PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(raised.ptr())), raised.ptr());
-    throw py::error_already_set();
-  }
+  if (raised) raise_object(raised.ptr());
   return ran;
 }
 
-// Where `call`, which `error` (a Python exception, or anything) stopped, ran for the
-// wait() of a call queued after it, and a signal handler raised error (KeyboardInterrupt
-// on Ctrl-C, SystemExit, ...: not an Exception): that wait raises it (run_for_wait());
-// whether it was so. (With the GIL.)
-bool raised_for_a_later_wait(const CallQueue::Call& call, PyObject* error) {
-  if (waited_call == nullptr || waited_call == &call || !PyExceptionInstance_Check(error) ||
-      PyErr_GivenExceptionMatches(error, PyExc_Exception)) {
-    return false;
-  }
+// Where this thread runs calls for a wait() and a signal handler raised `error` in one
+// (from_a_signal_handler()): that wait raises it (run_for_wait()); whether it will.
+// (With the GIL.)
+bool kept_for_the_wait(PyObject* error) {
+  if (waited_call == nullptr || !from_a_signal_handler(error)) return false;
   if (raised_in_earlier_call == nullptr) {  // (the wait runs no more calls)
     Py_INCREF(error);
     raised_in_earlier_call = error;
   }
   return true;
+}
+
+// The same for `call`, which `error` stopped, where it ran for the wait() of a call
+// queued after it (its own wait() then raises what the worker's would).
+bool raised_for_a_later_wait(const CallQueue::Call& call, PyObject* error) {
+  return waited_call != &call && kept_for_the_wait(error);
 }
 
 // The GIL, for a queued call that runs Python: on a thread with a Python thread state
@@ -356,12 +368,7 @@ class PythonCall : public CallQueue::Call {
     } catch (py::error_already_set& error) {
       error.discard_as_unraisable(py::reinterpret_borrow<py::object>(work));
     }
-    if (kept) return;
-    PyObject* error = escaped.value().ptr();
-    if (waited_call != nullptr && !PyErr_GivenExceptionMatches(error, PyExc_Exception)) {
-      if (raised_in_earlier_call == nullptr) raised_in_earlier_call = escaped.value().inc_ref().ptr();
-      return;
-    }
+    if (kept || kept_for_the_wait(escaped.value().ptr())) return;
     escaped.discard_as_unraisable(py::reinterpret_borrow<py::object>(work));
   }
 
@@ -427,7 +434,7 @@ struct RemakeFailure {
   // From the error just caught (with the GIL).
   explicit RemakeFailure(const py::error_already_set& error)
       : kind(Py_TYPE(error.value().ptr())->tp_name),
-        interrupted(!error.matches(PyExc_Exception)) {}
+        interrupted(from_a_signal_handler(error.value().ptr())) {}
   RemakeFailure() = default;
 };
 
@@ -476,14 +483,25 @@ struct GuessedGather {
   }
 };
 
-// allgather's result of `rows` rows of x's shape and dtype, from `empty` (the Python
-// layer's _Results.empty). With the GIL.
-py::object gather_result(py::handle empty, py::handle x, int64_t rows) {
+// GuessedGather's remake: `result`, the wrong guess, let go of first, becomes one of
+// `rows` rows of x's shape and dtype from `empty` (the Python layer's _Results.empty);
+// its data. Null where making it raised: *raised holds that, *failure says what. With
+// the GIL.
+void* remade_gather_result(py::object& result, py::handle empty, py::handle x, int64_t rows,
+                           RemakeFailure* failure, py::object* raised) {
+  result = py::object();
   const auto* proxy = py::detail::array_proxy(x.ptr());
-  py::tuple shape(proxy->nd);
-  shape[0] = py::int_(rows);
-  for (int i = 1; i < proxy->nd; ++i) shape[i] = py::int_(static_cast<int64_t>(proxy->dimensions[i]));
-  return empty(shape, py::handle(proxy->descr));
+  try {
+    py::tuple shape(proxy->nd);
+    shape[0] = py::int_(rows);
+    for (int i = 1; i < proxy->nd; ++i) shape[i] = py::int_(static_cast<int64_t>(proxy->dimensions[i]));
+    result = empty(shape, py::handle(proxy->descr));
+  } catch (py::error_already_set& error) {
+    *failure = RemakeFailure(error);
+    *raised = error.value();
+    return nullptr;
+  }
+  return py::detail::array_proxy(result.ptr())->data;
 }
 
 // A collective of host arrays queued by the FastPath (its *_async()): `call` runs it
@@ -570,16 +588,12 @@ class AsyncCall : public CallQueue::Call {
   // PythonCall::note_interrupt()).
   void* remade_result(int64_t rows, RemakeFailure* failure) {
     GilForQueuedCall gil;
-    Py_CLEAR(result_);  // (the wrong guess, let go of first)
-    try {
-      result_ = gather_result(empty_, x_, rows).release().ptr();
-    } catch (py::error_already_set& error) {
-      raised_ = error.value().inc_ref().ptr();
-      *failure = RemakeFailure(error);
-      if (raised_for_a_later_wait(*this, raised_)) interrupt_raised_ = true;
-      return nullptr;
-    }
-    return py::detail::array_proxy(result_)->data;
+    py::object result = py::reinterpret_steal<py::object>(result_), raised;
+    void* data = remade_gather_result(result, empty_, x_, rows, failure, &raised);
+    result_ = result.release().ptr();  // (null where it raised)
+    raised_ = raised.release().ptr();
+    if (raised_ != nullptr && raised_for_a_later_wait(*this, raised_)) interrupt_raised_ = true;
+    return data;
   }
   // Its error (KeyboardInterrupt) was raised by the wait() of a later call, which ran
   // it: its own wait() raises what the worker's would (see Handle.wait in Python).
@@ -612,10 +626,7 @@ class AsyncCall : public CallQueue::Call {
     later_releases.flush();
     const bool cancelled = cancelling_.load(std::memory_order_acquire);
     if (!cancelled && error_) std::rethrow_exception(error_);
-    if (PyObject* raised = cancelled ? cancelled_ : raised_) {  // (raised anew by each wait)
-      PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(raised)), raised);
-      throw py::error_already_set();
-    }
+    if (PyObject* raised = cancelled ? cancelled_ : raised_) raise_object(raised);
     return py::reinterpret_borrow<py::object>(result_);
   }
   long pid() const { return static_cast<long>(pid_); }
@@ -879,23 +890,15 @@ class FastPath {
     if (!result) return py::none();
     const GuessedGather gather = guessed_gather(a, dtype, out, result);
     const bool departed_before = core_->departed();
-    std::exception_ptr raised;  // (what making the result raised: restored here, once)
+    py::object raised;  // (what making the result raised)
     try {
       WithoutGil nogil;
-      gather.run(*core_, [&](int64_t rows, RemakeFailure* failure) -> void* {
+      gather.run(*core_, [&](int64_t rows, RemakeFailure* failure) {
         py::gil_scoped_acquire gil;
-        result = py::object();  // (the wrong guess, let go of first)
-        try {
-          result = gather_result(results_empty_, x, rows);
-        } catch (py::error_already_set& error) {
-          *failure = RemakeFailure(error);
-          raised = std::current_exception();
-          return nullptr;
-        }
-        return Array(result).data;
+        return remade_gather_result(result, results_empty_, x, rows, failure, &raised);
       });
     } catch (const ResultNotMade&) {
-      std::rethrow_exception(raised);
+      raise_object(raised.ptr());
     } catch (...) {
       if (core_->departed() && !departed_before) {  // (see keeping_on_departure())
         x.inc_ref();

@@ -18,6 +18,11 @@ void run_holding(RunningLock& running, CallQueue::Call& call) noexcept {
   std::lock_guard<RunningLock> hold(running);
   call.run();
 }
+// Whether this thread runs queued calls (run_here()), and so is inside one of them.
+// (Under s.mutex.)
+bool helped_by_this_thread(const CallQueue::State& s) {
+  return s.helping && s.helper == std::this_thread::get_id();
+}
 }  // namespace
 
 pid_t this_process() {
@@ -98,7 +103,7 @@ bool CallQueue::started() const {
 
 bool CallQueue::helping_here() const {
   std::lock_guard<std::mutex> lock(state_->mutex);
-  return state_->helping && state_->helper == std::this_thread::get_id();
+  return helped_by_this_thread(*state_);
 }
 
 bool CallQueue::detached_alive() const {
@@ -158,7 +163,7 @@ void CallQueue::stop(bool wait) {
     // the lock is let go must see that no stop() will join it (and clear the flags).
     // (The worker waits for a helping caller: that one cannot wait for it.)
     detach = !wait || thread->get_id() == std::this_thread::get_id() ||
-             (s.helping && s.helper == std::this_thread::get_id());
+             helped_by_this_thread(s);
     if (detach) {
       s.detached = true;
       ++s.detached_alive;
