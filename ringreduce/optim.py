@@ -694,6 +694,9 @@ class DistributedOptimizer:
         units = [(min(b.indices), b) for b in self._buckets] + [(i, i) for i in self._low_rank]
         self._units = [unit for _, unit in sorted(units, key=lambda u: -u[0])]
         self._next_to_start = 0      # the first unit of _units not started yet
+        # The last unit is complete, and waits for step() to start it (see
+        # _start_complete_units): until then the step can still be abandoned.
+        self._holding_last = False
         self._accumulating = False   # inside no_sync()
         self._accumulated = False    # the buckets hold gradients from no_sync() steps
         # Inside no_sync(): (index, its sum before) of each gradient given in this
@@ -793,18 +796,19 @@ class DistributedOptimizer:
 
     def grad_ready(self, index: int, grad) -> None:
         """The gradient of params[index] is final. Once every gradient of its bucket is
-        in, the bucket's all-reduce starts (outside no_sync), while you keep computing.
-        An error here (a bad index or gradient, say) abandons the step (abandon_step()),
-        so that the other ranks' step() raises MismatchError instead of waiting for
-        this rank's calls; unless they had all started (every gradient was in): then
-        the step stands, and step() finishes it; and inside no_sync(), where nothing
-        was sent, the sums accumulated before stay. Give none of that step's
-        gradients after the error: the next one given begins the next step."""
+        in, the bucket's all-reduce starts (outside no_sync), while you keep computing;
+        the step's last one waits for step(), so that the step can still be abandoned
+        until then. An error here (a bad index or gradient, say) abandons the step
+        (abandon_step()), so that the other ranks' step() raises MismatchError instead
+        of waiting for this rank's calls; inside no_sync(), where nothing was sent,
+        only this micro-batch's gradients are dropped, and the sums accumulated before
+        stay. Give none of that step's gradients after the error: the next one given
+        begins the next step."""
         self._abandoned_by_error = False  # (a gradient given, even one refused, begins one)
         try:
             self._report(index, grad)
         except BaseException:
-            self._abandon_unless_all_started()
+            self._abandon_at_error()
             raise
 
     def _report(self, index: int, grad) -> None:
@@ -866,10 +870,10 @@ class DistributedOptimizer:
                 raise ValueError(f"{self._where('step')}: no gradient reported for params "
                                  f"{sorted(missing)} (call grad_ready for each, or step(grads))")
         except BaseException:
-            self._abandon_unless_all_started()
+            self._abandon_at_error()
             raise
         if self._accumulating:  # one micro-batch done: keep the sums, send nothing
-            if self._next_to_start > 0:
+            if self._started_any():
                 # Their all-reduces have started (outside no_sync) and overwrite the
                 # sums with averages: nothing is left to accumulate.
                 self.abandon_step()
@@ -888,7 +892,7 @@ class DistributedOptimizer:
         averaged = [None] * len(self.params)
         start = time.perf_counter()
         try:
-            self._start_complete_units()  # all are complete now
+            self._start_complete_units(last_too=True)  # all are complete now
             # Every all-reduce of the step completes before what only ranks that step
             # do (an fp16 bucket's agreement on its scale): where another rank abandoned
             # the step, its calls raise MismatchError here, on every rank (see
@@ -1290,18 +1294,27 @@ class DistributedOptimizer:
                                      f"{tuple(param.shape)} {param.dtype} it is {shape} "
                                      f"{dtype} (a state of another model?)")
 
-    def _start_complete_units(self):
+    def _start_complete_units(self, last_too: bool = False):
         # Strictly in _units order: ranks may finish gradients in different orders, but
-        # their all-reduces must pair up one by one.
+        # their all-reduces must pair up one by one. The last one waits for step()
+        # (last_too): once every all-reduce of a step has started, the other ranks' step()
+        # uses them all, and a rank that then abandoned the step alone (an error after
+        # backward, a gradient given twice) could no longer tell them, and would drop
+        # the update that they make: its replica would fall behind, silently. A call
+        # held back can still go with _ABANDONED_OP, which their step() raises at.
         while self._next_to_start < len(self._units):
             unit = self._units[self._next_to_start]
+            complete = len(unit.reported) == len(unit.indices) if isinstance(unit, _Bucket) \
+                else unit in self._low_rank_reported
+            if not complete:
+                return
+            if self._next_to_start == len(self._units) - 1 and not last_too:
+                self._holding_last = True
+                return
+            self._holding_last = False
             if isinstance(unit, _Bucket):
-                if len(unit.reported) < len(unit.indices):
-                    return
                 self._start(unit)
             else:  # a matrix PowerSGD compresses: its first all-reduce (of P)
-                if unit not in self._low_rank_reported:
-                    return
                 call = self.powersgd.start(unit, self._low_rank_sums[unit], self.comm,
                                            check=self._call_check,
                                            dtype=self.params[unit].dtype)
@@ -1324,10 +1337,10 @@ class DistributedOptimizer:
 
         A rank may also abandon a step alone, while the others call step(): it makes
         its calls with another op, so the others' step() raises MismatchError and
-        updates nothing (catch it, and go on with the next step). Not inside
-        no_sync(), where it makes none, nor once it had given every gradient, which
-        started all its calls as a step's: there the others cannot tell, so every rank
-        must abandon that step (see docs/api.md, Data-parallel training)."""
+        updates nothing (catch it, and go on with the next step); also once it has
+        given every gradient, as the step's last all-reduce waits for step(). Not
+        inside no_sync(), where it makes none: there every rank must abandon the step
+        (see docs/api.md, Data-parallel training)."""
         if self._abandoned_by_error and self._untouched():
             # grad_ready() or step() abandoned this step already, at its error: a second
             # set of calls would pair with the others' next step. (It cannot tell this
@@ -1335,7 +1348,7 @@ class DistributedOptimizer:
             # calls for: docs/api.md says how to keep the two apart.)
             self._abandoned_by_error = False
             return
-        if (not self._accumulating or self._next_to_start > 0) and not self._met_another_call:
+        if (not self._accumulating or self._started_any()) and not self._met_another_call:
             self._abandoning = True
             try:
                 self._make_the_rest_of_the_calls()
@@ -1347,21 +1360,21 @@ class DistributedOptimizer:
                 _quietly(handle.wait)
         self._new_step()
 
-    def _abandon_unless_all_started(self):
-        """After an error in grad_ready() or step(). Where every all-reduce of the step
-        has started (outside no_sync), as a step's, the others cannot be told: their
-        step() would use them, and abandoning here alone would leave this replica
-        behind. The step stands then (the error took nothing in), for step() to finish.
-        Inside no_sync(), where no rank has sent anything, only the failed micro-batch
-        is dropped: the sums of those before stay."""
-        if self._accumulating and self._next_to_start == 0:
+    def _abandon_at_error(self):
+        """After an error in grad_ready() or step(), before step() started the last of
+        its all-reduces (see _start_complete_units): abandons the step, so that the
+        others' step() raises MismatchError. Inside no_sync(), where no rank has sent
+        anything, only the failed micro-batch is dropped: the sums of those before stay."""
+        if self._accumulating and not self._started_any():
             self._undo_micro_batch()
+            # Nothing given since: a handler's abandon_step() (as docs/api.md advises)
+            # keeps the sums of the micro-batches before, instead of dropping them.
+            self._abandoned_by_error = True
             return
         if self._abandoned_by_error and self._untouched():
             return  # (abandoned at the last error, and nothing given since)
-        if self._next_to_start < len(self._units):
-            self.abandon_step()
-            self._abandoned_by_error = True
+        self.abandon_step()
+        self._abandoned_by_error = True
 
     def _undo_micro_batch(self) -> None:
         """Takes the gradients given in this micro-batch (inside no_sync()) out of the
@@ -1380,6 +1393,11 @@ class DistributedOptimizer:
                 if earlier is not None:
                     self._put_sum(bucket, index, earlier)
         self._micro_batch.clear()
+
+    def _started_any(self) -> bool:
+        """Whether, outside no_sync(), the step's gradients completed any all-reduce
+        (started, or the last, held back for step()): its calls are a step's."""
+        return self._next_to_start > 0 or self._holding_last
 
     def _untouched(self) -> bool:
         return (self._next_to_start == 0 and not self._low_rank_reported
@@ -1401,6 +1419,7 @@ class DistributedOptimizer:
                 if call is not None:
                     self._low_rank_calls[unit] = call
         self._next_to_start = len(self._units)
+        self._holding_last = False
         for unit in self._units:  # PowerSGD's second all-reduces, as step() makes them
             call = self._low_rank_calls.get(unit) if not isinstance(unit, _Bucket) else None
             if call is not None and call.q is None:
@@ -1412,6 +1431,7 @@ class DistributedOptimizer:
             b.handle = None
             b.reported.clear()
         self._next_to_start = 0
+        self._holding_last = False
         self._low_rank_sums.clear()
         self._low_rank_reported.clear()
         self._low_rank_calls.clear()

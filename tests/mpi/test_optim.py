@@ -591,9 +591,9 @@ def test_powersgd_starts_during_backward_in_the_same_order_on_every_rank(bucket_
                                  compression=PowerSGD(rank=2))
     one_bucket = len(opt._buckets) == 1
     # Bytes handed over at each report, in backward's order (even ranks): P of 3, the
-    # bucket of 2 (if it has one of its own), P of 1, the bucket of 0 (and of 2).
-    expected = {3: 32 * 2 * 8, 2: 0 if one_bucket else 5 * 8, 1: 64 * 2 * 8,
-                0: (48 + 5 if one_bucket else 48) * 8}
+    # bucket of 2 (if it has one of its own), P of 1; the bucket of 0 (and of 2), the
+    # step's last all-reduce, waits for step(), so that the step can still be abandoned.
+    expected = {3: 32 * 2 * 8, 2: 0 if one_bucket else 5 * 8, 1: 64 * 2 * 8, 0: 0}
     rng = np.random.default_rng(RANK)
     for _ in range(3):
         grads = [rng.standard_normal(s) for s in shapes]
@@ -1970,21 +1970,66 @@ def test_a_step_with_a_bad_gradient_on_one_rank_is_dropped_on_every_rank(bad):
     np.testing.assert_allclose(params[1], -1.0)
 
 
-def test_an_error_after_every_gradient_was_given_leaves_the_step_to_finish():
-    # Every all-reduce of the step had started, as a step's: the others use them, so
-    # dropping the step here alone would leave this replica behind. It stands instead.
-    params = [np.zeros(4), np.zeros(3)]
-    opt = DistributedOptimizer(SGD(params, lr=1.0), bucket_mb=1e-5)
-    opt.grad_ready(0, np.full(4, float(RANK)))
-    opt.grad_ready(1, np.ones(3))
-    if RANK == BAD:
-        with pytest.raises(ValueError, match="twice"):
-            opt.grad_ready(1, np.ones(3))
-        with pytest.raises(ValueError, match="already given"):
-            opt.step([np.zeros(4), np.zeros(3)])
-    opt.step()
+class BackwardFailed(Exception):
+    pass
+
+
+@pytest.mark.parametrize("compression", [None, "fp16", "powersgd"])
+@pytest.mark.parametrize("error", ["given twice", "its own, after backward"])
+def test_an_error_after_every_gradient_was_given_drops_the_step_on_every_rank(error,
+                                                                            compression):
+    # Every gradient was in. The step used to stand (every all-reduce had started, as a
+    # step's), and a rank whose handler then called abandon_step() (as docs/api.md
+    # advised) dropped the update that the others' step() made with those calls:
+    # replicas apart, silently. The step's last all-reduce now waits for step(), so the
+    # error abandons the step with it, the others' step() raises MismatchError, and no
+    # replica moves; the handler's abandon_step() makes no second set of calls.
+    params = [np.zeros((8, 6)), np.zeros(3)]
+    opt = DistributedOptimizer(SGD(params, lr=1.0), bucket_mb=1e-5, compression=(
+        PowerSGD(rank=1) if compression == "powersgd" else compression))
+    grads = [np.full((8, 6), float(RANK)), np.ones(3)]
+    own = (ValueError, "twice") if error == "given twice" else (BackwardFailed, "NaN")
+    with raises_here_or_mismatch(*own, "did not pair up"):
+        try:
+            opt.grad_ready(1, grads[1])
+            opt.grad_ready(0, grads[0])
+            if RANK == BAD:
+                if error == "given twice":
+                    opt.grad_ready(0, grads[0])
+                raise BackwardFailed("a NaN in this rank's loss")
+            opt.step()
+        except Exception:
+            opt.abandon_step()
+            raise
+    for p in params:
+        np.testing.assert_array_equal(p, 0.0)  # no update anywhere
+    opt.step(grads)  # the next step is whole, and pairs up
     np.testing.assert_allclose(params[0], -(SIZE - 1) / 2)
     np.testing.assert_allclose(params[1], -1.0)
+    everyone = MPI.COMM_WORLD.allgather([p.tobytes() for p in params])
+    assert all(mine == everyone[0] for mine in everyone)
+
+
+def test_a_handlers_abandon_step_after_a_failed_micro_batch_keeps_the_sums_before():
+    # Inside no_sync(), an error takes only the failed micro-batch out of the sums.
+    # The handler's abandon_step(), which docs/api.md advises after any error from
+    # step() (and says does nothing there), then dropped the micro-batches before it
+    # too: on that rank alone, silently (no_sync() makes no calls to tell the others).
+    params = [np.zeros(5), np.zeros(3)]
+    opt = DistributedOptimizer(SGD(params, lr=1.0))
+    with opt.no_sync():
+        for micro_batch in range(3):
+            if micro_batch == 1 and RANK == BAD:
+                with pytest.raises(ValueError, match="has shape"):
+                    try:
+                        opt.step([np.ones(5), np.ones(4)])
+                    except ValueError:
+                        opt.abandon_step()
+                        raise
+            opt.step([np.ones(5), np.ones(3)])
+    opt.step([np.ones(5), np.ones(3)])
+    for p in params:
+        np.testing.assert_array_equal(p, -4.0)  # four micro-batches of 1s, averaged
 
 
 @needs_two
