@@ -44,6 +44,9 @@ def _check_params(params, who: str) -> list:
 
 
 def _check_grads(grads, params, who: str) -> list:
+    if not_a_list_of_arrays(grads):  # (one array would give its rows; a float, nothing)
+        raise TypeError(f"{who}: grads must be a list of arrays (one gradient per "
+                        f"parameter), got {type(grads).__name__}; for one array g, pass [g]")
     grads = list(grads)
     if len(grads) != len(params):
         raise ValueError(f"{who}: got {len(grads)} gradients for {len(params)} parameters")

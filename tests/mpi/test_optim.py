@@ -1942,7 +1942,8 @@ def test_ranks_that_wrap_different_optimizers_are_told(differ):
 
 
 @needs_two
-@pytest.mark.parametrize("bad", ["shape", "count", "dtype", "twice", "missing"])
+@pytest.mark.parametrize("bad", ["shape", "count", "dtype", "twice", "missing", "one array",
+                                 "a float"])
 def test_a_step_with_a_bad_gradient_on_one_rank_is_dropped_on_every_rank(bad):
     # An error in step() or grad_ready() abandons the step (as the docs said it did):
     # the others' step() raises MismatchError. It used to raise there alone, before any
@@ -1952,7 +1953,13 @@ def test_a_step_with_a_bad_gradient_on_one_rank_is_dropped_on_every_rank(bad):
     grads = [np.ones(4), np.ones(3)]
     own = {"shape": (ValueError, "has shape"), "count": (ValueError, "3 gradients"),
            "dtype": (TypeError, "dtype float32"), "twice": (ValueError, "twice"),
-           "missing": (ValueError, "no gradient reported")}[bad]
+           "missing": (ValueError, "no gradient reported"),
+           # (One array was taken for a list of its rows: "got 4 gradients"; a float
+           # raised Python's own "not iterable", naming no rank.)
+           "one array": (TypeError, rf"\(rank {RANK} of {SIZE}\): grads must be a list of "
+                                    r"arrays .*, got ndarray; for one array g, pass \[g\]"),
+           "a float": (TypeError, rf"\(rank {RANK} of {SIZE}\): grads must be a list of "
+                                  r"arrays .*, got float")}[bad]
     with raises_here_or_mismatch(*own, "did not pair up"):
         if RANK != BAD:
             opt.step(grads)
@@ -1963,7 +1970,8 @@ def test_a_step_with_a_bad_gradient_on_one_rank_is_dropped_on_every_rank(bad):
             opt.step()
         else:
             opt.step({"shape": [np.ones(3), np.ones(3)], "count": grads + [np.ones(1)],
-                      "dtype": [np.ones(4, np.float32), np.ones(3)]}[bad])
+                      "dtype": [np.ones(4, np.float32), np.ones(3)], "one array": np.ones(4),
+                      "a float": 3.0}[bad])
     np.testing.assert_array_equal(params[0], 0.0)  # no update anywhere
     opt.step([np.full(4, float(RANK)), np.ones(3)])  # the next step is whole
     np.testing.assert_allclose(params[0], -(SIZE - 1) / 2)
