@@ -1,6 +1,7 @@
 r"""The cost-model figure of docs/cost-model.md: modelled all-reduce time against the
-number of ranks for ring, naive and recursive doubling (ringreduce.sim, with alpha, beta
-and gamma as fit_model.py measured them), and ringreduce's measured times at 2 ranks.
+number of ranks for ring, naive, recursive doubling and Rabenseifner's (ringreduce.sim, with
+alpha, beta and gamma as fit_model.py measured them), and ringreduce's measured times at 2
+ranks.
 
     python benchmarks/plot_cost_model.py --model benchmarks/results/model_p2.json \
         --measured 'benchmarks/results/allreduce_p2_run*.json' --plot docs/images/cost_model_ranks.png
@@ -17,7 +18,7 @@ from timing import human_bytes, output_file
 
 SIZES = [4 << 10, 1 << 20, 64 << 20]
 RANKS = [2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
-STYLE = {"ring": "-", "naive": ":", "recursive doubling": "--"}
+STYLE = {"ring": "-", "naive": ":", "recursive doubling": "--", "Rabenseifner": "-."}
 
 
 def main():
@@ -44,7 +45,7 @@ def main():
     fig, ax = plt.subplots(figsize=(8, 5))
     colors = plt.get_cmap("tab10")
     print(f"alpha={alpha:.3g} s, beta={beta:.3g} s/B, gamma={gamma:.3g} s/B")
-    print("| size | ranks | ring | naive | recursive doubling |\n|---|---|---|---|---|")
+    print("| size | ranks | " + " | ".join(STYLE) + " |\n|---|---|" + "---|" * len(STYLE))
     for c, nbytes in enumerate(SIZES):
         curves = {name: [] for name in STYLE}
         for p in RANKS:
@@ -70,7 +71,8 @@ def main():
     ax.set_yscale("log")
     ax.set_xlabel("ranks")
     ax.set_ylabel("modelled time (ms)")
-    ax.set_title("all-reduce: ring vs naive vs recursive doubling (alpha-beta-gamma model)")
+    ax.set_title("all-reduce: ring vs naive, recursive doubling and Rabenseifner's "
+                 "(alpha-beta-gamma model)", fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()

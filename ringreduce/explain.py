@@ -121,13 +121,13 @@ def explain(ranks: int = 4, count: int = 12, chunk_elems: int | None = None,
     `values`, also carried out on value_inputs(ranks, count). ring: the ranks in the
     order they go round (Communicator.ring; None: rank order)."""
     sim._check(ranks, count)  # (the simulator's rules for a ring: one set of them)
+    if ranks > MAX_RANKS:  # (before anything the size of `ranks` is made)
+        raise ValueError(f"ranks must be at most {MAX_RANKS} here, got {ranks}: the steps are for "
+                         "reading (for bytes and times at any scale: python -m ringreduce sim)")
     ring = list(range(ranks)) if ring is None else list(ring)
     if sorted(ring) != list(range(ranks)) or not all(isinstance(r, int) for r in ring):
         raise ValueError(f"the ring must list each of the {ranks} ranks once, got "
                          f"{','.join(map(str, ring))}")
-    if ranks > MAX_RANKS:
-        raise ValueError(f"ranks must be at most {MAX_RANKS} here, got {ranks}: the steps are for "
-                         "reading (for bytes and times at any scale: python -m ringreduce sim)")
     if values:
         _check_values(ranks, count)
     if chunk_elems is None:

@@ -6,13 +6,18 @@
 
 The ring is simulated by running ringreduce's own RingSchedule (the C++ class the core
 runs) for every virtual rank, step by step, so the traffic it reports is the traffic the
-core sends (tests/mpi/test_sim.py holds the two to the same bytes and steps). Two
+core sends (tests/mpi/test_sim.py holds the two to the same bytes and steps). Three
 classic alternatives are modelled beside it:
 
 - naive: every rank sends its buffer to a root, which reduces and sends the result back
   to each rank, one after the other (a parameter server with one server);
 - recursive doubling: log2(p) rounds, each exchanging the whole buffer with a partner
-  (ranks beyond the largest power of two fold in first and get the result last).
+  (ranks beyond the largest power of two fold in first and get the result last);
+- Rabenseifner's: a reduce-scatter by recursive halving (log2(p) rounds, each sending
+  half of what is left to a partner and adding the other half of the partner's), then
+  an all-gather by recursive doubling (the same rounds backwards, each sending all it
+  holds), the large-message all-reduce of MPICH (Thakur, Rabenseifner and Gropp, 2005);
+  ranks beyond the largest power of two fold in as above.
 
 Time follows the alpha-beta-gamma model: a step costs alpha + (bytes moved) * beta +
 (bytes reduced) * gamma, steps in sequence; see docs/cost-model.md. With --machines, the
@@ -204,7 +209,67 @@ def recursive_doubling(ranks: int, count: int, elem_size: int = 4, alpha=ALPHA, 
     return Result("recursive doubling", ranks, n, steps, sent, received, seconds)
 
 
-ALGORITHMS = {"ring": ring, "naive": naive, "recursive-doubling": recursive_doubling}
+def rabenseifner(ranks: int, count: int, elem_size: int = 4, alpha=ALPHA, beta=BETA,
+                 gamma=GAMMA) -> Result:
+    """Reduce-scatter by recursive halving, then all-gather by recursive doubling, on the
+    largest power of two of ranks; the others fold in first and get the result last.
+    Followed element by element: where halves are uneven, a step lasts as long as its
+    largest half."""
+    _check(ranks, count, elem_size)
+    if count == 0:
+        return _nothing("Rabenseifner", ranks)
+    n = count * elem_size
+    power = 1 << (ranks.bit_length() - 1)
+    extra = ranks - power  # rank power + r folds into rank r, as in recursive_doubling
+    rounds = power.bit_length() - 1
+    sent = [0] * ranks
+    received = [0] * ranks
+    seconds = 0.0
+    if extra:  # the whole buffer to the partner, which adds it
+        seconds += alpha + n * beta + n * gamma
+        for r in range(extra):
+            sent[power + r] += n
+            received[r] += n
+    # Halving: at round k the partner is r XOR (power >> k+1); the lower of the two keeps
+    # the lower half of the block both hold, and each sends the other its other half.
+    block = [(0, count)] * power  # (first element, elements) each rank is still reducing
+    gave = []  # per round, each rank's block before it (the doubling sends it back whole)
+    for k in range(rounds):
+        distance = power >> (k + 1)
+        gave.append(list(block))
+        slowest = 0
+        for r in range(power):
+            first, size = block[r]
+            low = size // 2
+            keep, give = ((first, low), size - low) if r & distance == 0 else \
+                ((first + low, size - low), low)
+            block[r] = keep
+            sent[r] += give * elem_size
+            received[r ^ distance] += give * elem_size
+            slowest = max(slowest, give * elem_size)
+        seconds += alpha + slowest * (beta + gamma)
+    # Doubling: the same rounds backwards; each sends its partner all it now holds.
+    for k in reversed(range(rounds)):
+        distance = power >> (k + 1)
+        slowest = 0
+        for r in range(power):
+            out = block[r][1] * elem_size
+            sent[r] += out
+            received[r ^ distance] += out
+            slowest = max(slowest, out)
+        block = gave[k]
+        seconds += alpha + slowest * beta
+    if extra:  # the result back to the ranks that folded in
+        seconds += alpha + n * beta
+        for r in range(extra):
+            sent[r] += n
+            received[power + r] += n
+    return Result("Rabenseifner", ranks, n, 2 * rounds + (2 if extra else 0), sent,
+                  received, seconds)
+
+
+ALGORITHMS = {"ring": ring, "naive": naive, "recursive-doubling": recursive_doubling,
+              "rabenseifner": rabenseifner}
 
 
 @dataclass
@@ -482,22 +547,25 @@ def main(argv=None) -> int:
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--ranks", type=int, nargs="+", action="extend",
                         default=argparse.SUPPRESS,
-                        help="ring sizes to model, one row each (default: 4 64 1024)")
+                        help=f"numbers of ranks to model, a row per algorithm each (at most "
+                             f"{MAX_RANKS}; default: 4 64 1024)")
     parser.add_argument("--bytes", default="100M", metavar="SIZE",
-                        help="buffer size per rank, e.g. 8, 64K, 100M (K, M, G: powers of 1024)")
+                        help="buffer size per rank, a multiple of 4 bytes (float32), e.g. "
+                             "8, 64K, 100M (K, M, G: powers of 1024)")
     parser.add_argument("--alpha", type=float, default=ALPHA, help="seconds per message")
     parser.add_argument("--beta", type=float, default=BETA, help="seconds per byte moved")
     parser.add_argument("--gamma", type=float, default=GAMMA, help="seconds per byte reduced")
     parser.add_argument("--chunk", nargs="+", action="extend", default=[], metavar="SIZE",
                         help="also model the ring pipelined in chunks of each SIZE, chunk by "
-                             "chunk (the ring row above has one chunk per segment)")
+                             "chunk (the plain ring row has one chunk per segment)")
     parser.add_argument("--allgather-factor", type=int, default=_core.COPY_CHUNK_FACTOR,
                         metavar="N",
                         help="with --chunk: all-gather's chunks are N times reduce-scatter's "
                              "(as the core's over MPI messages; 1: as through shared memory)")
     parser.add_argument("--timeline", metavar="FILE",
-                        help="draw the pipeline, one chunk per segment above each --chunk "
-                             "(one --ranks value, at most 8; .svg, .png or .pdf)")
+                        help="draw the pipeline: a panel with one chunk per segment, then one "
+                             "per --chunk SIZE (needs --chunk and one --ranks value from 2 to "
+                             "8; .svg, .png or .pdf)")
     parser.add_argument("--machines", type=int, default=1, metavar="H",
                         help="ranks spread over H machines, each with one network link: "
                              "compares the ring in rank order with the ring the core goes "
@@ -514,8 +582,10 @@ def main(argv=None) -> int:
         nbytes = parse_bytes(args.bytes)
     except ValueError as error:
         parser.error(f"--bytes: {error}")
-    if any(p < 1 for p in args.ranks) or nbytes < 0:
-        parser.error("ranks must be >= 1 and bytes >= 0")
+    if any(p < 1 for p in args.ranks):
+        parser.error(f"--ranks must each be 1 or more, got {min(args.ranks)}")
+    if nbytes < 0:
+        parser.error(f"--bytes must be 0 or more, got {args.bytes}")
     if max(args.ranks) > MAX_RANKS:
         parser.error(f"--ranks: at most {MAX_RANKS} (the ring is simulated rank by rank, step "
                      "by step; for more, the formulas in docs/cost-model.md)")
@@ -549,6 +619,8 @@ def main(argv=None) -> int:
             parser.error(f"--chunk: {text!r} is more than 2**62 - 1 float32 elements")
     if not 1 <= args.allgather_factor <= 1 << 20:
         parser.error("--allgather-factor must be from 1 to 2**20")
+    if args.allgather_factor != _core.COPY_CHUNK_FACTOR and not chunks:
+        parser.error("--allgather-factor sets the all-gather's chunks: give --chunk too")
     count = nbytes // 4
 
     def gather_elems(chunk_bytes):

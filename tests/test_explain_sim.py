@@ -93,6 +93,90 @@ def test_ring_beats_naive_and_doubling_for_large_buffers_at_scale():
     assert small["recursive-doubling"].seconds < small["ring"].seconds  # latency wins
 
 
+def _halving_doubling_by_hand(ranks, count):
+    """Rabenseifner's all-reduce carried out on numbers, written apart from sim's: each
+    of `ranks` virtual ranks holds its own array; what one sends another is a slice of
+    it, counted as it goes. Returns the ranks' results, bytes sent and received (float32
+    elements of 4 bytes), and the steps, for sim.rabenseifner to be held to."""
+    data = [np.arange(count, dtype=np.float64) * 10 + r for r in range(ranks)]
+    sent, received, steps = [0] * ranks, [0] * ranks, 0
+    power = 1 << (ranks.bit_length() - 1)
+
+    def move(src, dst, lo, hi, add):
+        sent[src] += 4 * (hi - lo)
+        received[dst] += 4 * (hi - lo)
+        if add:
+            data[dst][lo:hi] += data[src][lo:hi]
+        else:
+            data[dst][lo:hi] = data[src][lo:hi]
+
+    for r in range(power, ranks):  # fold in
+        move(r, r - power, 0, count, add=True)
+    steps += ranks > power
+    spans = [(0, count)] * power
+    history = []
+    distance = power // 2
+    while distance:
+        history.append((distance, list(spans)))
+        before = [d.copy() for d in data]  # (the swap is simultaneous)
+        for r in range(power):
+            lo, hi = spans[r]
+            mid = lo + (hi - lo) // 2
+            keep = (lo, mid) if r & distance == 0 else (mid, hi)
+            give = (mid, hi) if r & distance == 0 else (lo, mid)
+            partner = r ^ distance
+            sent[r] += 4 * (give[1] - give[0])
+            received[partner] += 4 * (give[1] - give[0])
+            data[partner][give[0]:give[1]] += before[r][give[0]:give[1]]
+            spans[r] = keep
+        distance //= 2
+        steps += 1
+    for distance, earlier in reversed(history):
+        before = [d.copy() for d in data]
+        for r in range(power):
+            lo, hi = spans[r]
+            partner = r ^ distance
+            sent[r] += 4 * (hi - lo)
+            received[partner] += 4 * (hi - lo)
+            data[partner][lo:hi] = before[r][lo:hi]
+        spans = earlier
+        steps += 1
+    for r in range(power, ranks):  # the result back
+        move(r - power, r, 0, count, add=False)
+    steps += ranks > power
+    return data, sent, received, steps
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 3, 4, 5, 6, 7, 8, 13, 16])
+@pytest.mark.parametrize("count", [1, 7, 64, 1000])
+def test_rabenseifner_counts_the_bytes_of_the_algorithm_carried_out(ranks, count):
+    data, sent, received, steps = _halving_doubling_by_hand(ranks, count)
+    total = sum(np.arange(count, dtype=np.float64) * 10 + r for r in range(ranks))
+    for result in data:  # (the algorithm, as counted, is an all-reduce)
+        np.testing.assert_array_equal(result, total)
+    model = sim.rabenseifner(ranks, count)
+    assert (model.bytes_sent, model.bytes_received, model.steps) == (sent, received, steps)
+
+
+def test_rabenseifner_has_the_rings_bandwidth_but_not_for_every_p():
+    # On a power of two, the ring's bytes (p dividing the count) in 2 log2(p) steps,
+    # and the table's formula; on 3 ranks the fold costs two whole buffers, and the
+    # ring is faster for a large one, as docs/cost-model.md says.
+    n = 1 << 20
+    for ranks in (2, 8, 64, 1024):
+        r = sim.rabenseifner(ranks, n // 4)
+        assert r.max_bytes_sent == 2 * (ranks - 1) * n // ranks == min(r.bytes_sent)
+        assert r.steps == 2 * (ranks.bit_length() - 1)
+        formula = (2 * (ranks.bit_length() - 1) * sim.ALPHA + 2 * (ranks - 1) / ranks * n
+                   * sim.BETA + (ranks - 1) / ranks * n * sim.GAMMA)
+        assert r.seconds == pytest.approx(formula, rel=1e-12)
+    big = 100 << 20
+    assert sim.ring(3, big // 4).seconds * 2 < sim.rabenseifner(3, big // 4).seconds
+    assert sim.rabenseifner(3, big // 4).max_bytes_sent == 2 * big
+    # Many ranks, a middling buffer: far fewer latencies than the ring's 2(p-1).
+    assert sim.rabenseifner(1024, n // 4).seconds * 5 < sim.ring(1024, n // 4).seconds
+
+
 def test_sim_command_line():
     done = subprocess.run([sys.executable, "-m", "ringreduce", "sim", "--ranks", "8", "200",
                            "--bytes", "1M"], capture_output=True, text=True, timeout=120)
@@ -158,6 +242,13 @@ def test_pipeline_reports_each_step_of_both_phases():
     (["sim", "--alpha", "-1"], "--alpha must be a finite number"),
     (["sim", "--beta", "nan"], "--beta must be a finite number"),
     (["explain", "--ranks", "500"], "at most 32 here"),
+    # (A list of that many ranks was made first: a traceback, or all the memory.)
+    (["explain", "--ranks", "99999999999999999999"], "at most 32 here"),
+    (["explain", "--ranks", "1000000000"], "at most 32 here"),
+    (["sim", "--ranks", "4", "0"], "--ranks must each be 1 or more, got 0"),
+    (["sim", "--bytes", "-4"], "--bytes must be 0 or more, got -4"),
+    (["sim", "--allgather-factor", "2"], "--allgather-factor sets the all-gather's chunks: "
+                                         "give --chunk too"),
     (["explain", "--count", "100000000", "--chunk", "1"], "more than 4096 chunks"),
     (["sim", "--bytes", "6"], "not a whole number of float32 elements"),
     (["sim", "--ranks", "4", "5000"], "--ranks: at most 4096"),
@@ -408,15 +499,16 @@ def test_the_times_the_cost_model_quotes_for_1024_ranks_are_what_its_sim_command
         cells = [cell.strip() for cell in line.strip("|").split("|")]
         if cells[0] == "1024":
             ms[cells[1]] = float(cells[-1].removesuffix(" ms"))
-    assert set(ms) == {"ring", "naive", "recursive doubling"}, done.stdout
+    assert set(ms) == {"ring", "naive", "recursive doubling", "Rabenseifner"}, done.stdout
     said = (f"for 100 MiB on 1024 ranks: ring {_three_figures(ms['ring'])} ms, naive "
             f"{_three_figures(ms['naive'] / 1e3)} s, recursive doubling "
-            f"{_three_figures(ms['recursive doubling'])} ms")
+            f"{_three_figures(ms['recursive doubling'])} ms, Rabenseifner "
+            f"{_three_figures(ms['Rabenseifner'])} ms")
     assert said in page, said
 
 
 def test_the_cost_model_table_is_the_model_with_the_stored_fit():
-    # docs/cost-model.md's table of ring, naive and recursive doubling, which
+    # docs/cost-model.md's table of ring, naive, recursive doubling and Rabenseifner's, which
     # benchmarks/plot_cost_model.py prints, row by row against ringreduce.sim with the
     # alpha, beta and gamma of benchmarks/results/model_p2.json (and the fit as the text
     # gives it).
@@ -428,8 +520,8 @@ def test_the_cost_model_table_is_the_model_with_the_stored_fit():
     alpha, beta, gamma = fit["alpha_s"], fit["beta_s_per_byte"], fit["gamma_s_per_byte"]
     assert (f"α = {alpha * 1e6:.1f} µs, β = {beta * 1e9:.3f} ns/byte ({1e-9 / beta:.2f} GB/s), "
             f"γ = {gamma * 1e9:.3f} ns/byte ({1e-9 / gamma:.2f} GB/s)") in " ".join(page.split())
-    rows = re.findall(r"^\| (\d+) (KiB|MiB) \| (\d+) \| ([\d.]+ ms) \| ([\d.]+ ms) \| ([\d.]+ ms) \|$",
-                      page, re.M)
+    rows = re.findall(r"^\| (\d+) (KiB|MiB) \| (\d+) \| ([\d.]+ ms) \| ([\d.]+ ms) \| ([\d.]+ ms) "
+                      r"\| ([\d.]+ ms) \|$", page, re.M)
     assert len(rows) == 9, rows
 
     def ring(ranks, count):
@@ -447,7 +539,7 @@ def test_the_cost_model_table_is_the_model_with_the_stored_fit():
         count = (int(number) << (10 if unit == "KiB" else 20)) // 4
         modelled = [ring(int(ranks), count)] + [
             fn(int(ranks), count, 4, alpha, beta, gamma).seconds
-            for fn in (sim.naive, sim.recursive_doubling)]
+            for fn in (sim.naive, sim.recursive_doubling, sim.rabenseifner)]
         assert shown == [f"{t * 1e3:.3f} ms" for t in modelled], (number, unit, ranks)
 
 
@@ -634,6 +726,7 @@ def test_ranks_bytes_differ_by_up_to_two_elements_when_segments_are_uneven():
 
 @pytest.mark.parametrize("call", [lambda: sim.ring(0, 10), lambda: sim.naive(3, -5),
                                   lambda: sim.recursive_doubling(0, 10),
+                                  lambda: sim.rabenseifner(2, 10, elem_size=-1),
                                   lambda: sim.ring(2, 10, elem_size=0)])
 def test_the_models_refuse_what_no_ring_is(call):
     with pytest.raises(ValueError, match="must be"):
