@@ -980,6 +980,23 @@ class Communicator:
         return self._ring
 
     @property
+    def bytes_sent(self) -> int:
+        """Payload bytes this rank has sent to others since the Communicator was made,
+        through shared memory or MPI messages: 2(p-1)/p of an allreduce's N bytes (when
+        p divides the count), (p-1)/p of a reduce_scatter's, p-1 times its own rows for
+        an allgather, and N for a broadcast from each rank of its chain but the last.
+        Not the header every call exchanges, nor the data of calls small enough to ride
+        in it. `python -m ringreduce explain` and `sim` predict it."""
+        return self._core.ring_bytes_sent
+
+    @property
+    def ring_steps(self) -> int:
+        """Ring steps this rank has run since the Communicator was made: 2(p-1) for an
+        allreduce that goes round the ring, p-1 for a reduce_scatter or allgather, none
+        for a broadcast (a chain) or a call done inside the header exchange."""
+        return self._core.ring_steps
+
+    @property
     def closed(self) -> bool:
         return self._closed
 
