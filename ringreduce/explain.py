@@ -132,7 +132,8 @@ def explain(ranks: int = 4, count: int = 12, chunk_elems: int | None = None,
         _check_values(ranks, count)
     if chunk_elems is None:
         chunk_elems = max(1, -(-count // ranks))  # one chunk per segment
-    sim._check_chunk_elems(chunk_elems)
+    # (Larger than a segment is one chunk per segment, and says so.)
+    chunk_elems = sim._chunk_elems(chunk_elems, "chunk_elems", count, ranks)
     s0 = _core.RingSchedule(0, ranks, count, chunk_elems, ring)
     if sum(s0.num_chunks(s) for s in range(ranks)) > MAX_CHUNKS:
         raise ValueError(f"{count} elements in chunks of {chunk_elems} make more than "
@@ -192,6 +193,12 @@ def _receive(buffers, before, sender, r, k, send_of, reduces) -> None:
         arrived = before[sender.rank, first:first + n]
         mine = buffers[r, first:first + n]
         buffers[r, first:first + n] = mine + arrived if reduces else arrived
+
+
+def _spread(counts) -> str:
+    """'9' where every rank's count is 9, else '9 to 10'."""
+    low, high = min(counts), max(counts)
+    return f"{low}" if low == high else f"{low} to {high}"
 
 
 def _elements(span) -> str:
@@ -322,7 +329,7 @@ def format_text(e: Explanation) -> str:
         lines.append("")
         lines.append(f"{step.phase}, step {step.number} of {total}:")
         for t in step.transfers:
-            action = "adds it to its own copy" if t.reduces else "keeps it"
+            action = "adds it to its own copy" if t.reduces else "copies it over its own"
             what = ("no elements" if not t.chunks else _elements(t.chunks[0])
                     if len(t.chunks) == 1 else
                     f"elements {', '.join(map(_range, t.chunks))}, in {len(t.chunks)} chunks")
@@ -339,10 +346,20 @@ def format_text(e: Explanation) -> str:
             lines.append("  afterwards, the numbers each rank holds:")
             lines += _value_rows(e, [(f"rank {r}", row) for r, row in enumerate(step.values)])
     per_rank = 2 * (e.ranks - 1) * e.count / e.ranks
+    sent, received = [0] * e.ranks, [0] * e.ranks
+    for step in e.steps:
+        for t in step.transfers:
+            n = sum(size for _, size in t.chunks)
+            sent[t.rank] += n
+            received[t.to] += n
     lines.append("")
-    lines.append(f"Each rank sent and received 2(p-1)/p x N = {per_rank:g} elements on average "
-                 f"(N = {e.count}), in 2(p-1) = {2 * (e.ranks - 1)} steps. Every rank now holds "
-                 "every segment summed over all ranks, computed once by the segment's owner.")
+    lines += textwrap.wrap(
+        f"Each rank sent {_spread(sent)} elements and received {_spread(received)}: "
+        f"2(p-1)/p x N = {per_rank:.3g} on average, for N = {e.count} elements, in 2(p-1) = "
+        f"{2 * (e.ranks - 1)} steps" + (" (p does not divide N: segments differ by one "
+                                         "element)" if e.count % e.ranks else "") +
+        ". Every rank now holds every segment summed over all ranks, computed once by the "
+        "segment's owner.", width=90)
     lines.append("")
     lines += textwrap.wrap(
         "In what order: each rank adds what arrives to its own data (its own first), so "
@@ -414,8 +431,8 @@ def draw(e: Explanation, path: str) -> None:
                             fontsize=5, zorder=3)
     fig.suptitle(textwrap.fill(
         f"Ring all-reduce, {e.ranks} ranks: red arrows reduce, blue arrows copy. By each "
-        "rank, one square per segment: how many ranks' data its copy holds (yellow: all "
-        "of them)", width=60 * columns), fontsize=9)
+        "rank, after the step, one square per segment: how many ranks' data its copy holds "
+        "(yellow: all of them)", width=60 * columns), fontsize=9)
     fig.tight_layout(rect=(0, 0, 0.93, 1))
     # The colour key: ranks whose data a copy of a segment holds, 1 to p (no copy
     # holds none).
@@ -433,13 +450,14 @@ def draw(e: Explanation, path: str) -> None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ringreduce explain",
-                                     description="Show the ring all-reduce step by step.",
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--ranks", type=int, default=4,
-                        help=f"ranks in the ring (at most {MAX_RANKS})")
-    parser.add_argument("--count", type=int, default=12, help="elements in the buffer")
+                                     description="Show the ring all-reduce step by step.")
+    parser.add_argument("--ranks", type=int, default=None,
+                        help=f"ranks in the ring (at most {MAX_RANKS}; default: as many as "
+                        "--ring lists, else 4)")
+    parser.add_argument("--count", type=int, default=12,
+                        help="elements in the buffer (default: 12)")
     parser.add_argument("--chunk", type=int, default=None,
-                        help="elements per chunk (None: one chunk per segment)")
+                        help="elements per chunk (default: one chunk per segment)")
     parser.add_argument("--values", action="store_true",
                         help="also carry the steps out on small integers and print every rank's "
                         "numbers after each step, checked against numpy's sum at the end (at most "
@@ -457,6 +475,8 @@ def main(argv=None) -> int:
             ring = [int(r) for r in args.ring.split(",")]
         except ValueError:
             parser.error(f"--ring: {args.ring!r} is not a list of ranks such as 0,2,1,3")
+    if args.ranks is None:
+        args.ranks = len(ring) if ring is not None else 4
     if args.svg:  # (checked before the text is printed)
         name = os.path.basename(args.svg)
         if os.path.splitext(name)[1].lower() not in (".svg", ".png", ".pdf"):

@@ -197,6 +197,8 @@ def allreduce(x, op: str = "sum", comm=MPI.COMM_WORLD, ring=None) -> np.ndarray:
     in the order they go round (None: as the core orders them, see ring_order)."""
     x, op = _checked(x, op, "allreduce")
     work = np.array(x, copy=True).reshape(-1)
+    if work.size == 0:  # (nothing to send: as the core, no ring steps at all)
+        return work.reshape(x.shape)
     _ring_reduce_scatter(work, op, comm, ring)
     _ring_allgather(work, segment_bounds(work.size, comm.Get_size()), comm, ring)
     return work.reshape(x.shape)

@@ -555,14 +555,15 @@ def main(argv=None) -> int:
     parser.add_argument("--alpha", type=float, default=ALPHA, help="seconds per message")
     parser.add_argument("--beta", type=float, default=BETA, help="seconds per byte moved")
     parser.add_argument("--gamma", type=float, default=GAMMA, help="seconds per byte reduced")
-    parser.add_argument("--chunk", nargs="+", action="extend", default=[], metavar="SIZE",
+    parser.add_argument("--chunk", nargs="+", action="extend", default=argparse.SUPPRESS,
+                        metavar="SIZE",
                         help="also model the ring pipelined in chunks of each SIZE, chunk by "
                              "chunk (the plain ring row has one chunk per segment)")
     parser.add_argument("--allgather-factor", type=int, default=_core.COPY_CHUNK_FACTOR,
                         metavar="N",
                         help="with --chunk: all-gather's chunks are N times reduce-scatter's "
                              "(as the core's over MPI messages; 1: as through shared memory)")
-    parser.add_argument("--timeline", metavar="FILE",
+    parser.add_argument("--timeline", metavar="FILE", default=argparse.SUPPRESS,
                         help="draw the pipeline: a panel with one chunk per segment, then one "
                              "per --chunk SIZE (needs --chunk and one --ranks value from 2 to "
                              "8; .svg, .png or .pdf)")
@@ -578,6 +579,8 @@ def main(argv=None) -> int:
                              "link (the default is 100 Gb/s)")
     args = parser.parse_args(argv)
     args.ranks = getattr(args, "ranks", None) or [4, 64, 1024]  # (--ranks 3 --ranks 5: both)
+    # (Not given: SUPPRESS keeps "(default: [])" and "(default: None)" out of --help.)
+    args.chunk, args.timeline = getattr(args, "chunk", []), getattr(args, "timeline", None)
     try:
         nbytes = parse_bytes(args.bytes)
     except ValueError as error:

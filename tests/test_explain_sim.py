@@ -901,3 +901,27 @@ def test_explain_values_takes_every_count_whose_lines_fit_and_refuses_one_more(r
     widest = max(len(line) for line in rows)
     # within the limit, and one more number (its digits and a space) would not be
     assert widest <= MAX_VALUES_LINE < widest + ranks + 1
+
+
+def test_explain_says_what_each_rank_sent_and_infers_ranks_from_the_ring():
+    # The closing line gave only 2(p-1)/p x N on average (9.33333 elements on 3 ranks
+    # of 7), where the ranks send 9, 10 and 9: the counts from the steps themselves.
+    def run(*argv):
+        done = subprocess.run([sys.executable, "-m", "ringreduce", "explain", *argv],
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        return " ".join(done.stdout.split())
+
+    uneven = run("--ranks", "3", "--count", "7")
+    assert ("Each rank sent 9 to 10 elements and received 9 to 10: 2(p-1)/p x N = 9.33 on "
+            "average, for N = 7 elements, in 2(p-1) = 4 steps (p does not divide N") in uneven
+    e = explain(3, 7)
+    sent = [sum(n for step in e.steps for t in step.transfers if t.rank == r for _, n in t.chunks)
+            for r in range(3)]
+    assert sorted(sent) == [9, 9, 10] and sent == sim.ring(3, 7, 1).bytes_sent
+    assert "Each rank sent 18 elements and received 18:" in run("--ranks", "4", "--count", "12")
+    # --ring alone sets the ranks (it was refused against the default of 4).
+    assert "on 3 ranks" in run("--ring", "0,2,1")
+    # A chunk larger than a segment is one chunk per segment, and says so.
+    assert "chunks of at most 3 elements" in run("--ranks", "3", "--count", "9", "--chunk", "100")
+    assert "copies it over its own" in uneven
