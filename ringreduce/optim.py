@@ -734,11 +734,15 @@ class DistributedOptimizer:
         rejected = partway
         if rejected is None:
             try:
+                _types.check_root(root, self.comm.size, where)
                 self._check_settings_to_send(where)
-            except ValueError as error:
+            except (TypeError, ValueError) as error:
                 rejected = error
-        self._agree_between_steps(where, "broadcast_parameters", [], [], rejected,
-                                  "no rank broadcast anything")
+        # (A bad root or ranks of different roots: every rank raises, naming this call,
+        # before any broadcast, not at the first parameter's, naming that.)
+        self._agree_between_steps(where, "broadcast_parameters", ["broadcast from different "
+                                  "roots"], [repr(int(root)) if rejected is None else None],
+                                  rejected, "no rank broadcast anything")
         if partway is not None:
             raise self._partway_outcome(partway, "Nothing was broadcast")
         if rejected is not None:

@@ -3132,3 +3132,25 @@ def test_parameters_whose_gradients_the_ring_cannot_reduce_are_refused_when_made
     opt.step([np.full(3, RANK, np.float32), np.full(5, RANK, np.longdouble)])
     expected = np.linspace(0, 1, 5) - 0.5 * (SIZE - 1) / 2
     np.testing.assert_allclose(params[1].astype(np.float64), expected, atol=1e-3)
+
+
+@needs_two
+@pytest.mark.parametrize("bad", ["out of range", "not an int", "another root"])
+def test_broadcast_parameters_with_a_bad_root_on_one_rank_refuses_on_every_rank(bad):
+    # Checked up front, in the agreement that precedes the broadcasts: every rank
+    # raises, naming broadcast_parameters, and nothing is broadcast. (Each raised at
+    # the first parameter's broadcast, naming ringreduce.broadcast.)
+    params = [np.full(3, float(RANK))]
+    opt = DistributedOptimizer(SGD(params, lr=1.0))
+    root = {"out of range": SIZE, "not an int": "0", "another root": 1}[bad] if RANK == BAD else 0
+    own = {"out of range": (ValueError, f"root {SIZE} is not a rank"),
+           "not an int": (TypeError, "root must be an int, got str"),
+           "another root": (rr.MismatchError, "broadcast from different roots")}[bad]
+    where = r"DistributedOptimizer\.broadcast_parameters \(rank"
+    with raises_here_or_mismatch(own[0], where + ".*" + own[1],
+                                 where + ".*" + ("broadcast from different roots"
+                                                 if bad == "another root" else "rejected")):
+        opt.broadcast_parameters(root=root)
+    np.testing.assert_array_equal(params[0], float(RANK))  # nothing broadcast
+    opt.broadcast_parameters(root=SIZE - 1)  # the next one pairs up
+    np.testing.assert_array_equal(params[0], float(SIZE - 1))
