@@ -18,6 +18,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -1012,8 +1013,10 @@ class FastPath {
     if (!out.is_none()) return is_plain_out(out, a, a.nd, a.dims, true, true);
     // Not from the buffers kept for big results (fresh_max_bytes_ on), where a wrong
     // guess would push out the one the true size could have had, to save microseconds
-    // of a call that takes milliseconds.
-    return a.nbytes() * core_->size() < fresh_max_bytes_;
+    // of a call that takes milliseconds. (Rows of no bytes may be as many as int64 holds:
+    // their count times the ranks, the guess, must be one too.)
+    return a.nbytes() * core_->size() < fresh_max_bytes_ &&
+           (a.nd == 0 || a.dims[0] <= std::numeric_limits<int64_t>::max() / core_->size());
   }
 
   // allgather's result held before the exchange (GuessedGather): out=, or a guess at it,

@@ -111,9 +111,17 @@ def gather_rows(core, source, rows, row_shape, dtype, chunk, out, results):
     # keywords cost pybind11 almost a microsecond, as much as the exchange itself.
     counts = core.allgather_counts(rows, row_elems, tag, dtype, chunk, out_rows, False, source)
     total = sum(counts)
-    result = gather_output(
-        core, lambda: out if out is not None else results.empty((total,) + row_shape, source.dtype),
-        total * row_elems * source.itemsize)
+
+    def allocate():
+        if out is not None:
+            return out
+        try:
+            return results.empty((total,) + row_shape, source.dtype)
+        except ValueError as error:  # (numpy's: only rows of no bytes can add up so far)
+            raise ValueError(f"{t.where(core.rank, core.size, 'allgather')}: the ranks' rows "
+                             f"add up to {total}, more than an array can have ({error})") from None
+
+    result = gather_output(core, allocate, total * row_elems * source.itemsize)
     core.allgather(source, result, counts, row_elems, dtype)
     return result
 

@@ -78,6 +78,23 @@ def test_allgather_ranks_may_differ_in_rows(small_chunks, world):
         assert bitwise_equal(ring.allgather(x), g)
 
 
+def test_allgather_of_rows_of_no_bytes_as_many_as_an_array_can_have(comm):
+    # Rank 0's 2**62 empty rows: the FastPath's guess at the result, its rows times the
+    # ranks, overflowed int64; numpy refused the negative shape there, before the header
+    # exchange, so the others' calls paired with rank 0's next one. The result is made
+    # once the ranks' rows are known. Where they add up past what an array can have,
+    # every rank raises, naming the call, and the communicator goes on.
+    rows = 2**62 if RANK == 0 else 1
+    for call in (comm.allgather, lambda x: comm.allgather_async(x).wait()):
+        got = call(np.empty((rows, 0), np.uint8))
+        assert got.shape == (2**62 + SIZE - 1, 0) and got.dtype == np.uint8
+    if SIZE > 1:
+        with pytest.raises(ValueError, match=rf"ringreduce\.allgather \(rank {RANK} of {SIZE}\): "
+                                             r"the ranks' rows add up to \d+, more than an array"):
+            comm.allgather(np.empty((2**62, 0), np.uint8))
+    assert comm.allreduce(np.ones(2))[0] == SIZE
+
+
 def test_allgather_with_rows_in_and_out_of_the_header_exchange(small_chunks, world):
     # Rank 0's rows fit in its header, the others' don't: all take the ring.
     edge = around_inline_limit(small_chunks, 8, ())[0]
