@@ -20,6 +20,10 @@ void check(cudaError_t rc, const char* what) {
 
 constexpr int kThreads = 256;
 
+// Elements a thread loads together (16 bytes) where the pointers are aligned.
+template <typename T>
+constexpr int vector_width() { return sizeof(T) >= 16 ? 1 : 16 / static_cast<int>(sizeof(T)); }
+
 // Each thread handles kVector elements loaded together when the three pointers are
 // 16-byte aligned (buffers from cudaMalloc and the GPU slots are; a chunk inside a
 // buffer is where its segment's offset in bytes is a multiple of 16, which depends on
@@ -27,7 +31,7 @@ constexpr int kThreads = 256;
 template <typename T, template <typename> class OpT>
 __global__ void reduce_kernel(T* dst, const T* a, const T* __restrict__ b, int64_t n,
                               bool aligned) {
-  constexpr int kVector = sizeof(T) >= 16 ? 1 : 16 / static_cast<int>(sizeof(T));
+  constexpr int kVector = vector_width<T>();
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (aligned) {
@@ -64,7 +68,9 @@ bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) ==
 template <typename T, template <typename> class OpT>
 void launch(void* dst, const void* a, const void* b, int64_t n, cudaStream_t stream) {
   const bool aligned = aligned16(dst) && aligned16(a) && aligned16(b);
-  reduce_kernel<T, OpT><<<blocks_for(n), kThreads, 0, stream>>>(
+  // (A thread per pack of vector_width() where aligned: no more threads than that.)
+  const int64_t per_thread = aligned ? vector_width<T>() : 1;
+  reduce_kernel<T, OpT><<<blocks_for((n + per_thread - 1) / per_thread), kThreads, 0, stream>>>(
       static_cast<T*>(dst), static_cast<const T*>(a), static_cast<const T*>(b), n, aligned);
   check(cudaGetLastError(), "reduce kernel launch");
 }
@@ -77,6 +83,7 @@ void launch_op(Op op, void* dst, const void* a, const void* b, int64_t n, cudaSt
     case Op::Min: return launch<T, ops::MinOp>(dst, a, b, n, s);
     case Op::Max: return launch<T, ops::MaxOp>(dst, a, b, n, s);
   }
+  throw std::invalid_argument("reduce kernel: unknown op " + std::to_string(static_cast<int>(op)));
 }
 
 template <typename R>
@@ -129,6 +136,8 @@ void reduce(DType dtype, Op op, void* dst, const void* a, const void* b, int64_t
     case DType::Complex128: return launch_complex<double>(op, dst, a, b, n, s);
     case DType::Bool: return launch_op<ops::Bool>(op, dst, a, b, n, s);
   }
+  throw std::invalid_argument("reduce kernel: unknown dtype " +
+                              std::to_string(static_cast<int>(dtype)));
 }
 
 void divide(DType dtype, void* data, int64_t n, int64_t divisor, void* stream) {

@@ -446,9 +446,10 @@ void RingCommunicator::allgather_device(DeviceCall call, const void* input, void
   char* staging = nullptr;
   if (ok) {
     try {
-      dev = &device(call.emulate, call.ordinal);
-      dev->begin(call.ready);
-      scope.emplace(*dev);
+      Device& begun = device(call.emulate, call.ordinal);
+      begun.begin(call.ready);  // (one that fails gives everything back itself)
+      dev = &begun;
+      scope.emplace(begun);
       call.device = dev;
       // On the copy-out stream, which the first sends' D2H copies then follow.
       if (on_host) {  // this rank's rows to the host; the host ring; all rows back

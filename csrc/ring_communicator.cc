@@ -468,7 +468,12 @@ RingCommunicator::~RingCommunicator() {
     return;
   }
   leave_unclosed();  // dropped unclosed: a rank still calling would wait for this one
-  if (!departed_) return;
+  if (!departed_) {
+    // GPU buffers freed with our GPU current: freed as members, on a thread without a
+    // CUDA context (the garbage collector's), they would make one on GPU 0.
+    release_device();
+    return;
+  }
   // MPI may still read (sends) or write (a receive it could not cancel) these whenever
   // a late rank comes: they must outlive everything, so they are leaked.
   scratch_.release();
