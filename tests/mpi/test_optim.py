@@ -2012,8 +2012,9 @@ def test_an_error_after_every_gradient_was_given_drops_the_step_on_every_rank(er
     for p in params:
         np.testing.assert_array_equal(p, 0.0)  # no update anywhere
     opt.step(grads)  # the next step is whole, and pairs up
-    np.testing.assert_allclose(params[0], -(SIZE - 1) / 2)
-    np.testing.assert_allclose(params[1], -1.0)
+    close = 1e-3 if compression == "fp16" else 1e-7  # (16 bits: (0+1+2+3+4)/5 is 1.999)
+    np.testing.assert_allclose(params[0], -(SIZE - 1) / 2, rtol=close)
+    np.testing.assert_allclose(params[1], -1.0, rtol=close)
     everyone = MPI.COMM_WORLD.allgather([p.tobytes() for p in params])
     assert all(mine == everyone[0] for mine in everyone)
 
