@@ -25,7 +25,11 @@ except ImportError:  # pip's isolated build installs it; --no-build-isolation do
 
 
 def find_mpicc():
-    candidates = [os.environ.get("MPICC"),
+    named = os.environ.get("MPICC")
+    if named and not shutil.which(named):  # (a typo would build against another MPI)
+        sys.exit(f"ringreduce: MPICC={named}: no such executable (unset MPICC to build "
+                 "against the mpicc beside this Python, or on PATH)")
+    candidates = [named,
                   os.path.join(os.path.dirname(sys.executable), "mpicc"),
                   shutil.which("mpicc")]
     for candidate in candidates:

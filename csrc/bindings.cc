@@ -1406,6 +1406,22 @@ bool unpack_gradients(py::handle flat, py::handle grads, py::handle indices) {
   return true;
 }
 
+// What this extension was compiled for, from the MPI headers: the family of MPI whose
+// ABI it expects, and the size of its communicator handle (an int in MPICH's ABI, a
+// pointer in Open MPI's). Asked before any MPI call: where mpi4py loaded another MPI
+// (globally), this extension's MPI calls go to that library, with handles it cannot
+// read; MPI_Get_library_version there names the loaded library, not the one built for.
+py::tuple mpi_built_for() {
+#if defined(OPEN_MPI)
+  const char* family = "Open MPI";
+#elif defined(MPICH_VERSION) || defined(MPICH)
+  const char* family = "MPICH";
+#else
+  const char* family = "other";
+#endif
+  return py::make_tuple(family, static_cast<int>(sizeof(MPI_Comm)));
+}
+
 std::string mpi_library_version() {
   char text[MPI_MAX_LIBRARY_VERSION_STRING] = {0};
   int len = 0;
@@ -1552,6 +1568,9 @@ PYBIND11_MODULE(_core, m) {
   // Over MPI messages the all-gather, which only copies, takes chunks this many times
   // the reduce-scatter's (see RingCommunicator::copy_chunk_elems; ringreduce.sim models it).
   m.attr("COPY_CHUNK_FACTOR") = RingCommunicator::kCopyChunkFactor;
+  m.def("mpi_built_for", &mpi_built_for,
+        "(family of the MPI headers built against: 'MPICH', 'Open MPI' or 'other', "
+        "sizeof(MPI_Comm)); calls no MPI");
   m.def("mpi_library_version", &mpi_library_version,
         "MPI_Get_library_version() of the MPI this extension was linked against");
   m.def("cuda_built", &cuda::built, "whether this build has CUDA kernels");

@@ -4,17 +4,27 @@
     comm = rr.Communicator()            # over MPI.COMM_WORLD
     y = comm.allreduce(x, op="sum")     # or rr.allreduce(x)
 """
+import os as _os
+
 from mpi4py import MPI as _MPI  # mpi4py owns MPI_Init; the core never calls it
 
-from . import _core
-
-if _core.mpi_library_version().strip() != _MPI.Get_library_version().strip():
+try:
+    from . import _core
+except ImportError as _error:
+    if "_core" not in str(_error):
+        raise  # (the extension is there but cannot load: a missing libmpi, say)
     raise ImportError(
-        "ringreduce._core was built against a different MPI than the one mpi4py loaded:\n"
-        f"  ringreduce: {_core.mpi_library_version().splitlines()[0].strip()}\n"
-        f"  mpi4py:     {_MPI.Get_library_version().splitlines()[0].strip()}\n"
-        "Rebuild ringreduce with the mpicc of mpi4py's MPI (set MPICC), "
-        "e.g. `MPICC=/path/to/mpicc pip install --no-build-isolation .`")
+        f"ringreduce._core is not built in {_os.path.dirname(__file__)} (is this the "
+        "source tree, before a build?): run `bash scripts/bootstrap.sh` there, or "
+        "`pip install .`, or run from another folder to use an installed ringreduce"
+    ) from None
+
+from ._mpi_check import check_same_mpi as _check_same_mpi
+
+# Before any call into MPI from the core: built for another MPI's ABI, its first call
+# would crash (a segmentation fault, not an error).
+_check_same_mpi(_core.mpi_built_for(), _MPI.Get_library_version(),
+                getattr(_MPI, "_sizeof", lambda _: None)(_MPI.Comm), _core.mpi_library_version)
 
 from ._shortcuts import allgather, allgather_async, allreduce, allreduce_async, broadcast, \
     broadcast_async, reduce_scatter, reduce_scatter_async

@@ -1,0 +1,44 @@
+"""Whether ringreduce._core was built for the MPI that mpi4py loaded.
+
+mpi4py loads its MPI library with its symbols global, so the core's MPI calls go to that
+library whichever the core was linked against. Built against MPICH and run beside an
+Open MPI mpi4py (or the reverse), the core hands MPI handles of one ABI to the other's
+functions: the first call crashes. MPI_Get_library_version from the core names the
+loaded library, not the one built for, so the headers' own family and handle size,
+which the core reports without calling MPI, decide first.
+"""
+from __future__ import annotations
+
+_REBUILD = ("Rebuild ringreduce with the mpicc of mpi4py's MPI: "
+            "`MPICC=/path/to/mpicc pip install --force-reinstall --no-deps .` (installing by "
+            "name, add --no-cache-dir, or pip may reuse a wheel built for another MPI)")
+
+
+def loaded_family(library_version: str) -> str:
+    """The family of the MPI whose MPI_Get_library_version() this is."""
+    return "Open MPI" if library_version.lstrip().startswith("Open MPI") else "MPICH"
+
+
+def check_same_mpi(built_for, loaded_version: str, loaded_comm_bytes: int | None,
+                   core_version=None) -> None:
+    """ImportError where the core was built for another MPI than the loaded one.
+    built_for: (family, sizeof(MPI_Comm)) from the core's headers; loaded_version and
+    loaded_comm_bytes: mpi4py's MPI_Get_library_version() and handle size;
+    core_version: the core's own MPI_Get_library_version (a function: it calls MPI,
+    so only once the ABI is known to fit)."""
+    family, comm_bytes = built_for
+    first_line = loaded_version.strip().splitlines()[0].strip() if loaded_version.strip() else "?"
+    loaded = loaded_family(loaded_version)
+    if (family != "other" and family != loaded) or (
+            loaded_comm_bytes is not None and comm_bytes != loaded_comm_bytes):
+        raise ImportError(
+            "ringreduce._core was built for another MPI than the one mpi4py loaded:\n"
+            f"  ringreduce: {family} headers (an MPI_Comm of {comm_bytes} bytes)\n"
+            f"  mpi4py:     {first_line}"
+            + (f" (an MPI_Comm of {loaded_comm_bytes} bytes)" if loaded_comm_bytes else "")
+            + "\n" + _REBUILD)
+    if core_version is not None and core_version().strip() != loaded_version.strip():
+        raise ImportError(
+            "ringreduce._core was built against a different MPI than the one mpi4py loaded:\n"
+            f"  ringreduce: {core_version().splitlines()[0].strip()}\n"
+            f"  mpi4py:     {first_line}\n" + _REBUILD)

@@ -1,0 +1,73 @@
+"""ringreduce refuses to load beside an mpi4py of another MPI, and says why, instead of
+crashing at its first call; and building or importing it where that cannot work says
+what to do."""
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+from mpi4py import MPI
+
+import ringreduce as rr
+from launch import ROOT
+from ringreduce import _core
+from ringreduce._mpi_check import check_same_mpi
+
+OPEN_MPI = "Open MPI v4.1.4, package: Debian OpenMPI, ident: 4.1.4, repo rev: v4.1.4"
+MPICH = "MPICH Version:      5.0.2\nMPICH Release date: ..."
+INTEL = "Intel(R) MPI Library 2021.10 for Linux* OS"  # (MPICH's ABI)
+
+
+@pytest.mark.parametrize("built, loaded, comm_bytes", [
+    (("MPICH", 4), OPEN_MPI, 8),     # the crash helper 129 found: a segfault at the first call
+    (("Open MPI", 8), MPICH, 4),
+    (("MPICH", 4), INTEL, 8),        # same family by name, another handle: still refused
+])
+def test_a_core_built_for_another_mpi_is_refused_before_any_mpi_call(built, loaded, comm_bytes):
+    called = []
+    with pytest.raises(ImportError, match=r"built for another MPI than the one mpi4py loaded"
+                                          r"(.|\n)*--force-reinstall"):
+        check_same_mpi(built, loaded, comm_bytes, lambda: called.append(1) or loaded)
+    assert not called  # (the core's own MPI call, on a library of another ABI, would crash)
+
+
+@pytest.mark.parametrize("built, loaded, comm_bytes", [
+    (("MPICH", 4), MPICH, 4), (("MPICH", 4), INTEL, 4), (("Open MPI", 8), OPEN_MPI, 8),
+    (("other", 8), OPEN_MPI, 8), (("MPICH", 4), MPICH, None)])
+def test_a_core_built_for_the_loaded_mpis_abi_passes(built, loaded, comm_bytes):
+    check_same_mpi(built, loaded, comm_bytes, lambda: loaded)
+    with pytest.raises(ImportError, match="built against a different MPI"):  # (as before)
+        check_same_mpi(built, loaded, comm_bytes, lambda: loaded + " (another build)")
+
+
+def test_this_build_says_what_it_was_built_for():
+    family, comm_bytes = _core.mpi_built_for()
+    assert comm_bytes == MPI._sizeof(MPI.Comm)
+    assert family == ("Open MPI" if MPI.get_vendor()[0] == "Open MPI" else "MPICH")
+    assert rr.Communicator is not None  # (and it imported: the check passed)
+
+
+def test_importing_the_source_tree_before_a_build_says_so(tmp_path):
+    # "cannot import name '_core' from partially initialized module 'ringreduce' (most
+    # likely due to a circular import)" was all it said.
+    shutil.copytree(ROOT / "ringreduce", tmp_path / "ringreduce",
+                    ignore=shutil.ignore_patterns("_core*", "__pycache__"))
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); "
+            "sys.meta_path[:] = [f for f in sys.meta_path if 'editable' not in repr(f)]; "
+            "import ringreduce")
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode != 0
+    assert (f"ringreduce._core is not built in {tmp_path / 'ringreduce'} (is this the source "
+            "tree, before a build?)") in done.stderr, done.stderr
+
+
+def test_an_mpicc_that_does_not_exist_stops_the_build(tmp_path):
+    # It was passed over for the next candidate: a build against another MPI than asked.
+    done = subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--build-lib",
+                           str(tmp_path / "lib"), "--build-temp", str(tmp_path / "tmp")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, MPICC="/no/such/mpicc"))
+    assert done.returncode != 0
+    assert "ringreduce: MPICC=/no/such/mpicc: no such executable" in done.stdout + done.stderr
