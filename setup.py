@@ -120,6 +120,12 @@ class BuildWithCuda(build_ext):
     """Compiles csrc/*.cu with nvcc first, then links the objects into the extension."""
 
     def build_extension(self, ext):
+        # (Without one, nvcc's "failed to preprocess host compiler properties", or a
+        # missing file, is all a build would say.)
+        compiler = getattr(self.compiler, "compiler_so", None)
+        if compiler and not shutil.which(compiler[0]):
+            sys.exit(f"ringreduce: no C++ compiler: {compiler[0]} was not found (install g++, "
+                     "e.g. apt install build-essential, or set CC and CXX)")
         cuda = add_mpi_and_cuda(ext)
         if cuda:
             nvcc, _ = cuda

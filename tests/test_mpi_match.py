@@ -71,3 +71,14 @@ def test_an_mpicc_that_does_not_exist_stops_the_build(tmp_path):
                           env=dict(os.environ, MPICC="/no/such/mpicc"))
     assert done.returncode != 0
     assert "ringreduce: MPICC=/no/such/mpicc: no such executable" in done.stdout + done.stderr
+
+
+def test_no_cpp_compiler_stops_the_build_saying_so(tmp_path):
+    # With nvcc present it said only "nvcc fatal: Failed to preprocess host compiler
+    # properties"; without, setuptools' "No such file or directory".
+    done = subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--build-lib",
+                           str(tmp_path / "lib"), "--build-temp", str(tmp_path / "tmp")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, CC="/no/such/gcc", CXX="/no/such/g++"))
+    assert done.returncode != 0
+    assert "ringreduce: no C++ compiler: /no/such/gcc was not found" in done.stdout + done.stderr
