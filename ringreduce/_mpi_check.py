@@ -42,3 +42,35 @@ def check_same_mpi(built_for, loaded_version: str, loaded_comm_bytes: int | None
             "ringreduce._core was built against a different MPI than the one mpi4py loaded:\n"
             f"  ringreduce: {core_version().splitlines()[0].strip()}\n"
             f"  mpi4py:     {first_line}\n" + _REBUILD)
+
+
+# What launchers tell each process of the job's size: Hydra (MPICH's mpiexec) and
+# PMI-1/2 launchers, Open MPI's mpirun, and PMIx ones.
+_LAUNCHED_SIZE = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE")
+
+
+def launched_as_one_of(environ) -> tuple[str, int] | None:
+    """(variable, size) where the launcher says this process is one of several, else
+    None."""
+    for name in _LAUNCHED_SIZE:
+        try:
+            size = int(environ.get(name, ""))
+        except ValueError:
+            continue
+        if size > 1:
+            return name, size
+    return None
+
+
+def warn_if_alone_by_mistake(world_size: int, environ, warn) -> None:
+    """A job whose every process thinks it is rank 0 of 1, started by another MPI's
+    mpiexec (or a launcher this MPI cannot talk to), would train p separate models,
+    each on its own data, silently: say so, once, where MPI_COMM_WORLD has 1 rank while
+    the launcher says more."""
+    launched = launched_as_one_of(environ) if world_size == 1 else None
+    if launched is not None:
+        name, size = launched
+        warn(f"ringreduce: MPI_COMM_WORLD has 1 rank here, but the launcher said {size} "
+             f"({name}={size}): every process runs alone, each its own rank 0 of 1. Its "
+             "mpiexec belongs to another MPI than the one mpi4py loaded: start the job "
+             "with that MPI's mpiexec (in a venv with the mpich wheel, its bin/mpiexec)")

@@ -32,6 +32,7 @@ from . import _core
 from . import _device
 from . import _types as t
 from ._arrays import keeping_on_departure
+from ._mpi_check import warn_if_alone_by_mistake
 
 _COLLECTIVES = dict(_core.COLLECTIVES)
 # Each collective's _async form: its name (the core's FastPath's method that queues it,
@@ -463,6 +464,7 @@ class _BeginDroppedClose:
 
 _live: "weakref.WeakSet[Communicator]" = weakref.WeakSet()
 _made = itertools.count()  # Communicator._serial: the order this rank made them in
+_launch_checked = False  # (see warn_if_alone_by_mistake)
 # The cores of Communicators dropped unclosed whose wire is MPI messages, by _serial,
 # kept for their close at exit, the only way a rank waiting in a call this rank never
 # made can learn that it never will: under THREAD_MULTIPLE begun when dropped, and
@@ -918,6 +920,11 @@ class Communicator:
                 raise refusal from None
             self._core = _core.RingCommunicator(MPI._addressof(comm), timeout)
         self._serial = next(_made)  # (__del__ needs it once there is a core)
+        global _launch_checked
+        if not _launch_checked:  # (once a process: MPI_COMM_WORLD does not change)
+            _launch_checked = True
+            warn_if_alone_by_mistake(MPI.COMM_WORLD.Get_size(), os.environ,
+                                     lambda text: warnings.warn(text, RuntimeWarning, 4))
         self.rank: int = self._core.rank
         self.size: int = self._core.size
         self._ring = tuple(self._core.ring_order)

@@ -82,3 +82,39 @@ def test_no_cpp_compiler_stops_the_build_saying_so(tmp_path):
                           env=dict(os.environ, CC="/no/such/gcc", CXX="/no/such/g++"))
     assert done.returncode != 0
     assert "ringreduce: no C++ compiler: /no/such/gcc was not found" in done.stdout + done.stderr
+
+
+@pytest.mark.parametrize("world, environ, warned", [
+    (1, {"PMI_SIZE": "4"}, "PMI_SIZE=4"),                # another MPI's Hydra
+    (1, {"OMPI_COMM_WORLD_SIZE": "2"}, "OMPI_COMM_WORLD_SIZE=2"),  # Open MPI's mpirun
+    (1, {"PMI_SIZE": "1"}, None),                        # mpiexec -n 1
+    (1, {}, None),                                       # plain python: a singleton
+    (1, {"PMI_SIZE": "x"}, None),
+    (4, {"PMI_SIZE": "4"}, None),                        # the right mpiexec
+])
+def test_a_singleton_that_the_launcher_says_is_one_of_several_is_warned(world, environ,
+                                                                      warned):
+    from ringreduce._mpi_check import warn_if_alone_by_mistake
+    said = []
+    warn_if_alone_by_mistake(world, environ, said.append)
+    assert (said == []) if warned is None else (len(said) == 1 and warned in said[0]
+                                                and "every process runs alone" in said[0])
+
+
+def test_the_warning_comes_once_from_the_first_communicator(tmp_path):
+    # A job started by another MPI's mpiexec: p singletons, each training alone, silently
+    # (mpi4py 4.1 warns of a "suspicious MPI execution environment"; older ones do not).
+    code = ("import warnings, numpy as np, ringreduce as rr\n"
+            "with warnings.catch_warnings(record=True) as seen:\n"
+            "    warnings.simplefilter('always')\n"
+            "    for _ in range(2):\n"
+            "        with rr.Communicator() as comm:\n"
+            "            comm.allreduce(np.ones(2))\n"
+            "print(sum('every process runs alone' in str(w.message) for w in seen))\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI", "OMPI_", "PMIX"))}
+    # (The other MPI's launcher's variable: this MPI's own would start it as launched.)
+    other = "PMI_SIZE" if MPI.get_vendor()[0] == "Open MPI" else "OMPI_COMM_WORLD_SIZE"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, env=dict(env, **{other: "3"}), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split()[-1] == "1"
