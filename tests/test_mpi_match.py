@@ -63,25 +63,28 @@ def test_importing_the_source_tree_before_a_build_says_so(tmp_path):
             "tree, before a build?)") in done.stderr, done.stderr
 
 
-def test_an_mpicc_that_does_not_exist_stops_the_build(tmp_path):
-    # It was passed over for the next candidate: a build against another MPI than asked.
+def _failed_build(tmp_path, **environ) -> str:
+    """What a build of the extension (into tmp_path) with these variables said, once it
+    failed, as it must."""
     done = subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--build-lib",
                            str(tmp_path / "lib"), "--build-temp", str(tmp_path / "tmp")],
                           cwd=ROOT, capture_output=True, text=True, timeout=120,
-                          env=dict(os.environ, MPICC="/no/such/mpicc"))
+                          env=dict(os.environ, **environ))
     assert done.returncode != 0
-    assert "ringreduce: MPICC=/no/such/mpicc: no such executable" in done.stdout + done.stderr
+    return done.stdout + done.stderr
+
+
+def test_an_mpicc_that_does_not_exist_stops_the_build(tmp_path):
+    # It was passed over for the next candidate: a build against another MPI than asked.
+    assert "ringreduce: MPICC=/no/such/mpicc: no such executable" in _failed_build(
+        tmp_path, MPICC="/no/such/mpicc")
 
 
 def test_no_cpp_compiler_stops_the_build_saying_so(tmp_path):
     # With nvcc present it said only "nvcc fatal: Failed to preprocess host compiler
     # properties"; without, setuptools' "No such file or directory".
-    done = subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--build-lib",
-                           str(tmp_path / "lib"), "--build-temp", str(tmp_path / "tmp")],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120,
-                          env=dict(os.environ, CC="/no/such/gcc", CXX="/no/such/g++"))
-    assert done.returncode != 0
-    assert "ringreduce: no C++ compiler: /no/such/gcc was not found" in done.stdout + done.stderr
+    assert "ringreduce: no C++ compiler: /no/such/gcc was not found" in _failed_build(
+        tmp_path, CC="/no/such/gcc", CXX="/no/such/g++")
 
 
 @pytest.mark.parametrize("world, environ, warned", [
