@@ -1,5 +1,5 @@
 """The collectives, run for real on 1, 2, 3 and 4 MPI ranks (3 catches power-of-two
-assumptions), four modules on 5 and 8 too. Each case launches `mpiexec -n RANKS` on one module of tests/mpi/ with a
+assumptions), four modules on 5 and 8 too, one on 16 and 32. Each case launches `mpiexec -n RANKS` on one module of tests/mpi/ with a
 timeout; every rank must pass the same tests. Ranks on one machine pass chunks through
 shared memory; the modules that move data run a second time over MPI messages
 (RINGREDUCE_SHM=0), and three a third time through slots written with streaming stores
@@ -27,6 +27,7 @@ MODULES = {  # module -> timeout in seconds at 4 oversubscribed ranks on 2 cores
     "test_timeout.py": 300,  # ranks that never join, or stop halfway; picks its own wires
     "test_random_sequences.py": 300,  # seeded random mixes of every call, against the reference
     "test_fast_vs_general.py": 180,  # the core's FastPath against the general path, fuzzed
+    "test_many_ranks.py": 300,  # a short pass over every call, for 16 and 32 ranks below
 }
 
 
@@ -53,6 +54,19 @@ PAST_4_MODULES = ["test_allreduce.py", "test_collectives.py", "test_contract.py"
 @pytest.mark.parametrize("module", PAST_4_MODULES)
 def test_module_past_4_ranks(module, ranks, tmp_path, capsys):
     check_module(module, ranks, tmp_path, capsys, {}, timeout=MODULES[module] * ranks / 4)
+
+
+# Many ranks, as on a node of many cores or a few nodes: one short module, on 16 and 32
+# ranks (16 over MPI messages and round-robin on two machines too). Ran by hand
+# (2026-12-06): the same calls on 64 ranks.
+MANY_RANKS = [(16, {}), (32, {}), (16, {"RINGREDUCE_SHM": "0"}),
+              (16, {"RINGREDUCE_TEST_MACHINE": "a,b"})]
+
+
+@pytest.mark.parametrize("ranks, env", MANY_RANKS,
+                         ids=["16", "32", "16-mpi-messages", "16-two-machines"])
+def test_many_ranks(ranks, env, tmp_path, capsys):
+    check_module("test_many_ranks.py", ranks, tmp_path, capsys, env, timeout=300)
 
 
 @pytest.mark.parametrize("ranks", [2, 3, 4])
