@@ -1,19 +1,22 @@
-"""python -m ringreduce explain ... | python -m ringreduce sim ..."""
+"""python -m ringreduce explain ... | sim ... | info"""
 import os
 import sys
 
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    commands = {"explain": "ringreduce.explain", "sim": "ringreduce.sim"}
+    commands = {"explain": "ringreduce.explain", "sim": "ringreduce.sim",
+                "info": "ringreduce.info"}
     if not argv or argv[0] not in commands:
         asked = bool(argv) and argv[0] in ("-h", "--help")
         if argv and not asked:
             print(f"python -m ringreduce: no command {argv[0]!r}", file=sys.stderr)
-        print("usage: python -m ringreduce {explain,sim} [options]   (--help after either)\n"
+        print("usage: python -m ringreduce {explain,sim,info} [options]   (--help after any)\n"
               "  explain  what every rank sends, receives and holds, step by step\n"
               "  sim      bytes, steps and modelled time of ring vs other algorithms at any "
-              "scale", file=sys.stdout if asked else sys.stderr)
+              "scale\n"
+              "  info     versions, MPI, CUDA and settings here (under mpiexec: the ring "
+              "too), for a bug report", file=sys.stdout if asked else sys.stderr)
         return 0 if asked else 2
     import importlib
 

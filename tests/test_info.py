@@ -1,0 +1,115 @@
+"""python -m ringreduce info: in this process, and under mpiexec (the ring, and ranks
+whose installation differs)."""
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import ringreduce as rr
+from ringreduce import _core, info
+from ringreduce._mpi_check import loaded_family
+
+from launch import job_env, mpiexec, run_script
+
+
+def fake_launcher(tmp_path, name, script):
+    path = tmp_path / name
+    path.write_text("#!/bin/sh\n" + script + "\n")
+    path.chmod(0o755)
+    return str(path)
+
+
+@pytest.mark.parametrize("output, family", [
+    ("HYDRA build details:\n    Version:                                 5.0.2\n",
+     "MPICH (Hydra 5.0.2)"),
+    ("mpiexec (OpenRTE) 4.1.4\n\nReport bugs to http://www.open-mpi.org/community/help/\n",
+     "Open MPI 4.1.4"),
+    ("mpirun (Open MPI) 5.0.3\n", "Open MPI 5.0.3"),
+    ("Intel(R) MPI Library for Linux* OS, Version 2021.10 Build 20230619\n"
+     "HYDRA build details:\n", "Intel MPI (MPICH's ABI)"),
+    ("srun: unrecognized option '--version'\n", "unknown (srun: unrecognized option"),
+])
+def test_the_launchers_family_is_read_from_its_version(tmp_path, output, family):
+    path = fake_launcher(tmp_path, "mpiexec", f"printf '%s' '{output}'")
+    assert info.launcher_family(path).startswith(family)
+
+
+def test_a_launcher_that_hangs_or_is_missing_is_unknown_not_a_hang(tmp_path):
+    slow = fake_launcher(tmp_path, "slow", "sleep 30")
+    assert info.launcher_family(slow, timeout=0.5) == "unknown (TimeoutExpired)"
+    assert info.launcher_family(str(tmp_path / "missing")).startswith("unknown (")
+
+
+def test_the_tests_own_mpiexec_is_mpi4pys_mpi():
+    family = info.launcher_family(mpiexec())
+    assert family.startswith(loaded_family(MPI.Get_library_version()))
+
+
+def test_installation_names_what_runs_here(monkeypatch):
+    monkeypatch.setenv("RINGREDUCE_TIMEOUT", "77")
+    values = info.installation()
+    assert values["ringreduce"].startswith(rr.__version__ + " in ")
+    assert values["numpy"] == np.__version__
+    assert values["MPI"].startswith(" ".join(MPI.Get_library_version().split()[:3]))
+    assert values["core built for"].startswith(_core.mpi_built_for()[0])
+    assert values["CUDA kernels"] == ("built" if _core.cuda_built() else
+                                      "not built (a CPU-only build)")
+    assert values["GPUs"].startswith("none (") != rr.cuda_available()
+    assert values["settings"] == "RINGREDUCE_TIMEOUT=77"
+    monkeypatch.delenv("RINGREDUCE_TIMEOUT")
+    assert info.installation()["settings"] == "none set (the defaults)"
+
+
+def test_another_mpis_launcher_is_warned_about(tmp_path):
+    other = ("mpiexec (OpenRTE) 4.1.4" if loaded_family(MPI.Get_library_version()) == "MPICH"
+             else "HYDRA build details:\n    Version: 4.3.0")
+    path = fake_launcher(tmp_path, "mpiexec", f"printf '%s\\n' '{other}'")
+    text = info.report(MPI.COMM_SELF, launchers=[("on PATH", path)])
+    assert re.search(rf"^mpiexec on PATH +{re.escape(path)}: (Open MPI 4.1.4|MPICH \(Hydra 4.3.0\))$",
+                     text, re.M), text
+    assert "warning: the mpiexec on PATH is another MPI's than mpi4py's" in text
+    same = info.report(MPI.COMM_SELF, launchers=[("beside this Python", mpiexec())])
+    assert "warning" not in same
+    assert "ring:" not in same  # (one process: no ring to show)
+
+
+def test_the_command_prints_the_report_and_says_so_in_its_help():
+    run = subprocess.run([sys.executable, "-m", "ringreduce", "info"], capture_output=True,
+                         text=True, timeout=120, env=job_env())
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.startswith("ringreduce ") and "\nmpi4py " in run.stdout
+    usage = subprocess.run([sys.executable, "-m", "ringreduce", "--help"],
+                           capture_output=True, text=True, timeout=120, env=job_env())
+    assert "info " in usage.stdout
+
+
+def test_under_mpiexec_rank_0_shows_the_ring_and_a_rank_that_differs(tmp_path):
+    run = run_script(tmp_path, "info_job.py", """
+import os
+from mpi4py import MPI
+if MPI.COMM_WORLD.Get_rank() == 2:
+    os.environ["RINGREDUCE_CUDA_AWARE"] = "0"  # (read only where a GPU call is made)
+from ringreduce import info
+info.main([])
+""", ranks=3, timeout=120)
+    assert run.returncode == 0, run.stderr
+    out = run.stdout
+    assert out.count("ringreduce ") == 1  # rank 0 alone prints
+    assert "3 ranks on 1 machine: " in out
+    assert "ring: 0 -> 1 -> 2 -> 0" in out
+    assert "wire: " in out and "chunk: " in out
+    assert ("rank 2 (" in out and "settings RINGREDUCE_CUDA_AWARE=0 (rank 0: none set"
+            in out), out
+    assert "rank 1 (" not in out
+
+
+def test_under_mpiexec_ranks_as_two_machines_go_round_each_in_turn(tmp_path):
+    run = run_script(tmp_path, "info_job.py", "from ringreduce import info; info.main([])",
+                     ranks=4, timeout=120, env={"RINGREDUCE_TEST_MACHINE": "a,b"})
+    assert run.returncode == 0, run.stderr
+    assert "4 ranks on 2 machines: a (2), b (2)" in run.stdout
+    assert "ring: 0 -> 2 -> 1 -> 3 -> 0" in run.stdout
+    assert "every rank runs the same installation" in run.stdout
