@@ -26,7 +26,7 @@ import numpy as np
 from mpi4py import MPI
 
 from . import __version__, _core, _types, reference
-from ._mpi_check import loaded_family
+from ._mpi_check import loaded_family, warn_if_alone_by_mistake
 
 _SETTINGS = ("RINGREDUCE_TIMEOUT", "RINGREDUCE_SHM", "RINGREDUCE_RING", "RINGREDUCE_CUDA_AWARE")
 
@@ -136,6 +136,10 @@ def report(world=MPI.COMM_WORLD, launchers=None) -> str | None:
             warnings.append(f"warning: the mpiexec {where} is another MPI's than mpi4py's:\n"
                             "  a job it starts runs every process alone, as rank 0 of 1; "
                             f"start jobs with {wanted}'s mpiexec")
+    # (Under another MPI's mpiexec every process is rank 0 of 1, and prints this.)
+    warn_if_alone_by_mistake(world.Get_size(), os.environ,
+                             lambda text: warnings.append("warning: " + text.replace(
+                                 "ringreduce: ", "", 1)))
     lines = _lines(values) + warnings
     if ring is not None:
         lines.append("")

@@ -113,3 +113,11 @@ def test_under_mpiexec_ranks_as_two_machines_go_round_each_in_turn(tmp_path):
     assert "4 ranks on 2 machines: a (2), b (2)" in run.stdout
     assert "ring: 0 -> 2 -> 1 -> 3 -> 0" in run.stdout
     assert "every rank runs the same installation" in run.stdout
+
+
+def test_a_process_alone_that_the_launcher_called_one_of_four_is_warned(monkeypatch):
+    monkeypatch.setenv("PMI_SIZE", "4")  # (as another MPI's mpiexec leaves it)
+    text = info.report(MPI.COMM_SELF, launchers=[])
+    assert "warning: MPI_COMM_WORLD has 1 rank here, but the launcher said 4" in text
+    monkeypatch.delenv("PMI_SIZE")
+    assert "warning" not in info.report(MPI.COMM_SELF, launchers=[])
