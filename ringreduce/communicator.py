@@ -213,6 +213,10 @@ class Handle:
         # allreduce_gradients, whose errors say what ran).
         self._ran = ran
 
+    def __repr__(self) -> str:
+        return (f"<ringreduce.Handle: {self._context}, "
+                f"{'done' if self._work.done() else 'in flight'}>")
+
     def done(self) -> bool:
         """True once the collective has finished (successfully or not)."""
         return self._work.done()

@@ -223,6 +223,15 @@ class _LiningUp:
         return self.comm.broadcast(x, root=root)
 
 
+def _optimizer_repr(optimizer) -> str:
+    """SGD(lr=0.1, momentum=0.9, weight_decay=0.0; 4 parameters, 1,234 elements)"""
+    settings = ", ".join(f"{name}={getattr(optimizer, name)!r}" for name in optimizer._SETTINGS)
+    elements = sum(int(p.size) for p in optimizer.params)
+    count = len(optimizer.params)
+    return (f"{type(optimizer).__name__}({settings}; {count} parameter{'s' * (count != 1)}, "
+            f"{elements:,} element{'s' * (elements != 1)})")
+
+
 class SGD:
     """Stochastic gradient descent with momentum and L2 weight decay, as torch.optim.SGD:
     g += weight_decay * p; buf = momentum * buf + g (buf = g at first); p -= lr * buf.
@@ -239,6 +248,9 @@ class SGD:
         _check_sgd_settings(lr, momentum, weight_decay, "SGD")
         self.lr, self.momentum, self.weight_decay = lr, momentum, weight_decay
         self.momentum_buffers = [None] * len(self.params)
+
+    def __repr__(self) -> str:
+        return _optimizer_repr(self)
 
     def step(self, grads) -> None:
         grads = _check_grads(grads, self.params, "SGD.step")
@@ -324,6 +336,9 @@ class Adam:
         self.t = 0
         self.m = [array_module(p).zeros(p.shape, _kept_dtype(p)) for p in self.params]
         self.v = [array_module(p).zeros(p.shape, _kept_dtype(p)) for p in self.params]
+
+    def __repr__(self) -> str:
+        return _optimizer_repr(self)
 
     def step(self, grads) -> None:
         grads = _check_grads(grads, self.params, "Adam.step")
@@ -622,6 +637,12 @@ class DistributedOptimizer:
         self._call_check = self.comm._check(self.comm.CHECK_OPTIMIZER, hash((
             zlib.crc32("".join(self._model_texts).encode()), self.comm._optimizers_made)))
         self.comm._optimizers_made += 1
+
+    def __repr__(self) -> str:
+        buckets = len(self._buckets)
+        return (f"DistributedOptimizer({self.optimizer!r}, rank {self.comm.rank} of "
+                f"{self.comm.size}, {buckets} bucket{'s' * (buckets != 1)}"
+                + (f", compression={self.compression!r}" if self.compression else "") + ")")
 
     def _where(self, method: str = "") -> str:
         """What this optimizer's errors begin with: the call and this rank, as the

@@ -1103,3 +1103,16 @@ def test_an_error_escaping_queued_work_without_keep_escaped_is_written_as_unrais
     calls.drain()
     assert [(type(u.exc_value), str(u.exc_value)) for u in unraisable] == \
         [(RuntimeError, "test: failed in execute")]
+
+
+def test_a_handle_says_what_it_is_and_whether_it_is_done(comm):
+    x = rank_data(np.dtype(np.float64), 100)
+    if SIZE > 1 and comm._executor.threaded:
+        with worker_held(comm):  # (its call waits in the queue meanwhile)
+            handle = comm.reduce_scatter_async(x)
+            assert repr(handle) == (f"<ringreduce.Handle: ringreduce.reduce_scatter_async "
+                                    f"(rank {RANK} of {SIZE}), in flight>")
+            handle.wait()
+    else:
+        handle = comm.reduce_scatter_async(x)
+    assert repr(handle).endswith(f"(rank {RANK} of {SIZE}), done>")

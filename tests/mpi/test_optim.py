@@ -3155,3 +3155,17 @@ def test_broadcast_parameters_with_a_bad_root_on_one_rank_refuses_on_every_rank(
     np.testing.assert_array_equal(params[0], float(RANK))  # nothing broadcast
     opt.broadcast_parameters(root=SIZE - 1)  # the next one pairs up
     np.testing.assert_array_equal(params[0], float(SIZE - 1))
+
+
+def test_optimizers_say_what_they_are(comm):
+    params = [np.zeros(3), np.zeros((40, 30))]
+    sgd = SGD(params, lr=0.1, momentum=0.9)
+    assert repr(sgd) == "SGD(lr=0.1, momentum=0.9, weight_decay=0.0; 2 parameters, 1,203 elements)"
+    assert repr(Adam([np.zeros(1, np.float32)])) == (
+        "Adam(lr=0.001, betas=(0.9, 0.999), eps=1e-08, weight_decay=0.0; 1 parameter, 1 element)")
+    opt = DistributedOptimizer(sgd, comm, bucket_mb=0.0001)  # (100 B: one bucket each)
+    assert repr(opt) == f"DistributedOptimizer({sgd!r}, rank {RANK} of {SIZE}, 2 buckets)"
+    fp16 = DistributedOptimizer(SGD([np.zeros(3)], lr=0.1), comm, compression="fp16")
+    assert repr(fp16).endswith(", 1 bucket, compression='fp16')")
+    low_rank = DistributedOptimizer(Adam([np.zeros((4, 5))]), comm, compression=PowerSGD(rank=2))
+    assert repr(low_rank).endswith(", 0 buckets, compression=PowerSGD(rank=2, seed=0))")
