@@ -18,6 +18,7 @@ from .communicator import Communicator, checked_mpi_comm, mpi_unusable_here
 _keyval = None
 _keyval_made = threading.Lock()  # (two threads' first calls would make two)
 _made: list = []
+_making: dict = {}  # a lock per MPI communicator (handle), for making its Communicator
 
 
 def _communicator(comm, caller: str) -> Communicator:
@@ -33,12 +34,21 @@ def _communicator(comm, caller: str) -> Communicator:
             if _keyval is None:
                 _keyval = MPI.Comm.Create_keyval()
     ring = comm.Get_attr(_keyval)
-    if ring is None or ring.closed:
-        ring = Communicator(comm)
-        # Ours, not the caller's: no ResourceWarning for it (closing is collective).
-        ring._warn_unclosed = False
-        comm.Set_attr(_keyval, ring)
-        _made.append(ring)
+    if ring is not None and not ring.closed:
+        return ring
+    # One thread at a time makes the Communicator for a given MPI communicator: two
+    # threads' first calls at once would make two, with one more MPI_Comm_idup on this
+    # rank than on a rank where the second thread came once the first had made it.
+    with _keyval_made:
+        lock = _making.setdefault(MPI.Comm.py2f(comm), threading.Lock())
+    with lock:
+        ring = comm.Get_attr(_keyval)
+        if ring is None or ring.closed:
+            ring = Communicator(comm)
+            # Ours, not the caller's: no ResourceWarning for it (closing is collective).
+            ring._warn_unclosed = False
+            comm.Set_attr(_keyval, ring)
+            _made.append(ring)
     return ring
 
 

@@ -300,6 +300,40 @@ def test_module_level_functions_keep_one_communicator_per_mpi_communicator(world
         sub.Free()
 
 
+def test_two_threads_first_module_level_calls_at_once_make_one_communicator(world):
+    # Both threads found no Communicator for the communicator and made one each: two
+    # collective makings on this rank, against one on a rank whose second thread came
+    # once the first had made it (which then waited out the timeout).
+    import threading
+
+    from ringreduce import _shortcuts
+
+    if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+        pytest.skip("needs MPI_THREAD_MULTIPLE")
+    dup = world.Dup()
+    made_before = len(_shortcuts._made)
+    start, results = threading.Barrier(2), []
+    x = rank_data(np.dtype(np.int64), 6)
+
+    def first_call():
+        start.wait()
+        results.append(rr.allreduce(x, comm=dup))
+
+    try:
+        threads = [threading.Thread(target=first_call) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert len(results) == 2 and not any(t.is_alive() for t in threads)
+        assert len(_shortcuts._made) == made_before + 1
+        expected = sum(world.allgather(x))
+        assert all(np.array_equal(r, expected) for r in results)
+    finally:
+        _shortcuts._communicator(dup, "test").close()
+        dup.Free()
+
+
 def test_a_communicator_serves_where_an_mpi4py_one_is_taken(world):
     # api.md: comm.mpi_comm is the mpi4py communicator it was made from; the module-level
     # functions use an rr.Communicator passed as comm= as it is (its chunk size, and
