@@ -226,6 +226,13 @@ bool acquire_running(RunningLock& lock, bool blocking, std::optional<double> tim
     held = lock.try_lock_for(slice);
     return held;
   });
+  // A Ctrl-C that came while this thread waited (its holder's call, stopped by it, let
+  // the lock go) is raised here, not lost: the call this thread goes on to run arms its
+  // stop after it, and would wait out its timeout.
+  if (held && PyErr_CheckSignals() != 0) {
+    lock.unlock();
+    throw py::error_already_set();
+  }
   return held;
 }
 

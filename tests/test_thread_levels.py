@@ -123,3 +123,48 @@ def test_a_with_block_left_on_another_thread_keeps_funneled(shm, call, tmp_path)
         assert "rank 1 has left this communicator" in done.stdout, done.stdout
     else:  # (it sent them, from that thread, before)
         assert "has left" not in done.stdout and "(the timeout)" in done.stdout, done.stdout
+
+
+CTRL_C_WHILE_WAITING_FOR_THE_OTHER_THREAD = """
+import os
+import signal
+import threading
+import time
+import mpi4py
+mpi4py.rc.thread_level = "serialized"
+from mpi4py import MPI
+import numpy as np
+import ringreduce as rr
+
+a, b = rr.Communicator(timeout=30), rr.Communicator(timeout=30)
+if a.rank == 0:
+    start = time.monotonic()
+    def stuck_in_a():  # (rank 1 never joins this call)
+        try:
+            a.allreduce(np.ones(1 << 16))
+        except BaseException as error:
+            print(f"thread: {type(error).__name__}", flush=True)
+    thread = threading.Thread(target=stuck_in_a, daemon=True)
+    thread.start()
+    threading.Timer(2, os.kill, (os.getpid(), signal.SIGINT)).start()
+    time.sleep(0.5)
+    try:
+        b.allreduce(np.ones(1 << 16))  # waits for `thread`, whose call holds MPI
+    except KeyboardInterrupt:
+        print(f"main: KeyboardInterrupt after {time.monotonic() - start:.1f} s", flush=True)
+    thread.join()
+MPI.COMM_WORLD.Barrier()
+"""
+
+
+def test_ctrl_c_stops_a_call_waiting_for_another_threads_call_under_serialized(tmp_path):
+    # Under SERIALIZED a call waits for the one another thread of the rank is in. Ctrl-C
+    # stops that one, which lets MPI go; the waiting call took it before it looked at
+    # the signal, and began, after it: it waited out its timeout (30 s here) before the
+    # KeyboardInterrupt came, or finished, its result lost to the interrupt.
+    done = run_script(tmp_path, "ctrl_c.py", CTRL_C_WHILE_WAITING_FOR_THE_OTHER_THREAD,
+                      timeout=120, abort_on_exception=False)
+    assert done.returncode == 0, done.stderr
+    assert "thread: RuntimeError" in done.stdout, done.stdout
+    seconds = float(done.stdout.split("main: KeyboardInterrupt after ")[1].split(" s")[0])
+    assert 1.5 < seconds < 10, done.stdout
