@@ -1,6 +1,7 @@
 """Just enough of cupy's surface, over host memory, for ringreduce/_device.py to run on
-machines without a GPU: arrays that present __cuda_array_interface__, streams, events
-and devices that do nothing (though streams are current per thread, as cupy's are).
+machines without a GPU: arrays that present __cuda_array_interface__, streams and
+events that do nothing (though streams are current per thread, as cupy's are), and GPUs
+that arrays live on (below).
 Paired with the core's host emulation of the GPU (ringreduce._device._EMULATE), the
 Python half of the GPU path (argument checks, out=, in place, strides, the async
 worker, allgather's allocation) runs under MPI in CI.
@@ -11,9 +12,20 @@ __array_function__), and cupy's own functions where they are numpy's. As in cupy
 reductions return 0-d arrays, and an implicit conversion to a numpy array raises
 TypeError. So the code for cupy models (optimizers, compression, the digits example)
 runs here too (test_gpu_emulated.py). What cupy and CUDA really do is for
-tests/mpi/test_gpu.py, on a GPU."""
+tests/mpi/test_gpu.py, on a GPU.
+
+It has `device_count` GPUs (2), so that code which leaves arrays on the wrong one fails
+here: as in CUDA each thread has a current GPU (0 until it sets one; cuda.Device(i) as
+a context manager or .use(), runtime.setDevice), arrays stay on the GPU current where
+they were made, new arrays and the results of kernels go to the current one, and a
+kernel (arithmetic, a reduction, astype, filling or writing into an array, ...) that
+reads or writes an array on another GPU raises cupy's ValueError, as cupy does where
+the two GPUs have no peer access (with it, cupy warns and reads across the bus). What
+runs no kernel works from any GPU, as in cupy: views (slices, reshape), .get(),
+.set(), copy() (to the current GPU), float(), asarray() of an array."""
 from __future__ import annotations
 
+import builtins
 import sys
 import threading
 import types
@@ -22,19 +34,93 @@ import numpy as np
 
 
 class _Pointer:
-    def __init__(self, array):
+    def __init__(self, array, device_id=0):
         self.ptr = array.__array_interface__["data"][0]
+        self.device_id = device_id
 
 
-class _DeviceId:
-    id = 0
+device_count = 2
+
+_threads = threading.local()
+
+
+def _current() -> int:
+    return getattr(_threads, "device", 0)  # (a new thread's is GPU 0, as in CUDA)
+
+
+def _set_current(ordinal: int) -> None:
+    if not 0 <= ordinal < device_count:
+        raise CUDARuntimeError("cudaErrorInvalidDevice: invalid device ordinal")
+    _threads.device = ordinal
+
+
+class CUDARuntimeError(RuntimeError):
+    pass
+
+
+class Device:
+    """cupy.cuda.Device: GPU `device`, or the current one for None; `with` makes it
+    current and then gives the thread back the one before, use() makes it current."""
+
+    def __init__(self, device=None):
+        self.id = _current() if device is None else int(device)
+
+    def use(self):
+        _set_current(self.id)
+
+    def __enter__(self):
+        _threads.__dict__.setdefault("devices_before", []).append(_current())
+        _set_current(self.id)
+        return self
+
+    def __exit__(self, *exc):
+        _set_current(_threads.devices_before.pop())
+        return False
+
+    def synchronize(self):
+        pass
+
+    def __eq__(self, other):
+        return isinstance(other, Device) and other.id == self.id
+
+    def __hash__(self):
+        return hash(self.id)
+
+    def __int__(self):
+        return self.id
+
+    def __repr__(self):
+        return f"<CUDA Device {self.id}>"
+
+
+def _arrays_in(x):
+    if isinstance(x, ndarray):
+        yield x
+    elif isinstance(x, (tuple, list)):
+        for item in x:
+            yield from _arrays_in(item)
+    elif isinstance(x, dict):
+        for item in x.values():
+            yield from _arrays_in(item)
+
+
+def _here(*operands):
+    """Raises as cupy's kernels do (_check_peer_access) where an array among operands
+    lives on another GPU than the current one (two GPUs without peer access)."""
+    current = _current()
+    for a in _arrays_in(operands):
+        if a._device != current:
+            raise ValueError(f"The device where the array resides ({a._device}) is different "
+                             f"from the current device ({current}). Peer access is "
+                             "unavailable between these devices.")
 
 
 class ndarray:
     """A numpy array wearing a GPU array's clothes."""
 
-    def __init__(self, host: np.ndarray):
+    def __init__(self, host: np.ndarray, device: int | None = None):
         self.host = host
+        self._device = _current() if device is None else device  # (its memory's GPU)
 
     @property
     def __cuda_array_interface__(self):
@@ -49,19 +135,24 @@ class ndarray:
     nbytes = property(lambda self: self.host.nbytes)
     flags = property(lambda self: self.host.flags)
     strides = property(lambda self: self.host.strides)
-    data = property(lambda self: _Pointer(self.host))
-    device = property(lambda self: _DeviceId())
+    data = property(lambda self: _Pointer(self.host, self._device))
+    device = property(lambda self: Device(self._device))
 
     def __getitem__(self, key):
-        return ndarray(np.asarray(self.host[_host(key)]))
+        if _fancy(key):  # (a gather: a kernel)
+            _here(self, key)
+            return ndarray(np.asarray(self.host[_host(key)]))
+        return ndarray(np.asarray(self.host[key]), self._device)  # (a view; 0-d for an item)
 
     def __setitem__(self, key, value):
+        _here(self, key, value)
         self.host[_host(key)] = _host(value)
 
     def reshape(self, *shape):
-        return ndarray(self.host.reshape(*shape))
+        return _view_or_kernel(self, self.host.reshape(*shape))
 
     def copy(self):
+        # cupy's copy() copies to the current GPU, from any GPU (through the source's).
         return ndarray(self.host.copy())
 
     def get(self, out=None):  # device to host
@@ -82,11 +173,13 @@ class ndarray:
                         "Please use `.get()` to construct a NumPy array explicitly.")
 
     def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
+        _here(inputs, kwargs)
         if "out" in kwargs:
             kwargs["out"] = tuple(_host(o) for o in kwargs["out"])
         return _device_array(getattr(ufunc, method)(*_operands(inputs), **_host(kwargs)))
 
     def __array_function__(self, func, types, args, kwargs):
+        _here(args, kwargs)
         return _device_array(func(*_host(args), **_host(kwargs)))
 
     def __len__(self):
@@ -113,9 +206,30 @@ class ndarray:
     def tolist(self):
         return self.host.tolist()
 
-    T = property(lambda self: ndarray(self.host.T))
-    real = property(lambda self: ndarray(self.host.real))
-    imag = property(lambda self: ndarray(self.host.imag))
+    def astype(self, dtype, copy=True, **kwargs):
+        if not copy and np.dtype(dtype) == self.dtype:
+            return self  # (as cupy: no cast, no kernel)
+        _here(self)
+        return ndarray(self.host.astype(dtype, **kwargs))
+
+    T = property(lambda self: ndarray(self.host.T, self._device))
+    real = property(lambda self: ndarray(self.host.real, self._device))
+    imag = property(lambda self: ndarray(self.host.imag, self._device))
+
+
+def _fancy(key) -> bool:
+    """Whether indexing with key gathers (arrays or lists in it) rather than views."""
+    keys = key if isinstance(key, tuple) else (key,)
+    return builtins.any(isinstance(k, (ndarray, np.ndarray, list)) for k in keys)  # (not ours)
+
+
+def _view_or_kernel(a, result: np.ndarray):
+    """numpy's result of reshaping or transposing a: a view of a on a's GPU, as cupy's
+    is, or (where numpy had to copy) a kernel's result on the current GPU."""
+    if result.size == 0 or np.may_share_memory(result, a.host):
+        return ndarray(result, a._device)
+    _here(a)
+    return ndarray(result)
 
 
 def _host(x):
@@ -152,6 +266,7 @@ def _device_array(x):
 
 def _on_device(function, operands=_operands):
     def on_device(*args, **kwargs):
+        _here(args, kwargs)
         return _device_array(function(*operands(args), **_host(kwargs)))
 
     on_device.__name__ = function.__name__
@@ -164,10 +279,12 @@ for _name in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul"
               "or", "xor", "lshift", "rshift"):
     for _form in ("__{}__", "__r{}__"):
         _dunder = _form.format(_name)
-        setattr(ndarray, _dunder, (lambda d: lambda self, other: _device_array(
-            getattr(self.host, d)(_operands(other))))(_dunder))
+        setattr(ndarray, _dunder, (lambda d: lambda self, other: _here(self, other) or
+                                   _device_array(getattr(self.host, d)(_operands(other))))(
+            _dunder))
 
     def _in_place(self, other, _dunder=f"__i{_name}__"):
+        _here(self, other)
         result = getattr(self.host, _dunder)(_operands(other))
         if result is not self.host:  # (numpy writes in place, or says it cannot)
             return NotImplemented
@@ -176,19 +293,27 @@ for _name in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul"
     setattr(ndarray, f"__i{_name}__", _in_place)
 for _dunder in ("__lt__", "__le__", "__gt__", "__ge__", "__eq__", "__ne__", "__neg__",
                 "__pos__", "__abs__", "__invert__"):
-    setattr(ndarray, _dunder, (lambda d: lambda self, *other: _device_array(
-        getattr(self.host, d)(*_operands(other))))(_dunder))
+    setattr(ndarray, _dunder, (lambda d: lambda self, *other: _here(self, other) or
+                               _device_array(getattr(self.host, d)(*_operands(other))))(
+        _dunder))
 ndarray.__hash__ = None  # (as cupy's and numpy's arrays: __eq__ is elementwise)
-for _method in ("sum", "prod", "mean", "max", "min", "all", "any", "astype", "view", "fill",
-                "dot", "conj", "argmax", "argmin", "clip", "squeeze", "flatten", "ravel",
-                "transpose", "std", "var", "cumsum", "nonzero", "round", "swapaxes"):
-    setattr(ndarray, _method, (lambda m: lambda self, *args, **kwargs: _device_array(
-        getattr(self.host, m)(*_host(args), **_host(kwargs))))(_method))
+for _method in ("sum", "prod", "mean", "max", "min", "all", "any", "fill", "dot", "conj",
+                "argmax", "argmin", "clip", "flatten", "std", "var", "cumsum", "nonzero",
+                "round"):
+    setattr(ndarray, _method, (lambda m: lambda self, *args, **kwargs: _here(
+        self, args, kwargs) or _device_array(getattr(self.host, m)(*_host(args),
+                                                                   **_host(kwargs))))(_method))
+for _method in ("view", "squeeze", "ravel", "transpose", "swapaxes"):  # (views, mostly)
+    setattr(ndarray, _method, (lambda m: lambda self, *args, **kwargs: _view_or_kernel(
+        self, getattr(self.host, m)(*args, **kwargs)))(_method))
 
 # cupy's functions that are numpy's (by name: a name real cupy lacks is not here).
-# Those that make an array take numpy's too (its data, or its shape and dtype).
-for _name in ("zeros_like", "ones_like", "full_like", "array"):
-    globals()[_name] = _on_device(getattr(np, _name), operands=_host)
+# Those that make an array take numpy's too (its data, or its shape and dtype); the
+# *_like ones read no data of theirs (cupy allocates and fills on the current GPU).
+for _name in ("zeros_like", "ones_like", "full_like"):
+    globals()[_name] = (lambda f: lambda *args, **kwargs: _device_array(
+        f(*_host(args), **_host(kwargs))))(getattr(np, _name))
+array = _on_device(np.array, operands=_host)  # (from a cupy array: a kernel, as astype)
 for _name in ("zeros", "full", "arange",
               "linspace", "sqrt", "exp", "log", "log1p", "expm1", "tanh", "abs", "absolute",
               "sign", "maximum", "minimum", "isfinite", "isnan", "isinf", "where", "sum",
@@ -196,10 +321,13 @@ for _name in ("zeros", "full", "arange",
               "dot", "outer", "stack", "vstack", "hstack", "split", "array_split", "clip",
               "square", "einsum", "allclose", "array_equal", "count_nonzero", "take",
               "cumsum", "diag", "eye", "logaddexp", "round", "frexp", "ldexp",
-              "multiply", "add", "subtract", "divide", "negative", "reshape", "transpose",
-              "copyto", "any", "all", "nonzero", "unique", "sort", "argsort", "float_power",
-              "ravel", "concatenate", "ascontiguousarray"):
+              "multiply", "add", "subtract", "divide", "negative", "copyto", "any", "all",
+              "nonzero", "unique", "sort", "argsort", "float_power", "concatenate"):
     globals()[_name] = _on_device(getattr(np, _name))
+for _name in ("reshape", "transpose", "ravel", "ascontiguousarray"):  # (views where they can)
+    globals()[_name] = (lambda f: lambda a, *args, **kwargs: _view_or_kernel(
+        a, f(a.host, *args, **kwargs)) if isinstance(a, ndarray) else _on_device(f)(
+        a, *args, **kwargs))(getattr(np, _name))
 del _name, _form, _dunder, _method
 linalg = types.SimpleNamespace(qr=_on_device(np.linalg.qr), norm=_on_device(np.linalg.norm),
                                svd=_on_device(np.linalg.svd))
@@ -215,13 +343,13 @@ def get_array_module(*arrays):
 
 
 def asarray(x, dtype=None):
-    if isinstance(x, ndarray):
+    if isinstance(x, ndarray):  # (where it is: no copy, no kernel)
         return x if dtype is None or x.dtype == dtype else x.astype(dtype)
     return ndarray(np.asarray(x, dtype))
 
 
 def asnumpy(x):
-    return x.host.copy()
+    return x.host.copy()  # (from any GPU, as get())
 
 
 # (thread, current stream's ptr) of each empty(), for tests to read: which of cupy's
@@ -235,7 +363,7 @@ def empty(shape, dtype=float):
 
 
 def empty_like(x, dtype=None):
-    return ndarray(np.empty_like(x.host, dtype))
+    return ndarray(np.empty_like(x.host, dtype))  # (on the current GPU, as cupy's)
 
 
 def ones(shape, dtype=float):
@@ -252,8 +380,6 @@ random = types.SimpleNamespace(
 
 
 class _Nothing:
-    id = 0
-
     def __init__(self, *args, **kwargs):
         self.ptr = 0
 
@@ -271,12 +397,6 @@ class _Nothing:
 
     def synchronize(self):
         pass
-
-    def use(self):
-        pass
-
-
-_threads = threading.local()
 
 
 class Stream(_Nothing):
@@ -305,18 +425,23 @@ def get_current_stream():
     return streams[-1] if streams else Stream.null
 
 
+# (thread, GPU) of each runtime.setDevice() call (not Device's own), for tests to read
 set_devices = []
 
+
+def _set_device(ordinal):
+    set_devices.append((threading.get_ident(), ordinal))
+    _set_current(ordinal)
+
+
 cuda = types.SimpleNamespace(
-    Device=_Nothing, Event=_Nothing, Stream=Stream,
+    Device=Device, Event=_Nothing, Stream=Stream,
     get_current_stream=get_current_stream,
     get_elapsed_time=lambda start, stop: 1.0,  # ms; nothing is timed on the host
-    runtime=types.SimpleNamespace(getDeviceCount=lambda: 1,
+    runtime=types.SimpleNamespace(getDeviceCount=lambda: device_count,
                                   getDeviceProperties=lambda ordinal: {"name": b"emulated"},
-                                  # (thread, GPU) of each call, for tests to read
-                                  setDevice=lambda ordinal: set_devices.append(
-                                      (threading.get_ident(), ordinal)),
-                                  ),
+                                  getDevice=_current, setDevice=_set_device,
+                                  CUDARuntimeError=CUDARuntimeError),
     memory=types.SimpleNamespace(OutOfMemoryError=MemoryError),
 )
 

@@ -94,8 +94,8 @@ def test_the_worker_thread_makes_the_arrays_gpu_current_and_keeps_it(ring):
     # A thread's current GPU is GPU 0 until it sets one, and on a real GPU switching
     # back to it (after a call on the array's GPU) made a CUDA context on GPU 0 in
     # every rank. So the worker sets the array's GPU before each call and never
-    # switches back, and the caller's own thread is left as it was. (The stand-in has
-    # one GPU: this checks who sets which, not the contexts.)
+    # switches back, and the caller's own thread is left as it was. (The stand-in's
+    # GPUs have no contexts: this checks who sets which.)
     if not ring._executor.threaded:
         pytest.skip("MPI without MPI_THREAD_MULTIPLE: no worker thread")
     x = cp.asarray(rank_data(np.dtype(np.float32), 100))
