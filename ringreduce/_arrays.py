@@ -1,5 +1,8 @@
-"""numpy or cupy, whichever an array belongs to (cupy only where installed); and the
-arrays that must outlive a collective after which this rank left its communicator."""
+"""numpy or cupy, whichever an array belongs to (cupy only where installed), and the
+GPU a cupy array is on; and the arrays that must outlive a collective after which this
+rank left its communicator."""
+import contextlib
+
 import numpy as np
 
 # After a call that made this rank leave the communicator (a timeout, an error in the
@@ -43,3 +46,56 @@ def plain(a):
     """a as a plain array: a view of an ndarray subclass's data (np.matrix, whose * is a
     matrix product, saved again as one), anything else as it is."""
     return a.view(np.ndarray) if isinstance(a, np.ndarray) and type(a) is not np.ndarray else a
+
+
+# cupy makes new arrays, and runs kernels, on the thread's current GPU, not on the GPU
+# of the arrays they come from: a model made under `with cupy.cuda.Device(1)` and
+# stepped outside it got its optimizer state and buckets on GPU 0, and then cupy raised
+# (GPUs without peer access), or read across the bus. So whatever ringreduce makes or
+# computes for an array is made under on_gpu_of(it).
+_NOWHERE = contextlib.nullcontext()
+
+
+def gpu_of(a) -> int | None:
+    """The GPU a cupy array lives on; None for a host array (or anything not cupy's)."""
+    if isinstance(a, np.ndarray) or not hasattr(a, "__cuda_array_interface__"):
+        return None
+    return a.device.id if array_module(a) is not np else None
+
+
+def on_gpu(gpu: int | None):
+    """A context in which cupy allocates and computes on GPU `gpu` (a fresh Device each
+    time: cupy's keeps the GPU to go back to in the object, so one shared between
+    threads would hand one thread's to another); for None (host arrays), nothing."""
+    if gpu is None:
+        return _NOWHERE
+    import cupy
+    return cupy.cuda.Device(gpu)
+
+
+def on_gpu_of(a):
+    """on_gpu() of the GPU a lives on."""
+    return on_gpu(gpu_of(a))
+
+
+def copy_where_it_is(a):
+    """a.copy() on a's own GPU (cupy's copy() copies to the current one)."""
+    with on_gpu_of(a):
+        return a.copy()
+
+
+def the_one_gpu(arrays, name: str, who: str, why: str) -> int | None:
+    """The GPU of the cupy arrays among arrays (None for none), or a ValueError naming
+    the first (called name[i]) that is on another GPU than the first; why: why they
+    must share one."""
+    first = None
+    for i, a in enumerate(arrays):
+        gpu = gpu_of(a)
+        if gpu is None:
+            continue
+        if first is None:
+            first = i, gpu
+        elif gpu != first[1]:
+            raise ValueError(f"{who}: {name}[{i}] is on GPU {gpu}, but {name}[{first[0]}] is "
+                             f"on GPU {first[1]}; {why}")
+    return None if first is None else first[1]

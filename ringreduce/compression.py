@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._arrays import array_module, plain
+from ._arrays import array_module, copy_where_it_is, on_gpu_of, plain
 
 
 class PowerSGD:
@@ -75,6 +75,10 @@ class PowerSGD:
         all-reduces carry, or 0 for nothing, see Communicator._allreduce_checked;
         dtype: the approximation's, where not grad's own: DistributedOptimizer's float32
         sums of 16-bit micro-batches.)"""
+        with on_gpu_of(grad):  # (cupy's arrays and kernels: on the current GPU)
+            return self._start(index, grad, comm, op, check, dtype)
+
+    def _start(self, index, grad, comm, op, check, dtype) -> "_LowRankCall":
         xp = array_module(grad)
         n = grad.shape[0]
         matrix = grad.reshape(n, -1)
@@ -105,13 +109,18 @@ class PowerSGD:
         """Once P is averaged: Q = M^T P, with P's columns made orthonormal, averaged
         asynchronously."""
         call.handle.wait()
-        call.p = _orthonormal_columns(call.p, array_module(call.p))
-        call.q = call.matrix.T @ call.p
+        with on_gpu_of(call.p):
+            call.p = _orthonormal_columns(call.p, array_module(call.p))
+            call.q = call.matrix.T @ call.p
         call.handle = comm._allreduce_checked(call.q, op, check, wait=False)
 
     def finish(self, call: "_LowRankCall") -> tuple[object, int]:
         """Once Q is averaged: the approximation P Q^T, and the bytes this rank sent."""
         call.handle.wait()
+        with on_gpu_of(call.q):
+            return self._finish(call)
+
+    def _finish(self, call: "_LowRankCall") -> tuple[object, int]:
         xp = array_module(call.q)
         approximation = call.p @ call.q.T
         finite = bool(xp.isfinite(call.q).all())
@@ -142,8 +151,8 @@ class PowerSGD:
     def state_dict(self) -> dict:
         # Copies, as SGD's and Adam's are: a state to keep, not a way into this one.
         return {"rank": self.rank, "seed": self.seed,
-                "q": {i: q.copy() for i, q in self._q.items()},
-                "error": {i: e.copy() for i, e in self._error.items()}}
+                "q": {i: copy_where_it_is(q) for i, q in self._q.items()},
+                "error": {i: copy_where_it_is(e) for i, e in self._error.items()}}
 
     def load_state_dict(self, state: dict) -> None:
         if self._taken:
@@ -160,7 +169,7 @@ class PowerSGD:
         # Arrays of its own, as the optimizer's load_state_dict() takes them: writing to
         # the state after loading it leaves this one alone. (Anything without copy() is
         # left for the optimizer's checks to refuse.)
-        self._load(state, lambda i, a: plain(a.copy()) if hasattr(a, "copy") else a)
+        self._load(state, lambda i, a: plain(copy_where_it_is(a)) if hasattr(a, "copy") else a)
 
     def _load(self, state: dict, convert=lambda i, a: a) -> None:
         """Loads a state already checked (DistributedOptimizer.load_state_dict's way),

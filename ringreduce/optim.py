@@ -14,6 +14,7 @@ with ``grad_ready`` the communication overlaps the rest of the backward pass.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import time
 import zlib
@@ -21,7 +22,8 @@ import zlib
 import numpy as np
 
 from . import _types, compression as _compression
-from ._arrays import array_module, not_a_list_of_arrays, plain
+from ._arrays import (array_module, copy_where_it_is, gpu_of, not_a_list_of_arrays, on_gpu,
+                      on_gpu_of, plain, the_one_gpu)
 from ._core import MismatchError
 from .gradients import agree_or_raise, check_bucket_mb, pack_plan
 
@@ -64,6 +66,12 @@ def _check_grad(i, g, p, who):
     if g.dtype != p.dtype:
         raise TypeError(f"{who}: grads[{i}] has dtype {g.dtype}, but params[{i}] has "
                         f"dtype {p.dtype}")
+    # (cupy would refuse it, or read it across the bus, or it would be packed into a
+    # bucket on another GPU than its own)
+    gpu = gpu_of(p)
+    if gpu is not None and gpu_of(g) not in (None, gpu):
+        raise ValueError(f"{who}: grads[{i}] is on GPU {gpu_of(g)}, but params[{i}] is on "
+                         f"GPU {gpu}; give each gradient on its parameter's GPU")
 
 
 def _on_the_side_of(a, p, copy: bool = False):
@@ -80,9 +88,11 @@ def _on_the_side_of(a, p, copy: bool = False):
             return get()
         return np.array(a) if copy else np.asarray(a)
     xp = array_module(p)
-    if array_module(a) is xp:
-        return a.copy() if copy else a
-    return xp.array(a) if copy else xp.asarray(a)  # (host to GPU: one copy either way)
+    with on_gpu_of(p):  # (cupy's copies go to the current GPU)
+        if array_module(a) is xp:
+            # A state saved on another GPU comes to p's (cupy's copy() reads any GPU).
+            return a.copy() if copy or gpu_of(a) != gpu_of(p) else a
+        return xp.array(a) if copy else xp.asarray(a)  # (host to GPU: one copy either way)
 
 
 def _checked_state_arrays(state, key: str, params, who: str, optional=False,
@@ -120,9 +130,14 @@ def _checked_state_arrays(state, key: str, params, who: str, optional=False,
                              f"{getattr(a, 'shape', type(a).__name__)} "
                              f"{getattr(a, 'dtype', '')}, but params[{i}] is {p.shape} "
                              f"{p.dtype}{also} (a state of another model?)")
-    return [None if a is None else
-            _on_the_side_of(a, p, copy=a.dtype == dtype).astype(dtype, copy=False)
+    return [None if a is None else _placed(a, p, dtype)
             for a, p, dtype in zip(arrays, params, kept)]
+
+
+def _placed(a, p, dtype):
+    """A copy of a where p is (see _on_the_side_of), in dtype."""
+    with on_gpu_of(p):
+        return _on_the_side_of(a, p, copy=a.dtype == dtype).astype(dtype, copy=False)
 
 
 def _state_values(state, keys, who: str, where: str | None = None) -> list:
@@ -255,32 +270,33 @@ class SGD:
     def step(self, grads) -> None:
         grads = _check_grads(grads, self.params, "SGD.step")
         for i, (p, g) in enumerate(zip(self.params, grads)):
-            dtype = _kept_dtype(p)
-            wide = p if dtype == p.dtype else p.astype(dtype)  # (16-bit p: float32)
-            g = g.astype(dtype, copy=False)
-            if self.weight_decay:
-                # In wide's dtype, as with a Python float: a numpy scalar (np.float64)
-                # would widen g, and the momentum buffer made from it.
-                g = (g + self.weight_decay * wide).astype(dtype, copy=False)
-            if self.momentum:
-                buf = self.momentum_buffers[i]
-                if buf is None:
-                    # An array, even where g is a numpy scalar (a 0-d parameter's
-                    # gradient plus weight decay, or a gradient like d.sum()): buf is
-                    # updated in place below, which a scalar is not.
-                    buf = self.momentum_buffers[i] = (g.copy() if g.ndim else
-                                                     array_module(p).array(g, copy=True))
-                else:
-                    buf *= self.momentum
-                    buf += g
-                g = buf
-            wide -= self.lr * g
-            if wide is not p:
-                p[...] = wide
+            with on_gpu_of(p):  # (cupy computes on the current GPU)
+                dtype = _kept_dtype(p)
+                wide = p if dtype == p.dtype else p.astype(dtype)  # (16-bit p: float32)
+                g = g.astype(dtype, copy=False)
+                if self.weight_decay:
+                    # In wide's dtype, as with a Python float: a numpy scalar (np.float64)
+                    # would widen g, and the momentum buffer made from it.
+                    g = (g + self.weight_decay * wide).astype(dtype, copy=False)
+                if self.momentum:
+                    buf = self.momentum_buffers[i]
+                    if buf is None:
+                        # An array, even where g is a numpy scalar (a 0-d parameter's
+                        # gradient plus weight decay, or a gradient like d.sum()): buf is
+                        # updated in place below, which a scalar is not.
+                        buf = self.momentum_buffers[i] = (g.copy() if g.ndim else
+                                                         array_module(p).array(g, copy=True))
+                    else:
+                        buf *= self.momentum
+                        buf += g
+                    g = buf
+                wide -= self.lr * g
+                if wide is not p:
+                    p[...] = wide
 
     def state_dict(self) -> dict:
         return {"lr": self.lr, "momentum": self.momentum, "weight_decay": self.weight_decay,
-                "momentum_buffers": [None if b is None else b.copy()
+                "momentum_buffers": [None if b is None else copy_where_it_is(b)
                                      for b in self.momentum_buffers]}
 
     def load_state_dict(self, state: dict) -> None:
@@ -302,6 +318,12 @@ class SGD:
         self.lr, self.momentum = checked["lr"], checked["momentum"]
         self.weight_decay = checked["weight_decay"]
         self.momentum_buffers = checked["momentum_buffers"]  # (copies: see _checked)
+
+
+def _zeros_beside(p):
+    """Zeros shaped like p, in _kept_dtype(p), where p is (host, or p's GPU)."""
+    with on_gpu_of(p):
+        return array_module(p).zeros(p.shape, _kept_dtype(p))
 
 
 def _kept_dtype(p) -> np.dtype:
@@ -334,8 +356,8 @@ class Adam:
         _check_adam_settings(lr, betas, eps, weight_decay, "Adam")
         self.lr, self.betas, self.eps, self.weight_decay = lr, tuple(betas), eps, weight_decay
         self.t = 0
-        self.m = [array_module(p).zeros(p.shape, _kept_dtype(p)) for p in self.params]
-        self.v = [array_module(p).zeros(p.shape, _kept_dtype(p)) for p in self.params]
+        self.m = [_zeros_beside(p) for p in self.params]
+        self.v = [_zeros_beside(p) for p in self.params]
 
     def __repr__(self) -> str:
         return _optimizer_repr(self)
@@ -346,23 +368,25 @@ class Adam:
         b1, b2 = self.betas
         correction1, correction2 = 1 - b1 ** self.t, 1 - b2 ** self.t
         for p, g, m, v in zip(self.params, grads, self.m, self.v):
-            xp = array_module(p)
-            wide = p if m.dtype == p.dtype else p.astype(m.dtype)  # (16-bit p: float32)
-            g = g.astype(m.dtype, copy=False)
-            if self.weight_decay:
-                g = g + self.weight_decay * wide
-            m *= b1
-            m += (1 - b1) * g
-            v *= b2
-            v += (1 - b2) * g * g
-            wide -= self.lr * (m / correction1) / (xp.sqrt(v / correction2) + self.eps)
-            if wide is not p:
-                p[...] = wide
+            with on_gpu_of(p):
+                xp = array_module(p)
+                wide = p if m.dtype == p.dtype else p.astype(m.dtype)  # (16-bit p: float32)
+                g = g.astype(m.dtype, copy=False)
+                if self.weight_decay:
+                    g = g + self.weight_decay * wide
+                m *= b1
+                m += (1 - b1) * g
+                v *= b2
+                v += (1 - b2) * g * g
+                wide -= self.lr * (m / correction1) / (xp.sqrt(v / correction2) + self.eps)
+                if wide is not p:
+                    p[...] = wide
 
     def state_dict(self) -> dict:
         return {"lr": self.lr, "betas": self.betas, "eps": self.eps,
                 "weight_decay": self.weight_decay, "t": self.t,
-                "m": [m.copy() for m in self.m], "v": [v.copy() for v in self.v]}
+                "m": [copy_where_it_is(m) for m in self.m],
+                "v": [copy_where_it_is(v) for v in self.v]}
 
     def load_state_dict(self, state: dict) -> None:
         self._take(self._checked(state))
@@ -594,6 +618,19 @@ class _Bucket:
         self.handle = None
 
 
+def _on_its_gpu(method):
+    """A DistributedOptimizer's method, run with its parameters' GPU current: cupy makes
+    new arrays (buckets, sums, copies, PowerSGD's matrices) and runs kernels on the
+    current GPU, and a model made under `with cupy.cuda.Device(1)` is stepped outside
+    it. (Also around the wrapped optimizer's step(), which may allocate.)"""
+    @functools.wraps(method)
+    def on_its_gpu(self, *args, **kwargs):
+        with on_gpu(self._gpu):
+            return method(self, *args, **kwargs)
+
+    return on_its_gpu
+
+
 class DistributedOptimizer:
     """Wraps an optimizer (SGD, Adam, or anything with ``params`` and ``step(grads)``) so
     that every step uses the gradients averaged over all ranks. Another optimizer gets
@@ -657,6 +694,17 @@ class DistributedOptimizer:
             raise TypeError(f"{self._where()}: optimizer must have .params and .step(grads) "
                             f"(as ringreduce.optim.SGD and Adam do), got {type(optimizer).__name__}")
         self.params = _check_params(optimizer.params, self._where())
+        # One GPU for all: buckets pack gradients of several parameters, and the ring
+        # runs each call on one GPU (the core keeps its staging for one at a time).
+        self._gpu = the_one_gpu(self.params, "params", self._where(), "a "
+                                "DistributedOptimizer keeps its buckets and all-reduces on "
+                                "one GPU: give each rank's model one GPU (or one "
+                                "DistributedOptimizer per GPU)")
+        with on_gpu(self._gpu):
+            self._set_up_on_the_gpu(optimizer, bucket_mb, compression)
+
+    def _set_up_on_the_gpu(self, optimizer, bucket_mb, compression) -> None:
+        """The rest of _set_up, with the parameters' GPU current (see _on_its_gpu)."""
         # The averaged gradients are views of the buckets, which the next step
         # overwrites. ringreduce's SGD and Adam keep none of them; another optimizer
         # may (a momentum buffer that starts as the first gradient, say), and would then
@@ -737,6 +785,7 @@ class DistributedOptimizer:
 
     # -- public ---------------------------------------------------------------------
 
+    @_on_its_gpu
     def broadcast_parameters(self, root: int = 0) -> None:
         """Overwrite every rank's parameters with root's, so all replicas start equal;
         and, where the wrapped optimizer is ringreduce's SGD or Adam, its state too
@@ -808,7 +857,7 @@ class DistributedOptimizer:
                     buffers[i] = None
                     continue
                 if buffers[i] is None:
-                    buffers[i] = array_module(p).zeros(p.shape, _kept_dtype(p))
+                    buffers[i] = _zeros_beside(p)
                 self.comm.broadcast(buffers[i], root=root)
 
     @contextlib.contextmanager
@@ -822,6 +871,7 @@ class DistributedOptimizer:
         finally:
             self._accumulating = outer
 
+    @_on_its_gpu
     def grad_ready(self, index: int, grad) -> None:
         """The gradient of params[index] is final. Once every gradient of its bucket is
         in, the bucket's all-reduce starts (outside no_sync), while you keep computing;
@@ -874,6 +924,7 @@ class DistributedOptimizer:
         else:
             self._start_complete_units()  # (an fp16 bucket's agreement on its scale, say)
 
+    @_on_its_gpu
     def step(self, grads=None) -> None:
         """Average the gradients across ranks and update the parameters.
 
@@ -967,6 +1018,7 @@ class DistributedOptimizer:
                             "state_dict() and load_state_dict(state) (as "
                             "ringreduce.optim.SGD and Adam have) to save and resume it")
 
+    @_on_its_gpu
     def state_dict(self) -> dict:
         """The optimizer's state, the fp16 scales, PowerSGD's (this rank's own) and,
         between micro-batches of no_sync(), their sums (this rank's own too), as they
@@ -997,6 +1049,7 @@ class DistributedOptimizer:
                                     "ranks": self.comm.size}
         return state
 
+    @_on_its_gpu
     def load_state_dict(self, state: dict | None) -> None:
         """Loads a state_dict(): the optimizer's, the fp16 scales, and PowerSGD's, which
         is this rank's own (what its approximations missed): each rank loads the state
@@ -1350,6 +1403,7 @@ class DistributedOptimizer:
                 self.bytes_sent += call.p.nbytes
             self._next_to_start += 1
 
+    @_on_its_gpu
     def abandon_step(self) -> None:
         """Drop the step begun, without an update: the gradients given since the last
         step, and those accumulated in no_sync(). For after an exception halfway

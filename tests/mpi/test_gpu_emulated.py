@@ -16,10 +16,14 @@ sys.modules["cupy"] = fake_cupy  # (before test_gpu imports it; this process onl
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+from mpi4py import MPI  # noqa: E402
 
 import ringreduce as rr  # noqa: E402
+from ringreduce.compression import PowerSGD  # noqa: E402
+from ringreduce.optim import SGD, Adam, DistributedOptimizer  # noqa: E402
 
 import test_gpu  # noqa: E402
+from helpers import rank_data  # noqa: E402
 
 # The tests of test_gpu.py that need a real GPU: each runs a RawKernel that spins.
 GPU_ONLY = {
@@ -60,12 +64,78 @@ def test_the_stand_in_is_the_cupy_test_gpu_uses():
 
 
 # -- Several GPUs ---------------------------------------------------------------------
+# The stand-in has two GPUs, and raises as cupy does where a kernel reads an array on
+# another GPU than the current one (see fake_cupy.py). A model made under `with
+# cupy.cuda.Device(1)` is stepped, saved and loaded outside it: what ringreduce makes
+# for it (buckets, optimizer state, copies) must be on GPU 1, where cupy would put it
+# on GPU 0 and then raise, read across the bus, or hand the core a pointer on the wrong
+# GPU; and the numbers must be those of the same run on numpy.
+
+RANK, SIZE = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+SHAPES = [(12, 8), (8,), (8, 6), ()]  # (PowerSGD compresses the matrices)
+
 
 @pytest.fixture
 def on_gpu_0():
     """The test's thread on GPU 0 (the digits example, run before, leaves rank 1 on 1)."""
     with fake_cupy.cuda.Device(0):
         yield
+
+
+def on_gpu(gpu, arrays):
+    """Copies of numpy arrays on that GPU."""
+    with fake_cupy.cuda.Device(gpu):
+        return [fake_cupy.array(a) for a in arrays]
+
+
+def gpus_of(value) -> list:
+    """The GPU of each cupy array in value (nested in dicts, lists and tuples)."""
+    if isinstance(value, fake_cupy.ndarray):
+        return [value.device.id]
+    if isinstance(value, dict):
+        value = list(value.values())
+    return [g for v in value for g in gpus_of(v)] if isinstance(value, (list, tuple)) else []
+
+
+def assert_on_gpu_1(*values):
+    gpus = gpus_of(values)
+    assert gpus and set(gpus) == {1}, gpus
+
+
+def moved_to(gpu, value):
+    """value (a state) with each cupy array copied to that GPU (cupy's copy() copies
+    to the current GPU)."""
+    if isinstance(value, fake_cupy.ndarray):
+        with fake_cupy.cuda.Device(gpu):
+            return value.copy()
+    if isinstance(value, dict):
+        return {key: moved_to(gpu, v) for key, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(moved_to(gpu, v) for v in value)
+    return value
+
+
+def model(dtype="float32", steps=3, shapes=SHAPES):
+    rng = np.random.default_rng(7)
+    start = [rng.standard_normal(s).astype(dtype) for s in shapes]
+    grads = [[rank_data(np.dtype(dtype), int(np.prod(s)), salt=10 * k + i).reshape(s)
+              for i, s in enumerate(shapes)] for k in range(steps)]
+    return start, grads
+
+
+def assert_same(gpu_arrays, host_arrays, rtol=0.0):
+    assert len(gpu_arrays) == len(host_arrays)
+    for d, h in zip(gpu_arrays, host_arrays):
+        if h is None:
+            assert d is None
+            continue
+        assert isinstance(d, fake_cupy.ndarray) and d.dtype == h.dtype
+        np.testing.assert_allclose(fake_cupy.asnumpy(d), h, rtol=rtol, atol=0)
+
+
+def optimizer_arrays(optimizer) -> list:
+    return optimizer.m + optimizer.v if isinstance(optimizer, Adam) else \
+        [b for b in optimizer.momentum_buffers if b is not None]
 
 
 def test_the_stand_in_has_two_gpus_and_refuses_kernels_across_them(on_gpu_0):
@@ -114,3 +184,144 @@ def test_the_stand_in_has_two_gpus_and_refuses_kernels_across_them(on_gpu_0):
     with pytest.raises(cp.cuda.runtime.CUDARuntimeError, match="invalid device ordinal"):
         cp.cuda.Device(2).use()
     assert cp.cuda.Device().id == 0
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("make", [lambda p: SGD(p, lr=0.1, momentum=0.9, weight_decay=0.01),
+                                  lambda p: Adam(p, lr=0.01, weight_decay=0.01)],
+                         ids=["SGD", "Adam"])
+def test_sgd_and_adam_keep_a_model_on_gpu_1_there(make, dtype, on_gpu_0):
+    start, grads = model(dtype)
+    host, gpu = [p.copy() for p in start], on_gpu(1, start)
+    host_opt, gpu_opt = make(host), make(gpu)  # (made, stepped, saved outside the `with`)
+    for step_grads in grads:
+        host_opt.step([g.copy() for g in step_grads])
+        gpu_opt.step(on_gpu(1, step_grads))
+    assert_same(gpu, host)
+    assert_same(optimizer_arrays(gpu_opt), optimizer_arrays(host_opt))
+    state = gpu_opt.state_dict()
+    assert_on_gpu_1(gpu, optimizer_arrays(gpu_opt), state)
+    # Loaded outside the `with`, a state saved on GPU 1, on GPU 0 or on the host goes
+    # where the parameters are, as torch's load_state_dict() puts it.
+    for saved in (state, moved_to(0, state), host_opt.state_dict()):
+        again = make(gpu)
+        again.load_state_dict(saved)
+        assert_on_gpu_1(optimizer_arrays(again))
+        assert_same(optimizer_arrays(again), optimizer_arrays(host_opt))
+
+
+@pytest.mark.parametrize("make", [lambda p: SGD(p, lr=0.1, momentum=0.9),
+                                  lambda p: Adam(p, lr=0.01)], ids=["SGD", "Adam"])
+def test_sgd_and_adam_step_each_parameter_on_its_own_gpu(make, on_gpu_0):
+    # (No ring: nothing ties one parameter's GPU to another's.)
+    start, grads = model()
+    host = [p.copy() for p in start]
+    gpu = on_gpu(0, start[:2]) + on_gpu(1, start[2:])
+    host_opt, gpu_opt = make(host), make(gpu)
+    for step_grads in grads:
+        host_opt.step([g.copy() for g in step_grads])
+        gpu_opt.step(on_gpu(0, step_grads[:2]) + on_gpu(1, step_grads[2:]))
+    assert_same(gpu, host)
+    assert gpus_of(gpu) == gpus_of(optimizer_arrays(gpu_opt)[:len(gpu)]) == [0, 0, 1, 1]
+
+
+def powersgd_arrays(optimizer) -> list:
+    return [] if optimizer.powersgd is None else [
+        optimizer.powersgd._q, optimizer.powersgd._error]
+
+
+@pytest.mark.parametrize("compression", [None, "fp16", "powersgd"])
+def test_the_distributed_optimizer_keeps_a_model_on_gpu_1_there(compression, on_gpu_0):
+    rtol = {None: 1e-6, "fp16": 2e-3, "powersgd": 1e-4}[compression]
+    start, grads = model(steps=4)
+
+    def make(params):
+        return DistributedOptimizer(
+            SGD(params, lr=0.1, momentum=0.9), bucket_mb=0.0002,
+            compression=PowerSGD(rank=2) if compression == "powersgd" else compression)
+
+    host, gpu = [p.copy() for p in start], on_gpu(1, start)
+    host_opt, gpu_opt = make(host), make(gpu)
+    assert len(host_opt._buckets) > 1 or compression == "powersgd"  # (takes the matrices)
+    for k, step_grads in enumerate(grads):
+        if k == 1:  # a micro-batch first (no_sync)
+            with host_opt.no_sync():
+                host_opt.step([2 * g for g in step_grads])
+            with gpu_opt.no_sync():
+                gpu_opt.step(on_gpu(1, [2 * g for g in step_grads]))
+            state = gpu_opt.state_dict()  # (with the sums of micro-batches)
+            assert_on_gpu_1(state["accumulated"]["sums"])
+        host_opt.step([g.copy() for g in step_grads])
+        for i, g in reversed(list(enumerate(on_gpu(1, step_grads)))):
+            gpu_opt.grad_ready(i, g)
+        gpu_opt.step()
+        assert_same(gpu, host, rtol)
+    buffers = [[b.buffer, b.wire, b.counted, b.sums] for b in gpu_opt._buckets]
+    assert_on_gpu_1(gpu, buffers, optimizer_arrays(gpu_opt.optimizer), powersgd_arrays(gpu_opt))
+    state = gpu_opt.state_dict()
+    assert_on_gpu_1(state["optimizer"], state.get("powersgd", {}))
+    # Loaded outside the `with`: a state saved on GPU 1, on GPU 0 and on the host; and
+    # rank 0's alone, which broadcast_parameters() sends (SGD's momentum buffers made
+    # on the others), as on the host.
+    host_state = host_opt.state_dict()
+    cases = [(state, host_state), (moved_to(0, state), host_state), (host_state, host_state),
+             (state if RANK == 0 else None, host_state if RANK == 0 else None)]
+    for saved, host_saved in cases:
+        again, host_again = make(on_gpu(1, start)), make([p.copy() for p in start])
+        again.load_state_dict(saved)
+        host_again.load_state_dict(host_saved)
+        again.broadcast_parameters(root=0)
+        host_again.broadcast_parameters(root=0)
+        assert_on_gpu_1(again.params, optimizer_arrays(again.optimizer))
+        again.step(on_gpu(1, grads[0]))
+        host_again.step([g.copy() for g in grads[0]])
+        assert_same(again.params, host_again.params, rtol)
+        assert_on_gpu_1(again.params, optimizer_arrays(again.optimizer),
+                        powersgd_arrays(again))
+
+
+# -- Arrays of one call on different GPUs ---------------------------------------------
+
+@pytest.mark.parametrize("make", [lambda p: SGD(p, lr=0.1), lambda p: Adam(p)],
+                         ids=["SGD", "Adam"])
+def test_a_gradient_on_another_gpu_than_its_parameter_is_refused(make, on_gpu_0):
+    start, grads = model()
+    params = on_gpu(1, start)
+    optimizer = make(params)
+    given = on_gpu(1, grads[0][:1]) + on_gpu(0, grads[0][1:2]) + on_gpu(1, grads[0][2:])
+    name = type(optimizer).__name__
+    with pytest.raises(ValueError, match=rf"^{name}.step: grads\[1\] is on GPU 0, but "
+                                         r"params\[1\] is on GPU 1"):
+        optimizer.step(given)
+    assert_same(params, start)  # (nothing updated)
+
+
+def test_the_distributed_optimizer_refuses_parameters_on_different_gpus(on_gpu_0):
+    start, grads = model()
+    params = on_gpu(1, start[:2]) + on_gpu(0, start[2:])
+    where = rf"ringreduce.DistributedOptimizer \(rank {RANK} of {SIZE}\)"
+    with pytest.raises(ValueError, match=rf"^{where}: params\[2\] is on GPU 0, but "
+                                         r"params\[0\] is on GPU 1"):
+        DistributedOptimizer(SGD(params, lr=0.1))
+    # One rank's refusal is every rank's.
+    params = on_gpu(1, start[:2]) + on_gpu(0 if RANK == 0 else 1, start[2:])
+    with pytest.raises(ValueError if RANK == 0 else rr.MismatchError,
+                       match="GPU 0" if RANK == 0 else "rank 0"):
+        DistributedOptimizer(SGD(params, lr=0.1))
+
+
+def test_the_distributed_optimizer_refuses_a_gradient_on_another_gpu(on_gpu_0):
+    start, grads = model()
+    params = on_gpu(1, start)
+    optimizer = DistributedOptimizer(SGD(params, lr=0.1), bucket_mb=0.0002)
+    where = rf"ringreduce.DistributedOptimizer.grad_ready \(rank {RANK} of {SIZE}\)"
+    given = on_gpu(1, grads[0])
+    with pytest.raises(ValueError, match=rf"^{where}: grads\[3\] is on GPU 0, but "
+                                         r"params\[3\] is on GPU 1"):
+        optimizer.grad_ready(3, on_gpu(0, grads[0][3:])[0])
+    where = where.replace("grad_ready", "step")
+    with pytest.raises(ValueError, match=rf"^{where}: grads\[0\] is on GPU 0"):
+        optimizer.step(on_gpu(0, grads[0][:1]) + given[1:])
+    assert_same(params, start)
+    optimizer.step(given)  # (the next step goes on)
+    assert_on_gpu_1(params)
