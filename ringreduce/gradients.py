@@ -9,7 +9,7 @@ import zlib
 import numpy as np
 
 from . import _types
-from ._arrays import array_module, not_a_list_of_arrays
+from ._arrays import array_module, not_a_list_of_arrays, on_gpu_of, the_one_gpu
 from ._core import CheckedCallsMismatch, MismatchError, numpy_layout, pack_gradients, \
     unpack_gradients
 from ._shortcuts import _communicator
@@ -253,17 +253,20 @@ def _flat(grads, indices, shared: set, size: int):
         if pack_gradients(grads, indices, flat):
             return flat, True
     xp = array_module(g)  # (xp.ravel: an np.matrix's own ravel() stays 2-D)
-    flat = xp.concatenate([xp.ravel(grads[i]) for i in indices])
-    if not flat.dtype.isnative:  # (the ring's is native; g[...] = converts back)
-        flat = flat.astype(flat.dtype.newbyteorder("="))
+    with on_gpu_of(g):  # (cupy's: on the current GPU, not the gradients')
+        flat = xp.concatenate([xp.ravel(grads[i]) for i in indices])
+        if not flat.dtype.isnative:  # (the ring's is native; g[...] = converts back)
+            flat = flat.astype(flat.dtype.newbyteorder("="))
     return flat, True
 
 
 def _unpack(grads, indices, places, flat) -> None:
     if isinstance(flat, np.ndarray) and unpack_gradients(flat, grads, indices):
         return
-    for i, start, stop, shape in places:
-        grads[i][...] = flat[start:stop] if shape is None else flat[start:stop].reshape(shape)
+    with on_gpu_of(flat):
+        for i, start, stop, shape in places:
+            grads[i][...] = flat[start:stop] if shape is None else \
+                flat[start:stop].reshape(shape)
 
 
 def allreduce_gradients(grads, op: str = "avg", comm=None, bucket_mb: float = 25.0):
@@ -296,6 +299,9 @@ def allreduce_gradients(grads, op: str = "avg", comm=None, bucket_mb: float = 25
                 if isinstance(g, np.ndarray) and not g.flags.writeable:
                     raise ValueError(f"{where}: grads[{i}] is read-only")
                 reject_masked(g, f"grads[{i}]", where)
+            # (cupy's: the gradients of a bucket are packed into one buffer)
+            the_one_gpu(grads, "grads", where, "a rank's gradients are packed together, "
+                        "on one GPU: reduce each GPU's in a call of its own")
             layout = tuple([(type(g), g.shape, g.dtype) for g in grads])
         code = op_code(op, where)
         plan, check, places = _plan_and_check(grads, layout, code,

@@ -19,6 +19,7 @@ import pytest  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
 import ringreduce as rr  # noqa: E402
+from ringreduce import _device, reference  # noqa: E402
 from ringreduce.compression import PowerSGD  # noqa: E402
 from ringreduce.optim import SGD, Adam, DistributedOptimizer  # noqa: E402
 
@@ -280,6 +281,58 @@ def test_the_distributed_optimizer_keeps_a_model_on_gpu_1_there(compression, on_
                         powersgd_arrays(again))
 
 
+def test_allreduce_gradients_of_a_model_on_gpu_1(on_gpu_0):
+    _, grads = model(shapes=[(30,), (4, 5), (7,), (100,), (3, 3)], steps=1)
+    host = [g.copy() for g in grads[0]]
+    gpu = on_gpu(1, grads[0])
+    with fake_cupy.cuda.Device(1):
+        gpu[1] = gpu[1].T  # (not contiguous: through a copy)
+    host[1] = host[1].T
+    rr.allreduce_gradients(host, bucket_mb=0.0002)
+    rr.allreduce_gradients(gpu, bucket_mb=0.0002)
+    assert_same(gpu, host)
+    assert_on_gpu_1(gpu)
+
+
+def test_collectives_run_on_the_gpu_of_their_arrays(gpu_comm, world, monkeypatch, on_gpu_0):
+    # Also the ordinal handed to the core (which the host emulation does not use).
+    ordinals = []
+    args = _device._Launch.args
+    monkeypatch.setattr(_device._Launch, "args",
+                        lambda self, *a: ordinals.append(self.device) or args(self, *a))
+    data = rank_data(np.dtype(np.float32), 6 * 50).reshape(6, 50)
+    x, = on_gpu(1, [data])
+    with fake_cupy.cuda.Device(1):
+        strided, out = x[:, ::2], fake_cupy.empty(x.shape, x.dtype)
+    expected = reference.allreduce(data, "sum")
+    results = [gpu_comm.allreduce(x), gpu_comm.allreduce(strided),
+               gpu_comm.allreduce_async(x).wait()]
+    assert gpu_comm.allreduce(x, out=out) is out
+    for got, want in zip(results + [out], [expected, expected[:, ::2], expected, expected]):
+        np.testing.assert_array_equal(fake_cupy.asnumpy(got), want)
+    part = gpu_comm.reduce_scatter(x)
+    with fake_cupy.cuda.Device(1):
+        part_out = fake_cupy.empty(part.shape, part.dtype)
+    assert gpu_comm.reduce_scatter(x, out=part_out) is part_out
+    np.testing.assert_array_equal(fake_cupy.asnumpy(part_out),
+                                  reference.reduce_scatter(data, "sum"))
+    gathered = gpu_comm.allgather(x)
+    with fake_cupy.cuda.Device(1):
+        gathered_out = fake_cupy.empty(gathered.shape, gathered.dtype)
+    assert gpu_comm.allgather(x, out=gathered_out) is gathered_out
+    np.testing.assert_array_equal(fake_cupy.asnumpy(gathered_out),
+                                  np.concatenate(world.allgather(data)))
+    with fake_cupy.cuda.Device(1):
+        mine = x[:, ::3].copy()  # (a view: broadcast into it through a copy)
+    assert gpu_comm.broadcast(strided, root=0) is strided
+    np.testing.assert_array_equal(fake_cupy.asnumpy(strided),
+                                  world.bcast(fake_cupy.asnumpy(strided), root=0))
+    assert gpu_comm.broadcast_async(mine, root=0).wait() is mine
+    assert_on_gpu_1(results, out, part, part_out, gathered, gathered_out, mine)
+    assert ordinals and set(ordinals) == {1}, ordinals
+    assert fake_cupy.cuda.Device().id == 0  # (the caller's thread keeps its GPU)
+
+
 # -- Arrays of one call on different GPUs ---------------------------------------------
 
 @pytest.mark.parametrize("make", [lambda p: SGD(p, lr=0.1), lambda p: Adam(p)],
@@ -325,3 +378,30 @@ def test_the_distributed_optimizer_refuses_a_gradient_on_another_gpu(on_gpu_0):
     assert_same(params, start)
     optimizer.step(given)  # (the next step goes on)
     assert_on_gpu_1(params)
+
+
+def test_allreduce_gradients_refuses_gradients_on_different_gpus(on_gpu_0):
+    _, grads = model(steps=1)
+    given = on_gpu(1, grads[0][:3]) + on_gpu(0 if RANK == 0 else 1, grads[0][3:])
+    if RANK == 0:
+        where = rf"ringreduce.allreduce_gradients \(rank 0 of {SIZE}\)"
+        with pytest.raises(ValueError, match=rf"^{where}: grads\[3\] is on GPU 0, but "
+                                             r"grads\[0\] is on GPU 1"):
+            rr.allreduce_gradients(given)
+    else:
+        with pytest.raises(rr.MismatchError, match="rank 0"):
+            rr.allreduce_gradients(given)
+    assert_same(given, grads[0])  # (nothing reduced)
+
+
+def test_out_on_another_gpu_than_x_is_refused(gpu_comm, on_gpu_0):
+    x, = on_gpu(1, [np.ones(12, np.float32)])
+    out = fake_cupy.ones(12, np.float32)
+    part = len(gpu_comm.reduce_scatter(x))
+    for call in (lambda: gpu_comm.allreduce(x, out=out),
+                 lambda: gpu_comm.allreduce_async(x, out=out),
+                 lambda: gpu_comm.reduce_scatter(x, out=out[:part]),
+                 lambda: gpu_comm.allgather(x, out=fake_cupy.empty(12 * SIZE, x.dtype)),
+                 lambda: gpu_comm.allgather_async(x, out=fake_cupy.empty(12 * SIZE, x.dtype))):
+        with pytest.raises(ValueError, match=r"out is on GPU 0 but x is on GPU 1"):
+            call()
