@@ -1044,6 +1044,14 @@ class Communicator:
         Neither x nor out may be touched until then. Any number may be in flight;
         they complete in the order they were started.
         """
+        # (The FastPath's call made here, not through _call_async: a step of a
+        # data-parallel optimizer makes many small ones, and each frame and lookup
+        # saved is some 0.05 us of a call that costs about 1 us to start.)
+        fast = self._fast
+        if fast is not None:
+            call = fast.allreduce_async(x, op, out)
+            if call is not None:
+                return Handle(call, self._async_context, "ringreduce.allreduce")
         return self._call_async("allreduce", self._prepare_allreduce, x, op, out)
 
     def reduce_scatter(self, x, op="sum", out=None):
