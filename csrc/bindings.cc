@@ -1628,6 +1628,8 @@ PYBIND11_MODULE(_core, m) {
   m.def("mpi_cuda_aware_reason", &mpi_cuda_aware_reason);
   m.def("op_supported", [](int dtype, int op) { return op_supported(DType(dtype), Op(op)); });
 
+  m.def("set_flush_subnormals", &set_flush_subnormals, py::arg("on"),
+        "this thread's flush-to-zero and denormals-are-zero on or off (x86-64); for tests");
   m.def("use_cpu_kernels", &use_cpu_kernels, py::arg("on"),
         "reduce with the loops chosen for this CPU (AVX2, F16C) or the baseline; for tests");
   m.def(

@@ -361,10 +361,45 @@ __attribute__((target("avx2,avx512f,avx512vl,avx512bf16"))) void divide_bfloat16
 }
 #endif
 
+// Reductions follow IEEE 754 on subnormals whatever the calling thread's MXCSR says. A
+// thread may have flush-to-zero and denormals-are-zero on (set by any library built with
+// -ffast-math when it is loaded, or by torch.set_flush_denormal): its rank would round
+// subnormals otherwise than the others, and a call that rides in the header exchange,
+// whose segments every rank reduces itself, would end with other bits on each rank.
+// (Reading MXCSR costs about a nanosecond; it is written only where those bits are on.)
+constexpr unsigned kFlushBits = 0x8040;  // FTZ (bit 15), DAZ (bit 6)
+
+class IeeeSubnormals {
+ public:
+#if RINGREDUCE_HAVE_X86_DISPATCH
+  IeeeSubnormals() : saved_(_mm_getcsr()) {
+    if (saved_ & kFlushBits) _mm_setcsr(saved_ & ~kFlushBits);
+  }
+  ~IeeeSubnormals() {
+    if (saved_ & kFlushBits) _mm_setcsr(saved_);
+  }
+
+ private:
+  unsigned saved_;
+#endif
+};
+
 }  // namespace
+
+bool set_flush_subnormals(bool on) {
+#if RINGREDUCE_HAVE_X86_DISPATCH
+  const unsigned csr = _mm_getcsr();
+  _mm_setcsr(on ? csr | kFlushBits : csr & ~kFlushBits);
+  return (csr & kFlushBits) == kFlushBits;
+#else
+  (void)on;
+  return false;
+#endif
+}
 
 void reduce(DType dtype, Op op, void* dst, const void* a, const void* b, int64_t n) {
   if (n <= 0) return;
+  [[maybe_unused]] IeeeSubnormals ieee;
 #if RINGREDUCE_HAVE_AVX512_BF16
   if (dtype == DType::BFloat16 && (op == Op::Sum || op == Op::Avg || op == Op::Prod) &&
       cpu_kernels.load(std::memory_order_relaxed) && has_avx512_bf16())
@@ -392,6 +427,7 @@ bool use_cpu_kernels(bool on) {
 }
 
 void divide(DType dtype, void* data, int64_t n, int64_t divisor) {
+  [[maybe_unused]] IeeeSubnormals ieee;
 #if RINGREDUCE_HAVE_F16C
   if (dtype == DType::Float16 && cpu_kernels.load(std::memory_order_relaxed) && has_f16c())
     return divide_half_f16c(data, n, divisor);

@@ -31,4 +31,10 @@ bool use_cpu_kernels(bool on);
 // each segment it reduces.
 void divide(DType dtype, void* data, int64_t n, int64_t divisor);
 
+// Turns flush-to-zero and denormals-are-zero on or off for this thread (x86-64's MXCSR),
+// as a library built with -ffast-math does when loaded; reduce() and divide() ignore
+// them. Returns whether both were on. For tests; elsewhere it does nothing and says
+// false.
+bool set_flush_subnormals(bool on);
+
 }  // namespace ringreduce

@@ -1,5 +1,7 @@
 """The core's reduction kernels against numpy, one process, every dtype x op, with
 the special values (NaN, inf, signed zeros, subnormals, overflow) that break them."""
+import platform
+
 import numpy as np
 import pytest
 
@@ -272,3 +274,32 @@ def test_bools_of_any_byte_come_out_as_numpy_writes_them(op):
                 "max": np.maximum}[op](a, b)
     np.testing.assert_array_equal(got.view(np.uint8), expected.view(np.uint8))
     assert set(got.view(np.uint8).tolist()) <= {0, 1}
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86-64's MXCSR")
+@pytest.mark.parametrize("name", ["float32", "float64", "complex64", "complex128"])
+@pytest.mark.parametrize("op", ["sum", "prod", "min", "max"])
+def test_subnormals_follow_ieee_in_a_thread_that_flushes_them(name, op, kernels):
+    # A library built with -ffast-math turns flush-to-zero on in the thread that loads
+    # it: that rank's reductions of calls done in the header exchange (each rank reduces
+    # every segment itself) rounded otherwise than the other ranks', silently.
+    dtype = np.dtype(name)
+    if not _core.op_supported(_core.DTYPES.index(name), _core.OPS.index(op)):
+        pytest.skip(f"no {op} of {name}")
+    tiny = np.finfo(dtype).smallest_subnormal
+    a = (np.arange(1, 301) * tiny).astype(dtype)
+    b = (np.arange(300, 0, -1) * (1.5 if op == "prod" else 1) * tiny).astype(dtype)
+    if op == "prod":
+        b = np.full(300, 0.75, dtype)  # (a subnormal times 0.75: subnormal, not 0)
+    want, want_divided = core_reduce(a, b, op), a.copy()
+    _core.divide(want_divided, _core.DTYPES.index(name), 3)
+    was = _core.set_flush_subnormals(True)
+    try:
+        assert not (a * dtype.type(1)).any()  # (numpy's own, here: flushed: the test can fail)
+        got, divided = core_reduce(a, b, op), a.copy()
+        _core.divide(divided, _core.DTYPES.index(name), 3)
+    finally:
+        _core.set_flush_subnormals(was)
+    assert was is False and not _core.set_flush_subnormals(False)
+    assert want.any() and got.tobytes() == want.tobytes()
+    assert want_divided.any() and divided.tobytes() == want_divided.tobytes()
