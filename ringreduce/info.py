@@ -147,6 +147,27 @@ def report(world=MPI.COMM_WORLD, launchers=None) -> str | None:
     return "\n".join(lines)
 
 
+def _ranges(ranks: list[int]) -> str:
+    """[0, 1, 2, 5, 7, 8] -> "0-2, 5, 7-8"."""
+    spans: list[list[int]] = []
+    for r in ranks:
+        if spans and r == spans[-1][1] + 1:
+            spans[-1][1] = r
+        else:
+            spans.append([r, r])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
+
+
+def _ring_text(order) -> str:
+    """The ring's order, shortened for many ranks (in rank order, or the ends of it)."""
+    size = len(order)
+    if size > 8 and list(order) == list(range(size)):
+        return f"0 -> 1 -> ... -> {size - 1} -> 0 (rank order)"
+    shown = [str(r) for r in order] if size <= 16 else \
+        [str(r) for r in order[:8]] + ["..."] + [str(r) for r in order[-4:]]
+    return " -> ".join(shown) + f" -> {order[0]}"
+
+
 def _ring_lines(everyone, ring) -> list[str]:
     size = len(everyone)
     machines = list(dict.fromkeys(machine for _, machine in everyone))
@@ -158,14 +179,22 @@ def _ring_lines(everyone, ring) -> list[str]:
         lines.append(f"no ring: making a Communicator raised {ring}")
     else:
         order, transport, reason, chunk, timeout = ring
-        lines.append("ring: " + " -> ".join(str(r) for r in order) + f" -> {order[0]}")
+        lines.append("ring: " + _ring_text(order))
         lines.append(f"wire: {transport}" + (f" ({reason})" if reason else ""))
         lines.append(f"chunk: {chunk} bytes; timeout: "
                      + ("none" if timeout is None else f"{timeout:g} s"))
-    first = everyone[0][0]
-    differ = [f"rank {r} ({machine.split('/')[0]}): {key} {theirs[key]} (rank 0: {first[key]})"
-              for r, (theirs, machine) in enumerate(everyone) for key in first
-              if theirs[key] != first[key]]
+    # Grouped by what differs and how: on a cluster, whole machines do.
+    first, differ = everyone[0][0], []
+    for key in first:
+        ranks_of: dict = {}
+        for r, (theirs, _) in enumerate(everyone):
+            if theirs[key] != first[key]:
+                ranks_of.setdefault(theirs[key], []).append(r)
+        for value, ranks in ranks_of.items():
+            where = list(dict.fromkeys(everyone[r][1].split("/")[0] for r in ranks))
+            on = ", ".join(where[:3]) + (", ..." if len(where) > 3 else "")
+            differ.append(f"{key} {value} on rank{'s' * (len(ranks) > 1)} {_ranges(ranks)} "
+                          f"({on}); rank 0: {first[key]}")
     lines.append("every rank runs the same installation" if not differ else
                  "ranks whose installation differs from rank 0's:")
     lines.extend("  " + line for line in differ)

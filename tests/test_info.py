@@ -101,9 +101,9 @@ info.main([])
     assert "3 ranks on 1 machine: " in out
     assert "ring: 0 -> 1 -> 2 -> 0" in out
     assert "wire: " in out and "chunk: " in out
-    assert ("rank 2 (" in out and "settings RINGREDUCE_CUDA_AWARE=0 (rank 0: none set"
-            in out), out
-    assert "rank 1 (" not in out
+    assert "  settings RINGREDUCE_CUDA_AWARE=0 on rank 2 (" in out, out
+    assert "; rank 0: none set (the defaults)" in out
+    assert "rank 1" not in out
 
 
 def test_under_mpiexec_ranks_as_two_machines_go_round_each_in_turn(tmp_path):
@@ -121,3 +121,23 @@ def test_a_process_alone_that_the_launcher_called_one_of_four_is_warned(monkeypa
     assert "warning: MPI_COMM_WORLD has 1 rank here, but the launcher said 4" in text
     monkeypatch.delenv("PMI_SIZE")
     assert "warning" not in info.report(MPI.COMM_SELF, launchers=[])
+
+
+def test_many_ranks_are_shown_short_and_grouped():
+    assert info._ranges([0, 1, 2, 5, 7, 8]) == "0-2, 5, 7-8"
+    assert info._ring_text(tuple(range(64))) == "0 -> 1 -> ... -> 63 -> 0 (rank order)"
+    assert info._ring_text((0, 2, 1, 3)) == "0 -> 2 -> 1 -> 3 -> 0"
+    machine_ring = tuple(range(0, 32, 2)) + tuple(range(1, 32, 2))
+    assert info._ring_text(machine_ring) == (
+        "0 -> 2 -> 4 -> 6 -> 8 -> 10 -> 12 -> 14 -> ... -> 25 -> 27 -> 29 -> 31 -> 0")
+    base = {"numpy": "2.4.6", "mpi4py": "4.1.2"}
+    everyone = [(dict(base), f"node{r // 4 + 1}/boot") for r in range(12)]
+    for r in range(4, 8):  # (node2 has another numpy)
+        everyone[r][0]["numpy"] = "1.26.4"
+    everyone[11][0]["mpi4py"] = "3.1.6"
+    lines = info._ring_lines(everyone, (tuple(range(12)), "MPI", "why", 262144, None))
+    assert lines[0] == "12 ranks on 3 machines: node1 (4), node2 (4), node3 (4)"
+    assert "timeout: none" in lines[3]
+    assert lines[-3:] == ["ranks whose installation differs from rank 0's:",
+                          "  numpy 1.26.4 on ranks 4-7 (node2); rank 0: 2.4.6",
+                          "  mpi4py 3.1.6 on rank 11 (node3); rank 0: 4.1.2"]
