@@ -88,11 +88,10 @@ if ! RINGREDUCE_CUDA=1 RINGREDUCE_CUDA_ARCHS="$arch" within 200 "$PY" setup.py b
   tail -30 "$OUTDIR/build.log"
   exit 1
 fi
-"$PY" -c "
-import ringreduce as rr
-print('cuda_available:', rr.cuda_available(), '|', rr._core.cuda_status())
-print('CUDA-aware MPI:', rr._core.mpi_cuda_aware(), '|', rr._core.mpi_cuda_aware_reason())
-print(rr._core.mpi_library_version().splitlines()[0])" | tee -a "$OUTDIR/tests.txt"
+# Versions, MPI (CUDA-aware or not, and why), GPUs, cupy: what a report needs.
+within 30 "$PY" -m ringreduce info 2>&1 | tee -a "$OUTDIR/tests.txt" || true
+"$PY" -c "import ringreduce as rr; print('cuda_available:', rr.cuda_available())" \
+  | tee -a "$OUTDIR/tests.txt"
 # Without a usable GPU every GPU test would skip, and skipped tests pass: stop here.
 "$PY" -c "import ringreduce as rr, sys; sys.exit(not rr.cuda_available())" || {
   echo "FAILED: the extension sees no usable GPU (see cuda_status above); nothing ran on the GPU"
