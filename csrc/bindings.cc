@@ -1715,9 +1715,10 @@ PYBIND11_MODULE(_core, m) {
   m.def("note_process_ending", &note_process_ending,
         "an uncaught exception is ending this process: every Communicator left from now "
         "on says so (Departure::Ended)");
-  m.def("stop_creations_on_other_threads", &stop_creations_on_other_threads,
+  m.def("stop_creations_on_other_threads", &stop_creations_on_other_threads, py::arg("why"),
         "stops the Communicators being made on other threads, now or later, at their next "
-        "wait (RuntimeError there): at exit, for daemon threads");
+        "wait (RuntimeError there, giving why): at exit, for daemon threads, and at "
+        "MPI.Finalize()");
 
   m.def("finish_abandoned_duplicates", [] {
     int finalized = 1;
@@ -2013,6 +2014,7 @@ PYBIND11_MODULE(_core, m) {
            "meets (then it raises); true if finish_close_at_exit() must follow")
       .def("finish_close_at_exit", &RingCommunicator::finish_close_at_exit,
            "true once the close at exit begun is over (it waits for nothing)")
-      .def("stop_soon", &RingCommunicator::stop_soon,
-           "from any thread: the call in flight stops at its next wait, and this rank leaves");
+      .def("stop_soon", &RingCommunicator::stop_soon, py::arg("why") = "",
+           "from any thread: the call in flight stops at its next wait, and this rank leaves "
+           "(why: the reason its error gives)");
 }

@@ -51,6 +51,8 @@ void abandon_duplicate(MPI_Request request) {
 // may begin a creation after that (one waiting for the lock of THREAD_SERIALIZED, say).
 std::atomic<bool> creations_stopped{false};
 std::atomic<std::thread::id> exiting_thread{};
+std::mutex creations_stopped_mutex;
+std::string creations_stopped_why;  // (set once, before creations_stopped)
 
 // MPI_COMM_WORLD's ranks of the processes that departures said are ending on an
 // uncaught exception (see MpiTransport::note_ended).
@@ -103,7 +105,11 @@ void set_creation_pause(int step, double seconds) {
   creation_pause_step = step;
 }
 
-void stop_creations_on_other_threads() {
+void stop_creations_on_other_threads(const std::string& why) {
+  {
+    std::lock_guard<std::mutex> lock(creations_stopped_mutex);
+    if (!creations_stopped.load(std::memory_order_relaxed)) creations_stopped_why = why;
+  }
   exiting_thread.store(std::this_thread::get_id(), std::memory_order_release);
   creations_stopped.store(true, std::memory_order_release);
 }
@@ -160,6 +166,7 @@ MpiTransport::MpiTransport(MPI_Comm user_comm, double timeout_s,
   check_mpi(MPI_Comm_size(user_comm, &size_), "MPI_Comm_size", -1);
   left_ = (rank_ + size_ - 1) % size_;
   right_ = (rank_ + 1) % size_;
+  stop_.set_context(creation_context());
   check_creation_stopped();
   // Its duplicate would wait out the timeout for a rank that will never make it.
   const int ended = ended_rank(user_comm, size_);
@@ -319,9 +326,13 @@ Transport::Request MpiTransport::recv_left(void* buf, int64_t bytes, int tag) {
   return static_cast<Request>(requests_.size() - 1);
 }
 
-std::string MpiTransport::creation_timeout_text(const char* left) const {
+std::string MpiTransport::creation_context() const {
   return "ringreduce.Communicator (rank " + std::to_string(rank_) + " of " +
-         std::to_string(size_) + "): not every rank made its Communicator within " +
+         std::to_string(size_) + "): ";
+}
+
+std::string MpiTransport::creation_timeout_text(const char* left) const {
+  return creation_context() + "not every rank made its Communicator within " +
          seconds_text(timeout_s_) +
          " (the timeout; MPI cannot say which have not): a rank skipped it, is stuck "
          "before it, or failed and is ending (MPI_Finalize keeps such a rank until every "
@@ -444,10 +455,14 @@ void MpiTransport::check_departures() {
 }
 
 void MpiTransport::check_creation_stopped() const {
-  if (creation_stopped_on_this_thread())
-    throw StoppedError("stopped while making a Communicator (rank " + std::to_string(rank_) +
-                       " of " + std::to_string(size_) + "): the process is ending, and a "
-                       "rank had not made its own yet");
+  if (!creation_stopped_on_this_thread()) return;
+  std::string why;
+  {
+    std::lock_guard<std::mutex> lock(creations_stopped_mutex);
+    why = creations_stopped_why;
+  }
+  throw StoppedError(creation_context() + "stopped while making it: " + why +
+                     ", and a rank had not made its own yet");
 }
 
 void MpiTransport::check_notices() {

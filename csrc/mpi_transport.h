@@ -26,8 +26,8 @@ void finish_abandoned_duplicates();
 // stops at its next wait, and one begun later at once, with StoppedError. At exit: a
 // daemon thread making one (waiting for ranks that never come) would otherwise be
 // inside MPI when MPI goes away. The exiting thread may still make one (an atexit
-// handler's).
-void stop_creations_on_other_threads();
+// handler's). why: what their error gives as the reason (the first given stays).
+void stop_creations_on_other_threads(const std::string& why);
 
 // The ranks `ranks` of `comm` in MPI_COMM_WORLD, where mpiexec's labels count
 // (MPI_UNDEFINED: not in it, as after a spawn).
@@ -115,10 +115,13 @@ class MpiTransport final : public Transport {
   void check_notices();
   // Throws StoppedError if stop_creations_on_other_threads() applies to this thread.
   void check_creation_stopped() const;
-  void stop_soon() { stop_.set(); }
+  void stop_soon(const std::string& why = "") { stop_.set(why); }
   // The Communicator on this transport is made: from now on stop_creations_on_other_threads()
   // leaves it alone.
-  void created() { creating_ = false; }
+  void created() {
+    creating_ = false;
+    stop_.set_context("");  // (a call's errors get theirs from the call)
+  }
   // The shared-memory wire checks the same request (one per communicator).
   const StopRequest& stop_request() const { return stop_; }
   // check_departures() if messages were sent or received since the last check (so
@@ -170,6 +173,8 @@ class MpiTransport final : public Transport {
   int tag_ub_ = 32767;  // the least MPI guarantees; replaced by the real bound
   // Why making a Communicator gave up, then `left`: what that leaves behind.
   std::string creation_timeout_text(const char* left) const;
+  // "ringreduce.Communicator (rank r of p): ", which errors of the making begin with.
+  std::string creation_context() const;
   // Polls request until it completes (true), or until the timeout passes (false).
   bool wait_patiently(MPI_Request* request, const char* call);
 

@@ -303,10 +303,14 @@ void RingCommunicator::set_timeout(double seconds) {
   if (shm_) shm_->set_timeout(seconds);
 }
 
+std::string RingCommunicator::where(const char* collective) const {
+  return std::string("ringreduce.") + collective + " (rank " + std::to_string(rank()) + " of " +
+         std::to_string(size()) + "): ";
+}
+
 void RingCommunicator::give_up(const char* collective, const TimeoutError& e) {
   gave_up_ = true;
-  broken_ = std::string("ringreduce.") + collective + " (rank " + std::to_string(rank()) +
-            " of " + std::to_string(size()) + "): " + e.what() + world_ranks_note_;
+  broken_ = where(collective) + e.what() + world_ranks_note_;
   const DepartureNote first = first_departure();
   const DepartureNote origin = first.origin();
   const bool ended = origin.rank >= 0 && origin.why == Departure::Ended;
@@ -447,7 +451,7 @@ void RingCommunicator::check_closed_at_exit(const CallHeader& mine) {
   if (gone) transport_->check_departures();
 }
 
-void RingCommunicator::stop_soon() { transport_->stop_soon(); }
+void RingCommunicator::stop_soon(const std::string& why) { transport_->stop_soon(why); }
 
 DepartureNote RingCommunicator::first_departure(int64_t exchange) {
   DepartureNote first = transport_->first_departure(exchange);

@@ -321,7 +321,8 @@ class RingCommunicator {
   // Thread-safe: asks the call this rank runs on another thread to stop at its next
   // look around (every few hundred idle turns of a wait), with StoppedError; the rank
   // then leaves, as after any error in a call. A call that never waits may finish.
-  void stop_soon();
+  // why: the reason its error gives (see StopRequest::set()).
+  void stop_soon(const std::string& why = "");
   // How long a call waits for another rank (to join it, or to move the next chunk)
   // before throwing TimeoutError; <= 0: forever. After a timeout every later call
   // throws it again, and this rank has left (see Departure).
@@ -364,6 +365,12 @@ class RingCommunicator {
       throw;  // raised before anything moved
     } catch (const TimeoutError& e) {
       give_up(collective, e);
+    } catch (const StoppedError& e) {
+      // The wait that stopped knows no call: the call and the rank go in front, as in
+      // every other error of a call (later calls quote the reason alone).
+      broken_ = e.what();
+      if (size() > 1) depart(Departure::Left);
+      throw StoppedError(where(collective) + e.what());
     } catch (const std::exception& e) {
       // Unusable here from now on, while the others may wait on this rank in the ring:
       // tell them, so they raise at once instead of after their timeout (which also
@@ -374,6 +381,8 @@ class RingCommunicator {
       throw;
     }
   }
+  // "ringreduce.allreduce (rank r of p): ", which a call's errors begin with.
+  std::string where(const char* collective) const;
   // After a TimeoutError in `collective`: this communicator is done for. Leaves it
   // (depart()) and rethrows with the call and the rank in the message.
   [[noreturn]] void give_up(const char* collective, const TimeoutError& e);

@@ -14,7 +14,9 @@
 #include <cstdint>
 #include <cstdio>
 #include <limits>
+#include <mutex>
 #include <string>
+#include <utility>
 
 #include "errors.h"
 
@@ -159,27 +161,52 @@ constexpr int64_t kAnyExchange = std::numeric_limits<int64_t>::max();
 // Stops the call this rank runs (see StoppedError): each wire has one, which its waits
 // check when they look around. Two causes: set() from another thread, and an interrupt
 // (a counter the process bumps on each, in Python on SIGINT) that came during the call.
+// The waits know no call: a call's error gets the call and the rank in front where the
+// call catches it (RingCommunicator::guarded); while a Communicator is being made, the
+// context given here is put in front instead.
 class StopRequest {
  public:
-  void set() { requested_.store(true, std::memory_order_release); }
+  // why: what the message gives as the reason ("MPI.Finalize() on this rank"; empty:
+  // the ones the Python layer has). The first reason given stays.
+  void set(const std::string& why = "") {
+    {
+      std::lock_guard<std::mutex> lock(why_mutex_);
+      if (!requested_.load(std::memory_order_relaxed)) why_ = why;
+    }
+    requested_.store(true, std::memory_order_release);
+  }
   void watch(const std::atomic<uint64_t>* interrupts) { interrupts_ = interrupts; }
+  // "ringreduce.Communicator (rank 0 of 2): " while it is being made; "" once made. Only
+  // on the thread that makes it (the one that checks).
+  void set_context(std::string context) { context_ = std::move(context); }
   // At the start of each call, on the thread that runs it: interrupts before it (which
   // the caller has seen, or will) do not stop it.
   void arm() {
     if (interrupts_ != nullptr) armed_at_ = interrupts_->load(std::memory_order_relaxed);
   }
   void check() const {
-    if (requested_.load(std::memory_order_acquire))
-      throw StoppedError("stopped on this rank, which is leaving the communicator (in Python: "
-                         "an exception left the Communicator's `with` block, or the process "
-                         "is ending, while this call was in flight)");
+    if (requested_.load(std::memory_order_acquire)) {
+      std::string why;
+      {
+        std::lock_guard<std::mutex> lock(why_mutex_);
+        why = why_;
+      }
+      throw StoppedError(context_ + "stopped on this rank, which is leaving the communicator " +
+                         (why.empty() ? "(in Python: an exception left the Communicator's "
+                                        "`with` block, or the process is ending, while this "
+                                        "call was in flight)"
+                                      : "(" + why + ")"));
+    }
     if (interrupts_ != nullptr && interrupts_->load(std::memory_order_relaxed) != armed_at_)
-      throw StoppedError("interrupted (SIGINT) on this rank, which is leaving the "
+      throw StoppedError(context_ + "interrupted (SIGINT) on this rank, which is leaving the "
                          "communicator");
   }
 
  private:
   std::atomic<bool> requested_{false};
+  mutable std::mutex why_mutex_;
+  std::string why_;
+  std::string context_;
   const std::atomic<uint64_t>* interrupts_ = nullptr;
   uint64_t armed_at_ = 0;
 };

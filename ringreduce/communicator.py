@@ -514,16 +514,22 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 @atexit.register
-def _finish_all():
+def _finish_all(why: str = "the process is ending", let_calls_finish: bool = False):
     # Before mpi4py finalises MPI: let queued collectives finish, so that no thread is
     # inside MPI when MPI goes away. Freeing is collective, and ranks could reach here
     # with different communicators still open, so MPI_Finalize frees what is left.
+    # why: what the errors of calls and creations stopped here give as the reason.
+    # let_calls_finish: a blocking call another thread is running finishes first (the
+    # program's own MPI.Finalize(), with its threads alive); else it stops.
     if os.getpid() != _PROCESS:
         return
+    global _finalizing
+    if let_calls_finish:
+        _finalizing = why
     # A daemon thread making a Communicator (for ranks that may never come), now or
     # later, stops at its next wait: it would be inside MPI when MPI goes away, and
     # under THREAD_SERIALIZED it holds the lock the closes below take.
-    _core.stop_creations_on_other_threads()
+    _core.stop_creations_on_other_threads(why)
     failing = _uncaught_exception()
     if failing is not None:
         # Every Communicator this rank leaves from now on (a call stopped below
@@ -548,14 +554,14 @@ def _finish_all():
             closing = []
     for comm in comms:
         comm._refuse_calls()
-        if comm._executor.running.held_by_a_caller():
-            # A daemon thread (the only kind left now) is inside a blocking call. Python
-            # stops daemon threads where they are; one stopped inside the core, without
-            # the GIL, ends the process (std::terminate). So its call stops at its next
-            # wait, and this rank leaves, as after an error. (First for every
+        if comm._executor.running.held_by_a_caller() and not let_calls_finish:
+            # A daemon thread (the only kind left at exit) is inside a blocking call.
+            # Python stops daemon threads where they are; one stopped inside the core,
+            # without the GIL, ends the process (std::terminate). So its call stops at
+            # its next wait, and this rank leaves, as after an error. (First for every
             # Communicator: below THREAD_MULTIPLE they share one lock, and a call on one
             # would hold up finishing the others.)
-            comm._core.stop_soon()
+            comm._core.stop_soon(why)
     if not MPI.Is_finalized():
         with _SERIAL:  # (after the stops: a daemon thread's call may hold it)
             for core in _untold_over_mpi:
@@ -566,8 +572,8 @@ def _finish_all():
     # the second while this one would wait for it in the first; and on one with calls in
     # flight only once they are over (they may wait for another rank's call on another,
     # whose close must not wait for them). closing: (core, lock) of the closes at exit
-    # begun; busy: (executor, begin its close, leave on Ctrl-C) of those with calls in
-    # flight.
+    # begun; busy: (whether its calls are still in flight, begin its close, leave on
+    # Ctrl-C) of those with calls in flight.
     busy = []
 
     def begin_dropped_busy(serial):  # its _BeginDroppedClose ran during the wait
@@ -577,27 +583,31 @@ def _finish_all():
             closing.append((core, _dropped_looking))
 
     def leave_dropped_busy(core, executor):
-        executor.cancel(ValueError("ringreduce: a collective never ran: the process "
-                                   "is ending"))
-        core.stop_soon()  # (a call its worker thread runs: then it leaves)
+        executor.cancel(ValueError(f"ringreduce: a collective never ran: {why}"))
+        core.stop_soon(why)  # (a call its worker thread runs: then it leaves)
         with executor.running:
             core.leave()
 
     for serial, (core_ref, executor) in dropped_busy:
         core = core_ref()  # (None: its calls are over, and its thread about to end)
         if core is not None and failing is None:
-            busy.append((executor, functools.partial(begin_dropped_busy, serial),
+            busy.append((lambda executor=executor: executor.busy,
+                         functools.partial(begin_dropped_busy, serial),
                          functools.partial(leave_dropped_busy, core, executor)))
             continue
         if core is not None:
             leave_dropped_busy(core, executor)
         # Its thread ends soon (what it runs has stopped): waited for, so that it does
         # not take the GIL for its end while the interpreter is finalising.
-        busy.append((executor, lambda: None, lambda: None))
+        busy.append((lambda executor=executor: executor.busy, lambda: None, lambda: None))
 
     def begin(comm):
-        if comm._leave(None):
+        if comm._leave(None, stopping=why):
             closing.append((comm._core, comm._executor.running))
+
+    def in_use(executor):
+        # (Another thread's blocking call, where let_calls_finish, as a call in flight.)
+        return executor.busy or let_calls_finish and executor.running.held_by_a_caller()
 
     def begin_dropped(core, executor):
         with executor.running:
@@ -610,15 +620,17 @@ def _finish_all():
             if not isinstance(comm, Communicator):
                 core, executor = comm
                 if failing is not None:
-                    core.stop_soon()
+                    core.stop_soon(why)
                     with executor.running:
                         core.leave()
                 else:
                     begin_dropped(core, executor)
-            elif failing is None and comm._executor.busy:
-                busy.append((comm._executor, functools.partial(begin, comm),
+            elif failing is None and in_use(comm._executor):
+                busy.append((functools.partial(in_use, comm._executor),
+                             functools.partial(begin, comm),
                              functools.partial(comm._leave, "Ctrl-C (KeyboardInterrupt) at "
-                                               "exit")))
+                                               "exit" if not let_calls_finish else
+                                               "Ctrl-C (KeyboardInterrupt) in MPI.Finalize()")))
             elif failing is None:
                 begin(comm)
             else:
@@ -626,7 +638,8 @@ def _finish_all():
                 # the others wait for it in a collective: as when an exception leaves a
                 # `with` block, leave then, so that they raise at once instead of waiting
                 # out their timeout (and MPI_Finalize here, waiting for them, with them).
-                comm._leave(f"an uncaught {type(failing).__name__} ended the process first")
+                comm._leave(f"an uncaught {type(failing).__name__} ended the process first",
+                            stopping=why)
         _finish_closes_at_exit(closing, busy)
     except KeyboardInterrupt:  # Ctrl-C at exit: leave without waiting for the others
         for core, lock in closing:
@@ -673,11 +686,11 @@ def _finish_dropped_closes() -> None:
 
 def _finish_closes_at_exit(closing: list, busy: list) -> None:
     """Waits until the closes at exit begun (closing: (core, lock)) are over, beginning
-    those in `busy` ((executor, begin)) as their calls in flight end (both lists are
-    left with what is still to do, for a Ctrl-C)."""
+    those in `busy` ((still in flight?, begin)) as their calls in flight end (both lists
+    are left with what is still to do, for a Ctrl-C)."""
     idle = 0
     while closing or busy:
-        for waiting in [waiting for waiting in busy if not waiting[0].busy]:
+        for waiting in [waiting for waiting in busy if not waiting[0]()]:
             busy.remove(waiting)
             waiting[1]()
         for core, lock in list(closing):
@@ -689,12 +702,18 @@ def _finish_closes_at_exit(closing: list, busy: list) -> None:
             time.sleep(min(0.01, 1e-5 * idle))
 
 
+_finalizing = None  # why, once the program's own MPI.Finalize() has begun finishing them
+
+
 def _finalize_after_ringreduce(finalize=MPI.Finalize):
     # A program that calls MPI.Finalize() itself, with calls in flight, has its
     # Communicators finished first, as at exit: the call running on the worker thread
     # was inside MPI as MPI went away, and the process crashed. (Before MPI_Finalize:
     # from inside it, below, the worker's MPI calls could still crash MPICH there.)
-    _finish_all()
+    # Another thread's blocking call finishes too, as a call queued on the worker does:
+    # the program's threads live on (at exit, only daemon threads are left, which
+    # Python stops where they are).
+    _finish_all("MPI.Finalize() on this rank", let_calls_finish=True)
     return finalize()
 
 
@@ -707,7 +726,7 @@ def _at_mpi_finalize(comm, keyval, value):
     # ringreduce was imported, say). At exit they are finished already (_finish_all()
     # runs before mpi4py finalises).
     if not sys.is_finalizing():
-        _finish_all()
+        _finish_all("MPI_Finalize on this rank")
 
 
 def _finished_at_mpi_finalize():
@@ -1165,14 +1184,15 @@ class Communicator:
         self._fast = None
         self._executor.refuse_calls()
 
-    def _leave(self, why: str | None) -> bool:
+    def _leave(self, why: str | None, stopping: str = "the process is ending") -> bool:
         """Stop using this communicator on this rank only, and tell the others. Queued
         asynchronous calls never start (their wait() raises ValueError, saying why).
         why None, at a normal exit: they finish first, and the others learn that this
         rank makes no more calls (a rank that comes to a call this one never made, an
         uneven last step, then raises at once): on shared memory at once; over MPI
         messages in a close at exit, which this begins, and which the caller finishes
-        (core.finish_close_at_exit()) if this returns True."""
+        (core.finish_close_at_exit()) if this returns True. A call stopped gives why
+        (else `stopping`, why the process finishes its Communicators) as its reason."""
         closing = False
         if not self._closed and not MPI.Is_finalized():
             self._refuse_calls()
@@ -1180,9 +1200,10 @@ class Communicator:
             if why is not None:
                 executor.cancel(ValueError(f"ringreduce: a collective of {self!r} never ran: "
                                            f"{why}, and this rank left the communicator"))
-                self._core.stop_soon()
+                self._core.stop_soon(why)
             executor.finish()
-            self._core.stop_soon()  # (a call a daemon thread began since, at exit)
+            # (A call a daemon thread began since, at exit.)
+            self._core.stop_soon(why or stopping)
             with executor.running:
                 if why is None:
                     closing = self._core.begin_close_at_exit()
@@ -1323,8 +1344,11 @@ class Communicator:
         at_once = wait or self.size == 1 and on_host
         return self._run(context, run, wait, at_once, handle_context, anywhere=on_host)
 
-    def _closed_error(self, context: str) -> ValueError:
+    def _closed_error(self, context: str) -> Exception:
         """The error of a call made once close() has begun (in another thread, or done)."""
+        if _finalizing is not None:  # (as after it: see _call)
+            return _core.MPIError(f"{context}: MPI is being finalised ({_finalizing}): no "
+                                  "call can follow")
         if self._closed:
             return ValueError(f"{context}: this Communicator has been closed")
         return ValueError(f"{context}: this Communicator is being closed (by another thread)")

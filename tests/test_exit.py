@@ -558,8 +558,8 @@ def test_a_daemon_thread_making_a_communicator_at_exit_stops(tmp_path, level, mo
     assert done.returncode == 0, done.stderr
     assert "rank 0 exits" in done.stdout and "rank 1 exits" in done.stdout, done
     for i in range(threads):
-        assert (f"rank 0's daemon {i}: stopped while making a Communicator (rank 0 of 2): "
-                "the process is ending" in done.stdout), done
+        assert (f"rank 0's daemon {i}: ringreduce.Communicator (rank 0 of 2): stopped while "
+                "making it: the process is ending" in done.stdout), done
     assert "after finalizing" not in done.stderr, done.stderr
     assert took < 8 + 2 * during_exit, took
 
@@ -636,6 +636,73 @@ def test_mpi_finalize_with_calls_in_flight_finishes_them_first(tmp_path, shm):
     assert done.returncode == 0, done.stderr
     # (The ranks' lines may come out run together, even split: count the results.)
     assert done.stdout.count("[3.0, 3.0, 3.0, 3.0]") == 2, done.stdout
+
+
+FINALIZE_WITH_ANOTHER_THREAD_IN_A_CALL = """
+import sys
+import threading
+import time
+import numpy as np
+from mpi4py import MPI
+import ringreduce as rr
+
+CASE = sys.argv[1]
+rank = MPI.COMM_WORLD.Get_rank()
+ring = rr.Communicator(timeout=60)
+other = MPI.COMM_WORLD.Dup()
+started = threading.Event()
+
+def call():
+    started.set()
+    try:
+        if CASE == "making":
+            rr.Communicator(other, timeout=60)  # rank 1 never makes it
+            print(f"rank {rank}: made", flush=True)
+        else:
+            result = ring.allreduce(np.full(1 << 16, rank + 1.0))
+            print(f"rank {rank}: result {result[0]}", flush=True)
+    except Exception as error:
+        print(f"rank {rank}: {type(error).__name__}: {error}", flush=True)
+
+if rank == 0:
+    thread = threading.Thread(target=call)
+    thread.start()
+    started.wait()
+    time.sleep(0.5)  # (the thread waits for rank 1 in its call)
+    MPI.Finalize()
+    thread.join()
+else:
+    time.sleep(2)
+    if CASE == "joined":
+        call()
+    MPI.Finalize()
+print(f"rank {rank} ends", flush=True)
+"""
+
+
+@pytest.mark.parametrize("case", ["joined", "never joined", "making"])
+@pytest.mark.parametrize("shm", ["1", "0"], ids=["shared memory", "MPI"])
+def test_mpi_finalize_lets_another_threads_call_finish(tmp_path, shm, case):
+    # Rank 0's main thread calls MPI.Finalize() while another thread of it is inside a
+    # blocking call. The call was stopped (RuntimeError, without the call and the rank,
+    # saying that the process was ending), though rank 1 came to it 1.5 s later; now it
+    # finishes, as the calls queued on the worker do. One that rank 1 never joins raises
+    # once rank 1 finalises, naming it; a Communicator being made on the thread still
+    # stops, saying that MPI.Finalize() did it.
+    start = time.monotonic()
+    done = run_script(tmp_path, "finalize_thread.py", FINALIZE_WITH_ANOTHER_THREAD_IN_A_CALL,
+                      env={"RINGREDUCE_SHM": shm}, args=(case,), abort_on_exception=False)
+    assert done.returncode == 0, done.stderr
+    assert "rank 0 ends" in done.stdout and "rank 1 ends" in done.stdout, done
+    if case == "joined":
+        assert "rank 0: result 3.0" in done.stdout and "rank 1: result 3.0" in done.stdout, done
+    elif case == "never joined":
+        assert ("rank 0: CollectiveTimeoutError: ringreduce.allreduce (rank 0 of 2): rank 1 has "
+                "stopped using this communicator" in done.stdout), done
+    else:
+        assert ("rank 0: RuntimeError: ringreduce.Communicator (rank 0 of 2): stopped while "
+                "making it: MPI.Finalize() on this rank" in done.stdout), done
+    assert time.monotonic() - start < 30
 
 
 SKIP_CREATION = """

@@ -143,7 +143,7 @@ if a.rank == 0:
         try:
             a.allreduce(np.ones(1 << 16))
         except BaseException as error:
-            print(f"thread: {type(error).__name__}", flush=True)
+            print(f"thread: {type(error).__name__}: {error}", flush=True)
     thread = threading.Thread(target=stuck_in_a, daemon=True)
     thread.start()
     threading.Timer(2, os.kill, (os.getpid(), signal.SIGINT)).start()
@@ -165,6 +165,8 @@ def test_ctrl_c_stops_a_call_waiting_for_another_threads_call_under_serialized(t
     done = run_script(tmp_path, "ctrl_c.py", CTRL_C_WHILE_WAITING_FOR_THE_OTHER_THREAD,
                       timeout=120, abort_on_exception=False)
     assert done.returncode == 0, done.stderr
-    assert "thread: RuntimeError" in done.stdout, done.stdout
+    # (Its message begins with the call and the rank, as every call's error does.)
+    assert ("thread: RuntimeError: ringreduce.allreduce (rank 0 of 2): interrupted (SIGINT)"
+            in done.stdout), done.stdout
     seconds = float(done.stdout.split("main: KeyboardInterrupt after ")[1].split(" s")[0])
     assert 1.5 < seconds < 10, done.stdout

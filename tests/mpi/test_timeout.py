@@ -511,7 +511,10 @@ def test_an_error_leaving_a_with_block_stops_its_calls_in_flight(path, wire, wor
                 time.sleep(0.05)  # and is waiting in its header exchange
                 raise KeyError("only on this rank")
         assert time.monotonic() - start < 10
-        with pytest.raises(RuntimeError, match="stopped on this rank, which is leaving"):
+        # (The call and the rank first, as in every call's error, and the reason.)
+        with pytest.raises(RuntimeError, match=rf"^ringreduce\.allreduce_async \(rank {RANK} of "
+                           rf"{SIZE}\): stopped on this rank, which is leaving the "
+                           r"communicator \(an exception left the Communicator's `with` block"):
             running.wait(0)
         with pytest.raises(ValueError, match="never ran: an exception left"):
             queued.wait(0)
@@ -569,7 +572,9 @@ def test_ctrl_c_stops_a_call_that_waits_for_ranks_that_will_not_come(mode, wire,
                     with pytest.raises(KeyboardInterrupt):
                         handle.wait()  # interrupted in Python; the call stops on its own
                     assert calls.run_by_callers == 1 or not by_wait
-                with pytest.raises(RuntimeError, match=r"interrupted \(SIGINT\)"):
+                # (The call and the rank first, as in every call's error.)
+                with pytest.raises(RuntimeError, match=r"^ringreduce\.allreduce_async \(rank 0 "
+                                   r"of \d+\): interrupted \(SIGINT\)"):
                     handle.wait(10)
         assert ring._core.departed
         # Later calls say why, and that it was no MPI error (it once said it was).
