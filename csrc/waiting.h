@@ -146,9 +146,12 @@ struct DepartureNote {
                                       "exception that left its `with` block, or close() "
                                       "where this rank called a collective)"
            : why == Departure::Unclosed
+               // (Its exit after a timeout on another Communicator looks the same here:
+               // the message must not suggest that it simply ended.)
                ? " has stopped using this communicator without closing it (its process "
                  "ended, or dropped the Communicator), after fewer calls on it than this "
-                 "rank made"
+                 "rank made (where it met an error or a timeout first, on another "
+                 "Communicator say, its own message says why)"
            : why == Departure::Ended
                ? " has ended (an uncaught exception there ends its process)"
                : " has left this communicator, after another rank did";

@@ -249,6 +249,43 @@ def test_a_rank_that_exits_with_fewer_calls_is_reported_at_once(tmp_path, shm,
     assert "rank 0 waited 0 s" in done.stdout
 
 
+TIMED_OUT_ON_THE_OTHER = """
+import time
+import numpy as np
+import ringreduce as rr
+
+a = rr.Communicator(timeout=60)
+b = rr.Communicator(timeout=60)
+x = np.ones(1 << 16)  # (beyond the header: a ring call)
+start = time.monotonic()
+try:
+    if a.rank == 0:
+        a.allreduce(x)  # rank 1 is in b's call meanwhile, then exits
+    else:
+        b.timeout = 2
+        b.allreduce(x)  # rank 0 is in a's call: rank 1 times out here
+except rr.CollectiveTimeoutError as error:
+    print(f"rank {a.rank} after {time.monotonic() - start:.0f} s: {error}\\n", end="", flush=True)
+"""
+
+
+@pytest.mark.parametrize("shm", ["1", "0"], ids=["shared memory", "MPI"])
+def test_a_rank_that_exits_after_a_timeout_on_another_communicator_is_not_said_to_have_ended(
+        tmp_path, shm):
+    # Two Communicators used in opposite orders: rank 1 times out on b and exits. Rank 0,
+    # in a call on a, learns at once that rank 1 stopped using a without closing it after
+    # fewer calls, which read as if rank 1 had simply ended: the message now says that
+    # an error or a timeout on another Communicator there may have come first.
+    done = run_script(tmp_path, "other.py", TIMED_OUT_ON_THE_OTHER, env={"RINGREDUCE_SHM": shm},
+                      abort_on_exception=False)
+    assert done.returncode == 0, done.stderr
+    assert "rank 1 after 2 s: ringreduce.allreduce (rank 1 of 2): " in done.stdout, done
+    assert ("rank 0 after 2 s: ringreduce.allreduce (rank 0 of 2): rank 1 has stopped using "
+            "this communicator without closing it") in done.stdout, done
+    assert ("(where it met an error or a timeout first, on another Communicator say, its own "
+            "message says why)") in done.stdout, done
+
+
 UNEVEN = """
 import time
 import numpy as np
