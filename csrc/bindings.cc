@@ -29,6 +29,7 @@
 #include "copy.h"
 #include "cuda.h"
 #include "errors.h"
+#include "lowrank.h"
 #include "reduce.h"
 #include "ring_communicator.h"
 #include "ring_schedule.h"
@@ -1656,6 +1657,54 @@ PYBIND11_MODULE(_core, m) {
       },
       "out = a OP b with the core's kernels (contiguous arrays of one size; the dtype is "
       "the caller's to check)");
+  // (PowerSGD's: compression.py hands C-contiguous float32 or float64 arrays.)
+  m.def(
+      "low_rank_product",
+      [](py::array out, py::array p, py::array q) {
+        const bool f32 = py::isinstance<py::array_t<float>>(out);
+        const bool same = f32 ? py::isinstance<py::array_t<float>>(p) &&
+                                    py::isinstance<py::array_t<float>>(q)
+                              : py::isinstance<py::array_t<double>>(out) &&
+                                    py::isinstance<py::array_t<double>>(p) &&
+                                    py::isinstance<py::array_t<double>>(q);
+        if (!same || out.ndim() != 2 || p.ndim() != 2 || q.ndim() != 2 ||
+            p.shape(0) != out.shape(0) || q.shape(0) != out.shape(1) ||
+            p.shape(1) != q.shape(1) || p.shape(1) < 1 ||
+            !(out.flags() & py::array::c_style) || !(p.flags() & py::array::c_style) ||
+            !(q.flags() & py::array::c_style) || !out.writeable())
+          throw py::value_error("low_rank_product: out (n x m), p (n x r) and q (m x r) must "
+                                "be C-contiguous, of one dtype, float32 or float64, r >= 1");
+        void* dst = out.mutable_data();
+        const void* pp = p.data();
+        const void* pq = q.data();
+        const int64_t n = out.shape(0), m = out.shape(1), r = p.shape(1);
+        WithoutGil nogil;
+        low_rank_product(f32 ? DType::Float32 : DType::Float64, dst, pp, pq, n, m, r);
+      },
+      py::arg("out"), py::arg("p"), py::arg("q"),
+      "out = p @ q.T, with the same bits on every CPU (csrc/lowrank.h)");
+  m.def(
+      "orthonormal_columns",
+      [](py::array out, py::array p) {
+        const bool f32 = py::isinstance<py::array_t<float>>(out);
+        const bool same = f32 ? py::isinstance<py::array_t<float>>(p)
+                              : py::isinstance<py::array_t<double>>(out) &&
+                                    py::isinstance<py::array_t<double>>(p);
+        if (!same || out.ndim() != 2 || p.ndim() != 2 || p.shape(0) != out.shape(0) ||
+            p.shape(1) != out.shape(1) || p.shape(1) > p.shape(0) ||
+            !(out.flags() & py::array::c_style) || !(p.flags() & py::array::c_style) ||
+            !out.writeable() || out.data() == p.data())
+          throw py::value_error("orthonormal_columns: out and p (n x r, r <= n) must be "
+                                "C-contiguous, of one shape and dtype, float32 or float64, "
+                                "and not the same array");
+        void* dst = out.mutable_data();
+        const void* pp = p.data();
+        const int64_t n = p.shape(0), r = p.shape(1);
+        WithoutGil nogil;
+        orthonormal_columns(f32 ? DType::Float32 : DType::Float64, dst, pp, n, r);
+      },
+      py::arg("out"), py::arg("p"),
+      "out = the Q of p's QR, with the same bits on every CPU (csrc/lowrank.h)");
   m.def(
       "divide",
       [](py::array data, int dtype, int64_t divisor) {

@@ -369,22 +369,20 @@ __attribute__((target("avx2,avx512f,avx512vl,avx512bf16"))) void divide_bfloat16
 // (Reading MXCSR costs about a nanosecond; it is written only where those bits are on.)
 constexpr unsigned kFlushBits = 0x8040;  // FTZ (bit 15), DAZ (bit 6)
 
-class IeeeSubnormals {
- public:
-#if RINGREDUCE_HAVE_X86_DISPATCH
-  IeeeSubnormals() : saved_(_mm_getcsr()) {
-    if (saved_ & kFlushBits) _mm_setcsr(saved_ & ~kFlushBits);
-  }
-  ~IeeeSubnormals() {
-    if (saved_ & kFlushBits) _mm_setcsr(saved_);
-  }
-
- private:
-  unsigned saved_;
-#endif
-};
-
 }  // namespace
+
+#if RINGREDUCE_HAVE_X86_DISPATCH
+IeeeSubnormals::IeeeSubnormals() : saved_(_mm_getcsr()) {
+  if (saved_ & kFlushBits) _mm_setcsr(saved_ & ~kFlushBits);
+}
+
+IeeeSubnormals::~IeeeSubnormals() {
+  if (saved_ & kFlushBits) _mm_setcsr(saved_);
+}
+#else
+IeeeSubnormals::IeeeSubnormals() : saved_(0) {}
+IeeeSubnormals::~IeeeSubnormals() {}
+#endif
 
 bool set_flush_subnormals(bool on) {
 #if RINGREDUCE_HAVE_X86_DISPATCH

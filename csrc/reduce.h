@@ -37,4 +37,18 @@ void divide(DType dtype, void* data, int64_t n, int64_t divisor);
 // false.
 bool set_flush_subnormals(bool on);
 
+// While one lives, this thread computes with subnormals as IEEE 754 says, whatever its
+// flush-to-zero and denormals-are-zero were (put back at the end): for what must give
+// the same bits on every rank (reduce(), divide(), lowrank.h's).
+class IeeeSubnormals {
+ public:
+  IeeeSubnormals();
+  ~IeeeSubnormals();
+  IeeeSubnormals(const IeeeSubnormals&) = delete;
+  IeeeSubnormals& operator=(const IeeeSubnormals&) = delete;
+
+ private:
+  unsigned saved_;
+};
+
 }  // namespace ringreduce
