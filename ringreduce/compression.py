@@ -9,11 +9,14 @@
   P = M Q (n x r) and Q = M^T P (m x r), so (n + m) r numbers travel instead of n m.
   What the approximation misses is kept locally and added to the next step's gradient
   (error feedback), and Q is reused as the next step's starting point (warm start).
+  What every rank computes from the averaged P and Q itself (P's orthonormal columns, and
+  P Q^T) gives the same bits on every CPU for numpy arrays; see _SAME_BITS_EVERYWHERE.
 """
 from __future__ import annotations
 
 import numpy as np
 
+from . import _core
 from ._arrays import array_module, copy_where_it_is, on_gpu_of, plain
 
 
@@ -122,7 +125,7 @@ class PowerSGD:
 
     def _finish(self, call: "_LowRankCall") -> tuple[object, int]:
         xp = array_module(call.q)
-        approximation = call.p @ call.q.T
+        approximation = _low_rank_product(call.p, call.q, xp)
         finite = bool(xp.isfinite(call.q).all())
         if finite and approximation.dtype != call.dtype:
             # Into the 16-bit dtype's range: an approximation overshoots the gradient
@@ -215,9 +218,36 @@ def _columns_near_1(q, xp):
     return xp.ldexp(q, -exponent).astype(q.dtype, copy=False)
 
 
+# Each rank applies P Q^T to its own replica, and keeps its own error feedback and Q, all
+# from P and Q as the all-reduces left them: the same bits on every rank. BLAS and LAPACK
+# would round them differently on different CPUs (OpenBLAS picks its kernels, FMA or
+# not, per CPU generation: nodes of a cluster bought in two batches), and the replicas
+# would drift apart from the first step, silently. So for numpy arrays the core computes
+# both in a fixed order (csrc/lowrank.h), no slower than BLAS at PowerSGD's ranks. cupy
+# arrays keep cuBLAS and cuSOLVER: the same bits for the same GPU model and libraries
+# only. (M Q and M^T P are BLAS's, on every rank: they are averaged afterwards.)
+_SAME_BITS_EVERYWHERE = (np.dtype(np.float32), np.dtype(np.float64))
+
+
+def _low_rank_product(p, q, xp):
+    """p @ q.T (p: n x r, q: m x r)."""
+    if xp is not np or p.dtype not in _SAME_BITS_EVERYWHERE or q.dtype != p.dtype:
+        return p @ q.T
+    out = np.empty((p.shape[0], q.shape[0]), p.dtype)
+    _core.low_rank_product(out, np.ascontiguousarray(p), np.ascontiguousarray(q))
+    return out
+
+
 def _orthonormal_columns(p, xp):
-    q, _ = xp.linalg.qr(p)
-    return q.astype(p.dtype)
+    """The Q of p's QR (n x r, r <= n): with a column of 0s, or one that depends on the
+    columns before it, still orthonormal columns (a unit vector orthogonal to those);
+    NaN where p has a NaN or an inf."""
+    if xp is not np or p.dtype not in _SAME_BITS_EVERYWHERE:
+        q, _ = xp.linalg.qr(p)
+        return q.astype(p.dtype)
+    out = np.empty(p.shape, p.dtype)
+    _core.orthonormal_columns(out, np.ascontiguousarray(p))
+    return out
 
 
 def wire_dtype(compression: str | None, like, who: str):
