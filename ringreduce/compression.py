@@ -222,17 +222,24 @@ def _columns_near_1(q, xp):
 # from P and Q as the all-reduces left them: the same bits on every rank. BLAS and LAPACK
 # would round them differently on different CPUs (OpenBLAS picks its kernels, FMA or
 # not, per CPU generation: nodes of a cluster bought in two batches), and the replicas
-# would drift apart from the first step, silently. So for numpy arrays the core computes
-# both in a fixed order (csrc/lowrank.h), no slower than BLAS at PowerSGD's ranks. cupy
-# arrays keep cuBLAS and cuSOLVER: the same bits for the same GPU model and libraries
-# only. (M Q and M^T P are BLAS's, on every rank: they are averaged afterwards.)
+# would drift apart from the first step, silently; cuBLAS and cuSOLVER likewise between
+# GPU models. So the core computes both in a fixed order (csrc/lowrank.h), no slower
+# than BLAS at PowerSGD's ranks. For cupy arrays, P Q^T is the same sequence of
+# ufuncs (each correctly rounded, each its own kernel: nothing fused into an FMA), and
+# P (n x r, small) goes to the host for its QR: the same bits as numpy's, on any GPU.
+# (M Q and M^T P are BLAS's, on every rank: they are averaged afterwards.)
 _SAME_BITS_EVERYWHERE = (np.dtype(np.float32), np.dtype(np.float64))
 
 
 def _low_rank_product(p, q, xp):
     """p @ q.T (p: n x r, q: m x r)."""
-    if xp is not np or p.dtype not in _SAME_BITS_EVERYWHERE or q.dtype != p.dtype:
+    if p.dtype not in _SAME_BITS_EVERYWHERE or q.dtype != p.dtype:
         return p @ q.T
+    if xp is not np:  # (the core's order: ((p0 q0 + p1 q1) + p2 q2) + ...)
+        out = p[:, :1] * q[:, 0]
+        for k in range(1, p.shape[1]):
+            out += p[:, k:k + 1] * q[:, k]
+        return out
     out = np.empty((p.shape[0], q.shape[0]), p.dtype)
     _core.low_rank_product(out, np.ascontiguousarray(p), np.ascontiguousarray(q))
     return out
@@ -241,13 +248,13 @@ def _low_rank_product(p, q, xp):
 def _orthonormal_columns(p, xp):
     """The Q of p's QR (n x r, r <= n): with a column of 0s, or one that depends on the
     columns before it, still orthonormal columns (a unit vector orthogonal to those);
-    NaN where p has a NaN or an inf."""
-    if xp is not np or p.dtype not in _SAME_BITS_EVERYWHERE:
+    all NaN where p has a NaN or an inf."""
+    if p.dtype not in _SAME_BITS_EVERYWHERE:
         q, _ = xp.linalg.qr(p)
         return q.astype(p.dtype)
     out = np.empty(p.shape, p.dtype)
-    _core.orthonormal_columns(out, np.ascontiguousarray(p))
-    return out
+    _core.orthonormal_columns(out, np.ascontiguousarray(p if xp is np else xp.asnumpy(p)))
+    return out if xp is np else xp.asarray(out)
 
 
 def wire_dtype(compression: str | None, like, who: str):

@@ -233,7 +233,9 @@ def powersgd_arrays(optimizer) -> list:
 
 @pytest.mark.parametrize("compression", [None, "fp16", "powersgd"])
 def test_the_distributed_optimizer_keeps_a_model_on_gpu_1_there(compression, on_gpu_0):
-    rtol = {None: 1e-6, "fp16": 2e-3, "powersgd": 1e-4}[compression]
+    # (PowerSGD: the stand-in's M Q is numpy's, and what follows the averages takes the
+    # host's order on a GPU too, so the bits are the host's)
+    rtol = {None: 1e-6, "fp16": 2e-3, "powersgd": 0.0}[compression]
     start, grads = model(steps=4)
 
     def make(params):
