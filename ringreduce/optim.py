@@ -14,6 +14,7 @@ with ``grad_ready`` the communication overlaps the rest of the backward pass.
 from __future__ import annotations
 
 import contextlib
+import decimal
 import functools
 import math
 import time
@@ -320,6 +321,23 @@ class SGD:
         self.momentum_buffers = checked["momentum_buffers"]  # (copies: see _checked)
 
 
+# 40 digits: b ** t correctly rounded to a float, bar a tie closer than 1e-23 (double
+# rounding), which is further than any t an optimizer reaches will come.
+_POWERS = decimal.Context(prec=40)
+
+
+def _power(base, exponent: int):
+    """base ** exponent, the same bits on every CPU. A float's ** is the C library's
+    pow(), which glibc computes with FMA where the CPU has it and without elsewhere, the
+    two differing in the last bit now and then (0.9999 ** t: at 180 of the first 300,000
+    t): 1 - beta2 ** t then differed too, and Adam's replicas on ranks of two CPU
+    generations drifted apart. decimal's power is the same software everywhere (about
+    6 us). Anything but a float (a numpy float32, say) is left to its own **."""
+    if not isinstance(base, (float, int)) or isinstance(base, bool):
+        return base ** exponent
+    return float(_POWERS.power(decimal.Decimal(base), exponent))
+
+
 def _zeros_beside(p):
     """Zeros shaped like p, in _kept_dtype(p), where p is (host, or p's GPU)."""
     with on_gpu_of(p):
@@ -366,7 +384,7 @@ class Adam:
         grads = _check_grads(grads, self.params, "Adam.step")
         self.t += 1
         b1, b2 = self.betas
-        correction1, correction2 = 1 - b1 ** self.t, 1 - b2 ** self.t
+        correction1, correction2 = 1 - _power(b1, self.t), 1 - _power(b2, self.t)
         for p, g, m, v in zip(self.params, grads, self.m, self.v):
             with on_gpu_of(p):
                 xp = array_module(p)

@@ -1,9 +1,16 @@
-"""PowerSGD's replicas stay bit-identical when the ranks' BLAS rounds differently, as on
-a cluster of two CPU generations (OpenBLAS picks FMA kernels on one and not on the
-other). Every rank computes P's orthonormal columns and P Q^T itself, from the averaged
+"""Replicas stay bit-identical on ranks whose CPUs differ, as on a cluster of two CPU
+generations, where OpenBLAS and glibc's pow() pick FMA code on one and not on the other.
+
+PowerSGD's replicas, when the ranks' BLAS rounds differently (OpenBLAS picks FMA kernels
+on one and not on the other). Every rank computes P's orthonormal columns and P Q^T itself, from the averaged
 P and Q, and applies the result to its own replica: with BLAS's and LAPACK's rounding
 the replicas drifted apart from the first step, without a word. Here rank 1 runs
 OpenBLAS's Sandybridge kernels (no FMA), rank 0 this CPU's own."""
+import json
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -82,3 +89,28 @@ def test_powersgd_replicas_stay_identical_when_blas_rounds_differently(tmp_path)
     if done.stdout.split() == ["blas-alike"]:
         pytest.skip("OPENBLAS_CORETYPE=Sandybridge gave the same bits as this CPU's kernels")
     assert done.stdout.split() == ["identical"], done.stdout + done.stderr
+
+
+POWERS = """
+import json, sys
+from ringreduce.optim import _power
+print(json.dumps([[(b ** t).hex(), _power(b, t).hex()] for b in (0.9999, 0.999)
+                  for t in range(1, 20001)]))
+"""
+
+
+def test_adams_bias_correction_is_the_same_on_a_cpu_without_fma(tmp_path):
+    # 1 - beta2 ** t with Python's ** (glibc's pow(), FMA code or not by CPU) differed in
+    # the last bit at some t, and Adam's replicas on ranks of two CPU generations drifted
+    # apart from there. glibc's tunable turns its FMA code off, as on an older CPU.
+    def powers(env):
+        done = subprocess.run([sys.executable, "-c", POWERS], capture_output=True, text=True,
+                              timeout=120, env={**os.environ, **env})
+        assert done.returncode == 0, done.stderr
+        return json.loads(done.stdout)
+
+    here = powers({})
+    older = powers({"GLIBC_TUNABLES": "glibc.cpu.hwcaps=-FMA,-AVX2_Usable"})
+    if [plain for plain, _ in here] == [plain for plain, _ in older]:
+        pytest.skip("pow() gives the same bits without FMA here (no FMA, or not glibc)")
+    assert [ours for _, ours in here] == [ours for _, ours in older]
