@@ -321,8 +321,8 @@ class SGD:
         self.momentum_buffers = checked["momentum_buffers"]  # (copies: see _checked)
 
 
-# 40 digits: b ** t correctly rounded to a float, bar a tie closer than 1e-23 (double
-# rounding), which is further than any t an optimizer reaches will come.
+# 40 digits, then rounded to a float: b ** t correctly rounded unless it lies within
+# about 1e-40 (relative) of a point halfway between two floats.
 _POWERS = decimal.Context(prec=40)
 
 
