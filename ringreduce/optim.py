@@ -332,7 +332,11 @@ def _power(base, exponent: int):
     two differing in the last bit now and then (0.9999 ** t: at 180 of the first 300,000
     t): 1 - beta2 ** t then differed too, and Adam's replicas on ranks of two CPU
     generations drifted apart. decimal's power is the same software everywhere (about
-    6 us). Anything but a float (a numpy float32, say) is left to its own **."""
+    6 us). A numpy float32 (or float16) keeps its type, rounded from that (numpy's own
+    ** picks its code by CPU too); anything else is left to its own **."""
+    if isinstance(base, np.floating) and not isinstance(base, float) and \
+            base.dtype.itemsize <= 4:
+        return base.dtype.type(float(_POWERS.power(decimal.Decimal(float(base)), exponent)))
     if not isinstance(base, (float, int)) or isinstance(base, bool):
         return base ** exponent
     return float(_POWERS.power(decimal.Decimal(base), exponent))

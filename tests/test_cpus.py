@@ -114,3 +114,16 @@ def test_adams_bias_correction_is_the_same_on_a_cpu_without_fma(tmp_path):
     if [plain for plain, _ in here] == [plain for plain, _ in older]:
         pytest.skip("pow() gives the same bits without FMA here (no FMA, or not glibc)")
     assert [ours for _, ours in here] == [ours for _, ours in older]
+
+
+def test_adams_power_keeps_a_numpy_float32s_type_and_is_rounded_from_the_exact_one():
+    from decimal import Context, Decimal
+
+    from ringreduce.optim import _power
+
+    for t in (1, 2, 494, 10_000):
+        ours = _power(np.float32(0.9999), t)
+        exact = float(Context(prec=40).power(Decimal(float(np.float32(0.9999))), t))
+        assert type(ours) is np.float32 and ours == np.float32(exact)
+        assert type(_power(0.9999, t)) is float
+    assert _power(np.float64(0.5), 3) == 0.125 and _power(0, 2) == 0
