@@ -20,18 +20,8 @@ COUNTS = sorted({1, SIZE - 1, SIZE, SIZE + 1, 3 * SIZE + 2, 40 * SIZE + 7})
 
 
 def everyones(dtype, n, salt=0):
-    """Every rank's input, made on each rank from the same seeds."""
-    return [rank_data(np.dtype(dtype), n, salt=salt, comm=_Rank(r)) for r in range(SIZE)]
-
-
-class _Rank:
-    """rank_data's seed for rank r, without being rank r."""
-
-    def __init__(self, rank):
-        self.rank = rank
-
-    def Get_rank(self):
-        return self.rank
+    """Every rank's input (rank_data's, seeded by the rank), on every rank."""
+    return MPI.COMM_WORLD.allgather(rank_data(np.dtype(dtype), n, salt=salt))
 
 
 @pytest.mark.parametrize("n", COUNTS)
@@ -93,8 +83,8 @@ def test_data_parallel_sgd_keeps_replicas_identical_and_matches_one_process(comm
     start = [rank_data(np.dtype(np.float64), 37, salt=6 + RANK), np.zeros((4, 3))]
     params = [p.copy() for p in start]
     opt = DistributedOptimizer(SGD(params, lr=0.1), comm, bucket_mb=0.0002)  # two buckets
-    opt.broadcast_parameters()  # (rank 0's start, salt 6)
-    alone = [rank_data(np.dtype(np.float64), 37, salt=6, comm=_Rank(0)), np.zeros((4, 3))]
+    opt.broadcast_parameters()  # (rank 0's start)
+    alone = [MPI.COMM_WORLD.bcast(start[0], root=0), np.zeros((4, 3))]
     for step in range(3):
         grads = [np.full(37, float(RANK + step)), np.full((4, 3), float(RANK * step))]
         opt.step(grads)
