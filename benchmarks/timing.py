@@ -99,8 +99,10 @@ def start_gloo(comm=MPI.COMM_WORLD):
 
 
 def mpi_library() -> str:
-    """The MPI library's name and version, one line (Open MPI's text ends in a NUL)."""
-    return MPI.Get_library_version().rstrip("\x00").splitlines()[0].strip()
+    """The MPI library's name and version, one line."""
+    from ringreduce._mpi_check import first_line
+
+    return first_line(MPI.Get_library_version())
 
 
 def machine() -> str:

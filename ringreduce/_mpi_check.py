@@ -14,6 +14,13 @@ _REBUILD = ("Rebuild ringreduce with the mpicc of mpi4py's MPI: "
             "name, add --no-cache-dir, or pip may reuse a wheel built for another MPI)")
 
 
+def first_line(library_version: str) -> str:
+    """MPI_Get_library_version()'s first line, stripped (its name and version; "?" for
+    none). Open MPI 4.1's text ends with its terminating NUL."""
+    lines = library_version.replace("\0", "").strip().splitlines()
+    return lines[0].strip() if lines else "?"
+
+
 def loaded_family(library_version: str) -> str:
     """The family of the MPI whose MPI_Get_library_version() this is."""
     return "Open MPI" if library_version.lstrip().startswith("Open MPI") else "MPICH"
@@ -27,21 +34,20 @@ def check_same_mpi(built_for, loaded_version: str, loaded_comm_bytes: int | None
     core_version: the core's own MPI_Get_library_version (a function: it calls MPI,
     so only once the ABI is known to fit)."""
     family, comm_bytes = built_for
-    first_line = loaded_version.strip().splitlines()[0].strip() if loaded_version.strip() else "?"
     loaded = loaded_family(loaded_version)
     if (family != "other" and family != loaded) or (
             loaded_comm_bytes is not None and comm_bytes != loaded_comm_bytes):
         raise ImportError(
             "ringreduce._core was built for another MPI than the one mpi4py loaded:\n"
             f"  ringreduce: {family} headers (an MPI_Comm of {comm_bytes} bytes)\n"
-            f"  mpi4py:     {first_line}"
+            f"  mpi4py:     {first_line(loaded_version)}"
             + (f" (an MPI_Comm of {loaded_comm_bytes} bytes)" if loaded_comm_bytes else "")
             + "\n" + _REBUILD)
     if core_version is not None and core_version().strip() != loaded_version.strip():
         raise ImportError(
             "ringreduce._core was built against a different MPI than the one mpi4py loaded:\n"
-            f"  ringreduce: {core_version().splitlines()[0].strip()}\n"
-            f"  mpi4py:     {first_line}\n" + _REBUILD)
+            f"  ringreduce: {first_line(core_version())}\n"
+            f"  mpi4py:     {first_line(loaded_version)}\n" + _REBUILD)
 
 
 # What launchers tell each process of the job's size: Hydra (MPICH's mpiexec) and

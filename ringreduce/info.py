@@ -26,7 +26,7 @@ import numpy as np
 from mpi4py import MPI
 
 from . import __version__, _core, _types, reference
-from ._mpi_check import loaded_family, warn_if_alone_by_mistake
+from ._mpi_check import first_line, loaded_family, warn_if_alone_by_mistake
 
 _SETTINGS = ("RINGREDUCE_TIMEOUT", "RINGREDUCE_SHM", "RINGREDUCE_RING", "RINGREDUCE_CUDA_AWARE")
 
@@ -80,20 +80,19 @@ def _launchers() -> list[tuple[str, str]]:
 
 def installation() -> dict:
     """What this process runs: every value a string, to compare rank by rank."""
-    # (Open MPI 4.1's version ends with its terminating NUL.)
-    library = MPI.Get_library_version().replace("\0", "").strip().splitlines()
     family, comm_bytes = _core.mpi_built_for()
     major, minor = MPI.Get_version()
+    gpus = _core.cuda_device_count() if _core.cuda_built() else 0
     return {
         "ringreduce": f"{__version__} in {os.path.dirname(__file__)}",
         "Python": f"{platform.python_version()} ({sys.executable})",
         "numpy": np.__version__,
         "mpi4py": _version_of("mpi4py"),
-        "MPI": f"{' '.join(library[0].split()) if library else '?'} (MPI {major}.{minor})",
+        "MPI": f"{' '.join(first_line(MPI.Get_library_version()).split())} "
+               f"(MPI {major}.{minor})",
         "core built for": f"{family} headers (an MPI_Comm of {comm_bytes} bytes)",
         "CUDA kernels": "built" if _core.cuda_built() else "not built (a CPU-only build)",
-        "GPUs": (f"{_core.cuda_device_count()}" if _core.cuda_built() and
-                 _core.cuda_device_count() else f"none ({_core.cuda_status()})"),
+        "GPUs": str(gpus) if gpus else f"none ({_core.cuda_status()})",
         "GPU pointers to MPI": (f"{'yes' if _core.mpi_cuda_aware() else 'no'} "
                                 f"({_core.mpi_cuda_aware_reason()})"),
         "cupy": _version_of("cupy", "cupy-cuda13x", "cupy-cuda12x", "cupy-cuda11x"),
@@ -127,10 +126,10 @@ def report(world=MPI.COMM_WORLD, launchers=None) -> str | None:
     if world.Get_rank() != 0:
         return None
     values, warnings = dict(mine), []
+    wanted = loaded_family(MPI.Get_library_version())
     for where, path in (_launchers() if launchers is None else launchers):
         family = launcher_family(path)
         values[f"mpiexec {where}"] = f"{path}: {family}"
-        wanted = loaded_family(MPI.Get_library_version())
         abi = "Open MPI" if family.startswith("Open MPI") else "MPICH"  # (Intel's too)
         if not family.startswith("unknown") and abi != wanted:
             warnings.append(f"warning: the mpiexec {where} is another MPI's than mpi4py's:\n"
