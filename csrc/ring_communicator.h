@@ -365,12 +365,6 @@ class RingCommunicator {
       throw;  // raised before anything moved
     } catch (const TimeoutError& e) {
       give_up(collective, e);
-    } catch (const StoppedError& e) {
-      // The wait that stopped knows no call: the call and the rank go in front, as in
-      // every other error of a call (later calls quote the reason alone).
-      broken_ = e.what();
-      if (size() > 1) depart(Departure::Left);
-      throw StoppedError(where(collective) + e.what());
     } catch (const std::exception& e) {
       // Unusable here from now on, while the others may wait on this rank in the ring:
       // tell them, so they raise at once instead of after their timeout (which also
@@ -378,6 +372,10 @@ class RingCommunicator {
       broken_ = e.what();
       broken_by_mpi_ = dynamic_cast<const MpiError*>(&e) != nullptr;
       if (size() > 1) depart(Departure::Left);
+      // The wait that stopped knows no call: the call and the rank go in front, as in
+      // every other error of a call (later calls quote the reason alone).
+      if (dynamic_cast<const StoppedError*>(&e) != nullptr)
+        throw StoppedError(where(collective) + e.what());
       throw;
     }
   }
