@@ -25,7 +25,7 @@ import numpy as np
 from . import _types, compression as _compression
 from ._arrays import (array_module, copy_where_it_is, gpu_of, not_a_list_of_arrays, on_gpu,
                       on_gpu_of, plain, the_one_gpu)
-from ._core import MismatchError
+from ._core import CollectiveTimeoutError, MismatchError
 from .gradients import agree_or_raise, check_bucket_mb, pack_plan
 
 
@@ -173,20 +173,39 @@ def _check_adam_settings(lr, betas, eps, weight_decay, who: str) -> None:
                          f"weight_decay={weight_decay!r}")
 
 
+_SETTING_NAMES = ("lr", "momentum", "betas", "eps", "weight_decay")
+
+
+def _setting(value):
+    """A setting as ranks compare it: a float (a tuple of floats for betas), None where
+    the optimizer has none, "?" where it is no number (a schedule object, say: not
+    compared)."""
+    try:
+        return (tuple(float(v) for v in value) if isinstance(value, (tuple, list))
+                else None if value is None else float(value))
+    except (TypeError, ValueError):
+        return "?"
+
+
 def _optimizer_settings(optimizer, loading: dict | None = None) -> str:
     """The wrapped optimizer's type and settings, which every rank must share (or the
     replicas drift apart), as text that is the same on every rank that has the same;
     those in `loading` (a state about to be loaded) in place of its own."""
     settings = [type(optimizer).__qualname__]
-    for name in ("lr", "momentum", "betas", "eps", "weight_decay"):
+    for name in _SETTING_NAMES:
         value = loading[name] if loading and name in loading else getattr(optimizer, name, None)
-        try:
-            value = (tuple(float(v) for v in value) if isinstance(value, (tuple, list))
-                     else None if value is None else float(value))
-        except (TypeError, ValueError):  # (a schedule object, say: not compared)
-            value = "?"
-        settings.append((name, value))
+        settings.append((name, _setting(value)))
     return repr(settings)
+
+
+def _settings_hash(optimizer) -> int:
+    """A hash of the optimizer's settings now, the same in every process that holds the
+    same (floats hash alike everywhere; None and strings, which may not, become ints)."""
+    values = []
+    for name in _SETTING_NAMES:
+        value = _setting(getattr(optimizer, name, None))
+        values.append(-1 if value is None else -2 if value == "?" else value)
+    return hash(tuple(values))
 
 
 def _quietly(f, *args):
@@ -693,8 +712,9 @@ class DistributedOptimizer:
         # that step different optimizers at one point (two of one model and settings
         # too) raise MismatchError instead of mixing their gradients. A hash of ints is
         # the same in every process (a string's is salted).
-        self._call_check = self.comm._check(self.comm.CHECK_OPTIMIZER, hash((
-            zlib.crc32("".join(self._model_texts).encode()), self.comm._optimizers_made)))
+        self._identity = hash((zlib.crc32("".join(self._model_texts).encode()),
+                               self.comm._optimizers_made))
+        self._call_check = self.comm._check(self.comm.CHECK_OPTIMIZER, self._identity)
         self.comm._optimizers_made += 1
 
     def __repr__(self) -> str:
@@ -708,6 +728,14 @@ class DistributedOptimizer:
         collectives' do, so that one rank's error among many is placed."""
         call = f"DistributedOptimizer.{method}" if method else "DistributedOptimizer"
         return _types.where(self.comm.rank, self.comm.size, call)
+
+    def _step_check(self) -> int:
+        """What a step's all-reduces carry: which optimizer (as _call_check) and its
+        settings now, so that ranks where a schedule set another lr (or momentum, betas,
+        eps, weight_decay), which are compared only once otherwise, raise MismatchError
+        in step() instead of updating their replicas apart."""
+        return self.comm._check(self.comm.CHECK_OPTIMIZER,
+                                hash((self._identity, _settings_hash(self.optimizer))))
 
     def _set_up(self, optimizer, bucket_mb, compression) -> None:
         """All of construction that this rank does alone (and may refuse)."""
@@ -1003,7 +1031,7 @@ class DistributedOptimizer:
                     unit.handle.wait()
                 else:
                     call = self._low_rank_calls[unit]
-                    self.powersgd.project(call, self.comm, check=self._call_check)
+                    self.powersgd.project(call, self.comm, check=self._step_check())
                     self.bytes_sent += call.q.nbytes
             for i in self._low_rank:
                 self._low_rank_calls[i].handle.wait()
@@ -1022,8 +1050,21 @@ class DistributedOptimizer:
                 "before its first gradient counts as this step's: call one here if the next "
                 "step may need one before any gradient). Another rank abandoned "
                 "the step (abandon_step(), as after an exception in its backward pass), "
-                "stepped another DistributedOptimizer ('the caller's check' below differs), "
+                "stepped another DistributedOptimizer or holds other settings (lr, "
+                "momentum, betas, eps or weight_decay: 'the caller's check' below differs), "
                 f"or made other calls in their place: {error}") from error
+        except CollectiveTimeoutError as error:
+            self.abandon_step()
+            self._abandoned_by_error = True
+            # A step's last all-reduce starts here, not in backward (so that a rank can
+            # still abandon the step): ranks that step several optimizers must do so in
+            # one order, which the error of the call alone does not say.
+            raise CollectiveTimeoutError(
+                f"{self._where('step')}: this step's all-reduces did not complete, so it "
+                "is dropped here, without an update. step() starts the step's last "
+                "all-reduce, so it is collective: another rank never called it, is stuck "
+                "before it, or steps several DistributedOptimizers in another order (make "
+                f"their step() calls in the same order on every rank): {error}") from error
         except BaseException:
             self.abandon_step()
             self._abandoned_by_error = True
@@ -1419,7 +1460,7 @@ class DistributedOptimizer:
                 self._start(unit)
             else:  # a matrix PowerSGD compresses: its first all-reduce (of P)
                 call = self.powersgd.start(unit, self._low_rank_sums[unit], self.comm,
-                                           check=self._call_check,
+                                           check=self._step_check(),
                                            dtype=self.params[unit].dtype)
                 self._low_rank_calls[unit] = call
                 self.bytes_sent += call.p.nbytes
@@ -1519,7 +1560,7 @@ class DistributedOptimizer:
             else:
                 zeros = array_module(self.params[unit]).zeros_like(self.params[unit])
                 call = _quietly(self.powersgd.start, unit, zeros, self.comm, _ABANDONED_OP,
-                                self._call_check)
+                                self._step_check())
                 if call is not None:
                     self._low_rank_calls[unit] = call
         self._next_to_start = len(self._units)
@@ -1527,7 +1568,7 @@ class DistributedOptimizer:
         for unit in self._units:  # PowerSGD's second all-reduces, as step() makes them
             call = self._low_rank_calls.get(unit) if not isinstance(unit, _Bucket) else None
             if call is not None and call.q is None:
-                _quietly(self.powersgd.project, call, self.comm, _ABANDONED_OP, self._call_check)
+                _quietly(self.powersgd.project, call, self.comm, _ABANDONED_OP, self._step_check())
 
     def _new_step(self):
         self._micro_batch.clear()
@@ -1584,7 +1625,7 @@ class DistributedOptimizer:
     def _start(self, bucket):
         if bucket.wire is None:
             op = _ABANDONED_OP if self._abandoning else "avg"
-            bucket.handle = self.comm._allreduce_checked(bucket.buffer, op, self._call_check,
+            bucket.handle = self.comm._allreduce_checked(bucket.buffer, op, self._step_check(),
                                                          wait=False)
             self.bytes_sent += bucket.buffer.nbytes
         else:
@@ -1628,7 +1669,7 @@ class DistributedOptimizer:
             bucket.counted[-1:] = self._sums_in(bucket).any()
             wire = bucket.counted
         op = _ABANDONED_OP if self._abandoning else "sum"
-        bucket.handle = self.comm._allreduce_checked(wire, op, self._call_check, wait=False)
+        bucket.handle = self.comm._allreduce_checked(wire, op, self._step_check(), wait=False)
         self.bytes_sent += wire.nbytes
 
     def _agreed_fp16_scale(self, bucket) -> tuple[float | None, float]:

@@ -1941,6 +1941,38 @@ def test_ranks_that_wrap_different_optimizers_are_told(differ):
     DistributedOptimizer(SGD(params, lr=0.1 if RANK else np.float64(0.1)))  # the same: made
 
 
+CHANGED_SETTINGS = {"lr": 0.05, "momentum": 0.9, "betas": (0.8, 0.99), "eps": 1e-6,
+                    "weight_decay": np.float32(0.01)}
+
+
+@needs_two
+@pytest.mark.parametrize("compression", [None, "fp16", "powersgd"])
+@pytest.mark.parametrize("setting", sorted(CHANGED_SETTINGS))
+def test_a_setting_changed_on_one_rank_drops_the_step_on_every_rank(setting, compression):
+    # (From a review.) Settings were compared when the optimizer was made and at
+    # load_state_dict() only: a schedule that set lr on one rank (from that rank's own
+    # validation loss, say) moved the replicas apart, silently.
+    params = [np.zeros((20, 30)), np.zeros(30)]
+    optimizer = (Adam(params, lr=0.1) if setting in ("betas", "eps")
+                 else SGD(params, lr=0.1, momentum=0.5))
+    opt = DistributedOptimizer(optimizer, bucket_mb=0.001, compression=(
+        PowerSGD(rank=1) if compression == "powersgd" else compression))
+    grads = [np.full((20, 30), 1.0 + RANK), np.full(30, 1.0 + RANK)]
+    opt.step(grads)
+    before = [p.copy() for p in params]
+    if RANK == BAD:
+        setattr(optimizer, setting, CHANGED_SETTINGS[setting])
+    with pytest.raises(rr.MismatchError, match=r"did not pair up.*holds other settings"):
+        opt.step(grads)
+    for p, b in zip(params, before):
+        np.testing.assert_array_equal(p, b)  # no update anywhere
+    setattr(optimizer, setting, CHANGED_SETTINGS[setting])  # a schedule that all ranks run
+    opt.step(grads)
+    everyone = MPI.COMM_WORLD.allgather([p.tobytes() for p in params])
+    assert all(mine == everyone[0] for mine in everyone)  # identical replicas
+    assert not all(np.array_equal(p, b) for p, b in zip(params, before))  # and a step
+
+
 @needs_two
 @pytest.mark.parametrize("bad", ["shape", "count", "dtype", "twice", "missing", "one array",
                                  "a float"])

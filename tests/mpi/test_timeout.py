@@ -274,6 +274,34 @@ def test_a_rank_that_stops_inside_the_ring_makes_its_neighbours_raise(wire, worl
 
 
 @needs_two
+def test_optimizers_stepped_in_another_order_elsewhere_are_told_that_order_matters(world):
+    # (From a review.) A step's last all-reduce starts in step() (so that a rank can
+    # still abandon the step), which makes step() collective: ranks that step two
+    # DistributedOptimizers in different orders wait for each other. The error named
+    # only an allreduce that "a rank skipped"; every rank had made it.
+    from ringreduce.optim import SGD, DistributedOptimizer
+    rings = [rr.Communicator(timeout=30), rr.Communicator(timeout=30)]
+    optimizers = []
+    for ring in rings:
+        ring.timeout = TIMEOUT
+        params = [np.zeros(1000), np.zeros(10)]
+        optimizers.append(DistributedOptimizer(SGD(params, lr=0.1), comm=ring,
+                                               bucket_mb=0.001))
+        optimizers[-1].grad_ready(1, np.ones(10))
+        optimizers[-1].grad_ready(0, np.ones(1000))
+    # Every gradient is in: each optimizer's buckets but the last have started.
+    first = optimizers[0] if RANK == 0 else optimizers[1]
+    message = waited_for(r"steps several DistributedOptimizers in another order \(make "
+                         r"their step\(\) calls in the same order on every rank\): "
+                         r"ringreduce\.allreduce", first.step)
+    assert message.startswith(f"ringreduce.DistributedOptimizer.step (rank {RANK} of {SIZE}): ")
+    world.Barrier()
+    for ring in rings:
+        ring._abandon()
+    relayed_waits_checked(world)
+
+
+@needs_two
 def test_a_rank_that_stops_inside_a_broadcast_makes_the_root_raise(world, monkeypatch):
     # 256 KiB: past the root's board, and few enough chunks that the root puts them all
     # in its slots at once; it then waits for its right neighbour (rank 1) to take them,
