@@ -512,7 +512,10 @@ void MpiTransport::leave(const DepartureNote& note) {
   if (exchange_ != MPI_REQUEST_NULL) {
     // A collective's request can be neither cancelled nor freed: its buffers must
     // outlive us, so they go where nothing ever frees them.
+    // (Communicators on other threads may leave at the same moment: one lock for all.)
+    static auto* outliving_lock = new std::mutex;  // (never destroyed: used at exit)
     static auto* outliving = new std::vector<std::vector<char>>();
+    const std::lock_guard<std::mutex> hold(*outliving_lock);
     outliving->push_back(std::move(exchange_send_));
     outliving->push_back(std::move(exchange_recv_));
     exchange_ = MPI_REQUEST_NULL;

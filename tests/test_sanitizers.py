@@ -2,8 +2,9 @@
 "Sanitizers"), running the kernels' tests in one process and two MPI modules on 3 ranks:
 undefined behaviour that x86 forgives, and the plain build's tests cannot see (a float
 read at an odd address, say: test_kernels_take_arrays_at_any_address), stops the run
-here. The copy is built apart, in a temporary folder, and leaves the tested build alone.
-Skipped where gcc has no sanitizer runtime to preload."""
+here; and with ThreadSanitizer, the call queue's tests and Communicators of one process
+giving up on several threads at once. Each copy is built apart, in a temporary folder,
+and leaves the tested build alone. Skipped where gcc has no sanitizer runtime to preload."""
 import os
 import shutil
 import subprocess
@@ -24,14 +25,10 @@ def runtime(library: str) -> str | None:
     return path if os.path.isabs(path) and os.path.exists(path) else None
 
 
-@pytest.fixture(scope="module")
-def sanitized(tmp_path_factory):
-    """A folder holding the package built with the sanitizers, and tests/ beside it; and
-    the environment that runs it (the runtimes preloaded: Python is not instrumented)."""
-    preload = [runtime("libasan.so"), runtime("libubsan.so")]
-    if None in preload:
-        pytest.skip("gcc has no AddressSanitizer or UndefinedBehaviorSanitizer runtime")
-    build = tmp_path_factory.mktemp("sanitized")
+def built_with(sanitize: str, tmp_path_factory) -> Path:
+    """A folder holding the package built with RINGREDUCE_SANITIZE=sanitize, and tests/
+    beside it."""
+    build = tmp_path_factory.mktemp(f"sanitized-{sanitize}")
     for part in ("setup.py", "pyproject.toml", "csrc", "ringreduce", "tests"):
         source = ROOT / part
         if source.is_dir():
@@ -42,9 +39,27 @@ def sanitized(tmp_path_factory):
     # CUDA off: nvcc's minutes buy nothing here, where no GPU code runs.
     made = subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--inplace"],
                           cwd=build, capture_output=True, text=True, timeout=1800,
-                          env=job_env({"RINGREDUCE_SANITIZE": "address",
+                          env=job_env({"RINGREDUCE_SANITIZE": sanitize,
                                        "RINGREDUCE_CUDA": "0"}))
     assert made.returncode == 0, made.stderr[-4000:]
+    return build
+
+
+def imports_its_own(build: Path, env: dict) -> None:
+    found = subprocess.run([sys.executable, "-c", "import ringreduce; print(ringreduce.__file__)"],
+                           cwd=build, capture_output=True, text=True, env=env, timeout=120)
+    assert found.stdout.strip() == str(build / "ringreduce" / "__init__.py"), \
+        (found.stdout, found.stderr[-2000:])
+
+
+@pytest.fixture(scope="module")
+def sanitized(tmp_path_factory):
+    """The package built with ASan and UBSan (see built_with), and the environment that
+    runs it (the runtimes preloaded: Python is not instrumented)."""
+    preload = [runtime("libasan.so"), runtime("libubsan.so")]
+    if None in preload:
+        pytest.skip("gcc has no AddressSanitizer or UndefinedBehaviorSanitizer runtime")
+    build = built_with("address", tmp_path_factory)
     env = job_env({
         "PYTHONPATH": str(build),  # (before the installed ringreduce)
         "LD_PRELOAD": ":".join(preload),
@@ -53,11 +68,40 @@ def sanitized(tmp_path_factory):
         "ASAN_OPTIONS": "detect_leaks=0:allocator_may_return_null=1",
         "UBSAN_OPTIONS": "print_stacktrace=1:halt_on_error=1",
     })
-    found = subprocess.run([sys.executable, "-c", "import ringreduce; print(ringreduce.__file__)"],
-                           cwd=build, capture_output=True, text=True, env=env, timeout=120)
-    assert found.stdout.strip() == str(build / "ringreduce" / "__init__.py"), \
-        (found.stdout, found.stderr[-2000:])
+    imports_its_own(build, env)
     return build, env
+
+
+@pytest.fixture(scope="module")
+def thread_sanitized(tmp_path_factory):
+    """The package built with TSan, and the environment that runs it, as
+    docs/development.md sets it up: libtsan preloaded, then scripts/tsan_clocklock.c,
+    without which GCC 12's TSan misses a lock that libstdc++ takes; and the `mpich`
+    wheel's UCX kept from hooking madvise, where every thread that ends would crash."""
+    tsan = runtime("libtsan.so")
+    if tsan is None:
+        pytest.skip("gcc has no ThreadSanitizer runtime")
+    build = built_with("thread", tmp_path_factory)
+    shim = build / "clocklock.so"
+    made = subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(shim),
+                           str(ROOT / "scripts" / "tsan_clocklock.c"), "-ldl"],
+                          capture_output=True, text=True, timeout=300)
+    assert made.returncode == 0, made.stderr[-4000:]
+    env = job_env({
+        "PYTHONPATH": str(build),
+        "LD_PRELOAD": f"{tsan}:{shim}",
+        "TSAN_OPTIONS": "allocator_may_return_null=1 report_signal_unsafe=0",
+        "UCX_MEM_EVENTS": "no",
+    })
+    imports_its_own(build, env)
+    return build, env
+
+
+def races(done) -> str:
+    """What ThreadSanitizer said, or else the end of the output."""
+    said = [line for line in done.stderr.splitlines() if "ThreadSanitizer" in line or
+            line.startswith("    #")]
+    return "\n".join(said[:40]) or done.stdout[-3000:] + done.stderr[-3000:]
 
 
 def reports(done) -> str:
@@ -89,3 +133,21 @@ def test_the_ring_under_the_sanitizers_on_3_ranks(sanitized):
     assert done.returncode == 0, reports(done)
     assert "runtime error" not in done.stderr and "AddressSanitizer" not in done.stderr, \
         reports(done)
+
+
+def test_the_call_queue_under_thread_sanitizer(thread_sanitized):
+    build, env = thread_sanitized
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider",
+                           "tests/test_call_queue.py"], cwd=build, capture_output=True,
+                          text=True, env=env, timeout=900)
+    assert done.returncode == 0 and "ThreadSanitizer" not in done.stderr, races(done)
+
+
+def test_communicators_giving_up_on_threads_at_once_under_thread_sanitizer(thread_sanitized):
+    build, env = thread_sanitized
+    done = subprocess.run([mpiexec(), "-n", "2", sys.executable, "-m", "mpi4py",
+                           "tsan_giving_up_at_once.py"], cwd=build / "tests" / "mpi",
+                          capture_output=True, text=True, timeout=300,
+                          env={**env, "RINGREDUCE_SHM": "0"})
+    assert done.returncode == 0 and "ThreadSanitizer" not in done.stderr, races(done)
+    assert "rank 0: all 6 calls gave up" in done.stdout, races(done)
