@@ -768,7 +768,9 @@ def checked_mpi_comm(comm, caller: str, pid: int | None = None):
         raise TypeError(f"ringreduce.{caller}: comm must be an mpi4py communicator, "
                         f"got {type(comm).__name__}")
     if comm == MPI.COMM_NULL:
-        raise ValueError(f"ringreduce.{caller}: comm is MPI.COMM_NULL")
+        raise ValueError(f"ringreduce.{caller}: comm is MPI.COMM_NULL: a communicator "
+                         "already Free()d, or what Split() or Create_group() gives a rank "
+                         "left out of every group")
     if isinstance(comm, MPI.Intercomm) or comm.Is_inter():
         raise TypeError(f"ringreduce.{caller}: comm must be an intracommunicator, "
                         f"got an intercommunicator ({type(comm).__name__})")

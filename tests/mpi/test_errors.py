@@ -359,6 +359,11 @@ def test_bad_communicators_and_settings():
         rr.Communicator("world")
     with pytest.raises(ValueError, match="COMM_NULL"):
         rr.Communicator(MPI.COMM_NULL)
+    freed = MPI.COMM_WORLD.Dup()
+    freed.Free()  # (From a review: the error did not say why a freed one is COMM_NULL.)
+    with pytest.raises(ValueError, match=r"comm is MPI\.COMM_NULL: a communicator already "
+                                         r"Free\(\)d"):
+        rr.Communicator(freed)
     # The module-level functions, which make a Communicator, name themselves.
     x = np.ones(3)
     for call, name in [(lambda comm: rr.allreduce(x, comm=comm), "allreduce"),
