@@ -13,6 +13,7 @@ loss curve; only the time per step changes.
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import math
 import os
@@ -231,6 +232,18 @@ def train(epochs=30, global_batch=64, lr=0.1, momentum=0.9, hidden=64, compressi
             if rank == 0 and not quiet:
                 sys.stderr.write(f"resuming after {said(position(saved))}, from "
                                  f"{pattern.format('*')}.*\n")
+        elif rank == 0 and not quiet:
+            # Another run's files, saved on another number of ranks, are not this run's
+            # (each rank resumes its own shard's state): say so, rather than start over
+            # without a word beside them.
+            others = sorted({int(name.rsplit("-of-", 1)[1].split(".")[0])
+                             for name in glob.glob(f"{glob.escape(checkpoint)}.rank*-of-*.*")
+                             if name.rsplit("-of-", 1)[1].split(".")[0].isdigit()} - {size})
+            if others:
+                counts = " or ".join(str(n) for n in others)
+                sys.stderr.write(f"note: {checkpoint} has checkpoints of a run on {counts} "
+                                 f"ranks, which resumes on that many only; this run on "
+                                 f"{size} starts afresh (and saves its own beside them)\n")
         # The handler only sets a flag. The signal lands anywhere, often partway through
         # a step, where state_dict() is refused (the step's all-reduces may be in
         # flight); and a rank that saved and left at once would make other collective

@@ -247,6 +247,26 @@ def test_ranks_whose_checkpoints_are_not_of_one_run_are_told_so_on_every_rank(fo
         train(epochs=3, checkpoint=f"{folder}/e", **SMALL)
 
 
+def test_checkpoints_of_a_run_on_another_number_of_ranks_are_not_passed_over_silently(
+        folder, capsys):
+    # (From a review.) A run on 4 ranks beside a 2-rank run's files started over without
+    # a word: the files' names hold the number of ranks, and it looked for its own only.
+    rank, size = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+    if rank == 0:
+        for other in (size + 1, size + 3):
+            open(f"{folder}/f.rank0-of-{other}.even", "wb").close()
+    MPI.COMM_WORLD.Barrier()
+    history = train(epochs=1, checkpoint=f"{folder}/f", **dict(SMALL, quiet=False))
+    assert history["epoch"] == [1]  # started afresh
+    said = capsys.readouterr().err
+    if rank == 0:
+        assert (f"note: {folder}/f has checkpoints of a run on {size + 1} or {size + 3} "
+                f"ranks, which resumes on that many only; this run on {size} starts "
+                "afresh") in said, said
+    train(epochs=2, checkpoint=f"{folder}/f", **dict(SMALL, quiet=False))  # its own now:
+    assert "note:" not in capsys.readouterr().err  # resumed, without a note
+
+
 def test_a_job_killed_between_two_ranks_checkpoints_resumes_from_the_epoch_all_have(
         folder, monkeypatch):
     # Rank 0 (every rank but the last) has replaced its epoch-1 file with epoch 3; the
