@@ -683,18 +683,24 @@ class DistributedOptimizer:
     buckets before it, are in, while backward goes on (docs/training.md walks through a
     whole script).
 
+    before_update: a function given the step's averaged gradients (a list, the same on
+    every rank) before the update, which may change them (clip them, say) and returns
+    a false value other than None to skip this step's update (gradients not finite,
+    say); the ranks compare what each one's did (see step()).
+
     Construction is collective: every rank must wrap parameters of the same shapes
     (and so are load_state_dict() and broadcast_parameters()).
     """
 
-    def __init__(self, optimizer, comm=None, bucket_mb: float = 25.0, compression=None):
+    def __init__(self, optimizer, comm=None, bucket_mb: float = 25.0, compression=None,
+                 before_update=None):
         from ._shortcuts import _communicator
 
         self.comm = _communicator(comm, "DistributedOptimizer")  # (first: it is collective)
         # (grad_ready's, made once: it is called for every parameter, every step)
         self._grad_ready_where = self._where("grad_ready")
         try:
-            self._set_up(optimizer, bucket_mb, compression)
+            self._set_up(optimizer, bucket_mb, compression, before_update)
         except Exception as error:  # (an array-like whose dtype has no .kind, say)
             # The others wait in the check below: tell them, rather than leave them to
             # wait out their timeout, or to pair it with this rank's next call.
@@ -737,9 +743,13 @@ class DistributedOptimizer:
         return self.comm._check(self.comm.CHECK_OPTIMIZER,
                                 hash((self._identity, _settings_hash(self.optimizer))))
 
-    def _set_up(self, optimizer, bucket_mb, compression) -> None:
+    def _set_up(self, optimizer, bucket_mb, compression, before_update) -> None:
         """All of construction that this rank does alone (and may refuse)."""
         self.optimizer = optimizer
+        if before_update is not None and not callable(before_update):
+            raise TypeError(f"{self._where()}: before_update must be a function of the "
+                            f"averaged gradients, or None; got {type(before_update).__name__}")
+        self._before_update = before_update
         if not hasattr(optimizer, "params") or not callable(getattr(optimizer, "step", None)):
             raise TypeError(f"{self._where()}: optimizer must have .params and .step(grads) "
                             f"(as ringreduce.optim.SGD and Adam do), got {type(optimizer).__name__}")
@@ -1072,7 +1082,46 @@ class DistributedOptimizer:
         finally:
             self.comm_seconds += time.perf_counter() - start
         self._new_step()
+        if self._before_update is not None and not self._agreed_to_update(averaged):
+            return
         self.optimizer.step(averaged)
+
+    def _agreed_to_update(self, averaged) -> bool:
+        """Runs before_update on the averaged gradients; whether every rank updates.
+        What each rank's did (update, skip, or raise) goes to all (an allgather of a
+        byte each), so that no rank updates where another skipped or failed, which
+        would move the replicas apart silently: a rank whose before_update raised
+        raises its error, the others MismatchError naming it, and ranks that decided
+        differently (a function that looked at more than the gradients) all raise
+        MismatchError; the step is dropped on every rank then."""
+        UPDATE, SKIP, RAISED = 0, 1, 2
+        error = None
+        try:
+            verdict = self._before_update(averaged)
+            mine = UPDATE if verdict is None or verdict else SKIP
+        except Exception as raised:
+            error, mine = raised, RAISED
+        start = time.perf_counter()
+        try:
+            states = self.comm.allgather(np.array([mine], np.int8)).tolist()
+        finally:
+            self.comm_seconds += time.perf_counter() - start
+        raised = [r for r, state in enumerate(states) if state == RAISED]
+        dropped = "so this step is dropped on every rank, without an update"
+        if error is not None:
+            if hasattr(error, "add_note"):  # (Python 3.11)
+                error.add_note(f"{self._where('step')}: raised by before_update, {dropped}")
+            raise error
+        if raised:
+            raise MismatchError(f"{self._where('step')}: before_update raised on rank"
+                                f"{'s' * (len(raised) > 1)} {raised}, {dropped}")
+        if len(set(states)) > 1:
+            skipped = [r for r, state in enumerate(states) if state == SKIP]
+            raise MismatchError(
+                f"{self._where('step')}: before_update skipped the update on ranks "
+                f"{skipped} and not on the others, {dropped}: it must decide from the "
+                "averaged gradients alone, which are the same on every rank")
+        return states[0] == UPDATE
 
     def _check_optimizer_has(self, method: str) -> None:
         if not callable(getattr(self.optimizer, method, None)):
@@ -1721,7 +1770,8 @@ class DistributedOptimizer:
         model = repr([(tuple(p.shape), str(p.dtype)) for p in self.params])
         wire = repr([(b.indices, str(b.buffer.dtype), None if b.wire is None else str(b.wire.dtype))
                      for b in self._buckets] + [self._low_rank, repr(self.powersgd)])
-        return [model, wire, _optimizer_settings(self.optimizer)]
+        return [model, wire, _optimizer_settings(self.optimizer)
+                + f" before_update={self._before_update is not None}"]
 
     def _check_same_model_everywhere(self, rejected: Exception | None = None):
         # The parameters, and how their gradients travel (buckets, compression): ranks
@@ -1732,7 +1782,7 @@ class DistributedOptimizer:
                         "wrap different parameters (number, shapes or dtypes)",
                         "send gradients differently (bucket_mb or compression)",
                         "wrap different optimizers (type, or settings: lr, momentum, betas, "
-                        "eps or weight_decay)"],
+                        "eps or weight_decay; or a before_update on some ranks only)"],
                        None if rejected is not None else
                        ["DistributedOptimizer()"] + self._model_texts, rejected,
                        "no rank made its DistributedOptimizer")

@@ -1,6 +1,7 @@
 """Data-parallel training: p ranks, each with 1/p of every batch, must hold the same
 parameters after k steps as one process training on the whole batch."""
 import contextlib
+import math
 import os
 import pickle
 import re
@@ -89,6 +90,72 @@ def test_distributed_equals_single_process(name, mode):
     expected = single_process(make)
     for p, q in zip(params, expected):
         np.testing.assert_allclose(p, q, rtol=1e-9, atol=1e-12)
+    blobs = MPI.COMM_WORLD.allgather([p.tobytes() for p in params])
+    assert all(b == blobs[0] for b in blobs), "replicas differ"
+
+
+def clipping_to(max_norm):
+    """A before_update that scales gradients down to a global norm of max_norm and
+    skips the update where they are not finite; and the list of norms it saw."""
+    norms = []
+
+    def clip(grads):
+        norm = math.sqrt(sum(float((g.astype(np.float64) ** 2).sum()) for g in grads))
+        norms.append(norm)
+        if not math.isfinite(norm):
+            return False
+        if norm > max_norm:
+            for g in grads:
+                g *= max_norm / norm
+    return clip, norms
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("mode", ["step-grads", "grad-ready"])
+def test_before_update_clips_the_averaged_gradients_as_one_process_would(name, mode):
+    # Global-norm clipping (from a review: it took a subclass of SGD or Adam) sees the
+    # average, the gradient of the whole batch, as one process clips it.
+    make, max_norm = OPTIMIZERS[name], 0.7
+    clip, norms = clipping_to(max_norm)
+    params = init_params(LAYERS, seed=1)
+    opt = DistributedOptimizer(make(params), bucket_mb=0.0005, before_update=clip)
+    for step in range(STEPS):
+        x, y = my_shard(*data(step))
+        if mode == "step-grads":
+            opt.step(loss_and_grads(params, x, y, scale=share(len(y)))[1])
+        else:
+            loss_and_grads(params, x, y, scale=share(len(y)), on_grad=opt.grad_ready)
+            opt.step()
+    expected = init_params(LAYERS, seed=1)
+    alone, (clip_alone, norms_alone) = make(expected), clipping_to(max_norm)
+    for step in range(STEPS):
+        _, grads = loss_and_grads(expected, *data(step))
+        clip_alone(grads)
+        alone.step(grads)
+    np.testing.assert_allclose(norms, norms_alone, rtol=1e-9)
+    assert min(norms) < max_norm < max(norms)  # clipped at some steps, not at others
+    for p, q in zip(params, expected):
+        np.testing.assert_allclose(p, q, rtol=1e-9, atol=1e-12)
+    blobs = MPI.COMM_WORLD.allgather([p.tobytes() for p in params])
+    assert all(b == blobs[0] for b in blobs), "replicas differ"
+
+
+@pytest.mark.parametrize("compression", [None, "fp16", "powersgd"])
+def test_before_update_skips_a_step_whose_gradients_are_not_finite_on_every_rank(compression):
+    dtype = np.float32 if compression == "fp16" else np.float64
+    params = [np.zeros((20, 30), dtype), np.zeros(30, dtype)]
+    clip, norms = clipping_to(1e9)
+    opt = DistributedOptimizer(SGD(params, lr=1.0), bucket_mb=0.001, before_update=clip,
+                               compression=PowerSGD(rank=1) if compression == "powersgd"
+                               else compression)
+    for step in range(4):
+        grads = [np.ones((20, 30), dtype), np.ones(30, dtype)]
+        if step == 1 and RANK == SIZE - 1:
+            grads[step % 2][3] = np.nan  # one rank's overflow, say
+        opt.step(grads)
+    assert not math.isfinite(norms[1]) and all(math.isfinite(n) for n in norms[::2] + norms[3:])
+    for p in params:
+        np.testing.assert_allclose(p, -3.0, rtol=1e-3)  # steps 0, 2 and 3
     blobs = MPI.COMM_WORLD.allgather([p.tobytes() for p in params])
     assert all(b == blobs[0] for b in blobs), "replicas differ"
 
@@ -1899,7 +1966,8 @@ def test_allreduce_gradients_on_ranks_that_disagree_raises_on_every_rank(differ)
 
 
 @needs_two
-@pytest.mark.parametrize("bad", ["bucket_mb", "compression", "read-only", "not an optimizer"])
+@pytest.mark.parametrize("bad", ["bucket_mb", "compression", "read-only", "not an optimizer",
+                                 "before_update"])
 def test_a_distributed_optimizer_with_a_bad_argument_on_one_rank_raises_on_every_rank(bad):
     # The others used to wait in construction's check until their timeout.
     params = [np.zeros(4), np.zeros(3)]
@@ -1911,8 +1979,10 @@ def test_a_distributed_optimizer_with_a_bad_argument_on_one_rank_raises_on_every
         elif bad == "not an optimizer":
             optimizer = object()
         else:
-            kwargs = {"bucket_mb": dict(bucket_mb=0), "compression": dict(compression="fp8")}[bad]
+            kwargs = {"bucket_mb": dict(bucket_mb=0), "compression": dict(compression="fp8"),
+                      "before_update": dict(before_update=1.0)}[bad]
     own = {"bucket_mb": (ValueError, "bucket_mb must be"),
+           "before_update": (TypeError, "before_update must be a function .*got float"),
            "compression": (ValueError, "compression must be"),
            "read-only": (ValueError, r"params\[0\] is read-only"),
            "not an optimizer": (TypeError, "must have .params and .step")}[bad]
@@ -1926,18 +1996,54 @@ def test_a_distributed_optimizer_with_a_bad_argument_on_one_rank_raises_on_every
 
 
 @needs_two
-@pytest.mark.parametrize("differ", ["lr", "momentum", "type"])
+@pytest.mark.parametrize("how", ["raises", "decides apart"])
+def test_a_before_update_that_differs_on_one_rank_drops_the_step_on_every_rank(how):
+    # The gradients are the same on every rank, but a function may look at more than
+    # them (or fail on one rank): no rank may update where another did not.
+    params = [np.zeros(5)]
+    going_wrong = [True]
+
+    def hook(grads):
+        if RANK == BAD and going_wrong[0]:
+            if how == "raises":
+                raise ArithmeticError("a bug of its own")
+            return False
+
+    opt = DistributedOptimizer(SGD(params, lr=1.0), before_update=hook)
+    if how == "raises":
+        context = raises_here_or_mismatch(ArithmeticError, "a bug of its own",
+                                          rf"before_update raised on rank \[{BAD}\], so this "
+                                          "step is dropped on every rank, without an update")
+    else:
+        context = pytest.raises(rr.MismatchError, match=rf"before_update skipped the update on "
+                                rf"ranks \[{BAD}\] and not on the others, so this step is "
+                                "dropped on every rank.*: it must decide from the averaged "
+                                "gradients alone")
+    with context:
+        opt.step([np.full(5, float(RANK))])
+    np.testing.assert_array_equal(params[0], 0.0)  # no update anywhere
+    going_wrong[0] = False
+    opt.step([np.full(5, float(RANK))])  # the next step is whole
+    np.testing.assert_allclose(params[0], -(SIZE - 1) / 2)
+
+
+@needs_two
+@pytest.mark.parametrize("differ", ["lr", "momentum", "type", "before_update"])
 def test_ranks_that_wrap_different_optimizers_are_told(differ):
     # The replicas would drift apart, silently.
     params = [np.zeros(3)]
     if RANK == BAD:
         optimizer = {"lr": lambda: SGD(params, lr=0.2),
                      "momentum": lambda: SGD(params, lr=0.1, momentum=0.9),
-                     "type": lambda: Adam(params, lr=0.1)}[differ]()
+                     "type": lambda: Adam(params, lr=0.1),
+                     "before_update": lambda: SGD(params, lr=0.1)}[differ]()
     else:
         optimizer = SGD(params, lr=np.float64(0.1))  # (a numpy number is the same lr)
+    # (A before_update on some ranks only: the others would not join its agreement.)
+    hook = {"before_update": lambda grads: None} if differ == "before_update" and RANK == BAD \
+        else {}
     with pytest.raises(rr.MismatchError, match=rf"wrap different optimizers .*ranks \[{BAD}\]"):
-        DistributedOptimizer(optimizer)
+        DistributedOptimizer(optimizer, **hook)
     DistributedOptimizer(SGD(params, lr=0.1 if RANK else np.float64(0.1)))  # the same: made
 
 
