@@ -766,11 +766,12 @@ class FastPath {
 
   // `check`: see RingCommunicator::allreduce().
   py::object allreduce(py::handle x, py::handle op, py::handle out, int64_t check) {
-    py::object from_scalar;
+    py::object stand_in;  // (x as an array the core takes, where x is not one)
     if (!is_plain(x)) {
-      from_scalar = scalar_as_array(x);
-      if (!from_scalar) return py::none();
-      x = from_scalar;
+      stand_in = scalar_as_array(x);
+      if (!stand_in) stand_in = contiguous_copy(x, op);
+      if (!stand_in) return py::none();
+      x = stand_in;
     }
     int dtype, reduce_op;
     if (!allreduce_arguments(x, op, out, &dtype, &reduce_op)) return py::none();
@@ -1113,6 +1114,21 @@ class FastPath {
     PyObject* array = py::detail::npy_api::get().PyArray_FromAny_(p, nullptr, 0, 0, 0, nullptr);
     if (array == nullptr) PyErr_Clear();
     return py::reinterpret_steal<py::object>(array);
+  }
+
+  // A C-contiguous copy of x, a strided numpy.ndarray (a column, x[::2]) of a dtype and
+  // op the general path has validated; null for anything else. The general path copies
+  // such an x too, after some microseconds of Python (a strided 4 KiB allreduce took
+  // 6.7 us, against 1.8 us for a contiguous one). Copied before the call, it cannot
+  // overlap out.
+  py::object contiguous_copy(py::handle x, py::handle op) const {
+    const auto& api = py::detail::npy_api::get();
+    int dtype, reduce_op;
+    if (Py_TYPE(x.ptr()) != api.PyArray_Type_ || !reduction_codes(x, op, &dtype, &reduce_op))
+      return py::object();
+    PyObject* copy = api.PyArray_NewCopy_(x.ptr(), 0 /* NPY_CORDER */);
+    if (copy == nullptr) PyErr_Clear();  // (the general path meets the error and says it)
+    return py::reinterpret_steal<py::object>(copy);
   }
 
   // Exactly numpy.ndarray (no subclass: a masked array has its own rules), C-contiguous.

@@ -551,6 +551,30 @@ def test_a_scalar_takes_the_fast_path_as_a_0d_array_does(comm):
         comm.allreduce(np.float32(1), out=np.float32(1))
 
 
+def test_a_strided_array_takes_the_fast_path_as_a_copy_of_it(comm):
+    # A column or every other element took the general path (6.7 us against 1.8 us for
+    # a contiguous 4 KiB on 2 ranks): the FastPath copies it first now, as the general
+    # path does, and returns what that returns.
+    base = np.arange(4.0 * 6 * 5).reshape(4, 6, 5) + RANK
+    total = SIZE * (np.arange(4.0 * 6 * 5).reshape(4, 6, 5)) + SIZE * (SIZE - 1) / 2
+    for view, out in [(np.s_[:, 2, :], None), (np.s_[::-1, ::2, 1], None),
+                      (np.s_[:, :, 3], np.empty((4, 6))), (np.s_[..., ::-2], None)]:
+        x = base[view]
+        assert not x.flags.c_contiguous
+        general = comm.allreduce(x, op="sum")  # (validates the dtype and op, once)
+        served = comm._fast.allreduce(x, "sum", out)
+        assert served is not None
+        for got in (general, served):
+            assert type(got) is np.ndarray and got.flags.c_contiguous and got.flags.owndata
+            np.testing.assert_array_equal(got, total[view])
+        assert out is None or served is out
+        np.testing.assert_array_equal(x, base[view])  # x untouched
+    # Not a subclass (np.matrix's or a masked array's rules are their own), nor an op
+    # the general path refuses.
+    assert comm._fast.allreduce(base[:, 2, :].view(np.ma.MaskedArray), "sum", None) is None
+    assert comm._fast.allreduce(base[:, 2, :], "mean", None) is None
+
+
 def test_bools_of_any_byte_match_the_reference_byte_for_byte(comm):
     # A bool array made from other bytes (a uint8 view) holds True as any nonzero byte:
     # the core and the reference both write it as numpy's ufuncs do, 1 (on one rank,
