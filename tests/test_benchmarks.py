@@ -199,6 +199,25 @@ def test_bench_scalar_runs_and_writes_every_candidate(tmp_path):
     assert "| bool flag (max) | ringreduce, numpy scalar |" in done.stdout
 
 
+def test_bench_layouts_runs_and_writes_every_case(tmp_path):
+    result = tmp_path / "layouts.json"
+    done = subprocess.run(
+        [mpiexec(), "-n", "2", sys.executable, "-m", "mpi4py", "benchmarks/bench_layouts.py",
+         "--sizes", "8,4K", "--repeats", "2", "--json", str(result)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, env=job_env())
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = json.loads(result.read_text())["results"]
+    cases = {(r["dtype"], r["layout"]) for r in rows}
+    assert cases == {(d, "contiguous") for d in ("float32", "float64", "int32", "int8",
+                                                 "complex128")} | {("float32", "strided"),
+                                                                   ("float32", "odd size")}
+    assert len(rows) == 2 * len(cases)
+    assert all(r["ringreduce_s"] > 0 and r["mpi_s"] > 0 and
+               r["speedup"] == r["mpi_s"] / r["ringreduce_s"] for r in rows)
+    assert "| float32 | strided | 4 KiB |" in done.stdout
+    assert "| float32 | odd size | 35772 B |" in done.stdout  # 4 KiB + 7919 float32s
+
+
 def test_bench_dtypes_runs_and_writes_every_dtype(tmp_path):
     result = tmp_path / "dtypes.json"
     done = subprocess.run(
@@ -229,6 +248,7 @@ def test_bench_dtypes_runs_and_writes_every_dtype(tmp_path):
     ("benchmarks/bench_placement.py", ["--sizes", "3"], "not a whole number of float32"),
     ("benchmarks/bench_placement.py", ["--json", "/nonexistent-folder/p.json"], "no folder"),
     ("benchmarks/bench_dtypes.py", ["--counts", "1K,0"], "'0' is not a count of elements"),
+    ("benchmarks/bench_layouts.py", ["--sizes", "4K,3"], "'3' is less than 8 B"),
     ("benchmarks/ps_vs_ring.py", ["--mib", "0"], "--mib: must be above 0"),
     ("benchmarks/fit_model.py", ["--repeats", "-1"], "--repeats: must be at least 1"),
     ("benchmarks/fit_model.py", [], "run it on 2 ranks or more"),
