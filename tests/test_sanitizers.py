@@ -90,18 +90,26 @@ def thread_sanitized(tmp_path_factory):
     env = job_env({
         "PYTHONPATH": str(build),
         "LD_PRELOAD": f"{tsan}:{shim}",
-        "TSAN_OPTIONS": "allocator_may_return_null=1 report_signal_unsafe=0",
+        # (exitcode=0: a report counts where ours_in() finds the core in it, not
+        # otherwise; Open MPI's PMIx library races on its own threads under TSan.)
+        "TSAN_OPTIONS": "allocator_may_return_null=1 report_signal_unsafe=0 exitcode=0",
         "UCX_MEM_EVENTS": "no",
     })
     imports_its_own(build, env)
     return build, env
 
 
+def ours_in(stderr: str) -> list:
+    """The reports of ThreadSanitizer with the core in their stacks: races of ringreduce,
+    not of an MPI library's own threads (which are not instrumented, and not ours)."""
+    reports = stderr.split("==================\n")
+    return [report for report in reports if "WARNING: ThreadSanitizer" in report and
+            ("csrc/" in report or "ringreduce::" in report)]
+
+
 def races(done) -> str:
-    """What ThreadSanitizer said, or else the end of the output."""
-    said = [line for line in done.stderr.splitlines() if "ThreadSanitizer" in line or
-            line.startswith("    #")]
-    return "\n".join(said[:40]) or done.stdout[-3000:] + done.stderr[-3000:]
+    """The core's reports (see ours_in), or else the end of the output."""
+    return "\n".join(ours_in(done.stderr))[:6000] or done.stdout[-3000:] + done.stderr[-3000:]
 
 
 def reports(done) -> str:
@@ -140,7 +148,7 @@ def test_the_call_queue_under_thread_sanitizer(thread_sanitized):
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider",
                            "tests/test_call_queue.py"], cwd=build, capture_output=True,
                           text=True, env=env, timeout=900)
-    assert done.returncode == 0 and "ThreadSanitizer" not in done.stderr, races(done)
+    assert done.returncode == 0 and not ours_in(done.stderr), races(done)
 
 
 def test_communicators_giving_up_on_threads_at_once_under_thread_sanitizer(thread_sanitized):
@@ -149,5 +157,5 @@ def test_communicators_giving_up_on_threads_at_once_under_thread_sanitizer(threa
                            "tsan_giving_up_at_once.py"], cwd=build / "tests" / "mpi",
                           capture_output=True, text=True, timeout=300,
                           env={**env, "RINGREDUCE_SHM": "0"})
-    assert done.returncode == 0 and "ThreadSanitizer" not in done.stderr, races(done)
+    assert done.returncode == 0 and not ours_in(done.stderr), races(done)
     assert "rank 0: all 6 calls gave up" in done.stdout, races(done)
