@@ -198,14 +198,21 @@ def _optimizer_settings(optimizer, loading: dict | None = None) -> str:
     return repr(settings)
 
 
+def _hashed_alike(value):
+    """A _setting() as what hashes alike in every process that has it: floats do, but
+    not a NaN (by its id), None or a string (by a salt), which become tuples of ints
+    (not -1 and -2, which hash alike)."""
+    if isinstance(value, tuple):
+        return tuple([_hashed_alike(v) for v in value])
+    return (1,) if value is None else (2,) if value == "?" else \
+        (3,) if value != value else value
+
+
 def _settings_hash(optimizer) -> int:
     """A hash of the optimizer's settings now, the same in every process that holds the
-    same (floats hash alike everywhere; None and strings, which may not, become ints)."""
-    values = []
-    for name in _SETTING_NAMES:
-        value = _setting(getattr(optimizer, name, None))
-        values.append(-1 if value is None else -2 if value == "?" else value)
-    return hash(tuple(values))
+    same."""
+    return hash(tuple([_hashed_alike(_setting(getattr(optimizer, name, None)))
+                       for name in _SETTING_NAMES]))
 
 
 def _quietly(f, *args):

@@ -1617,6 +1617,38 @@ class HeavyBallWithState(HeavyBall):
         self.buffers = [None if b is None else b.copy() for b in state["buffers"]]
 
 
+class Schedule:
+    """An lr that is no number (a user's schedule object), which ranks cannot compare."""
+
+    def __init__(self, start):
+        self.start = start
+
+    def at(self, step):
+        return self.start / (1 + step)
+
+
+class Scheduled(HeavyBall):
+    def __init__(self, params):
+        super().__init__(params, Schedule(0.1), momentum=float("nan"))
+        self.eps, self.steps = None, 0  # (an eps of None: one it does not use)
+
+    def step(self, grads):
+        for p, g in zip(self.params, grads):
+            p -= self.lr.at(self.steps) * g
+        self.steps += 1
+
+
+def test_settings_that_are_no_numbers_or_nan_compare_alike_on_every_rank():
+    # Every step's all-reduces carry a hash of the settings, and every process salts
+    # the hash of a string or None, and hashes a NaN by its id: such settings must still
+    # hash alike on every rank, or every step would raise MismatchError.
+    params = [np.zeros(5)]
+    opt = DistributedOptimizer(Scheduled(params), bucket_mb=1e-5)
+    for step in range(3):
+        opt.step([np.full(5, float(RANK))])
+    np.testing.assert_allclose(params[0], -(0.1 + 0.05 + 0.1 / 3) * (SIZE - 1) / 2)
+
+
 @pytest.mark.parametrize("mode", ["step-grads", "grad-ready"])
 def test_an_optimizer_of_ones_own_trains_as_alone_and_saves_its_state(mode):
     # (From a review.) The averaged gradients handed to the wrapped optimizer were views
