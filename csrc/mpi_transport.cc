@@ -379,7 +379,8 @@ void MpiTransport::allgather_bytes(const void* mine, void* all, int bytes) {
   if (!wait_patiently(&exchange_, "MPI_Test(MPI_Iallgather)"))
     throw TimeoutError("waited " + seconds_text(timeout_s_) +
                        " (the timeout) for every rank to join this call (MPI cannot say which "
-                       "have not): a rank skipped the call, or is stuck before it");
+                       "have not): a rank skipped the call, or is stuck before it (in a call on another "
+                       "Communicator that it makes first, say)");
   std::memcpy(all, exchange_recv_.data(), exchange_recv_.size());
 }
 

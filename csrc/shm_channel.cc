@@ -354,7 +354,8 @@ void ShmChannel::exchange() {
         const std::vector<int> missing = ranks_where([&](uint64_t n) { return n < exchanges_; });
         throw TimeoutError(describe_ranks(missing) + (missing.size() == 1 ? " has" : " have") +
                            " not joined this call within " + seconds_text(timeout_s_) +
-                           " (the timeout): a rank skipped the call, or is stuck before it",
+                           " (the timeout): a rank skipped the call, or is stuck before it (in a "
+                           "call on another Communicator that it makes first, say)",
                            missing.empty() ? -1 : missing.front());
       }
     }
