@@ -766,18 +766,32 @@ class FastPath {
 
   // `check`: see RingCommunicator::allreduce().
   py::object allreduce(py::handle x, py::handle op, py::handle out, int64_t check) {
-    py::object stand_in;  // (x as an array the core takes, where x is not one)
+    py::object stand_in;    // (x as an array the core takes, where x is not one)
+    bool copy_x = false;  // (a strided x: copied once no call before it is unfinished)
     if (!is_plain(x)) {
       stand_in = scalar_as_array(x);
-      if (!stand_in) stand_in = contiguous_copy(x, op);
-      if (!stand_in) return py::none();
-      x = stand_in;
+      if (stand_in) {
+        x = stand_in;
+      } else if (copyable(x, op)) {
+        copy_x = true;
+      } else {
+        return py::none();
+      }
     }
     int dtype, reduce_op;
-    if (!allreduce_arguments(x, op, out, &dtype, &reduce_op)) return py::none();
-    const Array a(x);
+    if (!copy_x && !allreduce_arguments(x, op, out, &dtype, &reduce_op)) return py::none();
     Running running(*this);
     if (!running.held) return py::none();
+    if (copy_x) {
+      // Only now: x may be a view of the out= of a call queued before, which writes it
+      // until it is over (it was copied before that, and a call that ended meanwhile
+      // left the copy stale).
+      stand_in = contiguous_copy(x);
+      if (!stand_in) return py::none();
+      x = stand_in;
+      if (!allreduce_arguments(x, op, out, &dtype, &reduce_op)) return py::none();
+    }
+    const Array a(x);
     const int64_t chunk = chunk_bytes;  // (read here, with the GIL)
     py::object result = out.is_none() ? new_result(a, a.nd, a.dims) : py::reinterpret_borrow<py::object>(out);
     if (!result) return py::none();
@@ -1116,16 +1130,20 @@ class FastPath {
     return py::reinterpret_steal<py::object>(array);
   }
 
-  // A C-contiguous copy of x, a strided numpy.ndarray (a column, x[::2]) of a dtype and
-  // op the general path has validated; null for anything else. The general path copies
-  // such an x too, after some microseconds of Python (a strided 4 KiB allreduce took
-  // 6.7 us, against 1.8 us for a contiguous one). Copied before the call, it cannot
-  // overlap out.
-  py::object contiguous_copy(py::handle x, py::handle op) const {
-    const auto& api = py::detail::npy_api::get();
+  // Whether x is a strided numpy.ndarray (a column, x[::2]; no subclass) of a dtype and
+  // op the general path has validated, which the FastPath serves as contiguous_copy(x).
+  // The general path copies such an x too, after some microseconds of Python (a strided
+  // 4 KiB allreduce took 6.7 us, against 1.8 us for a contiguous one).
+  bool copyable(py::handle x, py::handle op) const {
     int dtype, reduce_op;
-    if (Py_TYPE(x.ptr()) != api.PyArray_Type_ || !reduction_codes(x, op, &dtype, &reduce_op))
-      return py::object();
+    return Py_TYPE(x.ptr()) == py::detail::npy_api::get().PyArray_Type_ &&
+           reduction_codes(x, op, &dtype, &reduce_op);
+  }
+
+  // A C-contiguous copy of x, or null (the general path then meets the error and says
+  // it). Copied before the call, it cannot overlap out.
+  static py::object contiguous_copy(py::handle x) {
+    const auto& api = py::detail::npy_api::get();
     PyObject* copy = api.PyArray_NewCopy_(x.ptr(), 0 /* NPY_CORDER */);
     if (copy == nullptr) PyErr_Clear();  // (the general path meets the error and says it)
     return py::reinterpret_steal<py::object>(copy);

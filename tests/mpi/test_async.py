@@ -558,6 +558,28 @@ def test_a_queued_call_reads_its_input_after_the_calls_before_it(collective, lay
         assert bitwise_equal(b, reduced)  # root's, which is this rank's
 
 
+def test_a_strided_x_is_copied_only_once_the_call_before_it_is_over(comm, world):
+    # (From a review.) The FastPath copied a strided x before it looked for calls in
+    # flight: a call queued before, whose out= x views, that ended during the copy left
+    # it stale, and the blocking call ran on it (10 of 10 wrong with these sizes). The
+    # last rank joins the first call a little late, so that it ends mid-copy.
+    needs_a_worker(comm)
+    count = 1 << 22  # (a copy of 16 MiB: some milliseconds)
+    wrong = 0
+    for _ in range(5):
+        m = np.ones(2 * count, np.float32)
+        a = m[:1024]  # the first call's x and out; the second reads it, strided
+        world.Barrier()
+        if RANK == SIZE - 1:
+            time.sleep(0.002)
+        first = comm.allreduce_async(a, out=a)
+        got = comm.allreduce(m[::2])
+        first.wait()
+        wrong += not np.all(got[:512] == SIZE * SIZE)
+        assert np.all(got[512:] == SIZE)
+    assert wrong == 0, f"{wrong} of 5 read a before the first call had written it"
+
+
 def test_close_refuses_calls_other_threads_make_meanwhile(world):
     # close() lets the calls in flight finish; another thread that goes on making calls
     # meanwhile must not keep it from ever getting its turn (it once did).
