@@ -181,8 +181,10 @@ def _setting(value):
     the optimizer has none, "?" where it is no number (a schedule object, say: not
     compared)."""
     try:
-        return (tuple(float(v) for v in value) if isinstance(value, (tuple, list))
-                else None if value is None else float(value))
+        if isinstance(value, (tuple, list)) or (isinstance(value, np.ndarray) and
+                                                 value.ndim == 1 and value.size <= 16):
+            return tuple(float(v) for v in value)
+        return None if value is None else float(value)
     except (TypeError, ValueError):
         return "?"
 
@@ -208,11 +210,45 @@ def _hashed_alike(value):
         (3,) if value != value else value
 
 
+def _kind(value):
+    """What kind of number a setting is, as an int that every process gives alike: a
+    numpy scalar's dtype number, else 0 (a tuple's or list's: each item's)."""
+    if isinstance(value, (tuple, list)):
+        return tuple([_kind(v) for v in value])
+    return 1000 + value.dtype.num if isinstance(value, np.generic) else 0
+
+
 def _settings_hash(optimizer) -> int:
     """A hash of the optimizer's settings now, the same in every process that holds the
-    same."""
-    return hash(tuple([_hashed_alike(_setting(getattr(optimizer, name, None)))
-                       for name in _SETTING_NAMES]))
+    same; and of Adam's step count, which ranks that loaded a state on rank 0 alone and
+    forgot broadcast_parameters() hold apart. SGD and Adam compute with float() of their
+    settings; another optimizer may not, and numpy 2 computes lr * g in float64 for an
+    np.float64 lr and float32 g, in float32 for a Python float: its settings' kinds of
+    number count too."""
+    own = type(optimizer).step in (SGD.step, Adam.step)
+    values = []
+    for name in _SETTING_NAMES:
+        raw = getattr(optimizer, name, None)
+        value = _hashed_alike(_setting(raw))
+        values.append(value if own else (value, _kind(raw)))
+    if isinstance(optimizer, Adam):
+        values.append(optimizer.t)
+    return hash(tuple(values))
+
+
+def _update_by(verdict) -> bool:
+    """Whether before_update's verdict says to update: None or True (a numpy bool, or a
+    0-d array of bool, numpy's or cupy's: np.isfinite(g).all()) do, False does not.
+    Anything else raises TypeError: a clipping function that returns the norm, as
+    torch's clip_grad_norm_ does, would skip the steps whose norm is 0 and update where
+    it is NaN."""
+    if verdict is None:
+        return True
+    if isinstance(verdict, (bool, np.bool_)) or (getattr(verdict, "dtype", None) == np.bool_
+                                                  and getattr(verdict, "ndim", None) == 0):
+        return bool(verdict)
+    raise TypeError(f"before_update returned {verdict!r} ({type(verdict).__name__}): return "
+                    "None or True to update, False to skip the step")
 
 
 def _quietly(f, *args):
@@ -296,16 +332,21 @@ class SGD:
 
     def step(self, grads) -> None:
         grads = _check_grads(grads, self.params, "SGD.step")
+        # As Python floats, whatever number a schedule set: numpy 2 computes lr * g in
+        # float64 for an np.float64 lr and float32 g, in float32 for a Python float, so
+        # ranks given one or the other would update apart, though their lr is the same.
+        lr, momentum, weight_decay = float(self.lr), float(self.momentum), \
+            float(self.weight_decay)
         for i, (p, g) in enumerate(zip(self.params, grads)):
             with on_gpu_of(p):  # (cupy computes on the current GPU)
                 dtype = _kept_dtype(p)
                 wide = p if dtype == p.dtype else p.astype(dtype)  # (16-bit p: float32)
                 g = g.astype(dtype, copy=False)
-                if self.weight_decay:
-                    # In wide's dtype, as with a Python float: a numpy scalar (np.float64)
-                    # would widen g, and the momentum buffer made from it.
-                    g = (g + self.weight_decay * wide).astype(dtype, copy=False)
-                if self.momentum:
+                if weight_decay:
+                    # In wide's dtype (a 0-d g plus an array is an array of the wider
+                    # dtype), and so the momentum buffer made from it.
+                    g = (g + weight_decay * wide).astype(dtype, copy=False)
+                if momentum:
                     buf = self.momentum_buffers[i]
                     if buf is None:
                         # An array, even where g is a numpy scalar (a 0-d parameter's
@@ -314,10 +355,10 @@ class SGD:
                         buf = self.momentum_buffers[i] = (g.copy() if g.ndim else
                                                          array_module(p).array(g, copy=True))
                     else:
-                        buf *= self.momentum
+                        buf *= momentum
                         buf += g
                     g = buf
-                wide -= self.lr * g
+                wide -= lr * g
                 if wide is not p:
                     p[...] = wide
 
@@ -413,20 +454,22 @@ class Adam:
     def step(self, grads) -> None:
         grads = _check_grads(grads, self.params, "Adam.step")
         self.t += 1
-        b1, b2 = self.betas
+        # As Python floats, whatever numbers they are (see SGD.step).
+        lr, eps, weight_decay = float(self.lr), float(self.eps), float(self.weight_decay)
+        b1, b2 = (float(b) for b in self.betas)
         correction1, correction2 = 1 - _power(b1, self.t), 1 - _power(b2, self.t)
         for p, g, m, v in zip(self.params, grads, self.m, self.v):
             with on_gpu_of(p):
                 xp = array_module(p)
                 wide = p if m.dtype == p.dtype else p.astype(m.dtype)  # (16-bit p: float32)
                 g = g.astype(m.dtype, copy=False)
-                if self.weight_decay:
-                    g = g + self.weight_decay * wide
+                if weight_decay:
+                    g = g + weight_decay * wide
                 m *= b1
                 m += (1 - b1) * g
                 v *= b2
                 v += (1 - b2) * g * g
-                wide -= self.lr * (m / correction1) / (xp.sqrt(v / correction2) + self.eps)
+                wide -= lr * (m / correction1) / (xp.sqrt(v / correction2) + eps)
                 if wide is not p:
                     p[...] = wide
 
@@ -1068,7 +1111,8 @@ class DistributedOptimizer:
                 "step may need one before any gradient). Another rank abandoned "
                 "the step (abandon_step(), as after an exception in its backward pass), "
                 "stepped another DistributedOptimizer or holds other settings (lr, "
-                "momentum, betas, eps or weight_decay: 'the caller's check' below differs), "
+                "momentum, betas, eps or weight_decay, or Adam's step count: 'the caller's "
+                "check' below differs), "
                 f"or made other calls in their place: {error}") from error
         except CollectiveTimeoutError as error:
             self.abandon_step()
@@ -1095,30 +1139,37 @@ class DistributedOptimizer:
 
     def _agreed_to_update(self, averaged) -> bool:
         """Runs before_update on the averaged gradients; whether every rank updates.
-        What each rank's did (update, skip, or raise) goes to all (an allgather of a
-        byte each), so that no rank updates where another skipped or failed, which
-        would move the replicas apart silently: a rank whose before_update raised
-        raises its error, the others MismatchError naming it, and ranks that decided
-        differently (a function that looked at more than the gradients) all raise
-        MismatchError; the step is dropped on every rank then."""
+        What each rank's did (update, skip, or raise) and the optimizer's settings after
+        it go to all (an allgather of two numbers a rank), so that no rank updates where
+        another skipped or failed, or with settings that before_update changed on some
+        ranks only, which would move the replicas apart silently: a rank whose
+        before_update raised raises its error, the others MismatchError naming it, and
+        ranks that decided differently, or hold other settings, all raise MismatchError;
+        the step is dropped on every rank then (and a handler's abandon_step() makes no
+        calls, as after any error in step())."""
         UPDATE, SKIP, RAISED = 0, 1, 2
         error = None
         try:
-            verdict = self._before_update(averaged)
-            mine = UPDATE if verdict is None or verdict else SKIP
-        except Exception as raised:
+            mine = UPDATE if _update_by(self._before_update(averaged)) else SKIP
+        except BaseException as raised:  # (Ctrl-C too: the others wait for this rank)
             error, mine = raised, RAISED
         start = time.perf_counter()
         try:
-            states = self.comm.allgather(np.array([mine], np.int8)).tolist()
+            told = self.comm.allgather(np.array(
+                [mine, _settings_hash(self.optimizer)], np.int64)).reshape(-1, 2).tolist()
+        except BaseException:
+            self._abandoned_by_error = True
+            raise
         finally:
             self.comm_seconds += time.perf_counter() - start
-        raised = [r for r, state in enumerate(states) if state == RAISED]
+        states = [state for state, _ in told]
         dropped = "so this step is dropped on every rank, without an update"
+        self._abandoned_by_error = True  # (unless it returns)
         if error is not None:
             if hasattr(error, "add_note"):  # (Python 3.11)
-                error.add_note(f"{self._where('step')}: raised by before_update, {dropped}")
+                error.add_note(f"{self._where('step')}: from before_update, {dropped}")
             raise error
+        raised = [r for r, state in enumerate(states) if state == RAISED]
         if raised:
             raise MismatchError(f"{self._where('step')}: before_update raised on rank"
                                 f"{'s' * (len(raised) > 1)} {raised}, {dropped}")
@@ -1128,6 +1179,13 @@ class DistributedOptimizer:
                 f"{self._where('step')}: before_update skipped the update on ranks "
                 f"{skipped} and not on the others, {dropped}: it must decide from the "
                 "averaged gradients alone, which are the same on every rank")
+        apart = [r for r, (_, settings) in enumerate(told) if settings != told[0][1]]
+        if apart:
+            raise MismatchError(
+                f"{self._where('step')}: after before_update, ranks {apart} hold other "
+                "optimizer settings than rank 0 (lr, momentum, betas, eps or weight_decay), "
+                f"{dropped}: set them alike on every rank")
+        self._abandoned_by_error = False
         return states[0] == UPDATE
 
     def _check_optimizer_has(self, method: str) -> None:

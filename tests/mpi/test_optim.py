@@ -2027,11 +2027,31 @@ def test_a_distributed_optimizer_with_a_bad_argument_on_one_rank_raises_on_every
     np.testing.assert_allclose(params[0], -0.1 * (SIZE - 1) / 2)
 
 
+BEFORE_UPDATE_GONE_WRONG = {
+    "raises": (ArithmeticError, "a bug of its own",
+               rf"before_update raised on rank \[{BAD}\], so this step is dropped on every "
+               "rank, without an update"),
+    "is interrupted": (KeyboardInterrupt, None,
+                       rf"before_update raised on rank \[{BAD}\], so this step is dropped"),
+    "returns a norm": (TypeError, r"before_update returned 0\.5 \(float\): return None or "
+                       "True to update, False to skip the step",
+                       rf"before_update raised on rank \[{BAD}\]"),
+    "decides apart": (rr.MismatchError, rf"before_update skipped the update on ranks \[{BAD}\] "
+                      "and not on the others, so this step is dropped on every rank.*: it "
+                      "must decide from the averaged gradients alone", None),
+    "sets lr": (rr.MismatchError, rf"after before_update, ranks \[{BAD}\] hold other "
+                "optimizer settings than rank 0", None),
+}
+
+
 @needs_two
-@pytest.mark.parametrize("how", ["raises", "decides apart"])
+@pytest.mark.parametrize("how", sorted(BEFORE_UPDATE_GONE_WRONG))
 def test_a_before_update_that_differs_on_one_rank_drops_the_step_on_every_rank(how):
     # The gradients are the same on every rank, but a function may look at more than
-    # them (or fail on one rank): no rank may update where another did not.
+    # them, change the settings, or fail on one rank: no rank may update where another
+    # did not, or with other settings. The handlers are docs/api.md's: the rank whose
+    # own error it is calls abandon_step() (which must then make no calls: it once made
+    # a step's worth, which the others' next step met), the others go on.
     params = [np.zeros(5)]
     going_wrong = [True]
 
@@ -2039,24 +2059,30 @@ def test_a_before_update_that_differs_on_one_rank_drops_the_step_on_every_rank(h
         if RANK == BAD and going_wrong[0]:
             if how == "raises":
                 raise ArithmeticError("a bug of its own")
+            if how == "is interrupted":
+                raise KeyboardInterrupt  # (the others once met this rank's next step)
+            if how == "returns a norm":
+                return 0.5
+            if how == "sets lr":
+                opt.optimizer.lr = 0.5  # (a warm-up counted on this rank alone, say)
+                return None
             return False
 
-    opt = DistributedOptimizer(SGD(params, lr=1.0), before_update=hook)
-    if how == "raises":
-        context = raises_here_or_mismatch(ArithmeticError, "a bug of its own",
-                                          rf"before_update raised on rank \[{BAD}\], so this "
-                                          "step is dropped on every rank, without an update")
-    else:
-        context = pytest.raises(rr.MismatchError, match=rf"before_update skipped the update on "
-                                rf"ranks \[{BAD}\] and not on the others, so this step is "
-                                "dropped on every rank.*: it must decide from the averaged "
-                                "gradients alone")
-    with context:
+    opt = DistributedOptimizer(SGD(params, lr=1.0), bucket_mb=1e-5, before_update=hook)
+    own_error, own_match, others_match = BEFORE_UPDATE_GONE_WRONG[how]
+    with (raises_here_or_mismatch(own_error, own_match, others_match) if others_match
+          else pytest.raises(own_error, match=own_match)):
         opt.step([np.full(5, float(RANK))])
+    if RANK == BAD and others_match:
+        opt.abandon_step()  # (a no-op: the step is dropped already)
     np.testing.assert_array_equal(params[0], 0.0)  # no update anywhere
     going_wrong[0] = False
-    opt.step([np.full(5, float(RANK))])  # the next step is whole
-    np.testing.assert_allclose(params[0], -(SIZE - 1) / 2)
+    opt.optimizer.lr = 1.0
+    for _ in range(2):  # the next steps are whole, and pair up
+        opt.step([np.full(5, float(RANK))])
+    np.testing.assert_allclose(params[0], -(SIZE - 1))
+    blobs = MPI.COMM_WORLD.allgather(params[0].tobytes())
+    assert all(b == blobs[0] for b in blobs)
 
 
 @needs_two
@@ -2080,7 +2106,8 @@ def test_ranks_that_wrap_different_optimizers_are_told(differ):
 
 
 CHANGED_SETTINGS = {"lr": 0.05, "momentum": 0.9, "betas": (0.8, 0.99), "eps": 1e-6,
-                    "weight_decay": np.float32(0.01)}
+                    "weight_decay": np.float32(0.01), "betas as an array": np.array([0.8, 0.99]),
+                    "t": None}
 
 
 @needs_two
@@ -2091,24 +2118,61 @@ def test_a_setting_changed_on_one_rank_drops_the_step_on_every_rank(setting, com
     # load_state_dict() only: a schedule that set lr on one rank (from that rank's own
     # validation loss, say) moved the replicas apart, silently.
     params = [np.zeros((20, 30)), np.zeros(30)]
-    optimizer = (Adam(params, lr=0.1) if setting in ("betas", "eps")
+    optimizer = (Adam(params, lr=0.1) if setting in ("betas", "eps", "betas as an array", "t")
                  else SGD(params, lr=0.1, momentum=0.5))
+    # (t: Adam's step count, which differs where rank 0 alone loaded a state and
+    # broadcast_parameters() was forgotten.)
+    name = {"betas as an array": "betas"}.get(setting, setting)
+    value = CHANGED_SETTINGS[setting]
     opt = DistributedOptimizer(optimizer, bucket_mb=0.001, compression=(
         PowerSGD(rank=1) if compression == "powersgd" else compression))
     grads = [np.full((20, 30), 1.0 + RANK), np.full(30, 1.0 + RANK)]
     opt.step(grads)
     before = [p.copy() for p in params]
+    if setting == "t":
+        value = optimizer.t + 1
     if RANK == BAD:
-        setattr(optimizer, setting, CHANGED_SETTINGS[setting])
+        setattr(optimizer, name, value)
+    elif setting == "betas as an array":  # (every rank's an array: once not compared)
+        optimizer.betas = np.array(optimizer.betas)
     with pytest.raises(rr.MismatchError, match=r"did not pair up.*holds other settings"):
         opt.step(grads)
     for p, b in zip(params, before):
         np.testing.assert_array_equal(p, b)  # no update anywhere
-    setattr(optimizer, setting, CHANGED_SETTINGS[setting])  # a schedule that all ranks run
+    setattr(optimizer, name, value)  # a schedule that all ranks run
     opt.step(grads)
     everyone = MPI.COMM_WORLD.allgather([p.tobytes() for p in params])
     assert all(mine == everyone[0] for mine in everyone)  # identical replicas
     assert not all(np.array_equal(p, b) for p, b in zip(params, before))  # and a step
+
+
+@needs_two
+@pytest.mark.parametrize("make", ["SGD", "Adam", "one's own"])
+def test_a_numpy_number_for_a_setting_on_one_rank_updates_alike_or_is_told(make):
+    # (From a review.) numpy 2 computes lr * g in float64 for an np.float64 lr and
+    # float32 g, in float32 for a Python float: a schedule that gave one rank numpy
+    # numbers (np.cos of the step, say) moved float32 replicas apart, silently, though
+    # the values compared equal. SGD and Adam now compute with float() of their
+    # settings; for an optimizer of one's own the kind of number is compared too.
+    params = [np.linspace(-1, 1, 600, dtype=np.float32).reshape(20, 30)]
+    optimizer = {"SGD": lambda: SGD(params, lr=0.1, momentum=0.9, weight_decay=0.01),
+                 "Adam": lambda: Adam(params, lr=0.01, weight_decay=0.01),
+                 "one's own": lambda: HeavyBall(params, lr=0.1, momentum=0.5)}[make]()
+    opt = DistributedOptimizer(optimizer)
+    rng = np.random.default_rng(RANK)
+    for step in range(3):
+        lr = 0.1 / 3 ** step  # (no float32 number: the two kinds round apart)
+        optimizer.lr = np.float64(lr) if RANK == BAD else lr
+        if make == "Adam" and RANK == BAD:
+            optimizer.betas = (np.float64(0.9), np.float64(0.999))
+        grads = [rng.standard_normal((20, 30)).astype(np.float32)]
+        if make == "one's own":
+            with pytest.raises(rr.MismatchError, match="holds other settings"):
+                opt.step(grads)
+        else:
+            opt.step(grads)
+    blobs = MPI.COMM_WORLD.allgather(params[0].tobytes())
+    assert all(b == blobs[0] for b in blobs), "replicas differ"
 
 
 @needs_two
