@@ -1117,6 +1117,10 @@ class DistributedOptimizer:
         except CollectiveTimeoutError as error:
             self.abandon_step()
             self._abandoned_by_error = True
+            if not any(words in str(error) for words in (
+                    "not joined this call", "for every rank to join this call",
+                    "has given up on this communicator (a timeout there")):
+                raise  # (a rank left, or stopped in the ring: its own message says)
             # A step's last all-reduce starts here, not in backward (so that a rank can
             # still abandon the step): ranks that step several optimizers must do so in
             # one order, which the error of the call alone does not say.
