@@ -772,6 +772,7 @@ class DistributedOptimizer:
                                self.comm._optimizers_made))
         self._call_check = self.comm._check(self.comm.CHECK_OPTIMIZER, self._identity)
         self.comm._optimizers_made += 1
+        self._renew_step_check()
 
     def __repr__(self) -> str:
         buckets = len(self._buckets)
@@ -785,13 +786,18 @@ class DistributedOptimizer:
         call = f"DistributedOptimizer.{method}" if method else "DistributedOptimizer"
         return _types.where(self.comm.rank, self.comm.size, call)
 
+    def _renew_step_check(self) -> None:
+        """What a step's all-reduces carry (_step_check): which optimizer (as
+        _call_check) and its settings now, so that ranks where a schedule set another lr
+        (or momentum, betas, eps, weight_decay), which are compared only once otherwise,
+        raise MismatchError in step() instead of updating their replicas apart. Renewed
+        as a step's first all-reduce starts and in step(), before its last, which every
+        update waits for (not at every bucket: 2-3 us each)."""
+        self._step_check_now = self.comm._check(
+            self.comm.CHECK_OPTIMIZER, hash((self._identity, _settings_hash(self.optimizer))))
+
     def _step_check(self) -> int:
-        """What a step's all-reduces carry: which optimizer (as _call_check) and its
-        settings now, so that ranks where a schedule set another lr (or momentum, betas,
-        eps, weight_decay), which are compared only once otherwise, raise MismatchError
-        in step() instead of updating their replicas apart."""
-        return self.comm._check(self.comm.CHECK_OPTIMIZER,
-                                hash((self._identity, _settings_hash(self.optimizer))))
+        return self._step_check_now
 
     def _set_up(self, optimizer, bucket_mb, compression, before_update) -> None:
         """All of construction that this rank does alone (and may refuse)."""
@@ -1081,6 +1087,8 @@ class DistributedOptimizer:
         averaged = [None] * len(self.params)
         start = time.perf_counter()
         try:
+            if self._next_to_start:  # (else renewed as the first starts)
+                self._renew_step_check()  # the settings it updates with
             self._start_complete_units(last_too=True)  # all are complete now
             # Every all-reduce of the step completes before what only ranks that step
             # do (an fp16 bucket's agreement on its scale): where another rank abandoned
@@ -1574,6 +1582,8 @@ class DistributedOptimizer:
                 self._holding_last = True
                 return
             self._holding_last = False
+            if self._next_to_start == 0:
+                self._renew_step_check()
             if isinstance(unit, _Bucket):
                 self._start(unit)
             else:  # a matrix PowerSGD compresses: its first all-reduce (of P)
@@ -1669,6 +1679,8 @@ class DistributedOptimizer:
     def _make_the_rest_of_the_calls(self):
         """The all-reduces of this step that this rank has not made yet, in their order
         (see abandon_step)."""
+        if self._next_to_start == 0:
+            self._renew_step_check()
         for unit in self._units[self._next_to_start:]:
             if isinstance(unit, _Bucket):
                 unit.buffer[...] = 0
