@@ -735,8 +735,8 @@ class DistributedOptimizer:
 
     before_update: a function given the step's averaged gradients (a list, the same on
     every rank) before the update, which may change them (clip them, say) and returns
-    a false value other than None to skip this step's update (gradients not finite,
-    say); the ranks compare what each one's did (see step()).
+    None or True to update, False to skip this step's update (gradients not finite,
+    say); the ranks compare what each one's did (see _agreed_to_update).
 
     Construction is collective: every rank must wrap parameters of the same shapes
     (and so are load_state_dict() and broadcast_parameters()).
@@ -1163,12 +1163,13 @@ class DistributedOptimizer:
         error = None
         try:
             mine = UPDATE if _update_by(self._before_update(averaged)) else SKIP
+            settings = _settings_hash(self.optimizer)
         except BaseException as raised:  # (Ctrl-C too: the others wait for this rank)
-            error, mine = raised, RAISED
+            error, mine, settings = raised, RAISED, 0
         start = time.perf_counter()
         try:
-            told = self.comm.allgather(np.array(
-                [mine, _settings_hash(self.optimizer)], np.int64)).reshape(-1, 2).tolist()
+            told = self.comm.allgather(np.array([mine, settings], np.int64)
+                                       ).reshape(-1, 2).tolist()
         except BaseException:
             self._abandoned_by_error = True
             raise
@@ -1680,7 +1681,7 @@ class DistributedOptimizer:
         """The all-reduces of this step that this rank has not made yet, in their order
         (see abandon_step)."""
         if self._next_to_start == 0:
-            self._renew_step_check()
+            _quietly(self._renew_step_check)  # (a setting that fails to read: the last)
         for unit in self._units[self._next_to_start:]:
             if isinstance(unit, _Bucket):
                 unit.buffer[...] = 0
@@ -1698,7 +1699,8 @@ class DistributedOptimizer:
         for unit in self._units:  # PowerSGD's second all-reduces, as step() makes them
             call = self._low_rank_calls.get(unit) if not isinstance(unit, _Bucket) else None
             if call is not None and call.q is None:
-                _quietly(self.powersgd.project, call, self.comm, _ABANDONED_OP, self._step_check())
+                _quietly(self.powersgd.project, call, self.comm, _ABANDONED_OP,
+                         self._step_check())
 
     def _new_step(self):
         self._micro_batch.clear()
