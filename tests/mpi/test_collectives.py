@@ -112,7 +112,8 @@ def test_allgather_with_rows_in_and_out_of_the_header_exchange(small_chunks, wor
 
 def test_the_common_calls_never_reach_the_general_path(world, monkeypatch):
     # Once the general path has validated a dtype and op, the core's FastPath serves a
-    # contiguous numpy array with out= None, x itself or a plain array: the general
+    # contiguous numpy array (and for allreduce a strided one) with out= None, x itself
+    # or a plain array: the general
     # path (Communicator._call, recorded here, and still run) is never called.
     general = []
     with rr.Communicator() as ring:
@@ -149,8 +150,9 @@ def test_the_common_calls_never_reach_the_general_path(world, monkeypatch):
         block = np.array_split(sum(world.allgather(whole)), SIZE)[RANK]
         np.testing.assert_array_equal(ring.reduce_scatter(whole), block)
         np.testing.assert_array_equal(ring.reduce_scatter(whole, out=np.empty_like(block)), block)
+        ring.allreduce(x[::2])  # strided: copied by the FastPath (since 2026-12-06)
         assert general == []
-        ring.allreduce(x[::2])  # not contiguous: the general path's
+        ring.allreduce(x.astype(x.dtype.newbyteorder()))  # the general path's
         assert general == ["allreduce"]
 
 
