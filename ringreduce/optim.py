@@ -211,11 +211,14 @@ def _hashed_alike(value):
 
 
 def _kind(value):
-    """What kind of number a setting is, as an int that every process gives alike: a
-    numpy scalar's dtype number, else 0 (a tuple's or list's: each item's)."""
+    """What kind of number a setting is, as an int that every process gives alike: the
+    number of its dtype where it has one (a numpy scalar, a 0-d array of numpy or cupy,
+    which numpy 2 computes with as its dtype too), else 0 (a tuple's or list's: each
+    item's)."""
     if isinstance(value, (tuple, list)):
         return tuple([_kind(v) for v in value])
-    return 1000 + value.dtype.num if isinstance(value, np.generic) else 0
+    dtype = getattr(value, "dtype", None)
+    return 1000 + dtype.num if isinstance(dtype, np.dtype) else 0
 
 
 def _settings_hash(optimizer) -> int:
@@ -772,7 +775,7 @@ class DistributedOptimizer:
                                self.comm._optimizers_made))
         self._call_check = self.comm._check(self.comm.CHECK_OPTIMIZER, self._identity)
         self.comm._optimizers_made += 1
-        self._renew_step_check()
+        self._step_check_now = self._call_check  # (see _renew_step_check)
 
     def __repr__(self) -> str:
         buckets = len(self._buckets)
@@ -790,9 +793,11 @@ class DistributedOptimizer:
         """What a step's all-reduces carry (_step_check): which optimizer (as
         _call_check) and its settings now, so that ranks where a schedule set another lr
         (or momentum, betas, eps, weight_decay), which are compared only once otherwise,
-        raise MismatchError in step() instead of updating their replicas apart. Renewed
-        as a step's first all-reduce starts and in step(), before its last, which every
-        update waits for (not at every bucket: 2-3 us each)."""
+        raise MismatchError in step() instead of updating their replicas apart. Made in
+        step(), for the all-reduces it starts (the step's last among them, which every
+        update waits for), once a step (2-3 us): the calls before it, started during
+        backward, carry which optimizer only (_call_check), so that ranks that set the
+        same lr at different points of backward still pair up."""
         self._step_check_now = self.comm._check(
             self.comm.CHECK_OPTIMIZER, hash((self._identity, _settings_hash(self.optimizer))))
 
@@ -1086,9 +1091,13 @@ class DistributedOptimizer:
             return
         averaged = [None] * len(self.params)
         start = time.perf_counter()
+        # PowerSGD's error fed back and Q as before this step, for a step that
+        # before_update skips or the ranks drop: as if it had never been (finish()
+        # keeps this step's, which the next would otherwise take up).
+        kept = (dict(self.powersgd._q), dict(self.powersgd._error)) \
+            if self._before_update is not None and self.powersgd is not None else None
         try:
-            if self._next_to_start:  # (else renewed as the first starts)
-                self._renew_step_check()  # the settings it updates with
+            self._renew_step_check()  # the settings it updates with
             self._start_complete_units(last_too=True)  # all are complete now
             # Every all-reduce of the step completes before what only ranks that step
             # do (an fp16 bucket's agreement on its scale): where another rank abandoned
@@ -1125,10 +1134,10 @@ class DistributedOptimizer:
         except CollectiveTimeoutError as error:
             self.abandon_step()
             self._abandoned_by_error = True
-            if not any(words in str(error) for words in (
+            if "gave up earlier" in str(error) or not any(words in str(error) for words in (
                     "not joined this call", "for every rank to join this call",
                     "has given up on this communicator (a timeout there")):
-                raise  # (a rank left, or stopped in the ring: its own message says)
+                raise  # (a rank left, or stopped in the ring, or this call never began)
             # A step's last all-reduce starts here, not in backward (so that a rank can
             # still abandon the step): ranks that step several optimizers must do so in
             # one order, which the error of the call alone does not say.
@@ -1145,8 +1154,15 @@ class DistributedOptimizer:
         finally:
             self.comm_seconds += time.perf_counter() - start
         self._new_step()
-        if self._before_update is not None and not self._agreed_to_update(averaged):
-            return
+        if self._before_update is not None:
+            updating = False
+            try:
+                updating = self._agreed_to_update(averaged)
+            finally:
+                if not updating and kept is not None:
+                    self.powersgd._q, self.powersgd._error = kept
+            if not updating:
+                return
         self.optimizer.step(averaged)
 
     def _agreed_to_update(self, averaged) -> bool:
@@ -1170,6 +1186,13 @@ class DistributedOptimizer:
         try:
             told = self.comm.allgather(np.array([mine, settings], np.int64)
                                        ).reshape(-1, 2).tolist()
+        except CollectiveTimeoutError as timeout:
+            self._abandoned_by_error = True
+            raise CollectiveTimeoutError(
+                f"{self._where('step')}: the ranks could not compare what before_update "
+                "did (a rank's outlasted the timeout, or it is stuck before its step()), so "
+                "this step is dropped here, without an update (a late rank may still "
+                f"update: resume from a checkpoint): {timeout}") from timeout
         except BaseException:
             self._abandoned_by_error = True
             raise
@@ -1583,8 +1606,6 @@ class DistributedOptimizer:
                 self._holding_last = True
                 return
             self._holding_last = False
-            if self._next_to_start == 0:
-                self._renew_step_check()
             if isinstance(unit, _Bucket):
                 self._start(unit)
             else:  # a matrix PowerSGD compresses: its first all-reduce (of P)
@@ -1680,8 +1701,6 @@ class DistributedOptimizer:
     def _make_the_rest_of_the_calls(self):
         """The all-reduces of this step that this rank has not made yet, in their order
         (see abandon_step)."""
-        if self._next_to_start == 0:
-            _quietly(self._renew_step_check)  # (a setting that fails to read: the last)
         for unit in self._units[self._next_to_start:]:
             if isinstance(unit, _Bucket):
                 unit.buffer[...] = 0
@@ -1703,6 +1722,7 @@ class DistributedOptimizer:
                          self._step_check())
 
     def _new_step(self):
+        self._step_check_now = self._call_check  # (until step(): see _renew_step_check)
         self._micro_batch.clear()
         for b in self._buckets:
             b.handle = None

@@ -2044,6 +2044,53 @@ BEFORE_UPDATE_GONE_WRONG = {
 }
 
 
+def test_a_step_before_update_skips_leaves_powersgd_as_if_it_had_never_been():
+    # (From a review.) PowerSGD had kept the skipped step's error to feed back, and
+    # its Q, before before_update said to skip: with rank 1, most of a gradient skipped
+    # (a loss spike) came back in the next update.
+    def run(skip):
+        params = [np.zeros((20, 30)), np.zeros(30)]
+        steps = []
+
+        def hook(grads):
+            steps.append(None)
+            return len(steps) != 3  # the third step that reaches it: skipped
+
+        opt = DistributedOptimizer(SGD(params, lr=0.1), compression=PowerSGD(rank=1),
+                                   before_update=hook if skip else None)
+        for step in range(4):
+            if step == 2 and not skip:
+                continue  # (the step the other run skips, never taken)
+            rng = np.random.default_rng([step, RANK])
+            opt.step([rng.standard_normal((20, 30)), rng.standard_normal(30)])
+        return params
+
+    for p, q in zip(run(skip=True), run(skip=False)):
+        np.testing.assert_array_equal(p, q)
+
+
+@needs_two
+def test_ranks_that_set_one_lr_at_different_points_of_backward_pair_up():
+    # (From a review.) The settings' check was renewed as a step's first all-reduce
+    # started: ranks that set the same lr before and after it raised MismatchError at
+    # every step, with several buckets. Only step()'s all-reduces carry the settings.
+    params = [np.ones(100) * i for i in range(4)]
+    opt = DistributedOptimizer(SGD(params, lr=0.1), bucket_mb=0.0001)
+    assert len(opt._buckets) == 4
+    for step in range(3):
+        if RANK == 0:
+            opt.optimizer.lr = 0.05 / (step + 1)
+        for i in reversed(range(4)):
+            opt.grad_ready(i, np.full(100, 1.0 + RANK))
+            if RANK != 0 and i == 3:  # (its bucket's all-reduce has started)
+                opt.optimizer.lr = 0.05 / (step + 1)
+        opt.step()
+    expected = [np.ones(100) * i - (0.05 + 0.025 + 0.05 / 3) * (1 + SIZE) / 2
+                for i in range(4)]
+    for p, q in zip(params, expected):
+        np.testing.assert_allclose(p, q, rtol=1e-14)
+
+
 @needs_two
 @pytest.mark.parametrize("how", sorted(BEFORE_UPDATE_GONE_WRONG))
 def test_a_before_update_that_differs_on_one_rank_drops_the_step_on_every_rank(how):
@@ -2147,8 +2194,9 @@ def test_a_setting_changed_on_one_rank_drops_the_step_on_every_rank(setting, com
 
 
 @needs_two
+@pytest.mark.parametrize("number", [np.float64, np.asarray])  # (a 0-d array: cupy's sums)
 @pytest.mark.parametrize("make", ["SGD", "Adam", "one's own"])
-def test_a_numpy_number_for_a_setting_on_one_rank_updates_alike_or_is_told(make):
+def test_a_numpy_number_for_a_setting_on_one_rank_updates_alike_or_is_told(make, number):
     # (From a review.) numpy 2 computes lr * g in float64 for an np.float64 lr and
     # float32 g, in float32 for a Python float: a schedule that gave one rank numpy
     # numbers (np.cos of the step, say) moved float32 replicas apart, silently, though
@@ -2162,9 +2210,9 @@ def test_a_numpy_number_for_a_setting_on_one_rank_updates_alike_or_is_told(make)
     rng = np.random.default_rng(RANK)
     for step in range(3):
         lr = 0.1 / 3 ** step  # (no float32 number: the two kinds round apart)
-        optimizer.lr = np.float64(lr) if RANK == BAD else lr
+        optimizer.lr = number(lr) if RANK == BAD else lr
         if make == "Adam" and RANK == BAD:
-            optimizer.betas = (np.float64(0.9), np.float64(0.999))
+            optimizer.betas = (number(0.9), number(0.999))
         grads = [rng.standard_normal((20, 30)).astype(np.float32)]
         if make == "one's own":
             with pytest.raises(rr.MismatchError, match="holds other settings"):
