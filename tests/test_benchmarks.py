@@ -14,6 +14,18 @@ from launch import job_env, mpiexec
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def run_benchmark(tmp_path, script: str, *args: str):
+    """benchmarks/script on 2 ranks with args and --json: the finished process (which
+    must have succeeded) and what it wrote."""
+    result = tmp_path / "result.json"
+    done = subprocess.run(
+        [mpiexec(), "-n", "2", sys.executable, "-m", "mpi4py", f"benchmarks/{script}", *args,
+         "--json", str(result)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, env=job_env())
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done, json.loads(result.read_text())
+
+
 def test_bench_allreduce_and_summarize(tmp_path):
     result = tmp_path / "run.json"
     done = subprocess.run(
@@ -145,13 +157,8 @@ def test_bench_async_times_the_other_collectives_against_their_peers(tmp_path, c
 
 
 def test_bench_gradients_runs_and_writes_every_candidate(tmp_path):
-    result = tmp_path / "gradients.json"
-    done = subprocess.run(
-        [mpiexec(), "-n", "2", sys.executable, "-m", "mpi4py", "benchmarks/bench_gradients.py",
-         "--models", "3x64,2x128K", "--repeats", "2", "--no-gloo", "--json", str(result)],
-        cwd=ROOT, capture_output=True, text=True, timeout=300, env=job_env())
-    assert done.returncode == 0, done.stdout + done.stderr
-    data = json.loads(result.read_text())
+    done, data = run_benchmark(tmp_path, "bench_gradients.py", "--models", "3x64,2x128K",
+                               "--repeats", "2", "--no-gloo")
     seen = {(r["implementation"], r["arrays"], r["bytes_each"]) for r in data["results"]}
     for name in ("ringreduce", "MPI packed", "MPI per array"):
         assert (name, 3, 64) in seen and (name, 2, 128 << 10) in seen
@@ -183,13 +190,8 @@ def test_bench_placement_times_both_rings_on_ranks_that_pretend_to_be_on_two_mac
 
 
 def test_bench_scalar_runs_and_writes_every_candidate(tmp_path):
-    result = tmp_path / "scalar.json"
-    done = subprocess.run(
-        [mpiexec(), "-n", "2", sys.executable, "-m", "mpi4py", "benchmarks/bench_scalar.py",
-         "--repeats", "2", "--json", str(result)],
-        cwd=ROOT, capture_output=True, text=True, timeout=300, env=job_env())
-    assert done.returncode == 0, done.stdout + done.stderr
-    rows = json.loads(result.read_text())["results"]
+    done, data = run_benchmark(tmp_path, "bench_scalar.py", "--repeats", "2")
+    rows = data["results"]
     for value in ("float32 loss (sum)", "bool flag (max)"):
         names = {r["implementation"] for r in rows if r["value"] == value}
         assert names == {"ringreduce, numpy scalar", "ringreduce, Python scalar",
@@ -200,13 +202,8 @@ def test_bench_scalar_runs_and_writes_every_candidate(tmp_path):
 
 
 def test_bench_layouts_runs_and_writes_every_case(tmp_path):
-    result = tmp_path / "layouts.json"
-    done = subprocess.run(
-        [mpiexec(), "-n", "2", sys.executable, "-m", "mpi4py", "benchmarks/bench_layouts.py",
-         "--sizes", "8,4K", "--repeats", "2", "--json", str(result)],
-        cwd=ROOT, capture_output=True, text=True, timeout=300, env=job_env())
-    assert done.returncode == 0, done.stdout + done.stderr
-    rows = json.loads(result.read_text())["results"]
+    done, data = run_benchmark(tmp_path, "bench_layouts.py", "--sizes", "8,4K", "--repeats", "2")
+    rows = data["results"]
     cases = {(r["dtype"], r["layout"]) for r in rows}
     assert cases == {(d, "contiguous") for d in ("float32", "float64", "int32", "int8",
                                                  "complex128")} | {("float32", "strided"),
@@ -219,13 +216,8 @@ def test_bench_layouts_runs_and_writes_every_case(tmp_path):
 
 
 def test_bench_dtypes_runs_and_writes_every_dtype(tmp_path):
-    result = tmp_path / "dtypes.json"
-    done = subprocess.run(
-        [mpiexec(), "-n", "2", sys.executable, "-m", "mpi4py", "benchmarks/bench_dtypes.py",
-         "--counts", "1K,3", "--repeats", "2", "--json", str(result)],
-        cwd=ROOT, capture_output=True, text=True, timeout=300, env=job_env())
-    assert done.returncode == 0, done.stdout + done.stderr
-    rows = json.loads(result.read_text())["results"]
+    done, data = run_benchmark(tmp_path, "bench_dtypes.py", "--counts", "1K,3", "--repeats", "2")
+    rows = data["results"]
     names = {"float32", "float16"} | ({"bfloat16"} if importlib.util.find_spec("ml_dtypes")
                                       else set())
     for count in (1024, 3):
