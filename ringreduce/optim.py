@@ -17,6 +17,7 @@ import contextlib
 import decimal
 import functools
 import math
+import struct
 import time
 import zlib
 
@@ -201,13 +202,16 @@ def _optimizer_settings(optimizer, loading: dict | None = None) -> str:
 
 
 def _hashed_alike(value):
-    """A _setting() as what hashes alike in every process that has it: floats do, but
-    not a NaN (by its id), None or a string (by a salt), which become tuples of ints
-    (not -1 and -2, which hash alike)."""
+    """A _setting() as what hashes alike in every process that has it, and apart from
+    any other: a float as its bits (a float's own hash puts -1.0 with -2.0, and a NaN by
+    its id), None and a string (hashed with a salt) as tuples of ints."""
     if isinstance(value, tuple):
         return tuple([_hashed_alike(v) for v in value])
-    return (1,) if value is None else (2,) if value == "?" else \
-        (3,) if value != value else value
+    if value is None or value == "?":
+        return (1,) if value is None else (2,)
+    if value != value:
+        return (3,)
+    return struct.unpack("<q", struct.pack("<d", value + 0.0))[0]  # (-0.0 as 0.0)
 
 
 def _kind(value):

@@ -2154,7 +2154,7 @@ def test_ranks_that_wrap_different_optimizers_are_told(differ):
 
 CHANGED_SETTINGS = {"lr": 0.05, "momentum": 0.9, "betas": (0.8, 0.99), "eps": 1e-6,
                     "weight_decay": np.float32(0.01), "betas as an array": np.array([0.8, 0.99]),
-                    "t": None}
+                    "t": None, "lr, negative": -1.0}
 
 
 @needs_two
@@ -2169,7 +2169,7 @@ def test_a_setting_changed_on_one_rank_drops_the_step_on_every_rank(setting, com
                  else SGD(params, lr=0.1, momentum=0.5))
     # (t: Adam's step count, which differs where rank 0 alone loaded a state and
     # broadcast_parameters() was forgotten.)
-    name = {"betas as an array": "betas"}.get(setting, setting)
+    name = {"betas as an array": "betas", "lr, negative": "lr"}.get(setting, setting)
     value = CHANGED_SETTINGS[setting]
     opt = DistributedOptimizer(optimizer, bucket_mb=0.001, compression=(
         PowerSGD(rank=1) if compression == "powersgd" else compression))
@@ -2182,6 +2182,8 @@ def test_a_setting_changed_on_one_rank_drops_the_step_on_every_rank(setting, com
         setattr(optimizer, name, value)
     elif setting == "betas as an array":  # (every rank's an array: once not compared)
         optimizer.betas = np.array(optimizer.betas)
+    elif setting == "lr, negative":  # (-1.0 and -2.0: one float hash; from a review)
+        optimizer.lr = -2.0
     with pytest.raises(rr.MismatchError, match=r"did not pair up.*holds other settings"):
         opt.step(grads)
     for p, b in zip(params, before):
