@@ -17,7 +17,6 @@ import contextlib
 import decimal
 import functools
 import math
-import struct
 import time
 import zlib
 
@@ -201,19 +200,6 @@ def _optimizer_settings(optimizer, loading: dict | None = None) -> str:
     return repr(settings)
 
 
-def _hashed_alike(value):
-    """A _setting() as what hashes alike in every process that has it, and apart from
-    any other: a float as its bits (a float's own hash puts -1.0 with -2.0, and a NaN by
-    its id), None and a string (hashed with a salt) as tuples of ints."""
-    if isinstance(value, tuple):
-        return tuple([_hashed_alike(v) for v in value])
-    if value is None or value == "?":
-        return (1,) if value is None else (2,)
-    if value != value:
-        return (3,)
-    return struct.unpack("<q", struct.pack("<d", value + 0.0))[0]  # (-0.0 as 0.0)
-
-
 def _kind(value):
     """What kind of number a setting is, as an int that every process gives alike: the
     number of its dtype where it has one (a numpy scalar, a 0-d array of numpy or cupy,
@@ -226,21 +212,20 @@ def _kind(value):
 
 
 def _settings_hash(optimizer) -> int:
-    """A hash of the optimizer's settings now, the same in every process that holds the
-    same; and of Adam's step count, which ranks that loaded a state on rank 0 alone and
+    """A hash of the optimizer's settings now, as construction compares them
+    (_optimizer_settings' text: a CRC of it is the same in every process that holds the
+    same, where Python's own hash is not for a NaN, None or a string, and puts -1.0 with
+    -2.0); and of Adam's step count, which ranks that loaded a state on rank 0 alone and
     forgot broadcast_parameters() hold apart. SGD and Adam compute with float() of their
     settings; another optimizer may not, and numpy 2 computes lr * g in float64 for an
     np.float64 lr and float32 g, in float32 for a Python float: its settings' kinds of
     number count too."""
-    own = type(optimizer).step in (SGD.step, Adam.step)
-    values = []
-    for name in _SETTING_NAMES:
-        raw = getattr(optimizer, name, None)
-        value = _hashed_alike(_setting(raw))
-        values.append(value if own else (value, _kind(raw)))
+    text = _optimizer_settings(optimizer)
+    if type(optimizer).step not in (SGD.step, Adam.step):
+        text += repr([_kind(getattr(optimizer, name, None)) for name in _SETTING_NAMES])
     if isinstance(optimizer, Adam):
-        values.append(optimizer.t)
-    return hash(tuple(values))
+        text += f" t={optimizer.t}"
+    return zlib.crc32(text.encode())
 
 
 def _update_by(verdict) -> bool:
@@ -779,7 +764,7 @@ class DistributedOptimizer:
                                self.comm._optimizers_made))
         self._call_check = self.comm._check(self.comm.CHECK_OPTIMIZER, self._identity)
         self.comm._optimizers_made += 1
-        self._step_check_now = self._call_check  # (see _renew_step_check)
+        self._step_check = self._call_check  # (see _renew_step_check)
 
     def __repr__(self) -> str:
         buckets = len(self._buckets)
@@ -799,14 +784,11 @@ class DistributedOptimizer:
         (or momentum, betas, eps, weight_decay), which are compared only once otherwise,
         raise MismatchError in step() instead of updating their replicas apart. Made in
         step(), for the all-reduces it starts (the step's last among them, which every
-        update waits for), once a step (2-3 us): the calls before it, started during
+        update waits for), once a step (some 4 us): the calls before it, started during
         backward, carry which optimizer only (_call_check), so that ranks that set the
         same lr at different points of backward still pair up."""
-        self._step_check_now = self.comm._check(
+        self._step_check = self.comm._check(
             self.comm.CHECK_OPTIMIZER, hash((self._identity, _settings_hash(self.optimizer))))
-
-    def _step_check(self) -> int:
-        return self._step_check_now
 
     def _set_up(self, optimizer, bucket_mb, compression, before_update) -> None:
         """All of construction that this rank does alone (and may refuse)."""
@@ -1112,7 +1094,7 @@ class DistributedOptimizer:
                     unit.handle.wait()
                 else:
                     call = self._low_rank_calls[unit]
-                    self.powersgd.project(call, self.comm, check=self._step_check())
+                    self.powersgd.project(call, self.comm, check=self._step_check)
                     self.bytes_sent += call.q.nbytes
             for i in self._low_rank:
                 self._low_rank_calls[i].handle.wait()
@@ -1186,25 +1168,21 @@ class DistributedOptimizer:
             settings = _settings_hash(self.optimizer)
         except BaseException as raised:  # (Ctrl-C too: the others wait for this rank)
             error, mine, settings = raised, RAISED, 0
+        self._abandoned_by_error = True  # (unless it returns)
         start = time.perf_counter()
         try:
             told = self.comm.allgather(np.array([mine, settings], np.int64)
                                        ).reshape(-1, 2).tolist()
         except CollectiveTimeoutError as timeout:
-            self._abandoned_by_error = True
             raise CollectiveTimeoutError(
                 f"{self._where('step')}: the ranks could not compare what before_update "
                 "did (a rank's outlasted the timeout, or it is stuck before its step()), so "
                 "this step is dropped here, without an update (a late rank may still "
                 f"update: resume from a checkpoint): {timeout}") from timeout
-        except BaseException:
-            self._abandoned_by_error = True
-            raise
         finally:
             self.comm_seconds += time.perf_counter() - start
         states = [state for state, _ in told]
         dropped = "so this step is dropped on every rank, without an update"
-        self._abandoned_by_error = True  # (unless it returns)
         if error is not None:
             if hasattr(error, "add_note"):  # (Python 3.11)
                 error.add_note(f"{self._where('step')}: from before_update, {dropped}")
@@ -1614,7 +1592,7 @@ class DistributedOptimizer:
                 self._start(unit)
             else:  # a matrix PowerSGD compresses: its first all-reduce (of P)
                 call = self.powersgd.start(unit, self._low_rank_sums[unit], self.comm,
-                                           check=self._step_check(),
+                                           check=self._step_check,
                                            dtype=self.params[unit].dtype)
                 self._low_rank_calls[unit] = call
                 self.bytes_sent += call.p.nbytes
@@ -1714,7 +1692,7 @@ class DistributedOptimizer:
             else:
                 zeros = array_module(self.params[unit]).zeros_like(self.params[unit])
                 call = _quietly(self.powersgd.start, unit, zeros, self.comm, _ABANDONED_OP,
-                                self._step_check())
+                                self._step_check)
                 if call is not None:
                     self._low_rank_calls[unit] = call
         self._next_to_start = len(self._units)
@@ -1723,10 +1701,10 @@ class DistributedOptimizer:
             call = self._low_rank_calls.get(unit) if not isinstance(unit, _Bucket) else None
             if call is not None and call.q is None:
                 _quietly(self.powersgd.project, call, self.comm, _ABANDONED_OP,
-                         self._step_check())
+                         self._step_check)
 
     def _new_step(self):
-        self._step_check_now = self._call_check  # (until step(): see _renew_step_check)
+        self._step_check = self._call_check  # (until step(): see _renew_step_check)
         self._micro_batch.clear()
         for b in self._buckets:
             b.handle = None
@@ -1781,7 +1759,7 @@ class DistributedOptimizer:
     def _start(self, bucket):
         if bucket.wire is None:
             op = _ABANDONED_OP if self._abandoning else "avg"
-            bucket.handle = self.comm._allreduce_checked(bucket.buffer, op, self._step_check(),
+            bucket.handle = self.comm._allreduce_checked(bucket.buffer, op, self._step_check,
                                                          wait=False)
             self.bytes_sent += bucket.buffer.nbytes
         else:
@@ -1825,7 +1803,7 @@ class DistributedOptimizer:
             bucket.counted[-1:] = self._sums_in(bucket).any()
             wire = bucket.counted
         op = _ABANDONED_OP if self._abandoning else "sum"
-        bucket.handle = self.comm._allreduce_checked(wire, op, self._step_check(), wait=False)
+        bucket.handle = self.comm._allreduce_checked(wire, op, self._step_check, wait=False)
         self.bytes_sent += wire.nbytes
 
     def _agreed_fp16_scale(self, bucket) -> tuple[float | None, float]:
