@@ -18,6 +18,7 @@ import json
 import math
 import os
 import pickle
+import re
 import signal
 import sys
 import time
@@ -236,9 +237,9 @@ def train(epochs=30, global_batch=64, lr=0.1, momentum=0.9, hidden=64, compressi
             # Another run's files, saved on another number of ranks, are not this run's
             # (each rank resumes its own shard's state): say so, rather than start over
             # without a word beside them.
-            others = sorted({int(name.rsplit("-of-", 1)[1].split(".")[0])
-                             for name in glob.glob(f"{glob.escape(checkpoint)}.rank*-of-*.*")
-                             if name.rsplit("-of-", 1)[1].split(".")[0].isdigit()} - {size})
+            found = (re.match(r"\.rank\d+-of-(\d+)\.", name[len(checkpoint):])
+                     for name in glob.glob(f"{glob.escape(checkpoint)}.rank*-of-*.*"))
+            others = sorted({int(match.group(1)) for match in found if match} - {size})
             if others:
                 counts = " or ".join(str(n) for n in others)
                 sys.stderr.write(f"note: {checkpoint} has checkpoints of a run on {counts} "
