@@ -1563,7 +1563,19 @@ PYBIND11_MODULE(_core, m) {
   m.doc() = "ringreduce's C++ core: ring collectives over MPI (use the ringreduce package)";
   auto& mismatch = py::register_exception<MismatchError>(m, "MismatchError", PyExc_RuntimeError);
   // (After MismatchError's: the translator registered last is tried first.)
-  py::register_exception<CheckedCallsMismatch>(m, "CheckedCallsMismatch", mismatch);
+  static PyObject* checked_calls_mismatch =
+      py::register_exception<CheckedCallsMismatch>(m, "CheckedCallsMismatch", mismatch).ptr();
+  // The same type, with every rank's check as its `checks` (a list, by rank).
+  py::register_exception_translator([](std::exception_ptr error) {
+    try {
+      if (error) std::rethrow_exception(error);
+    } catch (const CheckedCallsMismatch& mismatched) {
+      py::object raised = py::reinterpret_borrow<py::object>(checked_calls_mismatch)(
+          mismatched.what());
+      raised.attr("checks") = py::cast(mismatched.checks);
+      PyErr_SetObject(checked_calls_mismatch, raised.ptr());
+    }
+  });
   py::register_exception<MpiError>(m, "MPIError", PyExc_RuntimeError);
   py::register_exception<OutOfMemoryError>(m, "OutOfMemoryError", PyExc_MemoryError);
   py::register_exception<TimeoutError>(m, "CollectiveTimeoutError", PyExc_TimeoutError);

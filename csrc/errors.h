@@ -4,9 +4,11 @@
 // std::invalid_argument -> ValueError, anything else (StoppedError too) -> RuntimeError.
 #pragma once
 
+#include <cstdint>
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace ringreduce {
@@ -19,9 +21,13 @@ struct MismatchError : std::runtime_error {
 // A MismatchError where every rank made an allreduce with a check of one kind (none 0,
 // all with the same top byte: the same caller) and none rejected its arguments: every
 // rank throws this one alike, so that such callers (allreduce_gradients) can all go on
-// together to find out what differs.
+// together to find out what differs. checks: every rank's check, by rank (Python: the
+// error's `checks`), which such a caller may read more from than the message says
+// (DistributedOptimizer: which of its settings differ).
 struct CheckedCallsMismatch : MismatchError {
-  using MismatchError::MismatchError;
+  CheckedCallsMismatch(const std::string& what, std::vector<int64_t> checks)
+      : MismatchError(what), checks(std::move(checks)) {}
+  std::vector<int64_t> checks;
 };
 
 // An MPI call failed; the message carries MPI's own error string.

@@ -604,10 +604,13 @@ int64_t RingCommunicator::agree(const CallHeader& mine, std::vector<CallHeader>*
                        std::to_string(p) + "): ";
     for (size_t i = 0; i < problems.size(); ++i) text += (i ? ". " : "") + problems[i];
     bool all_checked = true;
-    for (const CallHeader& h : headers_)
+    std::vector<int64_t> checks;
+    for (const CallHeader& h : headers_) {
       all_checked &= !h.invalid && h.collective == mine.collective && h.check != 0 &&
                      (h.check >> 56) == (mine.check >> 56);
-    if (all_checked) throw CheckedCallsMismatch(text + world_ranks_note_);
+      checks.push_back(h.check);
+    }
+    if (all_checked) throw CheckedCallsMismatch(text + world_ranks_note_, std::move(checks));
     throw MismatchError(text + world_ranks_note_);
   }
   return headers_[0].chunk_bytes;

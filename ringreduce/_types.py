@@ -250,8 +250,9 @@ def named(error: MemoryError, context: str) -> MemoryError:
 
 def renamed(error: Exception, ran: str | None, called: str) -> Exception:
     """error, whose message begins with `ran` ("ringreduce.allreduce", the collective
-    the core ran), as an error of the same kind that begins with `called` (the call the
-    caller made, "ringreduce.allreduce_async") instead; any other as it is."""
+    the core ran), as an error of the same kind (and attributes) that begins with
+    `called` (the call the caller made, "ringreduce.allreduce_async") instead; any other
+    as it is."""
     message = str(error)
     if ran is None or ran == called or not message.startswith(ran) \
             or message[len(ran):len(ran) + 1] not in (" ", ":"):
@@ -260,6 +261,7 @@ def renamed(error: Exception, ran: str | None, called: str) -> Exception:
         again = type(error)(called + message[len(ran):])
     except Exception:  # (a kind whose constructor takes more than a message)
         return error
+    again.__dict__.update(error.__dict__)  # (CheckedCallsMismatch's checks)
     return again.with_traceback(error.__traceback__)
 
 

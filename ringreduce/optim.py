@@ -211,21 +211,75 @@ def _kind(value):
     return 1000 + dtype.num if isinstance(dtype, np.dtype) else 0
 
 
-def _settings_hash(optimizer) -> int:
-    """A hash of the optimizer's settings now, as construction compares them
-    (_optimizer_settings' text: a CRC of it is the same in every process that holds the
-    same, where Python's own hash is not for a NaN, None or a string, and puts -1.0 with
-    -2.0); and of Adam's step count, which ranks that loaded a state on rank 0 alone and
-    forgot broadcast_parameters() hold apart. SGD and Adam compute with float() of their
+# What a step's all-reduces carry below the check's kind (_step_fingerprint): a bit that
+# says it is a step's, a CRC of the optimizer's identity and every setting (27 bits),
+# and a 4-bit CRC of each of _STEP_FIELDS, so that where the ranks' differ, each can
+# name what differs (_fingerprints_apart): which optimizer, and which settings.
+_STEP_FIELDS = ("optimizer",) + _SETTING_NAMES + ("t",)
+_STEP_BIT = 1 << 55
+_FIELD_BITS = 4 * len(_STEP_FIELDS)
+
+
+def _step_texts(optimizer) -> list[str]:
+    """Each setting of _SETTING_NAMES as _optimizer_settings() writes it, and Adam's step
+    count ("t", "" for another optimizer), which ranks that loaded a state on rank 0
+    alone and forgot broadcast_parameters() hold apart: text that is the same in every
+    process that holds the same, where Python's own hash is not for a NaN, None or a
+    string, and puts -1.0 with -2.0. SGD and Adam compute with float() of their
     settings; another optimizer may not, and numpy 2 computes lr * g in float64 for an
     np.float64 lr and float32 g, in float32 for a Python float: its settings' kinds of
     number count too."""
-    text = _optimizer_settings(optimizer)
-    if type(optimizer).step not in (SGD.step, Adam.step):
-        text += repr([_kind(getattr(optimizer, name, None)) for name in _SETTING_NAMES])
-    if isinstance(optimizer, Adam):
-        text += f" t={optimizer.t}"
-    return zlib.crc32(text.encode())
+    custom = type(optimizer).step not in (SGD.step, Adam.step)
+    texts = []
+    for name in _SETTING_NAMES:
+        value = getattr(optimizer, name, None)
+        texts.append(repr((_setting(value), _kind(value)) if custom else _setting(value)))
+    return texts + [str(optimizer.t) if isinstance(optimizer, Adam) else ""]
+
+
+def _step_fingerprint(identity: int, optimizer) -> int:
+    """What a step's all-reduces carry (56 bits, see _STEP_FIELDS): which optimizer
+    (identity) and its settings now."""
+    texts = [str(identity), type(optimizer).__qualname__] + _step_texts(optimizer)
+    whole = zlib.crc32("\0".join(texts).encode()) & ((1 << 27) - 1)
+    fields = [identity & 0xF] + [zlib.crc32(text.encode()) & 0xF for text in texts[2:]]
+    return _STEP_BIT | (whole << _FIELD_BITS) | sum(f << (4 * i) for i, f in enumerate(fields))
+
+
+def _fingerprints_apart(fingerprints: list[int], optimizer) -> str:
+    """What differs between the ranks' _step_fingerprint()s (by rank), as words ("the
+    ranks' optimizer settings differ: lr on rank 1 differs from rank 0's (this rank's:
+    lr=0.1); set ..."); "" where they agree, or where some rank's is none (a call it
+    started in backward)."""
+    values = [f & ((1 << 56) - 1) for f in fingerprints]
+    if len(set(values)) <= 1 or not all(v & _STEP_BIT for v in values):
+        return ""
+    apart = {}  # field -> the ranks whose 4 bits differ from rank 0's
+    for i, field in enumerate(_STEP_FIELDS):
+        ranks = [r for r, v in enumerate(values) if (v >> 4 * i) & 0xF != values[0] >> 4 * i & 0xF]
+        if ranks:
+            apart[field] = ranks
+    if "optimizer" in apart:  # (then its settings may well differ: not compared)
+        ranks = apart["optimizer"]
+        return (f"rank{'s' * (len(ranks) > 1)} {', '.join(map(str, ranks))} stepped another "
+                "DistributedOptimizer than rank 0 (another model, or another of several "
+                "made on this communicator): every rank must step the same one")
+    if not apart:  # (4 bits agree for one pair of values in 16)
+        return ("the ranks' optimizers or their settings differ (which, the check does not "
+                "tell): set them alike on every rank")
+    parts = []
+    for ranks in sorted(set(map(tuple, apart.values()))):
+        names = ["Adam's step count t" if field == "t" else field
+                 for field in apart if tuple(apart[field]) == ranks]
+        said = names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
+        parts.append(f"{said} on rank{'s' * (len(ranks) > 1)} "
+                     f"{', '.join(map(str, ranks))} differ{'s' * (len(names) == 1)} "
+                     "from rank 0's")
+    here = [f"{name}={getattr(optimizer, name, None)!r}" for name in _SETTING_NAMES
+            if name in apart] + ([f"t={optimizer.t!r}"] if "t" in apart else [])
+    return (f"the ranks' optimizer settings differ: {'; '.join(parts)} (this rank's: "
+            f"{', '.join(here)}); set them alike on every rank (a schedule that follows one "
+            "rank's own numbers, its validation loss, say, sets them apart)")
 
 
 def _update_by(verdict) -> bool:
@@ -762,7 +816,8 @@ class DistributedOptimizer:
         # the same in every process (a string's is salted).
         self._identity = hash((zlib.crc32("".join(self._model_texts).encode()),
                                self.comm._optimizers_made))
-        self._call_check = self.comm._check(self.comm.CHECK_OPTIMIZER, self._identity)
+        self._call_check = self.comm._check(self.comm.CHECK_OPTIMIZER,  # (not a step's)
+                                            self._identity & (_STEP_BIT - 1))
         self.comm._optimizers_made += 1
         self._step_check = self._call_check  # (see _renew_step_check)
 
@@ -788,7 +843,7 @@ class DistributedOptimizer:
         backward, carry which optimizer only (_call_check), so that ranks that set the
         same lr at different points of backward still pair up."""
         self._step_check = self.comm._check(
-            self.comm.CHECK_OPTIMIZER, hash((self._identity, _settings_hash(self.optimizer))))
+            self.comm.CHECK_OPTIMIZER, _step_fingerprint(self._identity, self.optimizer))
 
     def _set_up(self, optimizer, bucket_mb, compression, before_update) -> None:
         """All of construction that this rank does alone (and may refuse)."""
@@ -1106,6 +1161,11 @@ class DistributedOptimizer:
         except MismatchError as error:
             self.abandon_step()
             self._abandoned_by_error = True
+            apart = _fingerprints_apart(getattr(error, "checks", []), self.optimizer)
+            if apart:
+                raise MismatchError(
+                    f"{self._where('step')}: this step is dropped here, without an update "
+                    f"(the next starts clean): {apart}: {error}") from error
             raise MismatchError(
                 f"{self._where('step')}: this "
                 "step's all-reduces did not pair up with the other ranks', so it is dropped "
@@ -1165,7 +1225,7 @@ class DistributedOptimizer:
         error = None
         try:
             mine = UPDATE if _update_by(self._before_update(averaged)) else SKIP
-            settings = _settings_hash(self.optimizer)
+            settings = _step_fingerprint(self._identity, self.optimizer)
         except BaseException as raised:  # (Ctrl-C too: the others wait for this rank)
             error, mine, settings = raised, RAISED, 0
         self._abandoned_by_error = True  # (unless it returns)
@@ -1197,12 +1257,10 @@ class DistributedOptimizer:
                 f"{self._where('step')}: before_update skipped the update on ranks "
                 f"{skipped} and not on the others, {dropped}: it must decide from the "
                 "averaged gradients alone, which are the same on every rank")
-        apart = [r for r, (_, settings) in enumerate(told) if settings != told[0][1]]
+        apart = _fingerprints_apart([settings for _, settings in told], self.optimizer)
         if apart:
-            raise MismatchError(
-                f"{self._where('step')}: after before_update, ranks {apart} hold other "
-                "optimizer settings than rank 0 (lr, momentum, betas, eps or weight_decay), "
-                f"{dropped}: set them alike on every rank")
+            raise MismatchError(f"{self._where('step')}: after before_update, {dropped}: "
+                                f"{apart}")
         self._abandoned_by_error = False
         return states[0] == UPDATE
 

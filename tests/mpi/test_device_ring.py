@@ -443,8 +443,10 @@ def test_a_check_that_differs_raises_on_every_rank_before_data_moves(through, de
         core.allreduce_device(x.ctypes.data, out.ctypes.data, x.size, code, 0, 4096,
                               *emulated(False), check)
     try:
-        with pytest.raises(_core.CheckedCallsMismatch, match="the caller's check of the call"):
+        with pytest.raises(_core.CheckedCallsMismatch,
+                           match="the caller's check of the call") as caught:
             call(5 + (RANK == SIZE - 1))
+        assert caught.value.checks == [5] * (SIZE - 1) + [6]  # every rank's, by rank
         # (A rank without a check made some other call: a plain MismatchError, which the
         # checked callers do not answer with a further exchange.)
         with pytest.raises(rr.MismatchError, match="the caller's check") as caught:

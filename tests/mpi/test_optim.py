@@ -13,7 +13,8 @@ import pytest
 from mpi4py import MPI
 
 import ringreduce as rr
-from ringreduce import gradients
+from ringreduce import _types, gradients, optim
+from ringreduce._core import CheckedCallsMismatch
 from ringreduce.compression import PowerSGD
 from ringreduce.optim import SGD, Adam, DistributedOptimizer
 
@@ -2039,8 +2040,9 @@ BEFORE_UPDATE_GONE_WRONG = {
     "decides apart": (rr.MismatchError, rf"before_update skipped the update on ranks \[{BAD}\] "
                       "and not on the others, so this step is dropped on every rank.*: it "
                       "must decide from the averaged gradients alone", None),
-    "sets lr": (rr.MismatchError, rf"after before_update, ranks \[{BAD}\] hold other "
-                "optimizer settings than rank 0", None),
+    "sets lr": (rr.MismatchError, r"after before_update, so this step is dropped on every "
+                r"rank, without an update: the ranks' optimizer settings differ: lr on rank "
+                rf"{BAD} differs from rank 0's \(this rank's: lr=", None),
 }
 
 
@@ -2184,7 +2186,14 @@ def test_a_setting_changed_on_one_rank_drops_the_step_on_every_rank(setting, com
         optimizer.betas = np.array(optimizer.betas)
     elif setting == "lr, negative":  # (-1.0 and -2.0: one float hash; from a review)
         optimizer.lr = -2.0
-    with pytest.raises(rr.MismatchError, match=r"did not pair up.*holds other settings"):
+    # Every rank names the setting (its 4 bits of the check differ: these values' do),
+    # and its own value of it, which the user compares.
+    said = "Adam's step count t" if name == "t" else name
+    with pytest.raises(rr.MismatchError, match=(
+            r"this step is dropped here, without an update \(the next starts clean\): the "
+            rf"ranks' optimizer settings differ: {said} on rank {BAD} differs from rank 0's "
+            r"\(this rank's: "
+            rf"{'t' if name == 't' else name}={re.escape(repr(getattr(optimizer, name)))}\)")):
         opt.step(grads)
     for p, b in zip(params, before):
         np.testing.assert_array_equal(p, b)  # no update anywhere
@@ -2217,7 +2226,8 @@ def test_a_numpy_number_for_a_setting_on_one_rank_updates_alike_or_is_told(make,
             optimizer.betas = (number(0.9), number(0.999))
         grads = [rng.standard_normal((20, 30)).astype(np.float32)]
         if make == "one's own":
-            with pytest.raises(rr.MismatchError, match="holds other settings"):
+            with pytest.raises(rr.MismatchError, match=rf"lr on rank {BAD} differs from rank "
+                               r"0's \(this rank's: lr="):
                 opt.step(grads)
         else:
             opt.step(grads)
@@ -2496,6 +2506,60 @@ def test_allreduce_gradients_a_rejected_rank_raises_its_own_error_where_another_
     np.testing.assert_allclose(grads[0], (SIZE - 1) / 2)
 
 @needs_two
+@pytest.mark.parametrize("how", ["blocking", "async", "behind another call"])
+def test_checked_calls_that_differ_raise_with_every_ranks_check(how):
+    # DistributedOptimizer.step() names the settings that differ from them.
+    comm = rr.Communicator(MPI.COMM_WORLD)
+    check = comm._check(comm.CHECK_OPTIMIZER, 7 + (RANK == BAD))
+    x = np.ones(5)
+    before = comm.allreduce_async(np.ones(1 << 16)) if how == "behind another call" else None
+    with pytest.raises(CheckedCallsMismatch) as caught:
+        handle = comm._allreduce_checked(x, "sum", check, wait=how == "blocking")
+        if how != "blocking":
+            handle.wait()
+    assert caught.value.checks == [comm._check(comm.CHECK_OPTIMIZER, 7)] * (SIZE - 1) + [
+        comm._check(comm.CHECK_OPTIMIZER, 8)]
+    if before is not None:
+        np.testing.assert_array_equal(before.wait(), SIZE)
+    np.testing.assert_array_equal(x, 1.0)  # nothing moved
+    comm.close()
+
+
+def test_an_error_renamed_for_the_call_made_keeps_its_attributes():
+    error = CheckedCallsMismatch("ringreduce.allreduce: ranks disagree")
+    error.checks = [1, 2]
+    again = _types.renamed(error, "ringreduce.allreduce", "ringreduce.allreduce_async")
+    assert type(again) is CheckedCallsMismatch and again.checks == [1, 2]
+    assert str(again) == "ringreduce.allreduce_async: ranks disagree"
+
+
+def test_a_step_fingerprint_names_what_differs_or_nothing():
+    # (One process: the fingerprints of several ranks made here.) A call started in
+    # backward carries which optimizer only: no fingerprint, no names.
+    params = [np.zeros(3)]
+    sgd, adam = SGD(params, lr=0.1, momentum=0.9), Adam(params, lr=0.1)
+    mine = optim._step_fingerprint(12345, sgd)
+    assert optim._fingerprints_apart([mine, mine, mine], sgd) == ""
+    assert optim._fingerprints_apart([mine, 12345], sgd) == ""  # (bit 55 clear)
+    sgd.momentum = 0.5
+    text = optim._fingerprints_apart([mine, optim._step_fingerprint(12345, sgd)], sgd)
+    assert text.startswith("the ranks' optimizer settings differ: momentum on rank 1 differs "
+                           "from rank 0's (this rank's: momentum=0.5); set them alike")
+    other = optim._step_fingerprint(12346, sgd)
+    assert optim._fingerprints_apart([mine, mine, other], sgd).startswith(
+        "rank 2 stepped another DistributedOptimizer than rank 0")
+    # The whole CRC differs, no 4 bits do (one pair of values in 16): said, not named.
+    assert optim._fingerprints_apart([mine, mine ^ (1 << 40)], sgd).startswith(
+        "the ranks' optimizers or their settings differ (which, the check does not tell)")
+    adam.t = 3
+    fingerprints = [optim._step_fingerprint(1, adam)]
+    adam.t, adam.lr = 4, 0.2
+    fingerprints.append(optim._step_fingerprint(1, adam))
+    assert "lr and Adam's step count t on rank 1 differ from rank 0's (this rank's: lr=0.2, " \
+           "t=4)" in optim._fingerprints_apart(fingerprints, adam)
+
+
+@needs_two
 @pytest.mark.parametrize("compression", [None, "powersgd"])
 def test_ranks_that_step_different_optimizers_raise_instead_of_mixing_them(compression):
     # Each all-reduce of a step carries which optimizer it belongs to. Without that, a
@@ -2511,7 +2575,8 @@ def test_ranks_that_step_different_optimizers_raise_instead_of_mixing_them(compr
     (params, opt), (twin, other) = make(), make()
     stepping = other if RANK == BAD else opt
     for _ in range(2):  # (and at every step after)
-        with pytest.raises(rr.MismatchError, match="stepped another DistributedOptimizer"):
+        with pytest.raises(rr.MismatchError, match=rf"rank {BAD} stepped another "
+                           "DistributedOptimizer than rank 0"):
             stepping.step([np.full(shape, 1.0 + RANK)])
     np.testing.assert_array_equal(params[0], 0.0)  # no update
     np.testing.assert_array_equal(twin[0], 0.0)
