@@ -20,8 +20,8 @@ from mpi4py import MPI
 import ringreduce as rr
 from bench_allreduce import progress
 from ringreduce.sim import parse_bytes
-from timing import (at_least, human_time, inner_iterations, output_file, time_alternating,
-                    write_json)
+from timing import (at_least, human_time, inner_iterations, markdown_table, output_file,
+                    time_alternating, write_json)
 
 world = MPI.COMM_WORLD
 rank, size = world.Get_rank(), world.Get_size()
@@ -89,11 +89,9 @@ def main() -> None:
     if rank != 0:
         return
     print(f"# {size} ranks, median of {args.repeats} runs")
-    print("| elements | op | dtype | time | time / float32's |")
-    print("|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['count']} | {r['op']} | {r['dtype']} | {human_time(r['time_s'])} | "
-              f"{r['vs_float32']:.2f} |")
+    print(markdown_table(["elements", "op", "dtype", "time", "time / float32's"], [
+        [r["count"], r["op"], r["dtype"], human_time(r["time_s"]), f"{r['vs_float32']:.2f}"]
+        for r in rows]))
     if args.json:
         write_json(args.json, ranks=size, repeats=args.repeats, results=rows)
 

@@ -19,7 +19,7 @@ from mpi4py import MPI
 import ringreduce as rr
 from bench_allreduce import progress
 from timing import (at_least, byte_size, human_bytes, human_time, inner_iterations,
-                    output_file, time_alternating, write_json)
+                    markdown_table, output_file, time_alternating, write_json)
 
 world = MPI.COMM_WORLD
 rank, size = world.Get_rank(), world.Get_size()
@@ -84,12 +84,9 @@ def main() -> None:
     if rank != 0:
         return
     print(f"# {size} ranks, median of {args.repeats} runs; speedup = MPI's time / ringreduce's")
-    print("| dtype | layout | size | ringreduce | MPI_Allreduce | speedup |")
-    print("|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['dtype']} | {r['layout']} | {human_bytes(r['bytes'])} | "
-              f"{human_time(r['ringreduce_s'])} | {human_time(r['mpi_s'])} | "
-              f"{r['speedup']:.2f}x |")
+    print(markdown_table(["dtype", "layout", "size", "ringreduce", "MPI_Allreduce", "speedup"], [
+        [r["dtype"], r["layout"], human_bytes(r["bytes"]), human_time(r["ringreduce_s"]),
+         human_time(r["mpi_s"]), f"{r['speedup']:.2f}x"] for r in rows]))
     if args.json:
         write_json(args.json, ranks=size, repeats=args.repeats, results=rows)
 

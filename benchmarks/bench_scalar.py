@@ -18,7 +18,8 @@ import numpy as np
 from mpi4py import MPI
 
 import ringreduce as rr
-from timing import at_least, human_time, output_file, time_alternating, write_json
+from timing import (at_least, human_time, markdown_table, output_file, time_alternating,
+                    write_json)
 
 world = MPI.COMM_WORLD
 rank, size = world.Get_rank(), world.Get_size()
@@ -59,11 +60,10 @@ def main() -> None:
     if rank != 0:
         return
     print(f"# {size} ranks, median of {args.repeats} runs of {INNER} calls")
-    print("| value | implementation | time | vs mpi4py allreduce (pickled) | vs MPI_Allreduce |")
-    print("|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['value']} | {r['implementation']} | {human_time(r['time_s'])} | "
-              f"{r['speedup_vs_pickled']:.2f}x | {r['speedup_vs_mpi']:.2f}x |")
+    print(markdown_table(
+        ["value", "implementation", "time", "vs mpi4py allreduce (pickled)", "vs MPI_Allreduce"],
+        [[r["value"], r["implementation"], human_time(r["time_s"]),
+          f"{r['speedup_vs_pickled']:.2f}x", f"{r['speedup_vs_mpi']:.2f}x"] for r in rows]))
     if args.json:
         write_json(args.json, ranks=size, repeats=args.repeats, inner=INNER, results=rows)
 

@@ -152,6 +152,13 @@ def bus_bandwidth(nbytes: int, seconds: float, size: int, collective: str = "all
     return algbw, algbw * factor
 
 
+def markdown_table(head: list[str], rows: list[list]) -> str:
+    """A markdown table: the header, its |---| line, and a line for each row of cells."""
+    def line(cells):
+        return "| " + " | ".join(map(str, cells)) + " |"
+    return "\n".join([line(head), "|" + "---|" * len(head)] + [line(row) for row in rows])
+
+
 def human_bytes(n: int) -> str:
     for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if n >= scale and n % scale == 0:
