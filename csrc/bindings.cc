@@ -1049,7 +1049,15 @@ class FastPath {
     int64_t dims[kMaxDims];
     std::copy(a.dims, a.dims + a.nd, dims);
     dims[0] *= core_->size();
-    return new_result(a, a.nd, dims);
+    try {
+      return new_result(a, a.nd, dims);
+    } catch (py::error_already_set& refused) {
+      // numpy's ValueError "array is too big" (rows of no bytes, as many as int64
+      // holds): no guess, rather than an error raised before the exchange that the
+      // other ranks wait in; the general path exchanges first.
+      if (!refused.matches(PyExc_ValueError)) throw;
+      return py::object();
+    }
   }
 
   GuessedGather guessed_gather(const Array& a, int dtype, py::handle out,

@@ -61,6 +61,7 @@ def _check_grads(grads, params, who: str) -> list:
 def _check_grad(i, g, p, who):
     if not hasattr(g, "shape") or not hasattr(g, "dtype"):
         raise TypeError(f"{who}: grads[{i}] is a {type(g).__name__}, not an array")
+    _types.reject_masked(g, f"grads[{i}]", who)  # (its data would be reduced, masked or not)
     if g.shape != p.shape:
         raise ValueError(f"{who}: grads[{i}] has shape {g.shape}, but "
                          f"params[{i}] has shape {p.shape}")

@@ -1057,6 +1057,28 @@ def test_allreduce_gradients_errors_on_one_rank_name_the_rank():
                 rr.allreduce_gradients(grads, comm=ring, **kwargs)
 
 
+@pytest.mark.parametrize("how", ["step", "grad_ready", "SGD", "Adam"])
+def test_a_masked_gradient_is_refused_by_the_optimizers_too(how):
+    # (From a review.) allreduce_gradients refused one with masked elements; the
+    # optimizers took its data, the masked elements' too (1000 here, averaged in).
+    params = [np.zeros(3)]
+    grads = [np.ma.masked_array([1.0, 1000.0, 3.0], mask=[0, 1, 0])]
+    match = r"grads\[0\] is a masked array with masked elements, but the mask cannot take part"
+    with pytest.raises(TypeError, match=match):
+        if how in ("SGD", "Adam"):
+            (SGD if how == "SGD" else Adam)(params, lr=1.0).step(grads)
+        else:
+            opt = DistributedOptimizer(SGD(params, lr=1.0))
+            if how == "step":
+                opt.step(grads)
+            else:
+                opt.grad_ready(0, grads[0])
+    np.testing.assert_array_equal(params[0], 0.0)
+    if how in ("step", "grad_ready"):  # the next step is whole
+        opt.step([np.ma.masked_array(np.full(3, 1.0), mask=False)])  # (nothing masked: data)
+        np.testing.assert_array_equal(params[0], -1.0)
+
+
 def test_ranks_with_different_models_are_told():
     if SIZE == 1:
         pytest.skip("needs two ranks")
