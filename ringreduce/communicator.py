@@ -1023,8 +1023,9 @@ class Communicator:
     def bytes_sent(self) -> int:
         """Payload bytes this rank has sent to others since the Communicator was made,
         through shared memory or MPI messages: 2(p-1)/p of an allreduce's N bytes (when
-        p divides the count), (p-1)/p of a reduce_scatter's, p-1 times its own rows for
-        an allgather, and N for a broadcast from each rank of its chain but the last.
+        p divides the count), (p-1)/p of a reduce_scatter's, every rank's rows but its
+        right neighbour's for an allgather (p-1 times its own where all ranks have as
+        many), and N for a broadcast from each rank of its chain but the last.
         Not the header every call exchanges, nor the data of calls small enough to ride
         in it. `python -m ringreduce explain` and `sim` predict it."""
         return self._core.ring_bytes_sent

@@ -354,8 +354,10 @@ def format_text(e: Explanation) -> str:
             received[t.to] += n
     lines.append("")
     lines += textwrap.wrap(
-        f"Each rank sent {_spread(sent)} elements and received {_spread(received)}: "
-        f"2(p-1)/p x N = {per_rank:.3g} on average, for N = {e.count} elements, in 2(p-1) = "
+        f"Each rank sent {_spread(sent)} element{'s' * (max(sent) != 1)} and received "
+        f"{_spread(received)}: "
+        f"2(p-1)/p x N = {per_rank:.3g} on average, for N = {e.count} "
+        f"element{'s' * (e.count != 1)}, in 2(p-1) = "
         f"{2 * (e.ranks - 1)} steps" + (" (p does not divide N: segments differ by one "
                                          "element)" if e.count % e.ranks else "") +
         ". Every rank now holds every segment summed over all ranks, computed once by the "

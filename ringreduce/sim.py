@@ -576,7 +576,7 @@ def main(argv=None) -> int:
                              "rank r on machine r mod H, as -f hosts without counts)")
     parser.add_argument("--net-beta", type=float, default=NET_BETA,
                         help="with --machines: seconds per byte over a machine's network "
-                             "link (the default is 100 Gb/s)")
+                             "link (default: %(default)s, which is 100 Gb/s)")
     args = parser.parse_args(argv)
     args.ranks = getattr(args, "ranks", None) or [4, 64, 1024]  # (--ranks 3 --ranks 5: both)
     # (Not given: SUPPRESS keeps "(default: [])" and "(default: None)" out of --help.)
@@ -632,6 +632,9 @@ def main(argv=None) -> int:
     if args.timeline:
         if not chunks:
             parser.error("--timeline needs --chunk")
+        if count == 0:
+            parser.error("--timeline: 0 bytes hold no float32 element, so there is no step "
+                         "to draw (give --bytes of at least 4)")
         if len(args.ranks) != 1:
             parser.error("--timeline draws one ring: give one --ranks value")
         if not 2 <= args.ranks[0] <= MAX_TIMELINE_RANKS:

@@ -264,6 +264,8 @@ def test_pipeline_reports_each_step_of_both_phases():
      "more than 2**62 - 1 float32 elements"),
     (["sim", "--chunk", "1M", "--allgather-factor", "0"], "--allgather-factor must be"),
     (["sim", "--timeline", "t.svg"], "--timeline needs --chunk"),
+    (["sim", "--ranks", "4", "--bytes", "0", "--chunk", "4", "--timeline", "t.svg"],
+     "--timeline: 0 bytes hold no float32 element, so there is no step to draw"),
     (["sim", "--ranks", "3", "4", "--chunk", "1K", "--timeline", "t.svg"], "one --ranks value"),
     (["sim", "--ranks", "9", "--chunk", "1K", "--timeline", "t.svg"], "2 to 8 ranks"),
     (["sim", "--ranks", "3", "--chunk", "1M", "--timeline", "t.xyz"], "does not end in .svg"),
