@@ -1316,10 +1316,11 @@ class DistributedOptimizer:
         PowerSGD's state, which differs from rank to rank); else every rank raises (its
         own error where its state failed, MismatchError elsewhere) and none loads
         anything. A rank that takes its state from broadcast_parameters() afterwards
-        (rank 0 alone loaded) passes None and loads nothing; where the optimizer is
-        ringreduce's SGD or Adam, whose settings broadcast_parameters() sends too, it
-        compares nothing, and with another optimizer, its settings. Refused, on every
-        rank, where any rank is partway through a step (see state_dict)."""
+        (rank 0 alone loaded) passes None and loads nothing: only where the optimizer is
+        ringreduce's SGD or Adam, whose state and settings broadcast_parameters() sends
+        (another optimizer's state is refused beside None), and no rank loads sums of
+        micro-batches. Refused, on every rank, where any rank is partway through a step
+        (see state_dict)."""
         partway = self._partway_error("load_state_dict", "a state loaded now would be "
                                       "mixed with them")
         try:
@@ -1461,12 +1462,15 @@ class DistributedOptimizer:
                 progress = repr([steps, [None if learnt is None else
                                          [learnt[name] for name in _Fp16Scale.LEARNT]
                                          for learnt in checked[2]]])
-            # Sums of micro-batches are each rank's own, and broadcast_parameters()
-            # does not send them: a rank that loads them beside ranks given None would
-            # add its saved micro-batches alone to the next step.
-            sums = "given None" if checked is None else (
-                "sums" if checked[3] is not None else None)
-            texts = [settings, progress, sums]
+            # What a rank given None cannot have from broadcast_parameters(): sums of
+            # micro-batches, each rank's own (a rank that loads them beside ranks given
+            # None would add its saved micro-batches alone to the next step), and the
+            # state of an optimizer other than SGD and Adam (its momentum buffers, say,
+            # on the loading rank alone: the replicas apart from the next step on).
+            own = "given None" if checked is None else (
+                "loads" if checked[3] is not None or not isinstance(self.optimizer, (SGD, Adam))
+                else None)
+            texts = [settings, progress, own]
         self._agree_between_steps(
             self._where("load_state_dict"), "load_state_dict",
             ["would hold different optimizer settings after it (lr, momentum, betas, eps or "
@@ -1474,9 +1478,11 @@ class DistributedOptimizer:
              "sends only for ringreduce's SGD and Adam)",
              "load states of different steps or runs (Adam's step count, which of SGD's "
              "momentum buffers exist, or the fp16 scales)",
-             "load sums of micro-batches accumulated in no_sync() where others are given "
-             "None (the sums are each rank's own, and broadcast_parameters() does not "
-             "send them: load every rank its own state, or the state without "
+             "load a state where others are given None that broadcast_parameters() does "
+             "not send: sums of micro-batches accumulated in no_sync(), which are each "
+             "rank's own, or the state of an optimizer other than ringreduce's SGD and "
+             "Adam (its momentum buffers, say), which only ranks that load it would have "
+             "(load every rank the state; for sums, its own state, or the state without "
              "'accumulated', whose micro-batches are then lost)"],
             texts, rejected, "no rank loaded its state")
 

@@ -1592,9 +1592,11 @@ def test_broadcast_parameters_keeps_adams_betas_given_as_a_list_or_an_array():
             == (tuple(betas), 1e-6, 0.5)
 
 
-def test_a_rank_given_none_compares_the_settings_of_an_optimizer_of_its_own():
-    # broadcast_parameters() sends only SGD's and Adam's settings: with another
-    # optimizer, ranks given None must already hold the settings rank 0 loads.
+def test_a_rank_given_none_beside_an_optimizer_of_ones_own_is_refused():
+    # broadcast_parameters() sends only SGD's and Adam's settings and state: with
+    # another optimizer, ranks given None would keep their own settings, and their own
+    # state (from a review: a momentum buffer on rank 0 alone, the replicas apart three
+    # steps later, with no error).
     if SIZE == 1:
         pytest.skip("needs two ranks")
     class WithLr(HeavyBallWithState):  # (its state holds its lr)
@@ -1613,8 +1615,13 @@ def test_a_rank_given_none_compares_the_settings_of_an_optimizer_of_its_own():
         target.load_state_dict({**state, "optimizer": {**state["optimizer"], "lr": 0.5}}
                                if RANK == 0 else None)
     assert target.optimizer.lr == 0.1
-    target.load_state_dict(state if RANK == 0 else None)  # the same settings: loads
-    assert target.optimizer.lr == 0.1
+    target.step([np.ones(3)])  # (a momentum buffer, in the state)
+    state = target.state_dict()
+    with pytest.raises(rr.MismatchError, match=r"load a state where others are given None "
+                       r"that broadcast_parameters\(\) does not send.*the state of an optimizer "
+                       r"other than ringreduce's SGD and Adam.*differ from rank 0"):
+        target.load_state_dict(state if RANK == 0 else None)  # (the same settings)
+    target.load_state_dict(state)  # every rank the state: loads
 
 
 class HeavyBall:
@@ -3484,9 +3491,10 @@ def test_a_state_loaded_between_micro_batches_replaces_the_sums_accumulated(make
             np.testing.assert_array_equal(other._sum_of(i), total)
     if SIZE > 1:  # rank 0 alone loads sums, which broadcast_parameters() does not send
         target = made([np.zeros((4, 3)), np.zeros(5)])
-        with pytest.raises(rr.MismatchError, match=r"load sums of micro-batches accumulated "
-                                                   r"in no_sync\(\) where others are given None"
-                                                   r".*differ from rank 0"):
+        with pytest.raises(rr.MismatchError, match=r"load a state where others are given "
+                                                   r"None that broadcast_parameters\(\) does "
+                                                   r"not send: sums of micro-batches accumulated "
+                                                   r"in no_sync\(\).*differ from rank 0"):
             target.load_state_dict(mid if RANK == 0 else None)
         assert not target._accumulated
 
