@@ -769,6 +769,19 @@ def _on_its_gpu(method):
     return on_its_gpu
 
 
+def _forwarded(name: str) -> property:
+    """A DistributedOptimizer's `name`: the wrapped optimizer's, read and set through it."""
+    def get(self):
+        return getattr(self.optimizer, name)
+
+    def set(self, value):
+        if not hasattr(self.optimizer, name):  # (a new attribute no step would read)
+            raise AttributeError(f"{self._where()}: the wrapped "
+                                 f"{type(self.optimizer).__name__} has no {name} to set")
+        setattr(self.optimizer, name, value)
+    return property(get, set, doc=f"The wrapped optimizer's {name} (the one its steps use).")
+
+
 class DistributedOptimizer:
     """Wraps an optimizer (SGD, Adam, or anything with ``params`` and ``step(grads)``) so
     that every step uses the gradients averaged over all ranks. Another optimizer gets
@@ -788,6 +801,12 @@ class DistributedOptimizer:
     Construction is collective: every rank must wrap parameters of the same shapes
     (and so are load_state_dict() and broadcast_parameters()).
     """
+
+    # The wrapped optimizer's settings, through the wrapper too (a schedule ported from
+    # torch or Horovod, whose wrappers are the optimizer, sets opt.lr: that had made an
+    # attribute of the wrapper that no step read).
+    lr, momentum, betas = _forwarded("lr"), _forwarded("momentum"), _forwarded("betas")
+    eps, weight_decay = _forwarded("eps"), _forwarded("weight_decay")
 
     def __init__(self, optimizer, comm=None, bucket_mb: float = 25.0, compression=None,
                  before_update=None):

@@ -1079,6 +1079,28 @@ def test_a_masked_gradient_is_refused_by_the_optimizers_too(how):
         np.testing.assert_array_equal(params[0], -1.0)
 
 
+def test_the_settings_are_read_and_set_through_the_wrapper_too():
+    # (From a review.) A schedule ported from torch or Horovod, whose wrappers are the
+    # optimizer, sets opt.lr: that made an attribute of the wrapper, and no step read it.
+    params = [np.zeros(3)]
+    opt = DistributedOptimizer(SGD(params, lr=1.0, weight_decay=0.5))
+    opt.lr = 0.0
+    assert opt.optimizer.lr == 0.0 and opt.lr == 0.0 and opt.weight_decay == 0.5
+    opt.step([np.ones(3)])
+    np.testing.assert_array_equal(params[0], 0.0)  # lr 0: no move
+    opt.lr, opt.weight_decay = 1.0, 0.0
+    opt.lr *= 0.5  # (read and set)
+    opt.step([np.ones(3)])
+    np.testing.assert_allclose(params[0], -0.5)
+    with pytest.raises(AttributeError, match=rf"\(rank {RANK} of {SIZE}\): the wrapped SGD has "
+                                             "no betas to set"):
+        opt.betas = (0.9, 0.99)
+    assert not hasattr(opt.optimizer, "betas")
+    adam = DistributedOptimizer(Adam([np.zeros(2)], lr=0.1))
+    adam.betas, adam.eps = (0.8, 0.9), 1e-6
+    assert adam.optimizer.betas == (0.8, 0.9) and adam.optimizer.eps == 1e-6
+
+
 def test_ranks_with_different_models_are_told():
     if SIZE == 1:
         pytest.skip("needs two ranks")
