@@ -58,7 +58,17 @@ def _check_grads(grads, params, who: str) -> list:
     return grads
 
 
+# What errors about a missing gradient advise: every rank reduces every parameter's
+# gradient at every step, and zeros still move a parameter that has momentum or
+# weight decay (torch skips one whose grad is None).
+_NO_GRADIENT = ("for a parameter this rank's batch did not use, give zeros; one that "
+                "no rank trains (frozen) belongs outside the optimizer's params")
+
+
 def _check_grad(i, g, p, who):
+    if g is None:
+        raise TypeError(f"{who}: grads[{i}] is None: every parameter's gradient is "
+                        f"reduced at every step ({_NO_GRADIENT})")
     if not hasattr(g, "shape") or not hasattr(g, "dtype"):
         raise TypeError(f"{who}: grads[{i}] is a {type(g).__name__}, not an array")
     _types.reject_masked(g, f"grads[{i}]", who)  # (its data would be reduced, masked or not)
@@ -1129,7 +1139,8 @@ class DistributedOptimizer:
             missing += [i for i in self._low_rank if i not in self._low_rank_reported]
             if missing:
                 raise ValueError(f"{self._where('step')}: no gradient reported for params "
-                                 f"{sorted(missing)} (call grad_ready for each, or step(grads))")
+                                 f"{sorted(missing)} (call grad_ready for each, or step(grads)"
+                                 f"; {_NO_GRADIENT})")
         except BaseException:
             self._abandon_at_error()
             raise

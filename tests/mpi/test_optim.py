@@ -1079,6 +1079,24 @@ def test_a_masked_gradient_is_refused_by_the_optimizers_too(how):
         np.testing.assert_array_equal(params[0], -1.0)
 
 
+def test_a_missing_gradient_is_refused_with_what_to_do_instead():
+    # (From a review.) torch skips a parameter whose grad is None; here every
+    # parameter's gradient is reduced at every step, and zeros still move one with
+    # momentum or weight decay: the errors say what to give instead.
+    params = [np.zeros(3), np.zeros(2)]
+    advice = (r"for a parameter this rank's batch did not use, give zeros; one that no rank "
+              r"trains \(frozen\) belongs outside the optimizer's params")
+    for optimizer in (SGD(params, lr=1.0), DistributedOptimizer(SGD(params, lr=1.0))):
+        with pytest.raises(TypeError, match=r"grads\[1\] is None: every parameter's gradient "
+                                            rf"is reduced at every step \({advice}\)"):
+            optimizer.step([np.ones(3), None])
+    opt = DistributedOptimizer(SGD(params, lr=1.0))
+    opt.grad_ready(0, np.ones(3))
+    with pytest.raises(ValueError, match=rf"no gradient reported for params \[1\].*{advice}"):
+        opt.step()
+    np.testing.assert_array_equal(params[0], 0.0)
+
+
 def test_the_settings_are_read_and_set_through_the_wrapper_too():
     # (From a review.) A schedule ported from torch or Horovod, whose wrappers are the
     # optimizer, sets opt.lr: that made an attribute of the wrapper, and no step read it.
