@@ -1207,7 +1207,9 @@ class DistributedOptimizer:
                 "stepped another DistributedOptimizer or holds other settings (lr, "
                 "momentum, betas, eps or weight_decay, or Adam's step count: 'the caller's "
                 "check' below differs), "
-                f"or made other calls in their place: {error}") from error
+                "or made other calls in their place (a rank out of data that went on past "
+                "its training loop, say: docs/training.md shows how ranks with uneven data "
+                f"step alike): {error}") from error
         except CollectiveTimeoutError as error:
             self.abandon_step()
             self._abandoned_by_error = True
