@@ -212,9 +212,20 @@ def _range(span) -> str:
     return f"{first}" if n == 1 else f"{first}-{first + n - 1}"
 
 
-def _sum(contributors, ranks) -> str:
+def _sum(contributors, ranks, ring) -> str:
+    """Whose data a copy holds: "x1+x2", "all", or past three ranks, which are always
+    a run of the ring (each step adds the left neighbour's), "x5+..+x2": x5 and every
+    rank after it round the ring up to x2 (on 32 ranks, the rows of x0+x1+... ran to
+    thousands of characters)."""
     if len(contributors) == ranks and ranks > 2:
         return "all"
+    if len(contributors) > 3:
+        held = set(contributors)
+        at = {r: i for i, r in enumerate(ring)}
+        first = next(r for r in contributors if ring[at[r] - 1] not in held)
+        run = [ring[(at[first] + k) % ranks] for k in range(len(contributors))]
+        if set(run) == held:
+            return f"x{run[0]}+..+x{run[-1]}"
     return "+".join(f"x{r}" for r in contributors)
 
 
@@ -322,8 +333,13 @@ def format_text(e: Explanation) -> str:
                       f"--chunk {4 * e.chunk_elems} --allgather-factor 1 --timeline pipeline.svg"]
     if values:
         lines += [""] + _values_start(e)
-    width = max(6, max(len(_sum(c, e.ranks)) for step in e.steps for row in step.holds
-                       for c in row) + 2)
+    width = max(6, max(len(_sum(c, e.ranks, e.ring)) for step in e.steps
+                       for row in step.holds for c in row) + 2)
+    if e.ranks > 4:  # (copies of four ranks' data and more are written as runs)
+        run = [e.ring[k % e.ranks] for k in range(-1, 3)]
+        lines += [""] + textwrap.wrap(
+            f"In the tables, x{run[0]}+..+x{run[-1]} is {'+'.join(f'x{r}' for r in run)}: a "
+            "run of the ring, from the first rank named round to the last.", width=90)
     for step in e.steps:
         total = e.ranks - 1
         lines.append("")
@@ -340,8 +356,8 @@ def format_text(e: Explanation) -> str:
         lines.append(("  " + " " * 8 + "".join(f"S{s}".ljust(width)
                                                 for s in range(e.ranks))).rstrip())
         for r, row in enumerate(step.holds):
-            lines.append((f"  rank {r}".ljust(10) + "".join(_sum(c, e.ranks).ljust(width)
-                                                           for c in row)).rstrip())
+            lines.append((f"  rank {r}".ljust(10) + "".join(
+                _sum(c, e.ranks, e.ring).ljust(width) for c in row)).rstrip())
         if values:
             lines.append("  afterwards, the numbers each rank holds:")
             lines += _value_rows(e, [(f"rank {r}", row) for r, row in enumerate(step.values)])

@@ -10,7 +10,7 @@ import pytest
 
 import ringreduce as rr
 from ringreduce import _core, reference, sim
-from ringreduce.explain import MAX_VALUES_LINE, explain, format_text, values_agree
+from ringreduce.explain import MAX_VALUES_LINE, _sum, explain, format_text, values_agree
 
 
 @pytest.mark.parametrize("ranks,count", [(1, 5), (2, 1), (3, 7), (4, 12), (5, 3)])
@@ -415,6 +415,31 @@ def test_explain_follows_a_ring_in_another_order():
     for bad in ([0, 1, 1, 3], [0, 1, 2], [0, 1, 2, 4], [0, 1.0, 2, 3]):
         with pytest.raises(ValueError, match="the ring must list each of the 4 ranks once"):
             explain(4, 8, ring=bad)
+
+
+@pytest.mark.parametrize("ring", [None, [0, 3, 1, 5, 2, 4]])
+def test_explain_writes_copies_of_many_ranks_as_runs_of_the_ring(ring):
+    # (From a review: on 32 ranks, rows of x0+x1+... ran to 3,719 characters.) Past
+    # three ranks a copy's data is a run of the ring, written by its ends; every cell
+    # read back is the set the step holds.
+    e = explain(6, 12, ring=ring)
+    order = ring or list(range(6))
+    text = format_text(e)
+    ends = (order[-1], order[2])
+    assert f"In the tables, x{ends[0]}+..+x{ends[1]} is " in text
+    for step in e.steps:
+        for row in step.holds:
+            for held in row:
+                cell = _sum(held, 6, order)
+                if "+..+" in cell:
+                    first, last = (int(x[1:]) for x in cell.split("+..+"))
+                    at = order.index(first)
+                    run = [order[(at + k) % 6] for k in range((order.index(last) - at) % 6 + 1)]
+                    assert sorted(run) == held and len(held) > 3
+                else:
+                    assert cell == "all" or cell == "+".join(f"x{r}" for r in held)
+    widest = max(map(len, format_text(explain(32, 64)).splitlines()))
+    assert widest < 450, widest
 
 
 def test_a_ring_across_machines_is_modelled_link_by_link():
