@@ -802,7 +802,7 @@ class FastPath {
         core_->allreduce(a.data, dst, n, DType(dtype), Op(reduce_op), chunk, check);
       });
     } else {  // one rank: x reduced with nothing is x (x / 1 too)
-      core_->check_usable();
+      core_->check_usable("allreduce");
       copy_bytes(dst, a.data, a.nbytes());
     }
     return result;
@@ -882,7 +882,7 @@ class FastPath {
     if (!is_plain(x) || !reduction_codes(x, op, &dtype, &reduce_op)) return py::none();
     const Array a(x);
     const int64_t n = a.size();
-    if (core_->size() == 1) return one_rank_copy(a, out, 1, &n);
+    if (core_->size() == 1) return one_rank_copy("reduce_scatter", a, out, 1, &n);
     int64_t count;
     bool inline_call;
     if (!reduce_scatter_out(a, out, &count, &inline_call)) return py::none();
@@ -906,7 +906,7 @@ class FastPath {
     if (!is_plain(x) || !dtype_code(x, &dtype)) return py::none();
     const Array a(x);
     if (a.nd == 0) return py::none();
-    if (core_->size() == 1) return one_rank_copy(a, out, a.nd, a.dims);
+    if (core_->size() == 1) return one_rank_copy("allgather", a, out, a.nd, a.dims);
     if (!allgather_out(a, out)) return py::none();
     Running running(*this);
     if (!running.held) return py::none();
@@ -969,7 +969,7 @@ class FastPath {
         core_->broadcast(a.data, n, DType(dtype), static_cast<int>(root), chunk);
       });
     } else {  // one rank: x is root's x
-      core_->check_usable();
+      core_->check_usable("broadcast");
     }
     return py::reinterpret_borrow<py::object>(x);
   }
@@ -1262,13 +1262,13 @@ class FastPath {
 
   // reduce_scatter or allgather on one rank, where either is a copy of x into a result
   // shaped `nd` x `dims`; out may overlap x.
-  py::object one_rank_copy(const Array& a, py::handle out, int nd,
+  py::object one_rank_copy(const char* collective, const Array& a, py::handle out, int nd,
                            const int64_t* dims) {
     if (a.nd == 0) return py::none();
     if (!out.is_none() && !is_plain_out(out, a, nd, dims, false, true)) return py::none();
     Running running(*this);
     if (!running.held) return py::none();
-    core_->check_usable();  // (raises as the core would after an earlier error)
+    core_->check_usable(collective);  // (raises as the core would after an earlier error)
     py::object result = out.is_none() ? new_result(a, nd, dims) : py::reinterpret_borrow<py::object>(out);
     if (!result) return py::none();
     copy_bytes(Array(result).data, a.data, a.nbytes());

@@ -423,7 +423,7 @@ void RingCommunicator::reduce_scatter_device(DeviceCall call, const void* input,
 void RingCommunicator::allgather_device(DeviceCall call, const void* input, void* out,
                                         const std::vector<int64_t>& row_counts,
                                         int64_t row_elems, DType dtype, bool out_ready) {
-  check_usable();
+  check_usable("allgather");
   if (static_cast<int>(row_counts.size()) != size())
     throw std::invalid_argument("allgather: need one row count per rank");
   const size_t es = dtype_size(dtype);

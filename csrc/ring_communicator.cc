@@ -283,15 +283,18 @@ Span RingCommunicator::segment_of(int rank, int size, int64_t count) {
   return {offset, base + (rank < extra ? 1 : 0)};
 }
 
-void RingCommunicator::check_usable() const {
-  if (closed_) throw std::invalid_argument("this ringreduce Communicator has been closed");
-  if (gave_up_) throw TimeoutError("this ringreduce Communicator gave up earlier: " + broken_);
-  if (broken_by_mpi_)
-    throw MpiError("this ringreduce Communicator is unusable after an earlier MPI error: " +
-                   broken_);
-  if (!broken_.empty())
-    throw std::runtime_error("this ringreduce Communicator is unusable after an earlier "
-                             "error on this rank: " + broken_);
+void RingCommunicator::check_usable(const char* collective) const {
+  if (closed_ || gave_up_ || broken_by_mpi_ || !broken_.empty()) {
+    const std::string at = collective ? where(collective) : std::string();
+    if (closed_) throw std::invalid_argument(at + "this ringreduce Communicator has been closed");
+    if (gave_up_)
+      throw TimeoutError(at + "this ringreduce Communicator gave up earlier: " + broken_);
+    if (broken_by_mpi_)
+      throw MpiError(at + "this ringreduce Communicator is unusable after an earlier MPI "
+                     "error: " + broken_);
+    throw std::runtime_error(at + "this ringreduce Communicator is unusable after an "
+                             "earlier error on this rank: " + broken_);
+  }
   // Every wait drives MPI now and then, which after MPI_Finalize ends the process.
   int finalized = 0;
   MPI_Finalized(&finalized);
@@ -507,12 +510,12 @@ RecvSlots RingCommunicator::recv_slots(const RingSchedule& sched, size_t elem_si
 
 int64_t RingCommunicator::agree(const CallHeader& mine, std::vector<CallHeader>* all,
                                 const void* payload, int64_t payload_bytes) {
-  check_usable();
+  const char* collective = collective_name(static_cast<Collective>(mine.collective));
+  check_usable(collective);
   const int p = size();
   headers_.resize(p);
   CallHeader sent = mine;
   if (sent.memory == kDeviceMemory) sent.host_limit = device_host_reduce_bytes_;
-  const char* collective = collective_name(static_cast<Collective>(mine.collective));
   if (p == 1) {
     headers_[0] = sent;
   } else if (shm_) {
@@ -765,7 +768,7 @@ std::vector<int64_t> RingCommunicator::allgather_counts(int64_t rows, int64_t ro
 
 void RingCommunicator::confirm_everywhere(bool ok, const char* collective,
                                           const std::string& what) {
-  check_usable();
+  check_usable(collective);
   std::vector<int> everyone(size());
   const int mine = ok ? 1 : 0;
   begin_exchange();
@@ -786,7 +789,7 @@ void RingCommunicator::allgather_confirm(bool ok, int64_t out_bytes) {
 void RingCommunicator::allgather(const void* input, void* out,
                                  const std::vector<int64_t>& row_counts, int64_t row_elems,
                                  DType dtype) {
-  check_usable();
+  check_usable("allgather");
   if (static_cast<int>(row_counts.size()) != size())
     throw std::invalid_argument("allgather: need one row count per rank");
   const size_t es = dtype_size(dtype);

@@ -277,8 +277,9 @@ class RingCommunicator {
   // This rank has left the communicator (a timeout, an error in a call, leave()): the
   // buffers of the call it left in may still be read or written by MPI, for good.
   bool departed() const { return departed_; }
-  // Throws what every call throws after this communicator was closed, gave up or broke.
-  void check_usable() const;
+  // Throws what every call throws after this communicator was closed, gave up or broke;
+  // its message begins with where(collective), where the caller names it.
+  void check_usable(const char* collective = nullptr) const;
   // Stops using the communicator on this rank only, and tells the others (Departure::
   // Left), so that their waits on this rank raise at once and their close() frees
   // nothing that would wait for it. For a rank that will not close() with the others

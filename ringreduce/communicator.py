@@ -491,7 +491,10 @@ _PROCESS = os.getpid()  # MPI's process: a child made by fork() must leave MPI a
 # This process, without os.getpid()'s system call (0.1 us, in every wait for a call not
 # done): renewed in a child made by fork().
 _this_process = _PROCESS
-_MPI_BEFORE_FORK = MPI.Is_initialized()  # (a child may run an MPI of its own only if not)
+# Whether MPI was initialised when this process last forked (a child may run an MPI of
+# its own only if not): read at each fork, as MPI may be initialised after the import
+# (mpi4py.rc.initialize = False, then MPI.Init_thread()).
+_MPI_BEFORE_FORK = MPI.Is_initialized()
 _FORK_CHILD = False  # this is a child made by fork() of MPI's process (os.getpid() costs
                      # a system call, which the module-level functions make no room for)
 
@@ -510,7 +513,12 @@ def _after_fork_in_child():
         comm._fast = None
 
 
-os.register_at_fork(after_in_child=_after_fork_in_child)
+def _before_fork():
+    global _MPI_BEFORE_FORK
+    _MPI_BEFORE_FORK = MPI.Is_initialized()
+
+
+os.register_at_fork(before=_before_fork, after_in_child=_after_fork_in_child)
 
 
 @atexit.register
@@ -741,9 +749,10 @@ _FINALIZE_KEYVAL = None
 
 
 def mpi_unusable_here() -> bool:
-    """MPI has been finalised, or this is a child made by fork() of MPI's process: a
-    Communicator cannot be made (Communicator() says why, touching no MPI)."""
-    return _FORK_CHILD or MPI.Is_finalized()
+    """MPI is not initialised yet (mpi4py.rc.initialize = False) or has been finalised,
+    or this is a child made by fork() of MPI's process: a Communicator cannot be made
+    (Communicator() says why, touching no MPI)."""
+    return _FORK_CHILD or not MPI.Is_initialized() or MPI.Is_finalized()
 
 
 def checked_mpi_comm(comm, caller: str, pid: int | None = None):
@@ -760,6 +769,10 @@ def checked_mpi_comm(comm, caller: str, pid: int | None = None):
     if MPI.Is_finalized():
         raise _core.MPIError(f"ringreduce.{caller}: MPI has been finalised "
                              "(MPI.Finalize()): no Communicator can be made")
+    if not MPI.Is_initialized():  # (MPI's own error would end the process, unraised)
+        raise _core.MPIError(f"ringreduce.{caller}: MPI is not initialised yet: with "
+                             "mpi4py.rc.initialize = False, call MPI.Init() or "
+                             "MPI.Init_thread() first")
     if comm is None:
         comm = MPI.COMM_WORLD
     if isinstance(comm, Communicator):

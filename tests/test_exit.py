@@ -906,6 +906,52 @@ def test_a_forked_child_leaves_its_parents_communicator_alone(shm, tmp_path):
     assert done.stdout.count("child 0 sum 2.0") == 2, done.stdout  # (lines may interleave)
 
 
+MPI_INITIALISED_LATE = """
+import os
+import mpi4py
+mpi4py.rc.initialize = False
+from mpi4py import MPI
+import numpy as np
+import ringreduce as rr
+
+# Before MPI_Init: an error, where MPI's own would end the process unraised.
+for attempt in (rr.Communicator, lambda: rr.allreduce(np.ones(2))):
+    try:
+        attempt()
+        print("made before MPI_Init", flush=True)
+    except rr.MPIError as error:
+        assert "MPI is not initialised yet" in str(error), error
+MPI.Init_thread(MPI.THREAD_MULTIPLE)
+rank = MPI.COMM_WORLD.rank
+if rank == 0:  # a data loader's worker, say: it must not take the parent's place
+    child = os.fork()
+    if child == 0:
+        try:
+            rr.Communicator()
+            os.write(1, b"child made a Communicator\\n")
+        except ValueError as error:
+            os.write(1, f"child refused: {'a child made by fork()' in str(error)}\\n".encode())
+        os._exit(0)
+    os.waitpid(child, 0)
+with rr.Communicator(timeout=60) as ring:
+    total = ring.allreduce(np.full(3, rank + 1.0))[0]
+print(f"rank {rank} sum {total}", flush=True)
+MPI.Finalize()
+"""
+
+
+def test_mpi_initialised_after_the_import_is_waited_for_and_guarded_at_fork(tmp_path):
+    # (From a review.) With mpi4py.rc.initialize = False, a Communicator made before
+    # MPI.Init() ended the process from inside MPI, no exception raised; and one made
+    # after it by a child of fork() paired with the other rank's call (it added 100 to
+    # rank 1's sum): whether MPI was initialised was read once, at the import.
+    done = run_script(tmp_path, "late.py", MPI_INITIALISED_LATE, abort_on_exception=False)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "made before MPI_Init" not in done.stdout, done.stdout
+    assert "child refused: True" in done.stdout, done.stdout
+    assert "rank 0 sum 3.0" in done.stdout and "rank 1 sum 3.0" in done.stdout, done.stdout
+
+
 SUBINTERPRETER = """
 import sys
 import numpy as np
