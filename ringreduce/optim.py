@@ -248,12 +248,14 @@ def _step_texts(optimizer) -> list[str]:
     return texts + [str(optimizer.t) if isinstance(optimizer, Adam) else ""]
 
 
-def _step_fingerprint(identity: int, optimizer) -> int:
+def _step_fingerprint(identity: int, index: int, optimizer) -> int:
     """What a step's all-reduces carry (56 bits, see _STEP_FIELDS): which optimizer
-    (identity) and its settings now."""
+    (identity, and its index among those made on the communicator, whose 4 bits differ
+    for any two of the first 16, where two identities' own might not) and its settings
+    now."""
     texts = [str(identity), type(optimizer).__qualname__] + _step_texts(optimizer)
     whole = zlib.crc32("\0".join(texts).encode()) & ((1 << 27) - 1)
-    fields = [identity & 0xF] + [zlib.crc32(text.encode()) & 0xF for text in texts[2:]]
+    fields = [index & 0xF] + [zlib.crc32(text.encode()) & 0xF for text in texts[2:]]
     return _STEP_BIT | (whole << _FIELD_BITS) | sum(f << (4 * i) for i, f in enumerate(fields))
 
 
@@ -277,7 +279,8 @@ def _fingerprints_apart(fingerprints: list[int], optimizer) -> str:
                 "made on this communicator): every rank must step the same one")
     if not apart:  # (4 bits agree for one pair of values in 16)
         return ("the ranks' optimizers or their settings differ (which, the check does not "
-                "tell): set them alike on every rank")
+                "tell): step the same DistributedOptimizer on every rank, with the same "
+                "settings")
     parts = []
     for ranks in sorted(set(map(tuple, apart.values()))):
         names = ["Adam's step count t" if field == "t" else field
@@ -288,8 +291,9 @@ def _fingerprints_apart(fingerprints: list[int], optimizer) -> str:
                      "from rank 0's")
     here = [f"{name}={getattr(optimizer, name, None)!r}" for name in _SETTING_NAMES
             if name in apart] + ([f"t={optimizer.t!r}"] if "t" in apart else [])
-    return (f"the ranks' optimizer settings differ: {'; '.join(parts)} (this rank's: "
-            f"{', '.join(here)}); set them alike on every rank (a schedule that follows one "
+    # (Another setting may differ too, where its 4 bits agree: these differ at least.)
+    return (f"the ranks' optimizer settings differ, at least: {'; '.join(parts)} (this "
+            f"rank's: {', '.join(here)}); set them alike on every rank (a schedule that follows one "
             "rank's own numbers, its validation loss, say, sets them apart)")
 
 
@@ -844,8 +848,8 @@ class DistributedOptimizer:
         # that step different optimizers at one point (two of one model and settings
         # too) raise MismatchError instead of mixing their gradients. A hash of ints is
         # the same in every process (a string's is salted).
-        self._identity = hash((zlib.crc32("".join(self._model_texts).encode()),
-                               self.comm._optimizers_made))
+        self._index = self.comm._optimizers_made
+        self._identity = hash((zlib.crc32("".join(self._model_texts).encode()), self._index))
         self._call_check = self.comm._check(self.comm.CHECK_OPTIMIZER,  # (not a step's)
                                             self._identity & (_STEP_BIT - 1))
         self.comm._optimizers_made += 1
@@ -872,8 +876,8 @@ class DistributedOptimizer:
         update waits for), once a step (some 4 us): the calls before it, started during
         backward, carry which optimizer only (_call_check), so that ranks that set the
         same lr at different points of backward still pair up."""
-        self._step_check = self.comm._check(
-            self.comm.CHECK_OPTIMIZER, _step_fingerprint(self._identity, self.optimizer))
+        self._step_check = self.comm._check(self.comm.CHECK_OPTIMIZER, _step_fingerprint(
+            self._identity, self._index, self.optimizer))
 
     def _set_up(self, optimizer, bucket_mb, compression, before_update) -> None:
         """All of construction that this rank does alone (and may refuse)."""
@@ -1258,7 +1262,7 @@ class DistributedOptimizer:
         error = None
         try:
             mine = UPDATE if _update_by(self._before_update(averaged)) else SKIP
-            settings = _step_fingerprint(self._identity, self.optimizer)
+            settings = _step_fingerprint(self._identity, self._index, self.optimizer)
         except BaseException as raised:  # (Ctrl-C too: the others wait for this rank)
             error, mine, settings = raised, RAISED, 0
         self._abandoned_by_error = True  # (unless it returns)
@@ -1411,6 +1415,14 @@ class DistributedOptimizer:
         return type(self.optimizer).load_state_dict in (SGD.load_state_dict,
                                                          Adam.load_state_dict)
 
+    @property
+    def _state_broadcast(self) -> bool:
+        """Whether broadcast_parameters() sends all of the wrapped optimizer's state:
+        ringreduce's SGD's or Adam's, not a subclass's that saves more of its own."""
+        kind = type(self.optimizer)
+        return (kind.state_dict, kind.load_state_dict) in (
+            (SGD.state_dict, SGD.load_state_dict), (Adam.state_dict, Adam.load_state_dict))
+
     def _checked_state(self, state) -> tuple:
         """What load_state_dict(state) loads, all of it checked (a clear error before
         anything is loaded): the optimizer's state, PowerSGD's (or None), the fp16
@@ -1500,8 +1512,7 @@ class DistributedOptimizer:
             # state of an optimizer other than SGD and Adam (its momentum buffers, say,
             # on the loading rank alone: the replicas apart from the next step on).
             own = "given None" if checked is None else (
-                "loads" if checked[3] is not None or not isinstance(self.optimizer, (SGD, Adam))
-                else None)
+                "loads" if checked[3] is not None or not self._state_broadcast else None)
             texts = [settings, progress, own]
         self._agree_between_steps(
             self._where("load_state_dict"), "load_state_dict",

@@ -1663,6 +1663,32 @@ def test_a_rank_given_none_beside_an_optimizer_of_ones_own_is_refused():
         target.load_state_dict(state if RANK == 0 else None)  # (the same settings)
     target.load_state_dict(state)  # every rank the state: loads
 
+    class DecayingSGD(SGD):  # SGD's fields, and a state of its own (from a review)
+        k = 0
+
+        def step(self, grads):
+            self.k += 1
+            self.lr = 1.0 / self.k
+            super().step(grads)
+
+        def state_dict(self):
+            return {**super().state_dict(), "k": self.k}
+
+        def load_state_dict(self, state):
+            super().load_state_dict(state)
+            self.k = state["k"]
+
+    params = [np.zeros(3)]
+    target = DistributedOptimizer(DecayingSGD(params, lr=1.0))
+    state = {**target.state_dict(), "optimizer": {**target.state_dict()["optimizer"], "k": 3}}
+    with pytest.raises(rr.MismatchError, match=r"load a state where others are given None "
+                                               r"that broadcast_parameters\(\) does not send"):
+        target.load_state_dict(state if RANK == 0 else None)
+    assert target.optimizer.k == 0
+    plain = DistributedOptimizer(SGD(params, lr=1.0, momentum=0.5))  # (its state is sent)
+    plain.step([np.ones(3)])
+    plain.load_state_dict(plain.state_dict() if RANK == 0 else None)
+
 
 class HeavyBall:
     """A user's own optimizer, written for gradients that are fresh arrays at every
@@ -2110,8 +2136,8 @@ BEFORE_UPDATE_GONE_WRONG = {
                       "and not on the others, so this step is dropped on every rank.*: it "
                       "must decide from the averaged gradients alone", None),
     "sets lr": (rr.MismatchError, r"after before_update, so this step is dropped on every "
-                r"rank, without an update: the ranks' optimizer settings differ: lr on rank "
-                rf"{BAD} differs from rank 0's \(this rank's: lr=", None),
+                r"rank, without an update: the ranks' optimizer settings differ, at least: lr on "
+                rf"rank {BAD} differs from rank 0's \(this rank's: lr=", None),
 }
 
 
@@ -2260,8 +2286,8 @@ def test_a_setting_changed_on_one_rank_drops_the_step_on_every_rank(setting, com
     said = "Adam's step count t" if name == "t" else name
     with pytest.raises(rr.MismatchError, match=(
             r"this step is dropped here, without an update \(the next starts clean\): the "
-            rf"ranks' optimizer settings differ: {said} on rank {BAD} differs from rank 0's "
-            r"\(this rank's: "
+            rf"ranks' optimizer settings differ, at least: {said} on rank {BAD} differs from "
+            r"rank 0's \(this rank's: "
             rf"{'t' if name == 't' else name}={re.escape(repr(getattr(optimizer, name)))}\)")):
         opt.step(grads)
     for p, b in zip(params, before):
@@ -2607,25 +2633,39 @@ def test_a_step_fingerprint_names_what_differs_or_nothing():
     # backward carries which optimizer only: no fingerprint, no names.
     params = [np.zeros(3)]
     sgd, adam = SGD(params, lr=0.1, momentum=0.9), Adam(params, lr=0.1)
-    mine = optim._step_fingerprint(12345, sgd)
+    mine = optim._step_fingerprint(12345, 0, sgd)
     assert optim._fingerprints_apart([mine, mine, mine], sgd) == ""
     assert optim._fingerprints_apart([mine, 12345], sgd) == ""  # (bit 55 clear)
     sgd.momentum = 0.5
-    text = optim._fingerprints_apart([mine, optim._step_fingerprint(12345, sgd)], sgd)
-    assert text.startswith("the ranks' optimizer settings differ: momentum on rank 1 differs "
-                           "from rank 0's (this rank's: momentum=0.5); set them alike")
-    other = optim._step_fingerprint(12346, sgd)
+    text = optim._fingerprints_apart([mine, optim._step_fingerprint(12345, 0, sgd)], sgd)
+    assert text.startswith("the ranks' optimizer settings differ, at least: momentum on rank 1 "
+                           "differs from rank 0's (this rank's: momentum=0.5); set them alike")
+    other = optim._step_fingerprint(12346, 1, sgd)
     assert optim._fingerprints_apart([mine, mine, other], sgd).startswith(
         "rank 2 stepped another DistributedOptimizer than rank 0")
     # The whole CRC differs, no 4 bits do (one pair of values in 16): said, not named.
     assert optim._fingerprints_apart([mine, mine ^ (1 << 40)], sgd).startswith(
         "the ranks' optimizers or their settings differ (which, the check does not tell)")
     adam.t = 3
-    fingerprints = [optim._step_fingerprint(1, adam)]
+    fingerprints = [optim._step_fingerprint(1, 0, adam)]
     adam.t, adam.lr = 4, 0.2
-    fingerprints.append(optim._step_fingerprint(1, adam))
+    fingerprints.append(optim._step_fingerprint(1, 0, adam))
     assert "lr and Adam's step count t on rank 1 differ from rank 0's (this rank's: lr=0.2, " \
            "t=4)" in optim._fingerprints_apart(fingerprints, adam)
+
+
+@needs_two
+def test_a_rank_stepping_another_optimizer_is_named_so_whatever_their_settings():
+    # (From a review.) The field of the check that says which optimizer was 4 bits of
+    # a hash: for one pair in 16 (a GAN's G and D here) they agreed, and the error
+    # named lr, "set them alike", instead. It is the optimizer's index now.
+    params = [np.zeros(3)]
+    made = [DistributedOptimizer(SGD(params, lr=lr)) for lr in (0.1, 0.2, 0.1, 0.3)]
+    for other in made[1:]:
+        with pytest.raises(rr.MismatchError, match=rf"rank {BAD} stepped another "
+                           "DistributedOptimizer than rank 0"):
+            (other if RANK == BAD else made[0]).step([np.ones(3)])
+    np.testing.assert_array_equal(params[0], 0.0)
 
 
 @needs_two
