@@ -30,8 +30,8 @@ from mpi4py import MPI
 
 import ringreduce as rr
 from bench_allreduce import progress, sizes_argument
-from timing import (at_least, human_bytes, human_time, output_file, start_gloo,
-                    time_alternating, write_json)
+from timing import (at_least, human_bytes, human_time, markdown_table, output_file,
+                    start_gloo, time_alternating, write_json)
 
 world = MPI.COMM_WORLD
 rank, size = world.Get_rank(), world.Get_size()
@@ -213,13 +213,12 @@ def main() -> None:
             flight += ", then a blocking allreduce of one float"
         print(f"# {size} ranks, float32, {args.buckets} {args.collective} calls {flight}, "
               f"{args.compute_us:g} us of Python before each; median time per step")
-        print("| bucket | " + " | ".join(names) + f" | async speedup vs {peer} |")
-        print("|---" * (len(names) + 2) + "|")
+        table = []
         for nbytes in dict.fromkeys(r["bytes"] for r in rows):
             mine = {r["implementation"]: r for r in rows if r["bytes"] == nbytes}
-            print(f"| {human_bytes(nbytes)} | "
-                  + " | ".join(human_time(mine[n]["time_s"]) for n in names)
-                  + f" | {mine['ringreduce async']['speedup_vs_mpi']:.2f}x |")
+            table.append([human_bytes(nbytes)] + [human_time(mine[n]["time_s"]) for n in names]
+                         + [f"{mine['ringreduce async']['speedup_vs_mpi']:.2f}x"])
+        print(markdown_table(["bucket"] + names + [f"async speedup vs {peer}"], table))
         if args.json:
             write_json(args.json, ranks=size, dtype="float32", collective=args.collective,
                        peer=peer, buckets=args.buckets,

@@ -25,8 +25,8 @@ from mpi4py import MPI
 
 import ringreduce as rr
 from bench_allreduce import progress
-from timing import at_least, byte_size, human_bytes, human_time, output_file, start_gloo, \
-    time_alternating, write_json
+from timing import at_least, byte_size, human_bytes, human_time, markdown_table, output_file, \
+    start_gloo, time_alternating, write_json
 
 world = MPI.COMM_WORLD
 rank, size = world.Get_rank(), world.Get_size()
@@ -123,15 +123,15 @@ def main() -> None:
     others = [n for n in names if n != "ringreduce"]
     print(f"# {size} ranks, float32, averaged in place; median time per call; "
           "ringreduce's speedup = the other's time / ringreduce's")
-    print("| gradients | in all | " + " | ".join(names) + " | "
-          + " | ".join(f"speedup vs {n}" for n in others) + " |")
-    print("|---" * (2 + len(names) + len(others)) + "|")
+    table = []
     for count, nbytes in models:
         mine = {r["implementation"]: r for r in rows
                 if (r["arrays"], r["bytes_each"]) == (count, nbytes)}
-        print(f"| {count} x {human_bytes(nbytes)} | {human_bytes(count * nbytes)} | "
-              + " | ".join(human_time(mine[n]["time_s"]) for n in names) + " | "
-              + " | ".join(f"{mine[n]['speedup']:.2f}x" for n in others) + " |")
+        table.append([f"{count} x {human_bytes(nbytes)}", human_bytes(count * nbytes)]
+                     + [human_time(mine[n]["time_s"]) for n in names]
+                     + [f"{mine[n]['speedup']:.2f}x" for n in others])
+    print(markdown_table(["gradients", "in all"] + names + [f"speedup vs {n}" for n in others],
+                         table))
     if args.json:
         write_json(args.json, ranks=size, dtype="float32", repeats=args.repeats,
                    torch=None if gloo is None else gloo[0].__version__, results=rows)

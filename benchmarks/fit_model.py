@@ -20,8 +20,8 @@ from mpi4py import MPI
 
 import ringreduce as rr
 from ringreduce import _core
-from timing import (at_least, human_bytes, human_time, inner_iterations, output_file,
-                    save_size_plot, time_alternating, write_json)
+from timing import (at_least, human_bytes, human_time, inner_iterations, markdown_table,
+                    output_file, save_size_plot, time_alternating, write_json)
 
 world = MPI.COMM_WORLD
 rank, size = world.Get_rank(), world.Get_size()
@@ -85,10 +85,9 @@ def main() -> None:
     print(f"alpha = {alpha * 1e6:.2f} us per message (Sendrecv of 8 B)")
     print(f"beta  = {beta * 1e9:.4f} ns per byte moved (1/beta = {1 / beta / 1e9:.2f} GB/s)")
     print(f"gamma = {gamma * 1e9:.4f} ns per byte reduced (1/gamma = {1 / gamma / 1e9:.2f} GB/s)")
-    print("\n| size | model | measured | measured / model |\n|---|---|---|---|")
-    for r in rows:
-        print(f"| {human_bytes(r['bytes'])} | {human_time(r['model_s'])} | "
-              f"{human_time(r['measured_s'])} | {r['measured_s'] / r['model_s']:.2f} |")
+    print("\n" + markdown_table(["size", "model", "measured", "measured / model"], [
+        [human_bytes(r["bytes"]), human_time(r["model_s"]), human_time(r["measured_s"]),
+         f"{r['measured_s'] / r['model_s']:.2f}"] for r in rows]))
     if args.json:
         write_json(args.json, ranks=p, alpha_s=alpha, beta_s_per_byte=beta,
                    gamma_s_per_byte=gamma, rows=rows)

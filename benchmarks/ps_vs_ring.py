@@ -17,7 +17,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ringreduce import reference
-from timing import at_least, output_file
+from timing import at_least, markdown_table, output_file
 
 world = MPI.COMM_WORLD
 rank, size = world.Get_rank(), world.Get_size()
@@ -80,10 +80,10 @@ def main():
         return
     n = x.nbytes
     print(f"{size} ranks, {n / 2**20:g} MiB per rank (N); bytes each rank moved, in units of N\n")
-    print("| rank | ring: sent | ring: received | parameter server: sent | parameter server: "
-          "received |\n|---|---|---|---|---|")
-    for r, (rs, rr_), (ps, pr) in rows:
-        print(f"| {r} | {rs / n:.2f} | {rr_ / n:.2f} | {ps / n:.2f} | {pr / n:.2f} |")
+    print(markdown_table(["rank", "ring: sent", "ring: received", "parameter server: sent",
+                          "parameter server: received"],
+                         [[r, f"{rs / n:.2f}", f"{rr_ / n:.2f}", f"{ps / n:.2f}", f"{pr / n:.2f}"]
+                          for r, (rs, rr_), (ps, pr) in rows]))
     print(f"\ntime (median of {args.repeats}): ring {ring_time * 1e3:.1f} ms, parameter server "
           f"{ps_time * 1e3:.1f} ms")
     if args.plot:
