@@ -122,10 +122,14 @@ class BuildWithCuda(build_ext):
     def build_extension(self, ext):
         # (Without one, nvcc's "failed to preprocess host compiler properties", or a
         # missing file, is all a build would say.)
-        compiler = getattr(self.compiler, "compiler_so", None)
-        if compiler and not shutil.which(compiler[0]):
-            sys.exit(f"ringreduce: no C++ compiler: {compiler[0]} was not found (install g++, "
-                     "e.g. apt install build-essential, or set CC and CXX)")
+        # compiler_so compiles (gcc, which takes C++ too where g++ is installed); newer
+        # setuptools compile C++ with compiler_so_cxx, and link with linker_so_cxx (g++):
+        # gcc without g++ failed at the first C++ file, or at the link, with a traceback.
+        for name in ("compiler_so", "compiler_so_cxx", "linker_so_cxx", "compiler_cxx"):
+            command = getattr(self.compiler, name, None)
+            if command and not shutil.which(command[0]):
+                sys.exit(f"ringreduce: no C++ compiler: {command[0]} was not found (install "
+                         "g++, e.g. apt install build-essential, or set CC and CXX)")
         cuda = add_mpi_and_cuda(ext)
         if cuda:
             nvcc, _ = cuda

@@ -12,6 +12,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# A mistyped MPICC: said now, before the dependencies of another MPI are uninstalled.
+if [ -n "${MPICC:-}" ] && ! command -v "$MPICC" >/dev/null; then
+  echo "bootstrap: MPICC=$MPICC: no such executable (unset MPICC to use MPICH from PyPI)" >&2
+  exit 1
+fi
+
 PYTHON=${PYTHON:-python3}
 VENV=.venv
 if [ ! -x "$VENV/bin/python" ]; then

@@ -87,6 +87,24 @@ def test_no_cpp_compiler_stops_the_build_saying_so(tmp_path):
         tmp_path, CC="/no/such/gcc", CXX="/no/such/g++")
 
 
+def test_gcc_without_g_plus_plus_stops_the_build_saying_so(tmp_path):
+    # (From a review.) Only the compiler of compiler_so was looked for (gcc, CC's): with
+    # g++ missing, the build failed at the first C++ file or at the link, in a traceback.
+    assert "ringreduce: no C++ compiler: /no/such/g++ was not found" in _failed_build(
+        tmp_path, CXX="/no/such/g++")
+
+
+def test_bootstrap_stops_at_once_on_an_mpicc_that_does_not_exist(tmp_path):
+    # (From a review.) It uninstalled the wheel's MPICH and mpi4py, built mpi4py for
+    # nothing for two minutes, and left a .venv that no longer imported ringreduce.
+    shutil.copytree(ROOT / "scripts", tmp_path / "scripts")
+    done = subprocess.run(["bash", "scripts/bootstrap.sh"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=60, env=dict(os.environ, MPICC="/no/such/mpicc"))
+    assert done.returncode == 1
+    assert "bootstrap: MPICC=/no/such/mpicc: no such executable" in done.stderr, done.stderr
+    assert not (tmp_path / ".venv").exists()
+
+
 @pytest.mark.parametrize("world, environ, warned", [
     (1, {"PMI_SIZE": "4"}, "PMI_SIZE=4"),                # another MPI's Hydra
     (1, {"OMPI_COMM_WORLD_SIZE": "2"}, "OMPI_COMM_WORLD_SIZE=2"),  # Open MPI's mpirun
