@@ -122,10 +122,14 @@ class BuildWithCuda(build_ext):
     def build_extension(self, ext):
         # (Without one, nvcc's "failed to preprocess host compiler properties", or a
         # missing file, is all a build would say.)
-        # compiler_so compiles (gcc, which takes C++ too where g++ is installed); newer
-        # setuptools compile C++ with compiler_so_cxx, and link with linker_so_cxx (g++):
-        # gcc without g++ failed at the first C++ file, or at the link, with a traceback.
-        for name in ("compiler_so", "compiler_so_cxx", "linker_so_cxx", "compiler_cxx"):
+        # What compiles the C++ files: compiler_so (gcc, which takes C++ too where g++ is
+        # installed), or in newer setuptools compiler_so_cxx; and what links them,
+        # compiler_cxx (g++), in every setuptools (linker_so_cxx's first word is replaced
+        # by it). gcc without g++ failed at the first C++ file, or at the link, with a
+        # traceback.
+        compiles = "compiler_so_cxx" if getattr(self.compiler, "compiler_so_cxx", None) \
+            else "compiler_so"
+        for name in (compiles, "compiler_cxx"):
             command = getattr(self.compiler, name, None)
             if command and not shutil.which(command[0]):
                 sys.exit(f"ringreduce: no C++ compiler: {command[0]} was not found (install "

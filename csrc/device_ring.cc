@@ -209,6 +209,7 @@ Device& RingCommunicator::begin_device_call(DeviceCall& call, Collective collect
                                             int64_t scratch_bytes) {
   Device* begun = nullptr;
   try {
+    check_usable(collective_name(collective));  // (named: device() checks it again, unnamed)
     Device& dev = device(call.emulate, call.ordinal);
     dev.begin(call.ready);
     begun = &dev;

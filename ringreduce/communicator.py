@@ -505,9 +505,11 @@ def _after_fork_in_child():
     # and close() or an exception leaving its `with` block does nothing (it would tell
     # the other ranks that this rank left, or free the parent's MPI communicator).
     # (The ones not in _live are closed already.)
-    global _FORK_CHILD, _this_process
+    global _FORK_CHILD, _this_process, _PROCESS
     _FORK_CHILD = _MPI_BEFORE_FORK
     _this_process = os.getpid()
+    if not _MPI_BEFORE_FORK:  # (no MPI of its parent's to leave alone: it may run its own)
+        _PROCESS = _this_process
     for comm in list(_live):
         comm._closed = True
         comm._fast = None

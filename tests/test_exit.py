@@ -952,6 +952,44 @@ def test_mpi_initialised_after_the_import_is_waited_for_and_guarded_at_fork(tmp_
     assert "rank 0 sum 3.0" in done.stdout and "rank 1 sum 3.0" in done.stdout, done.stdout
 
 
+CHILD_WITH_AN_MPI_OF_ITS_OWN = """
+import os
+import mpi4py
+mpi4py.rc.initialize = False  # this process never initialises MPI
+from mpi4py import MPI
+import numpy as np
+import ringreduce as rr
+
+child = os.fork()
+if child == 0:  # MPI is this process's own
+    MPI.Init()
+    for attempt in range(2):
+        with rr.Communicator(MPI.COMM_SELF) as ring:
+            os.write(1, f"made {attempt}: {ring.allreduce(np.ones(2))[0]}\\n".encode())
+        worker = os.fork()  # a data loader's worker, say, that never touches MPI
+        if worker == 0:
+            os._exit(0)
+        os.waitpid(worker, 0)
+    os.write(1, f"module-level: {rr.allreduce(np.ones(2), comm=MPI.COMM_SELF)[0]}\\n".encode())
+    MPI.Finalize()
+    os._exit(0)
+os.waitpid(child, 0)
+"""
+
+
+def test_a_child_forked_before_mpi_may_run_its_own_and_fork_workers(tmp_path):
+    # (From a review of the guard read at each fork.) Once such a child forked a worker,
+    # its next Communicator was refused as a child of "MPI's process", its parent, which
+    # never initialised MPI.
+    script = tmp_path / "own.py"
+    script.write_text(CHILD_WITH_AN_MPI_OF_ITS_OWN)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=120, env=job_env(None))
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert done.stdout.split("\n")[:3] == ["made 0: 1.0", "made 1: 1.0", "module-level: 1.0"], \
+        (done.stdout, done.stderr[-4000:])
+
+
 SUBINTERPRETER = """
 import sys
 import numpy as np

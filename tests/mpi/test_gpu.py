@@ -318,6 +318,20 @@ def test_bad_gpu_arguments_raise_clear_errors(comm):
     check_gpu_argument_errors(comm, cupy)
 
 
+def test_calls_after_this_rank_left_name_the_call_and_the_rank():
+    # (From a review.) After a Communicator broke or gave up, the GPU allreduce,
+    # reduce_scatter and broadcast said "this ringreduce Communicator ..." alone.
+    ring = rr.Communicator()
+    ring._core.leave()  # (every rank: none waits for another)
+    for name, call in [("allreduce", lambda: ring.allreduce(cupy.ones(4))),
+                       ("reduce_scatter", lambda: ring.reduce_scatter(cupy.ones(4))),
+                       ("broadcast", lambda: ring.broadcast(cupy.ones(4))),
+                       ("allgather", lambda: ring.allgather(cupy.ones(4)))]:
+        with pytest.raises(ValueError, match=rf"^ringreduce\.{name} \(rank {RANK} of {SIZE}\): "
+                                             "this ringreduce Communicator has been closed"):
+            call()
+
+
 def test_allreduce_gradients_and_the_distributed_optimizer_on_cupy(world):
     from ringreduce.optim import SGD, Adam, DistributedOptimizer
 
