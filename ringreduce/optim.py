@@ -224,8 +224,9 @@ def _kind(value):
 
 # What a step's all-reduces carry below the check's kind (_step_fingerprint): a bit that
 # says it is a step's, a CRC of the optimizer's identity and every setting (27 bits),
-# and a 4-bit CRC of each of _STEP_FIELDS, so that where the ranks' differ, each can
-# name what differs (_fingerprints_apart): which optimizer, and which settings.
+# and 4 bits of each of _STEP_FIELDS (the optimizer's index on the communicator, then a
+# CRC of each setting), so that where the ranks' differ, each can name what differs
+# (_fingerprints_apart): which optimizer, and which settings.
 _STEP_FIELDS = ("optimizer",) + _SETTING_NAMES + ("t",)
 _STEP_BIT = 1 << 55
 _FIELD_BITS = 4 * len(_STEP_FIELDS)
