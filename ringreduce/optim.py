@@ -294,8 +294,8 @@ def _fingerprints_apart(fingerprints: list[int], optimizer) -> str:
             if name in apart] + ([f"t={optimizer.t!r}"] if "t" in apart else [])
     # (Another setting may differ too, where its 4 bits agree: these differ at least.)
     return (f"the ranks' optimizer settings differ, at least: {'; '.join(parts)} (this "
-            f"rank's: {', '.join(here)}); set them alike on every rank (a schedule that follows one "
-            "rank's own numbers, its validation loss, say, sets them apart)")
+            f"rank's: {', '.join(here)}); set them alike on every rank (a schedule that "
+            "follows one rank's own numbers, its validation loss, say, sets them apart)")
 
 
 def _update_by(verdict) -> bool:
@@ -1420,9 +1420,8 @@ class DistributedOptimizer:
     def _state_broadcast(self) -> bool:
         """Whether broadcast_parameters() sends all of the wrapped optimizer's state:
         ringreduce's SGD's or Adam's, not a subclass's that saves more of its own."""
-        kind = type(self.optimizer)
-        return (kind.state_dict, kind.load_state_dict) in (
-            (SGD.state_dict, SGD.load_state_dict), (Adam.state_dict, Adam.load_state_dict))
+        return self._optimizer_checks_first and \
+            type(self.optimizer).state_dict in (SGD.state_dict, Adam.state_dict)
 
     def _checked_state(self, state) -> tuple:
         """What load_state_dict(state) loads, all of it checked (a clear error before
