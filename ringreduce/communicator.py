@@ -750,11 +750,24 @@ def _finished_at_mpi_finalize():
 _FINALIZE_KEYVAL = None
 
 
+_mpi_was_initialised = False  # (once MPI says so, it does for good: asked until then)
+
+
+def _mpi_initialised() -> bool:
+    """MPI.Is_initialized(), asked only until it says yes (every module-level call asks,
+    through mpi_unusable_here: 25 ns of a 1 us call, where the flag costs 10)."""
+    global _mpi_was_initialised
+    if not _mpi_was_initialised:
+        _mpi_was_initialised = MPI.Is_initialized()
+    return _mpi_was_initialised
+
+
 def mpi_unusable_here() -> bool:
     """MPI is not initialised yet (mpi4py.rc.initialize = False) or has been finalised,
     or this is a child made by fork() of MPI's process: a Communicator cannot be made
     (Communicator() says why, touching no MPI)."""
-    return _FORK_CHILD or not MPI.Is_initialized() or MPI.Is_finalized()
+    return (_FORK_CHILD or not (_mpi_was_initialised or _mpi_initialised())
+            or MPI.Is_finalized())
 
 
 def checked_mpi_comm(comm, caller: str, pid: int | None = None):
@@ -771,7 +784,7 @@ def checked_mpi_comm(comm, caller: str, pid: int | None = None):
     if MPI.Is_finalized():
         raise _core.MPIError(f"ringreduce.{caller}: MPI has been finalised "
                              "(MPI.Finalize()): no Communicator can be made")
-    if not MPI.Is_initialized():  # (MPI's own error would end the process, unraised)
+    if not _mpi_initialised():  # (MPI's own error would end the process, unraised)
         raise _core.MPIError(f"ringreduce.{caller}: MPI is not initialised yet: with "
                              "mpi4py.rc.initialize = False, call MPI.Init() or "
                              "MPI.Init_thread() first")
