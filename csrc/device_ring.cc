@@ -209,8 +209,7 @@ Device& RingCommunicator::begin_device_call(DeviceCall& call, Collective collect
                                             int64_t scratch_bytes) {
   Device* begun = nullptr;
   try {
-    check_usable(collective_name(collective));  // (named: device() checks it again, unnamed)
-    Device& dev = device(call.emulate, call.ordinal);
+    Device& dev = device(call.emulate, call.ordinal, collective_name(collective));
     dev.begin(call.ready);
     begun = &dev;
     if (mirror_bytes > 0) host_mirror_->get(mirror_bytes);
@@ -275,8 +274,8 @@ void RingCommunicator::reserve_staging(const DeviceCall& call, int64_t bytes) {
   if (!call.direct && size() > 1) host_mirror_->get(bytes);
 }
 
-Device& RingCommunicator::device(bool emulate, int ordinal) {
-  check_usable();
+Device& RingCommunicator::device(bool emulate, int ordinal, const char* collective) {
+  check_usable(collective);
   const int wanted = emulate ? -1 : ordinal;
   if (!device_ || device_->ordinal() != wanted) {
     release_device();

@@ -230,8 +230,9 @@ class RingCommunicator {
   void reserve_staging(const DeviceCall& call, int64_t bytes);
   // "none" until a device call; then "CUDA" or "host emulation".
   const char* device_name() const { return device_ ? device_->name() : "none"; }
-  // The Device for GPU `ordinal` (a HostDevice when emulate), made on first use and kept.
-  Device& device(bool emulate, int ordinal);
+  // The Device for GPU `ordinal` (a HostDevice when emulate), made on first use and kept;
+  // where the communicator is unusable, check_usable(collective)'s error.
+  Device& device(bool emulate, int ordinal, const char* collective = nullptr);
 
   // What the ring has moved so far (not the header exchange, nor small calls done
   // inside it): payload bytes this rank sent, as counted by the wires, and ring steps.
