@@ -24,7 +24,7 @@ import ringreduce as rr
 from ringreduce import reference
 from ringreduce.sim import need_matplotlib, parse_bytes
 from timing import (at_least, bus_bandwidth, human_bytes, human_time, inner_iterations,
-                    output_file, save_size_plot, start_gloo, time_alternating, write_json)
+                    markdown_table, output_file, save_size_plot, start_gloo, time_alternating, write_json)
 
 world = MPI.COMM_WORLD
 rank, size = world.Get_rank(), world.Get_size()
@@ -178,19 +178,17 @@ def print_tables(rows) -> None:
             continue
         names = list(dict.fromkeys(r["implementation"] for r in mine))
         print(f"\n## {collective}")
-        print("| size | " + " | ".join(f"{n} time | busbw" for n in names)
-              + " | speedup vs MPI (" + " / ".join(
-                  n for n in names if n.startswith("ringreduce") and "in place" not in n)
-              + ") |")
-        print("|---" * (2 * len(names) + 2) + "|")
+        ours = [n for n in names if n.startswith("ringreduce") and "in place" not in n]
+        table = []
         for nbytes in sorted({r["bytes"] for r in mine}):
-            cells, speedup = [], ""
-            for name in names:
-                r = next(r for r in mine if r["bytes"] == nbytes and r["implementation"] == name)
-                cells.append(f"{human_time(r['time_s'])} | {r['busbw_GBps']:.2f}")
-                if name.startswith("ringreduce") and "in place" not in name:
-                    speedup += (" / " if speedup else "") + f"{r['speedup_vs_mpi']:.2f}x"
-            print(f"| {human_bytes(nbytes)} | " + " | ".join(cells) + f" | {speedup} |")
+            got = {r["implementation"]: r for r in mine if r["bytes"] == nbytes}
+            table.append([human_bytes(nbytes)]
+                         + [cell for name in names for cell in (
+                             human_time(got[name]["time_s"]), f"{got[name]['busbw_GBps']:.2f}")]
+                         + [" / ".join(f"{got[name]['speedup_vs_mpi']:.2f}x" for name in ours)])
+        print(markdown_table(
+            ["size"] + [cell for n in names for cell in (f"{n} time", "busbw")]
+            + [f"speedup vs MPI ({' / '.join(ours)})"], table))
 
 
 def plot(rows, path: str) -> None:

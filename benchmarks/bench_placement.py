@@ -27,7 +27,7 @@ from bench_allreduce import progress, sizes_argument
 from ringreduce import reference
 from ringreduce.sim import crossings
 from timing import (at_least, bus_bandwidth, human_bytes, human_time, inner_iterations,
-                    output_file, time_alternating, write_json)
+                    markdown_table, output_file, time_alternating, write_json)
 
 world = MPI.COMM_WORLD
 rank, size = world.Get_rank(), world.Get_size()
@@ -86,16 +86,16 @@ def main() -> None:
               f"{by_machine.ring} ({crossings(by_machine.ring, machines)} links between "
               f"machines); in rank order: {crossings(in_rank_order.ring, machines)} links "
               "between machines")
-        print("| size | machine by machine | busbw | rank order | busbw | MPI_Allreduce | busbw "
-              "| machine by machine vs rank order |")
-        print("|---|---|---|---|---|---|---|---|")
+        compared = ("machine by machine", "rank order", "MPI_Allreduce")
+        table = []
         for nbytes in sizes:
             got = {r["implementation"]: r for r in rows if r["bytes"] == nbytes}
-            cells = " | ".join(f"{human_time(got[name]['time_s'])} | "
-                               f"{got[name]['busbw_GBps']:.2f}"
-                               for name in ("machine by machine", "rank order", "MPI_Allreduce"))
-            print(f"| {human_bytes(nbytes)} | {cells} | "
-                  f"{got['machine by machine']['speedup_over_rank_order']:.2f}x |")
+            table.append([human_bytes(nbytes)]
+                         + [cell for name in compared for cell in (
+                             human_time(got[name]["time_s"]), f"{got[name]['busbw_GBps']:.2f}")]
+                         + [f"{got['machine by machine']['speedup_over_rank_order']:.2f}x"])
+        print(markdown_table(["size"] + [cell for name in compared for cell in (name, "busbw")]
+                             + ["machine by machine vs rank order"], table))
         if args.json:
             write_json(args.json, ranks=size, machines=machines,
                        ring_by_machine=list(by_machine.ring),

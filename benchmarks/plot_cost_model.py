@@ -14,7 +14,7 @@ import json
 import statistics
 
 from ringreduce import sim
-from timing import human_bytes, output_file
+from timing import human_bytes, markdown_table, output_file
 
 SIZES = [4 << 10, 1 << 20, 64 << 20]
 RANKS = [2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
@@ -45,7 +45,7 @@ def main():
     fig, ax = plt.subplots(figsize=(8, 5))
     colors = plt.get_cmap("tab10")
     print(f"alpha={alpha:.3g} s, beta={beta:.3g} s/B, gamma={gamma:.3g} s/B")
-    print("| size | ranks | " + " | ".join(STYLE) + " |\n|---|---|" + "---|" * len(STYLE))
+    table = []
     for c, nbytes in enumerate(SIZES):
         curves = {name: [] for name in STYLE}
         for p in RANKS:
@@ -53,11 +53,12 @@ def main():
                 r = fn(p, nbytes // 4, 4, alpha, beta, gamma)
                 curves[r.algorithm].append(r.seconds)
             if p in (2, 64, 1024):
-                print(f"| {human_bytes(nbytes)} | {p} | " + " | ".join(
-                    f"{curves[n][-1] * 1e3:.3f} ms" for n in STYLE) + " |")
+                table.append([human_bytes(nbytes), p]
+                             + [f"{curves[n][-1] * 1e3:.3f} ms" for n in STYLE])
         for name, times in curves.items():
             ax.plot(RANKS, [t * 1e3 for t in times], STYLE[name], color=colors(c),
                     label=f"{name}, {human_bytes(nbytes)}")
+    print(markdown_table(["size", "ranks", *STYLE], table))
     if args.measured:
         runs = [json.load(open(p)) for p in sorted(glob.glob(args.measured))]
         for c, nbytes in enumerate(SIZES):

@@ -12,7 +12,7 @@ import os
 import statistics
 import sys
 
-from timing import human_bytes, human_time, output_file, size_axis
+from timing import human_bytes, human_time, markdown_table, output_file, size_axis
 
 
 def pick(results, nbytes: int, name: str) -> dict:
@@ -96,23 +96,20 @@ def main(paths: list[str], plot_path: str | None = None) -> None:
         print(f"### {collective}\n")
         variants = [n for n in names if n.startswith("ringreduce") and n != "ringreduce"
                     and "in place" not in n]  # e.g. "ringreduce out=": a speedup column each
-        print("| size | " + " | ".join(f"{n}" for n in names)
-              + " | ringreduce busbw | speedup vs MPI, each run |"
-              + "".join(f" {v}: speedup, each run |" for v in variants))
-        print("|---" * (len(names) + 3 + len(variants)) + "|")
+        table = []
         for nbytes in sorted({r["bytes"] for r in rows[0]}):
-            def speedup(run, name):
-                return pick(run, nbytes, peer)["time_s"] / pick(run, nbytes, name)["time_s"]
-            times = {n: statistics.median(pick(run, nbytes, n)["time_s"] for run in rows)
-                     for n in names}
+            def speedups(name):
+                return ", ".join(f"{pick(run, nbytes, peer)['time_s'] / pick(run, nbytes, name)['time_s']:.2f}x"
+                                 for run in rows)
+            times = [statistics.median(pick(run, nbytes, n)["time_s"] for run in rows)
+                     for n in names]
             busbw = statistics.median(pick(run, nbytes, "ringreduce")["busbw_GBps"]
                                       for run in rows)
-            speedups = [speedup(run, "ringreduce") for run in rows]
-            extra = "".join(" " + ", ".join(f"{speedup(run, v):.2f}x" for run in rows) + " |"
-                            for v in variants)
-            print(f"| {human_bytes(nbytes)} | " + " | ".join(human_time(times[n]) for n in names)
-                  + f" | {busbw:.2f} GB/s | " + ", ".join(f"{s:.2f}x" for s in speedups) + " |"
-                  + extra)
+            table.append([human_bytes(nbytes)] + [human_time(t) for t in times]
+                         + [f"{busbw:.2f} GB/s", speedups("ringreduce")]
+                         + [speedups(v) for v in variants])
+        print(markdown_table(["size"] + names + ["ringreduce busbw", "speedup vs MPI, each run"]
+                             + [f"{v}: speedup, each run" for v in variants], table))
         print()
     if plot_path:
         plot(runs, plot_path)

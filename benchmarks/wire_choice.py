@@ -26,7 +26,7 @@ import numpy as np
 from mpi4py import MPI
 
 import ringreduce as rr
-from timing import at_least, output_file, write_json
+from timing import at_least, markdown_table, output_file, write_json
 
 world = MPI.COMM_WORLD
 rank, size = world.Get_rank(), world.Get_size()
@@ -132,9 +132,8 @@ def summarise(rounds, tests) -> dict:
                 if r[f"{test}: shared memory"] > 1.5 * r[f"{test}: streaming stores"]]
         usual = [r for r in rounds if r not in slow]
         print(f"\n{test}: {len(slow)} of {len(rounds)} rounds in a slow phase")
-        print("| implementation | usual rounds (median) | slow rounds (median) |")
-        print("|---|---|---|")
         summary[test] = {"slow_rounds": len(slow), "rounds": len(rounds)}
+        table = []
         for name in calls:
             key = f"{test}: {name}"
             med = [statistics.median(r[key] for r in part) * 1e6 if part else float("nan")
@@ -142,7 +141,9 @@ def summarise(rounds, tests) -> dict:
             summary[test][name] = {"usual_us": med[0], "slow_us": med[1]}
             label = LABELS.get(name, f"ringreduce, {name}")
             shown = [f"{m:.0f} us" if m == m else "-" for m in med]  # (no slow rounds: NaN)
-            print(f"| {label} | {shown[0]} | {shown[1]} |")
+            table.append([label] + shown)
+        print(markdown_table(["implementation", "usual rounds (median)", "slow rounds (median)"],
+                             table))
     return summary
 
 
