@@ -11,8 +11,13 @@ from mpi4py import MPI as _MPI  # mpi4py owns MPI_Init; the core never calls it
 try:
     from . import _core
 except ImportError as _error:
+    if _error.path and _error.path != __file__:
+        # The extension is there but cannot load: the MPI library it was linked against
+        # moved or went (an mpich wheel uninstalled or upgraded, a venv copied), say.
+        from ._mpi_check import cannot_load
+        raise ImportError(cannot_load(str(_error), _MPI.Get_library_version())) from _error
     if "_core" not in str(_error):
-        raise  # (the extension is there but cannot load: a missing libmpi, say)
+        raise
     raise ImportError(
         f"ringreduce._core is not built in {_os.path.dirname(__file__)} (is this the "
         "source tree, before a build?): run `bash scripts/bootstrap.sh` there, or "

@@ -26,6 +26,16 @@ def loaded_family(library_version: str) -> str:
     return "Open MPI" if library_version.lstrip().startswith("Open MPI") else "MPICH"
 
 
+def cannot_load(error: str, loaded_version: str) -> str:
+    """The message where ringreduce._core is built but fails to load (error: the
+    loader's words), with the MPI that mpi4py loaded beside it."""
+    return ("ringreduce._core is built but cannot load: " + error + "\n"
+            f"  mpi4py loaded: {first_line(loaded_version)}\n"
+            "The MPI library it was built against may have moved or gone (an mpich "
+            "wheel uninstalled or upgraded, an environment copied elsewhere). "
+            + _REBUILD)
+
+
 def check_same_mpi(built_for, loaded_version: str, loaded_comm_bytes: int | None,
                    core_version=None) -> None:
     """ImportError where the core was built for another MPI than the loaded one.

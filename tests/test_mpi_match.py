@@ -5,6 +5,7 @@ import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 
 import pytest
 from mpi4py import MPI
@@ -12,7 +13,7 @@ from mpi4py import MPI
 import ringreduce as rr
 from launch import ROOT
 from ringreduce import _core
-from ringreduce._mpi_check import check_same_mpi
+from ringreduce._mpi_check import check_same_mpi, first_line
 
 OPEN_MPI = "Open MPI v4.1.4, package: Debian OpenMPI, ident: 4.1.4, repo rev: v4.1.4"
 MPICH = "MPICH Version:      5.0.2\nMPICH Release date: ..."
@@ -61,6 +62,35 @@ def test_importing_the_source_tree_before_a_build_says_so(tmp_path):
     assert done.returncode != 0
     assert (f"ringreduce._core is not built in {tmp_path / 'ringreduce'} (is this the source "
             "tree, before a build?)") in done.stderr, done.stderr
+
+
+def test_a_built_core_that_cannot_load_says_so_and_how_to_rebuild(tmp_path):
+    # As when the libmpi it was linked against is gone: "not built" would be wrong, and
+    # the loader's words alone do not say what to do.
+    shutil.copytree(ROOT / "ringreduce", tmp_path / "ringreduce",
+                    ignore=shutil.ignore_patterns("_core*", "__pycache__"))
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        pytest.skip("no C compiler")
+    (tmp_path / "gone.c").write_text("int gone(void) { return 1; }\n")
+    (tmp_path / "core.c").write_text("int gone(void);\nint PyInit__core(void) { return gone(); }\n")
+    subprocess.run([compiler, "-shared", "-fPIC", "-o", tmp_path / "libgone.so",
+                    tmp_path / "gone.c"], check=True, timeout=60)
+    core = tmp_path / "ringreduce" / ("_core" + sysconfig.get_config_var("EXT_SUFFIX"))
+    subprocess.run([compiler, "-shared", "-fPIC", "-o", core, tmp_path / "core.c",
+                    f"-L{tmp_path}", "-lgone"], check=True, timeout=60)
+    (tmp_path / "libgone.so").unlink()
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); "
+            "sys.meta_path[:] = [f for f in sys.meta_path if 'editable' not in repr(f)]; "
+            "import ringreduce")
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode != 0
+    assert ("ImportError: ringreduce._core is built but cannot load: libgone.so: cannot open "
+            "shared object file") in done.stderr, done.stderr
+    assert f"mpi4py loaded: {first_line(MPI.Get_library_version())}" in done.stderr
+    assert "Rebuild ringreduce with the mpicc of mpi4py's MPI" in done.stderr
+    assert "not built" not in done.stderr
 
 
 def _failed_build(tmp_path, **environ) -> str:
