@@ -85,7 +85,7 @@ class PowerSGD:
         xp = array_module(grad)
         n = grad.shape[0]
         matrix = grad.reshape(n, -1)
-        matrix = matrix.astype(computing_dtype(matrix.dtype), copy=False)
+        matrix = matrix.astype(_computing_dtype(matrix.dtype), copy=False)
         m = matrix.shape[1]
         r = min(self.rank, n, m)
         if index in self._error:
@@ -193,7 +193,7 @@ class _LowRankCall:
         self.dtype = dtype  # the approximation's
 
 
-def computing_dtype(dtype) -> np.dtype:
+def _computing_dtype(dtype) -> np.dtype:
     """The dtype arithmetic on gradients of `dtype` is done in: float32 for 16-bit
     floats (numpy has no 16-bit linear algebra, and a 16-bit factor is itself rounded:
     1/3 as bfloat16 is 0.334, 2 ** -30 as float16 is 0), else their own."""
@@ -257,7 +257,7 @@ def _orthonormal_columns(p, xp):
     return out if xp is np else xp.asarray(out)
 
 
-def wire_dtype(compression: str | None, like, who: str):
+def _wire_dtype(compression: str | None, like, who: str):
     """The dtype gradients travel as, for None, "fp16" or "bf16"; who: what errors begin
     with (DistributedOptimizer's, naming the rank)."""
     if compression is None:

@@ -298,7 +298,7 @@ def _fingerprints_apart(fingerprints: list[int], optimizer) -> str:
             "follows one rank's own numbers, its validation loss, say, sets them apart)")
 
 
-def _update_by(verdict) -> bool:
+def _update_by(verdict, where: str) -> bool:
     """Whether before_update's verdict says to update: None or True (a numpy bool, or a
     0-d array of bool, numpy's or cupy's: np.isfinite(g).all()) do, False does not.
     Anything else raises TypeError: a clipping function that returns the norm, as
@@ -309,8 +309,8 @@ def _update_by(verdict) -> bool:
     if isinstance(verdict, (bool, np.bool_)) or (getattr(verdict, "dtype", None) == np.bool_
                                                   and getattr(verdict, "ndim", None) == 0):
         return bool(verdict)
-    raise TypeError(f"before_update returned {verdict!r} ({type(verdict).__name__}): return "
-                    "None or True to update, False to skip the step")
+    raise TypeError(f"{where}: before_update returned {verdict!r} ({type(verdict).__name__}): "
+                    "return None or True to update, False to skip the step")
 
 
 def _quietly(f, *args):
@@ -480,14 +480,14 @@ def _zeros_beside(p):
 def _kept_dtype(p) -> np.dtype:
     """The dtype SGD keeps p's momentum buffer in, Adam its moments, and
     DistributedOptimizer its sums over no_sync()'s micro-batches, each step computed
-    there: float32 for 16-bit parameters (compression.computing_dtype), else p's own.
+    there: float32 for 16-bit parameters (compression._computing_dtype), else p's own.
     float16 rounds eps=1e-8 to 0, and (1 - 0.999) * g * g to 0 for gradients under
     5e-3, and a step divides m by sqrt(v) + eps: m of 1e-5 over 0 sent a parameter to
     -inf at the first step; and a momentum buffer of gradients of 1e4 (momentum 0.9:
     1e5) overflowed. bfloat16 keeps 8 significant bits: 0.999 * v rounds back to v,
     which then never decays, and with momentum 0.99 and gradients of 0.1 the buffer
     stopped at 6.69 instead of 10."""
-    return _compression.computing_dtype(p.dtype)
+    return _compression._computing_dtype(p.dtype)
 
 
 class Adam:
@@ -942,7 +942,7 @@ class DistributedOptimizer:
         travels = [(i, self.params[i].dtype) for i in self._low_rank]
         for indices in plan:
             members = [bucketed[j] for j in indices]
-            wire = _compression.wire_dtype(cast, self.params[members[0]], self._where())
+            wire = _compression._wire_dtype(cast, self.params[members[0]], self._where())
             travels += [(i, wire) for i in members]
             self._buckets.append(_Bucket(members, self.params, wire, self.comm.size))
         reduced = _types.supported_dtypes()
@@ -1101,7 +1101,7 @@ class DistributedOptimizer:
                 self._low_rank_sums[index] = earlier + grad  # (float32 + 16 bits: float32)
             elif self._accumulating:  # (in float32 for 16-bit gradients: see _accumulate)
                 self._low_rank_sums[index] = grad.astype(
-                    _compression.computing_dtype(grad.dtype))
+                    _compression._computing_dtype(grad.dtype))
             else:
                 self._low_rank_sums[index] = grad.copy()
             self._low_rank_reported.add(index)
@@ -1262,7 +1262,7 @@ class DistributedOptimizer:
         UPDATE, SKIP, RAISED = 0, 1, 2
         error = None
         try:
-            mine = UPDATE if _update_by(self._before_update(averaged)) else SKIP
+            mine = UPDATE if _update_by(self._before_update(averaged), self._where('step')) else SKIP
             settings = _step_fingerprint(self._identity, self._index, self.optimizer)
         except BaseException as raised:  # (Ctrl-C too: the others wait for this rank)
             error, mine, settings = raised, RAISED, 0
@@ -1669,7 +1669,7 @@ class DistributedOptimizer:
                 n = param.shape[0]
                 m = param.size // n
                 shape = (m, min(self.powersgd.rank, n, m)) if key == "q" else (n, m)
-                dtype = _compression.computing_dtype(param.dtype)
+                dtype = _compression._computing_dtype(param.dtype)
                 if (getattr(array, "shape", None), getattr(array, "dtype", None)) != (
                         shape, dtype):
                     raise ValueError(f"{where}: {named}[{key!r}][{index}] is "
@@ -1843,7 +1843,7 @@ class DistributedOptimizer:
         The buffer holds the sums rounded once, for what sends it as it is."""
         if bucket.sums is None:
             bucket.sums = array_module(bucket.buffer).zeros(
-                bucket.buffer.shape, _compression.computing_dtype(bucket.buffer.dtype))
+                bucket.buffer.shape, _compression._computing_dtype(bucket.buffer.dtype))
         wide = bucket.sums[bucket.slices[index]]
         if add:
             wide += grad.reshape(-1)
@@ -1898,7 +1898,7 @@ class DistributedOptimizer:
         # at least float32: a 16-bit factor of 1/3 is itself rounded (bfloat16: 0.334),
         # which made every gradient arrive that much too large.
         buffer = self._sums_in(bucket).astype(
-            _compression.computing_dtype(bucket.buffer.dtype), copy=False)
+            _compression._computing_dtype(bucket.buffer.dtype), copy=False)
         factor = buffer.dtype.type(bucket.sent_scale / self.comm.size)
         with np.errstate(over="ignore", invalid="ignore"):  # an inf is dealt with after
             bucket.wire[...] = buffer * factor  # the assignment rounds to 16 bits
@@ -1944,7 +1944,7 @@ class DistributedOptimizer:
         # (Only now: agreeing reads this rank's gradients from the buffer.)
         # In float32 at least: a float16 buffer would take the factor as a float16
         # (numpy 2), which is 0 below 2 ** -24, and a scale goes up to 2 ** 80.
-        wide = bucket.wire.astype(_compression.computing_dtype(bucket.buffer.dtype))
+        wide = bucket.wire.astype(_compression._computing_dtype(bucket.buffer.dtype))
         wide *= wide.dtype.type(1.0 / bucket.sent_scale)  # (a power of two: exact)
         bucket.buffer[...] = wide
 

@@ -2129,7 +2129,8 @@ BEFORE_UPDATE_GONE_WRONG = {
                "rank, without an update"),
     "is interrupted": (KeyboardInterrupt, None,
                        rf"before_update raised on rank \[{BAD}\], so this step is dropped"),
-    "returns a norm": (TypeError, r"before_update returned 0\.5 \(float\): return None or "
+    "returns a norm": (TypeError, r"^ringreduce.DistributedOptimizer.step \(rank \d+ of \d+\): "
+                       r"before_update returned 0\.5 \(float\): return None or "
                        "True to update, False to skip the step",
                        rf"before_update raised on rank \[{BAD}\]"),
     "decides apart": (rr.MismatchError, rf"before_update skipped the update on ranks \[{BAD}\] "
