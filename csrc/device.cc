@@ -82,10 +82,12 @@ class HostDevice final : public Device {
   }
   void reduce(Stream s, DType dtype, Op op, void* dst, const void* a, const void* b,
               int64_t n) override {
+    for (const void* p : {static_cast<const void*>(dst), a, b}) fault_if_misaligned(dtype, p);
     stall_if_asked();
     enqueue(s, [=] { ringreduce::reduce(dtype, op, dst, a, b, n); });
   }
   void divide(Stream s, DType dtype, void* data, int64_t n, int64_t divisor) override {
+    fault_if_misaligned(dtype, data);
     enqueue(s, [=] { ringreduce::divide(dtype, data, n, divisor); });
   }
   Event record(Stream s) override {
@@ -110,6 +112,15 @@ class HostDevice final : public Device {
     int stream;
     int64_t position;  // operations enqueued on the stream when the event was recorded
   };
+  // A GPU's kernels fault on an element at an address that is not a multiple of its
+  // alignment (and the fault ends CUDA in the process), where the host's loops read any.
+  static void fault_if_misaligned(DType dtype, const void* p) {
+    const bool complex = dtype == DType::Complex64 || dtype == DType::Complex128;
+    const size_t alignment = dtype_size(dtype) / (complex ? 2 : 1);  // (Complex<R>'s: R's)
+    if (reinterpret_cast<uintptr_t>(p) % alignment != 0)
+      throw std::runtime_error("ringreduce: the emulated GPU's kernel met a misaligned "
+                               "address, as a GPU's would (cudaErrorMisalignedAddress)");
+  }
   static char* allocate(int64_t bytes) {
     if (bytes > host_device_memory_limit)
       throw OutOfMemoryError("ringreduce: the emulated GPU has no " + std::to_string(bytes) +

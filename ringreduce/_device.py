@@ -56,6 +56,18 @@ def as_device_array(x, argument: str, context: str):
     return cp, array
 
 
+def _check_aligned(a, argument: str, context: str):
+    """A GPU's kernels fault on an element at an address that is not a multiple of its
+    alignment, and the fault ends CUDA for the whole process, cupy's too (the host path
+    reads any address): refused before any kernel, cupy's copies included."""
+    if a.data.ptr % a.dtype.alignment:
+        raise ValueError(
+            f"{context}: {argument} is a GPU array at an address ({a.data.ptr:#x}) that is "
+            f"not a multiple of its {a.dtype.name} elements' alignment ({a.dtype.alignment} "
+            "bytes), which GPU kernels cannot read (a view at a byte offset, say); use an "
+            "array of its own (cupy.empty's memory is aligned)")
+
+
 def _check_out(cp, out, shape, dtype, device: int, context: str):
     t.check_out(out, shape, dtype, context, cp.ndarray, "cupy.ndarray (x is a GPU array)")
     if out.device.id != device:
@@ -166,6 +178,7 @@ class _StreamContext:
 def prepare_allreduce(comm, context, x, op, out, check=0):
     cp, x = as_device_array(x, "x", context)
     dtype, op = t.reduction_codes(x.dtype, op, context)
+    _check_aligned(x, "x", context)
     launch_device = x.device.id
     with cp.cuda.Device(launch_device):
         source = x if x.flags.c_contiguous else cp.ascontiguousarray(x)
@@ -173,6 +186,7 @@ def prepare_allreduce(comm, context, x, op, out, check=0):
             out = cp.empty(x.shape, x.dtype)
         else:
             _check_out(cp, out, x.shape, x.dtype, launch_device, context)
+            _check_aligned(out, "out", context)
             if _overlap_but_differ(source, out):
                 source = source.copy()  # the ring would read its own writes
     launch = _Launch(cp, source, comm._cuda_direct())
@@ -190,12 +204,14 @@ def prepare_allreduce(comm, context, x, op, out, check=0):
 def prepare_reduce_scatter(comm, context, x, op, out):
     cp, x = as_device_array(x, "x", context)
     dtype, op = t.reduction_codes(x.dtype, op, context)
+    _check_aligned(x, "x", context)
     offset, count = _core.segment_of(comm.rank, comm.size, x.size)
     with cp.cuda.Device(x.device.id):
         if out is None:
             out = cp.empty(count, x.dtype)
         else:
             _check_out(cp, out, (count,), x.dtype, x.device.id, context)
+            _check_aligned(out, "out", context)  # (filled by a kernel's copy)
         source = x if x.flags.c_contiguous else cp.ascontiguousarray(x)
         work = cp.empty(x.size, x.dtype)
     launch = _Launch(cp, source, comm._cuda_direct())
@@ -216,6 +232,8 @@ def prepare_reduce_scatter(comm, context, x, op, out):
 def prepare_allgather(comm, context, x, out):
     cp, x = as_device_array(x, "x", context)
     dtype = t.dtype_code(x.dtype, "x", context)
+    if not x.flags.c_contiguous:  # (copied by a kernel; else by bytes, at any address)
+        _check_aligned(x, "x", context)
     with cp.cuda.Device(x.device.id):
         source = x if x.flags.c_contiguous else cp.ascontiguousarray(x)
     rows = 1 if x.ndim == 0 else x.shape[0]
@@ -277,6 +295,8 @@ def prepare_broadcast(comm, context, x, root):
     cp, array = as_device_array(x, "x", context)
     dtype = t.dtype_code(array.dtype, "x", context)
     t.check_root(root, comm.size, context)
+    if not array.flags.c_contiguous:  # (copied by a kernel; else by bytes, at any address)
+        _check_aligned(array, "x", context)
     with cp.cuda.Device(array.device.id):
         buffer = array if array.flags.c_contiguous else cp.ascontiguousarray(array)
     launch = _Launch(cp, buffer, comm._cuda_direct())

@@ -8,7 +8,7 @@ import numpy as np
 from mpi4py import MPI
 
 import ringreduce as rr
-from ringreduce import _device
+from ringreduce import _core, _device
 
 try:
     import ml_dtypes
@@ -159,7 +159,55 @@ def check_gpu_argument_errors(comm, cp):
         comm.allreduce(cp.asarray(np.zeros(3, np.int32)), op="avg")
     with pytest.raises(ValueError, match="root"):
         comm.broadcast(dx, root=comm.size)
+    check_misaligned_gpu_arrays(comm, cp)
 
+
+def misaligned_gpu_array(cp, values: np.ndarray):
+    """A GPU array of values whose address is one byte past an aligned one (as a view at
+    a byte offset is): cupy's, or the stand-in's over numpy memory."""
+    if hasattr(cp, "emulate_gpu"):  # (the stand-in)
+        memory = np.frombuffer(bytearray(values.nbytes + 1), values.dtype, values.size, 1)
+        a = cp.ndarray(memory.reshape(values.shape))
+        a.set(values)
+        return a
+    memory = cp.cuda.alloc(values.nbytes + 1) + 1
+    a = cp.ndarray(values.shape, values.dtype, memptr=memory)
+    a.set(values)
+    return a
+
+
+def check_misaligned_gpu_arrays(comm, cp):
+    """A GPU array at an address its kernels cannot read elements from is refused where a
+    kernel would read it (the fault would end CUDA in the process); allgather and
+    broadcast of a contiguous one copy bytes only, and work."""
+    import pytest
+
+    limit = comm._core.device_host_reduce_bytes
+    comm._core.device_host_reduce_bytes = 0  # (the device ring's kernels, not the host's)
+    try:
+        n = 1000
+        values = np.arange(n, dtype=np.float32) + comm.rank
+        odd = misaligned_gpu_array(cp, values)
+        assert odd.data.ptr % 4 == 1
+        block = int(_core.segment_of(comm.rank, comm.size, n)[1])
+        for call in (lambda: comm.allreduce(odd),
+                     lambda: comm.allreduce(cp.asarray(values), out=odd),
+                     lambda: comm.reduce_scatter(odd),
+                     lambda: comm.reduce_scatter(cp.asarray(values), out=misaligned_gpu_array(
+                         cp, np.zeros(block, np.float32)))):
+            with pytest.raises(ValueError, match=r"is a GPU array at an address \(0x[0-9a-f]+\) "
+                               r"that is not a multiple of its float32 elements' alignment "
+                               r"\(4 bytes\), which GPU kernels cannot read"):
+                call()
+        gathered = comm.allgather(odd)
+        np.testing.assert_array_equal(cp.asnumpy(gathered), np.concatenate(
+            [np.arange(n, dtype=np.float32) + r for r in range(comm.size)]))
+        assert comm.broadcast(odd, root=comm.size - 1) is odd
+        np.testing.assert_array_equal(cp.asnumpy(odd), values - comm.rank + comm.size - 1)
+        summed = comm.allreduce(cp.asarray(np.ones(n, np.float32)))
+        np.testing.assert_array_equal(cp.asnumpy(summed), comm.size)
+    finally:
+        comm._core.device_host_reduce_bytes = limit
 
 def on_the_worker_without_python(handle) -> bool:
     """Whether the FastPath queued the asynchronous call of this handle: it runs on the
