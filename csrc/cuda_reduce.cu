@@ -111,7 +111,19 @@ int device_count() {
 std::string status() {
   int count = 0;
   const cudaError_t rc = cudaGetDeviceCount(&count);
-  if (rc != cudaSuccess) return std::string("no usable GPU: ") + cudaGetErrorString(rc);
+  if (rc != cudaSuccess) {
+    // The static runtime needs a driver at least as new as its own major version (CUDA
+    // 13's: r580): both versions say whether an older driver is the trouble.
+    int runtime = 0, driver = 0;
+    cudaRuntimeGetVersion(&runtime);
+    cudaDriverGetVersion(&driver);  // (0: no driver installed)
+    const auto version = [](int v) {
+      return std::to_string(v / 1000) + "." + std::to_string(v % 1000 / 10);
+    };
+    return std::string("no usable GPU: ") + cudaGetErrorString(rc) + " (built with CUDA " +
+           version(runtime) + "; driver: " + (driver ? "CUDA " + version(driver) : "none") +
+           ")";
+  }
   return std::to_string(count) + " GPU(s)";
 }
 

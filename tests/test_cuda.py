@@ -2,6 +2,7 @@
 a GPU is usable, and a GPU array without one gets a clear error, not a crash. The kernel
 tests run only where cupy and a GPU are."""
 import os
+import re
 import shutil
 
 import numpy as np
@@ -33,6 +34,9 @@ def test_cuda_available_tells_the_truth():
     assert status  # e.g. "no usable GPU: CUDA driver version is insufficient ..."
     if not rr.cuda_available():
         assert "GPU" in status or "CUDA" in status
+    if _core.cuda_built() and count == 0:  # which CUDA it needs, and what the driver is
+        assert re.search(r"^no usable GPU: .* \(built with CUDA \d+\.\d+; driver: "
+                         r"(none|CUDA \d+\.\d+)\)$", status), status
 
 
 def test_a_gpu_array_without_a_gpu_gets_a_clear_error():
