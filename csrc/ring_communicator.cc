@@ -72,7 +72,9 @@ bool headers_agree(const std::vector<CallHeader>& headers) {
       case Collective::AllGather:
         // (a shape's text also shows its elements, extra, where the tag holds a hash)
         if (h.shape_tag != first.shape_tag || h.extra != first.extra) return false;
-        total_rows += h.count;
+        // Rows of no bytes may number 2^60 an array: their sum can pass int64, and a
+        // wrapped one would pass for a small total (and every sum after agreement is safe).
+        if (__builtin_add_overflow(total_rows, h.count, &total_rows)) return false;
         break;
       default:
         break;
@@ -586,11 +588,19 @@ int64_t RingCommunicator::agree(const CallHeader& mine, std::vector<CallHeader>*
           describe_disagreement(headers_, "x.shape[1:]", row_shape_text);
       add(rows_differ);
       int64_t total_rows = 0;
-      for (const CallHeader& h : headers_) total_rows += h.count;
+      bool too_many = false;
+      for (const CallHeader& h : headers_)
+        too_many = too_many || __builtin_add_overflow(total_rows, h.count, &total_rows);
+      if (too_many) {
+        const auto rows = [](const CallHeader& h) { return std::to_string(h.count); };
+        const std::string each = describe_disagreement(headers_, "x.shape[0]", rows);
+        add("the ranks' rows add up to more than 2**63 - 1, more than an array can have (" +
+            (each.empty() ? "x.shape[0]: " + rows(headers_[0]) + " on every rank" : each) + ")");
+      }
       std::vector<int> misfits;
       for (int r = 0; r < p; ++r)
         if (headers_[r].out_rows >= 0 && headers_[r].out_rows != total_rows) misfits.push_back(r);
-      if (rows_differ.empty() && !misfits.empty())
+      if (rows_differ.empty() && !too_many && !misfits.empty())
         add("out= on " + describe_ranks(misfits) + " does not have the " +
             std::to_string(total_rows) + " rows the ranks gather (out.shape[0]: " +
             std::to_string(headers_[misfits[0]].out_rows) + " on rank " +

@@ -91,10 +91,26 @@ def test_allgather_of_rows_of_no_bytes_as_many_as_an_array_can_have(comm):
         for call in (comm.allgather, lambda x: comm.allgather_async(x).wait()):
             got = call(np.empty((rows, 0), dtype))
             assert got.shape == (most + SIZE - 1, 0) and got.dtype == dtype
-    if SIZE > 1:
+    if SIZE > 1:  # (2**60 float64 rows are more than numpy makes; see the next test too)
         with pytest.raises(ValueError, match=rf"ringreduce\.allgather \(rank {RANK} of {SIZE}\): "
                                              r"the ranks' rows add up to \d+, more than an array"):
-            comm.allgather(np.empty((2**62, 0), np.uint8))
+            comm.allgather(np.empty((2**59, 0), np.float64))
+    assert comm.allreduce(np.ones(2))[0] == SIZE
+
+
+def test_allgather_of_rows_that_add_up_past_int64_raises_everywhere(comm):
+    # (From a review.) The core added the ranks' rows in int64, which wraps: on 3 ranks
+    # 20 + 2 * (2**63 - 1) rows came to 18, so an out= of 18 rows passed the check and
+    # rank 0 (whose few rows took the FastPath) returned 18 rows, the others raising.
+    rows = 20 if RANK == 0 else 2**63 - 1
+    for out in (None, np.empty((18, 0), np.uint8)):
+        if SIZE == 1:
+            assert comm.allgather(np.empty((rows, 0), np.uint8)).shape == (20, 0)
+            continue
+        with pytest.raises(rr.MismatchError, match=r"the ranks' rows add up to more than "
+                           r"2\*\*63 - 1, more than an array can have \(x\.shape\[0\]: 20 on "
+                           r"rank 0; 9223372036854775807 on ranks? 1"):
+            comm.allgather(np.empty((rows, 0), np.uint8), out=out)
     assert comm.allreduce(np.ones(2))[0] == SIZE
 
 
