@@ -303,7 +303,7 @@ void RingCommunicator::run_device_reduce_scatter(const DeviceCall& call,
                                                  const void* input, void* out) {
   Device& dev = *call.device;
   const size_t es = dtype_size(dtype);
-  ring_steps_ += sched.steps_per_phase();
+  count_ring_steps(sched.steps_per_phase());
   if (sched.size() == 1) {
     dev.copy(Device::kCompute, out, input, sched.total_count() * static_cast<int64_t>(es));
     return;
@@ -332,7 +332,7 @@ void RingCommunicator::run_device_reduce_scatter(const DeviceCall& call,
 void RingCommunicator::run_device_allgather(const DeviceCall& call, const RingSchedule& sched,
                                             size_t es, void* buf) {
   Device& dev = *call.device;
-  ring_steps_ += sched.steps_per_phase();
+  count_ring_steps(sched.steps_per_phase());
   if (sched.size() == 1) return;
   const RingSchedule copying = copy_schedule(sched, es);  // as the host ring's
   if (call.direct) {

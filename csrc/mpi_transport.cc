@@ -306,7 +306,8 @@ void MpiTransport::free() {
 }
 
 Transport::Request MpiTransport::send_right(const void* buf, int64_t bytes, int tag) {
-  bytes_sent_ += bytes;
+  bytes_sent_.store(bytes_sent_.load(std::memory_order_relaxed) + bytes,
+                    std::memory_order_relaxed);
   used_ = true;
   requests_.push_back(MPI_REQUEST_NULL);
   is_send_.push_back(true);

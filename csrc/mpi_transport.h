@@ -5,6 +5,7 @@
 
 #include <mpi.h>
 
+#include <atomic>
 #include <vector>
 
 #include "transport.h"
@@ -84,8 +85,8 @@ class MpiTransport final : public Transport {
 
   // How long wait(), wait_all() and allgather_bytes() wait without progress before
   // throwing TimeoutError (<= 0: forever). They poll (MPI_Test) either way.
-  void set_timeout(double seconds) { timeout_s_ = seconds; }
-  double timeout() const { return timeout_s_; }
+  void set_timeout(double seconds) { timeout_s_.store(seconds, std::memory_order_relaxed); }
+  double timeout() const { return timeout_s_.load(std::memory_order_relaxed); }
   // The communicator's header exchange this rank is in, or whose ring it runs:
   // departures are judged against it (DepartureNote::holds_up). A call starts here, so
   // interrupts before it do not stop it (StopRequest::arm()).
@@ -140,7 +141,7 @@ class MpiTransport final : public Transport {
   DepartureNote first_departure(int64_t exchange = kAnyExchange);
 
   MPI_Comm comm() const { return comm_; }
-  int64_t bytes_sent() const { return bytes_sent_; }  // by send_right, ever
+  int64_t bytes_sent() const { return bytes_sent_.load(std::memory_order_relaxed); }  // by send_right
   // Every rank's `bytes` bytes, in rank order, on every rank.
   void allgather_bytes(const void* mine, void* all, int bytes);
   // The same in two halves, for a caller that waits on several at once: start, then
@@ -182,8 +183,10 @@ class MpiTransport final : public Transport {
   std::vector<bool> is_send_;          // ... and whether each is a send (for messages)
   MPI_Request exchange_ = MPI_REQUEST_NULL;  // allgather_bytes()'s, with a timeout...
   std::vector<char> exchange_send_, exchange_recv_;  // ... and its buffers
-  int64_t bytes_sent_ = 0;
-  double timeout_s_ = 0;
+  // Atomic: Python's thread sets the timeout and reads the count while the worker
+  // thread's call runs (relaxed: nothing else is ordered by them).
+  std::atomic<int64_t> bytes_sent_{0};  // (one writer: a plain add, not a locked one)
+  std::atomic<double> timeout_s_{0};
   StopRequest stop_;
   bool creating_ = true;
   bool used_ = false;  // messages posted since the last check_departures_after_use()

@@ -250,7 +250,7 @@ int64_t RingCommunicator::ring_chunk_elems(int64_t agreed_chunk_bytes, size_t el
 void RingCommunicator::run_reduce_scatter(const RingSchedule& sched, DType dtype, Op op,
                                           const void* input, void* out, bool shm,
                                           void* own_out) {
-  ring_steps_ += sched.steps_per_phase();
+  count_ring_steps(sched.steps_per_phase());
   if (shm) {
     shm_->reduce_scatter(sched, dtype, op, input, out, own_out);
   } else {
@@ -270,7 +270,7 @@ RingSchedule RingCommunicator::copy_schedule(const RingSchedule& sched, size_t e
 
 void RingCommunicator::run_allgather(const RingSchedule& sched, size_t elem_size, void* buf,
                                      bool shm, const void* own_input) {
-  ring_steps_ += sched.steps_per_phase();
+  count_ring_steps(sched.steps_per_phase());
   if (shm) {
     shm_->allgather(sched, elem_size, buf);  // chunks must fit its slots
   } else {

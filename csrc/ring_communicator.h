@@ -16,6 +16,7 @@
 #include <unistd.h>
 
 #include <array>
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -239,7 +240,7 @@ class RingCommunicator {
   int64_t ring_bytes_sent() const {
     return transport_->bytes_sent() + (shm_ ? shm_->bytes_sent() : 0);
   }
-  int64_t ring_steps() const { return ring_steps_; }
+  int64_t ring_steps() const { return ring_steps_.load(std::memory_order_relaxed); }
   int64_t exchanges() const { return exchanges_; }  // header exchanges begun (tests)
   // GPU calls whose data went to the host (see kDeviceHostReduceBytes), counted when it
   // got there: also those that then raised.
@@ -513,7 +514,11 @@ class RingCommunicator {
   bool pending_allgather_inline_ = false;  // ... and whether the rows came with the counts
   int64_t pending_allgather_tuned_bytes_ = 0;  // ... and the size rank 0 chose its wire for
   bool pending_allgather_results_held_ = false;  // ... and whether every rank held its result
-  int64_t ring_steps_ = 0;
+  // Atomic: Python's thread reads it while the worker's call adds (relaxed, one writer).
+  std::atomic<int64_t> ring_steps_{0};
+  void count_ring_steps(int64_t steps) {
+    ring_steps_.store(ring_steps_.load(std::memory_order_relaxed) + steps, std::memory_order_relaxed);
+  }
   int64_t device_calls_on_host_ = 0;
 };
 

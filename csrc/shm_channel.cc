@@ -449,7 +449,8 @@ void ShmChannel::pump(int64_t sends, int64_t recvs, int left, int right, Ready r
       taken = now;
     }
     while (next_send < sends && ready(next_send, next_recv) && can_send()) {
-      bytes_sent_ += send(next_send, my_slot(sent_));
+      bytes_sent_.store(bytes_sent_.load(std::memory_order_relaxed) +
+                            send(next_send, my_slot(sent_)), std::memory_order_relaxed);
       sent();
       ++next_send;
       progressed = true;

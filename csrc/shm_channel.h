@@ -19,6 +19,7 @@
 
 #include <mpi.h>
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -59,7 +60,7 @@ class ShmChannel {
   ShmChannel& operator=(const ShmChannel&) = delete;
 
   int64_t slot_bytes() const { return slot_bytes_; }
-  int64_t bytes_sent() const { return bytes_sent_; }  // written into our slots, ever
+  int64_t bytes_sent() const { return bytes_sent_.load(std::memory_order_relaxed); }  // ever
 
   // The pipelined phases of ring_schedule.h over shared memory. Same schedule, same
   // reduction order, so the same bits as the MPI path.
@@ -72,12 +73,12 @@ class ShmChannel {
   // Whether the calls from now on write their slots with streaming stores
   // (copy_streaming() in copy.h: which is faster depends on where the cores sit, so the
   // WireTuner decides); every rank alike, or the times only mislead.
-  void set_streaming(bool on) { streaming_ = on && kStreamingStores; }
-  bool streaming() const { return streaming_; }
+  void set_streaming(bool on) { streaming_.store(on && kStreamingStores, std::memory_order_relaxed); }
+  bool streaming() const { return streaming_.load(std::memory_order_relaxed); }
   void free();  // unmaps every rank's memory (not collective; the destructor does it too)
   // Waits on another rank throw TimeoutError after this many seconds without progress
   // (<= 0: never).
-  void set_timeout(double seconds) { timeout_s_ = seconds; }
+  void set_timeout(double seconds) { timeout_s_.store(seconds, std::memory_order_relaxed); }
   // The communicator's header exchange this rank is in, or whose ring it runs (counted
   // over both wires): departures are judged against it (DepartureNote::holds_up).
   void set_exchange(int64_t n) { exchange_ = n; }
@@ -123,7 +124,7 @@ class ShmChannel {
   char* my_slot(uint64_t seq) const { return my_slots_ + (seq % slots_) * slot_bytes_; }
   const char* left_slot(uint64_t seq) const { return left_slots_ + (seq % slots_) * slot_bytes_; }
   void copy_to_slot(char* slot, const void* data, int64_t bytes) const {
-    if (streaming_)
+    if (streaming_.load(std::memory_order_relaxed))
       copy_streaming(slot, data, static_cast<size_t>(bytes));
     else
       copy_bytes(slot, data, static_cast<size_t>(bytes));
@@ -160,11 +161,12 @@ class ShmChannel {
   int64_t board_stride_ = 0;
   int rank_ = 0;
   uint64_t exchanges_ = 0;
-  double timeout_s_ = 0;
+  // Atomic, as MpiTransport's: Python's thread sets or reads them while a call runs.
+  std::atomic<double> timeout_s_{0};
   uint64_t sent_ = 0;      // chunks we have published (our copy of *my_published_)
   uint64_t received_ = 0;  // chunks we have consumed (our copy of *my_consumed_)
-  int64_t bytes_sent_ = 0;
-  bool streaming_ = false;  // see set_streaming()
+  std::atomic<int64_t> bytes_sent_{0};  // (one writer)
+  std::atomic<bool> streaming_{false};  // see set_streaming()
 };
 
 }  // namespace ringreduce

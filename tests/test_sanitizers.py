@@ -159,3 +159,15 @@ def test_communicators_giving_up_on_threads_at_once_under_thread_sanitizer(threa
                           env={**env, "RINGREDUCE_SHM": "0"})
     assert done.returncode == 0 and not ours_in(done.stderr), races(done)
     assert "rank 0: all 6 calls gave up" in done.stdout, races(done)
+
+
+@pytest.mark.parametrize("shm", ["0", "1"])
+def test_settings_and_counters_touched_while_a_call_runs_under_thread_sanitizer(
+        thread_sanitized, shm):
+    build, env = thread_sanitized
+    done = subprocess.run([mpiexec(), "-n", "2", sys.executable, "-m", "mpi4py",
+                           "tsan_settings_while_a_call_runs.py"], cwd=build / "tests" / "mpi",
+                          capture_output=True, text=True, timeout=300,
+                          env={**env, "RINGREDUCE_SHM": shm})
+    assert done.returncode == 0 and not ours_in(done.stderr), races(done)
+    assert "rank 0: settings and counters touched while calls ran" in done.stdout, races(done)
