@@ -1921,9 +1921,11 @@ class DistributedOptimizer:
         # is at most the largest of them.)
         xp = array_module(bucket.buffer)
         gradients = self._sums_in(bucket)  # (float32 sums of micro-batches: _accumulate)
-        mine = float(xp.abs(gradients).max()) if gradients.size else 0.0
-        peak = float(self.comm.allreduce(np.array([mine]), op="max")[0])
-        return _fp16_scale_below(peak), peak
+        peak = np.array([float(xp.abs(gradients).max()) if gradients.size else 0.0])
+        # Checked, as the step's all-reduces are: a user's own max of one float (a loss,
+        # say) made at this point on another rank would pair with it, unnoticed.
+        self.comm._allreduce_checked(peak, "max", self._step_check)
+        return _fp16_scale_below(peak[0]), float(peak[0])
 
     def _unscale_fp16(self, bucket):
         # Every rank holds the same sums, so every rank takes the same branches here.

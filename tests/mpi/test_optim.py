@@ -3629,3 +3629,26 @@ def test_optimizers_say_what_they_are(comm):
     assert repr(fp16).endswith(", 1 bucket, compression='fp16')")
     low_rank = DistributedOptimizer(Adam([np.zeros((4, 5))]), comm, compression=PowerSGD(rank=2))
     assert repr(low_rank).endswith(", 0 buckets, compression=PowerSGD(rank=2, seed=0))")
+
+
+@needs_two
+def test_an_fp16_scale_agreement_never_pairs_with_a_users_own_max():
+    # (From a review.) The fp16 buckets' scale was agreed by a plain allreduce of one
+    # float64 with max, just what a user's max of a loss is: a rank that made that call
+    # while the others stepped got rank 0's largest gradient as its "max loss", with no
+    # error. The agreement is checked now, as the step's all-reduces are.
+    params = [np.zeros(50, np.float32)]
+    opt = DistributedOptimizer(SGD(params, lr=1.0), compression="fp16")
+    grads = [np.random.default_rng(RANK).standard_normal(50).astype(np.float32) * (RANK + 1)]
+    losses = []
+
+    def max_loss():
+        losses.append(float(opt.comm.allreduce(np.array([0.5 if RANK == BAD else 0.25]),
+                                               op="max")[0]))
+
+    for call in ([max_loss, lambda: opt.step(grads)] if RANK == BAD
+                 else [lambda: opt.step(grads), max_loss]):
+        with pytest.raises(rr.MismatchError):
+            call()
+    assert losses == []
+    assert opt.comm.allreduce(np.ones(3))[0] == SIZE  # (the communicator goes on)
