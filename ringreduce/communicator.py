@@ -228,7 +228,9 @@ class Handle:
         started runs in this thread (after the calls queued before it), which saves
         handing it over; it is then a blocking call for signal handlers too. With a
         timeout (seconds), raise TimeoutError if it has not finished by then; the
-        collective keeps running and can be waited on again.
+        collective keeps running and can be waited on again. (A call that failed raises
+        its error at every wait; a CollectiveTimeoutError is a TimeoutError too, so a
+        polling loop that catches TimeoutError must let it through first.)
         """
         if timeout is not None:
             if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):

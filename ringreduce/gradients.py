@@ -286,6 +286,11 @@ def allreduce_gradients(grads, op: str = "avg", comm=None, bucket_mb: float = 25
     try:
         check_bucket_mb(bucket_mb, where)
         if not isinstance(grads, list):
+            if isinstance(grads, dict):  # (iterating one gives its keys)
+                raise TypeError(f"{where}: grads must be a list of arrays (one per "
+                                "parameter), got a dict; pass its arrays in an order every "
+                                "rank shares, e.g. [grads[k] for k in sorted(grads)] (arrays "
+                                "of one shape in another order would mix unnoticed)")
             if not_a_list_of_arrays(grads):
                 raise TypeError(f"{where}: grads must be a list of arrays "
                                 f"(one per parameter), got {type(grads).__name__}; for "

@@ -2026,7 +2026,7 @@ def raises_here_or_mismatch(own_error, own_match, others_match):
 
 @needs_two
 @pytest.mark.parametrize("bad", ["read-only", "bucket_mb", "op", "not an array",
-                                 "numpy scalar", "one array", "None"])
+                                 "numpy scalar", "one array", "None", "dict"])
 def test_allreduce_gradients_with_a_bad_argument_on_one_rank_raises_on_every_rank(bad):
     # It used to raise there alone, before any call: the others' all-reduces paired with
     # that rank's next call (wrong numbers, then a wait to the timeout).
@@ -2047,13 +2047,17 @@ def test_allreduce_gradients_with_a_bad_argument_on_one_rank_raises_on_every_ran
             passed = grads[0]  # (its elements are numpy scalars)
         elif bad == "None":
             passed = None
+        elif bad == "dict":  # (its keys were taken for gradients: "grads[0] is a str")
+            passed = {"w": grads[0], "b": grads[1]}
         else:
             kwargs = {"bucket_mb": dict(bucket_mb=0), "op": dict(op="mean")}[bad]
     own = {"read-only": r"grads\[0\] is read-only", "bucket_mb": "bucket_mb must be",
            "op": "op 'mean' is not one of", "not an array": "not an array",
            "numpy scalar": r"grads\[0\] is a numpy scalar \(float64\)",
            "one array": r"grads must be a list of arrays .*, got ndarray; for one array",
-           "None": "grads must be a list of arrays .*, got NoneType"}[bad]
+           "None": "grads must be a list of arrays .*, got NoneType",
+           "dict": r"grads must be a list of arrays \(one per parameter\), got a dict; pass "
+                   r"its arrays in an order every rank shares"}[bad]
     own_error = ValueError if bad in ("read-only", "bucket_mb", "op") else TypeError
     with raises_here_or_mismatch(own_error, own,
                                  rf"rank {BAD} rejected its arguments \(\w+Error: .*{own}"):
