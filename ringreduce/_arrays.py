@@ -24,12 +24,23 @@ def keeping_on_departure(core, run, *arrays):
         raise
 
 
-def not_a_list_of_arrays(items) -> bool:
-    """Whether `items`, given where a list of arrays belongs (gradients, parameters), is
-    one array instead (iterating a 1-D one gives numpy scalars, which cannot be written
-    back in place; a 2-D one, its rows) or nothing iterable."""
-    return (hasattr(items, "__array_interface__") or hasattr(items, "__cuda_array_interface__")
-            or not hasattr(items, "__iter__"))
+def as_list_of_arrays(items, argument: str, where: str, each: str) -> list:
+    """`items`, given where a list of arrays belongs (`each`: "one per parameter"), as a
+    list; TypeError where it is one array instead (iterating a 1-D one gives numpy
+    scalars, which cannot be written back in place; a 2-D one, its rows), nothing
+    iterable, or a dict (iterating it gives its keys)."""
+    if isinstance(items, list):
+        return items
+    if isinstance(items, dict):
+        raise TypeError(f"{where}: {argument} must be a list of arrays ({each}), got a dict; "
+                        f"pass its arrays in an order every rank shares, e.g. [{argument}[k] "
+                        f"for k in sorted({argument})] (arrays of one shape in another order "
+                        "would mix unnoticed)")
+    if (hasattr(items, "__array_interface__") or hasattr(items, "__cuda_array_interface__")
+            or not hasattr(items, "__iter__")):
+        raise TypeError(f"{where}: {argument} must be a list of arrays ({each}), got "
+                        f"{type(items).__name__}; for one array {argument[0]}, pass [{argument[0]}]")
+    return list(items)
 
 
 def array_module(a):

@@ -9,7 +9,7 @@ import zlib
 import numpy as np
 
 from . import _types
-from ._arrays import array_module, not_a_list_of_arrays, on_gpu_of, the_one_gpu
+from ._arrays import array_module, as_list_of_arrays, on_gpu_of, the_one_gpu
 from ._core import CheckedCallsMismatch, MismatchError, numpy_layout, pack_gradients, \
     unpack_gradients
 from ._shortcuts import _communicator
@@ -285,17 +285,7 @@ def allreduce_gradients(grads, op: str = "avg", comm=None, bucket_mb: float = 25
     flats = []
     try:
         check_bucket_mb(bucket_mb, where)
-        if not isinstance(grads, list):
-            if isinstance(grads, dict):  # (iterating one gives its keys)
-                raise TypeError(f"{where}: grads must be a list of arrays (one per "
-                                "parameter), got a dict; pass its arrays in an order every "
-                                "rank shares, e.g. [grads[k] for k in sorted(grads)] (arrays "
-                                "of one shape in another order would mix unnoticed)")
-            if not_a_list_of_arrays(grads):
-                raise TypeError(f"{where}: grads must be a list of arrays "
-                                f"(one per parameter), got {type(grads).__name__}; for "
-                                "one array g, pass [g]")
-            grads = list(grads)
+        grads = as_list_of_arrays(grads, "grads", where, "one per parameter")
         layout = numpy_layout(grads)  # (None unless each is a plain, writeable array)
         if layout is None:
             for i, g in enumerate(grads):

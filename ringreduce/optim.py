@@ -23,17 +23,15 @@ import zlib
 import numpy as np
 
 from . import _types, compression as _compression
-from ._arrays import (array_module, copy_where_it_is, gpu_of, not_a_list_of_arrays, on_gpu,
+from ._arrays import (array_module, as_list_of_arrays, copy_where_it_is, gpu_of, on_gpu,
                       on_gpu_of, plain, the_one_gpu)
 from ._core import CollectiveTimeoutError, MismatchError
 from .gradients import agree_or_raise, check_bucket_mb, pack_plan
 
 
 def _check_params(params, who: str) -> list:
-    if not_a_list_of_arrays(params):  # (as torch.optim refuses one tensor)
-        raise TypeError(f"{who}: params must be a list of arrays (the parameters), got "
-                        f"{type(params).__name__}; for one array p, pass [p]")
-    params = list(params)
+    # (One array is refused, as torch.optim refuses one tensor.)
+    params = as_list_of_arrays(params, "params", who, "the parameters")
     if not params:
         raise ValueError(f"{who}: params is empty")
     for i, p in enumerate(params):
@@ -47,10 +45,7 @@ def _check_params(params, who: str) -> list:
 
 
 def _check_grads(grads, params, who: str) -> list:
-    if not_a_list_of_arrays(grads):  # (one array would give its rows; a float, nothing)
-        raise TypeError(f"{who}: grads must be a list of arrays (one gradient per "
-                        f"parameter), got {type(grads).__name__}; for one array g, pass [g]")
-    grads = list(grads)
+    grads = as_list_of_arrays(grads, "grads", who, "one gradient per parameter")
     if len(grads) != len(params):
         raise ValueError(f"{who}: got {len(grads)} gradients for {len(params)} parameters")
     for i, (g, p) in enumerate(zip(grads, params)):

@@ -2004,6 +2004,14 @@ def test_allreduce_gradients_averages_in_place():
             rr.allreduce_gradients(scalar)
     with pytest.raises(TypeError, match="for one array g, pass \\[g\\]"):
         rr.allreduce_gradients(np.arange(3.0))
+    params = [np.zeros(3), np.zeros(2)]
+    for step in (SGD(params, lr=0.1).step, DistributedOptimizer(SGD(params, lr=0.1)).step):
+        with pytest.raises(TypeError, match=r"grads must be a list of arrays \(one gradient per "
+                           r"parameter\), got a dict; pass its arrays in an order every rank "
+                           r"shares, e.g. \[grads\[k\] for k in sorted\(grads\)\]"):
+            step({"w": np.ones(3), "b": np.ones(2)})  # (its keys were taken for arrays)
+    with pytest.raises(TypeError, match="params must be a list of arrays .*got a dict"):
+        SGD({"w": params[0]}, lr=0.1)
     as_tuple = (np.full(2, float(RANK)),)  # (any iterable of arrays still does)
     rr.allreduce_gradients(as_tuple)
     np.testing.assert_allclose(as_tuple[0], mean_rank)
