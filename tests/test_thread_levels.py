@@ -170,3 +170,40 @@ def test_ctrl_c_stops_a_call_waiting_for_another_threads_call_under_serialized(t
             in done.stdout), done.stdout
     seconds = float(done.stdout.split("main: KeyboardInterrupt after ")[1].split(" s")[0])
     assert 1.5 < seconds < 10, done.stdout
+
+
+LATE_CLOSE = """
+import sys
+import time
+import mpi4py
+mpi4py.rc.thread_level = "serialized"
+from mpi4py import MPI
+import numpy as np
+import ringreduce as rr
+
+ring = rr.Communicator(timeout=2)
+ring.allreduce(np.ones(4))
+if ring.rank == 0:
+    time.sleep(4)  # a checkpoint, say, that outlasts rank 1's timeout in close()
+    MPI.COMM_WORLD.Iprobe()  # (any MPI call: MPI moves its messages on)
+try:
+    ring.close()
+    print(f"rank {ring.rank}: closed", flush=True)
+except rr.CollectiveTimeoutError as error:
+    print(f"rank {ring.rank}: {error}", flush=True)
+MPI.COMM_WORLD.Barrier()
+"""
+
+
+@pytest.mark.parametrize("shm", ["1", "0"], ids=["shared memory", "MPI"])
+def test_a_close_that_comes_after_the_others_gave_up_on_it_frees_nothing(shm, tmp_path):
+    # (From a review.) Rank 1 posted its part of close(), waited out its timeout, and
+    # left a departure notice; rank 0's close() came later and agreed with that part, so
+    # it freed its duplicate with the notice unread, which MPICH refuses below
+    # MPI_THREAD_MULTIPLE: MPIError "being freed has 1 unmatched message(s)", out of
+    # close() or a `with` block's end. A rank that left frees nothing together with it.
+    done = run_script(tmp_path, "late_close.py", LATE_CLOSE, timeout=120,
+                      env={"RINGREDUCE_SHM": shm})
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "rank 0: closed" in done.stdout, done.stdout + done.stderr
+    assert "rank 1: ringreduce.close (rank 1 of 2): " in done.stdout, done.stdout
