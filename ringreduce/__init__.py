@@ -11,7 +11,7 @@ from mpi4py import MPI as _MPI  # mpi4py owns MPI_Init; the core never calls it
 try:
     from . import _core
 except ImportError as _error:
-    if _error.path and _error.path != __file__:
+    if _error.path and _os.path.basename(_error.path).startswith("_core."):
         # The extension is there but cannot load: the MPI library it was linked against
         # moved or went (an mpich wheel uninstalled or upgraded, a venv copied), say.
         from ._mpi_check import cannot_load

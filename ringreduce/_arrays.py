@@ -2,6 +2,7 @@
 GPU a cupy array is on; and the arrays that must outlive a collective after which this
 rank left its communicator."""
 import contextlib
+from collections.abc import Mapping
 
 import numpy as np
 
@@ -28,10 +29,9 @@ def as_list_of_arrays(items, argument: str, where: str, each: str) -> list:
     """`items`, given where a list of arrays belongs (`each`: "one per parameter"), as a
     list; TypeError where it is one array instead (iterating a 1-D one gives numpy
     scalars, which cannot be written back in place; a 2-D one, its rows), nothing
-    iterable, or a dict (iterating it gives its keys)."""
-    if isinstance(items, list):
-        return items
-    if isinstance(items, dict):
+    iterable, or a mapping (iterating it gives its keys). A list of its own: the caller's
+    may change later."""
+    if isinstance(items, Mapping):
         raise TypeError(f"{where}: {argument} must be a list of arrays ({each}), got a dict; "
                         f"pass its arrays in an order every rank shares, e.g. [{argument}[k] "
                         f"for k in sorted({argument})] (arrays of one shape in another order "

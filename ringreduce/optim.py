@@ -1917,9 +1917,10 @@ class DistributedOptimizer:
         xp = array_module(bucket.buffer)
         gradients = self._sums_in(bucket)  # (float32 sums of micro-batches: _accumulate)
         peak = np.array([float(xp.abs(gradients).max()) if gradients.size else 0.0])
-        # Checked, as the step's all-reduces are: a user's own max of one float (a loss,
-        # say) made at this point on another rank would pair with it, unnoticed.
-        self.comm._allreduce_checked(peak, "max", self._step_check)
+        # Checked (which optimizer; the settings are the step's data all-reduces' to
+        # check, which name them): a user's own max of one float (a loss, say) made at
+        # this point on another rank would pair with it, unnoticed.
+        self.comm._allreduce_checked(peak, "max", self._call_check)
         return _fp16_scale_below(peak[0]), float(peak[0])
 
     def _unscale_fp16(self, bucket):

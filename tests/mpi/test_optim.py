@@ -6,6 +6,7 @@ import os
 import pickle
 import re
 import sys
+import types
 import warnings
 
 import numpy as np
@@ -2012,6 +2013,14 @@ def test_allreduce_gradients_averages_in_place():
             step({"w": np.ones(3), "b": np.ones(2)})  # (its keys were taken for arrays)
     with pytest.raises(TypeError, match="params must be a list of arrays .*got a dict"):
         SGD({"w": params[0]}, lr=0.1)
+    with pytest.raises(TypeError, match="grads must be a list of arrays .*got a dict"):
+        rr.allreduce_gradients(types.MappingProxyType({"w": np.ones(3)}))  # (any mapping)
+    # (From a review of the above.) The optimizers keep a list of their own: one that
+    # was the caller's changed under them when the caller's did.
+    opt = DistributedOptimizer(SGD(params, lr=0.1))
+    params.append(np.zeros(4))
+    opt.step([np.ones(3), np.ones(2)])
+    assert len(opt.params) == len(opt.optimizer.params) == 2
     as_tuple = (np.full(2, float(RANK)),)  # (any iterable of arrays still does)
     rr.allreduce_gradients(as_tuple)
     np.testing.assert_allclose(as_tuple[0], mean_rank)
@@ -3664,3 +3673,18 @@ def test_an_fp16_scale_agreement_never_pairs_with_a_users_own_max():
             call()
     assert losses == []
     assert opt.comm.allreduce(np.ones(3))[0] == SIZE  # (the communicator goes on)
+
+
+@needs_two
+def test_an_fp16_first_step_with_a_setting_apart_names_it():
+    # (From a review.) With the fp16 scale's agreement checked as the step's data are,
+    # it met the other ranks' step first, on the first step (where every bucket
+    # agrees on a scale), and the error blamed load_state_dict() or broadcast_parameters()
+    # instead of naming the setting. It is checked for the optimizer alone now.
+    params = [np.zeros((20, 30), np.float32), np.zeros(30, np.float32)]
+    opt = DistributedOptimizer(SGD(params, lr=0.1), bucket_mb=0.001, compression="fp16")
+    if RANK == BAD:
+        opt.lr = 0.5
+    with pytest.raises(rr.MismatchError, match=r"the ranks' optimizer settings differ, at "
+                       rf"least: lr on rank {BAD} differs from rank 0's"):
+        opt.step([np.full((20, 30), 1.0 + RANK, np.float32), np.full(30, 1.0, np.float32)])
