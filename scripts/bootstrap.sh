@@ -68,11 +68,14 @@ if [ -n "${MPICC:-}" ]; then
       echo "$wrapper" > "$VENV/bin/mpiexec.new"
       chmod +x "$VENV/bin/mpiexec.new"
       # (Open MPI's variables let it run 2 ranks on 1 core, and as root; MPICH ignores them.)
+      # Each rank 0 prints how many ranks it met: one job of 2 says "2" once, and two
+      # jobs of 1 (another MPI's launcher) "1" twice. (Where both ranks printed, Open
+      # MPI sometimes interleaved their lines: "22".)
       sizes=$(OMPI_MCA_rmaps_base_oversubscribe=1 OMPI_ALLOW_RUN_AS_ROOT=1 \
               OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 timeout 120 "$VENV/bin/mpiexec.new" -n 2 \
-              "$VENV/bin/python" -c 'from mpi4py import MPI; print(MPI.COMM_WORLD.Get_size())' \
-              2>"$VENV/.mpiexec-check.err" | tr '\n' ' ' || true)
-      if [ "$sizes" != "2 2 " ]; then
+              "$VENV/bin/python" -c 'from mpi4py import MPI; n = MPI.COMM_WORLD.allreduce(1)
+if MPI.COMM_WORLD.rank == 0: print(n)' 2>"$VENV/.mpiexec-check.err" | tr '\n' ' ' || true)
+      if [ "$sizes" != "2 " ]; then
         rm -f "$VENV/bin/mpiexec.new"
         echo "bootstrap: $launcher -n 2 did not start one job of 2 ranks (sizes: $sizes)." \
              "Is it the launcher of $MPICC's MPI? Name that one with MPIEXEC=/path/to/mpiexec." \
