@@ -139,6 +139,14 @@ def report(world=MPI.COMM_WORLD, launchers=None) -> str | None:
     warn_if_alone_by_mistake(world.Get_size(), os.environ,
                              lambda text: warnings.append("warning: " + text.replace(
                                  "ringreduce: ", "", 1)))
+    # (Under mpiexec the ring's line shows a Communicator's refusal; alone, none is made.)
+    from .communicator import _check_environment, _default_timeout
+
+    for check in (_check_environment, _default_timeout):
+        try:
+            check("a Communicator refuses this setting")
+        except ValueError as error:
+            warnings.append(f"warning: {error}")
     lines = _lines(values) + warnings
     if ring is not None:
         lines.append("")

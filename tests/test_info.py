@@ -123,6 +123,18 @@ def test_a_process_alone_that_the_launcher_called_one_of_four_is_warned(monkeypa
     assert "warning" not in info.report(MPI.COMM_SELF, launchers=[])
 
 
+def test_settings_a_communicator_would_refuse_are_warned_about_on_one_process(monkeypatch):
+    # (From a review.) Alone, where no Communicator is made, the report listed them as
+    # if they were fine ("GPU pointers to MPI  yes (RINGREDUCE_CUDA_AWARE=2)").
+    monkeypatch.setenv("RINGREDUCE_CUDA_AWARE", "2")
+    monkeypatch.setenv("RINGREDUCE_TIMEOUT", "soon")
+    text = info.report(MPI.COMM_SELF, launchers=[])
+    assert ("warning: a Communicator refuses this setting: RINGREDUCE_CUDA_AWARE must be 0 "
+            "(GPU buffers staged") in text, text
+    assert ("warning: a Communicator refuses this setting: RINGREDUCE_TIMEOUT must be a number "
+            "of seconds >= 0") in text, text
+
+
 def test_many_ranks_are_shown_short_and_grouped():
     assert info._ranges([0, 1, 2, 5, 7, 8]) == "0-2, 5, 7-8"
     assert info._ring_text(tuple(range(64))) == "0 -> 1 -> ... -> 63 -> 0 (rank order)"
