@@ -141,7 +141,8 @@ class MpiTransport final : public Transport {
   DepartureNote first_departure(int64_t exchange = kAnyExchange);
 
   MPI_Comm comm() const { return comm_; }
-  int64_t bytes_sent() const { return bytes_sent_.load(std::memory_order_relaxed); }  // by send_right
+  // By send_right, ever.
+  int64_t bytes_sent() const { return bytes_sent_.load(std::memory_order_relaxed); }
   // Every rank's `bytes` bytes, in rank order, on every rank.
   void allgather_bytes(const void* mine, void* all, int bytes);
   // The same in two halves, for a caller that waits on several at once: start, then

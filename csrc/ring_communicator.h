@@ -517,7 +517,8 @@ class RingCommunicator {
   // Atomic: Python's thread reads it while the worker's call adds (relaxed, one writer).
   std::atomic<int64_t> ring_steps_{0};
   void count_ring_steps(int64_t steps) {
-    ring_steps_.store(ring_steps_.load(std::memory_order_relaxed) + steps, std::memory_order_relaxed);
+    ring_steps_.store(ring_steps_.load(std::memory_order_relaxed) + steps,
+                      std::memory_order_relaxed);
   }
   int64_t device_calls_on_host_ = 0;
 };

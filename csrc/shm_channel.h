@@ -73,7 +73,9 @@ class ShmChannel {
   // Whether the calls from now on write their slots with streaming stores
   // (copy_streaming() in copy.h: which is faster depends on where the cores sit, so the
   // WireTuner decides); every rank alike, or the times only mislead.
-  void set_streaming(bool on) { streaming_.store(on && kStreamingStores, std::memory_order_relaxed); }
+  void set_streaming(bool on) {
+    streaming_.store(on && kStreamingStores, std::memory_order_relaxed);
+  }
   bool streaming() const { return streaming_.load(std::memory_order_relaxed); }
   void free();  // unmaps every rank's memory (not collective; the destructor does it too)
   // Waits on another rank throw TimeoutError after this many seconds without progress
