@@ -45,6 +45,10 @@ def op_code(op, context: str, dtype_name: str | None = None) -> int:
     taken: bool only; None where the dtype is not known, as for a list of arrays)."""
     key = op.lower() if isinstance(op, str) else _mpi_op_name(op, dtype_name)
     if key not in _OP_CODES:
+        if hasattr(op, "__array_interface__") or hasattr(op, "__cuda_array_interface__"):
+            # mpi4py's Allreduce(sendbuf, recvbuf, op), by habit
+            raise TypeError(f"{context}: op is an array: the second argument is op; pass "
+                            "the result's buffer as out=... (comm.allreduce(x, out=buf))")
         name = _mpi_predefined_name(op)
         only = ""
         if name in _MPI_BOOL_OPS:
@@ -229,11 +233,28 @@ def as_input_array(x, argument: str, context: str) -> np.ndarray:
         # callers that need host memory.
         raise TypeError(f"{context}: {argument} is a GPU array ({type(x).__name__}); "
                         "a host (numpy) array is needed here")
+    reject_mpi_buffer_forms(x, argument, context)
     try:
         array = np.asarray(x)
     except Exception as error:  # e.g. ragged nested lists
         raise TypeError(f"{context}: {argument} cannot be read as an array: {error}") from None
     return array
+
+
+def reject_mpi_buffer_forms(x, argument: str, context: str) -> None:
+    """What a program ported from mpi4py's Allreduce and co. passes, which numpy would
+    read as something else: MPI.IN_PLACE and MPI.BOTTOM as empty arrays (a result of
+    no elements, silently), a buffer spec [buf, MPI.FLOAT] as a ragged list."""
+    if x is MPI.IN_PLACE or x is MPI.BOTTOM:
+        name = "MPI.IN_PLACE" if x is MPI.IN_PLACE else "MPI.BOTTOM"
+        raise TypeError(f"{context}: {argument} is {name}, which ringreduce does not take: "
+                        "for a call in place pass the buffer as both x and out "
+                        "(comm.allreduce(buf, out=buf)); for allgather, out's own block of "
+                        "rows as x")
+    if isinstance(x, (list, tuple)) and any(isinstance(item, MPI.Datatype) for item in x):
+        raise TypeError(f"{context}: {argument} is an mpi4py buffer spec ([buf, MPI.FLOAT], "
+                        "say), which ringreduce does not take: pass the array itself (or "
+                        "buf[:count]); its dtype says what the elements are")
 
 
 def named(error: MemoryError, context: str) -> MemoryError:
@@ -314,6 +335,7 @@ def check_out(out, shape: tuple, dtype: np.dtype, context: str, array_type=np.nd
     A shape of (None,) + row_shape takes any number of rows (allgather's, whose rows
     are known only later)."""
     if not isinstance(out, array_type):
+        reject_mpi_buffer_forms(out, "out", context)
         raise TypeError(f"{context}: out must be a {type_name}, got {type(out).__name__}")
     if isinstance(out, np.ma.MaskedArray) and np.ma.is_masked(out):
         # Its data would be written, and the mask kept: results hidden where it masks.

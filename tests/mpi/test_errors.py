@@ -64,6 +64,33 @@ def test_user_defined_mpi_ops_and_minloc_are_refused_by_name(comm):
     still_works(comm)
 
 
+def test_what_a_program_ported_from_mpi4py_passes_is_refused_saying_what_to_pass(comm):
+    # (From a review.) numpy read MPI.IN_PLACE and MPI.BOTTOM as empty arrays: a result
+    # of no elements, with no error. Buffer specs and out= in op's place got numpy's or
+    # the op check's words, which did not say what to write instead.
+    x = np.arange(4.0)
+    in_place = "is MPI.IN_PLACE, which ringreduce does not take: for a call in place pass the " \
+               r"buffer as both x and out \(comm.allreduce\(buf, out=buf\)\)"
+    for call, said in [
+            (lambda: comm.allreduce(MPI.IN_PLACE), "x " + in_place),
+            (lambda: rr.allreduce(MPI.IN_PLACE), "x " + in_place),
+            (lambda: comm.allreduce_async(MPI.IN_PLACE), "x " + in_place),
+            (lambda: comm.reduce_scatter(MPI.IN_PLACE), "x " + in_place),
+            (lambda: comm.allgather(MPI.IN_PLACE, out=x), "x " + in_place),
+            (lambda: comm.allreduce(MPI.BOTTOM), "x is MPI.BOTTOM"),
+            (lambda: comm.allreduce(x, out=MPI.IN_PLACE), "out " + in_place),
+            (lambda: comm.allreduce([x, MPI.DOUBLE]), r"x is an mpi4py buffer spec \(\[buf, "
+                                                      r"MPI.FLOAT\], say\), which ringreduce "
+                                                      "does not take: pass the array itself"),
+            (lambda: comm.allreduce((x, 4, MPI.DOUBLE)), "x is an mpi4py buffer spec"),
+            (lambda: comm.allreduce(x, np.empty(4)), r"op is an array: the second argument is "
+                                                     "op; pass the result's buffer as out="),
+            (lambda: comm.allreduce(x, np.empty(4), MPI.SUM), "op is an array")]:
+        with pytest.raises(TypeError, match=r"^ringreduce\.\w+ \(rank \d+ of \d+\): " + said):
+            call()
+    assert comm.allreduce(x)[1] == SIZE  # (every rank raised: the next call pairs up)
+
+
 def test_op_names_are_case_insensitive_and_mpi_ops_work(comm):
     x = np.arange(4.0)
     np.testing.assert_array_equal(comm.allreduce(x, op="MAX"), x)
