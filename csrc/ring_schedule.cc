@@ -96,11 +96,13 @@ namespace {
 // forwarded at step k+1 as soon as `on_received` has finished with it, which
 // pipelines the steps; step 0's chunks (our own data) are sent `window` chunks ahead
 // of the receives. Every step has its own tag, so interleaving chunks of different
-// steps on one link is safe. Why the ring cannot deadlock: a chunk received at step k
-// started as a step-0 chunk k+1 ranks to the left and was forwarded by each rank on
-// the way as soon as it arrived there; and every rank posts its step-0 chunks, which
-// need nothing received, before it waits on any later step's receive (and `window`
-// ahead of its step-0 receives, below), so none is held back behind a wait that needs it.
+// steps on one link is safe. Why the ring cannot deadlock:
+//   1. a chunk received at step k started as a step-0 chunk k+1 ranks to the left, and
+//      each rank on the way forwarded it as soon as it arrived there;
+//   2. step-0 chunks are a rank's own data: sending them needs nothing received;
+//   3. every rank posts its step-0 chunks before it waits on any later step's receive
+//      (and `window` ahead of its step-0 receives, below);
+// so every chunk's chain of hops starts, and none waits behind a wait that needs it.
 template <typename FirstSendPtr, typename RecvPtr, typename OnReceived, typename ForwardPtr>
 void run_ring_phase(const RingSchedule& sched, Transport& transport, Phase phase, int tag_base,
                     int window, size_t elem_size, FirstSendPtr first_send_ptr, RecvPtr recv_ptr,
@@ -136,7 +138,8 @@ void run_ring_phase(const RingSchedule& sched, Transport& transport, Phase phase
   for (int64_t i = 0; i < num_recvs; ++i) {
     const ChunkRef ref = recvs[i];
     // Our step-0 chunks must be on their way before we wait on later steps, or a
-    // right neighbour with more step-0 chunks than we receive would wait forever.
+    // right neighbour that receives more step-0 chunks from us than we receive from
+    // our left would wait forever.
     post_first_sends_until(ref.step == 0 ? ref.chunk + window + 1 : num_first_sends);
     transport.wait(recv_requests[i % window]);
     const Span ch = sched.chunk(ref.segment, ref.chunk);

@@ -96,6 +96,8 @@ class RingSchedule {
   int64_t num_chunks(int s) const;
   Span chunk(int s, int64_t c) const;  // offsets relative to the whole buffer
 
+  // Segment numbers are their owners' ranks, so the segment due at ring position q is
+  // rank_at(q) (in rank order, simply r-1-k and r-2-k).
   int reduce_scatter_send_segment(int step) const { return rank_at(position_ - 1 - step); }
   int reduce_scatter_recv_segment(int step) const { return rank_at(position_ - 2 - step); }
   int allgather_send_segment(int step) const { return rank_at(position_ - step); }

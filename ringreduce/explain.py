@@ -252,7 +252,11 @@ def _values_start(e: Explanation) -> list:
     if e.ranks == 1:
         how = "its element i is i % 9 + 1:"
     else:
-        i, last = min(6, e.count - 1), e.ranks - 1
+        # The first element of segment p-2, which rank 0 gets from rank p-1 at the first
+        # step: so that this sum is one the tables show (any element, where it is empty).
+        last = e.ranks - 1
+        start, size = _core.segment_of(e.ranks - 2, e.ranks, e.count)
+        i = start if size else min(6, e.count - 1)
         a, b = e.inputs[0, i], e.inputs[last, i]
         how = (f"element i is i % 9 + 1 in the rank's own digit, rank 0's the leftmost, so "
                f"that a sum shows whose data it holds (x0+x{last} at element {i}: "

@@ -1,9 +1,7 @@
 """Ring all-reduce in plain numpy over mpi4py point-to-point calls: the algorithm of
 ringreduce's C++ core, written to be read. The tests hold the core to the same answers
-bit for bit, so this file is also the core's specification. (Except for the sign of a
-NaN: where one step makes a NaN (inf - inf) and a later one meets another, x86 keeps
-the sign of whichever operand the compiled loop put first; both are NaN. Ties in min
-and max, +0 against -0, follow the first operand here and there: see _minimum.)
+bit for bit, so this file is also the core's specification (but for one detail, at
+the end).
 
 Each of p ranks holds an array x of N bytes. Cut it into p segments (like
 np.array_split). Every rank sends only to its right neighbour and receives only from its
@@ -36,7 +34,11 @@ sends and receives 2(p-1)/p * N bytes, which is optimal. The C++ core adds one t
 this file leaves out: it cuts each segment into chunks, so that a chunk can be sent on
 while the next one is still arriving. docs/ring.md walks through the same steps (and
 `python -m ringreduce explain` prints them); csrc/ring_schedule.h is this schedule in C++.
-"""
+
+Bit for bit, but for the sign of a NaN: where one step makes a NaN (inf - inf) and a
+later one meets another, x86 keeps the sign of whichever operand the compiled loop put
+first; both are NaN. Ties in min and max, +0 against -0, follow the first operand here
+and there: see _minimum."""
 from __future__ import annotations
 
 import os
@@ -137,16 +139,18 @@ def _ring_of(comm, ring) -> tuple[list[int], int]:
 
 def _ring_reduce_scatter(work: np.ndarray, op: str, comm, ring=None) -> None:
     """Leave segment `rank` of `work` (a flat array) reduced over all ranks."""
-    ring, me = _ring_of(comm, ring)
+    ring, pos = _ring_of(comm, ring)  # (pos: this rank's place on the ring)
     size = len(ring)
-    left, right = ring[(me - 1) % size], ring[(me + 1) % size]
+    left, right = ring[(pos - 1) % size], ring[(pos + 1) % size]
     seg = segment_bounds(work.size, size)
     for step in range(size - 1):
-        send, recv = ring[(me - 1 - step) % size], ring[(me - 2 - step) % size]
-        received = np.empty(seg[recv][1] - seg[recv][0], work.dtype)
-        comm.Sendrecv(_raw(work[slice(*seg[send])]), dest=right, recvbuf=_raw(received),
+        # Segment numbers are their owners' ranks: the segment due at ring position q is
+        # segment ring[q] (with the ring in rank order, simply r-1-k and r-2-k).
+        send_seg, recv_seg = ring[(pos - 1 - step) % size], ring[(pos - 2 - step) % size]
+        received = np.empty(seg[recv_seg][1] - seg[recv_seg][0], work.dtype)
+        comm.Sendrecv(_raw(work[slice(*seg[send_seg])]), dest=right, recvbuf=_raw(received),
                       source=left)
-        mine = work[slice(*seg[recv])]
+        mine = work[slice(*seg[recv_seg])]
         # My data first, then what came around, as the core does (out = input OP
         # received): min and max keep the first of two tied values (+0 and -0), so the
         # order decides the result's bits, which the tests hold the core to.
@@ -174,13 +178,13 @@ def _divide(segment: np.ndarray, size: int) -> None:
 
 def _ring_allgather(work: np.ndarray, bounds: list[tuple[int, int]], comm, ring=None) -> None:
     """Fill every segment of `work` from its owner; rank r starts with segment r."""
-    ring, me = _ring_of(comm, ring)
+    ring, pos = _ring_of(comm, ring)  # (pos: this rank's place on the ring)
     size = len(ring)
-    left, right = ring[(me - 1) % size], ring[(me + 1) % size]
+    left, right = ring[(pos - 1) % size], ring[(pos + 1) % size]
     for step in range(size - 1):
-        send, recv = ring[(me - step) % size], ring[(me - 1 - step) % size]
-        comm.Sendrecv(_raw(work[slice(*bounds[send])]), dest=right,
-                      recvbuf=_raw(work[slice(*bounds[recv])]), source=left)
+        send_seg, recv_seg = ring[(pos - step) % size], ring[(pos - 1 - step) % size]
+        comm.Sendrecv(_raw(work[slice(*bounds[send_seg])]), dest=right,
+                      recvbuf=_raw(work[slice(*bounds[recv_seg])]), source=left)
 
 
 def _checked(x, op, where: str) -> tuple[np.ndarray, str]:

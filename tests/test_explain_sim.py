@@ -891,6 +891,12 @@ def test_explain_values_in_the_docs_x0_plus_x3_is_7007():
     assert e.steps[0].holds[0][2] == [0, 3]
     assert list(e.steps[0].values[0, 6:9]) == [7007, 8008, 9009]
     assert "x0+x3 at element 6: 7000 + 0007 = 7007" in " ".join(format_text(e).split())
+    # (From a review.) Element 6 whatever the size: on 3 ranks of 7 elements it named a
+    # sum, 707, that no table holds. The example is now where rank 0 first adds rank
+    # p-1's part, the first element of segment p-2, which the tables show after step 1.
+    e = explain(3, 7, values=True)
+    assert "x0+x2 at element 3: 400 + 004 = 404" in " ".join(format_text(e).split())
+    assert e.steps[0].values[0, 3] == 404
 
 
 def test_explain_values_says_so_when_the_steps_do_not_give_the_sum():
