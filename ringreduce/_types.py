@@ -4,6 +4,7 @@ the value and the rank."""
 from __future__ import annotations
 
 import importlib.util
+import math
 
 import numpy as np
 from mpi4py import MPI
@@ -350,13 +351,21 @@ def check_out(out, shape: tuple, dtype: np.dtype, context: str, array_type=np.nd
     shape = tuple(shape)
     if shape[:1] == (None,):
         if out.ndim != len(shape) or tuple(out.shape[1:]) != shape[1:]:
+            # (mpi4py's Allgather fills a (size, n) buffer from 1-D arrays.)
+            rows_of = ("; for a (ranks, n) result from 1-D x, gather x[np.newaxis]"
+                       if not shape[1:] and out.ndim == 2 else "")
             raise ValueError(f"{context}: out has shape {out.shape}; the result has rows of "
-                             f"shape {shape[1:]}, so out must have shape (rows,) + {shape[1:]}")
+                             f"shape {shape[1:]}, so out must have shape (rows,) + {shape[1:]}"
+                             + rows_of)
     elif out.shape != shape:
-        raise ValueError(f"{context}: out has shape {out.shape}, expected {shape}")
+        same_size = ("; of as many elements, out.reshape(x.shape) is a view that takes it"
+                     if out.size == math.prod(shape) and out.flags.c_contiguous else "")
+        raise ValueError(f"{context}: out has shape {out.shape}, expected {shape}{same_size}")
     if not out.flags.c_contiguous:
+        in_place = ("; a Fortran-ordered array's transpose (a.T) is C-contiguous: reduce "
+                    "that, in place too" if out.flags.f_contiguous else "")
         raise ValueError(f"{context}: out is not C-contiguous (strides {out.strides}); "
-                         "pass a contiguous array or out=None")
+                         f"pass a contiguous array or out=None{in_place}")
     if isinstance(out, np.ndarray) and not out.flags.writeable:
         raise ValueError(f"{context}: out is read-only")
     return out

@@ -1548,8 +1548,10 @@ class Communicator:
         if _device.is_device_array(x):
             return _device.prepare_broadcast(self, context, x, root)
         if not isinstance(x, np.ndarray):
-            raise TypeError(f"{context}: x must be a numpy.ndarray or a GPU array (broadcast works in place), "
-                            f"got {type(x).__name__}")
+            raise TypeError(f"{context}: x must be a numpy.ndarray or a GPU array (broadcast "
+                            f"works in place), got {type(x).__name__}"
+                            + ("; np.frombuffer(x, np.uint8) is a writeable array over its "
+                               "bytes" if isinstance(x, (bytearray, memoryview)) else ""))
         t.reject_masked(x, "x", context)
         if not x.dtype.isnative:
             raise TypeError(f"{context}: x has non-native byte order ({x.dtype}); "

@@ -91,6 +91,27 @@ def test_what_a_program_ported_from_mpi4py_passes_is_refused_saying_what_to_pass
     assert comm.allreduce(x)[1] == SIZE  # (every rank raised: the next call pairs up)
 
 
+def test_an_out_of_mpi4pys_layouts_is_refused_saying_what_takes_it(comm):
+    # (From the same review.) mpi4py takes any buffer of as many elements, a Fortran
+    # array in place, and a (size, n) Allgather buffer; the errors now say what does here.
+    x = np.arange(6.0)
+    with pytest.raises(ValueError, match=r"expected \(6,\); of as many elements, "
+                                         r"out.reshape\(x.shape\) is a view that takes it"):
+        comm.allreduce(x, out=np.empty((2, 3)))
+    fortran = np.asfortranarray(np.ones((3, 4)))
+    with pytest.raises(ValueError, match=r"a Fortran-ordered array's transpose \(a.T\) is "
+                                         "C-contiguous: reduce that, in place too"):
+        comm.allreduce(fortran, out=fortran)
+    assert comm.allreduce(fortran.T, out=fortran.T) is not None and (fortran == SIZE).all()
+    with pytest.raises(ValueError, match=r"for a \(ranks, n\) result from 1-D x, gather "
+                                         r"x\[np.newaxis\]"):
+        comm.allgather(np.ones(3), out=np.empty((SIZE, 3)))
+    np.testing.assert_array_equal(comm.allgather(np.ones(3)[np.newaxis]), np.ones((SIZE, 3)))
+    with pytest.raises(TypeError, match=r"got bytearray; np.frombuffer\(x, np.uint8\) is a "
+                                        "writeable array over its bytes"):
+        comm.broadcast(bytearray(8))
+
+
 def test_op_names_are_case_insensitive_and_mpi_ops_work(comm):
     x = np.arange(4.0)
     np.testing.assert_array_equal(comm.allreduce(x, op="MAX"), x)
