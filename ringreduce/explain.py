@@ -9,8 +9,8 @@ data each rank's copy of each segment contains after each step, and in what orde
 segment's terms are added up (which decides its bits). With --values, the steps are
 also carried out on numbers, a small integer array per rank, chunk by chunk as the
 schedule sends them, and every rank's numbers are shown after each step. Steps are
-counted from 1 here, from 0 in docs/ring.md and the code; docs/ring.md walks through
-the output.
+numbered k from 0 in each phase, as in docs/ring.md and the code ("step k=0 (1 of 3)");
+docs/ring.md walks through the output.
 """
 from __future__ import annotations
 
@@ -347,7 +347,7 @@ def format_text(e: Explanation) -> str:
     for step in e.steps:
         total = e.ranks - 1
         lines.append("")
-        lines.append(f"{step.phase}, step {step.number} of {total}:")
+        lines.append(f"{step.phase}, step k={step.number - 1} ({step.number} of {total}):")
         for t in step.transfers:
             action = "adds it to its own copy" if t.reduces else "copies it over its own"
             what = ("no elements" if not t.chunks else _elements(t.chunks[0])
@@ -418,7 +418,7 @@ def draw(e: Explanation, path: str) -> None:
         ax.set_xlim(-2.0, 2.0)
         ax.set_ylim(-1.9, 1.9)
         ax.set_aspect("equal")
-        ax.set_title(f"{step.phase}, step {step.number}", fontsize=10)
+        ax.set_title(f"{step.phase}, step k={step.number - 1}", fontsize=10)
         # Round the circle in ring order (rank order unless e.ring says otherwise).
         angle = [math.pi / 2 - 2 * math.pi * e.ring.index(r) / e.ranks for r in range(e.ranks)]
         where = [(math.cos(a), math.sin(a)) for a in angle]

@@ -39,9 +39,10 @@ def test_each_step_sends_what_the_left_neighbour_receives():
 
 def test_text_names_the_steps_and_partial_sums():
     text = format_text(explain(4, 12))
-    assert "reduce-scatter, step 1 of 3" in text and "all-gather, step 3 of 3" in text
+    assert "reduce-scatter, step k=0 (1 of 3)" in text
+    assert "all-gather, step k=2 (3 of 3)" in text
     assert "rank 0 sends S3 to rank 1" in text
-    assert "x0+x3" in text  # rank 0's copy of S2 after step 1
+    assert "x0+x3" in text  # rank 0's copy of S2 after step k=0
 
 
 @pytest.mark.parametrize("ranks", [2, 3, 4, 9])
@@ -67,7 +68,7 @@ def test_command_line_writes_the_figure(tmp_path):
                            "--count", "7", "--chunk", "2", "--svg", str(figure)],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    assert "all-gather, step 2 of 2" in done.stdout
+    assert "all-gather, step k=1 (2 of 2)" in done.stdout
     assert figure.read_text().lstrip().startswith(("<?xml", "<svg"))
     bad = subprocess.run([sys.executable, "-m", "ringreduce", "explain", "--ranks", "0"],
                          capture_output=True, text=True, timeout=120)
@@ -886,14 +887,14 @@ def test_explain_values_are_the_ring_done_by_hand_and_end_as_the_plain_sum(ranks
 
 
 def test_explain_values_in_the_docs_x0_plus_x3_is_7007():
-    # The worked example the output and docs/ring.md give: rank 0's S2 after step 1.
+    # The worked example the output and docs/ring.md give: rank 0's S2 after step k=0.
     e = explain(4, 12, values=True)
     assert e.steps[0].holds[0][2] == [0, 3]
     assert list(e.steps[0].values[0, 6:9]) == [7007, 8008, 9009]
     assert "x0+x3 at element 6: 7000 + 0007 = 7007" in " ".join(format_text(e).split())
     # (From a review.) Element 6 whatever the size: on 3 ranks of 7 elements it named a
     # sum, 707, that no table holds. The example is now where rank 0 first adds rank
-    # p-1's part, the first element of segment p-2, which the tables show after step 1.
+    # p-1's part, the first element of segment p-2, which the tables show after step k=0.
     e = explain(3, 7, values=True)
     assert "x0+x2 at element 3: 400 + 004 = 404" in " ".join(format_text(e).split())
     assert e.steps[0].values[0, 3] == 404
