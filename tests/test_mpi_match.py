@@ -49,26 +49,37 @@ def test_this_build_says_what_it_was_built_for():
     assert rr.Communicator is not None  # (and it imported: the check passed)
 
 
-def test_importing_the_source_tree_before_a_build_says_so(tmp_path):
-    # "cannot import name '_core' from partially initialized module 'ringreduce' (most
-    # likely due to a circular import)" was all it said.
+def _copy_without_core(tmp_path):
+    """The package's Python files in tmp_path/ringreduce, without the built extension."""
     shutil.copytree(ROOT / "ringreduce", tmp_path / "ringreduce",
                     ignore=shutil.ignore_patterns("_core*", "__pycache__"))
+
+
+def _import_fails(tmp_path) -> str:
+    """What importing the copy in tmp_path said (it must fail), past the editable
+    install's finder, which would find this checkout's extension."""
     code = ("import sys; sys.path.insert(0, sys.argv[1]); "
             "sys.meta_path[:] = [f for f in sys.meta_path if 'editable' not in repr(f)]; "
             "import ringreduce")
     done = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True,
                           text=True, timeout=120)
     assert done.returncode != 0
+    return done.stderr
+
+
+def test_importing_the_source_tree_before_a_build_says_so(tmp_path):
+    # "cannot import name '_core' from partially initialized module 'ringreduce' (most
+    # likely due to a circular import)" was all it said.
+    _copy_without_core(tmp_path)
+    stderr = _import_fails(tmp_path)
     assert (f"ringreduce._core is not built in {tmp_path / 'ringreduce'} (is this the source "
-            "tree, before a build?)") in done.stderr, done.stderr
+            "tree, before a build?)") in stderr, stderr
 
 
 def test_a_built_core_that_cannot_load_says_so_and_how_to_rebuild(tmp_path):
     # As when the libmpi it was linked against is gone: "not built" would be wrong, and
     # the loader's words alone do not say what to do.
-    shutil.copytree(ROOT / "ringreduce", tmp_path / "ringreduce",
-                    ignore=shutil.ignore_patterns("_core*", "__pycache__"))
+    _copy_without_core(tmp_path)
     compiler = shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         pytest.skip("no C compiler")
@@ -80,17 +91,12 @@ def test_a_built_core_that_cannot_load_says_so_and_how_to_rebuild(tmp_path):
     subprocess.run([compiler, "-shared", "-fPIC", "-o", core, tmp_path / "core.c",
                     f"-L{tmp_path}", "-lgone"], check=True, timeout=60)
     (tmp_path / "libgone.so").unlink()
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); "
-            "sys.meta_path[:] = [f for f in sys.meta_path if 'editable' not in repr(f)]; "
-            "import ringreduce")
-    done = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True,
-                          text=True, timeout=120)
-    assert done.returncode != 0
+    stderr = _import_fails(tmp_path)
     assert ("ImportError: ringreduce._core is built but cannot load: libgone.so: cannot open "
-            "shared object file") in done.stderr, done.stderr
-    assert f"mpi4py loaded: {first_line(MPI.Get_library_version())}" in done.stderr
-    assert "Rebuild ringreduce with the mpicc of mpi4py's MPI" in done.stderr
-    assert "not built" not in done.stderr
+            "shared object file") in stderr, stderr
+    assert f"mpi4py loaded: {first_line(MPI.Get_library_version())}" in stderr
+    assert "Rebuild ringreduce with the mpicc of mpi4py's MPI" in stderr
+    assert "not built" not in stderr
 
 
 def _failed_build(tmp_path, **environ) -> str:
