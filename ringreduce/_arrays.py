@@ -32,7 +32,8 @@ def as_list_of_arrays(items, argument: str, where: str, each: str) -> list:
     iterable, or a mapping (iterating it gives its keys). A list of its own: the caller's
     may change later."""
     if isinstance(items, Mapping):
-        raise TypeError(f"{where}: {argument} must be a list of arrays ({each}), got a dict; "
+        raise TypeError(f"{where}: {argument} must be a list of arrays ({each}), got a "
+                        f"{type(items).__name__}; "
                         f"pass its arrays in an order every rank shares, e.g. [{argument}[k] "
                         f"for k in sorted({argument})] (arrays of one shape in another order "
                         "would mix unnoticed)")

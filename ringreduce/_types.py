@@ -46,7 +46,8 @@ def op_code(op, context: str, dtype_name: str | None = None) -> int:
     taken: bool only; None where the dtype is not known, as for a list of arrays)."""
     key = op.lower() if isinstance(op, str) else _mpi_op_name(op, dtype_name)
     if key not in _OP_CODES:
-        if hasattr(op, "__array_interface__") or hasattr(op, "__cuda_array_interface__"):
+        if getattr(op, "ndim", 0) > 0 and (hasattr(op, "__array_interface__")
+                                           or hasattr(op, "__cuda_array_interface__")):
             # mpi4py's Allreduce(sendbuf, recvbuf, op), by habit
             raise TypeError(f"{context}: op is an array: the second argument is op; pass "
                             "the result's buffer as out=... (comm.allreduce(x, out=buf))")
@@ -252,7 +253,10 @@ def reject_mpi_buffer_forms(x, argument: str, context: str) -> None:
                         "for a call in place pass the buffer as both x and out "
                         "(comm.allreduce(buf, out=buf)); for allgather, out's own block of "
                         "rows as x")
-    if isinstance(x, (list, tuple)) and any(isinstance(item, MPI.Datatype) for item in x):
+    # (A spec is [buf, type], [buf, count, type] or [buf, (count, displ), type], its type
+    # last: MPI.FLOAT or a typecode; a list of numbers is not scanned.)
+    if (isinstance(x, (list, tuple)) and 2 <= len(x) <= 4
+            and (isinstance(x[-1], MPI.Datatype) or isinstance(x[-1], str))):
         raise TypeError(f"{context}: {argument} is an mpi4py buffer spec ([buf, MPI.FLOAT], "
                         "say), which ringreduce does not take: pass the array itself (or "
                         "buf[:count]); its dtype says what the elements are")
@@ -358,12 +362,15 @@ def check_out(out, shape: tuple, dtype: np.dtype, context: str, array_type=np.nd
                              f"shape {shape[1:]}, so out must have shape (rows,) + {shape[1:]}"
                              + rows_of)
     elif out.shape != shape:
-        same_size = ("; of as many elements, out.reshape(x.shape) is a view that takes it"
+        same_size = (f"; of as many elements, out.reshape({shape}) is a view that takes it"
                      if out.size == math.prod(shape) and out.flags.c_contiguous else "")
         raise ValueError(f"{context}: out has shape {out.shape}, expected {shape}{same_size}")
     if not out.flags.c_contiguous:
-        in_place = ("; a Fortran-ordered array's transpose (a.T) is C-contiguous: reduce "
-                    "that, in place too" if out.flags.f_contiguous else "")
+        # (A Fortran array in place: mpi4py's Allreduce(MPI.IN_PLACE, a) takes it.)
+        in_place = ("; to reduce a Fortran-ordered array in place, pass its transpose, "
+                    "which is C-contiguous, as x and out (a.T)"
+                    if out.flags.f_contiguous and len(shape) > 1 and shape[:1] != (None,)
+                    else "")
         raise ValueError(f"{context}: out is not C-contiguous (strides {out.strides}); "
                          f"pass a contiguous array or out=None{in_place}")
     if isinstance(out, np.ndarray) and not out.flags.writeable:

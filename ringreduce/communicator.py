@@ -914,12 +914,18 @@ def _timeout_to_refuse_with(timeout, context: str) -> float:
     return DEFAULT_TIMEOUT
 
 
+def _settings_refused() -> list[str]:
+    """Why each RINGREDUCE_* switch set to a value not understood is refused: a value
+    meant otherwise ("false", "no") must not pass silently as 1."""
+    return [f"{name} must be {meaning}; got {value!r}"
+            for name, (values, meaning) in _SWITCHES.items()
+            if (value := os.environ.get(name)) not in (None, "", *values)]
+
+
 def _check_environment(context: str) -> None:
-    # A value meant otherwise ("false", "no") must not pass silently as 1.
-    for name, (values, meaning) in _SWITCHES.items():
-        value = os.environ.get(name)
-        if value not in (None, "", *values):
-            raise ValueError(f"{context}: {name} must be {meaning}; got {value!r}")
+    refused = _settings_refused()
+    if refused:
+        raise ValueError(f"{context}: {refused[0]}")
 
 
 class Communicator:

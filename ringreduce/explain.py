@@ -252,14 +252,15 @@ def _values_start(e: Explanation) -> list:
     if e.ranks == 1:
         how = "its element i is i % 9 + 1:"
     else:
-        # The first element of segment p-2, which rank 0 gets from rank p-1 at the first
-        # step: so that this sum is one the tables show (any element, where it is empty).
-        last = e.ranks - 1
-        start, size = _core.segment_of(e.ranks - 2, e.ranks, e.count)
-        i = start if size else min(6, e.count - 1)
-        a, b = e.inputs[0, i], e.inputs[last, i]
+        # A sum the first step's tables show: the first copy of a segment with elements
+        # that then holds two ranks' data (every segment is received by one rank then).
+        first, second, i = next(
+            (*e.steps[0].holds[r][s], e.segments[s][0])
+            for r in range(e.ranks) for s in range(e.ranks)
+            if e.segments[s][1] and len(e.steps[0].holds[r][s]) == 2)
+        a, b = e.inputs[first, i], e.inputs[second, i]
         how = (f"element i is i % 9 + 1 in the rank's own digit, rank 0's the leftmost, so "
-               f"that a sum shows whose data it holds (x0+x{last} at element {i}: "
+               f"that a sum shows whose data it holds (x{first}+x{second} at element {i}: "
                f"{a:0{e.ranks}d} + {b:0{e.ranks}d} = {a + b:0{e.ranks}d}):")
     whose = "the rank's input" if e.ranks == 1 else "each rank's input"
     return textwrap.wrap(f"With --values, {whose}: {how}", width=90) + \

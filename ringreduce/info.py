@@ -139,12 +139,15 @@ def report(world=MPI.COMM_WORLD, launchers=None) -> str | None:
     warn_if_alone_by_mistake(world.Get_size(), os.environ,
                              lambda text: warnings.append("warning: " + text.replace(
                                  "ringreduce: ", "", 1)))
-    # (Under mpiexec the ring's line shows a Communicator's refusal; alone, none is made.)
-    from .communicator import _check_environment, _default_timeout
+    # Alone, where no Communicator is made (under mpiexec the ring's line shows its
+    # refusal), every setting one would refuse.
+    from .communicator import _default_timeout, _settings_refused
 
-    for check in (_check_environment, _default_timeout):
+    if world.Get_size() == 1:
+        refused = "a Communicator refuses this setting"
+        warnings += [f"warning: {refused}: {why}" for why in _settings_refused()]
         try:
-            check("a Communicator refuses this setting")
+            _default_timeout(refused)
         except ValueError as error:
             warnings.append(f"warning: {error}")
     lines = _lines(values) + warnings

@@ -893,11 +893,19 @@ def test_explain_values_in_the_docs_x0_plus_x3_is_7007():
     assert list(e.steps[0].values[0, 6:9]) == [7007, 8008, 9009]
     assert "x0+x3 at element 6: 7000 + 0007 = 7007" in " ".join(format_text(e).split())
     # (From a review.) Element 6 whatever the size: on 3 ranks of 7 elements it named a
-    # sum, 707, that no table holds. The example is now where rank 0 first adds rank
-    # p-1's part, the first element of segment p-2, which the tables show after step k=0.
+    # sum, 707, that no table holds. The example is now a sum the first step's tables
+    # show, for any size and ring (segment p-2's first element, a later review found,
+    # was not: it is empty below p-1 elements, and elsewhere on another ring).
     e = explain(3, 7, values=True)
     assert "x0+x2 at element 3: 400 + 004 = 404" in " ".join(format_text(e).split())
-    assert e.steps[0].values[0, 3] == 404
+    for ranks in range(2, 7):
+        for ring in (None, [0, *range(ranks - 1, 0, -1)], [*range(1, ranks), 0]):
+            for count in range(1, 13):
+                e = explain(ranks, count, values=True, ring=ring)
+                said = re.search(r"at element (\d+): \d+ \+ \d+ = (\d+)\)",
+                                 " ".join(format_text(e).split()))
+                element, total = int(said[1]), int(said[2])
+                assert total in e.steps[0].values[:, element], (ranks, ring, count, said[0])
 
 
 def test_explain_values_says_so_when_the_steps_do_not_give_the_sum():

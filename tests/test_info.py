@@ -127,12 +127,14 @@ def test_settings_a_communicator_would_refuse_are_warned_about_on_one_process(mo
     # (From a review.) Alone, where no Communicator is made, the report listed them as
     # if they were fine ("GPU pointers to MPI  yes (RINGREDUCE_CUDA_AWARE=2)").
     monkeypatch.setenv("RINGREDUCE_CUDA_AWARE", "2")
+    monkeypatch.setenv("RINGREDUCE_SHM", "yes")  # (each one, not the first alone)
     monkeypatch.setenv("RINGREDUCE_TIMEOUT", "soon")
     text = info.report(MPI.COMM_SELF, launchers=[])
     assert ("warning: a Communicator refuses this setting: RINGREDUCE_CUDA_AWARE must be 0 "
             "(GPU buffers staged") in text, text
     assert ("warning: a Communicator refuses this setting: RINGREDUCE_TIMEOUT must be a number "
             "of seconds >= 0") in text, text
+    assert "warning: a Communicator refuses this setting: RINGREDUCE_SHM must be" in text, text
 
 
 def test_many_ranks_are_shown_short_and_grouped():

@@ -96,11 +96,14 @@ def test_an_out_of_mpi4pys_layouts_is_refused_saying_what_takes_it(comm):
     # array in place, and a (size, n) Allgather buffer; the errors now say what does here.
     x = np.arange(6.0)
     with pytest.raises(ValueError, match=r"expected \(6,\); of as many elements, "
-                                         r"out.reshape\(x.shape\) is a view that takes it"):
+                                         r"out.reshape\(\(6,\)\) is a view that takes it"):
         comm.allreduce(x, out=np.empty((2, 3)))
+    block = comm.reduce_scatter(np.arange(4.0 * SIZE)).shape  # (out's shape, not x's)
+    with pytest.raises(ValueError, match=rf"out.reshape\({re.escape(str(block))}\)"):
+        comm.reduce_scatter(np.arange(4.0 * SIZE), out=np.empty((2, 2)))
     fortran = np.asfortranarray(np.ones((3, 4)))
-    with pytest.raises(ValueError, match=r"a Fortran-ordered array's transpose \(a.T\) is "
-                                         "C-contiguous: reduce that, in place too"):
+    with pytest.raises(ValueError, match=r"to reduce a Fortran-ordered array in place, pass "
+                                         r"its transpose, which is C-contiguous, as x and out"):
         comm.allreduce(fortran, out=fortran)
     assert comm.allreduce(fortran.T, out=fortran.T) is not None and (fortran == SIZE).all()
     with pytest.raises(ValueError, match=r"for a \(ranks, n\) result from 1-D x, gather "

@@ -2013,7 +2013,7 @@ def test_allreduce_gradients_averages_in_place():
             step({"w": np.ones(3), "b": np.ones(2)})  # (its keys were taken for arrays)
     with pytest.raises(TypeError, match="params must be a list of arrays .*got a dict"):
         SGD({"w": params[0]}, lr=0.1)
-    with pytest.raises(TypeError, match="grads must be a list of arrays .*got a dict"):
+    with pytest.raises(TypeError, match="grads must be a list of arrays .*got a mappingproxy"):
         rr.allreduce_gradients(types.MappingProxyType({"w": np.ones(3)}))  # (any mapping)
     # (From a review of the above.) The optimizers keep a list of their own: one that
     # was the caller's changed under them when the caller's did.
