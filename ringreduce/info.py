@@ -141,9 +141,9 @@ def report(world=MPI.COMM_WORLD, launchers=None) -> str | None:
                                  "ringreduce: ", "", 1)))
     # Alone, where no Communicator is made (under mpiexec the ring's line shows its
     # refusal), every setting one would refuse.
-    from .communicator import _default_timeout, _settings_refused
-
     if world.Get_size() == 1:
+        from .communicator import _default_timeout, _settings_refused
+
         refused = "a Communicator refuses this setting"
         warnings += [f"warning: {refused}: {why}" for why in _settings_refused()]
         try:
