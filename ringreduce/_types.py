@@ -256,7 +256,7 @@ def reject_mpi_buffer_forms(x, argument: str, context: str) -> None:
     # (A spec is [buf, type], [buf, count, type] or [buf, (count, displ), type], its type
     # last: MPI.FLOAT or a typecode; a list of numbers is not scanned.)
     if (isinstance(x, (list, tuple)) and 2 <= len(x) <= 4
-            and (isinstance(x[-1], MPI.Datatype) or isinstance(x[-1], str))):
+            and isinstance(x[-1], (MPI.Datatype, str))):
         raise TypeError(f"{context}: {argument} is an mpi4py buffer spec ([buf, MPI.FLOAT], "
                         "say), which ringreduce does not take: pass the array itself (or "
                         "buf[:count]); its dtype says what the elements are")

@@ -293,19 +293,21 @@ def _fingerprints_apart(fingerprints: list[int], optimizer) -> str:
             "follows one rank's own numbers, its validation loss, say, sets them apart)")
 
 
-def _update_by(verdict, where: str) -> bool:
+def _update_by(verdict, where) -> bool:
     """Whether before_update's verdict says to update: None or True (a numpy bool, or a
     0-d array of bool, numpy's or cupy's: np.isfinite(g).all()) do, False does not.
     Anything else raises TypeError: a clipping function that returns the norm, as
     torch's clip_grad_norm_ does, would skip the steps whose norm is 0 and update where
-    it is NaN."""
+    it is NaN. where: the optimizer's _where, called only for that error (a string
+    formatted every step for nothing otherwise)."""
     if verdict is None:
         return True
     if isinstance(verdict, (bool, np.bool_)) or (getattr(verdict, "dtype", None) == np.bool_
                                                   and getattr(verdict, "ndim", None) == 0):
         return bool(verdict)
-    raise TypeError(f"{where}: before_update returned {verdict!r} ({type(verdict).__name__}): "
-                    "return None or True to update, False to skip the step")
+    raise TypeError(f"{where('step')}: before_update returned {verdict!r} "
+                    f"({type(verdict).__name__}): return None or True to update, False to "
+                    "skip the step")
 
 
 def _quietly(f, *args):
@@ -1257,7 +1259,7 @@ class DistributedOptimizer:
         UPDATE, SKIP, RAISED = 0, 1, 2
         error = None
         try:
-            mine = UPDATE if _update_by(self._before_update(averaged), self._where('step')) else SKIP
+            mine = UPDATE if _update_by(self._before_update(averaged), self._where) else SKIP
             settings = _step_fingerprint(self._identity, self._index, self.optimizer)
         except BaseException as raised:  # (Ctrl-C too: the others wait for this rank)
             error, mine, settings = raised, RAISED, 0

@@ -168,10 +168,8 @@ def misaligned_gpu_array(cp, values: np.ndarray):
     if hasattr(cp, "emulate_gpu"):  # (the stand-in)
         memory = np.frombuffer(bytearray(values.nbytes + 1), values.dtype, values.size, 1)
         a = cp.ndarray(memory.reshape(values.shape))
-        a.set(values)
-        return a
-    memory = cp.cuda.alloc(values.nbytes + 1) + 1
-    a = cp.ndarray(values.shape, values.dtype, memptr=memory)
+    else:
+        a = cp.ndarray(values.shape, values.dtype, memptr=cp.cuda.alloc(values.nbytes + 1) + 1)
     a.set(values)
     return a
 
