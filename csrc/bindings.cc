@@ -639,6 +639,13 @@ class AsyncCall : public CallQueue::Call {
     return py::reinterpret_borrow<py::object>(result_);
   }
   long pid() const { return static_cast<long>(pid_); }
+  // Whether outcome() raises an error of the call's own (not a cancellation: one comes
+  // from a close or an exit the caller knows of); None while it has not finished. (One
+  // call, not two, for every Handle that goes: see Handle.__del__.)
+  std::optional<bool> failed() const {
+    if (!done()) return std::nullopt;
+    return !cancelling_.load(std::memory_order_acquire) && (error_ || raised_ != nullptr);
+  }
 
  private:
   RingCommunicator* ring_;
@@ -1884,6 +1891,7 @@ PYBIND11_MODULE(_core, m) {
       .def("done", &AsyncCall::done)
       .def("wait", &AsyncCall::wait, py::arg("seconds") = std::optional<double>())
       .def("outcome", &AsyncCall::outcome)
+      .def("failed", &AsyncCall::failed)
       .def_property_readonly("interrupt_raised", &AsyncCall::interrupt_raised)
       .def_property_readonly("pid", &AsyncCall::pid);
 

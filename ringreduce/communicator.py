@@ -13,6 +13,7 @@ blocking call made while asynchronous ones are in flight queues behind them.
 from __future__ import annotations
 
 import atexit
+import collections
 import contextlib
 import functools
 import itertools
@@ -213,6 +214,27 @@ class Handle:
         # allreduce_gradients, whose errors say what ran).
         self._ran = ran
 
+    def __del__(self):
+        # A call the caller made (_ran set: not one of a step's, whose error the step
+        # raises) whose error no wait() raised: dropped, that error would be lost, so it
+        # is told as a warning (asyncio's "exception was never retrieved"); a call still
+        # running, once it has finished, as the next Handle goes (or at close() or the
+        # exit). (Warnings made errors, -W error, are written as unraisable.)
+        try:
+            if _unwaited:
+                _warn_unretrieved()
+            if self._ran is None or self._error is not None:
+                return
+            failed = self._work.failed()
+            if failed:
+                _warn_if_failed(self._work, self._context, self._ran)
+            elif failed is None:  # (still running)
+                _unwaited.append((self._work, self._context, self._ran))
+        except Warning:
+            raise
+        except Exception:  # (at interpreter shutdown, with the module's globals gone)
+            pass
+
     def __repr__(self) -> str:
         return (f"<ringreduce.Handle: {self._context}, "
                 f"{'done' if self._work.done() else 'in flight'}>")
@@ -287,6 +309,57 @@ class Handle:
         raise self._error.with_traceback(self._frames)
 
 
+# The calls of Handles dropped in flight without a wait() that raised their error:
+# (call, its Handle's context, ran), each until it has finished; then a warning if it
+# failed. First dropped, first finished, mostly: calls finish in the order they were
+# made (those of one Communicator), so that looking at the first few is enough.
+_unwaited: "collections.deque[tuple]" = collections.deque()
+_UNWAITED = threading.Lock()
+
+
+def _warn_if_failed(work, context: str, ran: str) -> None:
+    """Warns of the finished call `work` where it failed (its error goes unraised)."""
+    if work.pid != _this_process or not work.failed():  # (a fork()ed child's: not its own)
+        return
+    try:
+        work.outcome()
+        return
+    except Exception as error:
+        raised = t.renamed(error, ran, context.split(" (rank ")[0])
+    except BaseException:  # (Ctrl-C: raised where it was pressed)
+        return
+    warnings.warn(f"{context}: this call failed, and its Handle was dropped without a "
+                  f"wait() to raise its error: {type(raised).__name__}: {raised}",
+                  RuntimeWarning, stacklevel=3)
+
+
+def _warn_unretrieved(every: bool = False) -> None:
+    """Warns of the calls in _unwaited that finished and failed, and forgets them: the
+    first ones only, up to one still running (every: all of them)."""
+    if not _UNWAITED.acquire(blocking=False):
+        return  # (another thread is at it, or this one, in a warning's __del__)
+    kept = []
+    try:
+        while _unwaited:
+            work, context, ran = _unwaited.popleft()
+            if work.done():
+                _warn_if_failed(work, context, ran)  # (raises, where warnings are errors)
+            elif every:
+                kept.append((work, context, ran))
+            else:
+                _unwaited.appendleft((work, context, ran))
+                break
+    finally:
+        _unwaited.extend(kept)
+        _UNWAITED.release()
+
+
+@atexit.register  # (before _finish_all: so called after it, once calls have finished)
+def _warn_unretrieved_at_exit() -> None:
+    if os.getpid() == _this_process and _uncaught_exception() is None:
+        _warn_unretrieved(every=True)
+
+
 class _Work:
     __slots__ = ("core", "run", "result", "error", "finished", "cancelled", "pid", "queued",
                  "interrupt_raised")
@@ -325,6 +398,13 @@ class _Work:
         if self.error is not None:
             raise self.error
         return self.result
+
+    def failed(self) -> bool | None:
+        """Whether outcome() raises an error of the call's own (not a cancellation's,
+        which comes from a close or an exit the caller knows of); None while running."""
+        if not self.finished.is_set():
+            return None
+        return self.error is not None and self.error is not self.cancelled
 
     def execute(self, catching=BaseException):
         """Runs it; what it raises of `catching` is handed to whoever waits (anything
@@ -1200,6 +1280,8 @@ class Communicator:
             self._abandon()
             if not MPI.Is_finalized():
                 self._core.close()
+        if _unwaited:  # (its calls have finished)
+            _warn_unretrieved(every=True)
 
     def __enter__(self):
         return self

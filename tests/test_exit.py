@@ -1163,3 +1163,33 @@ def test_ctrl_c_at_exit_waits_for_a_dropped_communicators_thread(tmp_path):
         raise AssertionError("the job went on after Ctrl-C") from None
     for crash in ("terminate called", "Aborted", "Fatal Python error", "core dumped"):
         assert crash not in stderr, stderr
+
+
+DROPPED_AT_EXIT = """
+import numpy as np
+from mpi4py import MPI
+import ringreduce as rr
+
+rank = MPI.COMM_WORLD.Get_rank()
+ring = rr.Communicator()
+ring.allreduce(np.ones(3))
+ring._executor.calls.hold_worker(True)  # (so that the failing call is still queued when
+                                        # its Handle goes; exit lets it run)
+rr_handle = ring.allreduce_async(np.ones(5 + rank))  # counts differ: MismatchError
+assert not rr_handle.done()
+del rr_handle
+ring._executor.calls.hold_worker(False)
+print("dropped", flush=True)
+"""
+
+
+def test_the_error_of_a_call_dropped_in_flight_is_told_at_exit(tmp_path):
+    # Dropped while still queued, the call fails only later; nothing else makes a
+    # Handle or closes the Communicator, so the exit tells its error.
+    done = run_script(tmp_path, "dropped.py", DROPPED_AT_EXIT)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count("dropped") == 2
+    told = re.findall(r"ringreduce\.allreduce_async \(rank (\d) of 2\): this call failed, and "
+                      r"its Handle was dropped without a wait\(\) to raise its error: "
+                      r"MismatchError", done.stderr)
+    assert sorted(told) == ["0", "1"], done.stderr
