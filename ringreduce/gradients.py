@@ -210,7 +210,7 @@ def _overlapping(grads, plan) -> set:
     covers bytes it skips, but such an array goes through a copy anyway.) GPU arrays
     (cupy) too: one larger than a bucket is alone in its bucket, and reduced in place."""
     spans = [(span, b[0]) for b in plan if len(b) == 1
-             for span in [_span(grads[b[0]])] if span is not None]
+             for span in [span_of(grads[b[0]])] if span is not None]
     if len(spans) < 2:
         return set()
     shared = set()
@@ -225,7 +225,7 @@ def _overlapping(grads, plan) -> set:
     return shared
 
 
-def _span(g) -> tuple[int, int] | None:
+def span_of(g) -> tuple[int, int] | None:
     """The bytes g spans, numpy's or a GPU array's (None for anything else). Host and
     GPU memory share one address space under CUDA's unified addressing, so the two
     kinds of span never overlap each other."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import decimal
 import functools
+import heapq
 import math
 import time
 import zlib
@@ -26,7 +27,7 @@ from . import _types, compression as _compression
 from ._arrays import (array_module, as_list_of_arrays, copy_where_it_is, gpu_of, on_gpu,
                       on_gpu_of, plain, the_one_gpu)
 from ._core import CollectiveTimeoutError, MismatchError
-from .gradients import agree_or_raise, check_bucket_mb, pack_plan
+from .gradients import agree_or_raise, check_bucket_mb, pack_plan, span_of
 
 
 def _check_params(params, who: str) -> list:
@@ -41,7 +42,32 @@ def _check_params(params, who: str) -> list:
         if not getattr(getattr(p, "flags", None), "writeable", True):  # (cupy's always are)
             raise ValueError(f"{who}: params[{i}] is read-only; steps update parameters in "
                              "place")
+    _check_params_apart(params, who)
     return params
+
+
+def _check_params_apart(params: list, who: str) -> None:
+    """Raises where two parameters share memory (one array listed twice, overlapping
+    views): each step would update those bytes twice, with both gradients, silently.
+    (A sweep over the bytes they span: each pair whose spans overlap is then compared
+    exactly, where numpy can, as two views may interleave without sharing a byte.)"""
+    spans = sorted((span, i) for i, p in enumerate(params)
+                   for span in [span_of(p)] if span is not None and span[1] > span[0])
+    active: list = []  # (end, index) of the spans before that may reach further
+    for (lo, hi), i in spans:
+        while active and active[0][0] <= lo:
+            heapq.heappop(active)
+        for _, j in active:
+            a, b = params[min(i, j)], params[max(i, j)]
+            if isinstance(a, np.ndarray) and isinstance(b, np.ndarray) \
+                    and not np.shares_memory(a, b):
+                continue
+            raise ValueError(f"{who}: params[{min(i, j)}] and params[{max(i, j)}] "
+                             f"{'are the same array' if a is b else 'share memory'}: each "
+                             "step would update the values they share twice; list every "
+                             "parameter once (tied weights are one parameter, whose "
+                             "gradient adds up the uses)")
+        heapq.heappush(active, (hi, i))
 
 
 def _check_grads(grads, params, who: str) -> list:
@@ -159,22 +185,22 @@ def _state_values(state, keys, who: str, where: str | None = None) -> list:
 
 def _check_sgd_settings(lr, momentum, weight_decay, who: str) -> None:
     try:  # (written so that NaN fails too; and a string, which does not compare)
-        good = bool(lr > 0 and momentum >= 0 and weight_decay >= 0)
+        good = bool(lr >= 0 and momentum >= 0 and weight_decay >= 0)
     except (TypeError, ValueError):  # (ValueError: an array of several)
         good = False
     if not good:
-        raise ValueError(f"{who}: need lr > 0, momentum >= 0, weight_decay >= 0; got "
+        raise ValueError(f"{who}: need lr >= 0, momentum >= 0, weight_decay >= 0; got "
                          f"lr={lr!r}, momentum={momentum!r}, weight_decay={weight_decay!r}")
 
 
 def _check_adam_settings(lr, betas, eps, weight_decay, who: str) -> None:
     try:
-        good = bool(len(betas) == 2 and lr > 0 and 0 <= betas[0] < 1 and 0 <= betas[1] < 1
+        good = bool(len(betas) == 2 and lr >= 0 and 0 <= betas[0] < 1 and 0 <= betas[1] < 1
                     and eps > 0 and weight_decay >= 0)
     except (TypeError, ValueError):  # (ValueError: an array of several)
         good = False
     if not good:
-        raise ValueError(f"{who}: need lr > 0, betas a pair with 0 <= each < 1, eps > 0, "
+        raise ValueError(f"{who}: need lr >= 0, betas a pair with 0 <= each < 1, eps > 0, "
                          f"weight_decay >= 0; got lr={lr!r}, betas={betas!r}, eps={eps!r}, "
                          f"weight_decay={weight_decay!r}")
 
@@ -391,6 +417,9 @@ class SGD:
 
     def step(self, grads) -> None:
         grads = _check_grads(grads, self.params, "SGD.step")
+        # (As made and loaded: a schedule's lr of -0.1 or NaN, set by hand, would
+        # otherwise climb, or turn every parameter into NaN, without a word.)
+        _check_sgd_settings(self.lr, self.momentum, self.weight_decay, "SGD.step")
         # As Python floats, whatever number a schedule set: numpy 2 computes lr * g in
         # float64 for an np.float64 lr and float32 g, in float32 for a Python float, so
         # ranks given one or the other would update apart, though their lr is the same.
@@ -512,6 +541,7 @@ class Adam:
 
     def step(self, grads) -> None:
         grads = _check_grads(grads, self.params, "Adam.step")
+        _check_adam_settings(self.lr, self.betas, self.eps, self.weight_decay, "Adam.step")
         self.t += 1
         # As Python floats, whatever numbers they are (see SGD.step).
         lr, eps, weight_decay = float(self.lr), float(self.eps), float(self.weight_decay)

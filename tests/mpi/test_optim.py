@@ -964,9 +964,9 @@ def test_misuse_gets_clear_errors():
             DistributedOptimizer(SGD([np.zeros(2)], lr=0.1), bucket_mb=bad)
         with pytest.raises(ValueError, match="bucket_mb must be"):
             rr.allreduce_gradients([np.zeros(2)], bucket_mb=bad)
-    with pytest.raises(ValueError, match="lr > 0"):
+    with pytest.raises(ValueError, match="lr >= 0"):
         SGD([np.zeros(2)], lr=float("nan"))
-    with pytest.raises(ValueError, match="lr > 0"):
+    with pytest.raises(ValueError, match="lr >= 0"):
         Adam([np.zeros(2)], lr=float("nan"))
     upper = DistributedOptimizer(SGD([np.zeros(2)], lr=0.1), compression="FP16")
     assert upper._buckets[0].wire.dtype == np.float16  # (names in any case, as ops)
@@ -1471,6 +1471,59 @@ each_optimizer = pytest.mark.parametrize("make", [lambda p: SGD(p, lr=0.1, momen
 
 
 @each_optimizer
+def test_parameters_that_share_memory_are_refused(make):
+    # (From a review.) SGD([W, W]) updated W twice a step, with both gradients, and
+    # overlapping views their shared elements twice, silently.
+    W, V, M = np.zeros(4), np.zeros(8), np.zeros((4, 4))
+    for params, pair, words in (([W, W], "0.*1", "are the same array"),
+                                ([V[:4], V[2:6]], "0.*1", "share memory"),
+                                ([M, np.zeros(3), M.T], "0.*2", "share memory"),
+                                ([M[:, 0], M[0, :]], "0.*1", "share memory"),
+                                ([np.zeros(2), V[6:], V[3:7]], "1.*2", "share memory")):
+        with pytest.raises(ValueError, match=rf"params\[{pair}\] {words}: each step would "
+                                             "update the values they share twice"):
+            make(params)
+        with pytest.raises(ValueError, match=words):
+            DistributedOptimizer(types.SimpleNamespace(params=params, step=lambda grads: None))
+    # Views that share no element are parameters apart, though their spans overlap.
+    apart = [V[::2], V[1::2], M[:, 0], M[1, 1:], np.zeros(0), np.zeros(0)]
+    opt = DistributedOptimizer(make(apart))
+    opt.step([np.ones(p.shape) for p in apart])
+    assert (V != 0).all() and (M[:, 0] != 0).all() and (M[1, 1:] != 0).all()
+    assert (M[0, 1:] == 0).all() and (M[2:, 1:] == 0).all()
+
+
+@each_optimizer
+def test_an_lr_of_0_is_a_setting_like_any_other_and_a_bad_one_stops_the_step(make):
+    # (From a review.) A warm-up from 0, or a schedule that decays to 0: the lr was
+    # set and stepped with, but its checkpoint could not be loaded, nor broadcast. And
+    # an lr set by hand to a negative number or NaN was stepped with, silently.
+    params = [np.full((4, 3), float(RANK + 1))]
+    opt = DistributedOptimizer(make(params))
+    opt.lr = 0.0
+    opt.step([np.ones((4, 3))])
+    np.testing.assert_array_equal(params[0], np.full((4, 3), float(RANK + 1)))
+    state = opt.state_dict()
+    assert state["optimizer"]["lr"] == 0.0
+    opt.load_state_dict(state)
+    opt.broadcast_parameters(root=0)
+    np.testing.assert_array_equal(params[0], np.ones((4, 3)))
+    again = type(opt.optimizer)([np.zeros(2)], lr=0)  # (made with 0 too)
+    assert again.lr == 0
+    name = type(opt.optimizer).__name__
+    for bad in (-0.1, float("nan")):
+        opt.lr = bad  # (the same on every rank: each refuses the step, none updates)
+        with pytest.raises(ValueError, match=rf"^{name}\.step: need lr >= 0, .*got lr={bad}"):
+            opt.step([np.ones((4, 3))])
+        np.testing.assert_array_equal(params[0], np.ones((4, 3)))
+    opt.lr = 0.5
+    opt.step([np.ones((4, 3))])
+    assert (params[0] < 1).all()
+    everyone = MPI.COMM_WORLD.allgather(params[0].tobytes())
+    assert all(mine == everyone[0] for mine in everyone)
+
+
+@each_optimizer
 def test_a_state_of_another_model_is_refused(make):
     small = [np.zeros((4, 3))]
     opt = make(small)
@@ -1502,8 +1555,8 @@ def test_a_corrupt_state_is_refused_before_anything_is_loaded(make):
     sgd = isinstance(opt, SGD)
     last = "weight_decay" if sgd else "t"
     cases = [({k: v for k, v in saved.items() if k != last}, f"has no '{last}'", KeyError),
-             ({**saved, "lr": "0.1"}, "need lr > 0", ValueError),
-             ({**saved, "weight_decay": float("nan")}, "need lr > 0", ValueError),
+             ({**saved, "lr": "0.1"}, "need lr >= 0", ValueError),
+             ({**saved, "weight_decay": float("nan")}, "need lr >= 0", ValueError),
              ({**saved, "momentum_buffers" if sgd else "m": None}, "not a list", ValueError)]
     if not sgd:
         cases += [({**saved, "betas": (0.9,)}, "betas a pair", ValueError),
@@ -1552,7 +1605,7 @@ def test_ranks_that_would_load_different_states_are_told_and_none_loads(make, di
     steps = r"load states of different steps or runs \(Adam's step count"
     # (The wrapped optimizer's own check, with the rank where it failed.)
     corrupt = (rf"ringreduce\.DistributedOptimizer\.load_state_dict \(rank 1 of {SIZE}\): "
-               r"\w+'s state: need lr > 0")
+               r"\w+'s state: need lr >= 0")
     error, match = {
         "lr": (rr.MismatchError, settings + r".*: ranks \[1\] differ from rank 0"),
         "an earlier step": (rr.MismatchError, steps + r".*: ranks \[1\] differ from rank 0"),
@@ -1609,10 +1662,10 @@ def test_broadcast_parameters_refuses_settings_set_by_hand_that_cannot_be_sent(m
     if RANK == SIZE - 1:
         opt.optimizer.lr = lr
     if RANK == SIZE - 1:
-        error, match = ValueError, r"broadcast_parameters.*settings: need lr > 0"
+        error, match = ValueError, r"broadcast_parameters.*settings: need lr >= 0"
     else:
         error, match = rr.MismatchError, (rf"rank {SIZE - 1} rejected its arguments "
-                                          r"\(ValueError: .*need lr > 0.*no rank broadcast")
+                                          r"\(ValueError: .*need lr >= 0.*no rank broadcast")
     with pytest.raises(error, match=match):
         opt.broadcast_parameters(root=0)
     np.testing.assert_array_equal(params[0], np.full((4, 3), float(RANK)))  # nothing sent
@@ -2314,6 +2367,11 @@ def test_a_setting_changed_on_one_rank_drops_the_step_on_every_rank(setting, com
         opt.step(grads)
     for p, b in zip(params, before):
         np.testing.assert_array_equal(p, b)  # no update anywhere
+    if setting == "lr, negative":  # (the same on every rank: each refuses the step)
+        optimizer.lr = value
+        with pytest.raises(ValueError, match=r"SGD\.step: need lr >= 0"):
+            opt.step(grads)
+        value = 0.05
     setattr(optimizer, name, value)  # a schedule that all ranks run
     opt.step(grads)
     everyone = MPI.COMM_WORLD.allgather([p.tobytes() for p in params])
