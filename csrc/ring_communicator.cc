@@ -28,6 +28,18 @@ const char* collective_name(Collective c) {
 
 namespace {
 
+// A call header's check as words: 0 for a plain call; else the kind of caller its top
+// byte names (the Python layer's Communicator.CHECK_*), and the hash below it.
+std::string describe_check(int64_t check) {
+  if (check == 0) return "a plain call";
+  const uint64_t bits = static_cast<uint64_t>(check);
+  const uint64_t kind = bits >> 56, hash = bits & ((uint64_t{1} << 56) - 1);
+  const std::string number = " (check " + std::to_string(hash) + ")";
+  if (kind == 1) return "allreduce_gradients" + number;
+  if (kind == 2) return "a DistributedOptimizer's step" + number;
+  return "check " + std::to_string(check);
+}
+
 // Groups ranks by the value `field` gives; empty if all agree. Otherwise
 // "<name>: <value> on ranks 0-1; <value> on rank 2".
 std::string describe_disagreement(const std::vector<CallHeader>& headers, const char* name,
@@ -573,11 +585,11 @@ int64_t RingCommunicator::agree(const CallHeader& mine, std::vector<CallHeader>*
       add(describe_disagreement(headers_, "op", op_text));
       add(describe_disagreement(headers_, "count (x.size)",
                                 [](const CallHeader& h) { return std::to_string(h.count); }));
-      // (What the number is, for a user who made a plain call and never gave one.)
-      add(describe_disagreement(headers_, "the caller's check of the call (a hash of what "
-                                "allreduce_gradients or a DistributedOptimizer's step "
-                                "reduces; 0: a plain call)",
-                                [](const CallHeader& h) { return std::to_string(h.check); }));
+      // In words: a user who made a plain call never gave a check, and one made by
+      // the Python layer's callers says in its top byte which kind of caller it is
+      // (Communicator._check; the rest is a hash of what that caller reduces).
+      add(describe_disagreement(headers_, "what made the call (the caller's check of it)",
+                                [](const CallHeader& h) { return describe_check(h.check); }));
     } else if (kind == Collective::Broadcast) {
       add(describe_disagreement(headers_, "count (x.size)",
                                 [](const CallHeader& h) { return std::to_string(h.count); }));

@@ -1485,7 +1485,8 @@ class Communicator:
                   wait=True, at_once=True, anywhere=True)
 
     # The kinds of check, its top byte: CheckedCallsMismatch is raised only where every
-    # rank passed a check of one kind, that is, made the same caller's call.
+    # rank passed a check of one kind, that is, made the same caller's call. (The
+    # core's MismatchError names them: describe_check in ring_communicator.cc.)
     CHECK_GRADIENTS, CHECK_OPTIMIZER = 1, 2
 
     @staticmethod
