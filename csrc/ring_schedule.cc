@@ -183,6 +183,15 @@ void ring_reduce_scatter(const RingSchedule& sched, Transport& transport, size_t
     if (target.own() != input) copy_own(target.own(), input, sched.total_count() * es);
     return;
   }
+  // Every chunk received lands in a slot: one too small would be overrun, silently (a
+  // check per call, of what each caller's sizing of its slots must give).
+  int64_t largest = 0;
+  for (int s = 0; s < sched.size(); ++s) largest = std::max(largest, sched.segment(s).count);
+  if (std::min(largest, sched.chunk_elems()) * static_cast<int64_t>(es) > slots.slot_bytes)
+    throw std::logic_error("ringreduce internal error: a chunk of " +
+                           std::to_string(std::min(largest, sched.chunk_elems()) * es) +
+                           " bytes would overrun its scratch slot of " +
+                           std::to_string(slots.slot_bytes) + " bytes");
   // Each rank receives every segment but one exactly once, and reduces it with its
   // own input: out = input OP received. So out never needs a copy of input first.
   run_ring_phase(
