@@ -89,13 +89,23 @@ if MPI.COMM_WORLD.rank == 0: print(n)' 2>"$VENV/.mpiexec-check.err" | tr '\n' ' 
   fi
 fi
 
-# Rebuild the extension when its sources or the MPI change. No build isolation:
-# the extension must link the MPI in this venv (or MPICC's), which mpi4py loads.
-build_wanted="$deps_wanted $(cat setup.py pyproject.toml csrc/* | sha256sum)"
+# Rebuild the extension when its sources, the MPI or the build's settings change (the
+# variables setup.py reads, and whether there is an nvcc: a CUDA toolkit installed
+# after the first run), or when it is not the one this script built (a build by hand,
+# with RINGREDUCE_SANITIZE say, would otherwise stay, and fail every import). No build
+# isolation: the extension must link the MPI in this venv (or MPICC's), which mpi4py
+# loads.
+build_settings="cuda=${RINGREDUCE_CUDA:-auto} archs=${RINGREDUCE_CUDA_ARCHS:-}"
+build_settings+=" sanitize=${RINGREDUCE_SANITIZE:-} cuda_home=${CUDA_HOME:-}:${CUDA_PATH:-}"
+build_settings+=" nvcc=$(command -v nvcc || true)"
+build_wanted=$(echo "$deps_wanted $build_settings $(cat setup.py pyproject.toml csrc/* | sha256sum)" |
+               tr '\n' ' ')  # (one line: the stamp's second is the built core's)
 build_stamp="$VENV/.ringreduce-build"
-if [ "$(cat "$build_stamp" 2>/dev/null)" != "$build_wanted" ] || \
+built_core() { cat ringreduce/_core*.so 2>/dev/null | sha256sum; }
+if [ "$(head -n 1 "$build_stamp" 2>/dev/null)" != "$build_wanted" ] || \
+   [ "$(sed -n 2p "$build_stamp" 2>/dev/null)" != "$(built_core)" ] || \
    ! ls ringreduce/_core*.so >/dev/null 2>&1; then
   echo "bootstrap: building ringreduce (compiling the C++ core, and the CUDA part where nvcc is: 1-3 minutes)"
   "${PIP[@]}" install --no-build-isolation --no-deps -e .
-  echo "$build_wanted" > "$build_stamp"
+  { echo "$build_wanted"; built_core; } > "$build_stamp"
 fi
