@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from ringreduce import _core
+from ringreduce.compression import PowerSGD
 
 DTYPES = [np.float32, np.float64]
 
@@ -100,6 +101,36 @@ def test_any_scale_gives_the_same_bits(dtype):
         scaled = np.ldexp(p, np.array(exponents)).astype(dtype)
         assert np.isfinite(scaled).all() and scaled.all()
         assert orthonormal(scaled).tobytes() == want.tobytes(), exponents
+
+
+def test_a_column_near_float64s_largest_of_one_sign_stays_finite():
+    # (From a review.) All of one sign, nothing cancels: without each column first
+    # brought near 1 by a power of two, the sums in the reflections overflow.
+    rng = np.random.default_rng(6)
+    p = (np.abs(rng.standard_normal((200, 4))) + 1) * (np.finfo(np.float64).max / 8)
+    assert np.isfinite(p).all()
+    q = orthonormal(p)
+    assert np.isfinite(q).all()
+    np.testing.assert_allclose(q.T @ q, np.eye(4), atol=1e-12)
+
+
+def test_powersgd_compresses_only_where_the_factors_are_smaller():
+    # (From a review.) n x m sent as P (n x r) and Q (m x r): at n*m == (n+m)*r nothing
+    # is saved (and the approximation loses), so the matrix goes as it is.
+    assert not PowerSGD(4).compresses((8, 8))  # 64 == (8 + 8) * 4
+    assert PowerSGD(4).compresses((9, 8))  # 72 > 68
+    assert not PowerSGD(1).compresses((2, 2))  # 4 == (2 + 2) * 1
+    assert PowerSGD(1).compresses((3, 2, 1))  # 6 > 5, the trailing axes as one
+    assert not PowerSGD(1).compresses((100,))
+
+
+@pytest.mark.parametrize("bad", [dict(rank=True), dict(rank=False), dict(seed=True),
+                                 dict(seed=False)], ids=str)
+def test_powersgd_refuses_a_bool_for_rank_or_seed(bad):
+    # (From a review.) True is an int to isinstance: PowerSGD(rank=True) would quietly
+    # be rank 1, as a flag passed in the wrong place.
+    with pytest.raises(ValueError, match="PowerSGD: (rank|seed) must be"):
+        PowerSGD(**bad)
 
 
 def test_arguments_are_checked():

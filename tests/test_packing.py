@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from ringreduce import _core
+from ringreduce.gradients import pack_plan
 
 
 def arrays():
@@ -159,3 +160,13 @@ def test_numpy_layout_names_equal_dtype_objects_alike():
                   np.zeros((2, 3), "M8[s]"), np.zeros((2, 3), "V4"), np.zeros((2, 3), "U1"),
                   np.zeros((2, 3), [("x", np.float32)])):
         assert _core.numpy_layout([other]) is None, other.dtype
+
+
+def test_pack_plan_fills_a_bucket_to_exactly_its_size():
+    # (From a review.) A bucket takes arrays up to bucket_bytes, that many included:
+    # two 32-byte arrays fill a 64-byte bucket, and each goes alone in a 63-byte one.
+    two = [np.zeros(4), np.zeros(4)]  # (32 bytes each)
+    assert pack_plan(two, 64) == [[1, 0]]
+    assert pack_plan(two, 63) == [[1], [0]]
+    assert pack_plan(two + [np.zeros(4)], 64) == [[2, 1], [0]]
+    assert pack_plan([np.zeros(8), np.zeros(4)], 64) == [[1], [0]]  # (32 + 64 > 64)

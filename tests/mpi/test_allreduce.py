@@ -187,6 +187,23 @@ def test_out_overlapping_input_gives_the_right_answer(small_chunks, world):
     np.testing.assert_allclose(out, expected, rtol=1e-12, atol=1e-12)
 
 
+# (From a review.) 100 elements ride in the header exchange, which copies them anyway:
+# only a call large enough for the ring shows whether an out overlapping x (but not
+# the same buffer) is copied first, as the ring would otherwise read its own writes.
+@pytest.mark.parametrize("n", [100, 100_000])
+@pytest.mark.parametrize("shift", ["out after x", "out before x"])
+@pytest.mark.parametrize("call", ["allreduce", "allreduce_async"])
+def test_out_overlapping_input_at_any_size_gives_the_right_answer(call, shift, n, comm, world):
+    buf = rank_data(np.dtype(np.float64), n + 1, salt=n)
+    x, out = (buf[:n], buf[1:]) if shift == "out after x" else (buf[1:], buf[:n])
+    expected = sum(world.allgather(x.copy()))
+    if call == "allreduce":
+        assert comm.allreduce(x, out=out) is out
+    else:
+        assert comm.allreduce_async(x, out=out).wait() is out
+    np.testing.assert_allclose(out, expected, rtol=1e-12, atol=1e-12)
+
+
 def test_integer_sum_and_prod_wrap_like_numpy(small_chunks, world):
     x = np.array([127, -128, 100, 3], dtype=np.int8) + np.int8(world.Get_rank())
     with np.errstate(over="ignore"):
@@ -437,6 +454,38 @@ def test_one_rank_asking_for_rank_order_decides_for_all(world, monkeypatch):
     monkeypatch.setenv("RINGREDUCE_RING", "rank")  # (a typo: refused, on every rank)
     with pytest.raises(ValueError, match="RINGREDUCE_RING must be machines .* got 'rank'"):
         rr.Communicator()
+
+
+# (From a review.) The reference averages the segment this rank owns after the
+# reduce-scatter, which is its rank's, not its place on the ring's: only a ring out of
+# rank order tells the two apart.
+@pytest.mark.skipif(SIZE < 2, reason="one rank has one ring, in rank order")
+@pytest.mark.parametrize("order", ["reversed", "rotated"])
+def test_the_reference_averages_on_a_ring_out_of_rank_order(order, world):
+    ring = list(range(SIZE))[::-1] if order == "reversed" else list(range(1, SIZE)) + [0]
+    x = rank_data(np.dtype(np.float64), 10 * SIZE + 3, salt=21)
+    expected = sum(world.allgather(x.copy())) / SIZE
+    np.testing.assert_allclose(reference.allreduce(x, "avg", world, ring=ring), expected,
+                               rtol=1e-12, atol=1e-12)
+    block = np.array_split(expected, SIZE)[RANK]
+    np.testing.assert_allclose(reference.reduce_scatter(x, "avg", world, ring=ring), block,
+                               rtol=1e-12, atol=1e-12)
+
+
+# (From a review.) The parameter-server reduction is the ring's contrast in the docs
+# and benchmarks: it must give the same result (the mean, for avg), from any root.
+@pytest.mark.parametrize("root", sorted({0, SIZE - 1}))
+@pytest.mark.parametrize("op", ["sum", "avg", "min", "max"])
+def test_the_naive_allreduce_gives_what_the_ring_gives(op, root, world):
+    x = rank_data(np.dtype(np.float64), 10 * SIZE + 3, salt=22).reshape(-1, 1)
+    naive = reference.naive_allreduce(x, op, world, root=root)
+    assert naive.shape == x.shape
+    np.testing.assert_allclose(naive, reference.allreduce(x, op, world), rtol=1e-12,
+                               atol=1e-12)
+    if op == "avg":
+        np.testing.assert_allclose(naive, sum(world.allgather(x.copy())) / SIZE, rtol=1e-12,
+                                   atol=1e-12)
+    assert same_on_every_rank(naive)
 
 
 def test_every_supported_dtype_is_listed():

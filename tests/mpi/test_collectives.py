@@ -348,6 +348,29 @@ def test_reduce_scatter_into_out_in_place_and_overlapping(comm, world):
     assert bitwise_equal(other, expected)
 
 
+# (From a review.) The test above stays within the header exchange, which copies
+# anyway: only a call large enough for the ring shows whether an out overlapping x,
+# other than as x's own block, gets the block only after all of x has been read.
+@pytest.mark.skipif(SIZE < 2, reason="one rank's block is all of x: nothing to shift it by")
+@pytest.mark.parametrize("step", [1, -1])
+def test_reduce_scatter_into_out_overlapping_a_large_input(step, comm, world):
+    n = 100_000 + SIZE
+    offset, count = rr._core.segment_of(RANK, SIZE, n)
+    x = rank_data(np.dtype(np.float64), n, salt=19)
+    expected = reference.reduce_scatter(x, "sum", world)
+    start = offset + step
+    if not 0 <= start <= n - count:  # (the first block cannot move back, the last on)
+        start = offset - step
+    shifted = x.copy()
+    other = shifted[start:start + count]
+    assert comm.reduce_scatter(shifted, out=other) is other
+    assert bitwise_equal(other, expected)
+    handle_x = x.copy()
+    other = handle_x[start:start + count]
+    assert comm.reduce_scatter_async(handle_x, out=other).wait() is other
+    assert bitwise_equal(other, expected)
+
+
 def test_fast_and_general_paths_meet_in_one_call(comm, world):
     # Even ranks pass contiguous arrays (the Python fast paths), odd ranks strided views
     # (the general paths): the core must see the same call from both.

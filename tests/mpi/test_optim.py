@@ -3749,3 +3749,77 @@ def test_an_fp16_first_step_with_a_setting_apart_names_it():
     with pytest.raises(rr.MismatchError, match=r"the ranks' optimizer settings differ, at "
                        rf"least: lr on rank {BAD} differs from rank 0's"):
         opt.step([np.full((20, 30), 1.0 + RANK, np.float32), np.full(30, 1.0, np.float32)])
+
+
+@needs_two
+def test_allreduce_gradients_in_another_byte_order_on_one_rank_raises_on_every_rank():
+    # (From a review.) float32 big-endian on one rank, little-endian on the others: the
+    # same itemsize and kind, but not the same bytes on the wire. (Every gradient in
+    # it, so that the buckets are the same on every rank and only the dtypes differ.)
+    dtype = np.dtype(">f4" if RANK == BAD else "<f4")
+    grads = [np.full(4, 1.0 + RANK, dtype), np.full((2, 3), 100.0 + RANK, dtype)]
+    before = [g.copy() for g in grads]
+    with pytest.raises(rr.MismatchError, match="pass gradients that differ"):
+        rr.allreduce_gradients(grads)
+    for g, b in zip(grads, before):
+        assert g.dtype == b.dtype
+        np.testing.assert_array_equal(g, b)  # nothing was reduced
+    np.testing.assert_array_equal(rr.allreduce(np.ones(3)), np.full(3, float(SIZE)))
+
+
+ORACLE_SHAPES = [(5,), (3, 4), ()]
+ORACLE_STEPS = 5
+
+
+def oracle_problem(salt):
+    """float64 parameters, and ORACLE_STEPS gradients for each, different on every rank."""
+    rng = np.random.default_rng([RANK, salt, 777])
+    params = [rng.standard_normal(shape) for shape in ORACLE_SHAPES]
+    grads = [[rng.standard_normal(shape) for shape in ORACLE_SHAPES] for _ in range(ORACLE_STEPS)]
+    return params, grads
+
+
+def test_sgd_with_momentum_and_weight_decay_follows_torchs_formulas():
+    # (From a review.) Written out in plain numpy, float64: g += wd * p;
+    # buf = momentum * buf + g (buf = g at the first step); p -= lr * buf.
+    lr, momentum, wd = 0.1, 0.9, 1e-3
+    params, grads = oracle_problem(1)
+    expected = [p.copy() for p in params]
+    bufs = [None] * len(ORACLE_SHAPES)
+    for step in grads:
+        for i, g in enumerate(step):
+            g = g + wd * expected[i]
+            bufs[i] = g.copy() if bufs[i] is None else momentum * bufs[i] + g
+            expected[i] = expected[i] - lr * bufs[i]
+    optimizer = SGD(params, lr=lr, momentum=momentum, weight_decay=wd)
+    for step in grads:
+        optimizer.step([g.copy() for g in step])
+    for p, e in zip(params, expected):
+        assert p.dtype == np.float64
+        np.testing.assert_allclose(p, e, rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("wd", [0.0, 1e-2])
+def test_adam_with_weight_decay_follows_torchs_formulas(wd):
+    # (From a review.) Written out in plain numpy, float64: g += wd * p; t += 1;
+    # m = b1 m + (1 - b1) g; v = b2 v + (1 - b2) g^2;
+    # p -= lr (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps).
+    lr, (b1, b2), eps = 1e-2, (0.8, 0.9), 1e-8
+    params, grads = oracle_problem(2)
+    expected = [p.copy() for p in params]
+    m = [np.zeros(shape) for shape in ORACLE_SHAPES]
+    v = [np.zeros(shape) for shape in ORACLE_SHAPES]
+    for t, step in enumerate(grads, start=1):
+        for i, g in enumerate(step):
+            g = g + wd * expected[i]
+            m[i] = b1 * m[i] + (1 - b1) * g
+            v[i] = b2 * v[i] + (1 - b2) * g * g
+            expected[i] = expected[i] - lr * (m[i] / (1 - b1 ** t)) / (
+                np.sqrt(v[i] / (1 - b2 ** t)) + eps)
+    optimizer = Adam(params, lr=lr, betas=(b1, b2), eps=eps, weight_decay=wd)
+    for step in grads:
+        optimizer.step([g.copy() for g in step])
+    assert optimizer.t == ORACLE_STEPS
+    for p, e in zip(params, expected):
+        assert p.dtype == np.float64
+        np.testing.assert_allclose(p, e, rtol=1e-12, atol=0)
