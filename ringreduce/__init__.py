@@ -49,6 +49,12 @@ CollectiveTimeoutError.__doc__ = (
     "ending, so that waiting longer is no use; the Communicator is unusable afterwards. "
     "A TimeoutError.")
 
+# Named as users catch them (a traceback says "ringreduce.MismatchError", not
+# "ringreduce._core.MismatchError"); pickle finds them there too.
+for _kind in (MismatchError, MPIError, CollectiveTimeoutError, UnsupportedOpError):
+    _kind.__module__ = "ringreduce"
+del _kind
+
 __version__ = "0.1.0"
 __all__ = [
     "Communicator", "Handle", "MismatchError", "MPIError", "CollectiveTimeoutError",

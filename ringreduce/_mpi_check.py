@@ -9,9 +9,50 @@ which the core reports without calling MPI, decide first.
 """
 from __future__ import annotations
 
-_REBUILD = ("Rebuild ringreduce with the mpicc of mpi4py's MPI: "
-            "`MPICC=/path/to/mpicc pip install --force-reinstall --no-deps .` (installing by "
-            "name, add --no-cache-dir, or pip may reuse a wheel built for another MPI)")
+import os
+import shutil
+
+
+def loaded_mpi_library(maps: str | None = None) -> str | None:
+    """The path of the MPI library this process has loaded (mpi4py's), from the
+    loader's map (/proc/self/maps, or `maps`); None where it cannot tell."""
+    if maps is None:
+        try:
+            with open("/proc/self/maps") as f:
+                maps = f.read()
+        except OSError:  # (not Linux)
+            return None
+    for line in maps.splitlines():
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and os.path.basename(fields[5]).startswith(("libmpi.so",
+                                                                        "libmpich.so")):
+            return fields[5]
+    return None
+
+
+def mpicc_of(library: str | None, family: str) -> str | None:
+    """The mpicc of the MPI whose library this is: beside it (<prefix>/lib and
+    <prefix>/bin, as an mpich wheel in a venv and most installs lay them out), else
+    Debian's name for that family's (mpicc.mpich, mpicc.openmpi, whose libraries lie
+    elsewhere); None where neither is there."""
+    if not library:
+        return None
+    prefix = os.path.dirname(os.path.dirname(os.path.realpath(library)))
+    candidates = [os.path.join(prefix, "bin", "mpicc"),
+                  shutil.which("mpicc.openmpi" if family == "Open MPI" else "mpicc.mpich")]
+    return next((c for c in candidates if c and os.access(c, os.X_OK)), None)
+
+
+def rebuild_hint(loaded_version: str, maps: str | None = None) -> str:
+    """What to do about a core built for another MPI: rebuild it with the mpicc of the
+    one mpi4py loaded, named where it can be found."""
+    library = loaded_mpi_library(maps)
+    mpicc = mpicc_of(library, loaded_family(loaded_version))
+    where = f" ({library})" if library else ""
+    return (f"Rebuild ringreduce with the mpicc of mpi4py's MPI{where}: "
+            f"`MPICC={mpicc or '/path/to/mpicc'} pip install --force-reinstall --no-deps .` "
+            "(installing by name, add --no-cache-dir, or pip may reuse a wheel built for "
+            "another MPI)")
 
 
 def first_line(library_version: str) -> str:
@@ -33,7 +74,7 @@ def cannot_load(error: str, loaded_version: str) -> str:
             f"  mpi4py loaded: {first_line(loaded_version)}\n"
             "The MPI library it was built against may have moved or gone (an mpich "
             "wheel uninstalled or upgraded, an environment copied elsewhere). "
-            + _REBUILD)
+            + rebuild_hint(loaded_version))
 
 
 def check_same_mpi(built_for, loaded_version: str, loaded_comm_bytes: int | None,
@@ -52,12 +93,12 @@ def check_same_mpi(built_for, loaded_version: str, loaded_comm_bytes: int | None
             f"  ringreduce: {family} headers (an MPI_Comm of {comm_bytes} bytes)\n"
             f"  mpi4py:     {first_line(loaded_version)}"
             + (f" (an MPI_Comm of {loaded_comm_bytes} bytes)" if loaded_comm_bytes else "")
-            + "\n" + _REBUILD)
+            + "\n" + rebuild_hint(loaded_version))
     if core_version is not None and core_version().strip() != loaded_version.strip():
         raise ImportError(
             "ringreduce._core was built against a different MPI than the one mpi4py loaded:\n"
             f"  ringreduce: {first_line(core_version())}\n"
-            f"  mpi4py:     {first_line(loaded_version)}\n" + _REBUILD)
+            f"  mpi4py:     {first_line(loaded_version)}\n" + rebuild_hint(loaded_version))
 
 
 # What launchers tell each process of the job's size: Hydra (MPICH's mpiexec) and

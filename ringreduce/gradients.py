@@ -3,6 +3,7 @@ small ones packed into a few large all-reduces instead of one small call per arr
 large ones reduced where they are."""
 from __future__ import annotations
 
+import ast
 import heapq
 import zlib
 
@@ -64,7 +65,7 @@ _NONE_TO_COMPARE = np.iinfo(np.int64).max
 
 
 def agree_or_raise(ring, where: str, checks: list[str], texts: list, rejected,
-                   outcome: str) -> None:
+                   outcome: str, lists: tuple[int, str] | None = None) -> None:
     """Collective: every rank learns whether every rank accepted its arguments and
     whether they agree, before any rank makes a call that the others might not make
     (one that would pair with some other call of theirs, or wait out their timeout).
@@ -73,7 +74,10 @@ def agree_or_raise(ring, where: str, checks: list[str], texts: list, rejected,
     nothing to compare in (the others' are compared among themselves); `texts` itself
     is None where the rank rejected its arguments: `rejected` is its error, and it only
     says so. Raises MismatchError, naming the ranks, on every rank that did not reject
-    its own arguments; `outcome` says what no rank then did."""
+    its own arguments; `outcome` says what no rank then did. `lists`: (k, name) where
+    texts[k] is the repr() of a list of tuples, of `name` ("params": [((6, 8),
+    'float32'), ...]): where that differs, the error says where first, between the
+    first two ranks that differ."""
     # One small allreduce (op min), the same size on any number of ranks: for each
     # thing the lowest checksum and the lowest of minus each (the highest), then the
     # lowest rank that rejected its arguments and minus the highest (size and 1: none).
@@ -104,8 +108,38 @@ def agree_or_raise(ring, where: str, checks: list[str], texts: list, rejected,
         values = ring.allgather(np.array([mine], np.int64))[:, differing[0]].tolist()
         compared = [r for r, crc in enumerate(values) if crc != -1]
         differ = [r for r in compared if values[r] != values[compared[0]]]
+        detail = ""
+        if lists is not None and differing[0] == lists[0]:
+            two = _texts_of(ring, texts[lists[0]] or "", (compared[0], differ[0]))
+            detail = f" ({_first_difference(lists[1], *two, compared[0], differ[0])})"
         raise MismatchError(f"{where}: ranks {checks[differing[0]]}: ranks {differ} differ "
-                            f"from rank {compared[0]}, so {outcome}")
+                            f"from rank {compared[0]}{detail}, so {outcome}")
+
+
+def _texts_of(ring, mine: str, ranks: tuple) -> list[str]:
+    """Collective: the text `mine` of each rank in `ranks` (on the error path only)."""
+    data = np.frombuffer(mine.encode(), np.uint8)
+    sizes = ring.allgather(np.array([len(data)], np.int64)).tolist()
+    every = ring.allgather(data).tobytes()
+    starts = np.concatenate([[0], np.cumsum(sizes)]).tolist()
+    return [every[starts[r]:starts[r + 1]].decode() for r in ranks]
+
+
+def _first_difference(name: str, a: str, b: str, rank_a: int, rank_b: int) -> str:
+    """Where two ranks' lists (the repr() of lists of tuples) first differ, in words."""
+    try:
+        first, second = ast.literal_eval(a), ast.literal_eval(b)
+    except (ValueError, SyntaxError):
+        return f"{name}: {a[:200]} on rank {rank_a}; {b[:200]} on rank {rank_b}"
+    if len(first) != len(second):
+        return f"{len(first)} {name} on rank {rank_a}, {len(second)} on rank {rank_b}"
+
+    def said(entry):
+        return " ".join(str(part) for part in entry) if isinstance(entry, tuple) else str(entry)
+    i = next((i for i, (x, y) in enumerate(zip(first, second)) if x != y), None)
+    if i is None:
+        return f"{name} alike, as far as a rank can see"
+    return f"{name}[{i}]: {said(first[i])} on rank {rank_a}, {said(second[i])} on rank {rank_b}"
 
 
 def _signature(grads) -> str:
@@ -320,7 +354,7 @@ def allreduce_gradients(grads, op: str = "avg", comm=None, bucket_mb: float = 25
             ring._allreduce_checked(np.empty(0, np.int64), "sum", check)
     except CheckedCallsMismatch:
         texts = None if rejected is not None else [_signature(grads), OPS[code], repr(plan)]
-        agree_or_raise(ring, where, _WHAT_MUST_AGREE, texts, rejected, outcome)
+        agree_or_raise(ring, where, _WHAT_MUST_AGREE, texts, rejected, outcome, (0, "grads"))
         if rejected is None:
             raise  # (what the core says, where the crc32s agree after all)
     except MismatchError:

@@ -1113,6 +1113,12 @@ class DistributedOptimizer:
             self._abandon_at_error()
             raise
 
+    def _reported_twice(self, who: str, index: int) -> ValueError:
+        every = sum(len(b.reported) for b in self._buckets) + len(self._low_rank_reported)
+        forgot = (": every parameter's gradient of this step is in already; was step() "
+                  "forgotten after the last backward pass?") if every == len(self.params) else ""
+        return ValueError(f"{who}: params[{index}] was reported twice in one step{forgot}")
+
     def _report(self, index: int, grad) -> None:
         who = self._grad_ready_where
         if isinstance(index, bool) or not isinstance(index, (int, np.integer)) or not (
@@ -1122,7 +1128,7 @@ class DistributedOptimizer:
         _check_grad(index, grad, self.params[index], who)
         if index in self._low_rank:
             if index in self._low_rank_reported:
-                raise ValueError(f"{who}: params[{index}] was reported twice in one step")
+                raise self._reported_twice(who, index)
             earlier = self._low_rank_sums.get(index) if self._accumulated else None
             if earlier is not None:
                 self._low_rank_sums[index] = earlier + grad  # (float32 + 16 bits: float32)
@@ -1135,7 +1141,7 @@ class DistributedOptimizer:
         else:
             bucket = self._bucket_of[index]
             if index in bucket.reported:
-                raise ValueError(f"{who}: params[{index}] was reported twice in one step")
+                raise self._reported_twice(who, index)
             # (A copy of the sums it adds to, to put back if the micro-batch fails: the
             # gradient, subtracted again, would take an inf or a huge value with it, or
             # may have been changed by then.)
@@ -2008,4 +2014,4 @@ class DistributedOptimizer:
                         "eps or weight_decay; or a before_update on some ranks only)"],
                        None if rejected is not None else
                        ["DistributedOptimizer()"] + self._model_texts, rejected,
-                       "no rank made its DistributedOptimizer")
+                       "no rank made its DistributedOptimizer", (1, "params"))

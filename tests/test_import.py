@@ -52,3 +52,15 @@ def test_bfloat16_works_when_ml_dtypes_comes_after_ringreduce(tmp_path, ranks):
     done = run_script(tmp_path, "bf16.py", BFLOAT16_AFTER_IMPORT, ranks=ranks)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["ok", "on", str(ranks), "ranks"]
+
+
+def test_errors_are_named_as_users_catch_them_and_pickle():
+    import ringreduce as rr
+    # (From a review.) Tracebacks said "ringreduce._core.CollectiveTimeoutError", a
+    # name no user imports.
+    import pickle
+    for kind in (rr.MismatchError, rr.MPIError, rr.CollectiveTimeoutError,
+                 rr.UnsupportedOpError):
+        assert f"{kind.__module__}.{kind.__qualname__}" == f"ringreduce.{kind.__name__}"
+        again = pickle.loads(pickle.dumps(kind("what went wrong")))
+        assert type(again) is kind and str(again) == "what went wrong"

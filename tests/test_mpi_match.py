@@ -13,7 +13,7 @@ from mpi4py import MPI
 import ringreduce as rr
 from launch import ROOT
 from ringreduce import _core
-from ringreduce._mpi_check import check_same_mpi, first_line
+from ringreduce._mpi_check import check_same_mpi, first_line, loaded_mpi_library, rebuild_hint
 
 OPEN_MPI = "Open MPI v4.1.4, package: Debian OpenMPI, ident: 4.1.4, repo rev: v4.1.4"
 MPICH = "MPICH Version:      5.0.2\nMPICH Release date: ..."
@@ -40,6 +40,36 @@ def test_a_core_built_for_the_loaded_mpis_abi_passes(built, loaded, comm_bytes):
     check_same_mpi(built, loaded, comm_bytes, lambda: loaded)
     with pytest.raises(ImportError, match="built against a different MPI"):  # (as before)
         check_same_mpi(built, loaded, comm_bytes, lambda: loaded + " (another build)")
+
+
+def test_the_rebuild_hint_names_the_mpicc_of_the_loaded_mpi(tmp_path, monkeypatch):
+    # (From a review: "MPICC=/path/to/mpicc" left the user to find it.) Beside the
+    # library, as an mpich wheel lays out a venv; else Debian's name for the family's.
+    (tmp_path / "venv" / "lib").mkdir(parents=True)
+    (tmp_path / "venv" / "bin").mkdir()
+    library = tmp_path / "venv" / "lib" / "libmpi.so.12"
+    library.write_bytes(b"")
+    mpicc = tmp_path / "venv" / "bin" / "mpicc"
+    mpicc.write_text("#!/bin/sh\n")
+    mpicc.chmod(0o755)
+    maps = (f"7f0000-7f1000 r-xp 00000000 08:01 12 {tmp_path}/lib/libc.so.6\n"
+            f"7f2000-7f3000 r-xp 00000000 08:01 13 {library}\n")
+    assert loaded_mpi_library(maps) == str(library)
+    hint = rebuild_hint(MPICH, maps)
+    assert f"of mpi4py's MPI ({library}): `MPICC={mpicc} pip install" in hint
+    debian = tmp_path / "debian"
+    debian.mkdir()
+    for name in ("mpicc.mpich", "mpicc.openmpi"):
+        (debian / name).write_text("#!/bin/sh\n")
+        (debian / name).chmod(0o755)
+    monkeypatch.setenv("PATH", str(debian))
+    elsewhere = "7f2000-7f3000 r-xp 00000000 08:01 13 /nowhere/x86_64-linux-gnu/libmpi.so.40\n"
+    assert f"`MPICC={debian}/mpicc.openmpi pip" in rebuild_hint(OPEN_MPI, elsewhere)
+    assert f"`MPICC={debian}/mpicc.mpich pip" in rebuild_hint(MPICH, elsewhere)
+    assert "`MPICC=/path/to/mpicc pip" in rebuild_hint(MPICH, "")  # (nothing to go on)
+    # This process: mpi4py's library, which is loaded, named.
+    if sys.platform.startswith("linux"):
+        assert os.path.basename(loaded_mpi_library() or "").startswith(("libmpi", "libmpich"))
 
 
 def test_this_build_says_what_it_was_built_for():

@@ -923,11 +923,18 @@ def test_misuse_gets_clear_errors():
     with pytest.raises(TypeError, match="float32"):
         opt.step([np.zeros((3, 2), np.float32), np.zeros(2)])
     opt.grad_ready(1, np.zeros(2))
-    with pytest.raises(ValueError, match="twice"):
+    with pytest.raises(ValueError, match=r"params\[1\] was reported twice in one step$"):
         opt.grad_ready(1, np.zeros(2))
     # An error abandons the step (abandon_step()): what was reported is dropped.
     with pytest.raises(ValueError, match=r"params \[0, 1\]"):
         opt.step()
+    # Every gradient in, then one again: the step was forgotten (from a review).
+    opt.grad_ready(1, np.zeros(2))
+    opt.grad_ready(0, np.zeros((3, 2)))
+    with pytest.raises(ValueError, match=r"params\[1\] was reported twice in one step: every "
+                                         r"parameter's gradient of this step is in already; "
+                                         r"was step\(\) forgotten"):
+        opt.grad_ready(1, np.zeros(2))
     with pytest.raises(ValueError, match="not a parameter index"):
         opt.grad_ready(5, np.zeros(2))
     opt.grad_ready(1, np.zeros(2))
@@ -1121,11 +1128,22 @@ def test_the_settings_are_read_and_set_through_the_wrapper_too():
 
 
 def test_ranks_with_different_models_are_told():
+    # Where first, in words (from a review: "ranks [1] differ from rank 0" left the
+    # user to find which of 200 parameters).
     if SIZE == 1:
         pytest.skip("needs two ranks")
     params = [np.zeros(3 + (RANK == 1))]
-    with pytest.raises(rr.MismatchError, match="different parameters"):
+    with pytest.raises(rr.MismatchError, match=r"different parameters .*: ranks \[1\] differ "
+                       r"from rank 0 \(params\[0\]: \(3,\) float64 on rank 0, \(4,\) "
+                       r"float64 on rank 1\), so no rank made"):
         DistributedOptimizer(SGD(params, lr=0.1))
+    params = [np.zeros(3), np.zeros(2), np.zeros(1, np.float32)][:3 - (RANK == SIZE - 1)]
+    with pytest.raises(rr.MismatchError, match=rf"\(3 params on rank 0, 2 on rank {SIZE - 1}\)"):
+        DistributedOptimizer(SGD(params, lr=0.1))
+    params[0] = params[0].astype(np.float32) if RANK == SIZE - 1 else params[0]
+    with pytest.raises(rr.MismatchError, match=rf"\(params\[0\]: \(3,\) float64 on rank 0, "
+                                             rf"\(3,\) float32 on rank {SIZE - 1}\)"):
+        DistributedOptimizer(SGD(params[:1], lr=0.1))
 
 
 @pytest.mark.parametrize("differ", ["bucket_mb", "compression", "powersgd rank",
@@ -2157,8 +2175,13 @@ def test_allreduce_gradients_on_ranks_that_disagree_raises_on_every_rank(differ)
             grads[0] = grads[0].astype(np.float32)
         else:
             kwargs = {"op": dict(op="sum"), "bucket_mb": dict(bucket_mb=1e-5)}[differ]
+    # Where the gradients differ, every rank's error says where first (from a review).
+    where = {"order": r"grads\[0\]: \(4,\) <f8 numpy on rank 0, \(2, 3\) <f8 numpy",
+             "shape": r"grads\[1\]: \(2, 3\) <f8 numpy on rank 0, \(3, 2\) <f8 numpy",
+             "dtype": r"grads\[0\]: \(4,\) <f8 numpy on rank 0, \(4,\) <f4 numpy"}
     what = {"op": "pass different ops", "bucket_mb": "pack the gradients differently"}.get(
-        differ, "pass gradients that differ")
+        differ, rf"pass gradients that differ .*: ranks \[{BAD}\] differ from rank 0 "
+                rf"\({where.get(differ)} on rank {BAD}\), so no rank")
     before = [g.copy() for g in grads]
     with pytest.raises(rr.MismatchError, match=what):
         rr.allreduce_gradients(grads, **kwargs)
