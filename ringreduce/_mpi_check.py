@@ -43,6 +43,17 @@ def mpicc_of(library: str | None, family: str) -> str | None:
     return next((c for c in candidates if c and os.access(c, os.X_OK)), None)
 
 
+def mpiexec_of_loaded_mpi(loaded_version: str, maps: str | None = None) -> str | None:
+    """The launcher of the MPI this process loaded: beside its mpicc (see mpicc_of) and
+    named like it (mpicc.mpich: mpiexec.mpich); None where there is none to be found."""
+    mpicc = mpicc_of(loaded_mpi_library(maps), loaded_family(loaded_version))
+    if mpicc is None:
+        return None
+    name = os.path.basename(mpicc)
+    launcher = os.path.join(os.path.dirname(mpicc), "mpiexec" + name[len("mpicc"):])
+    return launcher if os.access(launcher, os.X_OK) else None
+
+
 def rebuild_hint(loaded_version: str, maps: str | None = None) -> str:
     """What to do about a core built for another MPI: rebuild it with the mpicc of the
     one mpi4py loaded, named where it can be found."""
@@ -126,8 +137,12 @@ def warn_if_alone_by_mistake(world_size: int, environ, warn) -> None:
     the launcher says more."""
     launched = launched_as_one_of(environ) if world_size == 1 else None
     if launched is not None:
+        from mpi4py import MPI  # (initialised: world_size came from it)
+
         name, size = launched
+        launcher = mpiexec_of_loaded_mpi(MPI.Get_library_version())
         warn(f"ringreduce: MPI_COMM_WORLD has 1 rank here, but the launcher said {size} "
              f"({name}={size}): every process runs alone, each its own rank 0 of 1. Its "
              "mpiexec belongs to another MPI than the one mpi4py loaded: start the job "
-             "with that MPI's mpiexec (in a venv with the mpich wheel, its bin/mpiexec)")
+             "with that MPI's mpiexec (" + (launcher or "in a venv with the mpich wheel, "
+                                             "its bin/mpiexec") + ")")

@@ -26,7 +26,7 @@ import numpy as np
 from mpi4py import MPI
 
 from . import __version__, _core, _types, reference
-from ._mpi_check import first_line, loaded_family, warn_if_alone_by_mistake
+from ._mpi_check import first_line, loaded_family, mpiexec_of_loaded_mpi, warn_if_alone_by_mistake
 
 _SETTINGS = ("RINGREDUCE_TIMEOUT", "RINGREDUCE_SHM", "RINGREDUCE_RING", "RINGREDUCE_CUDA_AWARE")
 
@@ -127,6 +127,7 @@ def report(world=MPI.COMM_WORLD, launchers=None) -> str | None:
         return None
     values, warnings = dict(mine), []
     wanted = loaded_family(MPI.Get_library_version())
+    right = mpiexec_of_loaded_mpi(MPI.Get_library_version())
     for where, path in (_launchers() if launchers is None else launchers):
         family = launcher_family(path)
         values[f"mpiexec {where}"] = f"{path}: {family}"
@@ -134,7 +135,8 @@ def report(world=MPI.COMM_WORLD, launchers=None) -> str | None:
         if not family.startswith("unknown") and abi != wanted:
             warnings.append(f"warning: the mpiexec {where} is another MPI's than mpi4py's:\n"
                             "  a job it starts runs every process alone, as rank 0 of 1; "
-                            f"start jobs with {wanted}'s mpiexec")
+                            f"start jobs with {wanted}'s mpiexec"
+                            + (f", {right}" if right else ""))
     # (Under another MPI's mpiexec every process is rank 0 of 1, and prints this.)
     warn_if_alone_by_mistake(world.Get_size(), os.environ,
                              lambda text: warnings.append("warning: " + text.replace(

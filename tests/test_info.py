@@ -9,7 +9,7 @@ import pytest
 from mpi4py import MPI
 
 import ringreduce as rr
-from ringreduce import _core, info
+from ringreduce import _core, _mpi_check, info
 from ringreduce._mpi_check import loaded_family
 
 from launch import job_env, mpiexec, run_script
@@ -71,6 +71,9 @@ def test_another_mpis_launcher_is_warned_about(tmp_path):
     assert re.search(rf"^mpiexec on PATH +{re.escape(path)}: (Open MPI 4.1.4|MPICH \(Hydra 4.3.0\))$",
                      text, re.M), text
     assert "warning: the mpiexec on PATH is another MPI's than mpi4py's" in text
+    right = _mpi_check.mpiexec_of_loaded_mpi(MPI.Get_library_version())
+    assert right is None or f"start jobs with {loaded_family(MPI.Get_library_version())}'s " \
+        f"mpiexec, {right}" in text  # (named: from a review)
     same = info.report(MPI.COMM_SELF, launchers=[("beside this Python", mpiexec())])
     assert "warning" not in same
     assert "ring:" not in same  # (one process: no ring to show)

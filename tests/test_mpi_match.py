@@ -13,7 +13,8 @@ from mpi4py import MPI
 import ringreduce as rr
 from launch import ROOT
 from ringreduce import _core
-from ringreduce._mpi_check import check_same_mpi, first_line, loaded_mpi_library, rebuild_hint
+from ringreduce._mpi_check import (check_same_mpi, first_line, loaded_mpi_library,
+                                   mpiexec_of_loaded_mpi, rebuild_hint)
 
 OPEN_MPI = "Open MPI v4.1.4, package: Debian OpenMPI, ident: 4.1.4, repo rev: v4.1.4"
 MPICH = "MPICH Version:      5.0.2\nMPICH Release date: ..."
@@ -186,6 +187,27 @@ def test_a_singleton_that_the_launcher_says_is_one_of_several_is_warned(world, e
     warn_if_alone_by_mistake(world, environ, said.append)
     assert (said == []) if warned is None else (len(said) == 1 and warned in said[0]
                                                 and "every process runs alone" in said[0])
+    # It names the launcher of mpi4py's MPI, where there is one beside its mpicc (from a
+    # review: Debian's MPICH is started by mpiexec.mpich, not the mpiexec on PATH).
+    right = mpiexec_of_loaded_mpi(MPI.Get_library_version())
+    if warned is not None and right is not None:
+        assert said[0].endswith(f"start the job with that MPI's mpiexec ({right})"), said
+
+
+def test_the_launcher_of_the_loaded_mpi_is_found_beside_its_mpicc(tmp_path, monkeypatch):
+    for name in ("mpicc.mpich", "mpiexec.mpich", "mpicc.openmpi"):
+        (tmp_path / name).write_text("#!/bin/sh\n")
+        (tmp_path / name).chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    maps = "7f2000-7f3000 r-xp 00000000 08:01 13 /nowhere/x86_64-linux-gnu/libmpich.so.12\n"
+    assert mpiexec_of_loaded_mpi(MPICH, maps) == str(tmp_path / "mpiexec.mpich")
+    assert mpiexec_of_loaded_mpi(OPEN_MPI, maps) is None  # (no mpiexec.openmpi beside it)
+    assert mpiexec_of_loaded_mpi(MPICH, "") is None
+    library = loaded_mpi_library() or ""
+    if os.path.realpath(library).startswith(os.path.realpath(sys.prefix) + os.sep):
+        # (This venv's mpich wheel: its lib/libmpi.so.12 and bin/mpiexec.)
+        assert mpiexec_of_loaded_mpi(MPI.Get_library_version()) == os.path.join(
+            os.path.realpath(sys.prefix), "bin", "mpiexec")
 
 
 def test_the_warning_comes_once_from_the_first_communicator(tmp_path):
