@@ -5,16 +5,24 @@
 A model's gradients are --models, each COUNTxSIZE: COUNT float32 arrays of SIZE bytes.
 Every candidate averages them in place across the ranks:
 
-- ringreduce: rr.allreduce_gradients(grads) (packed into buckets of 25 MB, the
-  ranks' layouts checked in the first bucket's call);
-- MPI packed: the same packing by hand (numpy.concatenate, MPI_Allreduce in place,
-  a division, then back into the arrays): allreduce_gradients with the MPI library's
-  allreduce, and no check;
+- ringreduce: rr.allreduce_gradients(grads) (arrays of 64 KiB or more reduced in
+  place, one call each, the rest packed into buckets of 25 MB; the ranks' layouts
+  checked in the first call);
+- MPI, same plan: ringreduce's own plan with the MPI library's allreduce: the same
+  arrays alone, in place, and the same buckets, packed into buffers made once (no
+  check): what ringreduce adds over MPI with the same work to do;
+- MPI packed: every array packed into one buffer made once (numpy.concatenate into
+  it, MPI_Allreduce in place, a division, then back into the arrays): the usual way
+  by hand;
 - MPI per array: one MPI_Allreduce per gradient, then a division: the shortest code;
-- gloo packed, where torch is installed: the packing with torch.distributed's gloo.
+- gloo packed, where torch is installed: MPI packed's way with torch.distributed's
+  gloo (a buffer made once too).
 
-Timed alternately, run by run; reported: the median time per call (the slowest
-rank's) and ringreduce's speedup over each.
+Rank r's gradients start at r + 1, so that one average gives (p + 1) / 2 everywhere and
+later ones keep it; every candidate's arrays are checked for it after the timing (a
+candidate that did nothing, or did it wrong, would fail). Timed alternately, run by
+run; reported: the median time per call (the slowest rank's) and ringreduce's speedup
+over each.
 """
 from __future__ import annotations
 
@@ -25,6 +33,7 @@ from mpi4py import MPI
 
 import ringreduce as rr
 from bench_allreduce import progress
+from ringreduce import gradients
 from timing import at_least, byte_size, human_bytes, human_time, markdown_table, output_file, \
     start_gloo, time_alternating, write_json
 
@@ -49,46 +58,77 @@ def models_argument(parser, text: str) -> list[tuple[int, int]]:
     return models
 
 
-def candidates(comm, count: int, nbytes: int, gloo) -> dict:
+def candidates(comm, count: int, nbytes: int, gloo) -> tuple[dict, dict]:
+    """({name: one call}, {name: the arrays it averages}), each set of arrays its own."""
     elements = nbytes // 4
 
     def arrays():
-        # Zeros: averaged in place again and again, they stay what they are.
-        return [np.zeros(elements, np.float32) for _ in range(count)]
-    ours, packed, each = arrays(), arrays(), arrays()
+        return [np.full(elements, rank + 1.0, np.float32) for _ in range(count)]
+    ours, planned, packed, each = arrays(), arrays(), arrays(), arrays()
 
-    def unpack(grads, flat):
-        for i, g in enumerate(grads):
-            g[...] = flat[i * elements:(i + 1) * elements]
+    def unpack(grads, indices, flat):
+        for k, i in enumerate(indices):
+            grads[i][...] = flat[k * elements:(k + 1) * elements]
 
     def ringreduce():
         rr.allreduce_gradients(ours, comm=comm)
 
+    plan = gradients._gradient_plan(planned, 25 << 20)  # (bucket_mb=25, the default)
+    flats = {tuple(b): np.empty(len(b) * elements, np.float32) for b in plan if len(b) > 1}
+
+    def mpi_same_plan():
+        for bucket in plan:
+            if len(bucket) == 1:
+                g = planned[bucket[0]]
+                world.Allreduce(MPI.IN_PLACE, g, op=MPI.SUM)
+                g /= size
+                continue
+            flat = flats[tuple(bucket)]
+            np.concatenate([planned[i] for i in bucket], out=flat)
+            world.Allreduce(MPI.IN_PLACE, flat, op=MPI.SUM)
+            flat /= size
+            unpack(planned, bucket, flat)
+
+    whole = np.empty(count * elements, np.float32)
+
     def mpi_packed():
-        flat = np.concatenate(packed)
-        world.Allreduce(MPI.IN_PLACE, flat, op=MPI.SUM)
-        flat /= size
-        unpack(packed, flat)
+        np.concatenate(packed, out=whole)
+        world.Allreduce(MPI.IN_PLACE, whole, op=MPI.SUM)
+        np.divide(whole, size, out=whole)
+        unpack(packed, range(count), whole)
 
     def mpi_per_array():
         for g in each:
             world.Allreduce(MPI.IN_PLACE, g, op=MPI.SUM)
             g /= size
 
-    found = {"ringreduce": ringreduce, "MPI packed": mpi_packed,
-             "MPI per array": mpi_per_array}
+    found = {"ringreduce": ringreduce, "MPI, same plan": mpi_same_plan,
+             "MPI packed": mpi_packed, "MPI per array": mpi_per_array}
+    averaged = {"ringreduce": ours, "MPI, same plan": planned, "MPI packed": packed,
+                "MPI per array": each}
     if gloo is not None:
         torch, dist = gloo
-        tensors = [torch.zeros(elements) for _ in range(count)]
+        tensors = [torch.full((elements,), rank + 1.0) for _ in range(count)]
+        flat = torch.empty(count * elements)
 
         def gloo_packed():
-            flat = torch.cat(tensors)
+            torch.cat(tensors, out=flat)
             dist.all_reduce(flat)
-            flat /= size
+            flat.div_(size)
             for i, t in enumerate(tensors):
                 t.copy_(flat[i * elements:(i + 1) * elements])
         found["gloo packed"] = gloo_packed
-    return found
+        averaged["gloo packed"] = [t.numpy() for t in tensors]
+    return found, averaged
+
+
+def check_averaged(averaged: dict, label: str) -> None:
+    """Every candidate's arrays hold the ranks' average, (p + 1) / 2, everywhere."""
+    want = np.float32((size + 1) / 2)
+    wrong = [name for name, grads in averaged.items() if not all((g == want).all() for g in grads)]
+    if wrong:
+        raise SystemExit(f"rank {rank}: {label}: wrong results from {', '.join(wrong)} "
+                         f"(every element should be {want})")
 
 
 def main() -> None:
@@ -111,8 +151,9 @@ def main() -> None:
         label = f"{count} x {human_bytes(nbytes)}"
         progress(done, len(models), label)
         calls = max(1, min(50, (32 << 20) // (count * nbytes)))
-        times = time_alternating(candidates(comm, count, nbytes, gloo), repeats=args.repeats,
-                                 inner=calls)
+        timed, averaged = candidates(comm, count, nbytes, gloo)
+        times = time_alternating(timed, repeats=args.repeats, inner=calls)
+        check_averaged(averaged, label)
         for name, seconds in times.items():
             rows.append({"arrays": count, "bytes_each": nbytes, "implementation": name,
                          "time_s": seconds, "speedup": seconds / times["ringreduce"]})

@@ -120,7 +120,17 @@ def write_json(path: str, **fields) -> None:
     """A benchmark's --json file: its fields, and what it was measured on and when."""
     with open(path, "w") as f:
         json.dump({**fields, "machine": machine(), "mpi": mpi_library(),
-                   "date": time.strftime("%Y-%m-%d")}, f, indent=1)
+                   "date": time.strftime("%Y-%m-%d"), "load_average": load_average()},
+                  f, indent=1)
+
+
+def load_average() -> list | None:
+    """The machine's load over the last 1, 5 and 15 minutes, as the run ends (on a
+    shared machine, how much else ran: small calls' ratios move with it)."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
 
 
 def inner_iterations(nbytes: int) -> int:
@@ -128,13 +138,24 @@ def inner_iterations(nbytes: int) -> int:
     return max(1, min(1000, (4 << 20) // max(nbytes, 1)))
 
 
+# Calls each candidate makes before it is timed: first-touch page faults, lazy set-up,
+# and the 12 calls in which ringreduce's wire tuner tries each way a size can travel
+# (docs/performance.md), so that the timed ones measure the steady state.
+WARM_UP_CALLS = 16
+
+
 def time_alternating(candidates: dict, repeats: int, inner: int, comm=MPI.COMM_WORLD) -> dict:
-    """{name: median seconds per call} for each zero-argument callable."""
+    """{name: median seconds per call} for each zero-argument callable. Each run starts
+    with the next candidate in turn (A B C, B C A, ...): none always goes first, after
+    the barrier, or last, after the others' traffic."""
     samples = {name: [] for name in candidates}
-    for fn in candidates.values():  # warm up: first-touch page faults, lazy set-up
-        fn()
-    for _ in range(repeats):
-        for name, fn in candidates.items():
+    for fn in candidates.values():
+        for _ in range(WARM_UP_CALLS):
+            fn()
+    names = list(candidates)
+    for run in range(repeats):
+        for name in names[run % len(names):] + names[:run % len(names)]:
+            fn = candidates[name]
             comm.Barrier()
             start = time.perf_counter()
             for _ in range(inner):

@@ -160,10 +160,29 @@ def test_bench_gradients_runs_and_writes_every_candidate(tmp_path):
     done, data = run_benchmark(tmp_path, "bench_gradients.py", "--models", "3x64,2x128K",
                                "--repeats", "2", "--no-gloo")
     seen = {(r["implementation"], r["arrays"], r["bytes_each"]) for r in data["results"]}
-    for name in ("ringreduce", "MPI packed", "MPI per array"):
+    for name in ("ringreduce", "MPI, same plan", "MPI packed", "MPI per array"):
         assert (name, 3, 64) in seen and (name, 2, 128 << 10) in seen
     assert all(r["time_s"] > 0 for r in data["results"]) and data["torch"] is None
     assert "| 2 x 128 KiB | 256 KiB |" in done.stdout
+
+
+def test_bench_gradients_checks_what_each_candidate_computed():
+    # (From a review.) Zeros, averaged, stay zeros: a candidate that did nothing was
+    # timed as one that worked. Rank r's start at r + 1 and must end at the average.
+    check = ("import sys; sys.path.insert(0, 'benchmarks'); import numpy as np\n"
+             "import bench_gradients as b\n"
+             "timed, averaged = b.candidates(b.rr.Communicator(), 3, 64, None)\n"
+             "for name, call in timed.items():\n"
+             "    if name != 'MPI per array':\n"
+             "        call()\n"
+             "b.check_averaged({n: g for n, g in averaged.items() if n != 'MPI per array'}, 'x')\n"
+             "print('fine', flush=True)\n"
+             "b.check_averaged(averaged, '3 x 64 B')\n")
+    done = subprocess.run([mpiexec(), "-n", "2", sys.executable, "-c", check],
+                          capture_output=True, text=True, timeout=120, env=job_env(), cwd=ROOT)
+    assert done.returncode != 0 and done.stdout.count("fine") == 2, done.stderr
+    assert "3 x 64 B: wrong results from MPI per array (every element should be 1.5)" \
+        in done.stderr, done.stderr
 
 
 def test_bench_placement_times_both_rings_on_ranks_that_pretend_to_be_on_two_machines(
