@@ -73,7 +73,19 @@ def progress(done: int, total: int, what: str) -> None:
     sys.stderr.flush()
 
 
+def same_results(pairs, what: str) -> None:
+    """After the timing: each (name, ours, the peer's) holds the same numbers (up to
+    the order of a sum), or the run stops: a candidate that did nothing, or did it
+    wrong, is not a result."""
+    wrong = [name for name, ours, theirs in pairs
+             if ours.shape != theirs.shape or not np.allclose(ours, theirs, rtol=1e-5, atol=1e-5)]
+    if wrong:
+        raise SystemExit(f"rank {rank}: {what}: {', '.join(wrong)} gave other results than "
+                         "the MPI library")
+
+
 def allreduce_candidates(comm, x, gloo, with_reference, mpi_op=False):
+    """({name: one call}, a check of the results once they have run)."""
     out_rr, out_mpi, inplace = np.empty_like(x), np.empty_like(x), x.copy()
     candidates = {
         "ringreduce": lambda: comm.allreduce(x, out=out_rr),
@@ -90,26 +102,42 @@ def allreduce_candidates(comm, x, gloo, with_reference, mpi_op=False):
         torch, dist = gloo
         tensor = torch.from_numpy(x.copy())
         candidates["gloo (in place)"] = lambda: dist.all_reduce(tensor)
-    return candidates
+    # (In place, the sum grows each call: its numbers are not checked, only that it ran.)
+    outputs = {"ringreduce": out_rr}
+    if mpi_op:
+        outputs["ringreduce op=MPI.SUM"] = out_op
+    return candidates, lambda what: same_results(
+        [(name, out, out_mpi) for name, out in outputs.items()], what)
 
 
 def collective_candidates(comm, collective, x):
+    """({name: one call}, a check of the results once they have run)."""
     if collective == "reduce_scatter":
         counts = [len(part) for part in np.array_split(x, size)]
         part = np.empty(counts[rank], x.dtype)
         part_mpi = np.empty_like(part)
-        return {"ringreduce": lambda: comm.reduce_scatter(x, out=part),
-                "MPI_Reduce_scatter": lambda: world.Reduce_scatter(x, part_mpi, counts)}
+        return ({"ringreduce": lambda: comm.reduce_scatter(x, out=part),
+                 "MPI_Reduce_scatter": lambda: world.Reduce_scatter(x, part_mpi, counts)},
+                lambda what: same_results([("ringreduce", part, part_mpi)], what))
     if collective == "broadcast":  # from rank 0, in place, as MPI_Bcast
         ours, theirs = x.copy(), x.copy()
-        return {"ringreduce": lambda: comm.broadcast(ours, root=0),
-                "MPI_Bcast": lambda: world.Bcast(theirs, root=0)}
+        return ({"ringreduce": lambda: comm.broadcast(ours, root=0),
+                 "MPI_Bcast": lambda: world.Bcast(theirs, root=0)},
+                lambda what: same_results([("ringreduce", ours, theirs)], what))
     mine = x[: len(x) // size]  # allgather: the output is the size reported
     gathered = np.empty(len(mine) * size, x.dtype)
     reused = np.empty_like(gathered)  # like MPI's: allocated once, pages already touched
-    return {"ringreduce": lambda: comm.allgather(mine),
-            "ringreduce out=": lambda: comm.allgather(mine, out=reused),
-            "MPI_Allgather": lambda: world.Allgather(mine, gathered)}
+    # (Without out=, each result is dropped at once, so that the Communicator's kept
+    # result buffers are handed out again: the best case, where the caller keeps none.)
+    new = [gathered]
+
+    def ringreduce_new():
+        new[0] = comm.allgather(mine)
+    return ({"ringreduce": ringreduce_new,
+             "ringreduce out=": lambda: comm.allgather(mine, out=reused),
+             "MPI_Allgather": lambda: world.Allgather(mine, gathered)},
+            lambda what: same_results([("ringreduce", new[0], gathered),
+                                       ("ringreduce out=", reused, gathered)], what))
 
 
 def main() -> None:
@@ -146,12 +174,13 @@ def main() -> None:
         count = nbytes // 4  # (whole float32 elements: see sizes_argument)
         x = np.random.default_rng(rank).standard_normal(count).astype(np.float32)
         if collective == "allreduce":
-            candidates = allreduce_candidates(comm, x, gloo, not args.no_reference,
-                                              args.mpi_op)
+            candidates, check = allreduce_candidates(comm, x, gloo, not args.no_reference,
+                                                     args.mpi_op)
         else:
-            candidates = collective_candidates(comm, collective, x)
+            candidates, check = collective_candidates(comm, collective, x)
         times = time_alternating(candidates, repeats=args.repeats,
                                  inner=inner_iterations(nbytes))
+        check(f"{collective} {human_bytes(nbytes)}")
         peer = next(name for name in times if name.startswith("MPI_"))
         if collective == "allgather":  # (its output, the size reported: whole rows)
             nbytes = count // size * size * 4

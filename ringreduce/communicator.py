@@ -199,7 +199,17 @@ _HANDLE_ERROR = threading.Lock()  # (Handle.wait's first error: rare, so one for
 
 
 class Handle:
-    """A collective in flight. ``wait()`` returns its result (or raises its error)."""
+    """A collective in flight. ``wait()`` returns its result (or raises its error).
+
+    Dropped without a wait() that raised the error of its call, where that call failed
+    with a MismatchError (the ranks made different calls: the Communicator stays
+    usable, so nothing else would tell), a RuntimeWarning tells it: as the Handle goes,
+    or, for a call still running then, once it has finished, as some later Handle goes
+    (or at exit), as asyncio tells a task's exception never retrieved. Only for calls
+    the caller made (_ran set: a step's own calls raise in the step). Its __del__ is in
+    the core (set below the class: see HandleFinalizer in bindings.cc), as Python code
+    run in it could take a Ctrl-C meant for the caller's.
+    """
 
     __slots__ = ("_work", "_error", "_frames", "_context", "_ran")
 
@@ -213,27 +223,6 @@ class Handle:
         # allreduce_async (None: a call of the library's own, inside a step or
         # allreduce_gradients, whose errors say what ran).
         self._ran = ran
-
-    def __del__(self):
-        # A call the caller made (_ran set: not one of a step's, whose error the step
-        # raises) whose error no wait() raised: dropped, that error would be lost, so it
-        # is told as a warning (asyncio's "exception was never retrieved"); a call still
-        # running, once it has finished, as the next Handle goes (or at close() or the
-        # exit). (Warnings made errors, -W error, are written as unraisable.)
-        try:
-            if _unwaited:
-                _warn_unretrieved()
-            if self._ran is None or self._error is not None:
-                return
-            failed = self._work.failed()
-            if failed:
-                _warn_if_failed(self._work, self._context, self._ran)
-            elif failed is None:  # (still running)
-                _unwaited.append((self._work, self._context, self._ran))
-        except Warning:
-            raise
-        except Exception:  # (at interpreter shutdown, with the module's globals gone)
-            pass
 
     def __repr__(self) -> str:
         return (f"<ringreduce.Handle: {self._context}, "
@@ -312,57 +301,52 @@ class Handle:
 # The calls of Handles dropped in flight without a wait() that raised their error:
 # (call, its Handle's context, ran), each until it has finished; then a warning if it
 # failed. First dropped, first finished, mostly: calls finish in the order they were
-# made (those of one Communicator), so that looking at the first few is enough.
+# made (those of one Communicator), so that looking at the first few is enough (the
+# core's HandleFinalizer does, as Handles go).
 _unwaited: "collections.deque[tuple]" = collections.deque()
 _UNWAITED = threading.Lock()
 
 
 def _warn_if_failed(work, context: str, ran: str) -> None:
-    """Warns of the finished call `work` where it failed (its error goes unraised)."""
-    if work.pid != _this_process or not work.failed():  # (a fork()ed child's: not its own)
+    """Warns of the finished call `work` where it failed with a MismatchError, whose
+    Handle went without a wait() to raise it. (Other errors leave the Communicator
+    unusable, or come from a close or exit the caller knows of: its next call, or
+    what ended it, tells them.)"""
+    if work.pid != _this_process:  # (a fork()ed child's: not its own)
         return
     try:
         work.outcome()
         return
-    except Exception as error:
+    except _core.MismatchError as error:
         raised = t.renamed(error, ran, context.split(" (rank ")[0])
-    except BaseException:  # (Ctrl-C: raised where it was pressed)
+    except BaseException:
         return
     warnings.warn(f"{context}: this call failed, and its Handle was dropped without a "
                   f"wait() to raise its error: {type(raised).__name__}: {raised}",
-                  RuntimeWarning, stacklevel=3)
+                  RuntimeWarning, stacklevel=2)
 
 
-def _warn_unretrieved(every: bool = False) -> None:
-    """Warns of the calls in _unwaited that finished and failed, and forgets them: the
-    first ones only, up to one still running (every: all of them)."""
-    if not _UNWAITED.acquire(blocking=False):
-        return  # (another thread is at it, or this one, in a warning's __del__)
-    kept = []
-    try:
-        while _unwaited:
-            work, context, ran = _unwaited.popleft()
-            if work.done():
-                _warn_if_failed(work, context, ran)  # (raises, where warnings are errors)
-            elif every:
-                kept.append((work, context, ran))
-            else:
-                _unwaited.appendleft((work, context, ran))
-                break
-    finally:
-        _unwaited.extend(kept)
-        _UNWAITED.release()
+_core.set_handle_finalizer(Handle, _unwaited, _UNWAITED, _warn_if_failed)
 
 
 @atexit.register  # (before _finish_all: so called after it, once calls have finished)
 def _warn_unretrieved_at_exit() -> None:
-    if os.getpid() == _this_process and _uncaught_exception() is None:
-        _warn_unretrieved(every=True)
+    """At exit, every call in _unwaited that finished and failed is warned of."""
+    if os.getpid() != _this_process or _uncaught_exception() is not None \
+            or not _UNWAITED.acquire(blocking=False):
+        return
+    try:
+        while _unwaited:
+            work, context, ran = _unwaited.popleft()
+            if work.done():
+                _warn_if_failed(work, context, ran)
+    finally:
+        _UNWAITED.release()
 
 
 class _Work:
     __slots__ = ("core", "run", "result", "error", "finished", "cancelled", "pid", "queued",
-                 "interrupt_raised")
+                 "interrupt_raised", "over")
 
     def __init__(self, core, run, pid):
         self.pid = pid  # the process whose worker thread runs it
@@ -377,6 +361,7 @@ class _Work:
         # was raised by the wait() of a call queued after it, which ran it (the core sets
         # it): its own wait() raises what the worker's would for a KeyboardInterrupt.
         self.interrupt_raised = False
+        self.over = False  # finished: as `finished`, but read by the core without Python
 
     def done(self) -> bool:
         return self.finished.is_set()
@@ -399,13 +384,6 @@ class _Work:
             raise self.error
         return self.result
 
-    def failed(self) -> bool | None:
-        """Whether outcome() raises an error of the call's own (not a cancellation's,
-        which comes from a close or an exit the caller knows of); None while running."""
-        if not self.finished.is_set():
-            return None
-        return self.error is not None and self.error is not self.cancelled
-
     def execute(self, catching=BaseException):
         """Runs it; what it raises of `catching` is handed to whoever waits (anything
         else propagates here: Ctrl-C in the caller's own thread)."""
@@ -417,6 +395,7 @@ class _Work:
                 self.result = keeping_on_departure(self.core, run)
             except catching as error:
                 self.error = error
+        self.over = True
         self.finished.set()
 
     def keep_escaped(self, error: BaseException) -> bool:
@@ -427,6 +406,7 @@ class _Work:
         if self.finished.is_set():
             return False
         self.error = error
+        self.over = True
         self.finished.set()
         return True
 
@@ -1280,8 +1260,6 @@ class Communicator:
             self._abandon()
             if not MPI.Is_finalized():
                 self._core.close()
-        if _unwaited:  # (its calls have finished)
-            _warn_unretrieved(every=True)
 
     def __enter__(self):
         return self
