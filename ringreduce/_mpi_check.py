@@ -13,20 +13,36 @@ import os
 import shutil
 
 
-def loaded_mpi_library(maps: str | None = None) -> str | None:
+def loaded_mpi_library(maps: str | None = None, family: str | None = None) -> str | None:
     """The path of the MPI library this process has loaded (mpi4py's), from the
-    loader's map (/proc/self/maps, or `maps`); None where it cannot tell."""
+    loader's map (/proc/self/maps, or `maps`): the first of `family` ("MPICH", "Open
+    MPI": a core built against the other has its library mapped too, by then, and at
+    a lower address), or the first of any; None where it cannot tell."""
     if maps is None:
         try:
             with open("/proc/self/maps") as f:
                 maps = f.read()
         except OSError:  # (not Linux)
             return None
+    found = []
     for line in maps.splitlines():
         fields = line.split(maxsplit=5)
         if len(fields) == 6 and os.path.basename(fields[5]).startswith(("libmpi.so",
                                                                         "libmpich.so")):
-            return fields[5]
+            found.append(fields[5])
+    return next((path for path in found if family in (None, library_family(path))),
+                found[0] if found else None)
+
+
+def library_family(path: str) -> str | None:
+    """The MPI family whose library this is, by its soname: Open MPI's libmpi.so.40
+    (3.0 to 5.x), MPICH's libmpich.so.12 and libmpi.so.12 (MPICH's ABI: Intel MPI's
+    too); None for another."""
+    name = os.path.basename(path)
+    if name.startswith("libmpich.so") or name.startswith("libmpi.so.12"):
+        return "MPICH"
+    if name.startswith("libmpi.so.4"):
+        return "Open MPI"
     return None
 
 
@@ -46,7 +62,8 @@ def mpicc_of(library: str | None, family: str) -> str | None:
 def mpiexec_of_loaded_mpi(loaded_version: str, maps: str | None = None) -> str | None:
     """The launcher of the MPI this process loaded: beside its mpicc (see mpicc_of) and
     named like it (mpicc.mpich: mpiexec.mpich); None where there is none to be found."""
-    mpicc = mpicc_of(loaded_mpi_library(maps), loaded_family(loaded_version))
+    family = loaded_family(loaded_version)
+    mpicc = mpicc_of(loaded_mpi_library(maps, family), family)
     if mpicc is None:
         return None
     name = os.path.basename(mpicc)
@@ -57,8 +74,9 @@ def mpiexec_of_loaded_mpi(loaded_version: str, maps: str | None = None) -> str |
 def rebuild_hint(loaded_version: str, maps: str | None = None) -> str:
     """What to do about a core built for another MPI: rebuild it with the mpicc of the
     one mpi4py loaded, named where it can be found."""
-    library = loaded_mpi_library(maps)
-    mpicc = mpicc_of(library, loaded_family(loaded_version))
+    family = loaded_family(loaded_version)
+    library = loaded_mpi_library(maps, family)
+    mpicc = mpicc_of(library, family)
     where = f" ({library})" if library else ""
     return (f"Rebuild ringreduce with the mpicc of mpi4py's MPI{where}: "
             f"`MPICC={mpicc or '/path/to/mpicc'} pip install --force-reinstall --no-deps .` "

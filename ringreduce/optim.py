@@ -46,21 +46,30 @@ def _check_params(params, who: str) -> list:
     return params
 
 
+# Pairs of parameters whose spans overlap that are compared element by element: past
+# it (thousands of interleaved views of one matrix, each pair spanning the others) the
+# rest are let be, rather than construction taking seconds.
+_EXACT_COMPARISONS = 20_000
+
+
 def _check_params_apart(params: list, who: str) -> None:
     """Raises where two parameters share memory (one array listed twice, overlapping
     views): each step would update those bytes twice, with both gradients, silently.
     (A sweep over the bytes they span: each pair whose spans overlap is then compared
-    exactly, where numpy can, as two views may interleave without sharing a byte.)"""
+    exactly, as two views may interleave without sharing a byte.)"""
     spans = sorted((span, i) for i, p in enumerate(params)
-                   for span in [span_of(p)] if span is not None and span[1] > span[0])
+                   for span in [_span_of_param(p)] if span is not None and span[1] > span[0])
     active: list = []  # (end, index) of the spans before that may reach further
+    compared = 0
     for (lo, hi), i in spans:
         while active and active[0][0] <= lo:
             heapq.heappop(active)
         for _, j in active:
             a, b = params[min(i, j)], params[max(i, j)]
-            if isinstance(a, np.ndarray) and isinstance(b, np.ndarray) \
-                    and not np.shares_memory(a, b):
+            compared += 1
+            if compared > _EXACT_COMPARISONS:
+                return
+            if a is not b and not _share_memory(a, b):
                 continue
             raise ValueError(f"{who}: params[{min(i, j)}] and params[{max(i, j)}] "
                              f"{'are the same array' if a is b else 'share memory'}: each "
@@ -68,6 +77,50 @@ def _check_params_apart(params: list, who: str) -> None:
                              "parameter once (tied weights are one parameter, whose "
                              "gradient adds up the uses)")
         heapq.heappush(active, (hi, i))
+
+
+def _span_of_param(p) -> tuple[int, int] | None:
+    """The bytes p spans (numpy's, or a GPU array's from its shape and strides)."""
+    if isinstance(p, np.ndarray):
+        return span_of(p)
+    interface = getattr(p, "__cuda_array_interface__", None)
+    if interface is None:
+        return None
+    start, shape = interface["data"][0], tuple(interface["shape"])
+    if 0 in shape:
+        return start, start
+    itemsize = np.dtype(interface["typestr"]).itemsize
+    strides = interface.get("strides") or _contiguous_strides(shape, itemsize)
+    low = sum((n - 1) * s for n, s in zip(shape, strides) if s < 0)
+    high = sum((n - 1) * s for n, s in zip(shape, strides) if s > 0)
+    return start + low, start + high + itemsize
+
+
+def _contiguous_strides(shape: tuple, itemsize: int) -> tuple:
+    strides, step = [], itemsize
+    for n in reversed(shape):
+        strides.append(step)
+        step *= n
+    return tuple(reversed(strides))
+
+
+_TOO_HARD = getattr(np, "exceptions", np).TooHardError  # (numpy 1.25 moved it)
+
+
+def _share_memory(a, b) -> bool:
+    """Whether two arrays whose spans overlap share an element: numpy's exact answer
+    (or, where that is too hard to find, yes), cupy's where it has one, else whether
+    both are contiguous (their spans are their elements then)."""
+    if isinstance(a, np.ndarray) and isinstance(b, np.ndarray):
+        try:
+            return bool(np.shares_memory(a, b, max_work=10_000))
+        except _TOO_HARD:
+            return True
+    xp = array_module(a)
+    if xp is not np and xp is array_module(b) and hasattr(xp, "shares_memory"):
+        return bool(xp.shares_memory(a, b))
+    return bool(getattr(a, "flags", None) is not None and a.flags.c_contiguous
+                and getattr(b, "flags", None) is not None and b.flags.c_contiguous)
 
 
 def _check_grads(grads, params, who: str) -> list:

@@ -97,7 +97,9 @@ fi
 # loads.
 build_settings="cuda=${RINGREDUCE_CUDA:-auto} archs=${RINGREDUCE_CUDA_ARCHS:-}"
 build_settings+=" sanitize=${RINGREDUCE_SANITIZE:-} cuda_home=${CUDA_HOME:-}:${CUDA_PATH:-}"
-build_settings+=" nvcc=$(command -v nvcc || true)"
+# (Every nvcc setup.py would find: on PATH, or in CUDA_HOME, CUDA_PATH, /usr/local/cuda.)
+build_settings+=" nvcc=$(command -v nvcc || true) $( (ls "${CUDA_HOME:-/-}/bin/nvcc" \
+  "${CUDA_PATH:-/-}/bin/nvcc" /usr/local/cuda/bin/nvcc 2>/dev/null || true) | tr '\n' ' ')"
 build_wanted=$(echo "$deps_wanted $build_settings $(cat setup.py pyproject.toml csrc/* | sha256sum)" |
                tr '\n' ' ')  # (one line: the stamp's second is the built core's)
 build_stamp="$VENV/.ringreduce-build"

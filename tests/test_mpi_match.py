@@ -58,6 +58,12 @@ def test_the_rebuild_hint_names_the_mpicc_of_the_loaded_mpi(tmp_path, monkeypatc
     assert loaded_mpi_library(maps) == str(library)
     hint = rebuild_hint(MPICH, maps)
     assert f"of mpi4py's MPI ({library}): `MPICC={mpicc} pip install" in hint
+    # A core built against the other family has its library mapped too, first (from
+    # a review): mpi4py's is the one of the family it reports.
+    both = ("7f0000-7f1000 r-xp 00000000 08:01 12 /usr/lib/x86_64-linux-gnu/libmpi.so.40.30.4\n"
+            + maps)
+    assert f"of mpi4py's MPI ({library}): `MPICC={mpicc} pip install" in rebuild_hint(MPICH, both)
+    assert loaded_mpi_library(both, "Open MPI").endswith("libmpi.so.40.30.4")
     debian = tmp_path / "debian"
     debian.mkdir()
     for name in ("mpicc.mpich", "mpicc.openmpi"):

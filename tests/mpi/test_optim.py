@@ -1511,6 +1511,43 @@ def test_parameters_that_share_memory_are_refused(make):
     assert (M[0, 1:] == 0).all() and (M[2:, 1:] == 0).all()
 
 
+class GpuView:
+    """What the parameter check reads of a GPU array: its __cuda_array_interface__
+    (float64, at `address`, with these shape and byte strides) and its contiguity."""
+
+    def __init__(self, address, shape, strides=None):
+        self.__cuda_array_interface__ = {"data": (address, False), "shape": shape,
+                                         "typestr": "<f8", "strides": strides, "version": 3}
+        self.flags = types.SimpleNamespace(c_contiguous=strides is None)
+
+
+def test_gpu_parameters_are_compared_by_the_bytes_their_strides_reach():
+    # (From a review.) A GPU array's span was taken as contiguous: two columns of one
+    # matrix (100 x 2000 float64, 16000-byte rows) were refused as sharing memory, and
+    # a column and a row that share an element were let through. Without cupy to say
+    # which interleaved views share an element, only contiguous ones are refused.
+    base = 1 << 40
+    column0, column1 = GpuView(base, (100,), (16000,)), GpuView(base + 8, (100,), (16000,))
+    optim._check_params_apart([column0, column1], "here")
+    whole, inside = GpuView(base, (100, 2000)), GpuView(base + 16000 * 99, (2000,))
+    with pytest.raises(ValueError, match=r"params\[0\] and params\[1\] share memory"):
+        optim._check_params_apart([whole, inside], "here")
+    apart = GpuView(base + 16000 * 100, (10,))  # (just past the matrix)
+    optim._check_params_apart([whole, apart, GpuView(base, (0,))], "here")
+
+
+def test_thousands_of_interleaved_views_cost_a_bounded_number_of_comparisons(monkeypatch):
+    # (From a review.) Every pair of 2000 columns of one matrix spans the others: 2M
+    # exact comparisons took seconds at construction. Counted, not timed.
+    compared = []
+    shares = np.shares_memory
+    monkeypatch.setattr(np, "shares_memory", lambda a, b, **kw: compared.append(1) or
+                        shares(a, b, **kw))
+    matrix = np.zeros((100, 2000))
+    SGD([matrix[:, i] for i in range(2000)], lr=0.1)
+    assert 0 < len(compared) <= optim._EXACT_COMPARISONS
+
+
 @each_optimizer
 def test_an_lr_of_0_is_a_setting_like_any_other_and_a_bad_one_stops_the_step(make):
     # (From a review.) A warm-up from 0, or a schedule that decays to 0: the lr was
