@@ -2005,7 +2005,12 @@ PYBIND11_MODULE(_core, m) {
       .def_property("timeout", &RingCommunicator::timeout, &RingCommunicator::set_timeout,
                     "seconds a call waits on another rank before raising (<= 0: forever)")
       .def_property_readonly("transport", &RingCommunicator::transport_name)
-      .def_property_readonly("transport_reason", &RingCommunicator::transport_reason)
+      .def_property_readonly("transport_reason", [](const RingCommunicator& ring) {
+        // (Host names, cut at 64 bytes: maybe inside a character of a pretended one.)
+        const std::string& why = ring.transport_reason();
+        return py::reinterpret_steal<py::str>(
+            PyUnicode_DecodeUTF8(why.data(), static_cast<Py_ssize_t>(why.size()), "replace"));
+      })
       .def_property_readonly("ring_order", &RingCommunicator::ring_order)
       .def_property_readonly("ring_bytes_sent", &RingCommunicator::ring_bytes_sent)
       .def_property_readonly("ring_steps", &RingCommunicator::ring_steps)

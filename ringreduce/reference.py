@@ -100,18 +100,20 @@ def machine_of_this_process() -> str:
     """The machine this rank runs on, as the core names it: host name / boot id (the
     boot id tells apart hosts that share a name). RINGREDUCE_TEST_MACHINE, for tests,
     pretends: "a,b" puts MPI_COMM_WORLD's rank r on the (r mod 2)th of a and b."""
-    pretend = os.environ.get("RINGREDUCE_TEST_MACHINE")
+    # In bytes, cut where the core's C strings cut them (64 of a name, 127 in all),
+    # which may be inside a character of a name that is not ASCII.
+    pretend = os.environb.get(b"RINGREDUCE_TEST_MACHINE")
     if pretend:
-        names = pretend.split(",")
-        host = names[MPI.COMM_WORLD.Get_rank() % len(names)][:64]  # (as the core keeps)
+        names = pretend.split(b",")
+        host = names[MPI.COMM_WORLD.Get_rank() % len(names)][:64]
     else:
-        host = socket.gethostname()[:64]
+        host = os.fsencode(socket.gethostname())[:64]
     try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.readline().strip()
+        with open("/proc/sys/kernel/random/boot_id", "rb") as f:
+            boot = f.readline().strip()[:39]
     except OSError:
-        boot = ""
-    return f"{host}/{boot}"[:127]
+        boot = b""
+    return (host + b"/" + boot)[:127].decode("utf-8", "surrogateescape")
 
 
 def ring_order(comm=MPI.COMM_WORLD) -> list[int]:

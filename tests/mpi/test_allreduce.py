@@ -429,16 +429,22 @@ def test_the_ring_goes_round_each_machine_in_turn(comm, world):
         assert comm.ring == (0, 2, 1, 3)  # (the sort above, spelled out once)
 
 
-def test_the_reference_names_pretended_machines_as_the_core_does(world, monkeypatch):
+@pytest.mark.parametrize("long", ["m" * 64, "é" * 32, "é" * 40 + "a"])
+def test_the_reference_names_pretended_machines_as_the_core_does(long, world, monkeypatch):
     # The core keeps 64 bytes of a host name (as gethostname gives at most), pretended
     # ones too: names that differ only past that are one machine to both, so the
-    # reference goes round the core's ring.
-    long = "m" * 64
+    # reference goes round the core's ring. Bytes, not characters (from a review: "é"
+    # is two), even where the cut falls inside one.
     monkeypatch.setenv("RINGREDUCE_TEST_MACHINE", f"{long}x,{long}y")
     with rr.Communicator() as comm:
         assert comm.ring == tuple(reference.ring_order(world)) == tuple(range(SIZE))
         x = rank_data(np.dtype(np.float32), 1000)
         assert bitwise_equal(comm.allreduce(x), reference.allreduce(x, "sum", world))
+    if SIZE > 1:  # (machines apart by their first bytes: the reason names them)
+        monkeypatch.setenv("RINGREDUCE_TEST_MACHINE", f"a{long},b{long}")
+        with rr.Communicator() as comm:
+            assert comm.transport == "MPI" and isinstance(comm.transport_reason, str)
+            assert comm.ring == tuple(reference.ring_order(world))
 
 
 def test_one_rank_asking_for_rank_order_decides_for_all(world, monkeypatch):
