@@ -57,13 +57,15 @@ def plot(runs, path: str) -> None:
         ax.set_yscale("log", base=2)
         ax.yaxis.set_major_locator(FixedLocator([0.25, 0.5, 1, 2, 4, 8]))
         ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"{y:g}x"))
-        ax.set_title(f"{collective} vs {peer}")
+        how = {"allgather": " (size: the gathered result)", "broadcast": " (in place)"}.get(
+            collective, " (out-of-place)")
+        ax.set_title(f"{collective} vs {peer}{how}", fontsize=9)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8, loc="upper left")
     for row in axes:
         row[0].set_ylabel("speedup (MPI time / ours)")
     fig.suptitle(f"ringreduce's speedup over the MPI library, {runs[0]['ranks']} ranks, "
-                 "float32, out-of-place; one dot per run", fontsize=10)
+                 "float32; one dot per run", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     print(f"plot: {path}")
