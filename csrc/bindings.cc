@@ -639,13 +639,6 @@ class AsyncCall : public CallQueue::Call {
     return py::reinterpret_borrow<py::object>(result_);
   }
   long pid() const { return static_cast<long>(pid_); }
-  // Whether outcome() raises an error of the call's own (not a cancellation: one comes
-  // from a close or an exit the caller knows of); None while it has not finished. (One
-  // call, not two, for every Handle that goes: see Handle.__del__.)
-  std::optional<bool> failed() const {
-    if (!done()) return std::nullopt;
-    return !cancelling_.load(std::memory_order_acquire) && (error_ || raised_ != nullptr);
-  }
 
  private:
   RingCommunicator* ring_;
@@ -1488,75 +1481,6 @@ std::string mpi_library_version() {
 
 }  // namespace
 
-// Handle.__del__, the Python layer's Handle's finalizer, in C++: every Handle goes
-// through it, and Python code run there would take a Ctrl-C meant for the caller's own
-// code (raised inside a finalizer, it is only printed, and the program runs on). So it
-// reads what it needs without running any: the Handle's slots, and its call's state (a
-// _Work's fields, or the AsyncCall's). Python runs only to warn of a call that failed
-// and whose error no wait() raised (see Handle in communicator.py), which is rare.
-class HandleFinalizer {
- public:
-  HandleFinalizer(py::object unwaited, py::object lock, py::object warn)
-      : unwaited_(std::move(unwaited)), lock_(std::move(lock)), warn_(std::move(warn)) {}
-
-  void operator()(py::handle handle) const {
-    sweep();
-    // (A slot may be unset: a Ctrl-C that stopped Handle.__init__ partway.)
-    py::object ran = py::getattr(handle, "_ran", py::none());
-    py::object call = py::getattr(handle, "_work", py::none());
-    py::object context = py::getattr(handle, "_context", py::none());
-    if (ran.is_none() || call.is_none() || context.is_none() ||
-        !py::getattr(handle, "_error", py::none()).is_none())
-      return;
-    const State state = state_of(call);
-    if (state == State::Failed) {
-      warn_(call, context, ran);
-    } else if (state == State::Running) {
-      unwaited_.attr("append")(py::make_tuple(call, context, ran));
-    }
-  }
-
- private:
-  enum class State { Running, Succeeded, Failed };
-
-  static State state_of(py::handle call) {
-    if (py::isinstance<AsyncCall>(call)) {
-      const std::optional<bool> failed = call.cast<const AsyncCall&>().failed();
-      return !failed ? State::Running : *failed ? State::Failed : State::Succeeded;
-    }
-    // A _Work: `over` is set as it finishes (its threading.Event, too, but only its
-    // methods, Python code, would read that); a cancellation is not a failure.
-    if (call.attr("over").ptr() != Py_True) return State::Running;
-    py::object error = call.attr("error");
-    return error.is_none() || error.is(call.attr("cancelled")) ? State::Succeeded
-                                                                 : State::Failed;
-  }
-
-  // The calls of Handles dropped in flight, first dropped first: each once finished,
-  // warned of where it failed; up to the first still running. (Another thread at it,
-  // or this one, in a warning's own finalizer: left to it.)
-  void sweep() const {
-    if (PyObject_Length(unwaited_.ptr()) <= 0) {
-      PyErr_Clear();
-      return;
-    }
-    if (!lock_.attr("acquire")(false).cast<bool>()) return;
-    struct Release {
-      const py::object& lock;
-      ~Release() { lock.attr("release")(); }
-    } release{lock_};
-    while (PyObject_Length(unwaited_.ptr()) > 0) {
-      py::tuple first = unwaited_[py::int_(0)];
-      const State state = state_of(first[0]);
-      if (state == State::Running) break;
-      unwaited_.attr("popleft")();
-      if (state == State::Failed) warn_(first[0], first[1], first[2]);
-    }
-  }
-
-  py::object unwaited_, lock_, warn_;
-};
-
 PYBIND11_MODULE(_core, m) {
   // pybind11 before 2.12 reads a dtype's itemsize at numpy 1's offset; under numpy 2 it
   // reads 0, and every size and overlap check with it. Refuse to load rather than reduce
@@ -1962,15 +1886,6 @@ PYBIND11_MODULE(_core, m) {
       .def("outcome", &AsyncCall::outcome)
       .def_property_readonly("interrupt_raised", &AsyncCall::interrupt_raised)
       .def_property_readonly("pid", &AsyncCall::pid);
-
-  m.def("set_handle_finalizer",
-        [](py::object handle_class, py::object unwaited, py::object lock, py::object warn) {
-          handle_class.attr("__del__") = py::cpp_function(
-              HandleFinalizer(std::move(unwaited), std::move(lock), std::move(warn)),
-              py::name("__del__"), py::is_method(handle_class),
-              "warns of a failed call whose error no wait() raised (see Handle)");
-        },
-        "makes Handle.__del__ the C++ finalizer above (communicator.py, once)");
 
   py::class_<FastPath>(m, "FastPath",
                       "the common case of each collective without Python (None: not taken)")

@@ -13,7 +13,6 @@ blocking call made while asynchronous ones are in flight queues behind them.
 from __future__ import annotations
 
 import atexit
-import collections
 import contextlib
 import functools
 import itertools
@@ -199,17 +198,7 @@ _HANDLE_ERROR = threading.Lock()  # (Handle.wait's first error: rare, so one for
 
 
 class Handle:
-    """A collective in flight. ``wait()`` returns its result (or raises its error).
-
-    Dropped without a wait() that raised the error of its call, where that call failed
-    with a MismatchError (the ranks made different calls: the Communicator stays
-    usable, so nothing else would tell), a RuntimeWarning tells it: as the Handle goes,
-    or, for a call still running then, once it has finished, as some later Handle goes
-    (or at exit), as asyncio tells a task's exception never retrieved. Only for calls
-    the caller made (_ran set: a step's own calls raise in the step). Its __del__ is in
-    the core (set below the class: see HandleFinalizer in bindings.cc), as Python code
-    run in it could take a Ctrl-C meant for the caller's.
-    """
+    """A collective in flight. ``wait()`` returns its result (or raises its error)."""
 
     __slots__ = ("_work", "_error", "_frames", "_context", "_ran")
 
@@ -298,55 +287,9 @@ class Handle:
         raise self._error.with_traceback(self._frames)
 
 
-# The calls of Handles dropped in flight without a wait() that raised their error:
-# (call, its Handle's context, ran), each until it has finished; then a warning if it
-# failed. First dropped, first finished, mostly: calls finish in the order they were
-# made (those of one Communicator), so that looking at the first few is enough (the
-# core's HandleFinalizer does, as Handles go).
-_unwaited: "collections.deque[tuple]" = collections.deque()
-_UNWAITED = threading.Lock()
-
-
-def _warn_if_failed(work, context: str, ran: str) -> None:
-    """Warns of the finished call `work` where it failed with a MismatchError, whose
-    Handle went without a wait() to raise it. (Other errors leave the Communicator
-    unusable, or come from a close or exit the caller knows of: its next call, or
-    what ended it, tells them.)"""
-    if work.pid != _this_process:  # (a fork()ed child's: not its own)
-        return
-    try:
-        work.outcome()
-        return
-    except _core.MismatchError as error:
-        raised = t.renamed(error, ran, context.split(" (rank ")[0])
-    except BaseException:
-        return
-    warnings.warn(f"{context}: this call failed, and its Handle was dropped without a "
-                  f"wait() to raise its error: {type(raised).__name__}: {raised}",
-                  RuntimeWarning, stacklevel=2)
-
-
-_core.set_handle_finalizer(Handle, _unwaited, _UNWAITED, _warn_if_failed)
-
-
-@atexit.register  # (before _finish_all: so called after it, once calls have finished)
-def _warn_unretrieved_at_exit() -> None:
-    """At exit, every call in _unwaited that finished and failed is warned of."""
-    if os.getpid() != _this_process or _uncaught_exception() is not None \
-            or not _UNWAITED.acquire(blocking=False):
-        return
-    try:
-        while _unwaited:
-            work, context, ran = _unwaited.popleft()
-            if work.done():
-                _warn_if_failed(work, context, ran)
-    finally:
-        _UNWAITED.release()
-
-
 class _Work:
     __slots__ = ("core", "run", "result", "error", "finished", "cancelled", "pid", "queued",
-                 "interrupt_raised", "over")
+                 "interrupt_raised")
 
     def __init__(self, core, run, pid):
         self.pid = pid  # the process whose worker thread runs it
@@ -361,7 +304,6 @@ class _Work:
         # was raised by the wait() of a call queued after it, which ran it (the core sets
         # it): its own wait() raises what the worker's would for a KeyboardInterrupt.
         self.interrupt_raised = False
-        self.over = False  # finished: as `finished`, but read by the core without Python
 
     def done(self) -> bool:
         return self.finished.is_set()
@@ -395,7 +337,6 @@ class _Work:
                 self.result = keeping_on_departure(self.core, run)
             except catching as error:
                 self.error = error
-        self.over = True
         self.finished.set()
 
     def keep_escaped(self, error: BaseException) -> bool:
@@ -406,7 +347,6 @@ class _Work:
         if self.finished.is_set():
             return False
         self.error = error
-        self.over = True
         self.finished.set()
         return True
 
