@@ -42,6 +42,15 @@ def host_buffer(n: int) -> np.ndarray:
         return np.empty(n, np.float32)
 
 
+def free_memory(cp) -> None:
+    """Gives back what a size's buffers took, on the GPU and pinned (whose blocks are
+    handed out again only at the same size: each size would keep its own)."""
+    cp.get_default_memory_pool().free_all_blocks()
+    pinned = getattr(cp, "get_default_pinned_memory_pool", None)
+    if pinned is not None:
+        pinned().free_all_blocks()
+
+
 def say(*args):
     if RANK == 0:
         print(*args, flush=True)
@@ -147,8 +156,8 @@ def other_collectives(cp, comm, device_only, sizes, repeats):
         comm.reduce_scatter(x, out=seg)
         if RANK == 0:
             assert abs(float(seg[0]) - expected) <= 1e-4 * max(1.0, abs(expected)), "wrong result"
-        del x, mine, seg, gathered
-        cp.get_default_memory_pool().free_all_blocks()
+        del x, mine, seg, gathered, host_x, host_seg, host_mine, host_all
+        free_memory(cp)
     return rows
 
 
@@ -291,7 +300,7 @@ def main():
         say(table_row(row, names))
         del x, out, host_in, host_out, candidates
         tensor = None
-        cp.get_default_memory_pool().free_all_blocks()
+        free_memory(cp)
         nbytes *= 4
 
     others = []

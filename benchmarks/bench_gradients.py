@@ -126,6 +126,10 @@ def check_averaged(averaged: dict, label: str) -> None:
     """Every candidate's arrays hold the ranks' average, (p + 1) / 2, everywhere."""
     want = np.float32((size + 1) / 2)
     wrong = [name for name, grads in averaged.items() if not all((g == want).all() for g in grads)]
+    # (Agreed: where p is odd, rank (p-1)/2 starts at the average, and could not tell a
+    # candidate that did nothing; it must stop with the others, not wait for them.)
+    everyone = world.allgather(wrong)
+    wrong = [name for name in averaged if any(name in theirs for theirs in everyone)]
     if wrong:
         raise SystemExit(f"rank {rank}: {label}: wrong results from {', '.join(wrong)} "
                          f"(every element should be {want})")

@@ -140,8 +140,11 @@ def inner_iterations(nbytes: int) -> int:
 
 # Calls each candidate makes before it is timed: first-touch page faults, lazy set-up,
 # and the 12 calls in which ringreduce's wire tuner tries each way a size can travel
-# (docs/performance.md), so that the timed ones measure the steady state.
+# (docs/performance.md), so that the timed ones measure the steady state; at most
+# WARM_UP_SECONDS of them past the second (the tuner works up to 8 MiB, where calls
+# are short: 16 calls of 1 GiB would triple a GPU table's time for nothing).
 WARM_UP_CALLS = 16
+WARM_UP_SECONDS = 0.25
 
 
 def time_alternating(candidates: dict, repeats: int, inner: int, comm=MPI.COMM_WORLD) -> dict:
@@ -150,8 +153,13 @@ def time_alternating(candidates: dict, repeats: int, inner: int, comm=MPI.COMM_W
     the barrier, or last, after the others' traffic."""
     samples = {name: [] for name in candidates}
     for fn in candidates.values():
-        for _ in range(WARM_UP_CALLS):
+        start = time.perf_counter()
+        for calls in range(WARM_UP_CALLS):
             fn()
+            # (Every rank decides alike: the slowest's time, as the timed runs count.)
+            if calls >= 1 and comm.allreduce(time.perf_counter() - start,
+                                             op=MPI.MAX) > WARM_UP_SECONDS:
+                break
     names = list(candidates)
     for run in range(repeats):
         for name in names[run % len(names):] + names[:run % len(names)]:

@@ -8,6 +8,9 @@ import os as _os
 
 from mpi4py import MPI as _MPI  # mpi4py owns MPI_Init; the core never calls it
 
+from . import _mpi_check
+
+_mpi_check.note_mpi4pys_library()  # (for the advice below, should the core not fit)
 try:
     from . import _core
 except ImportError as _error:

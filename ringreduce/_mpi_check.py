@@ -13,16 +13,32 @@ import os
 import shutil
 
 
+_maps_before_core: str | None = None  # (see note_mpi4pys_library)
+
+
+def _read_maps() -> str | None:
+    try:
+        with open("/proc/self/maps") as f:
+            return f.read()
+    except OSError:  # (not Linux)
+        return None
+
+
+def note_mpi4pys_library() -> None:
+    """Keeps the loader's map as it is before ringreduce._core loads: then the only MPI
+    library in it is mpi4py's. (Once the core has loaded, one built against another
+    MPI, even of the same family, has that one mapped too, at a lower address.)"""
+    global _maps_before_core
+    _maps_before_core = _read_maps()
+
+
 def loaded_mpi_library(maps: str | None = None, family: str | None = None) -> str | None:
     """The path of the MPI library this process has loaded (mpi4py's), from the
-    loader's map (/proc/self/maps, or `maps`): the first of `family` ("MPICH", "Open
-    MPI": a core built against the other has its library mapped too, by then, and at
-    a lower address), or the first of any; None where it cannot tell."""
+    loader's map (`maps`, else as it was before the core loaded, else now): the first
+    of `family` ("MPICH", "Open MPI"), or the first of any; None where it cannot tell."""
     if maps is None:
-        try:
-            with open("/proc/self/maps") as f:
-                maps = f.read()
-        except OSError:  # (not Linux)
+        maps = _maps_before_core or _read_maps()
+        if maps is None:
             return None
     found = []
     for line in maps.splitlines():
@@ -53,9 +69,17 @@ def mpicc_of(library: str | None, family: str) -> str | None:
     elsewhere); None where neither is there."""
     if not library:
         return None
-    prefix = os.path.dirname(os.path.dirname(os.path.realpath(library)))
-    candidates = [os.path.join(prefix, "bin", "mpicc"),
-                  shutil.which("mpicc.openmpi" if family == "Open MPI" else "mpicc.mpich")]
+    candidates = []
+    if library.startswith("/usr/lib"):
+        # A distribution's: its mpicc is named by family (/usr/bin/mpicc is whichever
+        # MPI the alternatives chose).
+        candidates.append(shutil.which("mpicc.openmpi" if family == "Open MPI"
+                                       else "mpicc.mpich"))
+    else:  # <prefix>/lib, lib64, lib/x86_64-linux-gnu, or Intel's intel64/lib/release
+        folder = os.path.dirname(os.path.realpath(library))
+        for _ in range(3):
+            folder = os.path.dirname(folder)
+            candidates.append(os.path.join(folder, "bin", "mpicc"))
     return next((c for c in candidates if c and os.access(c, os.X_OK)), None)
 
 

@@ -47,8 +47,9 @@ def _check_params(params, who: str) -> list:
 
 
 # Pairs of parameters whose spans overlap that are compared element by element: past
-# it (thousands of interleaved views of one matrix, each pair spanning the others) the
-# rest are let be, rather than construction taking seconds.
+# it (thousands of interleaved views of one matrix, each pair spanning the others),
+# only the cheap tests are made (one array twice, the same view twice, contiguous
+# arrays whose spans overlap), rather than construction taking seconds.
 _EXACT_COMPARISONS = 20_000
 
 
@@ -67,9 +68,8 @@ def _check_params_apart(params: list, who: str) -> None:
         for _, j in active:
             a, b = params[min(i, j)], params[max(i, j)]
             compared += 1
-            if compared > _EXACT_COMPARISONS:
-                return
-            if a is not b and not _share_memory(a, b):
+            if a is not b and not (_same_view(a, b) if compared > _EXACT_COMPARISONS
+                                   else _share_memory(a, b)):
                 continue
             raise ValueError(f"{who}: params[{min(i, j)}] and params[{max(i, j)}] "
                              f"{'are the same array' if a is b else 'share memory'}: each "
@@ -105,6 +105,14 @@ def _contiguous_strides(shape: tuple, itemsize: int) -> tuple:
 
 
 _TOO_HARD = getattr(np, "exceptions", np).TooHardError  # (numpy 1.25 moved it)
+
+
+def _same_view(a, b) -> bool:
+    """The cheap tests of sharing: the same bytes seen alike, or two contiguous arrays
+    (whose spans, overlapping, are their elements)."""
+    contiguous = all(getattr(getattr(p, "flags", None), "c_contiguous", False) for p in (a, b))
+    return contiguous or (_span_of_param(a) == _span_of_param(b) and a.shape == b.shape
+                          and getattr(a, "strides", None) == getattr(b, "strides", None))
 
 
 def _share_memory(a, b) -> bool:
@@ -238,24 +246,25 @@ def _state_values(state, keys, who: str, where: str | None = None) -> list:
 
 def _check_sgd_settings(lr, momentum, weight_decay, who: str) -> None:
     try:  # (written so that NaN fails too; and a string, which does not compare)
-        good = bool(lr >= 0 and momentum >= 0 and weight_decay >= 0)
+        good = bool(lr >= 0 and momentum >= 0 and weight_decay >= 0
+                    and math.isfinite(lr + momentum + weight_decay))
     except (TypeError, ValueError):  # (ValueError: an array of several)
         good = False
     if not good:
-        raise ValueError(f"{who}: need lr >= 0, momentum >= 0, weight_decay >= 0; got "
+        raise ValueError(f"{who}: need lr >= 0, momentum >= 0, weight_decay >= 0, all finite; got "
                          f"lr={lr!r}, momentum={momentum!r}, weight_decay={weight_decay!r}")
 
 
 def _check_adam_settings(lr, betas, eps, weight_decay, who: str) -> None:
     try:
         good = bool(len(betas) == 2 and lr >= 0 and 0 <= betas[0] < 1 and 0 <= betas[1] < 1
-                    and eps > 0 and weight_decay >= 0)
+                    and eps > 0 and weight_decay >= 0 and math.isfinite(lr + eps + weight_decay))
     except (TypeError, ValueError):  # (ValueError: an array of several)
         good = False
     if not good:
         raise ValueError(f"{who}: need lr >= 0, betas a pair with 0 <= each < 1, eps > 0, "
-                         f"weight_decay >= 0; got lr={lr!r}, betas={betas!r}, eps={eps!r}, "
-                         f"weight_decay={weight_decay!r}")
+                         f"weight_decay >= 0, all finite; got lr={lr!r}, betas={betas!r}, "
+                         f"eps={eps!r}, weight_decay={weight_decay!r}")
 
 
 _SETTING_NAMES = ("lr", "momentum", "betas", "eps", "weight_decay")

@@ -11,7 +11,7 @@ import pytest
 from mpi4py import MPI
 
 import ringreduce as rr
-from launch import ROOT
+from launch import ROOT, job_env
 from ringreduce import _core
 from ringreduce._mpi_check import (check_same_mpi, first_line, loaded_mpi_library,
                                    mpiexec_of_loaded_mpi, rebuild_hint)
@@ -70,10 +70,18 @@ def test_the_rebuild_hint_names_the_mpicc_of_the_loaded_mpi(tmp_path, monkeypatc
         (debian / name).write_text("#!/bin/sh\n")
         (debian / name).chmod(0o755)
     monkeypatch.setenv("PATH", str(debian))
-    elsewhere = "7f2000-7f3000 r-xp 00000000 08:01 13 /nowhere/x86_64-linux-gnu/libmpi.so.40\n"
+    elsewhere = "7f2000-7f3000 r-xp 00000000 08:01 13 /usr/lib/x86_64-linux-gnu/nowhere/libmpi.so.40\n"
     assert f"`MPICC={debian}/mpicc.openmpi pip" in rebuild_hint(OPEN_MPI, elsewhere)
     assert f"`MPICC={debian}/mpicc.mpich pip" in rebuild_hint(MPICH, elsewhere)
     assert "`MPICC=/path/to/mpicc pip" in rebuild_hint(MPICH, "")  # (nothing to go on)
+    # Intel MPI's layout: intel64/lib/release/libmpi.so.12, intel64/bin/mpicc.
+    intel = tmp_path / "intel64"
+    (intel / "lib" / "release").mkdir(parents=True)
+    (intel / "bin").mkdir()
+    (intel / "bin" / "mpicc").write_text("#!/bin/sh\n")
+    (intel / "bin" / "mpicc").chmod(0o755)
+    there = f"7f2000-7f3000 r-xp 00000000 08:01 13 {intel}/lib/release/libmpi.so.12\n"
+    assert f"`MPICC={intel}/bin/mpicc pip" in rebuild_hint(INTEL, there)
     # This process: mpi4py's library, which is loaded, named.
     if sys.platform.startswith("linux"):
         assert os.path.basename(loaded_mpi_library() or "").startswith(("libmpi", "libmpich"))
@@ -200,12 +208,29 @@ def test_a_singleton_that_the_launcher_says_is_one_of_several_is_warned(world, e
         assert said[0].endswith(f"start the job with that MPI's mpiexec ({right})"), said
 
 
+@pytest.mark.skipif(not os.path.exists("/usr/lib/x86_64-linux-gnu/libmpich.so.12"),
+                    reason="needs a second MPICH library to load")
+def test_a_library_loaded_after_the_import_does_not_pass_for_mpi4pys():
+    # (From a review.) A core built against another MPICH has that library mapped
+    # too, once it has loaded, at a lower address: the hint named it, the very MPI the
+    # core was built for. The map is read before the core loads.
+    code = ("import ctypes, ringreduce\n"
+            "from ringreduce._mpi_check import loaded_mpi_library\n"
+            "before = loaded_mpi_library(family='MPICH')\n"
+            "ctypes.CDLL('/usr/lib/x86_64-linux-gnu/libmpich.so.12')\n"
+            "print(before, loaded_mpi_library(family='MPICH'), flush=True)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, env=job_env())
+    before, after = done.stdout.split()
+    assert before == after != "/usr/lib/x86_64-linux-gnu/libmpich.so.12", done.stdout
+
+
 def test_the_launcher_of_the_loaded_mpi_is_found_beside_its_mpicc(tmp_path, monkeypatch):
     for name in ("mpicc.mpich", "mpiexec.mpich", "mpicc.openmpi"):
         (tmp_path / name).write_text("#!/bin/sh\n")
         (tmp_path / name).chmod(0o755)
     monkeypatch.setenv("PATH", str(tmp_path))
-    maps = "7f2000-7f3000 r-xp 00000000 08:01 13 /nowhere/x86_64-linux-gnu/libmpich.so.12\n"
+    maps = "7f2000-7f3000 r-xp 00000000 08:01 13 /usr/lib/x86_64-linux-gnu/nowhere/libmpich.so.12\n"
     assert mpiexec_of_loaded_mpi(MPICH, maps) == str(tmp_path / "mpiexec.mpich")
     assert mpiexec_of_loaded_mpi(OPEN_MPI, maps) is None  # (no mpiexec.openmpi beside it)
     assert mpiexec_of_loaded_mpi(MPICH, "") is None

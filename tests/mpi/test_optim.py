@@ -1503,6 +1503,14 @@ def test_parameters_that_share_memory_are_refused(make):
             make(params)
         with pytest.raises(ValueError, match=words):
             DistributedOptimizer(types.SimpleNamespace(params=params, step=lambda grads: None))
+    # Past the exact comparisons' cap, the same view listed twice is still refused (from
+    # a review: the sweep had stopped there).
+    columns = [M[:, i] for i in range(4)]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(optim, "_EXACT_COMPARISONS", 0)
+        with pytest.raises(ValueError, match=r"params\[3\] and params\[4\] share memory"):
+            make(columns + [M[:, 3]])
+        make(columns)  # (interleaved, apart: not compared exactly, let be)
     # Views that share no element are parameters apart, though their spans overlap.
     apart = [V[::2], V[1::2], M[:, 0], M[1, 1:], np.zeros(0), np.zeros(0)]
     opt = DistributedOptimizer(make(apart))
@@ -1566,7 +1574,7 @@ def test_an_lr_of_0_is_a_setting_like_any_other_and_a_bad_one_stops_the_step(mak
     again = type(opt.optimizer)([np.zeros(2)], lr=0)  # (made with 0 too)
     assert again.lr == 0
     name = type(opt.optimizer).__name__
-    for bad in (-0.1, float("nan")):
+    for bad in (-0.1, float("nan"), float("inf")):
         opt.lr = bad  # (the same on every rank: each refuses the step, none updates)
         with pytest.raises(ValueError, match=rf"^{name}\.step: need lr >= 0, .*got lr={bad}"):
             opt.step([np.ones((4, 3))])
