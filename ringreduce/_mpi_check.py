@@ -63,10 +63,11 @@ def library_family(path: str) -> str | None:
 
 
 def mpicc_of(library: str | None, family: str) -> str | None:
-    """The mpicc of the MPI whose library this is: beside it (<prefix>/lib and
-    <prefix>/bin, as an mpich wheel in a venv and most installs lay them out), else
-    Debian's name for that family's (mpicc.mpich, mpicc.openmpi, whose libraries lie
-    elsewhere); None where neither is there."""
+    """The mpicc of the MPI whose library this is: for a distribution's (in /usr/lib),
+    the family's own name (Debian's mpicc.mpich, mpicc.openmpi); else bin/mpicc in one
+    of the three folders above the library's (<prefix>/lib, as an mpich wheel in a venv
+    and most installs lay it out, lib/x86_64-linux-gnu, Intel's intel64/lib/release);
+    None where there is none."""
     if not library:
         return None
     candidates = []

@@ -70,7 +70,8 @@ def test_the_rebuild_hint_names_the_mpicc_of_the_loaded_mpi(tmp_path, monkeypatc
         (debian / name).write_text("#!/bin/sh\n")
         (debian / name).chmod(0o755)
     monkeypatch.setenv("PATH", str(debian))
-    elsewhere = "7f2000-7f3000 r-xp 00000000 08:01 13 /usr/lib/x86_64-linux-gnu/nowhere/libmpi.so.40\n"
+    elsewhere = ("7f2000-7f3000 r-xp 00000000 08:01 13 "
+                 "/usr/lib/x86_64-linux-gnu/nowhere/libmpi.so.40\n")
     assert f"`MPICC={debian}/mpicc.openmpi pip" in rebuild_hint(OPEN_MPI, elsewhere)
     assert f"`MPICC={debian}/mpicc.mpich pip" in rebuild_hint(MPICH, elsewhere)
     assert "`MPICC=/path/to/mpicc pip" in rebuild_hint(MPICH, "")  # (nothing to go on)
