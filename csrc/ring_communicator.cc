@@ -337,9 +337,12 @@ void RingCommunicator::give_up(const char* collective, const TimeoutError& e) {
   else
     depart(Departure::GaveUp, e.waited_for);
   if (ended) throw TimeoutError(broken_ + ". " + kEndedAdvice);
+  // (The timeout's setting named only where the wait ran out: not after another
+  // rank's departure, which no timeout would have waited out.)
   throw TimeoutError(broken_ +
                      ". This Communicator can no longer be used on this rank; to go on, make a "
-                     "new one on every rank (Communicator(timeout=...) sets the timeout)");
+                     "new one on every rank" +
+                     (first.rank >= 0 ? "" : " (Communicator(timeout=...) sets the timeout)"));
 }
 
 void RingCommunicator::depart(Departure why, int waited_for, bool over_mpi) {
