@@ -179,6 +179,22 @@ def test_bad_out_says_what_is_wrong(comm):
     still_works(comm)
 
 
+@pytest.mark.parametrize("n", [8, 100_000])
+def test_a_read_only_x_in_place_is_refused_after_the_fast_path_has_seen_its_kind(n, comm):
+    # (From a review: a mutant of the FastPath's own check survived.) The first call of
+    # a dtype and op takes the general path, which refuses it; the later ones went
+    # through the FastPath, whose check no test reached: written there, the read-only
+    # array would have been overwritten.
+    comm.allreduce(np.ones(n))  # (float64 sums seen: the FastPath takes the next)
+    x = np.ones(n)
+    x.flags.writeable = False
+    for call in (comm.allreduce, comm.allreduce_async):
+        with pytest.raises(ValueError, match=r"out is read-only"):
+            call(x, out=x)
+        assert (x == 1).all()
+    still_works(comm)
+
+
 def test_gpu_like_arrays_get_a_clear_error(comm):
     class FakeDeviceArray:
         __cuda_array_interface__ = {"shape": (3,), "typestr": "<f4", "data": (0, False),
