@@ -169,3 +169,52 @@ def test_shared_memory_until_it_has_a_time_of_its_own():
     assert picks == [SHM, MPI, STREAM] * TURNS + [SHM, SHM]
     tuner.record(MIB, SHM, 1.0)
     assert tuner.choose(MIB) == MPI
+
+
+def seconds(ns_per_byte, nbytes=MIB):
+    """The time of a call of nbytes at ns_per_byte."""
+    return ns_per_byte * nbytes / 1e9
+
+
+# Boundaries a mutation review (helper 170) found no test held: each only changes which
+# wire is chosen, never a result, so only tests of the tuner on its own see them.
+
+def test_a_size_class_runs_from_a_power_of_two_to_just_below_the_next():
+    tuner = _core.WireTuner()
+    run(tuner, 3 * TURNS, {SHM: 50, MPI: 20, STREAM: 80})  # (1 MiB's class learnt)
+    assert tuner.choose(2 * MIB - 1) == MPI  # (the same class: no turns)
+    assert choices(tuner, MIB - 1, 3) == [SHM, MPI, STREAM]  # (another: its own turns)
+
+
+def test_on_a_tie_shared_memory_stays():
+    tuner = _core.WireTuner()
+    run(tuner, 3 * TURNS, {SHM: 50, MPI: 50, STREAM: 80})
+    assert tuner.choose(MIB) == SHM
+
+
+def test_two_times_of_a_wire_count_by_their_mean():
+    tuner = _core.WireTuner(streaming=False)
+    for _ in range(3):
+        tuner.record(MIB, SHM, seconds(50))
+    tuner.record(MIB, MPI, seconds(20))
+    tuner.record(MIB, MPI, seconds(70))  # (mean 45: faster than 50; the last alone is not)
+    choices(tuner, MIB, 2 * TURNS)  # (the turns: MPI has fewer than three times)
+    assert tuner.choose(MIB) == MPI
+
+
+def test_one_time_of_each_wire_still_leaves_the_turns_to_take():
+    tuner = _core.WireTuner()
+    for wire, ns in ((SHM, 50), (MPI, 20), (STREAM, 80)):
+        tuner.record(MIB, wire, seconds(ns))
+    assert choices(tuner, MIB, 3 * TURNS) == [SHM, MPI, STREAM] * TURNS
+
+
+def test_a_wire_exactly_far_slower_is_not_backed_off():
+    nbytes = 10 ** 9  # (whole nanoseconds per byte: the ratio is exact)
+    tuner = _core.WireTuner()
+    for _ in range(3):
+        tuner.record(nbytes, SHM, seconds(2.0, nbytes))
+    tuner.record(nbytes, MPI, seconds(2.0 * FAR_SLOWER, nbytes))
+    assert tuner.back_off(nbytes, MPI) == 0
+    tuner.record(nbytes, MPI, seconds(2.0 * FAR_SLOWER * 1.01, nbytes))
+    assert tuner.back_off(nbytes, MPI) == 1
