@@ -84,11 +84,17 @@ def mpicc_of(library: str | None, family: str) -> str | None:
     return next((c for c in candidates if c and os.access(c, os.X_OK)), None)
 
 
+def _loaded_mpi_and_mpicc(loaded_version: str, maps: str | None) -> tuple:
+    """(the library of the MPI this process loaded, its mpicc), each None if unknown."""
+    family = loaded_family(loaded_version)
+    library = loaded_mpi_library(maps, family)
+    return library, mpicc_of(library, family)
+
+
 def mpiexec_of_loaded_mpi(loaded_version: str, maps: str | None = None) -> str | None:
     """The launcher of the MPI this process loaded: beside its mpicc (see mpicc_of) and
     named like it (mpicc.mpich: mpiexec.mpich); None where there is none to be found."""
-    family = loaded_family(loaded_version)
-    mpicc = mpicc_of(loaded_mpi_library(maps, family), family)
+    mpicc = _loaded_mpi_and_mpicc(loaded_version, maps)[1]
     if mpicc is None:
         return None
     name = os.path.basename(mpicc)
@@ -99,9 +105,7 @@ def mpiexec_of_loaded_mpi(loaded_version: str, maps: str | None = None) -> str |
 def rebuild_hint(loaded_version: str, maps: str | None = None) -> str:
     """What to do about a core built for another MPI: rebuild it with the mpicc of the
     one mpi4py loaded, named where it can be found."""
-    family = loaded_family(loaded_version)
-    library = loaded_mpi_library(maps, family)
-    mpicc = mpicc_of(library, family)
+    library, mpicc = _loaded_mpi_and_mpicc(loaded_version, maps)
     where = f" ({library})" if library else ""
     return (f"Rebuild ringreduce with the mpicc of mpi4py's MPI{where}: "
             f"`MPICC={mpicc or '/path/to/mpicc'} pip install --force-reinstall --no-deps .` "

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import heapq
+import math
 import zlib
 
 import numpy as np
@@ -260,17 +261,25 @@ def _overlapping(grads, plan) -> set:
 
 
 def span_of(g) -> tuple[int, int] | None:
-    """The bytes g spans, numpy's or a GPU array's (None for anything else). Host and
-    GPU memory share one address space under CUDA's unified addressing, so the two
-    kinds of span never overlap each other."""
+    """The bytes g spans, numpy's or a GPU array's (from its shape and strides, as
+    numpy's byte_bounds; None for anything else). Host and GPU memory share one address
+    space under CUDA's unified addressing, so the two kinds of span never overlap each
+    other."""
     if isinstance(g, np.ndarray):
         return byte_bounds(g)
     interface = getattr(g, "__cuda_array_interface__", None)
     if interface is None:
         return None
-    # Only a C-contiguous one is reduced in place, and that spans nbytes from its start.
-    start = interface["data"][0]
-    return start, start + g.nbytes
+    start, shape = interface["data"][0], tuple(interface["shape"])
+    if 0 in shape:
+        return start, start
+    itemsize = np.dtype(interface["typestr"]).itemsize
+    strides = interface.get("strides")
+    if strides is None:  # (C-contiguous)
+        return start, start + math.prod(shape) * itemsize
+    low = sum((n - 1) * s for n, s in zip(shape, strides) if s < 0)
+    high = sum((n - 1) * s for n, s in zip(shape, strides) if s > 0)
+    return start + low, start + high + itemsize
 
 
 def _flat(grads, indices, shared: set, size: int):

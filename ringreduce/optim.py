@@ -58,8 +58,9 @@ def _check_params_apart(params: list, who: str) -> None:
     views): each step would update those bytes twice, with both gradients, silently.
     (A sweep over the bytes they span: each pair whose spans overlap is then compared
     exactly, as two views may interleave without sharing a byte.)"""
-    spans = sorted((span, i) for i, p in enumerate(params)
-                   for span in [_span_of_param(p)] if span is not None and span[1] > span[0])
+    bounds = [span_of(p) for p in params]
+    spans = sorted((span, i) for i, span in enumerate(bounds)
+                   if span is not None and span[1] > span[0])
     active: list = []  # (end, index) of the spans before that may reach further
     compared = 0
     for (lo, hi), i in spans:
@@ -68,8 +69,13 @@ def _check_params_apart(params: list, who: str) -> None:
         for _, j in active:
             a, b = params[min(i, j)], params[max(i, j)]
             compared += 1
-            if a is not b and not (_same_view(a, b) if compared > _EXACT_COMPARISONS
-                                   else _share_memory(a, b)):
+            if compared > _EXACT_COMPARISONS:  # (the cheap tests only: the same view)
+                shared = _both_contiguous(a, b) or (
+                    bounds[i] == bounds[j] and a.shape == b.shape
+                    and getattr(a, "strides", None) == getattr(b, "strides", None))
+            else:
+                shared = _share_memory(a, b)
+            if a is not b and not shared:
                 continue
             raise ValueError(f"{who}: params[{min(i, j)}] and params[{max(i, j)}] "
                              f"{'are the same array' if a is b else 'share memory'}: each "
@@ -79,46 +85,18 @@ def _check_params_apart(params: list, who: str) -> None:
         heapq.heappush(active, (hi, i))
 
 
-def _span_of_param(p) -> tuple[int, int] | None:
-    """The bytes p spans (numpy's, or a GPU array's from its shape and strides)."""
-    if isinstance(p, np.ndarray):
-        return span_of(p)
-    interface = getattr(p, "__cuda_array_interface__", None)
-    if interface is None:
-        return None
-    start, shape = interface["data"][0], tuple(interface["shape"])
-    if 0 in shape:
-        return start, start
-    itemsize = np.dtype(interface["typestr"]).itemsize
-    strides = interface.get("strides") or _contiguous_strides(shape, itemsize)
-    low = sum((n - 1) * s for n, s in zip(shape, strides) if s < 0)
-    high = sum((n - 1) * s for n, s in zip(shape, strides) if s > 0)
-    return start + low, start + high + itemsize
-
-
-def _contiguous_strides(shape: tuple, itemsize: int) -> tuple:
-    strides, step = [], itemsize
-    for n in reversed(shape):
-        strides.append(step)
-        step *= n
-    return tuple(reversed(strides))
-
-
 _TOO_HARD = getattr(np, "exceptions", np).TooHardError  # (numpy 1.25 moved it)
 
 
-def _same_view(a, b) -> bool:
-    """The cheap tests of sharing: the same bytes seen alike, or two contiguous arrays
-    (whose spans, overlapping, are their elements)."""
-    contiguous = all(getattr(getattr(p, "flags", None), "c_contiguous", False) for p in (a, b))
-    return contiguous or (_span_of_param(a) == _span_of_param(b) and a.shape == b.shape
-                          and getattr(a, "strides", None) == getattr(b, "strides", None))
+def _both_contiguous(a, b) -> bool:
+    """Both C-contiguous: their spans are their elements, so overlapping spans share."""
+    return all(getattr(getattr(p, "flags", None), "c_contiguous", False) for p in (a, b))
 
 
 def _share_memory(a, b) -> bool:
     """Whether two arrays whose spans overlap share an element: numpy's exact answer
     (or, where that is too hard to find, yes), cupy's where it has one, else whether
-    both are contiguous (their spans are their elements then)."""
+    both are contiguous."""
     if isinstance(a, np.ndarray) and isinstance(b, np.ndarray):
         try:
             return bool(np.shares_memory(a, b, max_work=10_000))
@@ -127,8 +105,7 @@ def _share_memory(a, b) -> bool:
     xp = array_module(a)
     if xp is not np and xp is array_module(b) and hasattr(xp, "shares_memory"):
         return bool(xp.shares_memory(a, b))
-    return bool(getattr(a, "flags", None) is not None and a.flags.c_contiguous
-                and getattr(b, "flags", None) is not None and b.flags.c_contiguous)
+    return _both_contiguous(a, b)
 
 
 def _check_grads(grads, params, who: str) -> list:
