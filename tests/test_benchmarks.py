@@ -178,7 +178,7 @@ def test_bench_gradients_checks_what_each_candidate_computed():
              "b.check_averaged({n: g for n, g in averaged.items() if n != 'MPI per array'}, 'x')\n"
              "print('fine', flush=True)\n"
              "b.check_averaged(averaged, '3 x 64 B')\n")
-    done = subprocess.run([mpiexec(), "-n", "2", sys.executable, "-c", check],
+    done = subprocess.run([mpiexec(), "-n", "2", sys.executable, "-m", "mpi4py", "-c", check],
                           capture_output=True, text=True, timeout=120, env=job_env(), cwd=ROOT)
     assert done.returncode != 0 and done.stdout.count("fine") == 2, done.stderr
     assert "3 x 64 B: wrong results from MPI per array (every element should be 1.5)" \
