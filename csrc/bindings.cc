@@ -1673,6 +1673,8 @@ PYBIND11_MODULE(_core, m) {
       py::arg("n"), py::arg("seconds"), py::arg("every") = 0,
       "tests: the host emulation of a GPU stalls its n-th copy or kernel from now (0: none), "
       "then every `every`-th (0: only that one)");
+  m.def("set_shm_send_pause", &set_shm_send_pause, py::arg("seconds"),
+        "tests: every chunk sent here over shared memory from now on waits this long (0: none)");
   m.def("set_shm_broadcast_pause", &set_shm_broadcast_pause, py::arg("seconds"),
         "tests: the next shared-memory broadcast here sleeps this long before its ring");
   m.def("set_creation_pause", &set_creation_pause, py::arg("step"), py::arg("seconds"),

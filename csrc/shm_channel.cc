@@ -424,6 +424,12 @@ void ShmChannel::sent() { __atomic_store_n(my_published_, ++sent_, __ATOMIC_RELE
 
 void ShmChannel::received() { __atomic_store_n(my_consumed_, ++received_, __ATOMIC_RELEASE); }
 
+namespace {
+std::atomic<double> send_pause_s{0};  // see set_shm_send_pause()
+}  // namespace
+
+void set_shm_send_pause(double seconds) { send_pause_s = seconds; }
+
 // The polling loop under every shared-memory call: publish our sends in order (send i
 // once ready(i, chunks received so far) and the right neighbour has freed a slot), and
 // consume the left neighbour's chunks in order as it publishes them. Each side of a
@@ -449,6 +455,8 @@ void ShmChannel::pump(int64_t sends, int64_t recvs, int left, int right, Ready r
       taken = now;
     }
     while (next_send < sends && ready(next_send, next_recv) && can_send()) {
+      if (const double pause = send_pause_s.load(std::memory_order_relaxed); pause > 0)
+        std::this_thread::sleep_for(std::chrono::duration<double>(pause));
       bytes_sent_.store(bytes_sent_.load(std::memory_order_relaxed) +
                             send(next_send, my_slot(sent_)), std::memory_order_relaxed);
       sent();

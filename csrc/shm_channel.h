@@ -37,6 +37,10 @@ class MpiTransport;
 // Tests: the next shared-memory broadcast in this process sleeps this long between its
 // header exchange and its ring, as a rank stuck there would.
 void set_shm_broadcast_pause(double seconds);
+// Tests: every chunk this process sends over shared memory from now on waits this long
+// first (0: none), as on a slow but moving ring: a call that takes several timeouts in
+// all, with chunks coming throughout, must not time out.
+void set_shm_send_pause(double seconds);
 
 class ShmChannel {
  public:

@@ -844,6 +844,29 @@ def test_a_long_call_that_keeps_moving_never_times_out(world):
     world.Barrier()
 
 
+@needs_two
+def test_a_long_call_on_shared_memory_that_keeps_moving_never_times_out(world, monkeypatch):
+    # As above, on the host ring over shared memory: every rank waits 0.05 s before each
+    # chunk it sends, so its neighbour idles between chunks (reading the clock), and the
+    # call takes several timeouts in all. The clock must start again at each chunk.
+    ring = a_ring_over("shared memory", monkeypatch, chunk_bytes=2048)
+    n = 1 << 14  # 64 KiB: past the header, 2048-byte chunks (some 32 sends or more)
+    x = np.arange(n, dtype=np.float32) + RANK
+    world.Barrier()
+    _core.set_shm_send_pause(0.05)
+    start = time.monotonic()
+    try:
+        out = ring.allreduce(x)
+    finally:
+        _core.set_shm_send_pause(0)
+    took = world.allreduce(time.monotonic() - start, op=MPI.MAX)
+    assert took > 3 * TIMEOUT, f"the call took {took:.2f} s: too short to show anything"
+    expected = SIZE * np.arange(n, dtype=np.float32) + SIZE * (SIZE - 1) / 2
+    np.testing.assert_array_equal(out, expected)
+    ring.close()
+    world.Barrier()
+
+
 def test_timeout_values(monkeypatch):
     monkeypatch.delenv("RINGREDUCE_TIMEOUT", raising=False)  # (a harness may set it)
     with rr.Communicator() as ring:
