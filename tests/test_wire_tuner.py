@@ -218,3 +218,16 @@ def test_a_wire_exactly_far_slower_is_not_backed_off():
     assert tuner.back_off(nbytes, MPI) == 0
     tuner.record(nbytes, MPI, seconds(2.0 * FAR_SLOWER * 1.01, nbytes))
     assert tuner.back_off(nbytes, MPI) == 1
+
+
+def test_only_a_look_faster_than_the_fastest_gets_a_second_look_at_once():
+    nbytes = 10 ** 9  # (whole nanoseconds per byte: the times compare exactly)
+    tuner = _core.WireTuner(streaming=False)
+    for wire, ns in ((SHM, 2.0), (MPI, 3.0)):
+        for _ in range(3):
+            tuner.record(nbytes, wire, seconds(ns, nbytes))
+    assert tuner.choose(nbytes) == SHM  # (every wire has its times: no turns)
+    tuner.record(nbytes, MPI, seconds(2.0, nbytes))  # a look as fast as the fastest...
+    assert tuner.choose(nbytes) == SHM  # ...is no reason to look again
+    tuner.record(nbytes, MPI, seconds(1.99, nbytes))  # a faster one is (its median ties)
+    assert choices(tuner, nbytes, 2) == [MPI, SHM]  # (one look, then the fastest again)
