@@ -620,7 +620,8 @@ def test_close_refuses_calls_other_threads_make_meanwhile(world):
     took = time.monotonic() - start
     caller.join()
     assert ring.closed
-    assert took < 30, took  # (not until the caller gave up)
+    # Milliseconds here; not until the caller gave up (60 s), nor by the timeout (20 s).
+    assert took < 10, took
     assert refused and re.search("being closed|has been closed", str(refused[0])), refused
     world.Barrier()
 
