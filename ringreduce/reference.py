@@ -1,7 +1,7 @@
 """Ring all-reduce in plain numpy over mpi4py point-to-point calls: the algorithm of
 ringreduce's C++ core, written to be read. The tests hold the core to the same answers
-bit for bit, so this file is also the core's specification (but for one detail, at
-the end).
+bit for bit, so this file is also the core's specification (but for the sign of a NaN,
+at the end).
 
 Each of p ranks holds an array x of N bytes. Cut it into p segments (like
 np.array_split). Every rank sends only to its right neighbour and receives only from its
@@ -235,8 +235,8 @@ def allgather(x, comm=MPI.COMM_WORLD, ring=None) -> np.ndarray:
 def naive_allreduce(x, op: str = "sum", comm=MPI.COMM_WORLD, root: int = 0) -> np.ndarray:
     """The parameter-server way, for contrast: every rank sends its whole x to the root,
     which reduces them one by one and sends the result back to every rank. The root moves
-    (p-1)·N bytes in and (p-1)·N out while the other ranks wait; the ring spreads
-    2(p-1)/p·N over every rank."""
+    (p-1)·N bytes in and (p-1)·N out while the other ranks wait; the ring moves
+    2(p-1)/p·N in and the same out on every rank."""
     rank, size = comm.Get_rank(), comm.Get_size()
     x, op = _checked(x, op, "naive_allreduce")
     result = np.array(x, copy=True).reshape(-1)
