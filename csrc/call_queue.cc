@@ -55,7 +55,8 @@ bool CallQueue::push(std::shared_ptr<Call> call) {
     if (!wake) ++s.turns_unwoken;
     if (!call->runs_anywhere()) s.worker_called = true;  // (a call only it may run)
     s.queue.push_back(std::move(call));
-    // (While stop() waits, its thread runs this call before it ends.)
+    // (While stop() waits, its thread runs this call before it ends; once that thread
+    // has found the queue empty, it has cleared `stopping`, and a new one starts here.)
     if (s.thread == nullptr && !s.stopping) {
       try {
         start(state_);
@@ -174,10 +175,7 @@ void CallQueue::stop(bool wait) {
     thread->detach();  // it ends once the queue is empty (and keeps its State until then)
     return;
   }
-  thread->join();
-  std::lock_guard<std::mutex> lock(s.mutex);
-  s.stopping = false;
-  if (!s.queue.empty()) start(state_);  // queued after the thread had found the queue empty
+  thread->join();  // (a call queued after it had found the queue empty started a new one)
 }
 
 bool CallQueue::run_here(const std::weak_ptr<State>& queue, const Call& target,
@@ -305,9 +303,13 @@ void CallQueue::loop(const std::shared_ptr<State>& state) {
         if (ready()) break;
       }
       if (s.queue.empty()) {  // stopping, with nothing left to run
-        if (s.detached) {  // no stop() will join this thread and clear the flags
+        // From here on this thread runs no call: one queued now needs a new thread,
+        // which push() starts (and, where none can be made, refuses the call, as it
+        // would any time), not the stop() that joins this one (if any), after the join:
+        // a thread it could not make there left the call queued for no thread at all.
+        s.stopping = false;
+        if (s.detached) {  // no stop() will join this thread
           s.detached = false;
-          s.stopping = false;
           was_detached = true;
         }
         break;
