@@ -12,19 +12,48 @@ from .communicator import Communicator, checked_mpi_comm, mpi_unusable_here
 # The Communicator made for an MPI communicator hangs on the communicator itself, as an
 # MPI attribute: every mpi4py object for the same communicator (a new one per call, as
 # petsc4py's tompi4py() gives) finds it, a Dup() or a new communicator at a reused
-# handle does not, and one the user frees drops it. _made keeps each alive, here, until
-# the process ends (closing is collective), and so out of MPI_Finalize, which deletes
-# some communicators' attributes.
+# handle does not. _made keeps each alive, here, until the process ends (closing is
+# collective), and so out of MPI_Finalize, which deletes some communicators'
+# attributes; but not past the user's own Free() of its MPI communicator (see
+# _on_free): one Communicator kept per communicator a loop makes and frees kept an MPI
+# communicator and its shared memory each, and MPICH ran out of communicators after
+# 2045 of them.
 _keyval = None
 _keyval_made = threading.Lock()  # (two threads' first calls would make two)
 _made: list = []
+_freed: list = []  # Communicators whose MPI communicator the user freed, to be dropped
 _making: dict = {}  # a lock per MPI communicator (handle), for making its Communicator
+
+
+def _on_free(comm, keyval, ring):
+    # The user freed the MPI communicator (MPI_Comm_free, on each of its ranks): its
+    # Communicator is dropped, as one the user made and dropped, which frees its own
+    # duplicate once every rank has dropped it. Not here, inside MPI's call, where its
+    # __del__ could call MPI, but at the next module-level call (or at exit, with the
+    # others). MPI_Finalize deletes the predefined communicators' attributes: theirs
+    # were finished at exit already, and stay where they are.
+    if comm != MPI.COMM_WORLD and comm != MPI.COMM_SELF:
+        _freed.append(ring)
+
+
+def _drop_freed() -> None:
+    while _freed:
+        try:
+            ring = _freed.pop()
+        except IndexError:  # (another thread took the last)
+            break
+        try:
+            _made.remove(ring)
+        except ValueError:
+            pass
 
 
 def _communicator(comm, caller: str) -> Communicator:
     global _keyval
     if isinstance(comm, Communicator):
         return comm
+    if _freed:
+        _drop_freed()
     if comm is None and not mpi_unusable_here():
         comm = MPI.COMM_WORLD
     else:  # (the error, if any, names the function called, not the Communicator)
@@ -32,7 +61,7 @@ def _communicator(comm, caller: str) -> Communicator:
     if _keyval is None:
         with _keyval_made:
             if _keyval is None:
-                _keyval = MPI.Comm.Create_keyval()
+                _keyval = MPI.Comm.Create_keyval(delete_fn=_on_free)
     ring = comm.Get_attr(_keyval)
     if ring is not None and not ring.closed:
         return ring

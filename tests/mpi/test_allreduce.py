@@ -317,6 +317,38 @@ def test_module_level_functions_keep_one_communicator_per_mpi_communicator(world
         sub.Free()
 
 
+def test_the_communicator_kept_for_an_mpi_communicator_the_user_frees_is_let_go(world):
+    # (From a review.) Kept for good before: a loop that splits, calls rr.allreduce on
+    # the part and frees it kept an MPI communicator (and shared memory) per turn, and
+    # MPICH ran out of communicators at turn 2045.
+    import gc
+    import warnings
+    import weakref
+
+    from ringreduce import _shortcuts
+
+    x = rank_data(np.dtype(np.float64), 10)
+    color = world.Get_rank() % 2
+    members = world.allgather(color)
+    expected = sum(a for a, c in zip(world.allgather(x), members) if c == color)
+    made_before, kept = len(_shortcuts._made), []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (ours: no ResourceWarning for an unclosed one)
+        for _ in range(5):
+            sub = world.Split(color, key=world.Get_rank())
+            np.testing.assert_allclose(rr.allreduce(x, comm=sub), expected, rtol=1e-12,
+                                       atol=1e-12)
+            kept.append(weakref.ref(_shortcuts._communicator(sub, "test")))
+            sub.Free()
+        # The next module-level call lets go of them (not MPI_Comm_free's callback).
+        np.testing.assert_allclose(rr.allreduce(x), sum(world.allgather(x)), rtol=1e-12,
+                                   atol=1e-12)
+        gc.collect()
+    assert len(_shortcuts._made) <= made_before + 1  # (COMM_WORLD's, if not made before)
+    assert [ref() for ref in kept] == [None] * 5
+    world.Barrier()
+
+
 def test_two_threads_first_module_level_calls_at_once_make_one_communicator(world):
     # Both threads found no Communicator for the communicator and made one each: two
     # collective makings on this rank, against one on a rank whose second thread came
