@@ -209,14 +209,15 @@ def check_op_for_dtype(op: int, dtype_code: int, context: str) -> None:
 validated_pairs: dict = {}
 
 
-def reduction_codes(dtype: np.dtype, op, context: str) -> tuple[int, int]:
-    """(dtype code, op code) for a reduction of `dtype` by `op`, or a clear error."""
+def reduction_codes(dtype: np.dtype, op, context: str, argument: str = "x") -> tuple[int, int]:
+    """(dtype code, op code) for a reduction of `dtype` by `op`, or a clear error (naming
+    `argument`, the array of that dtype)."""
     key = op if isinstance(op, str) else _mpi_op_key(op)
     try:
         return validated_pairs[dtype][key]
     except KeyError:
         pass
-    code = dtype_code(dtype, "x", context)
+    code = dtype_code(dtype, argument, context)
     codes = code, op_code(op, context, _core.DTYPES[code])
     check_op_for_dtype(codes[1], codes[0], context)
     if key is not None:

@@ -1554,6 +1554,8 @@ class Communicator:
     def _prepare_broadcast(self, context, x, root):
         if _device.is_device_array(x):
             return _device.prepare_broadcast(self, context, x, root)
+        if isinstance(x, np.generic):
+            t.reject_not_an_array(x, "x", context, "broadcast works in place")
         if not isinstance(x, np.ndarray):
             raise TypeError(f"{context}: x must be a numpy.ndarray or a GPU array (broadcast "
                             f"works in place), got {type(x).__name__}"

@@ -224,7 +224,8 @@ def _plan_and_check(grads, layout, code: int, bucket_bytes: int, where: str):
         # Every bucket's dtype with op, checked here: rejected in a later call, it would
         # leave the gradients reduced in place before it reduced and the rest not.
         for indices in plan:
-            reduction_codes(native(grads[indices[0]].dtype), OPS[code], where)
+            reduction_codes(native(grads[indices[0]].dtype), OPS[code], where,
+                            f"grads[{indices[0]}]")
         found = (plan, _check_of(grads, code, plan), places)
         if len(_PLANS) >= 64:  # (a program that keeps changing its layout)
             _PLANS.clear()

@@ -999,6 +999,8 @@ def test_every_broadcast_argument_error_names_the_call_the_argument_the_value_an
              ((np.ones(3, ">f4"),), {}, TypeError, r"x has non-native byte order \(>f4\)"),
              (([1.0],), {}, TypeError, r"x must be a numpy.ndarray .*got list"),
              ((np.ones(3, object),), {}, TypeError, r"x has dtype object"),
+             ((np.float64(1),), {}, TypeError, r"x is a numpy scalar \(float64\), but "
+              r"broadcast works in place; pass a 0-d array"),
              ((np.ma.masked_array(np.ones(3), mask=[0, 1, 0]),), {}, TypeError,
               r"x is a masked array with masked elements")]
     if not rr.cuda_available():  # (with a GPU, the fake array is read as a GPU array)

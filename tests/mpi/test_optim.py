@@ -1060,6 +1060,8 @@ def test_allreduce_gradients_errors_on_one_rank_name_the_rank():
                 ([np.zeros(2)], {"bucket_mb": -1}, ValueError, "bucket_mb must be"),
                 ([np.zeros(2), frozen], {}, ValueError, r"grads\[1\] is read-only"),
                 ([np.float64(1)], {}, TypeError, r"grads\[0\] is a numpy scalar"),
+                ([np.ones(3), np.zeros(3, object)], {}, TypeError,
+                 r"grads\[1\] has dtype object, which is not supported"),
                 ([masked], {}, TypeError, r"grads\[0\] is a masked array")]:
             with pytest.raises(error, match=rf"^ringreduce\.allreduce_gradients {here}{match}"):
                 rr.allreduce_gradients(grads, comm=ring, **kwargs)
