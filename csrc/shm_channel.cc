@@ -1,6 +1,7 @@
 #include "shm_channel.h"
 
 #include <fcntl.h>
+#include <signal.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -54,7 +55,7 @@ struct Offer {
   int32_t ready;       // 1: made and mapped, and this rank wants the wire
   int32_t refused;     // if not: kTurnedOff, or the errno of the making (0: unknown)
   int32_t rank_order;  // 1: RINGREDUCE_RING=ranks here (see ring_order_by_machine)
-  int32_t unused = 0;
+  int32_t pid = 0;     // its process (see ShmChannel::check_alive())
 };
 
 constexpr int32_t kTurnedOff = -1;  // RINGREDUCE_SHM=0 on that rank
@@ -221,6 +222,7 @@ std::unique_ptr<ShmChannel> ShmChannel::create(MpiTransport& transport, int64_t 
   // file, so the others cannot map it and fall back together, or time out.
   Offer mine{};
   machine_of_this_process(mine.host, sizeof(mine.host));
+  mine.pid = static_cast<int32_t>(getpid());
   const char* ring_setting = std::getenv("RINGREDUCE_RING");
   mine.rank_order = ring_setting != nullptr && std::strcmp(ring_setting, "ranks") == 0;
   OwnMemory own{&mine};
@@ -298,6 +300,9 @@ std::unique_ptr<ShmChannel> ShmChannel::create(MpiTransport& transport, int64_t 
     return nullptr;  // (the destructor unmaps what was mapped)
   }
 
+  // (Every rank's pid is one of this rank's pid namespace: mapping through
+  // /proc/<pid>/fd found the token offered.)
+  for (int r = 0; r < size; ++r) channel->pids_.push_back(static_cast<pid_t>(offers[r].pid));
   const int64_t slots_at = kCounterBytes * 3 + channel->board_stride_ * 2;
   char* me = channel->parts_[rank];
   for (int r = 0; r < size; ++r) {
@@ -371,6 +376,50 @@ void ShmChannel::look_around() const {
   if (comm_ != MPI_COMM_NULL)
     MPI_Iprobe(MPI_ANY_SOURCE, MPI_ANY_TAG, comm_, &flag, MPI_STATUS_IGNORE);
   check_departures();
+  check_alive();
+}
+
+namespace {
+// Whether process `pid` has ended: gone, or a zombie that its parent has not reaped (a
+// launcher that lets the job run on, as MPICH's mpiexec -disable-auto-cleanup does,
+// may not reap it until the job ends).
+bool process_ended(pid_t pid) {
+  if (kill(pid, 0) != 0) return errno == ESRCH;  // (EPERM: it is there)
+#ifdef __linux__
+  char path[64];
+  std::snprintf(path, sizeof(path), "/proc/%d/stat", static_cast<int>(pid));
+  const int fd = open(path, O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return false;
+  char stat[512];
+  const ssize_t n = read(fd, stat, sizeof(stat) - 1);
+  close(fd);
+  if (n <= 0) return false;
+  stat[n] = 0;
+  // "pid (name) state ...": the name may hold anything, ')' too; the state follows the last.
+  const char* name_end = std::strrchr(stat, ')');
+  return name_end != nullptr && name_end[1] == ' ' && (name_end[2] == 'Z' || name_end[2] == 'X');
+#else
+  return false;
+#endif
+}
+}  // namespace
+
+void ShmChannel::check_alive() const {
+  const auto now = std::chrono::steady_clock::now();
+  if (now < next_alive_check_) return;
+  next_alive_check_ = now + kAliveCheckEvery;
+  for (int r = 0; r < static_cast<int>(pids_.size()); ++r) {
+    // (One that left said so, and check_departures() judged that.)
+    if (r == rank_ || pids_[r] <= 0 || __atomic_load_n(departures_[r], __ATOMIC_ACQUIRE) != 0)
+      continue;
+    if (!process_ended(pids_[r])) continue;
+    throw TimeoutError("rank " + std::to_string(r) + "'s process (pid " +
+                           std::to_string(pids_[r]) +
+                           ") has ended without leaving this communicator: killed (by a "
+                           "signal, or the out-of-memory killer), it could not tell the "
+                           "others, who would have waited out the timeout",
+                       r);
+  }
 }
 
 void ShmChannel::check_departures() const {

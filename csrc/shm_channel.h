@@ -18,6 +18,7 @@
 #pragma once
 
 #include <mpi.h>
+#include <sys/types.h>
 
 #include <atomic>
 #include <cstdint>
@@ -121,6 +122,13 @@ class ShmChannel {
   // that waits here, on shared memory alone, after an MPI-wire call would leave the
   // neighbour that sent to it waiting in that call forever.
   void look_around() const;
+  // Throws TimeoutError if another rank's process has ended without a departure note
+  // (killed: SIGKILL, the out-of-memory killer), which would otherwise leave every
+  // rank waiting on it for the whole timeout (30 minutes by default), where mpiexec
+  // does not end the job for it (Slurm's srun, by default, or mpiexec
+  // -disable-auto-cleanup). Asks the system at most every kAliveCheckEvery, from the
+  // waits' look_around() only.
+  void check_alive() const;
   DepartureNote departure(int r) const;  // rank r's, or rank -1 while it is in
 
   // Two boards per rank, used by alternate exchanges: before a rank may overwrite the
@@ -161,6 +169,9 @@ class ShmChannel {
   std::vector<const uint64_t*> exchanged_;    // each rank's count of posted exchanges
   uint64_t* my_exchanged_ = nullptr;
   std::vector<const uint64_t*> departures_;   // each rank's departure word
+  std::vector<pid_t> pids_;                   // each rank's process (check_alive())
+  static constexpr std::chrono::milliseconds kAliveCheckEvery{200};
+  mutable std::chrono::steady_clock::time_point next_alive_check_{};
   const StopRequest* stop_ = nullptr;
   uint64_t* my_departure_ = nullptr;
   int64_t exchange_ = 0;  // see set_exchange()

@@ -1203,3 +1203,69 @@ def test_no_ctrl_c_is_lost_where_handles_go(tmp_path):
                       abort_on_exception=False)
     assert "caught 100 lost 0" in done.stdout, done.stdout + done.stderr
     assert "Exception ignored" not in done.stderr, done.stderr
+
+
+KILLED_MID_JOB = """
+import os, signal, sys, time
+import numpy as np
+from mpi4py import MPI
+import ringreduce as rr
+
+# hydra tells the others of a rank that failed with SIGUSR1, whose default action ends
+# them: ignored, as a launcher that lets the job run on (Slurm's srun) sends nothing.
+signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+ring = rr.Communicator(timeout=300)
+x = np.ones(1 << 18)
+ring.allreduce(x)
+rank, last = ring.rank, ring.size - 1
+if ring.transport != "shared memory":
+    print("no shared memory", flush=True)
+    os._exit(0)
+if rank == last:
+    os.kill(os.getpid(), signal.SIGKILL)  # as the out-of-memory killer would
+start = time.monotonic()
+try:
+    for _ in range(100000):
+        ring.allreduce(x)
+except rr.CollectiveTimeoutError as error:
+    # (A file: mpiexec may end the job before its output reaches the test.)
+    with open(os.path.join(sys.argv[1], f"rank{rank}.txt"), "w") as f:
+        f.write(f"raised after {time.monotonic() - start:.1f} s: {error}")
+"""
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_a_rank_killed_mid_job_is_found_gone_long_before_the_timeout(ranks, tmp_path):
+    # A rank killed (SIGKILL, the out-of-memory killer) writes no departure note, and
+    # where the launcher does not end the job for it (Slurm's srun by default; here
+    # MPICH's mpiexec -disable-auto-cleanup, which also leaves it a zombie) the others
+    # waited on shared memory for the whole timeout (30 minutes by default; 300 s
+    # here). Its process is looked for now and then.
+    version = subprocess.run([mpiexec(), "--version"], capture_output=True, text=True,
+                             env=job_env()).stdout
+    if "HYDRA" not in version:
+        pytest.skip("needs MPICH's mpiexec (hydra), for -disable-auto-cleanup")
+    script = tmp_path / "killed.py"
+    script.write_text(KILLED_MID_JOB)
+    # (Should hydra end the job before a survivor has looked, it is tried again.)
+    for attempt in range(3):
+        found = tmp_path / f"attempt{attempt}"
+        found.mkdir()
+        try:
+            done = subprocess.run([mpiexec(), "-disable-auto-cleanup", "-n", str(ranks),
+                                   sys.executable, str(script), str(found)],
+                                  capture_output=True, text=True, timeout=150, env=job_env())
+        except subprocess.TimeoutExpired:
+            subprocess.run(["pkill", "-f", str(script)])
+            raise AssertionError("the others waited for the killed rank") from None
+        if "no shared memory" in done.stdout:
+            pytest.skip("the ranks do not share memory here")
+        said = [path.read_text() for path in sorted(found.glob("rank*.txt"))]
+        if said:
+            break
+    assert said, "mpiexec ended the job before any survivor looked, three times"
+    for text in said:
+        took = float(text.split("raised after ")[1].split(" s:")[0])
+        assert took < 30, text
+        assert (f"rank {ranks - 1}'s process (pid " in text and "has ended without leaving"
+                in text) or f"waiting for rank {ranks - 1}" in text, text
