@@ -22,7 +22,9 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "call_queue.h"
@@ -186,6 +188,58 @@ class LaterReleases {
   std::vector<PyObject*> objects_;
 };
 LaterReleases later_releases;
+
+// The errors of asynchronous calls whose Handles were dropped without a wait(), which
+// would otherwise be lost without a word (the call's result, out= too, holding
+// whatever it held): a MismatchError leaves the Communicator usable, so nothing later
+// would say so. Noted as the call goes (AsyncCall's destructor, or the Python layer's
+// _Work), on whatever thread, and taken by the Python layer, which warns, at the next
+// call that reaches it: while any is pending, the FastPath serves no call. Nothing is
+// done for a call that succeeded or was waited for, so no Handle pays for this.
+class DroppedErrors {
+ public:
+  void note(std::string text) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (texts_.size() < kKept) texts_.push_back(std::move(text));
+    ++count_;
+    pending_.store(true, std::memory_order_release);
+  }
+  bool pending() const { return pending_.load(std::memory_order_relaxed); }
+  // How many, and the first kKept of them; forgets them.
+  std::pair<int64_t, std::vector<std::string>> take() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    pending_.store(false, std::memory_order_relaxed);
+    std::pair<int64_t, std::vector<std::string>> taken(count_, std::move(texts_));
+    texts_.clear();
+    count_ = 0;
+    return taken;
+  }
+
+ private:
+  static constexpr size_t kKept = 3;
+  std::mutex mutex_;
+  std::vector<std::string> texts_;
+  int64_t count_ = 0;
+  std::atomic<bool> pending_{false};
+};
+DroppedErrors dropped_errors;
+
+// A core error that a dropped Handle would lose, as the Python layer names its kind;
+// empty for those that speak for themselves: after a timeout or a departure (the
+// Communicator is unusable, and its next call says so) or a stop (Ctrl-C, a close).
+std::string lost_error_text(const std::exception_ptr& error) {
+  try {
+    std::rethrow_exception(error);
+  } catch (const MismatchError& e) {
+    return std::string("MismatchError: ") + e.what();
+  } catch (const OutOfMemoryError& e) {
+    return std::string("MemoryError: ") + e.what();
+  } catch (const MpiError& e) {
+    return std::string("MPIError: ") + e.what();
+  } catch (...) {
+    return std::string();
+  }
+}
 
 // Waits (without the GIL) until done() or `seconds` have passed (no value: for good), in
 // slices, between which it runs Python's signal handlers: Ctrl-C raises
@@ -533,6 +587,11 @@ class AsyncCall : public CallQueue::Call {
     // In a child made by fork(), a thread of the parent's may have been waiting on the
     // condition: destroying it would wait for that thread for good.
     if (this_process() != pid_) (void)finished_.release();
+    if (watched_ && error_ && !kept_ && !observed_.load(std::memory_order_acquire) &&
+        this_process() == pid_) {
+      std::string lost = lost_error_text(error_);
+      if (!lost.empty()) dropped_errors.note(std::move(lost));
+    }
     later_releases.add(core_);
     later_releases.add(cancelled_);
     later_releases.add(raised_);
@@ -612,6 +671,9 @@ class AsyncCall : public CallQueue::Call {
   bool runs_anywhere() const override { return true; }
   bool finished() const override { return done(); }
   void queued_on(std::weak_ptr<CallQueue::State> queue) { queue_ = std::move(queue); }
+  // A call the user made (an *_async): its error, if its Handle is dropped unwaited, is
+  // noted for a warning (see DroppedErrors). The library's own calls wait for theirs.
+  void watch() { watched_ = true; }
 
   bool wait(std::optional<double> seconds) {
     if (!done() && !seconds) {
@@ -632,6 +694,7 @@ class AsyncCall : public CallQueue::Call {
   // Once done: the result, or the error raised. (Releases what finished calls let go
   // of, the input of this one among them.)
   py::object outcome() {
+    observed_.store(true, std::memory_order_release);
     later_releases.flush();
     const bool cancelled = cancelling_.load(std::memory_order_acquire);
     if (!cancelled && error_) std::rethrow_exception(error_);
@@ -653,6 +716,8 @@ class AsyncCall : public CallQueue::Call {
   std::atomic<bool> cancelling_{false};
   Collective call_;  // the collective (pointers and numbers only: no Python)
   bool interrupt_raised_ = false;
+  bool watched_ = false;  // (see watch())
+  std::atomic<bool> observed_{false};  // outcome() was asked for
   pid_t pid_;
   std::exception_ptr error_;
   bool kept_ = false;
@@ -810,7 +875,11 @@ class FastPath {
 
   // Queues the allreduce on the worker thread and returns its AsyncCall; None for
   // anything the general path serves.
-  py::object allreduce_async(py::handle x, py::handle op, py::handle out, int64_t check) {
+  // `check` given: a call of the library's own (see RingCommunicator::allreduce()), which
+  // waits for its own errors; none: the user's (AsyncCall::watch()).
+  py::object allreduce_async(py::handle x, py::handle op, py::handle out,
+                             std::optional<int64_t> given_check) {
+    const int64_t check = given_check.value_or(0);
     if (core_->closed()) return py::none();
     if (core_->size() == 1) return one_rank_async(x, op, out, check);
     if (!threaded_) return py::none();
@@ -829,6 +898,7 @@ class FastPath {
         [=](AsyncCall&) {
           ring->allreduce(input, output, count, DType(dtype), Op(reduce_op), chunk, check);
         });
+    if (!given_check) call->watch();
     return queued(call);
   }
 
@@ -857,6 +927,7 @@ class FastPath {
         core_object_, core_, x, result, work, [=](AsyncCall&) {
           ring->reduce_scatter(input, workspace, n, DType(dtype), Op(reduce_op), chunk, output);
         });
+    call->watch();
     return queued(call);
   }
 
@@ -874,6 +945,7 @@ class FastPath {
     auto call = std::make_shared<AsyncCall>(
         core_object_, core_, x, x, py::none(),
         [=](AsyncCall&) { ring->broadcast(data, n, DType(dtype), static_cast<int>(root), chunk); });
+    call->watch();
     return queued(call);
   }
 
@@ -952,6 +1024,7 @@ class FastPath {
           });
         });
     call->remakes_with(results_empty_);
+    call->watch();
     return queued(call);
   }
 
@@ -1077,7 +1150,8 @@ class FastPath {
   // An AsyncCall queued on the worker thread, for its Handle; None where calls are
   // refused (a close began: the Python layer says so).
   py::object queued(const std::shared_ptr<AsyncCall>& call) {
-    if (!executor_->push_async(call)) return py::none();
+    // (Errors of dropped calls to warn of: the general path does so, and serves this.)
+    if (dropped_errors.pending() || !executor_->push_async(call)) return py::none();
     return py::cast(call);
   }
 
@@ -1103,7 +1177,7 @@ class FastPath {
       if (path.executor_->unfinished() != 0) return;
       acquire_running(lock, true, std::nullopt);  // (a signal handler may raise)
       held = path.executor_->unfinished() == 0 && !path.core_->closed() &&
-             !path.executor_->refusing();
+             !path.executor_->refusing() && !dropped_errors.pending();
       if (!held) lock.unlock();
     }
     ~Running() {
@@ -1820,6 +1894,12 @@ PYBIND11_MODULE(_core, m) {
   m.def("note_process_ending", &note_process_ending,
         "an uncaught exception is ending this process: every Communicator left from now "
         "on says so (Departure::Ended)");
+  m.def(
+      "note_dropped_error", [](std::string text) { dropped_errors.note(std::move(text)); },
+      py::arg("text"), "an asynchronous call's error, lost with its dropped Handle (Python's)");
+  m.def("dropped_errors_pending", [] { return dropped_errors.pending(); });
+  m.def("take_dropped_errors", [] { return dropped_errors.take(); },
+        "(how many errors were lost with dropped Handles, the first few); forgets them");
   m.def("stop_creations_on_other_threads", &stop_creations_on_other_threads, py::arg("why"),
         "stops the Communicators being made on other threads, now or later, at their next "
         "wait (RuntimeError there, giving why): at exit, for daemon threads, and at "
@@ -1897,7 +1977,7 @@ PYBIND11_MODULE(_core, m) {
       .def("allreduce", &FastPath::allreduce, py::arg("x"), py::arg("op"), py::arg("out"),
            py::arg("check") = 0)
       .def("allreduce_async", &FastPath::allreduce_async, py::arg("x"), py::arg("op"),
-           py::arg("out"), py::arg("check") = 0)
+           py::arg("out"), py::arg("check") = py::none())
       .def("reduce_scatter", &FastPath::reduce_scatter)
       .def("reduce_scatter_async", &FastPath::reduce_scatter_async)
       .def("allgather", &FastPath::allgather)

@@ -36,7 +36,8 @@ _check_same_mpi(_core.mpi_built_for(), _MPI.Get_library_version(),
 
 from ._shortcuts import allgather, allgather_async, allreduce, allreduce_async, broadcast, \
     broadcast_async, reduce_scatter, reduce_scatter_async
-from ._types import OPS, UnsupportedOpError, cuda_available, supported_dtypes
+from ._types import OPS, DroppedErrorWarning, UnsupportedOpError, cuda_available, \
+    supported_dtypes
 from .gradients import allreduce_gradients
 from .communicator import Communicator, Handle
 
@@ -54,14 +55,15 @@ CollectiveTimeoutError.__doc__ = (
 
 # Named as users catch them (a traceback says "ringreduce.MismatchError", not
 # "ringreduce._core.MismatchError"); pickle finds them there too.
-for _kind in (MismatchError, MPIError, CollectiveTimeoutError, UnsupportedOpError):
+for _kind in (MismatchError, MPIError, CollectiveTimeoutError, UnsupportedOpError,
+              DroppedErrorWarning):
     _kind.__module__ = "ringreduce"
 del _kind
 
 __version__ = "0.1.0"
 __all__ = [
     "Communicator", "Handle", "MismatchError", "MPIError", "CollectiveTimeoutError",
-    "UnsupportedOpError", "OPS",
+    "UnsupportedOpError", "DroppedErrorWarning", "OPS",
     "allreduce", "allreduce_async", "reduce_scatter", "reduce_scatter_async", "allgather",
     "allgather_async", "broadcast", "broadcast_async",
     "supported_dtypes", "allreduce_gradients", "cuda_available",

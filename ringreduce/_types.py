@@ -25,6 +25,13 @@ class UnsupportedOpError(TypeError, ValueError):
     """
 
 
+class DroppedErrorWarning(RuntimeWarning):
+    """An asynchronous call failed and its Handle was dropped without ``wait()``, which
+    would have raised the error: its result (``out=`` too) holds whatever it held.
+    Warned at the next call on any Communicator of this process that gets to Python's
+    checks, or at a close."""
+
+
 def cuda_available() -> bool:
     """True if this build has CUDA kernels and this process sees a usable GPU."""
     return _core.cuda_built() and _core.cuda_device_count() > 0

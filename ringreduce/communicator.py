@@ -289,10 +289,15 @@ class Handle:
 
 class _Work:
     __slots__ = ("core", "run", "result", "error", "finished", "cancelled", "pid", "queued",
-                 "interrupt_raised")
+                 "interrupt_raised", "watched", "observed")
 
-    def __init__(self, core, run, pid):
+    def __init__(self, core, run, pid, watched=False):
         self.pid = pid  # the process whose worker thread runs it
+        # A call the user made (an *_async): its error, if its Handle is dropped
+        # unwaited, is noted for a warning (see _LostIfDropped). The library's own calls
+        # wait for theirs.
+        self.watched = watched
+        self.observed = False  # outcome() was asked for
         self.core = core
         self.run = run  # returns the collective's result
         self.result = None
@@ -322,6 +327,7 @@ class _Work:
 
     def outcome(self):
         """Once done: the result, or the error raised."""
+        self.observed = True
         if self.error is not None:
             raise self.error
         return self.result
@@ -337,6 +343,13 @@ class _Work:
                 self.result = keeping_on_departure(self.core, run)
             except catching as error:
                 self.error = error
+                if self.watched and isinstance(error, _LOST_UNLESS_WAITED):
+                    # Its traceback (this frame among them, which holds this _Work)
+                    # would keep it alive until a garbage collection: without it, it
+                    # goes, with its note, as its Handle does. (The message says all:
+                    # the frames were the library's.)
+                    error.__traceback__ = None
+                    self.__class__ = _LostIfDropped
         self.finished.set()
 
     def keep_escaped(self, error: BaseException) -> bool:
@@ -349,6 +362,45 @@ class _Work:
         self.error = error
         self.finished.set()
         return True
+
+
+class _LostIfDropped(_Work):
+    """A _Work whose call failed with an error that nothing after it would raise (a
+    MismatchError leaves the Communicator usable): dropped before a wait() raised it,
+    it notes it for a warning (see _core.take_dropped_errors, and the core's
+    DroppedErrors for the FastPath's calls). Only such a failed call becomes one: no
+    other Handle pays for a finalizer."""
+
+    __slots__ = ()
+
+    def __del__(self):
+        if not self.observed and self.pid == _this_process:
+            _core.note_dropped_error(f"{type(self.error).__name__}: {self.error}")
+
+
+# (What a dropped Handle's call may fail with unseen: after a timeout or a departure the
+# Communicator is unusable, and its next call says so.)
+_LOST_UNLESS_WAITED = (_core.MismatchError, MemoryError, _core.MPIError)
+_PACKAGE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _warn_of_dropped_errors() -> None:
+    """Warns of the errors lost with Handles dropped unwaited, if any (DroppedErrors in
+    the core), pointing at the caller's line (the first frame outside this package)."""
+    count, texts = _core.take_dropped_errors()
+    if not count:
+        return
+    level, frame = 1, sys._getframe(0)  # (stacklevel 1: this frame)
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        level, frame = level + 1, frame.f_back
+    one = count == 1
+    warnings.warn(
+        f"ringreduce: {'an asynchronous call' if one else f'{count} asynchronous calls'} "
+        f"failed, and {'its Handle was' if one else 'their Handles were'} dropped without "
+        f"wait(), which raises the error: {'its result (out= too) holds' if one else 'their results (out= too) hold'} "
+        "whatever it held before. Wait for every Handle. "
+        f"{'The error' if one else 'The first'}: {texts[0]}",
+        t.DroppedErrorWarning, stacklevel=level)
 
 
 _WAIT_FRAMES = (Handle.wait.__code__, _Work.outcome.__code__)
@@ -1200,6 +1252,8 @@ class Communicator:
             self._abandon()
             if not MPI.Is_finalized():
                 self._core.close()
+        if _core.dropped_errors_pending():  # (the calls in flight are over: all noted)
+            _warn_of_dropped_errors()
 
     def __enter__(self):
         return self
@@ -1345,13 +1399,15 @@ class Communicator:
             call = getattr(fast, fast_name)(*args)
             if call is not None:
                 return Handle(call, context, ran)
-        handle = self._call(name, prepare, *args, wait=False, context=context)
+        handle = self._call(name, prepare, *args, wait=False, context=context, watched=True)
         handle._ran = ran
         return handle
 
-    def _call(self, name, prepare, *args, wait, context=None):
+    def _call(self, name, prepare, *args, wait, context=None, watched=False):
         """context: what errors call it (else the collective's name), a Handle's too
-        (else allreduce_async's)."""
+        (else allreduce_async's). watched: a call the user made as *_async (see _Work)."""
+        if _core.dropped_errors_pending():  # (while any is, the FastPath sends calls here)
+            _warn_of_dropped_errors()
         handle_context = context or self._async_context
         context = context or self._contexts[name]
         if self._closed:
@@ -1381,7 +1437,8 @@ class Communicator:
         # which the caller need not wait for.)
         on_host = not _device.is_device_array(args[0])
         at_once = wait or self.size == 1 and on_host
-        return self._run(context, run, wait, at_once, handle_context, anywhere=on_host)
+        return self._run(context, run, wait, at_once, handle_context, anywhere=on_host,
+                         watched=watched)
 
     def _closed_error(self, context: str) -> Exception:
         """The error of a call made once close() has begun (in another thread, or done)."""
@@ -1432,7 +1489,8 @@ class Communicator:
         return self._call("allreduce", self._prepare_allreduce, x, op, x, check, wait=wait)
 
     def _run(self, context: str, run, wait: bool, at_once: bool,
-             handle_context: str | None = None, anywhere: bool = False):
+             handle_context: str | None = None, anywhere: bool = False,
+             watched: bool = False):
         """run() now, in this thread, if at_once and nothing is in flight (else on the
         worker thread, or where anywhere, in a thread that waits for it); its result
         (wait), or a Handle (whose errors begin with handle_context, by default
@@ -1454,10 +1512,10 @@ class Communicator:
                         return keeping_on_departure(self._core, run)
                     # An error is raised by wait(), as the worker's would be; but
                     # Ctrl-C (KeyboardInterrupt) here and now, as a blocking call's.
-                    work = _Work(self._core, run, self._pid)
+                    work = _Work(self._core, run, self._pid, watched)
                     work.execute(catching=Exception)
                     return Handle(work, handle_context)
-        work = _Work(self._core, run, self._pid)  # (calls in a fork()ed child raised)
+        work = _Work(self._core, run, self._pid, watched)  # (calls in a fork()ed child raised)
         if not executor.submit(work, anywhere):
             raise self._closed_error(context)
         handle = Handle(work, handle_context)

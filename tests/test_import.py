@@ -60,7 +60,7 @@ def test_errors_are_named_as_users_catch_them_and_pickle():
     # name no user imports.
     import pickle
     for kind in (rr.MismatchError, rr.MPIError, rr.CollectiveTimeoutError,
-                 rr.UnsupportedOpError):
+                 rr.UnsupportedOpError, rr.DroppedErrorWarning):
         assert f"{kind.__module__}.{kind.__qualname__}" == f"ringreduce.{kind.__name__}"
         again = pickle.loads(pickle.dumps(kind("what went wrong")))
         assert type(again) is kind and str(again) == "what went wrong"

@@ -602,6 +602,11 @@ def test_close_refuses_calls_other_threads_make_meanwhile(world):
                 in_flight.append(ring.allreduce_async(x))
             except ValueError as error:
                 refused.append(error)
+                for handle in in_flight:  # (not dropped unwaited: see DroppedErrorWarning)
+                    try:
+                        handle.wait()
+                    except (rr.MismatchError, rr.CollectiveTimeoutError, ValueError):
+                        pass
                 return
             if len(in_flight) > 64:
                 try:
@@ -1139,3 +1144,64 @@ def test_a_handle_says_what_it_is_and_whether_it_is_done(comm):
     else:
         handle = comm.reduce_scatter_async(x)
     assert repr(handle).endswith(f"(rank {RANK} of {SIZE}), done>")
+
+
+def _mismatched(strided: bool) -> np.ndarray:
+    """An input whose size differs on rank 0 (every rank's call raises MismatchError);
+    strided: a view the FastPath leaves to the Python layer's queue."""
+    n = 3000 + (RANK == 0)
+    return np.ones(2 * n)[::2] if strided else np.ones(n)
+
+
+@pytest.mark.parametrize("strided", [False, True], ids=["FastPath", "Python"])
+@pytest.mark.parametrize("collective", ["allreduce", "reduce_scatter", "broadcast"])
+def test_an_error_lost_with_a_dropped_handle_is_warned_of_at_the_next_call(collective,
+                                                                           strided, world):
+    # A MismatchError leaves the Communicator usable: a Handle dropped unwaited took it
+    # along without a word, its result holding whatever it held.
+    if SIZE == 1:
+        pytest.skip("needs ranks whose calls can differ")
+    x = _mismatched(strided)
+    with rr.Communicator(timeout=60) as comm:
+        start = getattr(comm, f"{collective}_async")
+        handle = start(x) if collective == "broadcast" else start(x, "sum")
+        del handle
+        comm._executor.drain()  # (its call is over, and let go of)
+        y = np.arange(8.0)
+        with pytest.warns(rr.DroppedErrorWarning) as caught:
+            result = comm.allreduce(y)
+        assert bitwise_equal(result, SIZE * y)  # (and the call itself is served)
+        message = str(caught[0].message)
+        assert message.startswith("ringreduce: an asynchronous call failed, and its Handle "
+                                  "was dropped without wait()"), message
+        assert "The error: MismatchError: " in message, message
+        assert caught[0].filename == __file__, caught[0].filename  # (the caller's line)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # said once
+            assert bitwise_equal(comm.allreduce(y), SIZE * y)
+    world.Barrier()
+
+
+def test_no_warning_for_an_error_raised_by_wait_or_for_the_librarys_own_calls(world):
+    if SIZE == 1:
+        pytest.skip("needs ranks whose calls can differ")
+    with rr.Communicator(timeout=60) as comm:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            for strided in (False, True):
+                handle = comm.allreduce_async(_mismatched(strided))
+                with pytest.raises(rr.MismatchError):
+                    handle.wait()
+                del handle
+                # A call of the library's own that fails, its handle dropped: it
+                # raised its error where it waited (here, inside allreduce_gradients).
+                with pytest.raises(rr.MismatchError):
+                    rr.allreduce_gradients([_mismatched(False)], comm=comm)
+                comm._executor.drain()
+                assert bitwise_equal(comm.allreduce(np.ones(4)), np.full(4, float(SIZE)))
+        handles = [comm.allreduce_async(_mismatched(False)) for _ in range(4)]
+        del handles  # (four lost: one warning, at the close, counting them)
+        with pytest.warns(rr.DroppedErrorWarning, match=r"^ringreduce: 4 asynchronous calls "
+                                                        r"failed.*The first: MismatchError"):
+            comm.close()
+    world.Barrier()
