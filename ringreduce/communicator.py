@@ -393,14 +393,15 @@ def _warn_of_dropped_errors() -> None:
     level, frame = 1, sys._getframe(0)  # (stacklevel 1: this frame)
     while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
         level, frame = level + 1, frame.f_back
-    one = count == 1
-    warnings.warn(
-        f"ringreduce: {'an asynchronous call' if one else f'{count} asynchronous calls'} "
-        f"failed, and {'its Handle was' if one else 'their Handles were'} dropped without "
-        f"wait(), which raises the error: {'its result (out= too) holds' if one else 'their results (out= too) hold'} "
-        "whatever it held before. Wait for every Handle. "
-        f"{'The error' if one else 'The first'}: {texts[0]}",
-        t.DroppedErrorWarning, stacklevel=level)
+    if count == 1:
+        what = ("an asynchronous call failed, and its Handle was dropped without wait(), "
+                "which raises the error: its result (out= too) holds whatever it held "
+                "before. Wait for every Handle. The error")
+    else:
+        what = (f"{count} asynchronous calls failed, and their Handles were dropped without "
+                "wait(), which raises the error: their results (out= too) hold whatever "
+                "they held before. Wait for every Handle. The first")
+    warnings.warn(f"ringreduce: {what}: {texts[0]}", t.DroppedErrorWarning, stacklevel=level)
 
 
 _WAIT_FRAMES = (Handle.wait.__code__, _Work.outcome.__code__)
