@@ -222,7 +222,8 @@ class DroppedErrors {
   int64_t count_ = 0;
   std::atomic<bool> pending_{false};
 };
-DroppedErrors dropped_errors;
+DroppedErrors& dropped_errors = *new DroppedErrors;  // (never destroyed: a detached worker
+                                                    // may note one as the process ends)
 
 // A core error that a dropped Handle would lose, as the Python layer names its kind;
 // empty for those that speak for themselves: after a timeout or a departure (the
@@ -1582,7 +1583,8 @@ PYBIND11_MODULE(_core, m) {
       .value("LEFT", Departure::Left)
       .value("FOLLOWED", Departure::Followed)
       .value("UNCLOSED", Departure::Unclosed)
-      .value("ENDED", Departure::Ended);
+      .value("ENDED", Departure::Ended)
+      .value("VANISHED", Departure::Vanished);
   py::class_<DepartureNote>(m, "DepartureNote",
                             "What a rank that left tells the others (csrc/waiting.h)")
       .def(py::init([](int rank, Departure why, int64_t completed, int cause,

@@ -48,10 +48,13 @@ struct OutOfMemoryError : std::runtime_error {
 // wait knows it (a neighbour in the ring, the first rank missing from a shared-memory
 // header exchange); the rank passes it on when it gives up, so that a rank that learns
 // of that before its own timeout can name the absent rank too.
+// vanished: not a timeout, but waited_for's process found ended without a word (see
+// ShmChannel::check_alive()).
 struct TimeoutError : std::runtime_error {
-  explicit TimeoutError(const std::string& what, int waited_for = -1)
-      : std::runtime_error(what), waited_for(waited_for) {}
+  explicit TimeoutError(const std::string& what, int waited_for = -1, bool vanished = false)
+      : std::runtime_error(what), waited_for(waited_for), vanished(vanished) {}
   int waited_for;
+  bool vanished;
 };
 
 // A call stopped while it waited (StopRequest in waiting.h): another thread of this rank

@@ -335,14 +335,15 @@ void RingCommunicator::give_up(const char* collective, const TimeoutError& e) {
   if (first.rank >= 0)
     depart(Departure::Followed, -1, !first.seen_by_all);
   else
-    depart(Departure::GaveUp, e.waited_for);
+    depart(e.vanished ? Departure::Vanished : Departure::GaveUp, e.waited_for);
   if (ended) throw TimeoutError(broken_ + ". " + kEndedAdvice);
   // (The timeout's setting named only where the wait ran out: not after another
   // rank's departure, which no timeout would have waited out.)
   throw TimeoutError(broken_ +
                      ". This Communicator can no longer be used on this rank; to go on, make a "
                      "new one on every rank" +
-                     (first.rank >= 0 ? "" : " (Communicator(timeout=...) sets the timeout)"));
+                     (first.rank >= 0 || e.vanished ? ""
+                                                    : " (Communicator(timeout=...) sets the timeout)"));
 }
 
 void RingCommunicator::depart(Departure why, int waited_for, bool over_mpi) {
@@ -358,7 +359,7 @@ void RingCommunicator::depart(Departure why, int waited_for, bool over_mpi) {
   // pending (a close at exit begun), was not seen through, so the ranks still in it are
   // held up.
   note.completed = exchanges_ - (broken_.empty() && !transport_->exchange_pending() ? 0 : 1);
-  if (why == Departure::GaveUp) note.cause = waited_for;
+  if (why == Departure::GaveUp || why == Departure::Vanished) note.cause = waited_for;
   if (why == Departure::Followed) {
     // Whom it follows: a rank that held up this call, rather than one that left
     // after finishing it; else any that left.

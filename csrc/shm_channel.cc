@@ -336,6 +336,7 @@ void ShmChannel::free() {
   // Nothing left to point into it (a departure check after close() finds no ranks).
   exchanged_.clear();
   departures_.clear();
+  pids_.clear();
   boards_.clear();
 }
 
@@ -413,12 +414,17 @@ void ShmChannel::check_alive() const {
     if (r == rank_ || pids_[r] <= 0 || __atomic_load_n(departures_[r], __ATOMIC_ACQUIRE) != 0)
       continue;
     if (!process_ended(pids_[r])) continue;
-    throw TimeoutError("rank " + std::to_string(r) + "'s process (pid " +
+    // A note written just before it ended (after the look above) says why: that one.
+    if (__atomic_load_n(departures_[r], __ATOMIC_ACQUIRE) != 0) {
+      check_departures();
+      continue;
+    }
+    throw TimeoutError("the process of rank " + std::to_string(r) + " (pid " +
                            std::to_string(pids_[r]) +
-                           ") has ended without leaving this communicator: killed (by a "
-                           "signal, or the out-of-memory killer), it could not tell the "
-                           "others, who would have waited out the timeout",
-                       r);
+                           ") has ended without a word: killed by a signal or the "
+                           "out-of-memory killer, or ended without its exit handlers, as "
+                           "os._exit() does",
+                       r, /*vanished=*/true);
   }
 }
 

@@ -86,6 +86,8 @@ enum class Departure : int {
                  // messages in a header exchange, at exit or as it is dropped)
   Ended = 5,     // an uncaught exception is ending its process: it makes no more calls,
                  // nor any Communicator
+  Vanished = 6,  // it found the process of the rank it names (cause) ended without a
+                 // word: killed (SIGKILL, the out-of-memory killer), or os._exit()
 };
 
 // What a rank that left tells the others: why, and how many of the communicator's
@@ -137,8 +139,13 @@ struct DepartureNote {
       said += "; rank " + std::to_string(rank) + " left after it and said so";
     return said;
   }
-  // waited_for: GaveUp's cause.
+  // waited_for: GaveUp's cause (Vanished's: the rank whose process ended).
   static std::string what(Departure why, int waited_for) {
+    if (why == Departure::Vanished)
+      return " has left this communicator: it found the process of " +
+             (waited_for >= 0 ? "rank " + std::to_string(waited_for) : std::string("a rank")) +
+             " ended without a word (killed by a signal or the out-of-memory killer, or "
+             "ended without its exit handlers, as os._exit() does)";
     if (why == Departure::GaveUp)
       return " has given up on this communicator (a timeout there" +
              (waited_for >= 0 ? ", waiting for rank " + std::to_string(waited_for) : "") + ")";

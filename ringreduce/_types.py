@@ -28,8 +28,8 @@ class UnsupportedOpError(TypeError, ValueError):
 class DroppedErrorWarning(RuntimeWarning):
     """An asynchronous call failed and its Handle was dropped without ``wait()``, which
     would have raised the error: its result (``out=`` too) holds whatever it held.
-    Warned at the next call on any Communicator of this process that gets to Python's
-    checks, or at a close."""
+    Warned after the next call on any Communicator of this process (of more than one
+    rank), at a close, or at exit."""
 
 
 def cuda_available() -> bool:

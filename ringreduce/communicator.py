@@ -22,6 +22,7 @@ import os
 import sys
 import threading
 import time
+import traceback
 import warnings
 import weakref
 
@@ -375,13 +376,15 @@ class _LostIfDropped(_Work):
 
     def __del__(self):
         if not self.observed and self.pid == _this_process:
-            _core.note_dropped_error(f"{type(self.error).__name__}: {self.error}")
+            kind = "MemoryError" if isinstance(self.error, MemoryError) else \
+                type(self.error).__name__  # (as the core's notes name it)
+            _core.note_dropped_error(f"{kind}: {self.error}")
 
 
 # (What a dropped Handle's call may fail with unseen: after a timeout or a departure the
 # Communicator is unusable, and its next call says so.)
 _LOST_UNLESS_WAITED = (_core.MismatchError, MemoryError, _core.MPIError)
-_PACKAGE = os.path.dirname(os.path.abspath(__file__))
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
 def _warn_of_dropped_errors() -> None:
@@ -568,6 +571,7 @@ def _after_fork_in_child():
     for comm in list(_live):
         comm._closed = True
         comm._fast = None
+    _core.take_dropped_errors()  # (the parent's to warn of)
 
 
 def _before_fork():
@@ -721,6 +725,13 @@ def _finish_all(why: str = "the process is ending", let_calls_finish: bool = Fal
     _core.wait_until_no_thread_without_gil(10.0)
     with _SERIAL:
         _core.finish_abandoned_duplicates()
+    # A script's last calls, failed and dropped unwaited (its last step's, say), have
+    # no later call to warn of them.
+    if _core.dropped_errors_pending():
+        try:
+            _warn_of_dropped_errors()
+        except Exception:  # (-W error: at exit, printed rather than raised)
+            traceback.print_exc()
 
 
 def _wait_until_idle(executors: list, seconds: float) -> None:
@@ -1407,8 +1418,10 @@ class Communicator:
     def _call(self, name, prepare, *args, wait, context=None, watched=False):
         """context: what errors call it (else the collective's name), a Handle's too
         (else allreduce_async's). watched: a call the user made as *_async (see _Work)."""
-        if _core.dropped_errors_pending():  # (while any is, the FastPath sends calls here)
-            _warn_of_dropped_errors()
+        # (While any is pending, the FastPath sends calls here.) Warned once this rank has
+        # taken its part in the call: a warning raised as an error (-W error) must not
+        # make it skip the call, which the others' next call would then pair with.
+        dropped = _core.dropped_errors_pending()
         handle_context = context or self._async_context
         context = context or self._contexts[name]
         if self._closed:
@@ -1438,8 +1451,11 @@ class Communicator:
         # which the caller need not wait for.)
         on_host = not _device.is_device_array(args[0])
         at_once = wait or self.size == 1 and on_host
-        return self._run(context, run, wait, at_once, handle_context, anywhere=on_host,
+        done = self._run(context, run, wait, at_once, handle_context, anywhere=on_host,
                          watched=watched)
+        if dropped:
+            _warn_of_dropped_errors()
+        return done
 
     def _closed_error(self, context: str) -> Exception:
         """The error of a call made once close() has begun (in another thread, or done)."""

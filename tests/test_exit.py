@@ -1247,8 +1247,9 @@ def test_a_rank_killed_mid_job_is_found_gone_long_before_the_timeout(ranks, tmp_
         pytest.skip("needs MPICH's mpiexec (hydra), for -disable-auto-cleanup")
     script = tmp_path / "killed.py"
     script.write_text(KILLED_MID_JOB)
-    # (Should hydra end the job before a survivor has looked, it is tried again.)
-    for attempt in range(3):
+    # (hydra still kills the survivors now and then, some 0.1 s after the rank died,
+    # before their first look: in 4 of 10 tries here. So up to 8 tries.)
+    for attempt in range(8):
         found = tmp_path / f"attempt{attempt}"
         found.mkdir()
         try:
@@ -1263,9 +1264,33 @@ def test_a_rank_killed_mid_job_is_found_gone_long_before_the_timeout(ranks, tmp_
         said = [path.read_text() for path in sorted(found.glob("rank*.txt"))]
         if said:
             break
-    assert said, "mpiexec ended the job before any survivor looked, three times"
+    assert said, ("mpiexec ended the job before any survivor looked, eight times: "
+                  + done.stdout + done.stderr)
     for text in said:
         took = float(text.split("raised after ")[1].split(" s:")[0])
-        assert took < 30, text
-        assert (f"rank {ranks - 1}'s process (pid " in text and "has ended without leaving"
-                in text) or f"waiting for rank {ranks - 1}" in text, text
+        assert took < 30, (text, done.stderr)
+        assert (f"the process of rank {ranks - 1} (pid " in text and "has ended without a "
+                "word: killed" in text or f"it found the process of rank {ranks - 1} ended "
+                "without a word" in text), text
+        assert "sets the timeout" not in text, text  # (no timeout ran out)
+
+
+DROPPED_AT_THE_END = """
+import numpy as np
+from mpi4py import MPI
+import ringreduce as rr
+
+comm = rr.Communicator()
+handle = comm.allreduce_async(np.ones(1000 + MPI.COMM_WORLD.Get_rank()))  # (sizes differ)
+del handle  # a script's last step, its error never waited for
+print("ending", flush=True)
+"""
+
+
+def test_an_error_dropped_with_the_scripts_last_handle_is_warned_of_at_exit(tmp_path):
+    # (From a review.) No later call, nor a close(), warns of it: the exit does.
+    done = run_script(tmp_path, "dropped_at_the_end.py", DROPPED_AT_THE_END, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stderr.count("DroppedErrorWarning: ringreduce: an asynchronous call failed") \
+        == 2, done.stderr
+    assert done.stderr.count("The error: MismatchError: ") == 2, done.stderr
