@@ -1205,3 +1205,29 @@ def test_no_warning_for_an_error_raised_by_wait_or_for_the_librarys_own_calls(wo
                                                         r"failed.*The first: MismatchError"):
             comm.close()
     world.Barrier()
+
+
+def test_the_warning_raised_as_an_error_comes_after_the_ranks_call(world):
+    # (From a review.) Under -W error, the warning raised before this rank joined its
+    # call: the others' call then paired with this rank's next one, summing other data
+    # without a word.
+    if SIZE == 1:
+        pytest.skip("needs ranks whose calls can differ")
+    with rr.Communicator(timeout=60) as comm:
+        handle = comm.allreduce_async(_mismatched(False))
+        if RANK == 0:
+            del handle
+        else:
+            with pytest.raises(rr.MismatchError):
+                handle.wait()
+        comm._executor.drain()
+        y, z = np.full(4, 1.0), np.full(4, 100.0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", rr.DroppedErrorWarning)
+            if RANK == 0:
+                with pytest.raises(rr.DroppedErrorWarning):
+                    comm.allreduce(y)  # (done, then warned)
+            else:
+                assert bitwise_equal(comm.allreduce(y), SIZE * y)
+            assert bitwise_equal(comm.allreduce(z), SIZE * z)
+    world.Barrier()
