@@ -1180,8 +1180,8 @@ for _ in range(100):
         sent.append(time.monotonic())
         os.kill(os.getpid(), signal.SIGINT)
     timer = threading.Timer(0.002, send)
-    timer.start()
     try:
+        timer.start()  # (on a loaded machine, the Ctrl-C may come before start() returns)
         # (every line makes a Handle and drops one; lost: 2 s after it was sent)
         while not sent or time.monotonic() < sent[0] + 2:
             h = comm.allreduce_async(x)
