@@ -269,6 +269,29 @@ def test_bfloat16_is_supported(small_chunks, world):
     assert bitwise_equal(y, reference.allreduce(x, "sum", world))
 
 
+def test_copies_between_buffers_that_alias_in_a_page_land_whole():
+    # copy_bytes (csrc/copy.h) copies in 2 KiB pieces where the destination lies 1-63
+    # bytes past the source modulo 4 KiB (4K aliasing) and the copy is 2 KiB to 512 KiB:
+    # every piece, the last partial one too, must land, and nothing past the ends. A
+    # Communicator of one rank copies x into out=.
+    rng = np.random.default_rng(5)
+    source = np.empty(600_000, np.uint8)
+    target = np.empty(600_000 + 2 * 4096, np.uint8)
+    base_gap = (target.ctypes.data - source.ctypes.data) % 4096
+    with rr.Communicator(MPI.COMM_SELF) as one:
+        for gap in (1, 17, 63, 64, 0):
+            for nbytes in (2048, 2049, 4095, 6145, 100_003, 524_287, 524_288):
+                x = source[:nbytes]
+                x[:] = rng.integers(0, 256, nbytes, dtype=np.uint8)
+                shift = 4096 + (gap - base_gap) % 4096  # (room before it, to check)
+                target[:] = 0
+                out = target[shift:shift + nbytes]
+                assert (out.ctypes.data - x.ctypes.data) % 4096 == gap
+                assert one.allreduce(x, "max", out=out) is out
+                assert np.array_equal(out, x), (gap, nbytes)
+                assert not target[:shift].any() and not target[shift + nbytes:].any()
+
+
 def test_module_level_shortcuts(world):
     x = rank_data(np.dtype(np.float64), 40)
     expected = sum(world.allgather(x))
