@@ -454,6 +454,7 @@ void MpiTransport::check_departures() {
   stop_.check();
   if (creating_) check_creation_stopped();
   check_notices();
+  if (also_check_) also_check_();
 }
 
 void MpiTransport::check_creation_stopped() const {

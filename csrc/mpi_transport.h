@@ -6,6 +6,7 @@
 #include <mpi.h>
 
 #include <atomic>
+#include <functional>
 #include <vector>
 
 #include "transport.h"
@@ -114,6 +115,10 @@ class MpiTransport final : public Transport {
   void check_departures() override;
   // check_departures() without the stop request.
   void check_notices();
+  // What check_departures() also runs: the shared-memory wire's look for killed ranks'
+  // processes (ShmChannel::check_alive()), for calls whose chunks travel over MPI
+  // between ranks of one machine.
+  void also_check(std::function<void()> check) { also_check_ = std::move(check); }
   // Throws StoppedError if stop_creations_on_other_threads() applies to this thread.
   void check_creation_stopped() const;
   void stop_soon(const std::string& why = "") { stop_.set(why); }
@@ -191,6 +196,7 @@ class MpiTransport final : public Transport {
   StopRequest stop_;
   bool creating_ = true;
   bool used_ = false;  // messages posted since the last check_departures_after_use()
+  std::function<void()> also_check_;  // (see also_check())
   int64_t exchange_number_ = 0;          // see set_exchange()
   std::vector<DepartureNote> departures_;  // every notice received
   int creation_steps_ = 0;                 // begun after the duplicate (tests' pause)

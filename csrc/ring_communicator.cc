@@ -166,6 +166,7 @@ RingCommunicator::RingCommunicator(MPI_Comm user_comm, double timeout_s,
     const int position = ring_position(rank());
     transport_->set_neighbours(rank_at((position + p - 1) % p), rank_at((position + 1) % p));
   }
+  if (shm_) transport_->also_check([channel = shm_.get()] { channel->check_alive(); });
   inline_capacity_ = inline_capacity_for(p, shm_ != nullptr);
   broadcast_inline_capacity_ = shm_ ? board_payload : inline_capacity_;
   if (!shm_) {
@@ -493,6 +494,8 @@ RingCommunicator::~RingCommunicator() {
     return;
   }
   leave_unclosed();  // dropped unclosed: a rank still calling would wait for this one
+  // (shm_ goes before transport_, which must not look into it then.)
+  transport_->also_check(nullptr);
   if (!departed_) {
     // GPU buffers freed with our GPU current: freed as members, on a thread without a
     // CUDA context (the garbage collector's), they would make one on GPU 0.

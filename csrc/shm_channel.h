@@ -96,6 +96,13 @@ class ShmChannel {
   // A note as the word leave() writes into its memory (0: still in), and back.
   static uint64_t departure_word(const DepartureNote& note);
   static DepartureNote note_of_word(int rank, uint64_t word);
+  // Throws TimeoutError if another rank's process has ended without a departure note
+  // (killed: SIGKILL, the out-of-memory killer), which would otherwise leave every
+  // rank waiting on it for the whole timeout (30 minutes by default), where mpiexec
+  // does not end the job for it (Slurm's srun, by default, or mpiexec
+  // -disable-auto-cleanup). Asks the system at most every kAliveCheckEvery: from the
+  // waits' look_around(), and the MPI wire's (MpiTransport::also_check()).
+  void check_alive() const;
   // Throws TimeoutError if a rank that holds up the current exchange has left, and
   // StoppedError once the StopRequest given to create() says so.
   void check_departures() const;
@@ -122,13 +129,6 @@ class ShmChannel {
   // that waits here, on shared memory alone, after an MPI-wire call would leave the
   // neighbour that sent to it waiting in that call forever.
   void look_around() const;
-  // Throws TimeoutError if another rank's process has ended without a departure note
-  // (killed: SIGKILL, the out-of-memory killer), which would otherwise leave every
-  // rank waiting on it for the whole timeout (30 minutes by default), where mpiexec
-  // does not end the job for it (Slurm's srun, by default, or mpiexec
-  // -disable-auto-cleanup). Asks the system at most every kAliveCheckEvery, from the
-  // waits' look_around() only.
-  void check_alive() const;
   DepartureNote departure(int r) const;  // rank r's, or rank -1 while it is in
 
   // Two boards per rank, used by alternate exchanges: before a rank may overwrite the
