@@ -348,8 +348,9 @@ class _Work:
                     # Its traceback (this frame among them, which holds this _Work)
                     # would keep it alive until a garbage collection: without it, it
                     # goes, with its note, as its Handle does. (The message says all:
-                    # the frames were the library's.)
-                    error.__traceback__ = None
+                    # the frames were the library's.) So would those of the errors it
+                    # was raised during (a MemoryError behind the core's).
+                    _without_frames(error)
                     self.__class__ = _LostIfDropped
         self.finished.set()
 
@@ -379,6 +380,18 @@ class _LostIfDropped(_Work):
             kind = "MemoryError" if isinstance(self.error, MemoryError) else \
                 type(self.error).__name__  # (as the core's notes name it)
             _core.note_dropped_error(f"{kind}: {self.error}")
+
+
+def _without_frames(error: BaseException) -> None:
+    """Drops the tracebacks of error and of every error it was raised from or during."""
+    chain, seen = [error], set()
+    while chain:
+        link = chain.pop()
+        if link is None or id(link) in seen:
+            continue
+        seen.add(id(link))
+        link.__traceback__ = None
+        chain += [link.__cause__, link.__context__]
 
 
 # (What a dropped Handle's call may fail with unseen: after a timeout or a departure the
