@@ -249,3 +249,15 @@ def worker_held(comm, held=True):
     finally:
         let_go.cancel()
         calls.hold_worker(False)
+
+
+class NumpyWithoutMemory:
+    """numpy, except that np.empty fails: a rank that cannot allocate its output (set as
+    ringreduce.communicator's np)."""
+
+    def __getattr__(self, name):
+        return getattr(np, name)
+
+    @staticmethod
+    def empty(*args, **kwargs):
+        raise MemoryError("test: np.empty refused")

@@ -20,7 +20,8 @@ from mpi4py import MPI
 import ringreduce as rr
 from ringreduce import _core, communicator, reference
 
-from helpers import bitwise_equal, on_the_worker_without_python, rank_data, worker_held
+from helpers import NumpyWithoutMemory, bitwise_equal, on_the_worker_without_python, rank_data, \
+    worker_held
 
 SIZE = MPI.COMM_WORLD.Get_size()
 RANK = MPI.COMM_WORLD.Get_rank()
@@ -1155,14 +1156,26 @@ def _mismatched(strided: bool) -> np.ndarray:
     return np.ones(2 * n)[::2] if strided else np.ones(n)
 
 
+def _needs_ranks_whose_calls_can_differ():
+    if SIZE == 1:
+        pytest.skip("needs ranks whose calls can differ")
+
+
+def _drop_a_failed_call(comm, strided=False):
+    """An allreduce_async that fails (MismatchError) on every rank, its Handle dropped
+    unwaited, and over."""
+    handle = comm.allreduce_async(_mismatched(strided))
+    del handle
+    comm._executor.drain()
+
+
 @pytest.mark.parametrize("strided", [False, True], ids=["FastPath", "Python"])
 @pytest.mark.parametrize("collective", ["allreduce", "reduce_scatter", "broadcast"])
 def test_an_error_lost_with_a_dropped_handle_is_warned_of_at_the_next_call(collective,
                                                                            strided, world):
     # A MismatchError leaves the Communicator usable: a Handle dropped unwaited took it
     # along without a word, its result holding whatever it held.
-    if SIZE == 1:
-        pytest.skip("needs ranks whose calls can differ")
+    _needs_ranks_whose_calls_can_differ()
     x = _mismatched(strided)
     with rr.Communicator(timeout=60) as comm:
         start = getattr(comm, f"{collective}_async")
@@ -1185,8 +1198,7 @@ def test_an_error_lost_with_a_dropped_handle_is_warned_of_at_the_next_call(colle
 
 
 def test_no_warning_for_an_error_raised_by_wait_or_for_the_librarys_own_calls(world):
-    if SIZE == 1:
-        pytest.skip("needs ranks whose calls can differ")
+    _needs_ranks_whose_calls_can_differ()
     with rr.Communicator(timeout=60) as comm:
         with warnings.catch_warnings():
             warnings.simplefilter("error")
@@ -1213,8 +1225,7 @@ def test_the_warning_raised_as_an_error_comes_after_the_ranks_call(world):
     # (From a review.) Under -W error, the warning raised before this rank joined its
     # call: the others' call then paired with this rank's next one, summing other data
     # without a word.
-    if SIZE == 1:
-        pytest.skip("needs ranks whose calls can differ")
+    _needs_ranks_whose_calls_can_differ()
     with rr.Communicator(timeout=60) as comm:
         handle = comm.allreduce_async(_mismatched(False))
         if RANK == 0:
@@ -1239,8 +1250,7 @@ def test_the_warning_raised_as_an_error_comes_after_the_ranks_call(world):
 def test_no_warning_for_an_error_wait_raised_even_once_its_cycle_is_collected(strided, world):
     # The error wait() raised holds, in its traceback, the frame that holds the Handle's
     # call: that call goes only at a garbage collection, and must note nothing then.
-    if SIZE == 1:
-        pytest.skip("needs ranks whose calls can differ")
+    _needs_ranks_whose_calls_can_differ()
     with rr.Communicator(timeout=60) as comm:
         handle = comm.allreduce_async(_mismatched(strided))
         with pytest.raises(rr.MismatchError):
@@ -1259,8 +1269,7 @@ def test_no_warning_for_an_error_wait_raised_even_once_its_cycle_is_collected(st
 def test_a_forked_child_neither_inherits_nor_notes_its_parents_dropped_errors(strided, world):
     # One error noted before the fork (the parent's to warn of), and a failed Handle the
     # child drops (its parent's call: not the child's to note).
-    if SIZE == 1:
-        pytest.skip("needs ranks whose calls can differ")
+    _needs_ranks_whose_calls_can_differ()
     with rr.Communicator(timeout=60) as comm:
         dropped = comm.allreduce_async(_mismatched(strided))
         kept = comm.allreduce_async(_mismatched(strided))
@@ -1287,24 +1296,14 @@ def test_a_forked_child_neither_inherits_nor_notes_its_parents_dropped_errors(st
 def test_a_dropped_allgather_that_ran_out_of_memory_is_warned_of(strided, world, monkeypatch):
     # Rank 1 cannot make its result (np.empty fails there); every rank's call raises
     # MemoryError, and every rank dropped its Handle.
-
-    class NoMemory:
-        def __getattr__(self, name):
-            return getattr(np, name)
-
-        @staticmethod
-        def empty(*args, **kwargs):
-            raise MemoryError("test: np.empty refused")
-
-    if SIZE == 1:
-        pytest.skip("needs ranks whose calls can differ")
+    _needs_ranks_whose_calls_can_differ()
     with rr.Communicator(timeout=60) as comm:
         rows = 1024 + (RANK == 1)
         x = np.full((rows, 256), RANK, np.float32)  # 1 MiB: the result is confirmed
         if strided:
             x = np.repeat(x, 2, axis=0)[::2]
         if RANK == 1:
-            monkeypatch.setattr(communicator, "np", NoMemory())
+            monkeypatch.setattr(communicator, "np", NumpyWithoutMemory())
         handle = comm.allgather_async(x)
         del handle
         comm._executor.drain()
@@ -1319,8 +1318,7 @@ def test_a_dropped_allgather_that_ran_out_of_memory_is_warned_of(strided, world,
 def test_no_warning_for_the_librarys_own_async_call_dropped_unwaited(world):
     # The library's own *_async calls (check given: an optimizer's buckets) answer for
     # their errors themselves: none is noted, even dropped unwaited.
-    if SIZE == 1:
-        pytest.skip("needs ranks whose calls can differ")
+    _needs_ranks_whose_calls_can_differ()
     with rr.Communicator(timeout=60) as comm:
         comm.allreduce(np.ones(4))  # (float64 "sum" validated: the FastPath serves it)
         handle = comm._allreduce_checked(_mismatched(False), "sum", 0, wait=False)
@@ -1335,12 +1333,9 @@ def test_no_warning_for_the_librarys_own_async_call_dropped_unwaited(world):
 def test_the_next_async_call_warns_of_a_dropped_error_as_it_is_made(world):
     # A FastPath-eligible allreduce_async made while an error is pending goes by the
     # general path, which warns at the call (not only at a later blocking one).
-    if SIZE == 1:
-        pytest.skip("needs ranks whose calls can differ")
+    _needs_ranks_whose_calls_can_differ()
     with rr.Communicator(timeout=60) as comm:
-        handle = comm.allreduce_async(_mismatched(False))
-        del handle
-        comm._executor.drain()
+        _drop_a_failed_call(comm)
         y = np.arange(8.0)
         with pytest.warns(rr.DroppedErrorWarning, match="The error: MismatchError: "):
             next_one = comm.allreduce_async(y)

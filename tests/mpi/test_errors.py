@@ -12,6 +12,8 @@ from mpi4py import MPI
 import ringreduce as rr
 from ringreduce.optim import SGD, DistributedOptimizer
 
+from helpers import NumpyWithoutMemory
+
 SIZE = MPI.COMM_WORLD.Get_size()
 RANK = MPI.COMM_WORLD.Get_rank()
 needs_two = pytest.mark.skipif(SIZE < 2, reason="needs at least two ranks to disagree")
@@ -603,16 +605,6 @@ def test_chunk_size_of_rank_0_wins(world):
         np.testing.assert_allclose(ring.allreduce(x), np.arange(1000.0) * SIZE * (SIZE + 1) / 2)
 
 
-class _NumpyWithoutMemory:
-    """numpy, except that np.empty fails: a rank that cannot allocate its output."""
-
-    def __getattr__(self, name):
-        return getattr(np, name)
-
-    @staticmethod
-    def empty(*args, **kwargs):
-        raise MemoryError("test: np.empty refused")
-
 
 @needs_two
 @pytest.mark.parametrize("call", ["allgather", "allgather_async"])
@@ -634,7 +626,7 @@ def test_a_rank_that_cannot_allocate_allgathers_output_does_not_hang_the_others(
     total = 1024 * SIZE + (others != "guess_right")
     out = np.empty((total, 256), np.float32) if others == "give_out" and RANK != 1 else None
     if RANK == 1:
-        monkeypatch.setattr(communicator, "np", _NumpyWithoutMemory())
+        monkeypatch.setattr(communicator, "np", NumpyWithoutMemory())
     with pytest.raises(MemoryError, match=rf"^ringreduce\.{call}\b.*rank 1 could not allocate"):
         if call == "allgather":
             comm.allgather(x, out=out)
@@ -646,7 +638,7 @@ def test_a_rank_that_cannot_allocate_allgathers_output_does_not_hang_the_others(
     np.testing.assert_array_equal(comm.allgather(x)[:, 0], np.repeat(np.arange(SIZE), every_rows))
 
 
-class _NumpyInterrupted(_NumpyWithoutMemory):
+class _NumpyInterrupted(NumpyWithoutMemory):
     """numpy, except that np.empty meets Ctrl-C."""
 
     @staticmethod
@@ -698,7 +690,7 @@ def test_a_rank_that_cannot_make_a_small_allgather_result_leaves_not_hangs_the_o
     x = np.full((2 * rows, 3000), RANK, np.float64)  # 24 KB rows: beyond the header
     x = x[::2] if call == "python" else x[:rows]
     if RANK == 0:
-        monkeypatch.setattr(communicator, "np", _NumpyWithoutMemory())
+        monkeypatch.setattr(communicator, "np", NumpyWithoutMemory())
     start = time.monotonic()
     with pytest.raises(BaseException) as raised:
         if call == "allgather_async":
@@ -737,7 +729,7 @@ def test_a_small_call_that_cannot_allocate_its_result_does_not_hang_the_others(
         # result buffer of x's size would be reused).
         comm.allreduce(np.ones(1000, np.float32))
         if RANK == 1:
-            monkeypatch.setattr(communicator, "np", _NumpyWithoutMemory())
+            monkeypatch.setattr(communicator, "np", NumpyWithoutMemory())
             with pytest.raises(MemoryError, match="np.empty refused"):
                 getattr(comm, call)(x)
             monkeypatch.undo()
