@@ -403,6 +403,8 @@ _PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
 def _warn_of_dropped_errors() -> None:
     """Warns of the errors lost with Handles dropped unwaited, if any (DroppedErrors in
     the core), pointing at the caller's line (the first frame outside this package)."""
+    if not _core.dropped_errors_pending():  # (the common case: no lock taken)
+        return
     count, texts = _core.take_dropped_errors()
     if not count:
         return
@@ -740,11 +742,10 @@ def _finish_all(why: str = "the process is ending", let_calls_finish: bool = Fal
         _core.finish_abandoned_duplicates()
     # A script's last calls, failed and dropped unwaited (its last step's, say), have
     # no later call to warn of them.
-    if _core.dropped_errors_pending():
-        try:
-            _warn_of_dropped_errors()
-        except Exception:  # (-W error: at exit, printed rather than raised)
-            traceback.print_exc()
+    try:
+        _warn_of_dropped_errors()
+    except Exception:  # (-W error: at exit, printed rather than raised)
+        traceback.print_exc()
 
 
 def _wait_until_idle(executors: list, seconds: float) -> None:
@@ -1277,8 +1278,7 @@ class Communicator:
             self._abandon()
             if not MPI.Is_finalized():
                 self._core.close()
-        if _core.dropped_errors_pending():  # (the calls in flight are over: all noted)
-            _warn_of_dropped_errors()
+        _warn_of_dropped_errors()  # (the calls in flight are over: all noted)
 
     def __enter__(self):
         return self

@@ -1264,12 +1264,12 @@ def test_a_rank_killed_mid_job_is_found_gone_long_before_the_timeout(when, ranks
     # (hydra still kills the survivors now and then, some 0.1 s after the rank died,
     # before their first look: in 4 of 10 tries here on 2 ranks, more often on 3. So up
     # to 8 tries.)
+    # MPICH leaves its own shared memory in /dev/shm when a rank is killed: what appears
+    # there during a job is removed after it.
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
     for attempt in range(8):
         found = tmp_path / f"attempt{attempt}"
         found.mkdir()
-        # MPICH leaves its own shared memory in /dev/shm when a rank is killed: what
-        # appears there during the job is removed after it.
-        shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
         before = set(os.listdir(shm)) if shm else set()
         try:
             done = subprocess.run([mpiexec(), "-disable-auto-cleanup", "-n", str(ranks),
