@@ -4,7 +4,8 @@ one run with what a user would do without it (copy to pinned host memory, mpi4py
 Allreduce, copy back) and with torch.distributed's gloo on the same device buffers (where torch
 is), beside the GPU's own device-to-device copy rate. nccl-tests' columns; median of repeated runs. Every
 timed call ends with the stream synchronised, so a call is timed until its result is
-there.
+there. Each size's results, of every candidate but gloo, are checked against MPI's
+whole: a wrong one stops the run.
 
     mpiexec -n 2 python benchmarks/bench_gpu.py --json gpu.json --markdown gpu.md
 
@@ -89,6 +90,20 @@ def table_row(r, names) -> str:
     return "| " + " | ".join(cells) + " |"
 
 
+def check_result(cp, name: str, got, want, what: str) -> None:
+    """Stops the run if candidate `name`'s result (a device array) differs from the host
+    MPI's (`want`, on the device too: compared there, as 1 GiB compared on the host
+    would take seconds): float32 sums in another order differ by a few units in the
+    last place, scaled by the ranks. A fast wrong answer is no result."""
+    if bool(cp.allclose(got, want, rtol=1e-5, atol=1e-5 * SIZE)):
+        return
+    got, want = cp.asnumpy(got).ravel(), cp.asnumpy(want).ravel()
+    bad = np.flatnonzero(~np.isclose(got, want, rtol=1e-5, atol=1e-5 * SIZE))
+    i = bad[0]
+    raise SystemExit(f"rank {RANK}: {name} {what} gave a wrong result: element {i} is "
+                     f"{got[i]!r}, MPI gives {want[i]!r} ({bad.size} of {got.size} differ)")
+
+
 def synced(stream, fn):
     """fn, then wait for the stream: a call is timed until its result is there."""
     def call():
@@ -111,7 +126,8 @@ def other_collectives(cp, comm, device_only, sizes, repeats):
     for nbytes in sizes:
         n = nbytes // 4 // SIZE * SIZE  # MPI_Reduce_scatter_block: equal blocks
         block = n // SIZE
-        x = cp.asarray(np.random.default_rng(RANK).standard_normal(n).astype(np.float32))
+        original = np.random.default_rng(RANK).standard_normal(n).astype(np.float32)
+        x = cp.asarray(original)
         mine = x[:block].copy()
         seg, gathered = cp.empty(block, cp.float32), cp.empty(n, cp.float32)
         host_x, host_seg = host_buffer(n), host_buffer(block)
@@ -152,10 +168,26 @@ def other_collectives(cp, comm, device_only, sizes, repeats):
                 row[who] = {"seconds": seconds, "algbw": algbw, "busbw": busbw}
             rows.append(row)
             say(others_row(row))
-        expected = world.allreduce(float(cp.asnumpy(x[:1])[0]))  # x is root's everywhere now
-        comm.reduce_scatter(x, out=seg)
-        if RANK == 0:
-            assert abs(float(seg[0]) - expected) <= 1e-4 * max(1.0, abs(expected)), "wrong result"
+        # Each variant's whole result against MPI's, once more after the timing, from
+        # this rank's own x again (the timed broadcasts made it root's).
+        what = f"of {human_bytes(n * 4)}"
+        for name, variant in (("ring", comm), ("ring_device", device_only)):
+            x.set(original)
+            mpi_reduce_scatter()
+            want = seg.copy()
+            seg[...] = np.nan
+            variant.reduce_scatter(x, out=seg)
+            check_result(cp, name, seg, want, "reduce_scatter " + what)
+            mpi_allgather()
+            want = gathered.copy()
+            gathered[...] = np.nan
+            variant.allgather(mine, out=gathered)
+            check_result(cp, name, gathered, want, "allgather " + what)
+            mpi_broadcast()
+            want = x.copy()
+            x.set(original)
+            variant.broadcast(x, root=0)
+            check_result(cp, name, x, want, "broadcast " + what)
         del x, mine, seg, gathered, host_x, host_seg, host_mine, host_all
         free_memory(cp)
     return rows
@@ -288,9 +320,15 @@ def main():
         # Few calls per timed run: a 1 GiB call takes a good part of a second.
         inner = max(1, min(200, (16 << 20) // nbytes))
         times = time_alternating(candidates, repeats=args.repeats, inner=inner)
-        expected = world.allreduce(float(cp.asnumpy(x[:1])[0]))
-        ring.allreduce(x, out=out)
-        assert abs(float(out[0]) - expected) <= 1e-5 * max(1.0, abs(expected)), "wrong result"
+        # Every candidate's whole result, once more after the timing (whose calls write
+        # the same out), against MPI's sum of the same inputs.
+        staged_by_hand()
+        want = out.copy()
+        for name, comm in (("ring", ring), ("ring_device", device_only), ("ring_big", big),
+                           ("ring_host", host_only)):
+            out[...] = np.nan
+            comm.allreduce(x, out=out)
+            check_result(cp, name, out, want, f"allreduce of {human_bytes(nbytes)}")
         d2d = copy_rate(cp, nbytes) if RANK == 0 else 0.0
         row = {"bytes": nbytes, "ranks": SIZE, "gpu": gpu, "mode": mode, "d2d_bytes_per_s": d2d}
         for name, seconds in times.items():

@@ -110,6 +110,21 @@ def test_bench_gpu_runs_over_the_emulated_gpu(tmp_path):
     assert (tmp_path / "again.png").stat().st_size > 0
 
 
+@pytest.mark.parametrize("collective", ["allreduce", "allgather"])
+def test_bench_gpu_stops_at_a_wrong_result(collective, tmp_path):
+    # A fast wrong answer is no result: every candidate's output is checked against MPI's.
+    done = subprocess.run(
+        [mpiexec(), "-n", "2", sys.executable, "-m", "mpi4py", "tests/mpi/emulated_bench_gpu.py",
+         "--max-bytes", "1024", "--repeats", "1", "--no-gloo", "--others",
+         "--json", str(tmp_path / "gpu.json")],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        env={**job_env(), "EMULATED_BENCH_CORRUPT": collective})
+    assert done.returncode != 0
+    assert f"rank 1: ring {collective} of " in done.stderr + done.stdout
+    assert "gave a wrong result: element" in done.stderr + done.stdout
+    assert not (tmp_path / "gpu.json").exists()
+
+
 @pytest.mark.parametrize("wait_each, timeout_and_loss", [(False, False), (True, True)])
 def test_bench_async_runs_and_writes_every_candidate(tmp_path, wait_each, timeout_and_loss):
     result = tmp_path / "async.json"
