@@ -1749,6 +1749,10 @@ PYBIND11_MODULE(_core, m) {
       py::arg("n"), py::arg("seconds"), py::arg("every") = 0,
       "tests: the host emulation of a GPU stalls its n-th copy or kernel from now (0: none), "
       "then every `every`-th (0: only that one)");
+  m.def("process_ended", [](int pid) { return process_ended(static_cast<pid_t>(pid)); },
+        py::arg("pid"),
+        "tests: whether process pid has ended, as the shared-memory waits judge another "
+        "rank's (gone, or a zombie not yet reaped)");
   m.def("set_shm_send_pause", &set_shm_send_pause, py::arg("seconds"),
         "tests: every chunk sent here over shared memory from now on waits this long (0: none)");
   m.def("set_shm_broadcast_pause", &set_shm_broadcast_pause, py::arg("seconds"),

@@ -380,10 +380,6 @@ void ShmChannel::look_around() const {
   check_alive();
 }
 
-namespace {
-// Whether process `pid` has ended: gone, or a zombie that its parent has not reaped (a
-// launcher that lets the job run on, as MPICH's mpiexec -disable-auto-cleanup does,
-// may not reap it until the job ends).
 bool process_ended(pid_t pid) {
   if (kill(pid, 0) != 0) return errno == ESRCH;  // (EPERM: it is there)
 #ifdef __linux__
@@ -403,7 +399,6 @@ bool process_ended(pid_t pid) {
   return false;
 #endif
 }
-}  // namespace
 
 void ShmChannel::check_alive() const {
   const auto now = std::chrono::steady_clock::now();

@@ -43,6 +43,11 @@ void set_shm_broadcast_pause(double seconds);
 // all, with chunks coming throughout, must not time out.
 void set_shm_send_pause(double seconds);
 
+// Whether process `pid` has ended: gone (reaped), or a zombie that its parent has not
+// reaped (a launcher that lets the job run on, as MPICH's mpiexec -disable-auto-cleanup
+// does, may not reap it until the job ends).
+bool process_ended(pid_t pid);
+
 class ShmChannel {
  public:
   // Collective over the transport's communicator, timed as its making is (TimeoutError

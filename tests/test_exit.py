@@ -1244,6 +1244,24 @@ except (rr.CollectiveTimeoutError, rr.MPIError) as error:
 """
 
 
+def test_a_process_is_found_ended_as_a_zombie_and_once_reaped():
+    # The look of the test below, at what it cannot choose: hydra leaves a killed rank a
+    # zombie until the job ends, but another launcher reaps it at once.
+    from ringreduce import _core
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert not _core.process_ended(child.pid)
+        assert not _core.process_ended(os.getpid())
+        child.kill()
+        os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOWAIT)  # ended, not reaped
+        assert _core.process_ended(child.pid)  # a zombie
+        child.wait()
+        assert _core.process_ended(child.pid)  # gone
+    finally:
+        child.kill()
+        child.wait()
+
+
 @pytest.mark.parametrize("ranks", [2, 3])
 @pytest.mark.parametrize("when", ["shared memory", "MPI"],
                          ids=["between calls", "in a call over MPI messages"])
