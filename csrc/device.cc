@@ -7,9 +7,11 @@
 #include <cstring>
 #include <deque>
 #include <functional>
+#include <new>
 #include <stdexcept>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "errors.h"
@@ -69,9 +71,21 @@ class HostDevice final : public Device {
   int make_current() noexcept override { return -1; }
   void restore_current(int) noexcept override {}
   void* alloc_host(int64_t bytes) override { return allocate(bytes); }
-  void free_host(void* p) override { delete[] static_cast<char*>(p); }
-  void* alloc_device(int64_t bytes) override { return allocate(bytes); }
-  void free_device(void* p) override { delete[] static_cast<char*>(p); }
+  void free_host(void* p) override { std::free(p); }
+  void* alloc_device(int64_t bytes) override {
+    char* p = allocate(bytes);
+    own_.push_back({p, bytes});
+    return p;
+  }
+  void free_device(void* p) override {
+    for (size_t i = 0; i < own_.size(); ++i) {
+      if (own_[i].first == p) {
+        own_.erase(own_.begin() + static_cast<std::ptrdiff_t>(i));
+        break;
+      }
+    }
+    std::free(p);
+  }
   void copy(Stream s, void* dst, const void* src, int64_t bytes) override {
     if (host_device_copy_fault > 0 && --host_device_copy_fault == 0)
       throw std::runtime_error("ringreduce: the emulated GPU failed a copy, as asked");
@@ -82,7 +96,10 @@ class HostDevice final : public Device {
   }
   void reduce(Stream s, DType dtype, Op op, void* dst, const void* a, const void* b,
               int64_t n) override {
-    for (const void* p : {static_cast<const void*>(dst), a, b}) fault_if_misaligned(dtype, p);
+    for (const void* p : {static_cast<const void*>(dst), a, b}) {
+      fault_if_misaligned(dtype, p);
+      refuse_if_own_slot_unaligned(p);
+    }
     stall_if_asked();
     enqueue(s, [=] { ringreduce::reduce(dtype, op, dst, a, b, n); });
   }
@@ -121,12 +138,29 @@ class HostDevice final : public Device {
       throw std::runtime_error("ringreduce: the emulated GPU's kernel met a misaligned "
                                "address, as a GPU's would (cudaErrorMisalignedAddress)");
   }
+  // The GPU kernels take their 16-byte vector loads only where every address is a
+  // multiple of 16, so the device ring lays out its own memory (its slots) that way
+  // (device_slot_bytes()). A GPU would only be slower if it did not; here the tests see it.
+  void refuse_if_own_slot_unaligned(const void* p) const {
+    const char* c = static_cast<const char*>(p);
+    for (const auto& [base, bytes] : own_) {
+      if (c >= base && c < base + bytes && (c - base) % 16 != 0)
+        throw std::logic_error("ringreduce: the emulated GPU's kernel was given an address " +
+                               std::to_string(c - base) + " bytes into the device ring's own "
+                               "memory, not a multiple of 16: a GPU's would lose its vector "
+                               "loads");
+    }
+  }
+  // As cudaMalloc and cudaMallocHost, at a multiple of 256 bytes.
   static char* allocate(int64_t bytes) {
     if (bytes > host_device_memory_limit)
       throw OutOfMemoryError("ringreduce: the emulated GPU has no " + std::to_string(bytes) +
                              " bytes to give (limit " +
                              std::to_string(host_device_memory_limit) + ")");
-    return new char[bytes > 0 ? bytes : 1];
+    const size_t size = (static_cast<size_t>(bytes > 0 ? bytes : 1) + 255) / 256 * 256;
+    void* p = std::aligned_alloc(256, size);
+    if (p == nullptr) throw std::bad_alloc();
+    return static_cast<char*>(p);
   }
   void enqueue(int s, std::function<void()> op) {
     queues_[s].push_back(std::move(op));
@@ -152,6 +186,7 @@ class HostDevice final : public Device {
   int64_t executed_[kStreams] = {0, 0, 0};
   std::vector<Mark> events_;
   bool eager_copy_in_ = true;
+  std::vector<std::pair<char*, int64_t>> own_;  // alloc_device()'s blocks
 };
 
 int env_flag(const char* name) {  // -1 unset, else 0 or 1

@@ -63,6 +63,20 @@ def test_allreduce_matches_the_host_ring_bit_for_bit(combo, mode, device_comm):
 
 
 @pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", ["int8", "float16", "float32", "complex128"])
+def test_slots_stay_16_byte_aligned_for_chunks_of_any_size(dtype, mode, device_comm):
+    # Chunks of a size that is no multiple of 16 bytes, several to a segment: each slot
+    # starts at a multiple of 16, else a GPU's kernels lose their vector loads (the
+    # emulated GPU refuses such an address in the ring's own memory).
+    dtype = np.dtype(dtype)
+    x = rank_data(dtype, 5003, "sum", salt=3)
+    for chunk in (37 * dtype.itemsize, 100 * dtype.itemsize):
+        got = device_allreduce(device_comm, x, "sum", chunk, MODES[mode])
+        device_comm.chunk_bytes = chunk
+        assert bitwise_equal(got, device_comm.allreduce(x)), f"chunk={chunk}"
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_allreduce_matches_the_numpy_reference_and_works_in_place(mode, device_comm):
     for n in SIZES:
         x = rank_data(FLOAT32, n, salt=3)
