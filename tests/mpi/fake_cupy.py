@@ -406,6 +406,16 @@ class Stream(_Nothing):
 
     def __init__(self, *args, ptr=1 << 20, **kwargs):
         self.ptr = ptr
+        self.capturing = False  # (set by tests, for is_capturing(): cupy's begin_capture())
+
+    def begin_capture(self):
+        self.capturing = True
+
+    def end_capture(self):
+        self.capturing = False
+
+    def is_capturing(self):
+        return self.capturing
 
     def __enter__(self):
         _threads.__dict__.setdefault("streams", []).append(self)

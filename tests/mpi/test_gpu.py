@@ -318,6 +318,31 @@ def test_bad_gpu_arguments_raise_clear_errors(comm):
     check_gpu_argument_errors(comm, cupy)
 
 
+def test_a_call_on_a_stream_capturing_a_cuda_graph_raises_on_every_rank(comm):
+    # Captured, its event and waits would pull ringreduce's own streams into the graph
+    # (and CUDA would end the capture with an error that seems ringreduce's). One rank
+    # captures: it raises RuntimeError, the others MismatchError naming it; then every
+    # rank's next call works.
+    x, out = cupy.ones(1 << 18, cupy.float32), cupy.empty(1 << 18, cupy.float32)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    for capturing in sorted({0, SIZE - 1}):
+        with stream:
+            if RANK == capturing:
+                stream.begin_capture()
+            try:
+                if RANK == capturing:
+                    with pytest.raises(RuntimeError, match=r"^ringreduce\.allreduce \(rank "
+                                       r".*: the current stream is capturing a CUDA graph"):
+                        comm.allreduce(x, out=out)
+                elif SIZE > 1:
+                    with pytest.raises(rr.MismatchError, match=f"rank {capturing}"):
+                        comm.allreduce(x, out=out)
+            finally:
+                if RANK == capturing:
+                    stream.end_capture()
+        assert float(comm.allreduce(x, out=out)[0]) == SIZE
+
+
 def test_calls_after_this_rank_left_name_the_call_and_the_rank():
     # (From a review.) After a Communicator broke or gave up, the GPU allreduce,
     # reduce_scatter and broadcast said "this ringreduce Communicator ..." alone.
