@@ -2201,11 +2201,9 @@ PYBIND11_MODULE(_core, m) {
            "after leave(over_mpi=False), at exit: tell the ranks over MPI messages too")
       .def("release_scratch", &RingCommunicator::release_scratch,
            "free the ring's receive slots (a dropped communicator kept for its close)")
-      .def("leave_unclosed", &RingCommunicator::leave_unclosed,
-           "when dropped unclosed: stop using it, and tell the ranks on shared memory")
       .def("begin_close_at_exit", &RingCommunicator::begin_close_at_exit,
            "at a normal exit (or when dropped unclosed, under MPI_THREAD_MULTIPLE): "
-           "leave_unclosed() on shared memory; over MPI messages, start "
+           "on shared memory, stop using it and tell the others; over MPI messages, start "
            "a close with the others that a rank waiting in a call this one never made "
            "meets (then it raises); true if finish_close_at_exit() must follow")
       .def("finish_close_at_exit", &RingCommunicator::finish_close_at_exit,

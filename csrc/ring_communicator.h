@@ -197,16 +197,16 @@ class RingCommunicator {
   // Second half: out holds sum(row_counts) rows; this rank's rows go in its place.
   void allgather(const void* input, void* out, const std::vector<int64_t>& row_counts,
                  int64_t row_elems, DType dtype);
-  // The second half of a small call, if it can be done now: when every rank's rows came
-  // with the counts and out holds exactly out_rows == sum(row_counts) rows, copies them
-  // into out and returns true (allgather() is then not called). Lets a caller that
-  // guessed the result's size before the exchange finish in one step.
   // Between the halves, where this rank has no output to go on with (making it raised)
   // and no allgather_confirm() told the others: if they need this rank in the ring (the
   // rows did not all come with the counts), it leaves the communicator (Departure::
   // Left), as after an error mid-ring, so that they raise at once instead of after
   // their timeout; its own later calls raise, naming `why`.
   void allgather_abandon(const std::string& why);
+  // The second half of a small call, if it can be done now: when every rank's rows came
+  // with the counts and out holds exactly out_rows == sum(row_counts) rows, copies them
+  // into out and returns true (allgather() is then not called). Lets a caller that
+  // guessed the result's size before the exchange finish in one step.
   bool allgather_from_counts(void* out, int64_t out_rows, const std::vector<int64_t>& row_counts,
                              int64_t row_elems, DType dtype);
   // In place: every rank's buf ends up equal to root's.

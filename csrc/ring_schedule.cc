@@ -1,7 +1,6 @@
 #include "ring_schedule.h"
 
 #include <algorithm>
-#include <cstring>
 #include <stdexcept>
 #include <string>
 #include <unordered_map>

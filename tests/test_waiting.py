@@ -47,9 +47,9 @@ def test_no_timeout_never_expires_but_still_checks_for_departures():
     assert len(checks) == 10  # waits look for ranks that left on these turns, timeout or not
 
 
-GAVE_UP, LEFT, FOLLOWED, UNCLOSED, ENDED = (
+GAVE_UP, LEFT, FOLLOWED, UNCLOSED, ENDED, VANISHED = (
     _core.Departure.GAVE_UP, _core.Departure.LEFT, _core.Departure.FOLLOWED,
-    _core.Departure.UNCLOSED, _core.Departure.ENDED)
+    _core.Departure.UNCLOSED, _core.Departure.ENDED, _core.Departure.VANISHED)
 NONE = _core.DepartureNote(-1, GAVE_UP, 0)
 
 
@@ -120,6 +120,8 @@ def test_a_rank_whose_process_is_ending_is_reported_as_ended_through_its_followe
     (UNCLOSED, 3, 4094, UNCLOSED),
     (ENDED, 9, -1, GAVE_UP),
     (FOLLOWED, 9, 2, ENDED),
+    (VANISHED, 9, -1, GAVE_UP),
+    (FOLLOWED, 9, 1, VANISHED),
 ])
 def test_a_note_comes_back_whole_from_its_shared_memory_word(why, completed, cause, cause_why):
     note = _core.DepartureNote(5, why, completed, cause, cause_why)
