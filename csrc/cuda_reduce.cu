@@ -14,8 +14,9 @@ namespace cuda {
 namespace {
 
 void check(cudaError_t rc, const char* what) {
-  if (rc != cudaSuccess)
-    throw std::runtime_error(std::string(what) + " failed: " + cudaGetErrorString(rc));
+  if (rc == cudaSuccess) return;
+  (void)cudaGetLastError();  // a non-sticky error must not become the next launch's
+  throw std::runtime_error(std::string(what) + " failed: " + cudaGetErrorString(rc));
 }
 
 constexpr int kThreads = 256;
