@@ -27,6 +27,7 @@ from . import _types, compression as _compression
 from ._arrays import (array_module, as_list_of_arrays, copy_where_it_is, gpu_of, on_gpu,
                       on_gpu_of, plain, the_one_gpu)
 from ._core import CollectiveTimeoutError, MismatchError
+from .communicator import _check_thread
 from .gradients import agree_or_raise, check_bucket_mb, pack_plan, span_of
 
 
@@ -934,6 +935,12 @@ class DistributedOptimizer:
         call = f"DistributedOptimizer.{method}" if method else "DistributedOptimizer"
         return _types.where(self.comm.rank, self.comm.size, call)
 
+    def _check_calling_thread(self, method: str) -> None:
+        """Where MPI lets only the main thread call it, the refusal names this method (not
+        the collective it would make), before the step changes: nothing is abandoned."""
+        if not self.comm._executor.threaded:
+            _check_thread(self._where(method), self.comm._thread_level)
+
     def _renew_step_check(self) -> None:
         """What a step's all-reduces carry (_step_check): which optimizer (as
         _call_check) and its settings now, so that ranks where a schedule set another lr
@@ -1145,6 +1152,7 @@ class DistributedOptimizer:
         only this micro-batch's gradients are dropped, and the sums accumulated before
         stay. Give none of that step's gradients after the error: the next one given
         begins the next step."""
+        self._check_calling_thread("grad_ready")
         self._abandoned_by_error = False  # (a gradient given, even one refused, begins one)
         try:
             self._report(index, grad)
@@ -1201,6 +1209,7 @@ class DistributedOptimizer:
         given to grad_ready() since the last step. Inside no_sync(), only accumulates.
         An error abandons the step, as in grad_ready().
         """
+        self._check_calling_thread("step")
         if grads is not None:
             self._abandoned_by_error = False  # (as in grad_ready)
         try:

@@ -17,6 +17,7 @@ mpi4py.rc.thread_level = sys.argv[1]
 from mpi4py import MPI
 import numpy as np
 import ringreduce as rr
+from ringreduce.optim import SGD, DistributedOptimizer
 
 a, b = rr.Communicator(timeout=60), rr.Communicator(timeout=60)
 x = np.arange(1000.0)
@@ -53,6 +54,28 @@ t = threading.Thread(target=from_another_thread)
 t.start()
 t.join()
 print(f"rank {a.rank}: from another thread: {said[0]}", flush=True)
+
+# The optimizer's own calls name it, and leave its step untouched where refused.
+w = np.zeros(3)
+opt = DistributedOptimizer(SGD([w], lr=0.5), b)
+def step_from_another_thread(how):
+    try:
+        if how == "step":
+            opt.step([np.ones(3)])
+        else:
+            opt.grad_ready(0, np.ones(3))
+            opt.step()
+        said.append("stepped")
+    except ValueError as error:
+        said.append(f"ValueError: {error}")
+for how in ("step", "grad_ready"):
+    t = threading.Thread(target=step_from_another_thread, args=(how,))
+    t.start()
+    t.join()
+    print(f"rank {a.rank}: {how} from another thread: {said[-1]}", flush=True)
+    if said[-1] != "stepped":
+        opt.step([np.ones(3)])  # here, all is as before
+print(f"rank {a.rank}: w = {w.tolist()}", flush=True)
 a.close()
 b.close()
 print(f"rank {a.rank}: done", flush=True)
@@ -71,6 +94,14 @@ def test_calls_keep_the_mpi_thread_level(level, tmp_path):
             assert (f"rank {rank}: from another thread: ValueError: ringreduce.allreduce "
                     f"(rank {rank} of 2): MPI was initialised with MPI_THREAD_{level.upper()}, "
                     "which lets only the main thread call MPI") in done.stdout, done.stdout
+        for how, method in (("step", "step"), ("grad_ready", "grad_ready")):
+            if level == "serialized":
+                assert f"rank {rank}: {how} from another thread: stepped" in done.stdout
+            else:
+                assert (f"rank {rank}: {how} from another thread: ValueError: ringreduce."
+                        f"DistributedOptimizer.{method} (rank {rank} of 2): MPI was initialised "
+                        f"with MPI_THREAD_{level.upper()}") in done.stdout, done.stdout
+        assert f"rank {rank}: w = [-1.0, -1.0, -1.0]" in done.stdout, done.stdout
         assert f"rank {rank}: done" in done.stdout
 
 
@@ -82,6 +113,7 @@ mpi4py.rc.thread_level = "funneled"
 from mpi4py import MPI
 import numpy as np
 import ringreduce as rr
+from ringreduce.optim import SGD, DistributedOptimizer
 
 ring = rr.Communicator(timeout=30)
 ring.allreduce(np.ones(3))
@@ -135,6 +167,7 @@ mpi4py.rc.thread_level = "serialized"
 from mpi4py import MPI
 import numpy as np
 import ringreduce as rr
+from ringreduce.optim import SGD, DistributedOptimizer
 
 a, b = rr.Communicator(timeout=30), rr.Communicator(timeout=30)
 if a.rank == 0:
@@ -180,6 +213,7 @@ mpi4py.rc.thread_level = "serialized"
 from mpi4py import MPI
 import numpy as np
 import ringreduce as rr
+from ringreduce.optim import SGD, DistributedOptimizer
 
 ring = rr.Communicator(timeout=2)
 ring.allreduce(np.ones(4))
