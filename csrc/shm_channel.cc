@@ -175,12 +175,18 @@ struct OwnMemory {
 };
 
 // Maps another rank's memory (of `bytes` bytes), or returns nullptr.
-char* map_others(const char* name, size_t bytes) {
+// (nullptr if not: *error is errno then, or 0 for a file of another size.)
+char* map_others(const char* name, size_t bytes, int* error) {
+  *error = 0;
   const int fd = open_memory_file(name);
-  if (fd < 0) return nullptr;
+  if (fd < 0) {
+    *error = errno;
+    return nullptr;
+  }
   struct stat st {};
   const bool sized = fstat(fd, &st) == 0 && static_cast<size_t>(st.st_size) == bytes;
   void* base = sized ? mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0) : MAP_FAILED;
+  if (sized && base == MAP_FAILED) *error = errno;
   close(fd);
   if (base == MAP_FAILED) return nullptr;
   not_for_children(base, bytes);
@@ -275,11 +281,14 @@ std::unique_ptr<ShmChannel> ShmChannel::create(MpiTransport& transport, int64_t 
   // or /dev/shm), and so can a name: in another pid namespace, /proc/<pid>/fd/<fd> may
   // be some other process's file (even this rank's own). Mapping, and finding the
   // offered token there, decides.
-  int32_t mapped = 1, failed = -1;  // (failed: the rank whose memory this one could not map)
+  // failed: the rank whose memory this one could not map, and errno (0: not the file
+  // offered, or none)
+  int32_t mapped = 1, failed[2] = {-1, 0};
   for (int r = 0; r < size && mapped; ++r) {
     if (r == rank) continue;
     offers[r].name[sizeof(offers[r].name) - 1] = 0;
-    char* part = map_others(offers[r].name, channel->part_bytes_);
+    int error = 0;
+    char* part = map_others(offers[r].name, channel->part_bytes_, &error);
     if (part != nullptr &&
         std::memcmp(part + kTokenAt, offers[r].token, sizeof(offers[r].token)) != 0) {
       munmap(part, channel->part_bytes_);
@@ -287,16 +296,24 @@ std::unique_ptr<ShmChannel> ShmChannel::create(MpiTransport& transport, int64_t 
     }
     channel->parts_[r] = part;
     mapped = part != nullptr;
-    if (!mapped) failed = r;
+    if (!mapped) {
+      failed[0] = r;
+      failed[1] = error;
+    }
   }
   // (Every counter and departure word starts at 0: a new memory file reads as zeros.)
-  std::vector<int32_t> all_failed(size);
-  transport.creation_allgather(&failed, all_failed.data(), sizeof(failed));
+  std::vector<int32_t> all_failed(2 * size);
+  transport.creation_allgather(failed, all_failed.data(), sizeof(failed));
   for (int r = 0; r < size; ++r) {
-    if (all_failed[r] < 0) continue;
+    if (all_failed[2 * r] < 0) continue;
+    const int error = all_failed[2 * r + 1];
+    // Not there, not ours, or not the file offered: a process this one cannot see as
+    // it is. Else the system's reason (no file descriptor left, say).
+    const bool unseen = error == 0 || error == ENOENT || error == EACCES || error == EPERM;
     *why_not = "rank " + std::to_string(r) + " could not map the shared memory of rank " +
-               std::to_string(all_failed[r]) +
-               " (e.g. processes in other pid namespaces, or of other users)";
+               std::to_string(all_failed[2 * r]) +
+               (error != 0 ? std::string(" (") + std::strerror(error) + ")" : std::string()) +
+               (unseen ? " (e.g. processes in other pid namespaces, or of other users)" : "");
     return nullptr;  // (the destructor unmaps what was mapped)
   }
 

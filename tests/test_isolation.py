@@ -81,3 +81,46 @@ def test_ranks_in_pid_namespaces_of_their_own_never_map_each_others_memory_wrong
     assert len(lines) == 4, lines
     assert all(line.startswith("pid 1 ") for line in lines), lines  # in namespaces indeed
     assert all(line.endswith("result [3.]") for line in lines), lines
+
+
+FEW_FILE_DESCRIPTORS = """
+import os
+import resource
+import sys
+import numpy as np
+from mpi4py import MPI
+import ringreduce as rr
+
+rank = MPI.COMM_WORLD.Get_rank()
+held = []
+if rank == 1:  # every file descriptor taken but one (its own memory's)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(256, soft), hard))
+    try:
+        while True:
+            held.append(os.open("/dev/null", os.O_RDONLY))
+    except OSError:
+        pass
+    os.close(held.pop())
+ring = rr.Communicator(timeout=60)
+for fd in held:
+    os.close(fd)
+with open(os.path.join(sys.argv[1], f"rank{rank}.txt"), "w") as said:
+    said.write(ring.transport_reason + "\\n")
+    said.write(f"{ring.transport} {np.unique(ring.allreduce(np.full(1000, rank + 1.0)))}\\n")
+ring.close()
+"""
+
+
+def test_a_rank_out_of_file_descriptors_says_so_and_the_ranks_go_on_over_mpi(tmp_path):
+    # Before, the reason blamed pid namespaces or other users (helper 179).
+    script = tmp_path / "fds.py"
+    script.write_text(FEW_FILE_DESCRIPTORS)
+    done = subprocess.run([mpiexec(), "-n", "2", sys.executable, "-m", "mpi4py", str(script),
+                           str(tmp_path)], capture_output=True, text=True, timeout=120,
+                          env=job_env())
+    assert done.returncode == 0, done.stderr[-4000:]
+    said = [(tmp_path / f"rank{rank}.txt").read_text().splitlines() for rank in (0, 1)]
+    for lines in said:
+        assert lines == ["rank 1 could not map the shared memory of rank 0 (Too many open "
+                         "files)", "MPI [3.]"], said
