@@ -1152,7 +1152,11 @@ class FastPath {
   // refused (a close began: the Python layer says so).
   py::object queued(const std::shared_ptr<AsyncCall>& call) {
     // (Errors of dropped calls to warn of: the general path does so, and serves this.)
-    if (dropped_errors.pending() || !executor_->push_async(call)) return py::none();
+    try {
+      if (dropped_errors.pending() || !executor_->push_async(call)) return py::none();
+    } catch (const NoThreadError&) {
+      return py::none();  // the general path tries again, and says so everywhere if it fails
+    }
     return py::cast(call);
   }
 
@@ -1661,6 +1665,7 @@ PYBIND11_MODULE(_core, m) {
     }
   });
   py::register_exception<MpiError>(m, "MPIError", PyExc_RuntimeError);
+  py::register_exception<NoThreadError>(m, "NoThreadError", PyExc_RuntimeError);
   py::register_exception<OutOfMemoryError>(m, "OutOfMemoryError", PyExc_MemoryError);
   py::register_exception<TimeoutError>(m, "CollectiveTimeoutError", PyExc_TimeoutError);
   // A call stopped by Ctrl-C raises KeyboardInterrupt on the main thread (Python's
@@ -2133,12 +2138,17 @@ PYBIND11_MODULE(_core, m) {
                                   [&] { self.broadcast(p, n, DType(dtype), root, chunk_bytes); });
            })
       .def("announce_invalid",
-           [](RingCommunicator& self, int collective, int64_t chunk_bytes, bool device) {
+           [](RingCommunicator& self, int collective, int64_t chunk_bytes, bool device,
+              bool failed) {
              WithoutGil nogil;
              self.announce_invalid(Collective(collective), chunk_bytes,
-                                   device ? kDeviceMemory : kHostMemory);
+                                   device ? kDeviceMemory : kHostMemory,
+                                   failed ? CallHeader::kFailed : CallHeader::kRejected);
            },
-           py::arg("collective"), py::arg("chunk_bytes"), py::arg("device") = false)
+           py::arg("collective"), py::arg("chunk_bytes"), py::arg("device") = false,
+           py::arg("failed") = false,
+           "this rank's part in the header exchange of a call it rejected (failed: failed "
+           "to prepare), before it raises its own error")
       // Device buffers, as addresses (cupy's data.ptr). Every one of these takes the
       // same five arguments ordinal, ready, stream, direct, emulate (allreduce_device's
       // check after them): see device_call() above.

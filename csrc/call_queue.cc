@@ -5,6 +5,8 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <string>
+#include <system_error>
 
 namespace ringreduce {
 
@@ -60,9 +62,10 @@ bool CallQueue::push(std::shared_ptr<Call> call) {
     if (s.thread == nullptr && !s.stopping) {
       try {
         start(state_);
-      } catch (...) {  // no thread (std::system_error): the call must not run later either
+      } catch (const std::system_error& error) {  // the call must not run later either
         s.queue.pop_back();
-        throw;
+        throw NoThreadError(std::string("could not start ringreduce's worker thread (") +
+                            error.what() + ")");
       }
     }
   }

@@ -20,9 +20,17 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <stdexcept>
 #include <thread>
 
 namespace ringreduce {
+
+// push() could not start the worker thread (the process's limit on threads, say): the
+// call was not queued.
+class NoThreadError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
 
 // Held while the core runs a collective, by the worker or by a caller that runs one in
 // its own thread (when nothing is queued): the core runs one call at a time. Reentrant
@@ -120,6 +128,7 @@ class CallQueue {
 
   // Queues call after those queued before, and starts the worker thread if it is not
   // running; unless refuse_calls(true) came first: then queues nothing, and says so.
+  // Throws NoThreadError, queueing nothing, where no thread can be made.
   bool push(std::shared_ptr<Call> call);
   // While refused, push() queues nothing; the calls queued before still run. For a
   // communicator being closed: a call that another thread makes meanwhile, and that

@@ -219,7 +219,7 @@ Device& RingCommunicator::begin_device_call(DeviceCall& call, Collective collect
   } catch (const std::exception&) {
     if (begun) begun->abandon();
     if (closed_ || !broken_.empty()) throw;
-    announce_invalid(collective, chunk_bytes, kDeviceMemory);
+    announce_invalid(collective, chunk_bytes, kDeviceMemory, CallHeader::kFailed);
     throw;
   }
 }
@@ -357,7 +357,7 @@ char* RingCommunicator::stage_on_host(const DeviceCall& call, Collective collect
       call.device->synchronize(Device::kCopyOut);  // may report an earlier kernel's fault
     }
   } catch (const std::exception&) {
-    announce_invalid(collective, chunk_bytes, kDeviceMemory);
+    announce_invalid(collective, chunk_bytes, kDeviceMemory, CallHeader::kFailed);
     throw;
   }
   ++device_calls_on_host_;

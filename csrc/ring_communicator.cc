@@ -568,16 +568,20 @@ int64_t RingCommunicator::agree(const CallHeader& mine, std::vector<CallHeader>*
   auto add = [&](std::string text) {
     if (!text.empty()) problems.push_back(std::move(text));
   };
-  std::vector<int> invalid_ranks;
+  std::vector<int> invalid_ranks, rejected, failed;
   for (int r = 0; r < p; ++r)
     if (headers_[r].magic != CallHeader::kMagic)
       throw MpiError("rank " + std::to_string(r) + " sent a malformed call header; is every "
                      "rank running the same ringreduce version?");
-    else if (headers_[r].invalid)
+    else if (headers_[r].invalid) {
       invalid_ranks.push_back(r);
-  if (!invalid_ranks.empty())
-    add(describe_ranks(invalid_ranks) + " rejected " +
-        (invalid_ranks.size() == 1 ? "its" : "their") + " arguments (see the error raised there)");
+      (headers_[r].invalid == CallHeader::kFailed ? failed : rejected).push_back(r);
+    }
+  if (!rejected.empty())
+    add(describe_ranks(rejected) + " rejected " + (rejected.size() == 1 ? "its" : "their") +
+        " arguments (see the error raised there)");
+  if (!failed.empty())
+    add(describe_ranks(failed) + " failed to prepare this call (see the error raised there)");
   const std::string kinds = describe_disagreement(headers_, "collective", [](const CallHeader& h) {
     return std::string(collective_name(static_cast<Collective>(h.collective)));
   });
@@ -649,9 +653,9 @@ int64_t RingCommunicator::agree(const CallHeader& mine, std::vector<CallHeader>*
 }
 
 void RingCommunicator::announce_invalid(Collective collective, int64_t chunk_bytes,
-                                        int64_t memory) {
+                                        int64_t memory, int64_t why) {
   CallHeader h = make_header(collective, DType::Float16, Op::Sum, 0, chunk_bytes, memory);
-  h.invalid = 1;
+  h.invalid = why;
   agree(h);
 }
 

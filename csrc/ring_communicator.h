@@ -55,7 +55,9 @@ struct CallHeader {
   int64_t shape_tag = 0;    // allgather's row shape: bits 60-62 its dimensions (at most
                             // 3), each 20 bits from bit 0 up; or 7 there and a hash below
   int64_t chunk_bytes = 0;  // the pipeline chunk size asked for; rank 0's wins
-  int64_t invalid = 0;      // 1: this rank rejected its own arguments and will raise
+  int64_t invalid = 0;      // this rank will raise its own error: kRejected, or kFailed
+  static constexpr int64_t kRejected = 1;  // its arguments
+  static constexpr int64_t kFailed = 2;    // preparing it: memory, a thread, a GPU copy
   int64_t inline_bytes = 0; // payload bytes that follow the header in the same message
   int64_t memory = 0;       // where the buffers are: kHostMemory or kDeviceMemory
   int64_t out_rows = -1;    // allgather: rows of the caller's out=, or -1 for none
@@ -265,10 +267,11 @@ class RingCommunicator {
     return size() > 1 && bytes <= broadcast_inline_capacity_;
   }
 
-  // Takes part in the header exchange of a call this rank has rejected, so that the
-  // other ranks raise MismatchError instead of waiting for us forever.
+  // Takes part in the header exchange of a call this rank has rejected (or failed to
+  // prepare: `why` CallHeader::kFailed), so that the other ranks raise MismatchError
+  // instead of waiting for us forever.
   void announce_invalid(Collective collective, int64_t chunk_bytes,
-                        int64_t memory = kHostMemory);
+                        int64_t memory = kHostMemory, int64_t why = CallHeader::kRejected);
 
   // Frees the duplicate communicator (collective) and unmaps the shared memory. Every
   // rank first says it is closing, within the timeout: if a rank has left (see

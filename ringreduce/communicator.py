@@ -97,7 +97,7 @@ def input_copy(core, x, name: str, chunk: int) -> np.ndarray:
     try:
         return t.readable_copy(x)
     except MemoryError as error:
-        core.announce_invalid(_COLLECTIVES[name], chunk)
+        core.announce_invalid(_COLLECTIVES[name], chunk, failed=True)
         raise t.named(error, t.where(core.rank, core.size, name)) from None
 
 
@@ -1453,7 +1453,7 @@ class Communicator:
         try:
             run = prepare(context, *args)
         except Exception as error:  # TypeError, ValueError, a MemoryError copying x, ...
-            self._join_as_rejected(name)
+            self._join_as_rejected(name, failed=isinstance(error, MemoryError))
             if isinstance(error, MemoryError):
                 raise t.named(error, context) from None
             raise
@@ -1464,8 +1464,16 @@ class Communicator:
         # which the caller need not wait for.)
         on_host = not _device.is_device_array(args[0])
         at_once = wait or self.size == 1 and on_host
-        done = self._run(context, run, wait, at_once, handle_context, anywhere=on_host,
-                         watched=watched)
+        try:
+            done = self._run(context, run, wait, at_once, handle_context, anywhere=on_host,
+                             watched=watched)
+        except _core.NoThreadError as error:
+            # Not queued: as a call this rank failed to prepare, so that the others raise
+            # instead of pairing this call with the next one this rank makes.
+            self._join_as_rejected(name, failed=True)
+            raise RuntimeError(f"{context}: {error}: this rank's asynchronous calls need it "
+                               "(raise the limit on the process's threads, `ulimit -u`, or "
+                               "make blocking calls)") from None
         if dropped:
             _warn_of_dropped_errors()
         return done
@@ -1479,14 +1487,16 @@ class Communicator:
             return ValueError(f"{context}: this Communicator has been closed")
         return ValueError(f"{context}: this Communicator is being closed (by another thread)")
 
-    def _join_as_rejected(self, name: str) -> None:
-        """For a rank that rejected its arguments to collective `name`: still take part
-        in its header exchange, so that the other ranks raise MismatchError naming this
-        rank instead of waiting for it forever; this rank raises its own error after."""
+    def _join_as_rejected(self, name: str, failed: bool = False) -> None:
+        """For a rank that rejected its arguments to collective `name` (failed: failed to
+        prepare it, for want of memory or a thread): still take part in its header
+        exchange, so that the other ranks raise MismatchError naming this rank instead
+        of waiting for it forever; this rank raises its own error after."""
         core, collective, chunk = self._core, _COLLECTIVES[name], self._chunk_bytes
         if self._executor.calls.refusing():
             return  # (a close began meanwhile: this rank makes no more calls)
-        self._run(self._contexts[name], lambda: core.announce_invalid(collective, chunk),
+        self._run(self._contexts[name],
+                  lambda: core.announce_invalid(collective, chunk, failed=failed),
                   wait=True, at_once=True, anywhere=True)
 
     # The kinds of check, its top byte: CheckedCallsMismatch is raised only where every

@@ -327,7 +327,8 @@ print("ok")
 """
 
 
-def test_a_call_queued_while_stop_joins_the_worker_runs_or_is_refused(tmp_path):
+def failing_threads(tmp_path) -> str:
+    """LD_PRELOAD's value for pthread_create() failing while $FAIL_THREADS exists."""
     compiler = next((c for c in ("cc", "gcc", "clang") if shutil.which(c)), None)
     if compiler is None:
         pytest.skip("no C compiler to build the failing pthread_create")
@@ -335,14 +336,75 @@ def test_a_call_queued_while_stop_joins_the_worker_runs_or_is_refused(tmp_path):
     shim = tmp_path / "failing.so"
     subprocess.run([compiler, "-shared", "-fPIC", "-o", str(shim), str(tmp_path / "failing.c"),
                     "-ldl"], check=True)
-    (tmp_path / "push.py").write_text(_PUSH_DURING_STOP)
     # (After what is preloaded already: under the thread sanitizer, its runtime, which
     # must come first, and whose own pthread_create then wins: a weaker test there.)
     preloaded = os.environ.get("LD_PRELOAD", "")
-    env = {**os.environ, "LD_PRELOAD": f"{preloaded} {shim}".strip(),
+    return f"{preloaded} {shim}".strip()
+
+
+def test_a_call_queued_while_stop_joins_the_worker_runs_or_is_refused(tmp_path):
+    (tmp_path / "push.py").write_text(_PUSH_DURING_STOP)
+    env = {**os.environ, "LD_PRELOAD": failing_threads(tmp_path),
            "FAIL_THREADS": str(tmp_path / "flag")}
     # (The unfixed queue failed within 1500 tries in each of three runs, at tries 0, 1
     # and 754; this takes some 4 s.)
     done = subprocess.run([sys.executable, str(tmp_path / "push.py"), "1500", "1"], env=env,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stdout + done.stderr
+
+
+# Rank 1 cannot start its worker thread for an asynchronous call; every rank then makes
+# a blocking call of other values.
+_NO_WORKER_THREAD = r"""
+import os, sys
+import numpy as np
+from mpi4py import MPI
+import ringreduce as rr
+
+rank = MPI.COMM_WORLD.Get_rank()
+os.environ["FAIL_THREADS"] += str(rank)  # (a flag file per rank)
+said = open(os.path.join(sys.argv[2], f"rank{rank}.txt"), "w")  # (lines of ranks mix)
+comm = rr.Communicator(timeout=60)
+flag = os.environ["FAIL_THREADS"]
+calls = {"allreduce": lambda: comm.allreduce_async(np.ones(4)),
+         "broadcast": lambda: comm.broadcast_async(np.ones(4))}
+if rank == 1:
+    open(flag, "w").close()
+try:
+    print("async:", calls[sys.argv[1]]().wait().tolist(), file=said)
+except Exception as error:
+    print("async:", type(error).__name__, error, file=said)
+finally:
+    if rank == 1:
+        os.unlink(flag)
+print("next:", comm.allreduce(np.full(4, 100.0 * (rank + 1))).tolist(), file=said)
+print("async again:", comm.allreduce_async(np.ones(2)).wait().tolist(), file=said)
+comm.close()
+said.close()
+"""
+
+
+@pytest.mark.parametrize("shm", ["1", "0"], ids=["shared memory", "MPI messages"])
+@pytest.mark.parametrize("call", ["allreduce", "broadcast"])
+def test_a_rank_that_cannot_start_its_worker_thread_fails_the_call_everywhere(
+        call, shm, tmp_path):
+    # Before, rank 1 raised a bare RuntimeError ("Resource temporarily unavailable") and
+    # told no one: the others' call then paired with its next one, and all summed the
+    # wrong arrays without a word (helper 179).
+    from launch import run_script
+    env = {"LD_PRELOAD": failing_threads(tmp_path), "FAIL_THREADS": str(tmp_path / "flag"),
+           "RINGREDUCE_SHM": shm}
+    done = run_script(tmp_path, "no_thread.py", _NO_WORKER_THREAD, env=env, ranks=3,
+                      timeout=120, args=(call, str(tmp_path)))
+    assert done.returncode == 0, done.stdout + done.stderr
+    said = [(tmp_path / f"rank{r}.txt").read_text().splitlines() for r in range(3)]
+    name = f"ringreduce.{call}_async"
+    assert said[1][0].startswith(f"async: RuntimeError {name} (rank 1 of 3): could not start "
+                                 "ringreduce's worker thread ("), said
+    for rank in (0, 2):
+        assert said[rank][0].startswith(f"async: MismatchError {name}: ranks disagree"), said
+        assert said[rank][0].endswith("rank 1 failed to prepare this call (see the error "
+                                      "raised there)"), said
+    for rank in range(3):  # (all usable as before: the next calls pair as they should)
+        assert said[rank][1:] == ["next: [600.0, 600.0, 600.0, 600.0]",
+                                  "async again: [3.0, 3.0]"], said

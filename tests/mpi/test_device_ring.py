@@ -219,7 +219,7 @@ def test_a_rank_without_memory_for_staging_raises_everywhere_instead_of_hanging(
         finally:
             _core.set_emulated_gpu_memory(2**63 - 1)
     else:
-        with pytest.raises(rr.MismatchError, match="rank 1 rejected"):
+        with pytest.raises(rr.MismatchError, match="rank 1 failed to prepare"):
             calls[collective]()
     got = device_allreduce(device_comm, x, "sum", 4096, direct=False)
     assert bitwise_equal(got, reference.allreduce(x, "sum"))
@@ -294,7 +294,7 @@ def test_a_rank_without_staging_for_the_host_path_raises_everywhere():
             finally:
                 _core.set_emulated_gpu_memory(2**63 - 1)
         else:
-            with pytest.raises(rr.MismatchError, match="rank 1 rejected"):
+            with pytest.raises(rr.MismatchError, match="rank 1 failed to prepare"):
                 device_allreduce(comm, x, "sum", 4096, False)
         assert bitwise_equal(device_allreduce(comm, x, "sum", 4096, False),
                              reference.allreduce(x, "sum"))
@@ -427,7 +427,7 @@ def test_a_failed_copy_to_the_host_raises_everywhere_instead_of_hanging(collecti
             "allgather": lambda: device_allgather(comm, x.reshape(100, 10), False),
         }
         others_raise = (MemoryError, "rank 1 could not") if collective == "allgather" else (
-            rr.MismatchError, "rank 1 rejected")
+            rr.MismatchError, "rank 1 failed to prepare")
         if RANK == 1:
             _core.set_emulated_copy_fault(1)
             try:
