@@ -66,6 +66,9 @@ bool CallQueue::push(std::shared_ptr<Call> call) {
         s.queue.pop_back();
         throw NoThreadError(std::string("could not start ringreduce's worker thread (") +
                             error.what() + ")");
+      } catch (...) {  // (std::bad_alloc)
+        s.queue.pop_back();
+        throw;
       }
     }
   }

@@ -96,20 +96,12 @@ class _Launch:
 
     __slots__ = ("cp", "device", "stream", "ready", "direct", "caller")
 
-    def __init__(self, cp, array, direct: bool, context: str):
+    def __init__(self, cp, array, direct: bool):
         self.cp = cp
         self.caller = threading.get_ident()
         self.device = array.device.id
         with cp.cuda.Device(self.device):
             self.stream = cp.cuda.get_current_stream()
-            # Captured into a CUDA graph, the call's event and its waits on it would
-            # pull ringreduce's own streams into the capture, and CUDA would end it
-            # with an error that seems ringreduce's; nor could a graph replay MPI.
-            capturing = getattr(self.stream, "is_capturing", None)
-            if capturing is not None and capturing():
-                raise RuntimeError(f"{context}: the current stream is capturing a CUDA "
-                                   "graph; a collective cannot be captured (it waits for "
-                                   "other ranks): call it outside the capture")
             self.ready = cp.cuda.Event(block=False, disable_timing=True, interprocess=False)
             self.ready.record(self.stream)
         self.direct = direct
@@ -183,8 +175,22 @@ class _StreamContext:
         self.device.__exit__(*exc)
 
 
+def _refuse_capture(cp, x, context: str) -> None:
+    """Raises where the caller's current stream (on x's GPU) is capturing a CUDA graph:
+    the call's event and its waits on it would pull ringreduce's own streams into the
+    capture, and CUDA would end it with an error that seems ringreduce's; nor could a
+    graph replay MPI. First thing: a copy of x or a new out would be captured too."""
+    with cp.cuda.Device(x.device.id):
+        capturing = getattr(cp.cuda.get_current_stream(), "is_capturing", None)
+        if capturing is not None and capturing():
+            raise RuntimeError(f"{context}: the current stream is capturing a CUDA graph; a "
+                               "collective cannot be captured (it waits for other ranks): "
+                               "call it outside the capture")
+
+
 def prepare_allreduce(comm, context, x, op, out, check=0):
     cp, x = as_device_array(x, "x", context)
+    _refuse_capture(cp, x, context)
     dtype, op = t.reduction_codes(x.dtype, op, context)
     _check_aligned(x, "x", context)
     launch_device = x.device.id
@@ -197,7 +203,7 @@ def prepare_allreduce(comm, context, x, op, out, check=0):
             _check_aligned(out, "out", context)
             if _overlap_but_differ(source, out):
                 source = source.copy()  # the ring would read its own writes
-    launch = _Launch(cp, source, comm._cuda_direct(), context)
+    launch = _Launch(cp, source, comm._cuda_direct())
     core, chunk, count = comm._core, comm.chunk_bytes, x.size
 
     def run():
@@ -211,6 +217,7 @@ def prepare_allreduce(comm, context, x, op, out, check=0):
 
 def prepare_reduce_scatter(comm, context, x, op, out):
     cp, x = as_device_array(x, "x", context)
+    _refuse_capture(cp, x, context)
     dtype, op = t.reduction_codes(x.dtype, op, context)
     _check_aligned(x, "x", context)
     offset, count = _core.segment_of(comm.rank, comm.size, x.size)
@@ -222,7 +229,7 @@ def prepare_reduce_scatter(comm, context, x, op, out):
             _check_aligned(out, "out", context)  # (filled by a kernel's copy)
         source = x if x.flags.c_contiguous else cp.ascontiguousarray(x)
         work = cp.empty(x.size, x.dtype)
-    launch = _Launch(cp, source, comm._cuda_direct(), context)
+    launch = _Launch(cp, source, comm._cuda_direct())
     core, chunk = comm._core, comm.chunk_bytes
 
     def run():
@@ -239,6 +246,7 @@ def prepare_reduce_scatter(comm, context, x, op, out):
 
 def prepare_allgather(comm, context, x, out):
     cp, x = as_device_array(x, "x", context)
+    _refuse_capture(cp, x, context)
     dtype = t.dtype_code(x.dtype, "x", context)
     if not x.flags.c_contiguous:  # (copied by a kernel; else by bytes, at any address)
         _check_aligned(x, "x", context)
@@ -250,7 +258,7 @@ def prepare_allgather(comm, context, x, out):
         _check_out(cp, out, (None,) + row_shape, x.dtype, x.device.id, context)
     row_elems = int(np.prod(row_shape, dtype=np.int64))
     shape_tag = t.shape_tag(row_shape)
-    launch = _Launch(cp, source, comm._cuda_direct(), context)
+    launch = _Launch(cp, source, comm._cuda_direct())
     core, chunk = comm._core, comm.chunk_bytes
 
     out_rows = -1 if out is None else out.shape[0]
@@ -301,13 +309,14 @@ def prepare_allgather(comm, context, x, out):
 
 def prepare_broadcast(comm, context, x, root):
     cp, array = as_device_array(x, "x", context)
+    _refuse_capture(cp, array, context)
     dtype = t.dtype_code(array.dtype, "x", context)
     t.check_root(root, comm.size, context)
     if not array.flags.c_contiguous:  # (copied by a kernel; else by bytes, at any address)
         _check_aligned(array, "x", context)
     with cp.cuda.Device(array.device.id):
         buffer = array if array.flags.c_contiguous else cp.ascontiguousarray(array)
-    launch = _Launch(cp, buffer, comm._cuda_direct(), context)
+    launch = _Launch(cp, buffer, comm._cuda_direct())
     core, chunk, root = comm._core, comm.chunk_bytes, int(root)
 
     def run():

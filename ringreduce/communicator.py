@@ -1469,11 +1469,22 @@ class Communicator:
                              watched=watched)
         except _core.NoThreadError as error:
             # Not queued: as a call this rank failed to prepare, so that the others raise
-            # instead of pairing this call with the next one this rank makes.
+            # instead of pairing this call with the next one this rank makes. Its Handle
+            # raises, as for any asynchronous call that failed: a caller that counts its
+            # calls (the DistributedOptimizer's buckets) counts this one, made as the
+            # others made theirs.
             self._join_as_rejected(name, failed=True)
-            raise RuntimeError(f"{context}: {error}: this rank's asynchronous calls need it "
-                               "(raise the limit on the process's threads, `ulimit -u`, or "
-                               "make blocking calls)") from None
+            failure = RuntimeError(f"{context}: {error}: this rank's asynchronous calls "
+                                   "need it (raise the limit on threads: `ulimit -u`, or a "
+                                   "container's limit on pids; or make blocking calls)")
+            if wait:
+                raise failure from None
+
+            def fail():
+                raise failure
+            work = _Work(self._core, fail, self._pid, watched)
+            work.execute(catching=Exception)
+            done = Handle(work, handle_context)
         if dropped:
             _warn_of_dropped_errors()
         return done

@@ -1065,6 +1065,7 @@ class DistributedOptimizer:
         partway through a step (see state_dict), or holds SGD or Adam settings, set by
         hand, that their constructor refuses: the ranks learn it in one small
         all-reduce first."""
+        self._check_calling_thread("broadcast_parameters")
         partway = self._partway_error("broadcast_parameters", "the parameters broadcast "
                                       "now would be updated with gradients of the ones "
                                       "before")
@@ -1439,6 +1440,7 @@ class DistributedOptimizer:
         (another optimizer's state is refused beside None), and no rank loads sums of
         micro-batches. Refused, on every rank, where any rank is partway through a step
         (see state_dict)."""
+        self._check_calling_thread("load_state_dict")
         partway = self._partway_error("load_state_dict", "a state loaded now would be "
                                       "mixed with them")
         try:
@@ -1807,6 +1809,7 @@ class DistributedOptimizer:
         given every gradient, as the step's last all-reduce waits for step(). Not
         inside no_sync(), where it makes none: there every rank must abandon the step
         (see docs/api.md, Data-parallel training)."""
+        self._check_calling_thread("abandon_step")
         if self._abandoned_by_error and self._untouched():
             # grad_ready() or step() abandoned this step already, at its error: a second
             # set of calls would pair with the others' next step. (It cannot tell this

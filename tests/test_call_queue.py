@@ -368,6 +368,8 @@ comm = rr.Communicator(timeout=60)
 flag = os.environ["FAIL_THREADS"]
 calls = {"allreduce": lambda: comm.allreduce_async(np.ones(4)),
          "broadcast": lambda: comm.broadcast_async(np.ones(4))}
+comm.allreduce(np.ones(4))  # (the dtype and op known: the FastPath takes the call)
+comm.broadcast(np.ones(4))
 if rank == 1:
     open(flag, "w").close()
 try:
@@ -408,3 +410,54 @@ def test_a_rank_that_cannot_start_its_worker_thread_fails_the_call_everywhere(
     for rank in range(3):  # (all usable as before: the next calls pair as they should)
         assert said[rank][1:] == ["next: [600.0, 600.0, 600.0, 600.0]",
                                   "async again: [3.0, 3.0]"], said
+
+
+# The same inside a DistributedOptimizer's step: its first bucket's call fails on rank 1.
+_NO_WORKER_THREAD_IN_A_STEP = r"""
+import os, sys
+import numpy as np
+from mpi4py import MPI
+import ringreduce as rr
+from ringreduce.optim import SGD, DistributedOptimizer
+
+rank = MPI.COMM_WORLD.Get_rank()
+os.environ["FAIL_THREADS"] += str(rank)
+flag = os.environ["FAIL_THREADS"]
+said = open(os.path.join(sys.argv[1], f"rank{rank}.txt"), "w")
+comm = rr.Communicator(timeout=60)
+ws = [np.zeros(100_000) for _ in range(3)]
+opt = DistributedOptimizer(SGD(ws, lr=1.0), comm, bucket_mb=0.5)  # a bucket each
+for step in range(3):
+    if rank == 1 and step == 0:
+        open(flag, "w").close()
+    try:
+        for i in reversed(range(3)):
+            opt.grad_ready(i, np.full(100_000, 1.0 + rank))
+            if os.path.exists(flag):  # (the thread would start at the next call)
+                os.unlink(flag)
+        opt.step()
+        print(step, "stepped", [float(w[0]) for w in ws], file=said)
+    except Exception as error:
+        print(step, type(error).__name__, file=said)
+comm.close()
+print("closed", file=said)
+said.close()
+"""
+
+
+def test_a_rank_that_cannot_start_its_worker_thread_in_a_step_leaves_the_next_steps_whole(
+        tmp_path):
+    # The failed call is one the step made on every rank: the step fails everywhere, and
+    # the next ones pair (before helper 182's fix, every later step failed, and the
+    # close, as rank 1 had made one call more).
+    from launch import run_script
+    env = {"LD_PRELOAD": failing_threads(tmp_path), "FAIL_THREADS": str(tmp_path / "flag")}
+    done = run_script(tmp_path, "no_thread_in_a_step.py", _NO_WORKER_THREAD_IN_A_STEP,
+                      env=env, ranks=2, timeout=120, args=(str(tmp_path),))
+    assert done.returncode == 0, done.stdout + done.stderr
+    said = [(tmp_path / f"rank{r}.txt").read_text().splitlines() for r in range(2)]
+    assert said[1][0] == "0 RuntimeError", said
+    assert said[0][0] in ("0 RuntimeError", "0 MismatchError"), said
+    for lines in said:
+        assert lines[1:] == ["1 stepped [-1.5, -1.5, -1.5]", "2 stepped [-3.0, -3.0, -3.0]",
+                             "closed"], said

@@ -62,18 +62,20 @@ def step_from_another_thread(how):
     try:
         if how == "step":
             opt.step([np.ones(3)])
-        else:
+        elif how == "grad_ready":
             opt.grad_ready(0, np.ones(3))
             opt.step()
-        said.append("stepped")
+        else:
+            opt.abandon_step()  # (a step's calls, of zeros, and no update)
+        said.append("done")
     except ValueError as error:
         said.append(f"ValueError: {error}")
-for how in ("step", "grad_ready"):
+for how in ("step", "grad_ready", "abandon_step"):
     t = threading.Thread(target=step_from_another_thread, args=(how,))
     t.start()
     t.join()
     print(f"rank {a.rank}: {how} from another thread: {said[-1]}", flush=True)
-    if said[-1] != "stepped":
+    if said[-1] != "done" and how != "abandon_step":
         opt.step([np.ones(3)])  # here, all is as before
 print(f"rank {a.rank}: w = {w.tolist()}", flush=True)
 a.close()
@@ -94,12 +96,12 @@ def test_calls_keep_the_mpi_thread_level(level, tmp_path):
             assert (f"rank {rank}: from another thread: ValueError: ringreduce.allreduce "
                     f"(rank {rank} of 2): MPI was initialised with MPI_THREAD_{level.upper()}, "
                     "which lets only the main thread call MPI") in done.stdout, done.stdout
-        for how, method in (("step", "step"), ("grad_ready", "grad_ready")):
+        for how in ("step", "grad_ready", "abandon_step"):
             if level == "serialized":
-                assert f"rank {rank}: {how} from another thread: stepped" in done.stdout
+                assert f"rank {rank}: {how} from another thread: done" in done.stdout
             else:
                 assert (f"rank {rank}: {how} from another thread: ValueError: ringreduce."
-                        f"DistributedOptimizer.{method} (rank {rank} of 2): MPI was initialised "
+                        f"DistributedOptimizer.{how} (rank {rank} of 2): MPI was initialised "
                         f"with MPI_THREAD_{level.upper()}") in done.stdout, done.stdout
         assert f"rank {rank}: w = [-1.0, -1.0, -1.0]" in done.stdout, done.stdout
         assert f"rank {rank}: done" in done.stdout

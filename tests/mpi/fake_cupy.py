@@ -358,6 +358,9 @@ allocations = []
 
 
 def empty(shape, dtype=float):
+    if getattr(get_current_stream(), "capturing", False):  # (CUDA forbids cudaMalloc then)
+        raise CUDARuntimeError("cudaErrorStreamCaptureUnsupported: operation not permitted "
+                               "when stream is capturing")
     allocations.append((threading.get_ident(), get_current_stream().ptr))
     return ndarray(np.empty(shape, dtype))
 

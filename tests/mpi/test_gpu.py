@@ -322,10 +322,11 @@ def test_a_call_on_a_stream_capturing_a_cuda_graph_raises_on_every_rank(comm):
     # Captured, its event and waits would pull ringreduce's own streams into the graph
     # (and CUDA would end the capture with an error that seems ringreduce's). One rank
     # captures: it raises RuntimeError, the others MismatchError naming it; then every
-    # rank's next call works.
+    # rank's next call works. Without out= too, whose allocation CUDA may refuse while
+    # capturing: the check comes first.
     x, out = cupy.ones(1 << 18, cupy.float32), cupy.empty(1 << 18, cupy.float32)
     stream = cupy.cuda.Stream(non_blocking=True)
-    for capturing in sorted({0, SIZE - 1}):
+    for capturing, given in [(rank, o) for rank in sorted({0, SIZE - 1}) for o in (out, None)]:
         with stream:
             if RANK == capturing:
                 stream.begin_capture()
@@ -333,10 +334,10 @@ def test_a_call_on_a_stream_capturing_a_cuda_graph_raises_on_every_rank(comm):
                 if RANK == capturing:
                     with pytest.raises(RuntimeError, match=r"^ringreduce\.allreduce \(rank "
                                        r".*: the current stream is capturing a CUDA graph"):
-                        comm.allreduce(x, out=out)
+                        comm.allreduce(x, out=given)
                 elif SIZE > 1:
                     with pytest.raises(rr.MismatchError, match=f"rank {capturing}"):
-                        comm.allreduce(x, out=out)
+                        comm.allreduce(x, out=given)
             finally:
                 if RANK == capturing:
                     stream.end_capture()
