@@ -396,7 +396,7 @@ def _without_frames(error: BaseException) -> None:
 
 # (What a dropped Handle's call may fail with unseen: after a timeout or a departure the
 # Communicator is unusable, and its next call says so.)
-_LOST_UNLESS_WAITED = (_core.MismatchError, MemoryError, _core.MPIError)
+_LOST_UNLESS_WAITED = (_core.MismatchError, MemoryError, _core.MPIError, _core.NoThreadError)
 _PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
@@ -1474,9 +1474,10 @@ class Communicator:
             # calls (the DistributedOptimizer's buckets) counts this one, made as the
             # others made theirs.
             self._join_as_rejected(name, failed=True)
-            failure = RuntimeError(f"{context}: {error}: this rank's asynchronous calls "
-                                   "need it (raise the limit on threads: `ulimit -u`, or a "
-                                   "container's limit on pids; or make blocking calls)")
+            failure = _core.NoThreadError(
+                f"{context}: {error}: this rank's asynchronous calls need it (raise the limit "
+                "on threads: `ulimit -u`, or a container's limit on pids; or make blocking "
+                "calls)")
             if wait:
                 raise failure from None
 
