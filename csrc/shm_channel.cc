@@ -174,8 +174,8 @@ struct OwnMemory {
   ~OwnMemory() { let_go(); }
 };
 
-// Maps another rank's memory (of `bytes` bytes), or returns nullptr.
-// (nullptr if not: *error is errno then, or 0 for a file of another size.)
+// Maps another rank's memory (of `bytes` bytes), or returns nullptr with *error the
+// system's errno (0: a file of another size).
 char* map_others(const char* name, size_t bytes, int* error) {
   *error = 0;
   const int fd = open_memory_file(name);
