@@ -56,7 +56,7 @@ def test_stop_later_returns_at_once_and_the_thread_ends_after_the_queue():
     assert started.wait(10)
     begun = time.monotonic()
     executor.stop_later()
-    assert time.monotonic() - begun < 1.0
+    assert time.monotonic() - begun < 5.0  # (waiting for the call: 10 s)
     assert executor.detached_alive and executor.pending() == 2 and not executor.started
     release.set()
     deadline = time.monotonic() + 10

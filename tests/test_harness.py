@@ -21,7 +21,7 @@ def test_a_hanging_job_is_killed_at_the_timeout(tmp_path):
     start = time.monotonic()
     with pytest.raises(AssertionError, match="did not finish within 10 s"):
         run_on_ranks(2, "selfcheck_hang.py", tmp_path, timeout=10)
-    assert time.monotonic() - start < 30
+    assert time.monotonic() - start < 10 + 2 + 5 + 5 + 20  # the timeout, kill_job's waits
     time.sleep(1)
     left = subprocess.run(["pgrep", "-f", "selfcheck_hang"], capture_output=True, text=True)
     assert left.stdout.strip() == "", f"processes left running: {left.stdout}"

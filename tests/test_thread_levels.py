@@ -204,7 +204,7 @@ def test_ctrl_c_stops_a_call_waiting_for_another_threads_call_under_serialized(t
     assert ("thread: RuntimeError: ringreduce.allreduce (rank 0 of 2): interrupted (SIGINT)"
             in done.stdout), done.stdout
     seconds = float(done.stdout.split("main: KeyboardInterrupt after ")[1].split(" s")[0])
-    assert 1.5 < seconds < 10, done.stdout
+    assert 1.5 < seconds < 20, done.stdout  # (without the fix: the 30 s timeout)
 
 
 LATE_CLOSE = """

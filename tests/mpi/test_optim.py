@@ -634,14 +634,14 @@ def test_comm_seconds_counts_the_time_step_waited_on_the_ring():
     MPI.COMM_WORLD.Barrier()
     start = time.perf_counter()
     if RANK == SIZE - 1:
-        time.sleep(1.0)
+        time.sleep(2.0)
     opt.step(grads)
     took = time.perf_counter() - start
     waited = opt.comm_seconds - before
     assert 0 < waited <= took
     if RANK != SIZE - 1:
         # (Its own work in step() is a few ms; the margin is for a rank that a loaded
-        # machine holds up between the barrier and its step.)
+        # machine holds up between the barrier and its step: up to 1.6 s.)
         assert waited > 0.4, waited
 
 
