@@ -1,6 +1,7 @@
 """The worker thread behind asynchronous calls (csrc/call_queue.h, through the binding's
 Executor), with Python work items and no MPI: order, draining, cancelling, stopping,
-and its RunningLock, which must behave as the RLock it replaced."""
+and its RunningLock, which must behave as the RLock it replaced. At the end, whole jobs
+in which a rank cannot start its worker thread."""
 import os
 import shutil
 import subprocess
