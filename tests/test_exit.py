@@ -568,7 +568,7 @@ if rank == 0:
     for i in range(THREADS):
         threading.Thread(target=report, args=(i,), daemon=True).start()
     time.sleep(0.5)
-print(f"rank {rank} exits\\n", end="", flush=True)
+print(f"rank {rank} exits at {time.monotonic()!r}\\n", end="", flush=True)
 """
 
 
@@ -587,18 +587,20 @@ def test_a_daemon_thread_making_a_communicator_at_exit_stops(tmp_path, level, mo
     # wait, with an error that says why; so does a creation begun once the exit has
     # begun (a second thread that waited for the first one's lock, or one that started
     # while the exit waited for something else).
-    start = time.monotonic()
     settings = (f"LEVEL, MODULE_LEVEL, THREADS, DURING_EXIT = "
                 f"{level!r}, {module_level}, {threads}, {during_exit}\n")
     done = run_script(tmp_path, "daemon_making.py", settings + DAEMON_MAKING_ONE,
                       abort_on_exception=False, timeout=150)
-    took = time.monotonic() - start
+    ended = time.monotonic()
     assert done.returncode == 0, done.stderr
     assert "rank 0 exits" in done.stdout and "rank 1 exits" in done.stdout, done
     for i in range(threads):
         assert (f"rank 0's daemon {i}: ringreduce.Communicator (rank 0 of 2): stopped while "
                 "making it: the process is ending" in done.stdout), done
     assert "after finalizing" not in done.stderr, done.stderr
+    # The exit alone, from the first rank's (time.monotonic() is one clock for the
+    # machine's processes), not the job's start, which a loaded machine slows most.
+    took = ended - min(map(float, re.findall(r"rank \d exits at (\S+)", done.stdout)))
     assert took < 8 + 2 * during_exit, took
 
 
