@@ -1253,8 +1253,7 @@ class Communicator:
         """
         if self._closed:
             return
-        if not self._executor.threaded:
-            _check_thread("ringreduce.close", self._thread_level)
+        self._check_calling_thread("ringreduce.close")
         # No call starts here from now on (another thread's raises ValueError), so that
         # the calls in flight finish and the close takes its turn after them, even while
         # another thread would go on making calls.
@@ -1448,8 +1447,7 @@ class Communicator:
             raise self._closed_error(context)
         if self._closing:
             raise self._closed_error(context)
-        if not self._executor.threaded:
-            _check_thread(context, self._thread_level)
+        self._check_calling_thread(context)
         try:
             run = prepare(context, *args)
         except Exception as error:  # TypeError, ValueError, a MemoryError copying x, ...
@@ -1489,6 +1487,12 @@ class Communicator:
         if dropped:
             _warn_of_dropped_errors()
         return done
+
+    def _check_calling_thread(self, context: str) -> None:
+        """Raises (errors beginning with context) where MPI, initialised below
+        THREAD_SERIALIZED, does not let this thread call it."""
+        if not self._executor.threaded:
+            _check_thread(context, self._thread_level)
 
     def _closed_error(self, context: str) -> Exception:
         """The error of a call made once close() has begun (in another thread, or done)."""

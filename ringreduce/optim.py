@@ -27,7 +27,6 @@ from . import _types, compression as _compression
 from ._arrays import (array_module, as_list_of_arrays, copy_where_it_is, gpu_of, on_gpu,
                       on_gpu_of, plain, the_one_gpu)
 from ._core import CollectiveTimeoutError, MismatchError
-from .communicator import _check_thread
 from .gradients import agree_or_raise, check_bucket_mb, pack_plan, span_of
 
 
@@ -938,8 +937,9 @@ class DistributedOptimizer:
     def _check_calling_thread(self, method: str) -> None:
         """Where MPI lets only the main thread call it, the refusal names this method (not
         the collective it would make), before the step changes: nothing is abandoned."""
+        # (Only then is the error's beginning made: grad_ready is called per gradient.)
         if not self.comm._executor.threaded:
-            _check_thread(self._where(method), self.comm._thread_level)
+            self.comm._check_calling_thread(self._where(method))
 
     def _renew_step_check(self) -> None:
         """What a step's all-reduces carry (_step_check): which optimizer (as
