@@ -1667,7 +1667,20 @@ PYBIND11_MODULE(_core, m) {
   py::register_exception<MpiError>(m, "MPIError", PyExc_RuntimeError);
   py::register_exception<NoThreadError>(m, "NoThreadError", PyExc_RuntimeError);
   py::register_exception<OutOfMemoryError>(m, "OutOfMemoryError", PyExc_MemoryError);
-  py::register_exception<TimeoutError>(m, "CollectiveTimeoutError", PyExc_TimeoutError);
+  static PyObject* collective_timeout =
+      py::register_exception<TimeoutError>(m, "CollectiveTimeoutError", PyExc_TimeoutError)
+          .ptr();
+  // The same type, with what it waited on as its `_kind` (see TimeoutError::Kind).
+  py::register_exception_translator([](std::exception_ptr error) {
+    try {
+      if (error) std::rethrow_exception(error);
+    } catch (const TimeoutError& timeout) {
+      py::object raised =
+          py::reinterpret_borrow<py::object>(collective_timeout)(timeout.what());
+      raised.attr("_kind") = TimeoutError::kind_name(timeout.kind);
+      PyErr_SetObject(collective_timeout, raised.ptr());
+    }
+  });
   // A call stopped by Ctrl-C raises KeyboardInterrupt on the main thread (Python's
   // handler runs now); anything else stopped raises RuntimeError.
   py::register_exception_translator([](std::exception_ptr error) {

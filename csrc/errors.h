@@ -49,12 +49,27 @@ struct OutOfMemoryError : std::runtime_error {
 // header exchange); the rank passes it on when it gives up, so that a rank that learns
 // of that before its own timeout can name the absent rank too.
 // vanished: not a timeout, but waited_for's process found ended without a word (see
-// ShmChannel::check_alive()).
+// ShmChannel::check_alive()). kind: what callers that explain a timeout further tell
+// apart by, rather than by the message's words (Python: the error's `_kind`, one of
+// kind_name()'s): DistributedOptimizer.step() adds that step() is collective, and must
+// be called in one order, where the ranks had not all joined the call.
 struct TimeoutError : std::runtime_error {
-  explicit TimeoutError(const std::string& what, int waited_for = -1, bool vanished = false)
-      : std::runtime_error(what), waited_for(waited_for), vanished(vanished) {}
+  enum class Kind : uint8_t {
+    kInCall,         // waited on a rank inside the call (the ring, say), or anything else
+    kNotJoined,      // some ranks had not joined the call: its header exchange ran out
+    kAnotherGaveUp,  // another rank's timeout, which it announced, ended it here
+  };
+  explicit TimeoutError(const std::string& what, int waited_for = -1, bool vanished = false,
+                        Kind kind = Kind::kInCall)
+      : std::runtime_error(what), waited_for(waited_for), vanished(vanished), kind(kind) {}
+  static const char* kind_name(Kind kind) {
+    return kind == Kind::kNotJoined       ? "not joined"
+           : kind == Kind::kAnotherGaveUp ? "another gave up"
+                                          : "in call";
+  }
   int waited_for;
   bool vanished;
+  Kind kind;
 };
 
 // A call stopped while it waited (StopRequest in waiting.h): another thread of this rank

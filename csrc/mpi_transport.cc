@@ -381,7 +381,8 @@ void MpiTransport::allgather_bytes(const void* mine, void* all, int bytes) {
     throw TimeoutError("waited " + seconds_text(timeout_s_) +
                        " (the timeout) for every rank to join this call (MPI cannot say which "
                        "have not): a rank skipped the call, or is stuck before it (in a call on another "
-                       "Communicator that it makes first, say)");
+                       "Communicator that it makes first, say)",
+                       -1, false, TimeoutError::Kind::kNotJoined);
   std::memcpy(all, exchange_recv_.data(), exchange_recv_.size());
 }
 
@@ -470,7 +471,7 @@ void MpiTransport::check_creation_stopped() const {
 
 void MpiTransport::check_notices() {
   const DepartureNote reported = first_departure(exchange_number_);
-  if (reported.holds_up(exchange_number_)) throw TimeoutError(reported.text());
+  if (reported.holds_up(exchange_number_)) throw reported.timeout();
 }
 
 void MpiTransport::note_ended(int rank) const {

@@ -337,14 +337,15 @@ void RingCommunicator::give_up(const char* collective, const TimeoutError& e) {
     depart(Departure::Followed, -1, !first.seen_by_all);
   else
     depart(e.vanished ? Departure::Vanished : Departure::GaveUp, e.waited_for);
-  if (ended) throw TimeoutError(broken_ + ". " + kEndedAdvice);
+  if (ended) throw TimeoutError(broken_ + ". " + kEndedAdvice, -1, false, e.kind);
   // (The timeout's setting named only where the wait ran out: not after another
   // rank's departure, which no timeout would have waited out.)
   throw TimeoutError(broken_ +
                      ". This Communicator can no longer be used on this rank; to go on, make a "
                      "new one on every rank" +
                      (first.rank >= 0 || e.vanished ? ""
-                                                    : " (Communicator(timeout=...) sets the timeout)"));
+                                                    : " (Communicator(timeout=...) sets the timeout)"),
+                     -1, false, e.kind);
 }
 
 void RingCommunicator::depart(Departure why, int waited_for, bool over_mpi) {

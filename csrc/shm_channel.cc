@@ -379,7 +379,8 @@ void ShmChannel::exchange() {
                            " not joined this call within " + seconds_text(timeout_s_) +
                            " (the timeout): a rank skipped the call, or is stuck before it (in a "
                            "call on another Communicator that it makes first, say)",
-                           missing.empty() ? -1 : missing.front());
+                           missing.empty() ? -1 : missing.front(), false,
+                           TimeoutError::Kind::kNotJoined);
       }
     }
   }
@@ -443,7 +444,7 @@ void ShmChannel::check_alive() const {
 void ShmChannel::check_departures() const {
   if (stop_ != nullptr) stop_->check();
   const DepartureNote reported = first_departure(exchange_);
-  if (reported.holds_up(exchange_)) throw TimeoutError(reported.text());
+  if (reported.holds_up(exchange_)) throw reported.timeout();
 }
 
 DepartureNote ShmChannel::first_departure(int64_t exchange) const {

@@ -139,6 +139,13 @@ struct DepartureNote {
       said += "; rank " + std::to_string(rank) + " left after it and said so";
     return said;
   }
+  // What a wait throws on learning of it (the others' wait would end in a timeout
+  // anyway), with whether another rank's own timeout began it.
+  TimeoutError timeout() const {
+    return TimeoutError(text(), -1, false,
+                        origin().why == Departure::GaveUp ? TimeoutError::Kind::kAnotherGaveUp
+                                                          : TimeoutError::Kind::kInCall);
+  }
   // waited_for: GaveUp's cause (Vanished's: the rank whose process ended).
   static std::string what(Departure why, int waited_for) {
     if (why == Departure::Vanished)

@@ -6,6 +6,7 @@ import os
 import pickle
 import re
 import sys
+import time
 import types
 import warnings
 
@@ -3893,3 +3894,59 @@ def test_adam_with_weight_decay_follows_torchs_formulas(wd):
     for p, e in zip(params, expected):
         assert p.dtype == np.float64
         np.testing.assert_allclose(p, e, rtol=1e-12, atol=0)
+
+
+@pytest.mark.skipif(SIZE == 1, reason="one rank waits for no other")
+def test_a_step_that_times_out_says_that_step_is_collective_and_taken_in_one_order():
+    # Rank 1 is stuck before its step() (in something else, say) for longer than the
+    # timeout: the call's own error would only say that it had not joined the call.
+    # (Gradients too big to travel in the call's header exchange, where a late rank could
+    # still complete the call from what the others posted: api.md, "Only the unfinished
+    # call is affected".)
+    ring = rr.Communicator(MPI.COMM_WORLD, timeout=1.0)
+    params = [np.zeros(100_000)]
+    opt = DistributedOptimizer(SGD(params, lr=0.1), comm=ring)
+    if RANK == 1:
+        time.sleep(2.5)
+    with pytest.raises(rr.CollectiveTimeoutError, match="this step's all-reduces did not "
+                       r"complete.*another rank never called it, is stuck before it, or "
+                       "steps several DistributedOptimizers in another order") as raised:
+        opt.step([np.ones(100_000)])
+    # (The core's kind of timeout: rank 1 finds that the others gave up; they waited for
+    # it to join, unless one of them gave up first and another learnt it from that one.)
+    kind = raised.value.__cause__._kind
+    assert kind == "another gave up" if RANK == 1 else kind in ("not joined", "another gave up")
+    np.testing.assert_array_equal(params[0], 0)  # no update
+    # Its Communicator gave up: the next step says that alone, without the advice.
+    with pytest.raises(rr.CollectiveTimeoutError, match="gave up earlier") as again:
+        opt.step([np.ones(100_000)])
+    assert again.value._kind == "in call" and "another order" not in str(again.value)
+    ring.close()
+    MPI.COMM_WORLD.Barrier()  # (rank 1 is late: the next test's Communicator waits 1 s)
+
+
+@pytest.mark.skipif(SIZE == 1, reason="one rank waits for no other")
+def test_a_before_update_that_outlasts_the_timeout_drops_the_step_on_every_rank():
+    ring = rr.Communicator(MPI.COMM_WORLD, timeout=1.0)
+
+    def slow_on_rank_1(averaged):
+        if RANK == 1:
+            time.sleep(2.5)
+
+    params = [np.zeros(4)]
+    opt = DistributedOptimizer(SGD(params, lr=0.1), comm=ring, before_update=slow_on_rank_1)
+    dropped = ("the ranks could not compare what before_update did.*this step is dropped "
+               "here, without an update")
+    if RANK != 1:
+        with pytest.raises(rr.CollectiveTimeoutError, match=dropped):
+            opt.step([np.ones(4)])
+        np.testing.assert_array_equal(params[0], 0)
+    else:  # late: its comparison, small, may complete from what the others posted
+        try:
+            opt.step([np.ones(4)])
+            np.testing.assert_array_equal(params[0], -0.1)  # (api.md: it may update)
+        except rr.CollectiveTimeoutError as error:
+            assert re.search(dropped, str(error))
+            np.testing.assert_array_equal(params[0], 0)
+    ring.close()
+    MPI.COMM_WORLD.Barrier()  # (as above)
