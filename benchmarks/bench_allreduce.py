@@ -6,7 +6,7 @@ For every size, alternately: ringreduce's allreduce (out-of-place and in place),
 library's own MPI_Allreduce through mpi4py (out-of-place), the numpy reference ring, and
 torch.distributed's gloo all_reduce (in place, as gloo only offers) where torch is
 installed. Then reduce_scatter, allgather and broadcast beside MPI's. The tables show
-the time and busbw as nccl-tests define it (the --json file has algbw too): algbw =
+nccl-tests' columns, time, algbw and busbw (the --json file has them too): algbw =
 bytes/time, busbw = algbw * 2(p-1)/p for allreduce, (p-1)/p for reduce_scatter and
 allgather (whose bytes are the output's), 1 for broadcast; median over --repeats runs,
 each run the slowest rank's time.
@@ -213,10 +213,11 @@ def print_tables(rows) -> None:
             got = {r["implementation"]: r for r in mine if r["bytes"] == nbytes}
             table.append([human_bytes(nbytes)]
                          + [cell for name in names for cell in (
-                             human_time(got[name]["time_s"]), f"{got[name]['busbw_GBps']:.2f}")]
+                             human_time(got[name]["time_s"]), f"{got[name]['algbw_GBps']:.2f}",
+                             f"{got[name]['busbw_GBps']:.2f}")]
                          + [" / ".join(f"{got[name]['speedup_vs_mpi']:.2f}x" for name in ours)])
         print(markdown_table(
-            ["size"] + [cell for n in names for cell in (f"{n} time", "busbw")]
+            ["size"] + [cell for n in names for cell in (f"{n} time", "algbw", "busbw")]
             + [f"speedup vs MPI ({' / '.join(ours)})"], table))
 
 
