@@ -234,15 +234,43 @@ MpiTransport::MpiTransport(MPI_Comm user_comm, double timeout_s,
 
 template <typename LetGo>
 void MpiTransport::wait_in_creation(MPI_Request* request, const char* call, LetGo let_go) {
+  // A rank that stops making it here has already joined this step, so the others may
+  // complete it and go on to wait for it in the next one, each step with the whole
+  // timeout: told nothing, they waited up to twice the timeout after a Ctrl-C, and
+  // then blamed a rank that skipped the making. So a rank stopped here tells them on
+  // the duplicate, as a rank that leaves a call does; its notice holds up every step
+  // of the making and every call after it (completed -1), on ranks that made theirs
+  // before it came too.
+  const auto leave_creation = [&](Departure why) {
+    DepartureNote note;
+    note.rank = rank_;
+    note.why = why;
+    note.completed = -1;
+    leave(note);  // (nothing of a call is pending: only sends the notices)
+  };
   bool done = false;
   try {
     done = wait_patiently(request, call);
+    // A rank that stopped after joining this step let it complete without it: its
+    // notice, sent as it stopped, is here by now unless it stopped a moment ago.
+    if (done) check_notices();
+  } catch (const TimeoutError& told) {  // (a notice: another rank stopped making it)
+    let_go();
+    comm_ = MPI_COMM_NULL;
+    throw TimeoutError(creation_context() + told.what() + ", so this rank did not make it "
+                       "either. This rank's duplicate of the communicator passed is left to "
+                       "MPI_Finalize");
+  } catch (const StoppedError&) {  // Ctrl-C, or the process is ending
+    let_go();
+    leave_creation(Departure::Left);
+    throw;
   } catch (...) {
     let_go();
     comm_ = MPI_COMM_NULL;
     throw;
   }
   if (!done) {
+    // (No notice: the ranks that wait with it give up about as soon, and say why.)
     let_go();
     comm_ = MPI_COMM_NULL;
     throw TimeoutError(creation_timeout_text(

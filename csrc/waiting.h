@@ -135,6 +135,7 @@ struct DepartureNote {
   std::string text() const {
     const DepartureNote first = origin();
     std::string said = "rank " + std::to_string(first.rank) + what(first.why, first.cause);
+    if (first.completed < 0) said += " while the ranks were making it";
     if (first.rank != rank)
       said += "; rank " + std::to_string(rank) + " left after it and said so";
     return said;

@@ -2,8 +2,9 @@
 leaves a `with rr.Communicator()` block on one rank (`python -m mpi4py` aborts the job;
 freeing the communicator is collective, and the other ranks are elsewhere, here in an
 allreduce), an uncaught exception ending one rank's process (without `-m mpi4py`),
-a rank that never makes its Communicator, one that ends its script while another
-makes one more call, and one that ends with a daemon thread inside a call. And ones that must end
+a rank that never makes its Communicator, Ctrl-C on a rank while it makes one, one
+that ends its script while another makes one more call, and one that ends with a
+daemon thread inside a call. And ones that must end
 cleanly: a creation that gave up leaves nothing behind for MPI_Finalize, and a job
 killed while making its Communicator leaves nothing in /dev/shm."""
 import contextlib
@@ -830,6 +831,53 @@ def test_a_job_killed_while_making_its_communicator_leaves_no_shared_memory(tmp_
         subprocess.run(["pkill", "-9", "-f", str(tmp_path / "killed.py")])
     left = [name for name in set(os.listdir("/dev/shm")) - before if "ringreduce" in name]
     assert not left, left
+
+
+CTRL_C_WHILE_MAKING = """
+import os
+import signal
+import sys
+import threading
+import time
+from mpi4py import MPI
+import ringreduce as rr
+from ringreduce import _core
+
+rank = MPI.COMM_WORLD.Get_rank()
+if rank == 2:  # held up before a step of the making, which ranks 0 and 1 wait in
+    _core.set_creation_pause(int(sys.argv[1]), 3)
+if rank == 1:  # Ctrl-C there, once it has joined that step
+    threading.Timer(1, os.kill, (os.getpid(), signal.SIGINT)).start()
+start = time.monotonic()
+try:
+    rr.Communicator(timeout=20)
+    print(rank, "made it", flush=True)
+except BaseException as error:  # (a file per rank: lines on stdout may interleave)
+    with open(os.path.join(sys.argv[2], f"rank{rank}"), "w") as said:
+        said.write(f"{time.monotonic() - start:.1f} {type(error).__name__}: {error}")
+MPI.COMM_WORLD.Barrier()
+"""
+
+
+@pytest.mark.parametrize("step", [1, 2, 3], ids=["agreement", "offers", "mapped"])
+def test_ctrl_c_while_making_a_communicator_tells_the_other_ranks(tmp_path, step):
+    # Rank 1 has its duplicate and joined a step of the making, where rank 0 waits for
+    # rank 2 (held up 3 s); then Ctrl-C on rank 1. It raises KeyboardInterrupt, and the
+    # others raise at once (rank 2 after its hold-up), naming it. Before, they were not
+    # told: rank 2 completed the step that rank 1 had joined, and both waited out the
+    # 20 s timeout in the next step (with a hold-up near the timeout, twice the
+    # timeout), then blamed a rank that skipped the making.
+    done = run_script(tmp_path, "ctrl_c_making.py", CTRL_C_WHILE_MAKING,
+                      args=(str(step), str(tmp_path)), abort_on_exception=False, ranks=3,
+                      timeout=120)
+    assert done.returncode == 0, done
+    said = {rank: (tmp_path / f"rank{rank}").read_text() for rank in range(3)}
+    assert "KeyboardInterrupt" in said[1], said
+    for rank, limit in ((0, 10), (2, 13)):  # (the broken behaviour: 20 s or more)
+        assert "CollectiveTimeoutError" in said[rank], said
+        assert "rank 1 has left this communicator" in said[rank], said
+        assert "while the ranks were making it" in said[rank], said
+        assert float(said[rank].split()[0]) < limit, said
 
 
 FORKED_CHILD = """
