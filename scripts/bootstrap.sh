@@ -6,20 +6,38 @@
 # To use a system MPI instead (MPICH or Open MPI), point MPICC at its mpicc:
 #   MPICC=/usr/bin/mpicc bash scripts/bootstrap.sh
 #   MPICC=/usr/bin/mpicc.mpich bash scripts/bootstrap.sh   # Debian's MPICH beside Open MPI
+# Later runs keep it (scripts/test.sh and scripts/demo.sh run this one first);
+# MPICC=wheel goes back to the mpich wheel.
 # mpi4py is then built from source against that MPI, and so is ringreduce, and
 # .venv/bin/mpiexec starts that MPI's launcher (scripts/mpiexec_for.sh finds it beside
 # mpicc; MPIEXEC=/path/to/mpiexec names it where it is elsewhere).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+PYTHON=${PYTHON:-python3}
+VENV=.venv
+deps_stamp="$VENV/.ringreduce-deps"
+
+# The MPI chosen before stays, unless MPICC names another: a later run without MPICC
+# (scripts/test.sh, scripts/demo.sh) used to swap a system MPI's set-up for the wheel's,
+# and going back cost a new build of mpi4py. MPICC=wheel goes back to MPICH from PyPI.
+if [ "${MPICC:-}" = wheel ]; then
+  unset MPICC
+elif [ -z "${MPICC:-}" ]; then
+  chosen=$(head -n 1 "$deps_stamp" 2>/dev/null | cut -d' ' -f1)
+  chosen=${chosen#mpi=}
+  if [ -n "$chosen" ] && [ "$chosen" != mpich-wheel ]; then
+    echo "bootstrap: keeping $VENV's MPI, MPICC=$chosen (MPICC=wheel goes back to MPICH from PyPI)"
+    export MPICC=$chosen
+  fi
+fi
+
 # A mistyped MPICC: said now, before the dependencies of another MPI are uninstalled.
 if [ -n "${MPICC:-}" ] && ! command -v "$MPICC" >/dev/null; then
-  echo "bootstrap: MPICC=$MPICC: no such executable (unset MPICC to use MPICH from PyPI)" >&2
+  echo "bootstrap: MPICC=$MPICC: no such executable (MPICC=wheel uses MPICH from PyPI)" >&2
   exit 1
 fi
 
-PYTHON=${PYTHON:-python3}
-VENV=.venv
 if [ ! -x "$VENV/bin/python" ]; then
   echo "bootstrap: creating $VENV"
   "$PYTHON" -m venv "$VENV"
@@ -27,7 +45,6 @@ fi
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
 
 deps_wanted="mpi=${MPICC:-mpich-wheel} $(cat scripts/requirements.txt)"
-deps_stamp="$VENV/.ringreduce-deps"
 if [ "$(cat "$deps_stamp" 2>/dev/null)" != "$deps_wanted" ]; then
   echo "bootstrap: installing dependencies (${MPICC:-MPICH from PyPI})"
   "${PIP[@]}" install --upgrade pip

@@ -187,6 +187,33 @@ def test_bootstrap_stops_at_once_on_an_mpicc_that_does_not_exist(tmp_path):
     assert not (tmp_path / ".venv").exists()
 
 
+def test_bootstrap_keeps_the_mpi_chosen_before_until_mpicc_names_another(tmp_path):
+    # (From a review.) A run without MPICC (scripts/test.sh, scripts/demo.sh) swapped a
+    # system MPI's .venv for the wheel's, and going back cost a new build of mpi4py.
+    # Here the MPI chosen before is one that has gone since, so that bootstrap.sh
+    # stops at once, having said which it took; and a .venv whose python fails, so
+    # that MPICC=wheel stops at its first step, having said which MPI it installs.
+    shutil.copytree(ROOT / "scripts", tmp_path / "scripts")
+    (tmp_path / ".venv" / "bin").mkdir(parents=True)
+    (tmp_path / ".venv" / ".ringreduce-deps").write_text("mpi=/gone/mpicc numpy\nmpi4py\n")
+    python = tmp_path / ".venv" / "bin" / "python"
+    python.write_text("#!/bin/sh\nexit 3\n")
+    python.chmod(0o755)
+    environ = {k: v for k, v in os.environ.items() if k != "MPICC"}
+
+    def bootstrap(**extra):
+        return subprocess.run(["bash", "scripts/bootstrap.sh"], cwd=tmp_path, text=True,
+                              capture_output=True, timeout=60, env=dict(environ, **extra))
+
+    kept = bootstrap()
+    assert kept.returncode == 1
+    assert "bootstrap: keeping .venv's MPI, MPICC=/gone/mpicc" in kept.stdout, kept
+    assert "bootstrap: MPICC=/gone/mpicc: no such executable" in kept.stderr, kept
+    wheel = bootstrap(MPICC="wheel")
+    assert wheel.returncode != 0 and "keeping" not in wheel.stdout, wheel
+    assert "installing dependencies (MPICH from PyPI)" in wheel.stdout, wheel
+
+
 @pytest.mark.parametrize("world, environ, warned", [
     (1, {"PMI_SIZE": "4"}, "PMI_SIZE=4"),                # another MPI's Hydra
     (1, {"OMPI_COMM_WORLD_SIZE": "2"}, "OMPI_COMM_WORLD_SIZE=2"),  # Open MPI's mpirun
