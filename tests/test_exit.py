@@ -1115,7 +1115,10 @@ def test_ctrl_c_ends_a_job_whose_ranks_wait_for_each_other(tmp_path):
         subprocess.run(["pkill", "-9", "-f", str(tmp_path / "deadlock.py")])
         job.kill()
         raise AssertionError("the job went on waiting after Ctrl-C") from None
-    assert job.returncode != 0
+    # (Debian's MPICH 4.0.2 mpiexec exits 0 after a Ctrl-C in about half the runs, even
+    # for ranks in time.sleep() without ringreduce (helper 188): there both ranks'
+    # KeyboardInterrupts say that their calls stopped.)
+    assert job.returncode != 0 or stderr.count("KeyboardInterrupt") >= 2, stderr
     assert time.monotonic() - start < 20
     if "Sending Ctrl-C to processes" in stderr:  # MPICH's mpiexec passed it on
         assert "KeyboardInterrupt" in stderr, stderr
@@ -1150,6 +1153,23 @@ else:
 """
 
 
+_MPI_VERSION = []
+
+
+def finalize_waits_for_unmatched_sends() -> bool:
+    """Whether the MPI that mpi4py loads is MPICH 4.0 with its UCX device (Debian 12's),
+    whose MPI_Finalize waits for good for a send freed before any rank received it,
+    where UCX sends it only once the receiver asks (a rendezvous: 256 KiB here). A rank
+    that leaves a call frees its sends (MpiTransport::leave()); the MPI standard leaves
+    MPI_Finalize free to wait for them, and MPICH 5 (the wheel's) does not (helper 188)."""
+    if not _MPI_VERSION:
+        _MPI_VERSION.append(subprocess.run(
+            [sys.executable, "-c", "from mpi4py import MPI; print(MPI.Get_library_version())"],
+            capture_output=True, text=True, timeout=60, env=job_env()).stdout)
+    return bool(re.search(r"MPICH Version:\s+4\.0\.", _MPI_VERSION[0])) and \
+        "ucx" in _MPI_VERSION[0]
+
+
 @pytest.mark.parametrize("ending", ["exit", "fail"])
 @pytest.mark.parametrize("path", ["FastPath", "Python"])
 @pytest.mark.parametrize("shm", ["1", "0"], ids=["shared memory", "MPI"])
@@ -1158,10 +1178,12 @@ def test_a_communicator_dropped_with_a_call_in_flight_finishes_it_or_leaves_at_e
     # The drop leaves the call to the worker thread. At exit the rank waits for it (it
     # ran during MPI_Finalize before) and the job ends cleanly; after an uncaught
     # exception it leaves instead, and rank 1 raises at once, not after its timeout.
+    env = {"RINGREDUCE_SHM": shm}
+    if shm == "0" and ending == "fail" and finalize_waits_for_unmatched_sends():
+        env["UCX_RNDV_THRESH"] = "inf"  # (every send eager: what it waits for is gone)
     start = time.monotonic()
     done = run_script(tmp_path, "dropped_busy.py", DROPPED_WITH_A_CALL_IN_FLIGHT,
-                      env={"RINGREDUCE_SHM": shm}, args=(path, ending),
-                      abort_on_exception=False)
+                      env=env, args=(path, ending), abort_on_exception=False)
     assert "rank 0 dropped it" in done.stdout, done
     if ending == "exit":
         assert done.returncode == 0, done.stderr
