@@ -1606,6 +1606,10 @@ PYBIND11_MODULE(_core, m) {
       .def("prefer", &DepartureNote::prefer)
       .def("origin", &DepartureNote::origin)
       .def("text", &DepartureNote::text)
+      .def(
+          "timeout_kind",
+          [](const DepartureNote& note) { return TimeoutError::kind_name(note.timeout().kind); },
+          "the `_kind` of the CollectiveTimeoutError a wait raises on learning of it")
       .def("shm_word", &ShmChannel::departure_word)
       .def_static("from_shm_word", &ShmChannel::note_of_word);
   py::class_<WireTuner>(m, "WireTuner", "Which wire a ring call takes (csrc/wire_tuner.h)")

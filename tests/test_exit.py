@@ -877,6 +877,9 @@ def test_ctrl_c_while_making_a_communicator_tells_the_other_ranks(tmp_path, step
         assert "CollectiveTimeoutError" in said[rank], said
         assert "rank 1 has left this communicator" in said[rank], said
         assert "while the ranks were making it" in said[rank], said
+        assert said[rank].split(": ", 1)[1].startswith(
+            f"ringreduce.Communicator (rank {rank} of 3): rank 1 has left"), said
+        assert "so this rank did not make it either" in said[rank], said
         assert float(said[rank].split()[0]) < limit, said
 
 

@@ -137,3 +137,32 @@ def test_a_cause_beyond_the_words_field_comes_back_as_not_known():
     note = _core.DepartureNote(2, FOLLOWED, 9, cause=5000, cause_why=LEFT)
     back = _core.DepartureNote.from_shm_word(2, note.shm_word())
     assert (back.rank, back.why, back.completed, back.cause) == (2, FOLLOWED, 9, -1)
+
+
+def test_a_notice_sent_while_the_ranks_were_making_the_communicator_says_so():
+    # A rank stopped (Ctrl-C) while making a Communicator tells the others with
+    # completed -1: it holds up every step of the making and every call after it.
+    making = _core.DepartureNote(1, LEFT, -1)
+    assert making.holds_up(0) and making.holds_up(1)
+    assert making.text() == (
+        "rank 1 has left this communicator (an error there, Ctrl-C, an exception that left "
+        "its `with` block, or close() where this rank called a collective) while the ranks "
+        "were making it")
+    # One that left in (or after) the first call did not leave while it was being made.
+    for completed in (0, 3):
+        assert "making" not in _core.DepartureNote(1, LEFT, completed).text()
+
+
+def test_the_kind_of_timeout_a_notice_raises_is_whether_another_rank_timed_out():
+    # DistributedOptimizer.step() explains "another gave up" (and "not joined"), not a
+    # rank that left for other reasons.
+    assert _core.DepartureNote(0, GAVE_UP, 3, cause=2).timeout_kind() == "another gave up"
+    # A follower's notice is judged by the rank it followed.
+    assert _core.DepartureNote(1, FOLLOWED, 3, cause=0,
+                               cause_why=GAVE_UP).timeout_kind() == "another gave up"
+    for why in (LEFT, UNCLOSED, ENDED, VANISHED):
+        assert _core.DepartureNote(0, why, 3).timeout_kind() == "in call"
+        assert _core.DepartureNote(1, FOLLOWED, 3, cause=0,
+                                   cause_why=why).timeout_kind() == "in call"
+    assert _core.DepartureNote(1, FOLLOWED, 3).timeout_kind() == "in call"  # (not known)
+    assert _core.DepartureNote(1, LEFT, -1).timeout_kind() == "in call"
