@@ -47,6 +47,18 @@ def test_bench_allreduce_and_summarize(tmp_path):
     assert ("allreduce", "ringreduce op=MPI.SUM", 20 << 10) in seen
     assert all(r["time_s"] > 0 and r["speedup_vs_mpi"] > 0 for r in rows)
     assert (tmp_path / "busbw.png").stat().st_size > 0
+    # The tables: nccl-tests' three columns for each implementation, in their order; on 2
+    # ranks allgather's busbw is half its algbw ((p-1)/p), allreduce's equal to it.
+    for collective, factor in (("allgather", 0.5), ("allreduce", 1.0)):
+        table = done.stdout.split(f"## {collective}\n", 1)[1].split("\n\n", 1)[0]
+        head, _, *lines = [[c.strip() for c in line.strip("|").split("|")]
+                           for line in table.strip().splitlines()]
+        at = head.index("ringreduce time")
+        assert head[at + 1:at + 3] == ["algbw", "busbw"], head
+        for cells in lines:
+            algbw, busbw = float(cells[at + 1]), float(cells[at + 2])
+            assert abs(busbw - factor * algbw) <= 0.011, (collective, cells)
+        assert float(lines[-1][at + 1]) > 0, table  # (20 KiB: not all rounded away)
 
     summary = subprocess.run([sys.executable, "benchmarks/summarize.py", str(result), str(result),
                               "--plot", str(tmp_path / "speedup.png")], cwd=ROOT,
