@@ -240,7 +240,10 @@ void MpiTransport::wait_in_creation(MPI_Request* request, const char* call, LetG
   // then blamed a rank that skipped the making. So a rank stopped here tells them on
   // the duplicate, as a rank that leaves a call does; its notice holds up every step
   // of the making and every call after it (completed -1), on ranks that made theirs
-  // before it came too.
+  // before it came too (over MPI messages: over shared memory such a rank, which made
+  // its Communicator just before the notice came, learns of it only at its first
+  // call's timeout). A creation stopped at exit (or at MPI.Finalize()) says Ended: the
+  // others then make no new Communicator that waits for this process.
   const auto leave_creation = [&](Departure why) {
     DepartureNote note;
     note.rank = rank_;
@@ -262,7 +265,7 @@ void MpiTransport::wait_in_creation(MPI_Request* request, const char* call, LetG
                        "MPI_Finalize");
   } catch (const StoppedError&) {  // Ctrl-C, or the process is ending
     let_go();
-    leave_creation(Departure::Left);
+    leave_creation(creation_stopped_on_this_thread() ? Departure::Ended : Departure::Left);
     throw;
   } catch (...) {
     let_go();

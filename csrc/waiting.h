@@ -134,8 +134,14 @@ struct DepartureNote {
   }
   std::string text() const {
     const DepartureNote first = origin();
-    std::string said = "rank " + std::to_string(first.rank) + what(first.why, first.cause);
-    if (first.completed < 0) said += " while the ranks were making it";
+    std::string said = "rank " + std::to_string(first.rank);
+    // (Left while the ranks were making it: only a stop there, which is Ctrl-C; Left's
+    // other causes are a call's.)
+    if (first.completed < 0 && first.why == Departure::Left)
+      said += " has left this communicator while the ranks were making it (Ctrl-C there)";
+    else
+      said += what(first.why, first.cause) +
+              (first.completed < 0 ? " while the ranks were making it" : "");
     if (first.rank != rank)
       said += "; rank " + std::to_string(rank) + " left after it and said so";
     return said;

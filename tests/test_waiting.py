@@ -144,9 +144,11 @@ def test_a_notice_sent_while_the_ranks_were_making_the_communicator_says_so():
     # completed -1: it holds up every step of the making and every call after it.
     making = _core.DepartureNote(1, LEFT, -1)
     assert making.holds_up(0) and making.holds_up(1)
-    assert making.text() == (
-        "rank 1 has left this communicator (an error there, Ctrl-C, an exception that left "
-        "its `with` block, or close() where this rank called a collective) while the ranks "
+    assert making.text() == ("rank 1 has left this communicator while the ranks were making "
+                             "it (Ctrl-C there)")
+    # At exit (or MPI.Finalize()), a creation stopped on another thread says Ended.
+    assert _core.DepartureNote(1, ENDED, -1).text() == (
+        "rank 1 has ended (an uncaught exception there ends its process) while the ranks "
         "were making it")
     # One that left in (or after) the first call did not leave while it was being made.
     for completed in (0, 3):
