@@ -24,7 +24,7 @@ deps_stamp="$VENV/.ringreduce-deps"
 if [ "${MPICC:-}" = wheel ]; then
   unset MPICC
 elif [ -z "${MPICC:-}" ]; then
-  chosen=$(head -n 1 "$deps_stamp" 2>/dev/null | cut -d' ' -f1)
+  chosen=$(head -n 1 "$deps_stamp" 2>/dev/null | cut -d' ' -f1 || true)  # (none yet: "")
   chosen=${chosen#mpi=}
   if [ -n "$chosen" ] && [ "$chosen" != mpich-wheel ]; then
     echo "bootstrap: keeping $VENV's MPI, MPICC=$chosen (MPICC=wheel goes back to MPICH from PyPI)"

@@ -212,6 +212,11 @@ def test_bootstrap_keeps_the_mpi_chosen_before_until_mpicc_names_another(tmp_pat
     wheel = bootstrap(MPICC="wheel")
     assert wheel.returncode != 0 and "keeping" not in wheel.stdout, wheel
     assert "installing dependencies (MPICH from PyPI)" in wheel.stdout, wheel
+    # Without a choice before (a fresh clone: CI), the wheel's, without a word.
+    (tmp_path / ".venv" / ".ringreduce-deps").unlink()
+    fresh = bootstrap()
+    assert fresh.returncode != 0 and "keeping" not in fresh.stdout, fresh
+    assert "installing dependencies (MPICH from PyPI)" in fresh.stdout, fresh
 
 
 @pytest.mark.parametrize("world, environ, warned", [
