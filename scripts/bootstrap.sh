@@ -18,18 +18,17 @@ PYTHON=${PYTHON:-python3}
 VENV=.venv
 deps_stamp="$VENV/.ringreduce-deps"
 
+# The MPI the last run set up: "mpi=mpich-wheel", "mpi=/usr/bin/mpicc"; none yet: "".
+chosen=$(head -n 1 "$deps_stamp" 2>/dev/null | cut -d' ' -f1 || true)
+
 # The MPI chosen before stays, unless MPICC names another: a later run without MPICC
 # (scripts/test.sh, scripts/demo.sh) used to swap a system MPI's set-up for the wheel's,
 # and going back cost a new build of mpi4py. MPICC=wheel goes back to MPICH from PyPI.
 if [ "${MPICC:-}" = wheel ]; then
   unset MPICC
-elif [ -z "${MPICC:-}" ]; then
-  chosen=$(head -n 1 "$deps_stamp" 2>/dev/null | cut -d' ' -f1 || true)  # (none yet: "")
-  chosen=${chosen#mpi=}
-  if [ -n "$chosen" ] && [ "$chosen" != mpich-wheel ]; then
-    echo "bootstrap: keeping $VENV's MPI, MPICC=$chosen (MPICC=wheel goes back to MPICH from PyPI)"
-    export MPICC=$chosen
-  fi
+elif [ -z "${MPICC:-}" ] && [ -n "$chosen" ] && [ "$chosen" != mpi=mpich-wheel ]; then
+  echo "bootstrap: keeping $VENV's MPI, MPICC=${chosen#mpi=} (MPICC=wheel goes back to MPICH from PyPI)"
+  export MPICC=${chosen#mpi=}
 fi
 
 # A mistyped MPICC: said now, before the dependencies of another MPI are uninstalled.
@@ -55,7 +54,7 @@ if [ "$(cat "$deps_stamp" 2>/dev/null)" != "$deps_wanted" ]; then
     # Back from a system MPI: its mpi4py, built for it, would stay (pip sees one
     # installed), and ringreduce then refuses to import; its launcher (below) is not
     # the wheel's.
-    if [ "$(head -n 1 "$deps_stamp" 2>/dev/null | cut -d' ' -f1)" != "mpi=mpich-wheel" ]; then
+    if [ "$chosen" != "mpi=mpich-wheel" ]; then
       "${PIP[@]}" uninstall -y mpi4py >/dev/null 2>&1 || true
     fi
     ! grep -qs "ringreduce bootstrap.sh" "$VENV/bin/mpiexec" || rm -f "$VENV/bin/mpiexec"
