@@ -251,6 +251,12 @@ void MpiTransport::wait_in_creation(MPI_Request* request, const char* call, LetG
     note.completed = -1;
     leave(note);  // (nothing of a call is pending: only sends the notices)
   };
+  // Where this rank gives up without a word to the others: the duplicate is left to
+  // MPI_Finalize (freeing it is collective), and nothing here uses it again.
+  const auto leave_duplicate_to_finalize = [&] {
+    let_go();
+    comm_ = MPI_COMM_NULL;
+  };
   bool done = false;
   try {
     done = wait_patiently(request, call);
@@ -258,8 +264,7 @@ void MpiTransport::wait_in_creation(MPI_Request* request, const char* call, LetG
     // notice, sent as it stopped, is here by now unless it stopped a moment ago.
     if (done) check_notices();
   } catch (const TimeoutError& told) {  // (a notice: another rank stopped making it)
-    let_go();
-    comm_ = MPI_COMM_NULL;
+    leave_duplicate_to_finalize();
     throw TimeoutError(creation_context() + told.what() + ", so this rank did not make it "
                        "either. This rank's duplicate of the communicator passed is left to "
                        "MPI_Finalize");
@@ -268,14 +273,12 @@ void MpiTransport::wait_in_creation(MPI_Request* request, const char* call, LetG
     leave_creation(creation_stopped_on_this_thread() ? Departure::Ended : Departure::Left);
     throw;
   } catch (...) {
-    let_go();
-    comm_ = MPI_COMM_NULL;
+    leave_duplicate_to_finalize();
     throw;
   }
   if (!done) {
     // (No notice: the ranks that wait with it give up about as soon, and say why.)
-    let_go();
-    comm_ = MPI_COMM_NULL;
+    leave_duplicate_to_finalize();
     throw TimeoutError(creation_timeout_text(
         "This rank's duplicate of the communicator passed is left to MPI_Finalize"));
   }
