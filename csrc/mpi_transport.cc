@@ -42,6 +42,12 @@ std::vector<MPI_Request>& abandoned_duplicates() {
   return *requests;
 }
 
+// The duplicates this process will never free before MPI_Finalize: those of the
+// Communicators it left (freeing one could hand its stray messages to a later
+// communicator that gets its context id), and of those dropped unclosed below
+// MPI_THREAD_MULTIPLE. Named when MPI runs out of communicators.
+std::atomic<int64_t> unfreed_duplicates{0};
+
 void abandon_duplicate(MPI_Request request) {
   const std::lock_guard<std::mutex> hold(abandoned_lock);
   abandoned_duplicates().push_back(request);
@@ -187,10 +193,17 @@ MpiTransport::MpiTransport(MPI_Comm user_comm, double timeout_s,
   MPI_Request request = MPI_REQUEST_NULL;
   // MPI's own words for the likely cause of a failure here are "Other MPI error".
   auto with_hint = [](const MpiError& e) {
-    return MpiError(std::string(e.what()) +
-                    " (MPI may have run out of communicators: each ringreduce Communicator "
-                    "holds one until close(), and one left by an exception in its `with` "
-                    "block, or after a timeout, until MPI_Finalize)");
+    const int64_t unfreed = unfreed_duplicates.load();
+    return MpiError(
+        std::string(e.what()) +
+        " (MPI may have run out of communicators: each ringreduce Communicator holds one "
+        "until close(), and one left by an exception in its `with` block, or after an "
+        "error or a timeout in a call, until MPI_Finalize" +
+        (unfreed > 0 ? "; this process holds " + std::to_string(unfreed) +
+                           " such, left or dropped unclosed (below MPI_THREAD_MULTIPLE)"
+                     : std::string()) +
+        ". In a loop, catch an exception that every rank raises inside the `with` block, "
+        "so that the block ends and closes its Communicator)");
   };
   try {
     check(MPI_Comm_idup(user_comm, duplicate, &request), "MPI_Comm_idup");
@@ -205,10 +218,12 @@ MpiTransport::MpiTransport(MPI_Comm user_comm, double timeout_s,
     throw with_hint(e);
   } catch (...) {
     abandon_duplicate(request);
+    ++unfreed_duplicates;
     throw;
   }
   if (!done) {
     abandon_duplicate(request);
+    ++unfreed_duplicates;
     throw TimeoutError(creation_timeout_text(
         "This rank's MPI_Comm_idup stays pending on the communicator passed, where a rank "
         "that comes late completes it; if one never comes, further collectives on that "
@@ -255,7 +270,7 @@ void MpiTransport::wait_in_creation(MPI_Request* request, const char* call, LetG
   // MPI_Finalize (freeing it is collective), and nothing here uses it again.
   const auto leave_duplicate_to_finalize = [&] {
     let_go();
-    comm_ = MPI_COMM_NULL;
+    forget_duplicate();
   };
   bool done = false;
   try {
@@ -333,6 +348,7 @@ MpiTransport::~MpiTransport() {
   MPI_Finalized(&finalized);
   if (!finalized) MPI_Query_thread(&level);
   if (!finalized && level == MPI_THREAD_MULTIPLE && comm_ != MPI_COMM_NULL) MPI_Comm_free(&comm_);
+  if (!finalized) forget_duplicate();  // (below MPI_THREAD_MULTIPLE: left to MPI_Finalize)
 }
 
 void MpiTransport::free() {
@@ -558,7 +574,17 @@ void MpiTransport::leave(const DepartureNote& note) {
     outliving->push_back(std::move(exchange_recv_));
     exchange_ = MPI_REQUEST_NULL;
   }
-  comm_ = MPI_COMM_NULL;  // freeing it would wait for the ranks still in a call
+  // Not freed: freeing it could wait for the ranks still in a call, and, where MPI frees
+  // it at once (MPICH under MPI_THREAD_MULTIPLE), would let a later communicator with
+  // its context id receive the messages still on their way to this rank on it (these
+  // notices, a chunk of a call left).
+  forget_duplicate();
+}
+
+void MpiTransport::forget_duplicate() {
+  if (comm_ == MPI_COMM_NULL) return;
+  ++unfreed_duplicates;
+  comm_ = MPI_COMM_NULL;
 }
 
 }  // namespace ringreduce

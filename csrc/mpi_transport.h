@@ -210,6 +210,9 @@ class MpiTransport final : public Transport {
   template <typename LetGo>
   void wait_in_creation(MPI_Request* request, const char* call, LetGo let_go);
   void receive_notices();
+  // Lets go of the duplicate unfreed, for MPI_Finalize to free (counted for the hint
+  // when MPI runs out of communicators).
+  void forget_duplicate();
 };
 
 }  // namespace ringreduce

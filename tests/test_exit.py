@@ -1414,3 +1414,46 @@ def test_an_error_dropped_with_the_scripts_last_handle_is_warned_of_at_exit(tmp_
     assert done.stderr.count("DroppedErrorWarning: ringreduce: an asynchronous call failed") \
         == 2, done.stderr
     assert done.stderr.count("The error: MismatchError: ") == 2, done.stderr
+
+
+SWEEP_OF_LEFT_COMMUNICATORS = """
+import re
+import numpy as np
+from mpi4py import MPI
+import ringreduce as rr
+
+class Pruned(Exception):
+    pass
+
+left = 0
+for trial in range(100000):
+    try:
+        with rr.Communicator(timeout=60) as ring:
+            ring.allreduce(np.ones(4))
+            if trial % 3:  # (every third one closes, and holds nothing after)
+                raise Pruned()
+    except Pruned:
+        left += 1
+    except rr.MPIError as error:
+        held = re.search(r"this process holds (\\d+) such", str(error))
+        print(f"rank {MPI.COMM_WORLD.Get_rank()}: ran out at trial {trial} having left {left}, "
+              f"the message says {held and held.group(1)}", flush=True)
+        break
+"""
+
+
+def test_a_sweep_that_leaves_its_communicators_runs_out_on_every_rank_saying_how_many(tmp_path):
+    # A hyper-parameter sweep whose trials end in an exception that every rank raises
+    # inside the `with` block, caught outside it: each leaves its duplicate to
+    # MPI_Finalize, and MPI runs out of communicators (MPICH's 2048, at the trial after
+    # 2046 left). Every rank must raise then, at the same trial, and the error must say
+    # how many this process holds, which the closed ones are not among.
+    done = run_script(tmp_path, "sweep.py", SWEEP_OF_LEFT_COMMUNICATORS, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    # (Not line by line: mpiexec may run two ranks' lines together.)
+    said = re.findall(r"rank (\d): ran out at trial (\d+) having left (\d+), the message says "
+                      r"(\d+|None)", done.stdout)
+    assert sorted(rank for rank, *_ in said) == ["0", "1"], done.stdout[-3000:]
+    assert len({trial for _, trial, _, _ in said}) == 1, said
+    for _, trial, left, held in said:
+        assert held == left and 0 < int(left) < int(trial), said
