@@ -197,10 +197,17 @@ def _checked_state_arrays(state, key: str, params, who: str, optional=False,
         if getattr(a, "shape", None) != p.shape or \
                 getattr(a, "dtype", None) not in (p.dtype, kept[i]):
             also = "" if kept[i] == p.dtype else f" (kept as {kept[i]})"
+            # Of the right shape, only the dtype differs: more likely this model saved
+            # in another precision (float64 while prototyping, float32 now) than another
+            # model, and the way out is to convert, which is not done here unasked.
+            hint = "a state of another model?" if getattr(a, "shape", None) != p.shape \
+                else (f"a state of another model, or of this one with {a.dtype} "
+                      f"parameters? To load it into these, convert {named}[{key!r}]'s "
+                      f"arrays to {kept[i]}")
             raise ValueError(f"{where}: {named}[{key!r}][{i}] is "
                              f"{getattr(a, 'shape', type(a).__name__)} "
                              f"{getattr(a, 'dtype', '')}, but params[{i}] is {p.shape} "
-                             f"{p.dtype}{also} (a state of another model?)")
+                             f"{p.dtype}{also} ({hint})")
     return [None if a is None else _placed(a, p, dtype)
             for a, p, dtype in zip(arrays, params, kept)]
 

@@ -1610,6 +1610,41 @@ def test_a_state_of_another_model_is_refused(make):
 
 
 @each_optimizer
+def test_a_state_saved_in_another_precision_is_refused_saying_how_to_convert_it(make):
+    # (From a researcher's port.) A model prototyped in float64 and resumed in float32
+    # was told "(a state of another model?)", which sent one looking for a wrong layer.
+    # The error now says the dtype is all that differs, and converting as it says loads.
+    saved_on = [np.ones((4, 3)), np.ones(3)]
+    opt = DistributedOptimizer(make(saved_on))
+    opt.step([np.full((4, 3), 0.5), np.full(3, -0.25)])
+    state = opt.state_dict()
+    target = DistributedOptimizer(make([np.ones((4, 3), np.float32), np.ones(3, np.float32)]))
+    with pytest.raises(ValueError, match=r"is \(4, 3\) float64, but params\[0\] is \(4, 3\) "
+                                         r"float32 \(a state of another model, or of this one "
+                                         r"with float64 parameters\? To load it into these, "
+                                         r"convert state\['(momentum_buffers|m)'\]'s arrays "
+                                         r"to float32\)"):
+        target.load_state_dict(state)
+    inner = dict(state["optimizer"])
+    for key in ("momentum_buffers", "m", "v"):
+        if key in inner:
+            inner[key] = [a.astype(np.float32) for a in inner[key]]
+    target.load_state_dict(dict(state, optimizer=inner))
+    for a, b in zip(target.params, opt.params):  # (saved beside the state, as a checkpoint has them)
+        a[...] = b
+    # The converted state goes on as the float64 run does, to float32's rounding.
+    grads = [np.full((4, 3), 0.5), np.full(3, -0.25)]
+    opt.step(grads)
+    target.step([g.astype(np.float32) for g in grads])
+    for a, b in zip(target.params, opt.params):
+        np.testing.assert_allclose(a, b, rtol=1e-6)
+    # Another shape is still just another model.
+    with pytest.raises(ValueError, match=r"float32 \(a state of another model\?\)$"):
+        DistributedOptimizer(make([np.ones((3, 4), np.float32), np.ones(3)])).load_state_dict(
+            dict(state, optimizer=inner))
+
+
+@each_optimizer
 def test_a_corrupt_state_is_refused_before_anything_is_loaded(make):
     # (From a review.) The settings were loaded one by one after the arrays were
     # checked: a state without 'weight_decay' (SGD) or 't' (Adam) loaded lr and more,
