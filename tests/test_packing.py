@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from ringreduce import _core
-from ringreduce.gradients import pack_plan
+from ringreduce.gradients import byte_bounds, pack_plan, span_of
 
 
 def arrays():
@@ -170,3 +170,31 @@ def test_pack_plan_fills_a_bucket_to_exactly_its_size():
     assert pack_plan(two, 63) == [[1], [0]]
     assert pack_plan(two + [np.zeros(4)], 64) == [[2, 1], [0]]
     assert pack_plan([np.zeros(8), np.zeros(4)], 64) == [[1], [0]]  # (32 + 64 > 64)
+
+
+class _GpuArrayLike:
+    """A GPU array as span_of() reads it: its __cuda_array_interface__ alone."""
+
+    def __init__(self, like: np.ndarray):
+        self.__cuda_array_interface__ = {
+            "data": (like.ctypes.data, False), "shape": like.shape,
+            "typestr": like.dtype.str, "version": 3,
+            "strides": None if like.flags.c_contiguous else like.strides}
+
+
+VIEWS = {"contiguous": lambda a: a, "reversed": lambda a: a[::-1],
+         "every other, backwards": lambda a: a[50:3:-2],
+         "rows reversed": lambda a: a.reshape(6, 10)[::-1, 2:7],
+         "columns backwards": lambda a: a.reshape(6, 10)[1:5, ::-3],
+         "transposed, reversed": lambda a: a.reshape(6, 10).T[::-1],
+         "empty": lambda a: a[7:7]}
+
+
+@pytest.mark.parametrize("view", sorted(VIEWS))
+def test_span_of_a_gpu_array_is_what_numpy_finds_for_the_same_strides(view):
+    # A GPU array's span (which gradients it may share memory with) comes from its
+    # shape and strides, and must reach as far as numpy's byte_bounds does for a host
+    # array laid out alike: negative strides reach down from the first element.
+    host = VIEWS[view](np.zeros(60))
+    lo, hi = byte_bounds(host)
+    assert span_of(_GpuArrayLike(host)) == ((lo, lo) if host.size == 0 else (lo, hi))
