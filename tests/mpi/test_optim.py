@@ -543,6 +543,27 @@ def test_fp16_scale_follows_a_zero_start_a_spike_and_a_slow_decline():
     assert set(off) <= {50, 51}, off  # the spike, and the step after it
 
 
+@pytest.mark.skipif(SIZE == 1, reason="sums as large as the largest gradient lower the scale")
+def test_fp16_gradients_that_grow_15x_in_one_step_travel_without_a_resend():
+    # The scale leaves 16x of room (peak * scale < 2 ** 12) for the next step's
+    # gradients to grow, without an overflow and a second send. Here the scale stays
+    # as the ranks agreed it at the first step: its largest gradients (0.99 on rank 0,
+    # -0.99 on rank 1) cancel, so its sums (0.01) give no reason to lower it; then every
+    # rank's gradient is 15x that largest one. (With 8x of room, 2 ** 13, it overflowed
+    # and was sent again.)
+    params = [np.zeros(2, np.float32)]
+    opt = DistributedOptimizer(SGD(params, lr=1.0), compression="fp16")
+    wire_bytes = 2 * np.dtype(np.float16).itemsize
+    pulling = {0: 0.99, 1: -0.99}.get(RANK, 0.0)
+    for g in ([pulling, 0.01], [0.0, 15 * 0.99]):
+        params[0][:] = 0  # (so that the update is exactly what arrived)
+        sent = opt.bytes_sent
+        opt.step([np.array(g, np.float32)])
+        assert opt.bytes_sent - sent == wire_bytes, (g, opt.bytes_sent - sent)
+        average = np.mean(MPI.COMM_WORLD.allgather(np.array(g, np.float32)), axis=0)
+        np.testing.assert_allclose(-params[0], average, rtol=1e-3, atol=1e-6)
+
+
 def test_fp16_sums_that_fall_far_right_after_the_ranks_agreed_make_them_agree_again():
     # Gradients of about 1, then 1e-2: sums far below the scale's aim, so the ranks
     # agree on a larger scale for the next step. Then 1e-12 at once, which that scale
@@ -821,6 +842,26 @@ def test_distributed_adam_on_float16_parameters_stays_finite_and_together(compre
                                atol=2.0 ** -10)  # (one float16 spacing at 1)
     blobs = MPI.COMM_WORLD.allgather(params[0].tobytes() + opt.optimizer.v[0].tobytes())
     assert all(b == blobs[0] for b in blobs), "replicas differ"
+
+
+def test_powersgd_first_step_is_the_documented_projection_for_each_parameter():
+    # Written out in plain numpy: the first Q of params[i] is
+    # default_rng(seed + i).standard_normal((m, r)); P = orthonormal columns of the
+    # ranks' average of M Q; the approximation is P (average of M^T P)^T = P P^T M_avg
+    # (whatever signs the columns of P take). Two parameters of one shape: drawn
+    # from the same seed, both would be projected on the same subspace.
+    seed, r, shape = 7, 2, (12, 10)
+    rng = np.random.default_rng([RANK, 11])
+    grads = [rng.standard_normal(shape) for _ in range(2)]
+    params = [np.zeros(shape) for _ in range(2)]
+    DistributedOptimizer(SGD(params, lr=1.0), compression=PowerSGD(rank=r, seed=seed)
+                         ).step([g.copy() for g in grads])
+    for i, (p, g) in enumerate(zip(params, grads)):
+        average = np.mean(MPI.COMM_WORLD.allgather(g), axis=0)
+        first_q = np.random.default_rng(seed + i).standard_normal((shape[1], r))
+        basis, _ = np.linalg.qr(average @ first_q)
+        np.testing.assert_allclose(-p, basis @ (basis.T @ average), rtol=0, atol=1e-12,
+                                   err_msg=f"params[{i}]")
 
 
 def test_powersgd_with_error_feedback_converges_to_the_average():
@@ -3081,6 +3122,28 @@ def test_allreduce_gradients_reduces_large_arrays_in_place_and_packs_the_small(m
         np.testing.assert_allclose(g, (SIZE - 1) / 2)
 
 
+def test_a_gradient_of_exactly_64_kib_is_reduced_in_place_beside_small_ones_of_its_dtype(
+        monkeypatch):
+    # allreduce_gradients' docstring: numpy arrays of 64 KiB *or more* go alone, in
+    # place. One of exactly 64 KiB, with small ones of its dtype that it would otherwise
+    # be packed with (a copy in and out): only the small ones are copied.
+    big = 1 << 14  # float32 elements: 64 KiB
+    grads = [np.arange(big, dtype=np.float32) * (RANK + 1), np.full(3, RANK + 1, np.float32),
+             np.full(2, RANK + 1, np.float32)]  # (two: one alone would go in place too)
+    real_pack, by_memcpy = gradients.pack_gradients, []
+
+    def pack_gradients(grads, indices, flat):
+        by_memcpy.append(flat.size)
+        return real_pack(grads, indices, flat)
+    monkeypatch.setattr(gradients, "pack_gradients", pack_gradients)
+    rr.allreduce_gradients(grads)
+    assert by_memcpy == [3 + 2]
+    mean = (SIZE + 1) / 2
+    np.testing.assert_array_equal(grads[0], np.arange(big, dtype=np.float32) * mean)
+    for g in grads[1:]:
+        np.testing.assert_array_equal(g, mean)
+
+
 @needs_two
 def test_allreduce_gradients_on_ranks_that_disagree_leaves_large_arrays_untouched():
     big = 1 << 14
@@ -3424,6 +3487,24 @@ def test_broadcast_parameters_brings_back_a_replica_left_behind_with_its_optimiz
     for theirs in everyone[1:]:
         for a, b in zip(everyone[0], theirs):
             np.testing.assert_array_equal(a, b)
+
+
+def test_broadcast_parameters_takes_away_momentum_buffers_the_root_has_not_made_yet():
+    # Rank 0 alone loads a state saved before the first step (no momentum buffers), the
+    # others hold buffers from steps since: broadcast_parameters() must leave every
+    # rank without them, or the next step starts the buffer afresh on rank 0 only, and
+    # the replicas part.
+    params = [np.zeros(4), np.zeros((2, 3))]
+    opt = DistributedOptimizer(SGD(params, lr=0.1, momentum=0.9))
+    before_any_step = opt.state_dict()
+    for step in range(2):
+        opt.step([np.full(4, step + 1.0 + RANK), np.full((2, 3), RANK - step - 0.5)])
+    opt.load_state_dict(before_any_step if RANK == 0 else None)  # (collective)
+    opt.broadcast_parameters(root=0)
+    assert [b is None for b in opt.optimizer.momentum_buffers] == [True, True]
+    opt.step([np.full(4, 1.0 + RANK), np.full((2, 3), 2.0 - RANK)])
+    everyone = MPI.COMM_WORLD.allgather([p.tobytes() for p in params])
+    assert all(theirs == everyone[0] for theirs in everyone)
 
 
 def _state_arrays(optimizer):
