@@ -181,7 +181,8 @@ def _checked_state_arrays(state, key: str, params, who: str, optional=False,
     and converted."""
     where = where or f"{who}.load_state_dict"
     if not isinstance(state, dict) or key not in state:
-        raise KeyError(f"{where}: the state has no {key!r} (is it a {who} state_dict()?)")
+        raise KeyError(f"{where}: the state has no {key!r} ({_what_it_holds(state)}is it a "
+                       f"{who} state_dict()?)")
     if not isinstance(state[key], (list, tuple, np.ndarray)):
         raise ValueError(f"{where}: {named}[{key!r}] is a {type(state[key]).__name__}, not a "
                          "list of one array per parameter (is it a state_dict() of this "
@@ -224,8 +225,19 @@ def _state_values(state, keys, who: str, where: str | None = None) -> list:
     missing = [key for key in keys if key not in state]
     if missing:
         raise KeyError(f"{where or f'{who}.load_state_dict'}: the state has no "
-                       f"{', '.join(map(repr, missing))} (is it a {who} state_dict()?)")
+                       f"{', '.join(map(repr, missing))} ({_what_it_holds(state)}is it a "
+                       f"{who} state_dict()?)")
     return [state[key] for key in keys]
+
+
+def _what_it_holds(state) -> str:
+    """What a state that lacks a key holds instead, for its error: another optimizer's
+    (Adam's 'm' and 'v' where SGD's 'momentum_buffers' was looked for) tells itself."""
+    if not isinstance(state, dict):
+        return f"it is a {type(state).__name__}: "
+    keys = [repr(k) for k in state]
+    shown = ", ".join(keys[:8]) + (f" and {len(keys) - 8} more" if len(keys) > 8 else "")
+    return f"it holds {shown}: " if keys else "it is empty: "
 
 
 def _check_sgd_settings(lr, momentum, weight_decay, who: str) -> None:

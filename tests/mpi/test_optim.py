@@ -4075,3 +4075,18 @@ def test_a_before_update_that_outlasts_the_timeout_drops_the_step_on_every_rank(
             np.testing.assert_array_equal(params[0], 0)
     ring.close()
     MPI.COMM_WORLD.Barrier()  # (as above)
+
+
+def test_a_state_of_another_optimizer_is_refused_naming_what_it_holds():
+    # (From a researcher's port.) Adam's state loaded into SGD said only that it had no
+    # 'momentum_buffers'; what it holds instead ('m', 'v') says whose it is.
+    adam = Adam([np.zeros(3)])
+    adam.step([np.ones(3)])
+    with pytest.raises(KeyError, match=r"SGD\.load_state_dict: the state has no "
+                                       r"'momentum_buffers' \(it holds .*'m', 'v'.*: is it "
+                                       r"a SGD state_dict\(\)\?\)"):
+        SGD([np.zeros(3)], lr=0.1, momentum=0.9).load_state_dict(adam.state_dict())
+    with pytest.raises(KeyError, match=r"has no 'momentum_buffers' \(it is empty: "):
+        SGD([np.zeros(3)], lr=0.1, momentum=0.9).load_state_dict({})
+    with pytest.raises(KeyError, match=r"\(it is a list: is it a"):
+        SGD([np.zeros(3)], lr=0.1).load_state_dict([])
