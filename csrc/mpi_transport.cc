@@ -43,9 +43,9 @@ std::vector<MPI_Request>& abandoned_duplicates() {
 }
 
 // The duplicates this process will never free before MPI_Finalize: those of the
-// Communicators it left (freeing one could hand its stray messages to a later
-// communicator that gets its context id), and of those dropped unclosed below
-// MPI_THREAD_MULTIPLE. Named when MPI runs out of communicators.
+// Communicators it left, or on which another rank left (freeing one could hand stray
+// messages to a later communicator that gets its context id), and of those dropped
+// unclosed below MPI_THREAD_MULTIPLE. Named when MPI runs out of communicators.
 std::atomic<int64_t> unfreed_duplicates{0};
 
 void abandon_duplicate(MPI_Request request) {
@@ -200,7 +200,8 @@ MpiTransport::MpiTransport(MPI_Comm user_comm, double timeout_s,
         "until close(), and one left by an exception in its `with` block, or after an "
         "error or a timeout in a call, until MPI_Finalize" +
         (unfreed > 0 ? "; this process holds " + std::to_string(unfreed) +
-                           " such, left or dropped unclosed (below MPI_THREAD_MULTIPLE)"
+                           " such, left, dropped unclosed below MPI_THREAD_MULTIPLE, or "
+                           "dropped after another rank left"
                      : std::string()) +
         ". In a loop, catch an exception that every rank raises inside the `with` block, "
         "so that the block ends and closes its Communicator)");
@@ -347,7 +348,23 @@ MpiTransport::~MpiTransport() {
   int finalized = 1, level = MPI_THREAD_SINGLE;
   MPI_Finalized(&finalized);
   if (!finalized) MPI_Query_thread(&level);
-  if (!finalized && level == MPI_THREAD_MULTIPLE && comm_ != MPI_COMM_NULL) MPI_Comm_free(&comm_);
+  if (!finalized && level == MPI_THREAD_MULTIPLE && comm_ != MPI_COMM_NULL) {
+    // A rank that left sent this one a notice, maybe still on its way: once freed, the
+    // duplicate's context id goes to a later communicator, which would receive it (a
+    // spurious "rank N has left" there, N maybe another process). So a duplicate on
+    // which any departure was seen is only forgotten. (Twice: MPICH's first probe may
+    // only drive its progress.)
+    bool departure_seen = !departures_.empty();
+    for (int probe = 0; probe < 2 && !departure_seen; ++probe) {
+      try {
+        receive_notices();
+      } catch (const std::exception&) {
+        departure_seen = true;  // (an MPI error: better not free what cannot be read)
+      }
+      departure_seen = departure_seen || !departures_.empty();
+    }
+    if (!departure_seen) MPI_Comm_free(&comm_);
+  }
   if (!finalized) forget_duplicate();  // (below MPI_THREAD_MULTIPLE: left to MPI_Finalize)
 }
 
@@ -540,8 +557,18 @@ void MpiTransport::leave(const DepartureNote& note) {
   const auto* notice = new int64_t[kNoticeWords]{static_cast<int64_t>(note.why), note.completed,
                                                   note.cause,
                                                   static_cast<int64_t>(note.cause_why)};
+  // Not to a rank known to have stopped using it: one that left never reads it again,
+  // and one that dropped its Communicator unclosed (on shared memory, which told us)
+  // may have freed its duplicate, whose context id a later communicator there gets,
+  // with this notice on it.
+  try {
+    receive_notices();
+  } catch (const std::exception&) {
+  }
+  std::set<int> gone = stopped_;
+  for (const DepartureNote& known : departures_) gone.insert(known.rank);
   for (int r = 0; r < size_; ++r) {
-    if (r == rank_) continue;
+    if (r == rank_ || gone.count(r)) continue;
     MPI_Request request = MPI_REQUEST_NULL;
     if (MPI_Isend(notice, kNoticeWords, MPI_INT64_T, r, tag_ub_, comm_, &request) == MPI_SUCCESS)
       MPI_Request_free(&request);

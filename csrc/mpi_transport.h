@@ -7,6 +7,7 @@
 
 #include <atomic>
 #include <functional>
+#include <set>
 #include <vector>
 
 #include "transport.h"
@@ -139,8 +140,13 @@ class MpiTransport final : public Transport {
     }
   }
   // A departure learnt otherwise than from a notice (one every rank saw in a header
-  // exchange), judged as a notice would be.
+  // exchange), judged as a notice would be. Like a notice, it also means that leave()
+  // sends that rank no notice, and that the destructor does not free the duplicate
+  // (see ~MpiTransport).
   void note_departure(const DepartureNote& note) { departures_.push_back(note); }
+  // A rank known, from the shared-memory wire, to have stopped using the communicator:
+  // leave() sends it no notice (see there). Changes nothing else.
+  void note_stopped(int rank) { stopped_.insert(rank); }
   // Of the notices received so far that hold up `exchange` (kAnyExchange: all), the one
   // that tells best where things went wrong (DepartureNote::prefer); rank -1 if none.
   DepartureNote first_departure(int64_t exchange = kAnyExchange);
@@ -166,6 +172,11 @@ class MpiTransport final : public Transport {
   void creation_allgather(const void* mine, void* all, int bytes);
   // Frees the duplicate communicator now (collective); later use throws.
   void free();
+  // Lets go of the duplicate unfreed, for MPI_Finalize to free (counted for the hint
+  // when MPI runs out of communicators): where a rank has left, messages of its may
+  // still be on their way here, which a later communicator given its context id would
+  // receive.
+  void forget_duplicate();
 
  private:
   void check(int rc, const char* call) const { check_mpi(rc, call, rank_); }
@@ -199,6 +210,7 @@ class MpiTransport final : public Transport {
   std::function<void()> also_check_;  // (see also_check())
   int64_t exchange_number_ = 0;          // see set_exchange()
   std::vector<DepartureNote> departures_;  // every notice received
+  std::set<int> stopped_;                  // see note_stopped()
   int creation_steps_ = 0;                 // begun after the duplicate (tests' pause)
   void begin_creation_step();
   // The last step of the making: see the constructor.
@@ -210,9 +222,6 @@ class MpiTransport final : public Transport {
   template <typename LetGo>
   void wait_in_creation(MPI_Request* request, const char* call, LetGo let_go);
   void receive_notices();
-  // Lets go of the duplicate unfreed, for MPI_Finalize to free (counted for the hint
-  // when MPI runs out of communicators).
-  void forget_duplicate();
 };
 
 }  // namespace ringreduce

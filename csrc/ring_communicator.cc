@@ -373,7 +373,12 @@ void RingCommunicator::depart(Departure why, int waited_for, bool over_mpi) {
       note.cause_why = first.why;
     }
   }
-  if (shm_) shm_->leave(note);
+  if (shm_) {
+    shm_->leave(note);
+    // (Their MPI notices, if any, the transport sees for itself.)
+    for (int r = 0; r < size(); ++r)
+      if (r != rank() && shm_->departure(r).rank >= 0) transport_->note_stopped(r);
+  }
   if (over_mpi)
     transport_->leave(note);
   else
@@ -495,6 +500,17 @@ RingCommunicator::~RingCommunicator() {
     return;
   }
   leave_unclosed();  // dropped unclosed: a rank still calling would wait for this one
+  // A rank that left told this one over MPI messages too (maybe not yet here), and
+  // freeing the duplicate would hand its notice to a later communicator (see
+  // ~MpiTransport, which looks for the notices themselves). Ranks that merely dropped
+  // theirs unclosed sent nothing.
+  if (shm_ && !departed_ && transport_->comm() != MPI_COMM_NULL) {
+    for (int r = 0; r < size(); ++r) {
+      const DepartureNote note = shm_->departure(r);
+      if (r != rank() && note.rank >= 0 && note.why != Departure::Unclosed)
+        transport_->forget_duplicate();
+    }
+  }
   // (shm_ goes before transport_, which must not look into it then.)
   transport_->also_check(nullptr);
   if (!departed_) {
@@ -968,7 +984,10 @@ void RingCommunicator::close() {
   // checkpoint here outlasting its timeout), left its departure notice behind, unread:
   // MPICH will not free a communicator with a message unreceived. Nothing is freed
   // together with it then. (Twice: MPICH's first probe may only drive its progress.)
-  if (size() > 1 && (first_departure().rank >= 0 || first_departure().rank >= 0)) return;
+  if (size() > 1 && (first_departure().rank >= 0 || first_departure().rank >= 0)) {
+    transport_->forget_duplicate();  // (its notice may not be all that is on its way)
+    return;
+  }
   release_device();
   if (shm_) shm_->free();
   transport_->free();

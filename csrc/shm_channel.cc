@@ -387,6 +387,7 @@ void ShmChannel::exchange() {
 }
 
 DepartureNote ShmChannel::departure(int r) const {
+  if (r < 0 || r >= static_cast<int>(departures_.size())) return {};  // (after free())
   return note_of_word(r, __atomic_load_n(departures_[r], __ATOMIC_ACQUIRE));
 }
 

@@ -115,6 +115,8 @@ class ShmChannel {
   // the one that tells best where things went wrong (DepartureNote::prefer); rank -1 if
   // none.
   DepartureNote first_departure(int64_t exchange = kAnyExchange) const;
+  // Rank r's, or rank -1 while it is in (and once free() has run).
+  DepartureNote departure(int r) const;
 
   // An all-gather through the boards: fill next_board() (at most board_bytes), then
   // exchange() posts it and returns when every rank has posted theirs. Every rank must
@@ -134,7 +136,6 @@ class ShmChannel {
   // that waits here, on shared memory alone, after an MPI-wire call would leave the
   // neighbour that sent to it waiting in that call forever.
   void look_around() const;
-  DepartureNote departure(int r) const;  // rank r's, or rank -1 while it is in
 
   // Two boards per rank, used by alternate exchanges: before a rank may overwrite the
   // board of exchange n, every rank must have read it, which they all have once each

@@ -251,6 +251,87 @@ def test_a_rank_that_exits_with_fewer_calls_is_reported_at_once(tmp_path, shm,
     assert "rank 0 waited 0 s" in done.stdout
 
 
+STRAY_NOTICE = """
+import gc
+import os
+import sys
+import time
+import warnings
+import numpy as np
+from mpi4py import MPI
+import ringreduce as rr
+
+warnings.simplefilter("ignore", ResourceWarning)
+how = sys.argv[1]
+world = MPI.COMM_WORLD
+rank = world.Get_rank()
+# The survivors' communicator, made first: MPICH then gives the next duplicate made over
+# it the lowest context id that rank 0 and 2 have free, the dropped one's if freed.
+survivors = world.Split(0 if rank != 1 else MPI.UNDEFINED, rank)
+ring = rr.Communicator(world, timeout=60)
+ring.allreduce(np.ones(10))
+if how == "left":  # rank 1 leaves; the others drop theirs, seeing that it did
+    if rank == 1:
+        try:
+            with ring:
+                raise KeyError("rank 1 leaves")
+        except KeyError:
+            pass
+    world.Barrier()
+    del ring
+    gc.collect()
+else:  # the others drop theirs; rank 1 makes one call more, learns of it, and follows
+    if rank != 1:
+        del ring
+        gc.collect()
+    world.Barrier()
+    if rank == 1:
+        try:
+            ring.allreduce(np.ones(10))
+        except rr.CollectiveTimeoutError:
+            pass
+        del ring
+        gc.collect()
+world.Barrier()
+if rank != 1:
+    fresh = survivors.Dup()
+    status = MPI.Status()
+    for _ in range(200):
+        if fresh.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG, status):
+            print(f"rank {rank}: stray message from {status.Get_source()}, tag "
+                  f"{status.Get_tag()}", flush=True)
+            break
+        time.sleep(0.001)
+    fresh.Free()
+    os.environ["RINGREDUCE_SHM"] = "0"  # (the wire whose waits read departure notices)
+    with rr.Communicator(survivors, timeout=60) as after:
+        for i in range(8):
+            got = after.allreduce(np.full(100, float(i)))
+            assert np.all(got == 2 * i), got
+    print(f"rank {rank}: survived", flush=True)
+world.Barrier()
+"""
+
+
+@pytest.mark.parametrize("how", ["left", "followed"])
+def test_a_dropped_communicator_where_a_rank_left_leaves_no_message_to_a_later_one(tmp_path,
+                                                                                   how):
+    # Under MPI_THREAD_MULTIPLE MPICH frees a communicator with a message still
+    # unreceived, and hands it to the next communicator given the same context id. A
+    # Communicator on shared memory dropped unclosed freed its duplicate although a rank
+    # had left (its notice to this rank on its way over MPI messages), or was about to
+    # follow this rank's own drop, and tell it so: a Communicator made later over the
+    # survivors then read that notice, as from another process, and raised "rank 1 has
+    # left" on every call. (Depends on MPICH's choice of context ids: under another MPI,
+    # which may not reuse the id at once, it passes either way.)
+    done = run_script(tmp_path, "stray.py", STRAY_NOTICE, env={"RINGREDUCE_SHM": "1"},
+                      ranks=3, args=(how,), timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "stray message" not in done.stdout, done.stdout
+    for rank in (0, 2):
+        assert f"rank {rank}: survived" in done.stdout, done
+
+
 TIMED_OUT_ON_THE_OTHER = """
 import time
 import numpy as np
