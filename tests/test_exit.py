@@ -1551,3 +1551,87 @@ def test_a_sweep_that_leaves_its_communicators_runs_out_on_every_rank_saying_how
     assert len({trial for _, trial, _, _ in said}) == 1, said
     for _, trial, left, held in said:
         assert held == left and 0 < int(left) < int(trial), said
+
+
+CREATIONS_GIVEN_UP_THEN_A_SWEEP = """
+import os
+import re
+import signal
+import threading
+import numpy as np
+from mpi4py import MPI
+import ringreduce as rr
+from ringreduce import _core
+
+world = MPI.COMM_WORLD
+rank = world.Get_rank()
+side_a, side_b = world.Dup(), world.Dup()
+
+
+def make(comm, timeout, ctrl_c_after=None, pause=False):
+    if pause:  # held up before the agreement, which the others wait in
+        _core.set_creation_pause(1, 3)
+    if ctrl_c_after is not None:
+        threading.Timer(ctrl_c_after, os.kill, (os.getpid(), signal.SIGINT)).start()
+    try:
+        rr.Communicator(comm, timeout=timeout)
+    except BaseException as error:
+        print(f"rank {rank} gave up: {type(error).__name__}", flush=True)
+    else:
+        raise AssertionError(f"rank {rank} made it")
+
+
+# Each rank gives up making three Communicators, whose duplicates stay unfreed:
+# Ctrl-C on rank 1 in the agreement, where rank 0 waits for rank 2 (both learn of it
+# from rank 1's notice, rank 2 after its hold-up)...
+make(world, 20, ctrl_c_after=1 if rank == 1 else None, pause=rank == 2)
+world.Barrier()
+# ...then rank 0 alone, at its MPI_Comm_idup: stopped by a Ctrl-C on side_a, out of
+# time on side_b. The others complete those duplicates later, and give up in the
+# agreement, which rank 0 never joins.
+if rank == 0:
+    make(side_a, 20, ctrl_c_after=0.5)
+    make(side_b, 0.5)
+world.Barrier()
+if rank != 0:
+    make(side_a, 0.5)
+    make(side_b, 0.5)
+world.Barrier()
+
+left = 0
+for trial in range(100000):
+    try:
+        with rr.Communicator(timeout=60) as ring:
+            ring.allreduce(np.ones(4))
+            if trial % 3:
+                raise ValueError("pruned")
+    except ValueError:
+        left += 1
+    except rr.MPIError as error:
+        held = re.search(r"this process holds (\\d+) such", str(error))
+        print(f"rank {rank}: ran out having left {left}, the message says "
+              f"{held and held.group(1)}", flush=True)
+        break
+"""
+
+
+def test_a_creation_given_up_on_any_path_is_counted_once_among_the_duplicates_held(tmp_path):
+    # The count named when MPI runs out of communicators holds the duplicates of
+    # creations that gave up, once each: stopped by a Ctrl-C (the rank that was stopped
+    # and, told by its notice, those that waited with it), out of time at MPI_Comm_idup
+    # or at the agreement. Three on every rank here, besides the sweep's.
+    done = run_script(tmp_path, "given_up.py", CREATIONS_GIVEN_UP_THEN_A_SWEEP, ranks=3,
+                      abort_on_exception=False, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    gave_up = re.findall(r"rank (\d) gave up: (KeyboardInterrupt|CollectiveTimeoutError)",
+                         done.stdout)
+    assert sorted(gave_up) == sorted(
+        [("0", "CollectiveTimeoutError"), ("1", "KeyboardInterrupt"),
+         ("2", "CollectiveTimeoutError"), ("0", "KeyboardInterrupt"),
+         ("0", "CollectiveTimeoutError")] + [(r, "CollectiveTimeoutError") for r in "1122"]
+    ), done.stdout[-3000:]
+    said = re.findall(r"rank (\d): ran out having left (\d+), the message says (\d+|None)",
+                      done.stdout)
+    assert sorted(rank for rank, *_ in said) == ["0", "1", "2"], done.stdout[-3000:]
+    for _, left, held in said:
+        assert held != "None" and int(held) == int(left) + 3, said
