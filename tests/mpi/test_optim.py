@@ -4090,3 +4090,18 @@ def test_a_state_of_another_optimizer_is_refused_naming_what_it_holds():
         SGD([np.zeros(3)], lr=0.1, momentum=0.9).load_state_dict({})
     with pytest.raises(KeyError, match=r"\(it is a list: is it a"):
         SGD([np.zeros(3)], lr=0.1).load_state_dict([])
+
+
+def test_a_state_in_another_precision_for_16_bit_parameters_says_to_convert_to_float32():
+    # Adam keeps float16 parameters' moments in float32: converting a float64 state to
+    # the parameters' float16, as a hint naming their dtype would say, loses precision
+    # that the state kept. And a state without a setting names what it holds.
+    saved = Adam([np.ones(3)])
+    saved.step([np.full(3, 0.5)])
+    state = saved.state_dict()
+    with pytest.raises(ValueError, match=r"params\[0\] is \(3,\) float16 \(kept as float32\) "
+                                         r"\(.* convert state\['m'\]'s arrays to float32\)$"):
+        Adam([np.ones(3, np.float16)]).load_state_dict(state)
+    no_lr = {key: value for key, value in state.items() if key != "lr"}
+    with pytest.raises(KeyError, match=r"the state has no 'lr' \(it holds 'betas', .*'m', 'v': "):
+        Adam([np.ones(3)]).load_state_dict(no_lr)
