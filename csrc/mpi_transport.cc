@@ -44,8 +44,9 @@ std::vector<MPI_Request>& abandoned_duplicates() {
 
 // The duplicates this process will never free before MPI_Finalize: those of the
 // Communicators it left, or on which another rank left (freeing one could hand stray
-// messages to a later communicator that gets its context id), and of those dropped
-// unclosed below MPI_THREAD_MULTIPLE. Named when MPI runs out of communicators.
+// messages to a later communicator that gets its context id), of those dropped
+// unclosed below MPI_THREAD_MULTIPLE, and of creations given up at MPI_Comm_idup once
+// the late ranks completed them. Named when MPI runs out of communicators.
 std::atomic<int64_t> unfreed_duplicates{0};
 
 void abandon_duplicate(MPI_Request request) {
@@ -135,6 +136,8 @@ void finish_abandoned_duplicates() {
   for (size_t i = 0; i < requests.size();) {
     int done = 0;
     if (MPI_Test(&requests[i], &done, MPI_STATUS_IGNORE) == MPI_SUCCESS && done) {
+      // Counted only now: a duplicate whose late ranks never come was never made.
+      ++unfreed_duplicates;
       requests.erase(requests.begin() + static_cast<std::ptrdiff_t>(i));
     } else {
       ++i;
@@ -200,8 +203,8 @@ MpiTransport::MpiTransport(MPI_Comm user_comm, double timeout_s,
         "until close(), and one left by an exception in its `with` block, or after an "
         "error or a timeout in a call, until MPI_Finalize" +
         (unfreed > 0 ? "; this process holds " + std::to_string(unfreed) +
-                           " such, left, dropped unclosed below MPI_THREAD_MULTIPLE, or "
-                           "dropped after another rank left"
+                           " such, left, given up while being made, dropped unclosed "
+                           "below MPI_THREAD_MULTIPLE, or dropped after another rank left"
                      : std::string()) +
         ". In a loop, catch an exception that every rank raises inside the `with` block, "
         "so that the block ends and closes its Communicator)");
@@ -219,12 +222,10 @@ MpiTransport::MpiTransport(MPI_Comm user_comm, double timeout_s,
     throw with_hint(e);
   } catch (...) {
     abandon_duplicate(request);
-    ++unfreed_duplicates;
     throw;
   }
   if (!done) {
     abandon_duplicate(request);
-    ++unfreed_duplicates;
     throw TimeoutError(creation_timeout_text(
         "This rank's MPI_Comm_idup stays pending on the communicator passed, where a rank "
         "that comes late completes it; if one never comes, further collectives on that "
