@@ -479,6 +479,12 @@ DepartureNote ShmChannel::note_of_word(int r, uint64_t word) {
 
 void ShmChannel::leave(const DepartureNote& note) {
   __atomic_store_n(my_departure_, departure_word(note), __ATOMIC_RELEASE);
+  // Each rank that leaves (or drops its Communicator) reads the others' words next (see
+  // RingCommunicator::depart() and ~RingCommunicator): without a full fence, the store
+  // may wait in this core's store buffer past those loads (x86 does that), and two ranks
+  // leaving at once could each miss the other's word; one would then send a notice that
+  // the other, freeing its duplicate, hands to a later communicator.
+  __atomic_thread_fence(__ATOMIC_SEQ_CST);
 }
 
 bool ShmChannel::can_send() const {
