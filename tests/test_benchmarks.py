@@ -3,6 +3,7 @@ output holds what docs/performance.md is made from. Speed is not checked here: i
 measured by running the benchmarks on purpose, never asserted in a test."""
 import importlib.util
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -380,7 +381,10 @@ run 300 240 0
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     incomplete = "(stopped at the budget of 300 s: this table is incomplete)"
-    assert done.stdout.split("\n") == [
+    # (55 s left, or 54 where bash's clock ticked between the two cap()s of a step: seen
+    # once in CI on a loaded machine.)
+    lines = [re.sub(r"^limit 54$", "limit 55", line) for line in done.stdout.split("\n")]
+    assert lines == [
         "limit 55", incomplete, "ok",
         "limit 55", incomplete, "ok",
         "limit 200", "failed",
