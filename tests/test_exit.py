@@ -457,26 +457,18 @@ print(f"made 2100, at most {mib} MiB\\n", end="", flush=True)
 """
 
 
-def test_communicators_dropped_unclosed_over_mpi_are_freed_once_every_rank_drops_them(
-        tmp_path):
-    # Kept for their close at exit, they held their MPI communicators (the loop ran out
-    # at 2046) and receive slots (16 MiB each here) until the exit.
-    done = run_script(tmp_path, "dropped.py", DROPPED_IN_A_LOOP, env={"RINGREDUCE_SHM": "0"},
-                      timeout=300)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.count("made 2100") == 2, done
-    assert all(int(mib) < 1000 for mib in re.findall(r"at most (\d+) MiB", done.stdout)), done
-
-
-def test_communicators_dropped_unclosed_on_shared_memory_are_freed_by_the_last_rank_to_drop(
-        tmp_path):
-    # A rank that drops its Communicator sees the ranks that dropped theirs before it as
-    # Unclosed on shared memory: those sent no notice, so its duplicate is freed. Were it
-    # kept as after a departure, the loop would run out of MPI communicators (at 2046).
-    done = run_script(tmp_path, "dropped.py", DROPPED_IN_A_LOOP, env={"RINGREDUCE_SHM": "1"},
+@pytest.mark.parametrize("shm", ["0", "1"], ids=["MPI", "shared memory"])
+def test_communicators_dropped_unclosed_in_a_loop_are_freed(tmp_path, shm):
+    # Over MPI messages: kept for their close at exit, they held their MPI communicators
+    # (the loop ran out at 2046) and receive slots (16 MiB each here) until the exit.
+    # On shared memory: a rank that drops its Communicator sees the ranks that dropped
+    # theirs before it as Unclosed there: those sent no notice, so its duplicate is
+    # freed. Were it kept as after a departure, the loop would run out (at 2046).
+    done = run_script(tmp_path, "dropped.py", DROPPED_IN_A_LOOP, env={"RINGREDUCE_SHM": shm},
                       timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.count("made 2100") == 2, done
+    assert all(int(mib) < 1000 for mib in re.findall(r"at most (\d+) MiB", done.stdout)), done
 
 
 DROPPED_THEN_FAILED = """
