@@ -233,19 +233,28 @@ MpiTransport::MpiTransport(MPI_Comm user_comm, double timeout_s,
   }
   comm_ = *duplicate;
   delete duplicate;
-  // Errors come back as return codes, which we turn into exceptions with MPI's text,
-  // rather than aborting the job from inside MPI.
-  check(MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN), "MPI_Comm_set_errhandler");
-  int* tag_ub = nullptr;
-  int found = 0;
-  check(MPI_Comm_get_attr(comm_, MPI_TAG_UB, &tag_ub, &found), "MPI_Comm_get_attr(MPI_TAG_UB)");
-  if (found && tag_ub) tag_ub_ = *tag_ub;
-  check(MPI_Comm_set_name(comm_, "ringreduce"), "MPI_Comm_set_name");
-  // Every rank has its duplicate, and knows that every rank means to go on, before
-  // anything is made on it.
-  if (size_ > 1 || !refusal.empty()) {
-    begin_creation_step();
-    agree_to_create(refusal);
+  try {
+    // Errors come back as return codes, which we turn into exceptions with MPI's text,
+    // rather than aborting the job from inside MPI.
+    check(MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN), "MPI_Comm_set_errhandler");
+    int* tag_ub = nullptr;
+    int found = 0;
+    check(MPI_Comm_get_attr(comm_, MPI_TAG_UB, &tag_ub, &found),
+          "MPI_Comm_get_attr(MPI_TAG_UB)");
+    if (found && tag_ub) tag_ub_ = *tag_ub;
+    check(MPI_Comm_set_name(comm_, "ringreduce"), "MPI_Comm_set_name");
+    // Every rank has its duplicate, and knows that every rank means to go on, before
+    // anything is made on it.
+    if (size_ > 1 || !refusal.empty()) {
+      begin_creation_step();
+      agree_to_create(refusal);
+    }
+  } catch (...) {
+    // A constructor that throws runs no destructor: a duplicate still held here (an MPI
+    // call above failed; the agreement's own ways out free or forget it) is left to
+    // MPI_Finalize, as freeing is collective, and counted among those the hint names.
+    forget_duplicate();
+    throw;
   }
 }
 
