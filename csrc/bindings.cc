@@ -1938,6 +1938,9 @@ PYBIND11_MODULE(_core, m) {
     MPI_Finalized(&finalized);
     if (!finalized) finish_abandoned_duplicates();
   }, "completes what creations that gave up left pending, where late ranks came since");
+  m.def("unfreed_duplicate_count", &unfreed_duplicate_count,
+        "how many duplicates this process leaves to MPI_Finalize (the count the "
+        "out-of-communicators hint names); for tests");
 
   py::class_<RunningLock, std::shared_ptr<RunningLock>>(
       m, "RunningLock", "held while the core runs a collective (csrc/call_queue.h); an RLock's API")

@@ -145,6 +145,8 @@ void finish_abandoned_duplicates() {
   }
 }
 
+int64_t unfreed_duplicate_count() { return unfreed_duplicates.load(); }
+
 void check_mpi(int rc, const char* call, int rank) {
   if (rc == MPI_SUCCESS) return;
   char text[MPI_MAX_ERROR_STRING] = {0};

@@ -25,6 +25,11 @@ void check_mpi(int rc, const char* call, int rank);
 // exit before MPI is finalised.
 void finish_abandoned_duplicates();
 
+// How many duplicates this process holds unfreed until MPI_Finalize (left, given up
+// while being made, dropped unclosed below MPI_THREAD_MULTIPLE, or dropped after
+// another rank left): the count the out-of-communicators hint names.
+int64_t unfreed_duplicate_count();
+
 // From now on, a Communicator being made in this process on any thread but this one
 // stops at its next wait, and one begun later at once, with StoppedError. At exit: a
 // daemon thread making one (waiting for ranks that never come) would otherwise be
