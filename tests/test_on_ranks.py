@@ -28,11 +28,13 @@ MODULES = {  # module -> timeout in seconds at 4 oversubscribed ranks on 2 cores
     "test_random_sequences.py": 300,  # seeded random mixes of every call, against the reference
     "test_fast_vs_general.py": 180,  # the core's FastPath against the general path, fuzzed
     "test_many_ranks.py": 300,  # a short pass over every call, for 16 and 32 ranks below
+    "test_subgroups.py": 180,  # row and column Communicators of a grid, alive at once
 }
 
 
 DATA_MODULES = ["test_allreduce.py", "test_async.py", "test_collectives.py", "test_sim.py",
-                "test_device_ring.py", "test_random_sequences.py", "test_fast_vs_general.py"]
+                "test_device_ring.py", "test_random_sequences.py", "test_fast_vs_general.py",
+                "test_subgroups.py"]
 
 
 @pytest.mark.parametrize("ranks", [1, 2, 3, 4])
