@@ -322,6 +322,32 @@ def reject_not_an_array(x, argument: str, context: str, why: str) -> None:
                         f"but {why}; pass a 0-d array (np.array(value))")
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
         raise TypeError(f"{context}: {argument} is a {type(x).__name__}, not an array")
+    reject_foreign_array(x, argument, context, why)
+
+
+def reject_foreign_array(x, argument: str, context: str, why: str) -> None:
+    """Refuses another library's array on the host (a torch tensor, say) where it would
+    be written into: it has a shape and a dtype, but neither numpy's memory nor a GPU
+    pointer, and its dtype is not numpy's (a torch.float32 never equals np.float32)."""
+    if isinstance(x, (np.ndarray, np.generic)) or hasattr(x, "__cuda_array_interface__"):
+        return
+    raise TypeError(f"{context}: {argument} is a {qualified_type_name(x)}, not a numpy "
+                    f"array or a GPU array, and {why}" + foreign_array_hint(x))
+
+
+def qualified_type_name(x) -> str:
+    module = type(x).__module__
+    name = type(x).__qualname__
+    return name if module in ("builtins", "numpy") else f"{module.partition('.')[0]}.{name}"
+
+
+def foreign_array_hint(x) -> str:
+    """How to pass an array of another library that ringreduce is to write into."""
+    if type(x).__module__.partition(".")[0] == "torch" and hasattr(x, "numpy"):
+        return ("; a tensor on the CPU has a numpy array over its own memory, which "
+                "ringreduce writes into: t.numpy() (t.detach().numpy() where it requires "
+                "grad)")
+    return ""
 
 
 def reject_masked(x, argument: str, context: str) -> None:
@@ -349,7 +375,8 @@ def check_out(out, shape: tuple, dtype: np.dtype, context: str, array_type=np.nd
     are known only later)."""
     if not isinstance(out, array_type):
         reject_mpi_buffer_forms(out, "out", context)
-        raise TypeError(f"{context}: out must be a {type_name}, got {type(out).__name__}")
+        raise TypeError(f"{context}: out must be a {type_name}, got "
+                        f"{qualified_type_name(out)}" + foreign_array_hint(out))
     if isinstance(out, np.ma.MaskedArray) and np.ma.is_masked(out):
         # Its data would be written, and the mask kept: results hidden where it masks.
         raise TypeError(f"{context}: out is a masked array with masked elements, under "

@@ -1672,9 +1672,10 @@ class Communicator:
             t.reject_not_an_array(x, "x", context, "broadcast works in place")
         if not isinstance(x, np.ndarray):
             raise TypeError(f"{context}: x must be a numpy.ndarray or a GPU array (broadcast "
-                            f"works in place), got {type(x).__name__}"
+                            f"works in place), got {t.qualified_type_name(x)}"
                             + ("; np.frombuffer(x, np.uint8) is a writeable array over its "
-                               "bytes" if isinstance(x, (bytearray, memoryview)) else ""))
+                               "bytes" if isinstance(x, (bytearray, memoryview))
+                               else t.foreign_array_hint(x)))
         t.reject_masked(x, "x", context)
         if not x.dtype.isnative:
             raise TypeError(f"{context}: x has non-native byte order ({x.dtype}); "

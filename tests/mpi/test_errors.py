@@ -900,6 +900,18 @@ class _GpuArrayWithoutAGpu:
                                 "version": 3}
 
 
+class Tensor:
+    """What a torch tensor on the CPU shows ringreduce: a shape, a dtype of its own and
+    .numpy(), from torch's module (no torch here to make a real one)."""
+    __module__ = "torch"
+
+    def __init__(self, n):
+        self.shape, self.dtype = (n,), "torch.float64"
+
+    def numpy(self):
+        raise AssertionError("ringreduce must not convert it: it would write into a copy")
+
+
 def _read_only(a):
     a.flags.writeable = False
     return a
@@ -937,6 +949,10 @@ _BAD_ARGUMENTS = {
                                TypeError, r"out has dtype float32, expected float64"),
     "out not an ndarray": (_ALL, lambda n: (np.ones(8), {"out": [0.0] * n}), TypeError,
                            r"out must be a numpy.ndarray, got list"),
+    "out a torch tensor": (_ALL, lambda n: (np.ones(8), {"out": Tensor(n)}), TypeError,
+                           r"out must be a numpy.ndarray, got torch.Tensor; a tensor on the "
+                           r"CPU has a numpy array over its own memory, which ringreduce "
+                           r"writes into: t.numpy\(\)"),
     # (allgather's rows are the ranks' agreement: a wrong number is a MismatchError on
     # every rank, tested above; rows of the wrong shape are this rank's own error.)
     "out of the wrong shape": (_REDUCTIONS, lambda n: (np.ones(8), {"out": np.ones(n + 1)}),
@@ -990,6 +1006,8 @@ def test_every_broadcast_argument_error_names_the_call_the_argument_the_value_an
              ((np.ones(3),), {"root": "0"}, TypeError, r"root must be an int, got str"),
              ((np.ones(3, ">f4"),), {}, TypeError, r"x has non-native byte order \(>f4\)"),
              (([1.0],), {}, TypeError, r"x must be a numpy.ndarray .*got list"),
+             ((Tensor(3),), {}, TypeError, r"x must be a numpy.ndarray .*got torch.Tensor; "
+              r"a tensor on the CPU has a numpy array over its own memory"),
              ((np.ones(3, object),), {}, TypeError, r"x has dtype object"),
              ((np.float64(1),), {}, TypeError, r"x is a numpy scalar \(float64\), but "
               r"broadcast works in place; pass a 0-d array"),

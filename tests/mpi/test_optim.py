@@ -2718,8 +2718,10 @@ class _ArrayLike:
 @needs_two
 @pytest.mark.parametrize("where", ["allreduce_gradients", "DistributedOptimizer"])
 def test_an_array_like_on_one_rank_is_rejected_on_every_rank(where):
-    # An AttributeError, not a TypeError or ValueError: it too joins the agreement.
-    with raises_here_or_mismatch(AttributeError, "_ArrayLike|'str' object",
+    # Refused by name on that rank (before, an AttributeError from deep inside), and
+    # the others learn of it in the agreement.
+    with raises_here_or_mismatch(TypeError, r"\[0\] is a test_optim._ArrayLike, not a "
+                                 "numpy array or a GPU array",
                                  rf"rank {BAD} rejected its arguments"):
         if where == "allreduce_gradients":
             rr.allreduce_gradients([_ArrayLike(3) if RANK == BAD else np.ones(3)])
@@ -2728,6 +2730,34 @@ def test_an_array_like_on_one_rank_is_rejected_on_every_rank(where):
             if RANK == BAD:
                 optimizer.params = [_ArrayLike(3)]
             DistributedOptimizer(optimizer)
+    np.testing.assert_array_equal(rr.allreduce(np.ones(2)), np.full(2, float(SIZE)))
+
+
+class Tensor:
+    """A torch tensor on the CPU as ringreduce sees one (no torch here)."""
+    __module__ = "torch"
+
+    def __init__(self, n):
+        self.shape, self.dtype = (n,), "torch.float32"
+
+    def numpy(self):
+        raise AssertionError("converted: updates would go into a copy")
+
+
+@pytest.mark.parametrize("where", ["allreduce_gradients", "SGD params", "step grads"])
+def test_a_torch_tensor_is_refused_by_name_with_its_numpy_view_as_the_remedy(where):
+    # Before: an AttributeError from its dtype, an error from adding its .size method,
+    # or "grads[0] has dtype torch.float32, but params[0] has dtype float32".
+    with pytest.raises(TypeError, match=r"(grads|params)\[0\] is a torch.Tensor, not a numpy "
+                       r"array or a GPU array, and .*; a tensor on the CPU has a numpy array "
+                       r"over its own memory, which ringreduce writes into: t.numpy\(\) "
+                       r"\(t.detach\(\).numpy\(\) where it requires grad\)"):
+        if where == "allreduce_gradients":
+            rr.allreduce_gradients([Tensor(3)])
+        elif where == "SGD params":
+            SGD([Tensor(3)], lr=0.1)
+        else:
+            DistributedOptimizer(SGD([np.zeros(3, np.float32)], lr=0.1)).step([Tensor(3)])
     np.testing.assert_array_equal(rr.allreduce(np.ones(2)), np.full(2, float(SIZE)))
 
 
