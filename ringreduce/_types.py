@@ -344,9 +344,8 @@ def qualified_type_name(x) -> str:
 def foreign_array_hint(x) -> str:
     """How to pass an array of another library that ringreduce is to write into."""
     if type(x).__module__.partition(".")[0] == "torch" and hasattr(x, "numpy"):
-        return ("; a tensor on the CPU has a numpy array over its own memory, which "
-                "ringreduce writes into: t.numpy() (t.detach().numpy() where it requires "
-                "grad)")
+        return ("; a tensor on the CPU has a numpy array over its own memory, to pass "
+                "instead: t.numpy() (t.detach().numpy() where it requires grad)")
     return ""
 
 

@@ -132,8 +132,7 @@ def _check_grad(i, g, p, who):
         raise TypeError(f"{who}: grads[{i}] is a {type(g).__name__}, not an array")
     # (A torch tensor would be refused below for its dtype, torch.float32 being no
     # float32 of numpy's: a confusing reason.)
-    _types.reject_foreign_array(g, f"grads[{i}]", who, "gradients are reduced as arrays "
-                                "of numpy or a GPU")
+    _types.reject_foreign_array(g, f"grads[{i}]", who, "a step takes those")
     _types.reject_masked(g, f"grads[{i}]", who)  # (its data would be reduced, masked or not)
     if g.shape != p.shape:
         raise ValueError(f"{who}: grads[{i}] has shape {g.shape}, but "

@@ -951,8 +951,8 @@ _BAD_ARGUMENTS = {
                            r"out must be a numpy.ndarray, got list"),
     "out a torch tensor": (_ALL, lambda n: (np.ones(8), {"out": Tensor(n)}), TypeError,
                            r"out must be a numpy.ndarray, got torch.Tensor; a tensor on the "
-                           r"CPU has a numpy array over its own memory, which ringreduce "
-                           r"writes into: t.numpy\(\)"),
+                           r"CPU has a numpy array over its own memory, to pass instead: "
+                           r"t.numpy\(\)"),
     # (allgather's rows are the ranks' agreement: a wrong number is a MismatchError on
     # every rank, tested above; rows of the wrong shape are this rank's own error.)
     "out of the wrong shape": (_REDUCTIONS, lambda n: (np.ones(8), {"out": np.ones(n + 1)}),

@@ -2750,7 +2750,7 @@ def test_a_torch_tensor_is_refused_by_name_with_its_numpy_view_as_the_remedy(whe
     # or "grads[0] has dtype torch.float32, but params[0] has dtype float32".
     with pytest.raises(TypeError, match=r"(grads|params)\[0\] is a torch.Tensor, not a numpy "
                        r"array or a GPU array, and .*; a tensor on the CPU has a numpy array "
-                       r"over its own memory, which ringreduce writes into: t.numpy\(\) "
+                       r"over its own memory, to pass instead: t.numpy\(\) "
                        r"\(t.detach\(\).numpy\(\) where it requires grad\)"):
         if where == "allreduce_gradients":
             rr.allreduce_gradients([Tensor(3)])
