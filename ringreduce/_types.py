@@ -247,8 +247,19 @@ def as_input_array(x, argument: str, context: str) -> np.ndarray:
     try:
         array = np.asarray(x)
     except Exception as error:  # e.g. ragged nested lists
-        raise TypeError(f"{context}: {argument} cannot be read as an array: {error}") from None
+        raise TypeError(f"{context}: {argument} cannot be read as an array: {error}"
+                        + torch_bfloat16_hint(x)) from None
     return array
+
+
+def torch_bfloat16_hint(x) -> str:
+    # numpy has no bfloat16 of its own, so torch will not make a numpy array of one;
+    # ml_dtypes' is the one ringreduce reduces, over the tensor's own bits.
+    if (type(x).__module__.partition(".")[0] == "torch"
+            and str(getattr(x, "dtype", "")) == "torch.bfloat16"):
+        return ("; a bfloat16 tensor on the CPU reads as ml_dtypes' bfloat16, over its own "
+                "memory: t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)")
+    return ""
 
 
 def reject_mpi_buffer_forms(x, argument: str, context: str) -> None:
@@ -344,8 +355,9 @@ def qualified_type_name(x) -> str:
 def foreign_array_hint(x) -> str:
     """How to pass an array of another library that ringreduce is to write into."""
     if type(x).__module__.partition(".")[0] == "torch" and hasattr(x, "numpy"):
-        return ("; a tensor on the CPU has a numpy array over its own memory, to pass "
-                "instead: t.numpy() (t.detach().numpy() where it requires grad)")
+        return torch_bfloat16_hint(x) or (
+            "; a tensor on the CPU has a numpy array over its own memory, to pass "
+            "instead: t.numpy() (t.detach().numpy() where it requires grad)")
     return ""
 
 

@@ -905,11 +905,16 @@ class Tensor:
     .numpy(), from torch's module (no torch here to make a real one)."""
     __module__ = "torch"
 
-    def __init__(self, n):
-        self.shape, self.dtype = (n,), "torch.float64"
+    def __init__(self, n, dtype="torch.float64"):
+        self.shape, self.dtype = (n,), dtype
 
     def numpy(self):
         raise AssertionError("ringreduce must not convert it: it would write into a copy")
+
+    def __array__(self, dtype=None, copy=None):  # (what torch's says of a bfloat16 one)
+        if self.dtype == "torch.bfloat16":
+            raise TypeError("Got unsupported ScalarType BFloat16")
+        return np.ones(self.shape)
 
 
 def _read_only(a):
@@ -953,6 +958,14 @@ _BAD_ARGUMENTS = {
                            r"out must be a numpy.ndarray, got torch.Tensor; a tensor on the "
                            r"CPU has a numpy array over its own memory, to pass instead: "
                            r"t.numpy\(\)"),
+    "x a bfloat16 torch tensor": (_ALL, lambda n: (Tensor(8, "torch.bfloat16"), {}), TypeError,
+                                  r"x cannot be read as an array: Got unsupported ScalarType "
+                                  r"BFloat16; a bfloat16 tensor on the CPU reads as ml_dtypes' "
+                                  r"bfloat16, over its own memory: t.view\(torch.int16\)"),
+    "out a bfloat16 torch tensor": (_ALL,
+                                    lambda n: (np.ones(8), {"out": Tensor(n, "torch.bfloat16")}),
+                                    TypeError, r"got torch.Tensor; a bfloat16 tensor on the "
+                                    r"CPU reads as ml_dtypes' bfloat16"),
     # (allgather's rows are the ranks' agreement: a wrong number is a MismatchError on
     # every rank, tested above; rows of the wrong shape are this rank's own error.)
     "out of the wrong shape": (_REDUCTIONS, lambda n: (np.ones(8), {"out": np.ones(n + 1)}),
