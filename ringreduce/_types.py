@@ -338,8 +338,9 @@ def reject_not_an_array(x, argument: str, context: str, why: str) -> None:
 
 def reject_foreign_array(x, argument: str, context: str, why: str) -> None:
     """Refuses another library's array on the host (a torch tensor, say) where it would
-    be written into: it has a shape and a dtype, but neither numpy's memory nor a GPU
-    pointer, and its dtype is not numpy's (a torch.float32 never equals np.float32)."""
+    be written into, or read as a parameter's gradient: it has a shape and a dtype, but
+    neither numpy's memory nor a GPU pointer, and its dtype may not be numpy's (a
+    torch.float32 never equals np.float32)."""
     if isinstance(x, (np.ndarray, np.generic)) or hasattr(x, "__cuda_array_interface__"):
         return
     raise TypeError(f"{context}: {argument} is a {qualified_type_name(x)}, not a numpy "
