@@ -1782,6 +1782,9 @@ PYBIND11_MODULE(_core, m) {
   m.def("set_creation_pause", &set_creation_pause, py::arg("step"), py::arg("seconds"),
         "tests: the next Communicator made here pauses before step `step` of its making "
         "after the duplicate (1: the agreement; 2, 3: the shared-memory wire's exchanges)");
+  m.def("set_departure_notice_pause", &set_departure_notice_pause, py::arg("seconds"),
+        "tests: the next departure notices this process sends over MPI messages wait this "
+        "long first (0: none)");
   m.def("mpi_cuda_aware", &mpi_is_cuda_aware,
         "whether device pointers go to MPI directly (RINGREDUCE_CUDA_AWARE, else MPI's answer)");
   m.def("mpi_cuda_aware_reason", &mpi_cuda_aware_reason);

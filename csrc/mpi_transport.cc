@@ -91,6 +91,7 @@ bool creation_stopped_on_this_thread() {
 
 std::atomic<int> creation_pause_step{0};
 std::atomic<double> creation_pause_s{0};
+std::atomic<double> departure_notice_pause_s{0};  // see set_departure_notice_pause()
 
 }  // namespace
 
@@ -111,6 +112,8 @@ void set_creation_pause(int step, double seconds) {
   creation_pause_s = seconds;
   creation_pause_step = step;
 }
+
+void set_departure_notice_pause(double seconds) { departure_notice_pause_s = seconds; }
 
 void stop_creations_on_other_threads(const std::string& why) {
   {
@@ -268,9 +271,9 @@ void MpiTransport::wait_in_creation(MPI_Request* request, const char* call, LetG
   // then blamed a rank that skipped the making. So a rank stopped here tells them on
   // the duplicate, as a rank that leaves a call does; its notice holds up every step
   // of the making and every call after it (completed -1), on ranks that made theirs
-  // before it came too (over MPI messages: over shared memory such a rank, which made
-  // its Communicator just before the notice came, learns of it only at its first
-  // call's timeout). A creation stopped at exit (or at MPI.Finalize()) says Ended: the
+  // before it came too: the waits of their first call read it, over either wire (the
+  // shared-memory wire's at most every ShmChannel::kNoticeCheckEvery, through its
+  // also_check()). A creation stopped at exit (or at MPI.Finalize()) says Ended: the
   // others then make no new Communicator that waits for this process.
   const auto leave_creation = [&](Departure why) {
     DepartureNote note;
@@ -579,6 +582,17 @@ void MpiTransport::leave(const DepartureNote& note) {
   }
   std::set<int> gone = stopped_;
   for (const DepartureNote& known : departures_) gone.insert(known.rank);
+  if (const double pause = departure_notice_pause_s.exchange(0); pause > 0) {
+    // Driving MPI meanwhile, as a rank whose notices are merely slow would: a
+    // collective this rank has joined (a step of the making) may need it to progress
+    // before it completes on the others.
+    const auto until = std::chrono::steady_clock::now() + std::chrono::duration<double>(pause);
+    while (std::chrono::steady_clock::now() < until) {
+      int flag = 0;
+      MPI_Iprobe(MPI_ANY_SOURCE, MPI_ANY_TAG, comm_, &flag, MPI_STATUS_IGNORE);
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+  }
   for (int r = 0; r < size_; ++r) {
     if (r == rank_ || gone.count(r)) continue;
     MPI_Request request = MPI_REQUEST_NULL;

@@ -51,6 +51,9 @@ inline constexpr const char* kEndedAdvice =
 // `step` of its making after the duplicate (1: the agreement that every rank goes on;
 // 2, 3: the shared-memory wire's two exchanges), as a rank held up there would; 0: none.
 void set_creation_pause(int step, double seconds);
+// Tests: the next departure notices this process sends over MPI messages (leave(): to
+// every rank at once) wait this long first, as notices slow on their way would; 0: none.
+void set_departure_notice_pause(double seconds);
 
 class MpiTransport final : public Transport {
  public:

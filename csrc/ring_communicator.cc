@@ -166,7 +166,12 @@ RingCommunicator::RingCommunicator(MPI_Comm user_comm, double timeout_s,
     const int position = ring_position(rank());
     transport_->set_neighbours(rank_at((position + p - 1) % p), rank_at((position + 1) % p));
   }
-  if (shm_) transport_->also_check([channel = shm_.get()] { channel->check_alive(); });
+  if (shm_) {
+    // Each wire's waits also look at what only the other one sees: killed processes,
+    // and departure notices sent as MPI messages (by a rank stopped while making it).
+    transport_->also_check([channel = shm_.get()] { channel->check_alive(); });
+    shm_->also_check([transport = transport_.get()] { transport->check_notices(); });
+  }
   inline_capacity_ = inline_capacity_for(p, shm_ != nullptr);
   broadcast_inline_capacity_ = shm_ ? board_payload : inline_capacity_;
   if (!shm_) {
@@ -511,8 +516,10 @@ RingCommunicator::~RingCommunicator() {
         transport_->forget_duplicate();
     }
   }
-  // (shm_ goes before transport_, which must not look into it then.)
+  // (shm_ goes before transport_, which must not look into it then; nor, though
+  // nothing waits on it any more, does shm_ look into transport_.)
   transport_->also_check(nullptr);
+  if (shm_) shm_->also_check(nullptr);
   if (!departed_) {
     // GPU buffers freed with our GPU current: freed as members, on a thread without a
     // CUDA context (the garbage collector's), they would make one on GPU 0.

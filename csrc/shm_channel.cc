@@ -397,6 +397,13 @@ void ShmChannel::look_around() const {
     MPI_Iprobe(MPI_ANY_SOURCE, MPI_ANY_TAG, comm_, &flag, MPI_STATUS_IGNORE);
   check_departures();
   check_alive();
+  if (also_check_) {
+    const auto now = std::chrono::steady_clock::now();
+    if (now >= next_notice_check_) {
+      next_notice_check_ = now + kNoticeCheckEvery;
+      also_check_();
+    }
+  }
 }
 
 bool process_ended(pid_t pid) {

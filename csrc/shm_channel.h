@@ -22,6 +22,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -111,6 +112,14 @@ class ShmChannel {
   // Throws TimeoutError if a rank that holds up the current exchange has left, and
   // StoppedError once the StopRequest given to create() says so.
   void check_departures() const;
+  // What the waits' look_around() also runs, at most every kNoticeCheckEvery: the MPI
+  // wire's look for departure notices (MpiTransport::check_notices()). A rank stopped
+  // while making the Communicator tells the others over MPI messages only (it has no
+  // channel), and one that made its Communicator before that notice came would
+  // otherwise wait for it on shared memory for the whole timeout. Runs on the thread of
+  // the call that waits, which may call MPI. Clear it (nullptr) before the check's
+  // objects go.
+  void also_check(std::function<void()> check) { also_check_ = std::move(check); }
   // Of the other ranks' departures so far that hold up `exchange` (kAnyExchange: all),
   // the one that tells best where things went wrong (DepartureNote::prefer); rank -1 if
   // none.
@@ -131,10 +140,11 @@ class ShmChannel {
  private:
   ShmChannel() = default;
   // What a wait does now and then (StallTimer::expired): drives MPI, then checks for
-  // departures. Open MPI finishes a large send only once the receiving process calls
-  // into MPI again (the rendezvous' last acknowledgement can sit in its queue): a rank
-  // that waits here, on shared memory alone, after an MPI-wire call would leave the
-  // neighbour that sent to it waiting in that call forever.
+  // departures (also those told over MPI messages: also_check()). Open MPI finishes a
+  // large send only once the receiving process calls into MPI again (the rendezvous'
+  // last acknowledgement can sit in its queue): a rank that waits here, on shared
+  // memory alone, after an MPI-wire call would leave the neighbour that sent to it
+  // waiting in that call forever.
   void look_around() const;
 
   // Two boards per rank, used by alternate exchanges: before a rank may overwrite the
@@ -178,6 +188,10 @@ class ShmChannel {
   std::vector<pid_t> pids_;                   // each rank's process (check_alive())
   static constexpr std::chrono::milliseconds kAliveCheckEvery{200};
   mutable std::chrono::steady_clock::time_point next_alive_check_{};
+  std::function<void()> also_check_;  // (see also_check())
+  // An MPI_Iprobe each: cheap, but not every 256 idle turns of a short wait.
+  static constexpr std::chrono::milliseconds kNoticeCheckEvery{200};
+  mutable std::chrono::steady_clock::time_point next_notice_check_{};
   const StopRequest* stop_ = nullptr;
   uint64_t* my_departure_ = nullptr;
   int64_t exchange_ = 0;  // see set_exchange()

@@ -967,6 +967,71 @@ def test_ctrl_c_while_making_a_communicator_tells_the_other_ranks(tmp_path, step
         assert float(said[rank].split()[0]) < limit, said
 
 
+CTRL_C_JUST_AFTER_MAKING = """
+import os
+import signal
+import sys
+import threading
+import time
+import mpi4py
+mpi4py.rc.thread_level = sys.argv[2]
+from mpi4py import MPI
+import numpy as np
+import ringreduce as rr
+from ringreduce import _core
+
+rank = MPI.COMM_WORLD.Get_rank()
+if rank == 2:  # held up before the last step of the making, which rank 1 has joined
+    _core.set_creation_pause(3, 3)
+if rank == 1:  # Ctrl-C there, in that step; its notice reaches the others 6 s later
+    _core.set_departure_notice_pause(6)
+    threading.Timer(1, os.kill, (os.getpid(), signal.SIGINT)).start()
+start = time.monotonic()
+said = []
+try:
+    ring = rr.Communicator(timeout=20)
+    said.append(f"made it at {time.monotonic() - start:.1f} over {ring.transport}.")
+    ring.allreduce(np.ones(4))
+    said.append("the call went through")
+except BaseException as error:
+    said.append(f"{time.monotonic() - start:.1f} {type(error).__name__}: {error}")
+with open(os.path.join(sys.argv[1], f"rank{rank}"), "w") as told:  # (a file per rank)
+    told.write(" ".join(said))
+MPI.COMM_WORLD.Barrier()
+"""
+
+
+@pytest.mark.parametrize("level", ["multiple", "funneled"])
+def test_a_departure_told_after_the_making_stops_the_first_call_over_shared_memory(
+        tmp_path, level):
+    # Rank 1 is stopped (Ctrl-C) in the last step of the making, which it has joined, and
+    # its notice, an MPI message, comes only after ranks 0 and 2 have completed that step
+    # and made their Communicator over shared memory (the notice held back 6 s, as one
+    # slow on its way). Their first call waits on shared memory, which must read MPI
+    # notices too: they raise once the notice comes (at about 7 s), naming rank 1.
+    # Before, shared-memory waits read only departures written in shared memory, so
+    # they waited out the 20 s timeout (23 s in all), then blamed a rank that skipped
+    # the call. Under "funneled" the call runs on the main thread, else on the worker.
+    done = run_script(tmp_path, "ctrl_c_after_making.py", CTRL_C_JUST_AFTER_MAKING,
+                      args=(str(tmp_path), level), abort_on_exception=False, ranks=3,
+                      timeout=120)
+    assert done.returncode == 0, done
+    said = {rank: (tmp_path / f"rank{rank}").read_text() for rank in range(3)}
+    assert "KeyboardInterrupt" in said[1], said
+    for rank in (0, 2):
+        assert said[rank].startswith("made it at "), said  # before the notice came
+        assert "over shared memory. " in said[rank], said
+        failed = said[rank].split(". ", 1)[1]
+        assert "CollectiveTimeoutError" in failed, said
+        assert failed.split(": ", 1)[1].startswith(
+            f"ringreduce.allreduce (rank {rank} of 3): rank 1 has left this communicator"), said
+        assert float(failed.split()[0]) < 14, said  # (the broken behaviour: 23 s)
+    # The first of them to raise can only have read rank 1's notice (the other may have
+    # read, on shared memory, that the first left after rank 1, which is quicker).
+    assert any("rank 1 has left this communicator while the ranks were making it (Ctrl-C "
+               "there)" in said[rank] for rank in (0, 2)), said
+
+
 FORKED_CHILD = """
 import gc
 import mmap
