@@ -348,9 +348,12 @@ def reject_foreign_array(x, argument: str, context: str, why: str) -> None:
 
 
 def qualified_type_name(x) -> str:
+    # The whole module, as Python's repr of the class has it: torch.nn.Parameter's
+    # module is torch.nn.parameter, and its package with its name alone said
+    # "torch.Parameter", a class torch does not have.
     module = type(x).__module__
     name = type(x).__qualname__
-    return name if module in ("builtins", "numpy") else f"{module.partition('.')[0]}.{name}"
+    return name if module in ("builtins", "numpy") else f"{module}.{name}"
 
 
 def foreign_array_hint(x) -> str:

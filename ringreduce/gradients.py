@@ -333,6 +333,11 @@ def allreduce_gradients(grads, op: str = "avg", comm=None, bucket_mb: float = 25
         layout = numpy_layout(grads)  # (None unless each is a plain, writeable array)
         if layout is None:
             for i, g in enumerate(grads):
+                if g is None:  # (a torch parameter's grad, where backward made none)
+                    raise TypeError(f"{where}: grads[{i}] is None: every rank reduces every "
+                                    "gradient of its list, in one order; for a parameter "
+                                    "this rank's batch did not use, give zeros; one that no "
+                                    "rank trains (frozen) stays out of the list on every rank")
                 _types.reject_not_an_array(g, f"grads[{i}]", where,
                                            "gradients are reduced in place")
                 if isinstance(g, np.ndarray) and not g.flags.writeable:

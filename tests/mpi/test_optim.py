@@ -2238,7 +2238,7 @@ def raises_here_or_mismatch(own_error, own_match, others_match):
 
 @needs_two
 @pytest.mark.parametrize("bad", ["read-only", "bucket_mb", "op", "not an array",
-                                 "numpy scalar", "one array", "None", "dict"])
+                                 "numpy scalar", "one array", "None", "a None", "dict"])
 def test_allreduce_gradients_with_a_bad_argument_on_one_rank_raises_on_every_rank(bad):
     # It used to raise there alone, before any call: the others' all-reduces paired with
     # that rank's next call (wrong numbers, then a wait to the timeout).
@@ -2259,6 +2259,8 @@ def test_allreduce_gradients_with_a_bad_argument_on_one_rank_raises_on_every_ran
             passed = grads[0]  # (its elements are numpy scalars)
         elif bad == "None":
             passed = None
+        elif bad == "a None":  # (a torch parameter's grad where backward made none)
+            grads[0] = None
         elif bad == "dict":  # (its keys were taken for gradients: "grads[0] is a str")
             passed = {"w": grads[0], "b": grads[1]}
         else:
@@ -2268,6 +2270,9 @@ def test_allreduce_gradients_with_a_bad_argument_on_one_rank_raises_on_every_ran
            "numpy scalar": r"grads\[0\] is a numpy scalar \(float64\)",
            "one array": r"grads must be a list of arrays .*, got ndarray; for one array",
            "None": "grads must be a list of arrays .*, got NoneType",
+           "a None": r"grads\[0\] is None: every rank reduces every gradient of its list, "
+                     r"in one order; for a parameter this rank's batch did not use, give "
+                     r"zeros; one that no rank trains \(frozen\) stays out of the list",
            "dict": r"grads must be a list of arrays \(one per parameter\), got a dict; pass "
                    r"its arrays in an order every rank shares"}[bad]
     own_error = ValueError if bad in ("read-only", "bucket_mb", "op") else TypeError
@@ -2759,6 +2764,19 @@ def test_a_torch_tensor_is_refused_by_name_with_its_numpy_view_as_the_remedy(whe
         else:
             DistributedOptimizer(SGD([np.zeros(3, np.float32)], lr=0.1)).step([Tensor(3)])
     np.testing.assert_array_equal(rr.allreduce(np.ones(2)), np.full(2, float(SIZE)))
+
+
+class Parameter(Tensor):
+    """A torch.nn.Parameter as ringreduce sees one: its class lives in torch.nn.parameter."""
+    __module__ = "torch.nn.parameter"
+
+
+def test_a_torch_parameter_is_named_by_its_whole_module():
+    # Before: "params[0] is a torch.Parameter", a class torch does not have (its
+    # package and its name, without the modules between).
+    with pytest.raises(TypeError, match=r"params\[0\] is a torch\.nn\.parameter\.Parameter, "
+                       r"not a numpy array .*: t\.numpy\(\) \(t\.detach\(\)\.numpy\(\) where"):
+        SGD([Parameter(3)], lr=0.1)
 
 
 @needs_two
