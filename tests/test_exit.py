@@ -981,6 +981,9 @@ import ringreduce as rr
 from ringreduce import _core
 
 rank = MPI.COMM_WORLD.Get_rank()
+# (Together first: the 1 s below must not be spent waiting for a rank slow to import,
+# which would stop rank 1 in an earlier step, or before it has its duplicate.)
+MPI.COMM_WORLD.Barrier()
 if rank == 2:  # held up before the last step of the making, which rank 1 has joined
     _core.set_creation_pause(3, 3)
 if rank == 1:  # Ctrl-C there, in that step; its notice reaches the others 6 s later
