@@ -928,6 +928,7 @@ import ringreduce as rr
 from ringreduce import _core
 
 rank = MPI.COMM_WORLD.Get_rank()
+MPI.COMM_WORLD.Barrier()  # (so that the 1 s below is not spent on a rank slow to import)
 if rank == 2:  # held up before a step of the making, which ranks 0 and 1 wait in
     _core.set_creation_pause(int(sys.argv[1]), 3)
 if rank == 1:  # Ctrl-C there, once it has joined that step
