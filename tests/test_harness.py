@@ -1,12 +1,15 @@
 """The harness itself: a failing rank aborts the job, a hang is killed on time, and
 jobs start the mpiexec they are told to."""
+import mmap
 import os
 import subprocess
+import sys
 import time
 
 import pytest
 
-from launch import mpiexec, run_on_ranks, run_script
+from launch import SHM, job_env, mpi_segments, mpiexec, remove_mpi_segments_left, \
+    run_on_ranks, run_script
 
 
 def test_a_failing_rank_aborts_the_job_quickly(tmp_path):
@@ -25,6 +28,36 @@ def test_a_hanging_job_is_killed_at_the_timeout(tmp_path):
     time.sleep(1)
     left = subprocess.run(["pgrep", "-f", "selfcheck_hang"], capture_output=True, text=True)
     assert left.stdout.strip() == "", f"processes left running: {left.stdout}"
+
+
+@pytest.mark.skipif(not (os.path.isdir(SHM) and os.path.isdir("/proc")),
+                    reason="needs /dev/shm and /proc")
+def test_mpi_shared_memory_left_by_a_killed_job_is_removed_but_not_a_live_ones(tmp_path):
+    # The suite's end removes MPI's files that its killed jobs left in /dev/shm (memory,
+    # until a restart), and none that a live process still maps. A job killed with
+    # SIGKILL leaves MPICH's; a file this process maps stands for a live job's.
+    before = mpi_segments()
+    killed = subprocess.run(
+        [mpiexec(), "-n", "2", sys.executable, "-c",
+         "import os, signal; from mpi4py import MPI; MPI.COMM_WORLD.Barrier(); "
+         "os.kill(os.getpid(), signal.SIGKILL)"],
+        capture_output=True, text=True, timeout=120, env=job_env())
+    assert killed.returncode != 0, killed
+    live_name = f"mpich_shm_ringreduce_test_{os.getpid()}"
+    with open(os.path.join(SHM, live_name), "w+b") as live:
+        live.truncate(4096)
+        with mmap.mmap(live.fileno(), 4096) as mapped:
+            mapped[0] = 1
+            left = mpi_segments() - before
+            removed = remove_mpi_segments_left(before)
+            assert live_name in left and live_name not in removed, (left, removed)
+            assert os.path.exists(os.path.join(SHM, live_name))
+    os.unlink(os.path.join(SHM, live_name))
+    killed_left = left - {live_name}
+    if not killed_left:
+        pytest.skip("the killed job left no shared memory of MPI's here (not MPICH's?)")
+    assert sorted(killed_left) == removed, (killed_left, removed)
+    assert not killed_left & mpi_segments()
 
 
 def test_the_mpiexec_named_by_ringreduce_mpiexec_starts_the_jobs(tmp_path, monkeypatch):
