@@ -55,7 +55,8 @@ def test_mpi_shared_memory_left_by_a_killed_job_is_removed_but_not_a_live_ones(t
     os.unlink(os.path.join(SHM, live_name))
     killed_left = left - {live_name}
     if not killed_left:
-        pytest.skip("the killed job left no shared memory of MPI's here (not MPICH's?)")
+        pytest.skip("the killed job left no shared memory of MPI's here (this MPI, or its "
+                    "mpiexec, removed it)")
     assert sorted(killed_left) == removed, (killed_left, removed)
     assert not killed_left & mpi_segments()
 
