@@ -16,7 +16,7 @@ from mpi4py import MPI
 
 import ringreduce as rr
 from ringreduce import _types, gradients, optim
-from ringreduce._core import CheckedCallsMismatch
+from ringreduce._core import CheckedCallsMismatch, pack_gradients as gradients_pack
 from ringreduce.compression import PowerSGD
 from ringreduce.optim import SGD, Adam, DistributedOptimizer
 
@@ -4153,3 +4153,75 @@ def test_a_state_in_another_precision_for_16_bit_parameters_says_to_convert_to_f
     no_lr = {key: value for key, value in state.items() if key != "lr"}
     with pytest.raises(KeyError, match=r"the state has no 'lr' \(it holds 'betas', .*'m', 'v': "):
         Adam([np.ones(3)]).load_state_dict(no_lr)
+
+
+@pytest.mark.parametrize("bucket_mb", [25.0, 1e-4])
+def test_step_with_gradients_of_every_form_updates_as_grad_ready_and_plain_sgd_do(
+        bucket_mb, monkeypatch):
+    # step(grads) packs each bucket of plain contiguous numpy gradients by one call into
+    # the core, checks plain numpy gradients of the parameters' layout at once
+    # (numpy_layout), and SGD skips its GPU and dtype look-ups for numpy parameters;
+    # anything else goes the way it went before. Gradients of every form, in buckets
+    # that pack and buckets that do not (bucket_mb=1e-4: about one parameter each),
+    # over steps in and outside no_sync(), must move the parameters exactly as
+    # grad_ready() does, and as plain SGD with the average.
+    shapes = [(3, 4), (), (0,), (5,), (2, 3, 2), (7,), (4, 4)]
+
+    class Subclass(np.ndarray):  # (not packed, nor taken by numpy_layout)
+        pass
+
+    def gradients(step, rank):
+        rng = np.random.default_rng(10 * step + rank)
+        grads = [rng.standard_normal(s) for s in shapes]
+        if step % 2:  # (else all plain and contiguous: every bucket packed)
+            frozen = grads[3].copy()
+            frozen.flags.writeable = False                    # read-only: packed
+            grads[3] = frozen
+            grads[5] = rng.standard_normal(14)[::2]           # strided: not packed
+            grads[6] = np.asfortranarray(grads[6].T)          # F-ordered: not packed
+            grads[0] = grads[0].view(Subclass)                # (packed, not a layout)
+        return grads
+
+    def average(step):
+        return [np.mean([np.asarray(gradients(step, r)[i]) for r in range(SIZE)], axis=0)
+                for i in range(len(shapes))]
+
+    packed = []
+    monkeypatch.setattr(optim, "pack_gradients",
+                        lambda *args: packed.append(gradients_pack(*args)) or packed[-1])
+    made = [[np.zeros(s) for s in shapes] for _ in range(3)]
+    by_step = DistributedOptimizer(SGD(made[0], lr=0.5, momentum=0.9, weight_decay=0.1),
+                                   bucket_mb=bucket_mb)
+    by_ready = DistributedOptimizer(SGD(made[1], lr=0.5, momentum=0.9, weight_decay=0.1),
+                                    bucket_mb=bucket_mb)
+    plain = SGD(made[2], lr=0.5, momentum=0.9, weight_decay=0.1)
+    for step in range(4):
+        if step == 2:  # two micro-batches, the first the step's own gradients
+            with by_step.no_sync(), by_ready.no_sync():
+                by_step.step(gradients(step, RANK))
+                for i, g in reversed(list(enumerate(gradients(step, RANK)))):
+                    by_ready.grad_ready(i, g)
+                by_ready.step()
+        by_step.step(gradients(step, RANK))
+        for i, g in reversed(list(enumerate(gradients(step, RANK)))):
+            by_ready.grad_ready(i, g)
+        by_ready.step()
+        plain.step([a * 2 for a in average(step)] if step == 2 else average(step))
+        for a, b, c in zip(*made):
+            np.testing.assert_array_equal(a, b)
+            np.testing.assert_allclose(a, c, rtol=1e-12, atol=1e-12)
+    # Plain numpy gradients of another shape or dtype are still refused, each way.
+    for wrong, error, match in [(np.ones((4, 3)), ValueError, r"grads\[0\] has shape"),
+                                (np.ones((3, 4), np.float32), TypeError,
+                                 r"grads\[0\] has dtype float32")]:
+        grads = [np.ones(s) for s in shapes]
+        grads[0] = wrong
+        for optimizer in (plain, by_step):
+            with pytest.raises(error, match=match):
+                optimizer.step(grads)
+        with pytest.raises(error, match=match):
+            by_ready.grad_ready(0, wrong)
+    for a, b, c in zip(*made):  # (no update)
+        np.testing.assert_array_equal(a, b)
+        np.testing.assert_allclose(a, c, rtol=1e-12, atol=1e-12)
+    assert True in packed and False in packed  # (both ways were taken)
