@@ -173,9 +173,12 @@ def test_no_communicator_with_a_rank_whose_process_is_ending_waits_for_it(tmp_pa
     for rank in (0, 1):
         assert f"rank {rank}'s call: ringreduce.allreduce (rank {rank} of 3): rank 2 has ended" \
             in done.stdout, done
-        assert (f"rank {rank}'s new one, 0 s: ringreduce.Communicator (rank {rank} of 3): rank 2 "
-                "has ended (an uncaught exception there ends its process), as a Communicator "
-                "on this rank learnt" in done.stdout), done
+        # (At once: well under its timeout of 120 s, on a machine however loaded.)
+        said = re.search(rf"rank {rank}'s new one, (\d+) s: ringreduce.Communicator \(rank "
+                         rf"{rank} of 3\): rank 2 has ended \(an uncaught exception there "
+                         r"ends its process\), as a Communicator on this rank learnt",
+                         done.stdout)
+        assert said and int(said[1]) < 10, done
         assert f"rank {rank} with the survivors: 2.0" in done.stdout, done
     assert time.monotonic() - start < 60
 
@@ -248,7 +251,8 @@ def test_a_rank_that_exits_with_fewer_calls_is_reported_at_once(tmp_path, shm,
     assert ("rank 0: ringreduce.allreduce (rank 0 of 2): rank 1 has stopped using this "
             "communicator without closing it (its process ended, or dropped the Communicator), "
             "after fewer calls on it than this rank made") in done.stdout, done
-    assert "rank 0 waited 0 s" in done.stdout
+    waited = re.search(r"rank 0 waited (\d+) s", done.stdout)  # (its timeout: 300 s)
+    assert waited and int(waited[1]) < 10, done
 
 
 STRAY_NOTICE = """
@@ -574,7 +578,8 @@ def test_closes_at_exit_begin_as_the_calls_in_flight_on_each_end(tmp_path, both)
                       env={"RINGREDUCE_SHM": "0"}, abort_on_exception=False)
     assert done.returncode == 0, done.stderr
     assert "rank 0 has stopped using this communicator without closing it" in done.stdout, done
-    assert "rank 1 waited 0 s" in done.stdout, done
+    waited = re.search(r"rank 1 waited (\d+) s", done.stdout)  # (its timeout: 300 s)
+    assert waited and int(waited[1]) < 10, done
 
 
 DAEMON_IN_A_CALL = """
