@@ -251,6 +251,25 @@ def worker_held(comm, held=True):
         calls.hold_worker(False)
 
 
+class TorchTensor:
+    """What a torch tensor on the CPU shows ringreduce: a shape, a dtype of its own
+    ("torch.float32", say) and .numpy(), from torch's module (no torch here to make a
+    real one). Its __array__ reads as torch's does, refusing a bfloat16 one."""
+    __module__ = "torch"
+    __qualname__ = "Tensor"
+
+    def __init__(self, n, dtype="torch.float64"):
+        self.shape, self.dtype = (n,), dtype
+
+    def numpy(self):
+        raise AssertionError("ringreduce must not convert it: it would write into a copy")
+
+    def __array__(self, dtype=None, copy=None):
+        if self.dtype == "torch.bfloat16":
+            raise TypeError("Got unsupported ScalarType BFloat16")
+        return np.ones(self.shape)
+
+
 class NumpyWithoutMemory:
     """numpy, except that np.empty fails: a rank that cannot allocate its output (set as
     ringreduce.communicator's np)."""

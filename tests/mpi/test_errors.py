@@ -12,7 +12,7 @@ from mpi4py import MPI
 import ringreduce as rr
 from ringreduce.optim import SGD, DistributedOptimizer
 
-from helpers import NumpyWithoutMemory
+from helpers import NumpyWithoutMemory, TorchTensor as Tensor
 
 SIZE = MPI.COMM_WORLD.Get_size()
 RANK = MPI.COMM_WORLD.Get_rank()
@@ -898,23 +898,6 @@ def test_numpys_memory_error_names_the_call_and_the_rank(call, comm):
 class _GpuArrayWithoutAGpu:
     __cuda_array_interface__ = {"shape": (4,), "typestr": "<f8", "data": (0, False),
                                 "version": 3}
-
-
-class Tensor:
-    """What a torch tensor on the CPU shows ringreduce: a shape, a dtype of its own and
-    .numpy(), from torch's module (no torch here to make a real one)."""
-    __module__ = "torch"
-
-    def __init__(self, n, dtype="torch.float64"):
-        self.shape, self.dtype = (n,), dtype
-
-    def numpy(self):
-        raise AssertionError("ringreduce must not convert it: it would write into a copy")
-
-    def __array__(self, dtype=None, copy=None):  # (what torch's says of a bfloat16 one)
-        if self.dtype == "torch.bfloat16":
-            raise TypeError("Got unsupported ScalarType BFloat16")
-        return np.ones(self.shape)
 
 
 def _read_only(a):

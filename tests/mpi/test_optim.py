@@ -22,6 +22,7 @@ from ringreduce.optim import SGD, Adam, DistributedOptimizer
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
 from mlp import init_params, loss_and_grads  # noqa: E402
+from helpers import TorchTensor as Tensor  # noqa: E402
 
 SIZE = MPI.COMM_WORLD.Get_size()
 RANK = MPI.COMM_WORLD.Get_rank()
@@ -2736,17 +2737,6 @@ def test_an_array_like_on_one_rank_is_rejected_on_every_rank(where):
                 optimizer.params = [_ArrayLike(3)]
             DistributedOptimizer(optimizer)
     np.testing.assert_array_equal(rr.allreduce(np.ones(2)), np.full(2, float(SIZE)))
-
-
-class Tensor:
-    """A torch tensor on the CPU as ringreduce sees one (no torch here)."""
-    __module__ = "torch"
-
-    def __init__(self, n):
-        self.shape, self.dtype = (n,), "torch.float32"
-
-    def numpy(self):
-        raise AssertionError("converted: updates would go into a copy")
 
 
 @pytest.mark.parametrize("where", ["allreduce_gradients", "SGD params", "step grads"])
