@@ -252,11 +252,15 @@ def as_input_array(x, argument: str, context: str) -> np.ndarray:
     return array
 
 
+def _of_torch(x) -> bool:
+    """Whether x is an object of torch's (a tensor, a Parameter), without importing it."""
+    return type(x).__module__.partition(".")[0] == "torch"
+
+
 def torch_bfloat16_hint(x) -> str:
     # numpy has no bfloat16 of its own, so torch will not make a numpy array of one;
     # ml_dtypes' is the one ringreduce reduces, over the tensor's own bits.
-    if (type(x).__module__.partition(".")[0] == "torch"
-            and str(getattr(x, "dtype", "")) == "torch.bfloat16"):
+    if _of_torch(x) and str(getattr(x, "dtype", "")) == "torch.bfloat16":
         return ("; a bfloat16 tensor on the CPU reads as ml_dtypes' bfloat16, over its own "
                 "memory: t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)")
     return ""
@@ -358,7 +362,7 @@ def qualified_type_name(x) -> str:
 
 def foreign_array_hint(x) -> str:
     """How to pass an array of another library that ringreduce is to write into."""
-    if type(x).__module__.partition(".")[0] == "torch" and hasattr(x, "numpy"):
+    if _of_torch(x) and hasattr(x, "numpy"):
         return torch_bfloat16_hint(x) or (
             "; a tensor on the CPU has a numpy array over its own memory, to pass "
             "instead: t.numpy() (t.detach().numpy() where it requires grad)")
