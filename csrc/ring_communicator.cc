@@ -512,8 +512,10 @@ RingCommunicator::~RingCommunicator() {
   if (shm_ && !departed_ && transport_->comm() != MPI_COMM_NULL) {
     for (int r = 0; r < size(); ++r) {
       const DepartureNote note = shm_->departure(r);
-      if (r != rank() && note.rank >= 0 && note.why != Departure::Unclosed)
+      if (r != rank() && note.rank >= 0 && note.why != Departure::Unclosed) {
         transport_->forget_duplicate();
+        break;
+      }
     }
   }
   // (shm_ goes before transport_, which must not look into it then; nor, though
