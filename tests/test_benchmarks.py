@@ -212,6 +212,62 @@ def test_bench_gradients_checks_what_each_candidate_computed():
         in done.stderr, done.stderr
 
 
+@pytest.mark.parametrize("ranks", [2, 3])
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_bench_optimizer_runs_and_writes_every_candidate(tmp_path, optimizer, ranks):
+    # (3 ranks: an average that is no power of two, which the check must still find
+    # exact, the same on every rank and for every candidate.)
+    result = tmp_path / "result.json"
+    done = subprocess.run(
+        [mpiexec(), "-n", str(ranks), sys.executable, "-m", "mpi4py",
+         "benchmarks/bench_optimizer.py", "--models", "3x64,2x128K", "--repeats", "2",
+         "--optimizer", optimizer, "--json", str(result)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, env=job_env())
+    assert done.returncode == 0, done.stdout + done.stderr
+    data = json.loads(result.read_text())
+    assert data["optimizer"] == optimizer and data["ranks"] == ranks
+    seen = {(r["implementation"], r["parameters"], r["bytes_each"]) for r in data["results"]}
+    for name in ("ringreduce", "ringreduce grad_ready", "MPI by hand", "update alone"):
+        assert (name, 3, 64) in seen and (name, 2, 128 << 10) in seen
+    assert all(r["time_s"] > 0 and r["speedup_vs_mpi"] > 0 and r["steps_checked"] >= 2 * 2
+               for r in data["results"])
+    assert "| 2 x 128 KiB | 256 KiB |" in done.stdout
+    assert "| ringreduce vs MPI by hand | ringreduce grad_ready vs MPI by hand |" in done.stdout
+
+
+def test_bench_optimizer_checks_what_each_candidate_computed():
+    # Each candidate's parameters after the same steps: a candidate that counted a
+    # step it did not take, and one whose ranks' parameters differ (gradients that were
+    # not averaged), must fail the check, named; all of them stepped alike must pass.
+    check = ("import sys; sys.path.insert(0, 'benchmarks'); import numpy as np\n"
+             "import bench_optimizer as b\n"
+             "model = b.Model(3, 64)\n"
+             "timed, stepped, steps = b.candidates(b.rr.Communicator(), model, 'adam')\n"
+             "for step in timed.values():\n"
+             "    step(); step()\n"
+             "b.check_stepped(model, 'adam', stepped, steps, 'x')\n"
+             "print('fine', flush=True)\n"
+             "def checked():\n"
+             "    try:\n"
+             "        b.check_stepped(model, 'adam', stepped, steps, '3 x 64 B')\n"
+             "    except SystemExit as error:\n"
+             "        print(error, flush=True)\n"
+             "steps['MPI by hand'] += 1  # (one step behind the others)\n"
+             "b.catch_up(timed, steps)\n"
+             "checked()\n"
+             "timed['MPI by hand']()\n"
+             "steps['MPI by hand'] -= 1  # (caught up)\n"
+             "stepped['ringreduce grad_ready'][0][0] += b.rank\n"
+             "checked()\n")
+    done = subprocess.run([mpiexec(), "-n", "2", sys.executable, "-m", "mpi4py", "-c", check],
+                          capture_output=True, text=True, timeout=120, env=job_env(), cwd=ROOT)
+    assert done.returncode == 0 and done.stdout.count("fine") == 2, done.stdout + done.stderr
+    assert done.stdout.count("3 x 64 B: wrong results from MPI by hand (") == 2, done.stdout
+    assert "away from the update alone's)" in done.stdout, done.stdout
+    assert done.stdout.count("3 x 64 B: wrong results from ringreduce grad_ready (not the "
+                             "same bits on every rank)") == 2, done.stdout
+
+
 def test_bench_placement_times_both_rings_on_ranks_that_pretend_to_be_on_two_machines(
         tmp_path):
     # On one machine the two rings take the same time; here only that both are made
@@ -299,6 +355,10 @@ def test_bench_dtypes_runs_and_writes_every_dtype(tmp_path):
     ("benchmarks/bench_gradients.py", ["--models", "0x1M"], "'0x1M' is not COUNTxSIZE"),
     ("benchmarks/bench_gradients.py", ["--models", "2x6"], "not a whole number of 4-byte"),
     ("benchmarks/bench_gradients.py", ["--repeats", "0"], "--repeats: must be at least 1"),
+    ("benchmarks/bench_optimizer.py", ["--models", "2x6"], "not a whole number of 4-byte"),
+    ("benchmarks/bench_optimizer.py", ["--optimizer", "lamb"], "invalid choice: 'lamb'"),
+    ("benchmarks/bench_optimizer.py", ["--repeats", "0"], "--repeats: must be at least 1"),
+    ("benchmarks/bench_optimizer.py", ["--json", "/nonexistent-folder/o.json"], "no folder"),
     ("benchmarks/bench_gpu.py", ["--max-bytes", "2x"], "'2x' is not a size"),
     ("benchmarks/bench_gpu.py", ["--min-bytes", "6"], "not a whole number of 4-byte"),
     ("benchmarks/bench_gpu.py", ["--min-bytes", "1M", "--max-bytes", "64K"],
