@@ -18,8 +18,10 @@ starting alike:
   views of that buffer (made once): SGD's buf *= momentum; buf += g; p -= lr * buf, or
   Adam's two moments and p -= lr * (m / (1 - b1 ** t)) / (sqrt(v / (1 - b2 ** t)) + eps):
   the usual step by hand;
-- update alone: ringreduce's SGD or Adam given the averaged gradients, without any
-  communication: the floor under all of them (what the update itself costs).
+- ringreduce update alone: ringreduce's SGD or Adam given the averaged gradients,
+  without any communication: the floor under ringreduce's two (what its update costs);
+- numpy update alone: MPI by hand's update, given the averaged gradients: the floor
+  under MPI by hand. Each side's time less its floor is what averaging costs it.
 
 Rank r's gradient of each parameter is (r + 1) times that parameter's fixed values, in
 multiples of 1/64 up to 1, so that every sum and average is exact in float32 whatever
@@ -27,11 +29,11 @@ order the ranks add in: every candidate averages to the same bits, every step. A
 the timing (whose untimed warm-up may stop at a different step for each candidate),
 each candidate takes the steps it lacks, up to the same count, and its parameters are
 checked: the same bits on every rank (a candidate that did not average differs), within
-float32 rounding of the update alone's (one that missed a step, or updated otherwise,
-differs), and the update alone's within 1e-3 of the closed form of as many steps of a
+float32 rounding of ringreduce update alone's (one that missed a step, or updated
+otherwise, differs), and that one's within 1e-3 of the closed form of as many steps of a
 constant gradient (one that did nothing, or got the wrong average, differs). Timed
 alternately, run by run; reported: the median time per step (the slowest rank's), and
-the speedup of each over MPI by hand (its time / the other's).
+the speedup of ringreduce's two over MPI by hand (MPI by hand's time / theirs).
 """
 from __future__ import annotations
 
@@ -56,7 +58,7 @@ DEFAULT_MODELS = "200x1K,48x64K,8x1M"
 SETTINGS = {"sgd": {"lr": 0.01, "momentum": 0.9},
             "adam": {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8}}
 
-PEER, FLOOR = "MPI by hand", "update alone"
+PEER, FLOOR, NUMPY_FLOOR = "MPI by hand", "ringreduce update alone", "numpy update alone"
 
 
 class Model:
@@ -78,6 +80,36 @@ class Model:
 
 def optimizer_of(name: str, params):
     return (SGD if name == "sgd" else Adam)(params, **SETTINGS[name])
+
+
+def update_by_hand(optimizer: str, params: list):
+    """The update as one writes it in numpy: a function of the averaged gradients that
+    updates `params` in place, with state of its own."""
+    if optimizer == "sgd":
+        lr, momentum = SETTINGS["sgd"]["lr"], SETTINGS["sgd"]["momentum"]
+        bufs = [np.zeros_like(p) for p in params]
+
+        def sgd(grads):
+            for p, g, buf in zip(params, grads, bufs):
+                buf *= momentum
+                buf += g
+                p -= lr * buf
+        return sgd
+    lr, (b1, b2), eps = (SETTINGS["adam"][k] for k in ("lr", "betas", "eps"))
+    ms = [np.zeros_like(p) for p in params]
+    vs = [np.zeros_like(p) for p in params]
+    t = [0]
+
+    def adam(grads):
+        t[0] += 1
+        c1, c2 = 1 - b1 ** t[0], 1 - b2 ** t[0]
+        for p, g, m, v in zip(params, grads, ms, vs):
+            m *= b1
+            m += (1 - b1) * g
+            v *= b2
+            v += (1 - b2) * g * g
+            p -= lr * (m / c1) / (np.sqrt(v / c2) + eps)
+    return adam
 
 
 def candidates(comm, model: Model, optimizer: str) -> tuple[dict, dict, dict]:
@@ -115,39 +147,18 @@ def candidates(comm, model: Model, optimizer: str) -> tuple[dict, dict, dict]:
     for p in params:
         views.append(flat[offset:offset + p.size].reshape(p.shape))
         offset += p.size
+    update = update_by_hand(optimizer, params)
 
-    def average():
+    def by_hand():
         np.concatenate(grads, out=flat)
         world.Allreduce(MPI.IN_PLACE, flat, op=MPI.SUM)
         np.divide(flat, size, out=flat)
-
-    if optimizer == "sgd":
-        lr, momentum = SETTINGS["sgd"]["lr"], SETTINGS["sgd"]["momentum"]
-        bufs = [np.zeros_like(p) for p in params]
-
-        def by_hand():
-            average()
-            for p, g, buf in zip(params, views, bufs):
-                buf *= momentum
-                buf += g
-                p -= lr * buf
-    else:
-        lr, (b1, b2), eps = (SETTINGS["adam"][k] for k in ("lr", "betas", "eps"))
-        ms = [np.zeros_like(p) for p in params]
-        vs = [np.zeros_like(p) for p in params]
-        t = [0]
-
-        def by_hand():
-            average()
-            t[0] += 1
-            c1, c2 = 1 - b1 ** t[0], 1 - b2 ** t[0]
-            for p, g, m, v in zip(params, views, ms, vs):
-                m *= b1
-                m += (1 - b1) * g
-                v *= b2
-                v += (1 - b2) * g * g
-                p -= lr * (m / c1) / (np.sqrt(v / c2) + eps)
+        update(views)
     found.append(counted(PEER, params, by_hand))
+
+    numpy_alone = model.params()
+    update_alone = update_by_hand(optimizer, numpy_alone)
+    found.append(counted(NUMPY_FLOOR, numpy_alone, lambda: update_alone(model.average)))
 
     alone = optimizer_of(optimizer, model.params())
     found.append(counted(FLOOR, alone.params, lambda: alone.step(model.average)))
@@ -184,8 +195,8 @@ def expected(model: Model, optimizer: str, steps: int) -> list:
 def check_stepped(model: Model, optimizer: str, stepped: dict, steps: dict,
                   label: str) -> None:
     """Every candidate took as many steps as the others and left the same parameters:
-    the same bits on every rank, those of the update alone within float32's rounding,
-    and the update alone's those of the closed form (see the docstring)."""
+    the same bits on every rank, those of ringreduce update alone within float32's
+    rounding, and that one's those of the closed form (see the docstring)."""
     taken = steps[FLOOR]
     want = np.concatenate([p.ravel() for p in expected(model, optimizer, taken)])
     start = np.concatenate([p.ravel() for p in model.start]).astype(np.float64)
@@ -202,11 +213,11 @@ def check_stepped(model: Model, optimizer: str, stepped: dict, steps: dict,
         world.Allreduce(MPI.IN_PLACE, low, op=MPI.MIN)
         world.Allreduce(MPI.IN_PLACE, high, op=MPI.MAX)
         if steps[name] != taken:
-            wrong[name] = f"{steps[name]} steps where the update alone took {taken}"
+            wrong[name] = f"{steps[name]} steps where {FLOOR} took {taken}"
         elif not (low == high).all():
             wrong[name] = "not the same bits on every rank"
         elif name != FLOOR and not np.allclose(mine, floor, rtol=1e-5, atol=1e-6):
-            wrong[name] = f"{np.abs(mine - floor).max():.3g} away from the update alone's"
+            wrong[name] = f"{np.abs(mine - floor).max():.3g} away from {FLOOR}'s"
     everyone = world.allgather(wrong)
     wrong = {name: why for theirs in everyone for name, why in theirs.items()}
     if wrong:
@@ -247,7 +258,7 @@ def main() -> None:
     if rank != 0:
         return
     names = list(dict.fromkeys(r["implementation"] for r in rows))
-    faster = [n for n in names if n not in (PEER, FLOOR)]
+    faster = [n for n in names if n not in (PEER, FLOOR, NUMPY_FLOOR)]
     settings = ", ".join(f"{k} {v}" for k, v in SETTINGS[args.optimizer].items())
     print(f"# {size} ranks, float32, {args.optimizer} ({settings}); median time per step; "
           f"speedup = {PEER}'s time / the other's")

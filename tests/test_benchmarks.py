@@ -227,7 +227,8 @@ def test_bench_optimizer_runs_and_writes_every_candidate(tmp_path, optimizer, ra
     data = json.loads(result.read_text())
     assert data["optimizer"] == optimizer and data["ranks"] == ranks
     seen = {(r["implementation"], r["parameters"], r["bytes_each"]) for r in data["results"]}
-    for name in ("ringreduce", "ringreduce grad_ready", "MPI by hand", "update alone"):
+    for name in ("ringreduce", "ringreduce grad_ready", "MPI by hand", "ringreduce update alone",
+                 "numpy update alone"):
         assert (name, 3, 64) in seen and (name, 2, 128 << 10) in seen
     assert all(r["time_s"] > 0 and r["speedup_vs_mpi"] > 0 and r["steps_checked"] >= 2 * 2
                for r in data["results"])
@@ -263,7 +264,7 @@ def test_bench_optimizer_checks_what_each_candidate_computed():
                           capture_output=True, text=True, timeout=120, env=job_env(), cwd=ROOT)
     assert done.returncode == 0 and done.stdout.count("fine") == 2, done.stdout + done.stderr
     assert done.stdout.count("3 x 64 B: wrong results from MPI by hand (") == 2, done.stdout
-    assert "away from the update alone's)" in done.stdout, done.stdout
+    assert "away from ringreduce update alone's)" in done.stdout, done.stdout
     assert done.stdout.count("3 x 64 B: wrong results from ringreduce grad_ready (not the "
                              "same bits on every rank)") == 2, done.stdout
 
