@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import sys
 
 import numpy as np
 from mpi4py import MPI
@@ -369,10 +370,19 @@ def foreign_array_hint(x) -> str:
     return ""
 
 
+def masked(x) -> bool:
+    """Whether x is a numpy masked array with elements masked. numpy imports numpy.ma
+    at its first use (np.ma), which cost a rank's first call with out= (or its
+    optimizer's first step) 6 ms, 30 where numpy's bytecode is not cached; before
+    something imports it, no masked array exists to look for."""
+    ma = sys.modules.get("numpy.ma")
+    return ma is not None and isinstance(x, ma.MaskedArray) and ma.is_masked(x)
+
+
 def reject_masked(x, argument: str, context: str) -> None:
     # Only the data would travel, masked elements included: a wrong answer, silently.
     # (A masked array with nothing masked, as some readers return, is just its data.)
-    if isinstance(x, np.ma.MaskedArray) and np.ma.is_masked(x):
+    if masked(x):
         raise TypeError(f"{context}: {argument} is a masked array with masked elements, but "
                         "the mask cannot take part; "
                         f"pass {argument}.filled(value) with the value masked elements "
@@ -396,7 +406,7 @@ def check_out(out, shape: tuple, dtype: np.dtype, context: str, array_type=np.nd
         reject_mpi_buffer_forms(out, "out", context)
         raise TypeError(f"{context}: out must be a {type_name}, got "
                         f"{qualified_type_name(out)}" + foreign_array_hint(out))
-    if isinstance(out, np.ma.MaskedArray) and np.ma.is_masked(out):
+    if masked(out):
         # Its data would be written, and the mask kept: results hidden where it masks.
         raise TypeError(f"{context}: out is a masked array with masked elements, under "
                         "which the result would stay hidden; pass out.data, or unmask it "
