@@ -10,7 +10,6 @@ which the core reports without calling MPI, decide first.
 from __future__ import annotations
 
 import os
-import shutil
 
 
 _maps_before_core: str | None = None  # (see note_mpi4pys_library)
@@ -72,6 +71,7 @@ def mpicc_of(library: str | None, family: str) -> str | None:
         return None
     candidates = []
     if library.startswith("/usr/lib"):
+        import shutil  # (here: with bz2 and lzma, 1.5 ms of every rank's import otherwise)
         # A distribution's: its mpicc is named by family (/usr/bin/mpicc is whichever
         # MPI the alternatives chose).
         candidates.append(shutil.which("mpicc.openmpi" if family == "Open MPI"
