@@ -3,6 +3,7 @@ output holds what docs/performance.md is made from. Speed is not checked here: i
 measured by running the benchmarks on purpose, never asserted in a test."""
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -331,6 +332,28 @@ def test_bench_dtypes_runs_and_writes_every_dtype(tmp_path):
     assert "| 1024 | avg | float16 |" in done.stdout
 
 
+def test_bench_startup_runs_jobs_of_both_kinds_and_writes_every_phase(tmp_path):
+    # (It starts its jobs itself: run as a plain script, not under mpiexec.)
+    result = tmp_path / "result.json"
+    done = subprocess.run(
+        [sys.executable, "benchmarks/bench_startup.py", "--ranks", "2", "--jobs", "1",
+         "--mpiexec", mpiexec(), "--json", str(result)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, env=job_env())
+    assert done.returncode == 0, done.stdout + done.stderr
+    data = json.loads(result.read_text())
+    assert data["ranks"] == 2 and data["jobs"] == 1
+    assert sorted(job["kind"] for job in data["results"]) == ["mpi4py", "ringreduce"]
+    phases = ("make_s", "first_call_s", "small_call_s", "learning_1MiB_s", "call_1MiB_s",
+              "close_s", "exit_s", "job_s")
+    for kind in ("ringreduce", "mpi4py"):
+        assert all(data["medians"][kind][phase] > 0 for phase in phases), data["medians"]
+    assert data["medians"]["ringreduce"]["import_s"] > 0 == data["medians"]["mpi4py"]["import_s"]
+    ours = next(job for job in data["results"] if job["kind"] == "ringreduce")
+    if os.environ.get("RINGREDUCE_SHM") != "0":  # (2 ranks of one machine: slots mapped)
+        assert ours["shared_memory_kib"] > 0
+    assert "| first 8 B allreduce |" in done.stdout and "| whole job |" in done.stdout
+
+
 @pytest.mark.parametrize("script, argv, message", [
     ("benchmarks/bench_allreduce.py", ["--sizes", "1.5.3K"], "'1.5.3K' is not a size"),
     ("benchmarks/bench_allreduce.py", ["--sizes", "64,"], "'' is not a size"),
@@ -340,6 +363,8 @@ def test_bench_dtypes_runs_and_writes_every_dtype(tmp_path):
     ("benchmarks/bench_allreduce.py", ["--plot", "busbw.txt"], "a plot is written as"),
     ("benchmarks/bench_async.py", ["--repeats", "0"], "--repeats: must be at least 1"),
     ("benchmarks/bench_scalar.py", ["--repeats", "0"], "--repeats: must be at least 1"),
+    ("benchmarks/bench_startup.py", ["--jobs", "0"], "--jobs: must be at least 1"),
+    ("benchmarks/bench_startup.py", ["--json", "/nonexistent-folder/s.json"], "no folder"),
     ("benchmarks/bench_placement.py", ["--sizes", "3"], "not a whole number of float32"),
     ("benchmarks/bench_placement.py", ["--json", "/nonexistent-folder/p.json"], "no folder"),
     ("benchmarks/bench_dtypes.py", ["--counts", "1K,0"], "'0' is not a count of elements"),
