@@ -184,7 +184,7 @@ def main() -> None:
     medians = {kind: {key: statistics.median(job[key] for job in jobs[kind])
                       for key, _ in PHASES} for kind in KINDS}
     cached = bytecode_cached()
-    print(f"# {args.ranks} ranks, median of {args.jobs} jobs of each kind (each phase: the "
+    print(f"# {args.ranks} rank{'s' if args.ranks > 1 else ''}, median of {args.jobs} jobs of each kind (each phase: the "
           "slowest rank)" + ("" if cached else "; ringreduce's bytecode is not cached, so "
                              "its import compiles it"))
     rows = []
