@@ -123,9 +123,7 @@ def _check_grads(grads, params, who: str) -> list:
     layout = numpy_layout(grads)
     if layout is not None and layout == numpy_layout(params):
         return grads
-    for i, (g, p) in enumerate(zip(grads, params)):
-        _check_grad(i, g, p, who)
-    return grads
+    return [_check_grad(i, g, p, who) for i, (g, p) in enumerate(zip(grads, params))]
 
 
 # What errors about a missing gradient advise: every rank reduces every parameter's
@@ -136,11 +134,16 @@ _NO_GRADIENT = ("for a parameter this rank's batch did not use, give zeros; one 
 
 
 def _check_grad(i, g, p, who):
+    """g, checked to be params[i]'s gradient: the array to use, a plain view of a numpy
+    subclass's data (a masked array with nothing masked, np.matrix, np.memmap). Kept a
+    masked array, numpy.ma computed lr * g in float64 (its scalars are 0-d float64
+    arrays): plain SGD and Adam updated apart from the same gradient as an ndarray,
+    SGD kept a MaskedArray momentum buffer, and PowerSGD's products raised."""
     if type(g) is np.ndarray:  # (grad_ready's usual case, once a gradient)
         # A plain numpy array is no None, no foreign or masked array, and on no GPU:
         # only its shape and dtype can be wrong.
         if g.shape == p.shape and g.dtype == p.dtype:
-            return
+            return g
     elif g is None:
         raise TypeError(f"{who}: grads[{i}] is None: every parameter's gradient is "
                         f"reduced at every step ({_NO_GRADIENT})")
@@ -162,6 +165,7 @@ def _check_grad(i, g, p, who):
     if gpu is not None and gpu_of(g) not in (None, gpu):
         raise ValueError(f"{who}: grads[{i}] is on GPU {gpu_of(g)}, but params[{i}] is on "
                          f"GPU {gpu}; give each gradient on its parameter's GPU")
+    return plain(g)
 
 
 def _on_the_side_of(a, p, copy: bool = False):
@@ -1246,7 +1250,7 @@ class DistributedOptimizer:
             raise ValueError(f"{who}: index {index!r} is not a parameter index "
                              f"(0..{len(self.params) - 1})")
         if not checked:  # (step(grads) checked them all, with _check_grads)
-            _check_grad(index, grad, self.params[index], who)
+            grad = _check_grad(index, grad, self.params[index], who)
         if index in self._low_rank:
             if index in self._low_rank_reported:
                 raise self._reported_twice(who, index)

@@ -4215,3 +4215,36 @@ def test_step_with_gradients_of_every_form_updates_as_grad_ready_and_plain_sgd_d
         np.testing.assert_array_equal(a, b)
         np.testing.assert_allclose(a, c, rtol=1e-12, atol=1e-12)
     assert True in packed and False in packed  # (both ways were taken)
+
+
+@pytest.mark.filterwarnings("ignore:the matrix subclass:PendingDeprecationWarning")
+@pytest.mark.parametrize("form", ["masked", "matrix"])
+def test_a_numpy_subclass_gradient_updates_as_its_data_does(form):
+    # A masked array with nothing masked is its data (reject_masked), as is any numpy
+    # subclass's. Kept as given, numpy.ma computed lr * g in float64 (its scalars are
+    # 0-d float64 arrays): plain SGD and Adam moved the parameters apart from the same
+    # gradient as an ndarray, SGD kept a MaskedArray momentum buffer (and saved it),
+    # and a DistributedOptimizer's PowerSGD raised a ValueError of numpy.ma's mask.
+    rng = np.random.default_rng(5)
+    p0 = rng.standard_normal((6, 5)).astype(np.float32)
+    steps = [rng.standard_normal((6, 5)).astype(np.float32) for _ in range(4)]
+    as_form = np.ma.masked_array if form == "masked" else np.asmatrix
+    makers = [lambda ps: SGD(ps, lr=0.1, momentum=0.9, weight_decay=0.01),
+              lambda ps: Adam(ps, lr=0.1, weight_decay=0.01),
+              lambda ps: DistributedOptimizer(SGD(ps, lr=0.1, momentum=0.9),
+                                              compression=PowerSGD(rank=1))]
+    for make in makers:
+        ref, sub = [p0.copy()], [p0.copy()]
+        by_ref, by_sub = make(ref), make(sub)
+        for k, g in enumerate(steps):
+            by_ref.step([g])
+            if k % 2 and isinstance(by_sub, DistributedOptimizer):
+                by_sub.grad_ready(0, as_form(g.copy()))
+                by_sub.step()
+            else:
+                by_sub.step([as_form(g.copy())])
+            np.testing.assert_array_equal(sub[0], ref[0])
+        state = (by_sub.optimizer if isinstance(by_sub, DistributedOptimizer)
+                 else by_sub).state_dict()
+        for arrays in (v for v in state.values() if isinstance(v, list)):
+            assert all(type(a) is np.ndarray for a in arrays), arrays
