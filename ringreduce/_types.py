@@ -254,8 +254,12 @@ def as_input_array(x, argument: str, context: str) -> np.ndarray:
 
 
 def _of_torch(x) -> bool:
-    """Whether x is an object of torch's (a tensor, a Parameter), without importing it."""
-    return type(x).__module__.partition(".")[0] == "torch"
+    """Whether x is an object of torch's (a tensor, a Parameter), without importing it:
+    of a class of torch's, or derived from one (torchvision's tv_tensors, a model's own
+    Parameter subclass). A class's __module__ may be anything, None too. (Asked only
+    on the way to an error.)"""
+    return any(str(getattr(c, "__module__", "")).partition(".")[0] == "torch"
+               for c in type(x).__mro__)
 
 
 def torch_bfloat16_hint(x) -> str:

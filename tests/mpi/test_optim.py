@@ -4248,3 +4248,39 @@ def test_a_numpy_subclass_gradient_updates_as_its_data_does(form):
                  else by_sub).state_dict()
         for arrays in (v for v in state.values() if isinstance(v, list)):
             assert all(type(a) is np.ndarray for a in arrays), arrays
+
+
+class _Image(Tensor):
+    """torchvision's tv_tensors.Image as ringreduce sees one: a torch tensor whose class
+    lives outside torch (as a model's own Parameter subclass does)."""
+    __module__ = "torchvision.tv_tensors._image"
+    __qualname__ = "Image"
+
+
+def _not_torch(n, module):
+    """An array-like of another library whose module merely starts with 'torch' (or is
+    None), with a numpy() as torch's tensors have."""
+    def numpy(self):
+        raise AssertionError("never converted")
+
+    kind = type("Array", (), {"__module__": module, "numpy": numpy})
+    array = kind()
+    array.shape, array.dtype = (n,), np.dtype(np.float64)
+    return array
+
+
+def test_a_torch_tensor_of_a_subclass_outside_torch_gets_the_torch_remedy_and_others_none():
+    # Whether it is torch's is asked of its class and the classes it derives from: a
+    # subclass of torch.Tensor defined elsewhere (torchvision's Image, a model's own
+    # Parameter) had no remedy; a class of a module 'torchvision' or 'torch_foo' that
+    # derives from none of torch's is no tensor; a class whose __module__ is None
+    # raised AttributeError instead of the refusal.
+    with pytest.raises(TypeError, match=r"grads\[0\] is a torchvision\.tv_tensors\._image\."
+                       r"Image, not a numpy array .*: t\.numpy\(\) \(t\.detach\(\)"):
+        SGD([np.zeros(3)], lr=0.1).step([_Image(3)])
+    for module in ("torchvision", "torch_foo", "torchx.arrays", None):
+        with pytest.raises(TypeError, match=r"grads\[0\] is a .*Array, not a numpy array or "
+                           r"a GPU array, and [^;]*$"):
+            SGD([np.zeros(3)], lr=0.1).step([_not_torch(3, module)])
+    assert not _types._of_torch(np.zeros(3))
+    assert not _types._of_torch(np.ma.masked_array(np.ones(2)))  # (a numpy subclass)
