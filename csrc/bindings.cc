@@ -851,10 +851,12 @@ class FastPath {
     if (copy_x) {
       // Only now: x may be a view of the out= of a call queued before, which writes it
       // until it is over (it was copied before that, and a call that ended meanwhile
-      // left the copy stale).
-      stand_in = contiguous_copy(x);
+      // left the copy stale). Copied straight into the result (out=, or the new array),
+      // which the ring then reduces in place: no second array of x's size.
+      // (PyArray_CopyInto copies right where out overlaps x.)
+      stand_in = contiguous_copy_into(x, out);
       if (!stand_in) return py::none();
-      x = stand_in;
+      x = out = stand_in;
       if (!allreduce_arguments(x, op, out, &dtype, &reduce_op)) return py::none();
     }
     const Array a(x);
@@ -869,7 +871,7 @@ class FastPath {
       });
     } else {  // one rank: x reduced with nothing is x (x / 1 too)
       core_->check_usable("allreduce");
-      copy_bytes(dst, a.data, a.nbytes());
+      if (dst != a.data) copy_bytes(dst, a.data, a.nbytes());
     }
     return result;
   }
@@ -1218,7 +1220,7 @@ class FastPath {
   }
 
   // Whether x is a strided numpy.ndarray (a column, x[::2]; no subclass) of a dtype and
-  // op the general path has validated, which the FastPath serves as contiguous_copy(x).
+  // op the general path has validated, which the FastPath serves through contiguous_copy_into().
   // The general path copies such an x too, after some microseconds of Python (a strided
   // 4 KiB allreduce took 6.7 us, against 1.8 us for a contiguous one).
   bool copyable(py::handle x, py::handle op) const {
@@ -1227,13 +1229,55 @@ class FastPath {
            reduction_codes(x, op, &dtype, &reduce_op);
   }
 
-  // A C-contiguous copy of x, or null (the general path then meets the error and says
-  // it). Copied before the call, it cannot overlap out.
-  static py::object contiguous_copy(py::handle x) {
-    const auto& api = py::detail::npy_api::get();
-    PyObject* copy = api.PyArray_NewCopy_(x.ptr(), 0 /* NPY_CORDER */);
-    if (copy == nullptr) PyErr_Clear();  // (the general path meets the error and says it)
-    return py::reinterpret_steal<py::object>(copy);
+  // The bytes a numpy array spans, from its shape and strides (numpy's byte_bounds).
+  static const char* span_begin(py::handle h) {
+    const auto* proxy = py::detail::array_proxy(h.ptr());
+    const char* begin = proxy->data;
+    for (int i = 0; i < proxy->nd; ++i) {
+      if (proxy->dimensions[i] == 0) return proxy->data;
+      if (proxy->strides[i] < 0) begin += (proxy->dimensions[i] - 1) * proxy->strides[i];
+    }
+    return begin;
+  }
+  static const char* span_end(py::handle h) {
+    const auto* proxy = py::detail::array_proxy(h.ptr());
+    const char* end = proxy->data + py::reinterpret_borrow<py::dtype>(proxy->descr).itemsize();
+    for (int i = 0; i < proxy->nd; ++i) {
+      if (proxy->dimensions[i] == 0) return proxy->data;
+      if (proxy->strides[i] > 0) end += (proxy->dimensions[i] - 1) * proxy->strides[i];
+    }
+    return end;
+  }
+
+  // x copied into out (a plain array of x's shape and dtype: else null), or into a new
+  // result shaped like x where out is None: the array the call then reduces in place.
+  // Null where that fails (the general path then meets the error and says it).
+  py::object contiguous_copy_into(py::handle x, py::handle out) const {
+    const Array strided(x);
+    py::object into;
+    if (out.is_none()) {
+      into = new_result(strided, strided.nd, strided.dims);
+    } else if (is_plain_out(out, strided, strided.nd, strided.dims, false, true)) {
+      // An out that shares x's span gets a copy of x first: numpy's own assignment
+      // (2.4) copies wrong between some overlapping strided arrays.
+      if (ranges_overlap(Array(out).data, Array(out).nbytes(), span_begin(x),
+                         span_end(x) - span_begin(x))) {
+        const auto& api = py::detail::npy_api::get();
+        py::object copy = py::reinterpret_steal<py::object>(api.PyArray_NewCopy_(x.ptr(), 0));
+        if (!copy || api.PyArray_CopyInto_(out.ptr(), copy.ptr()) < 0) {
+          PyErr_Clear();  // (the general path meets the error and says it)
+          return py::object();
+        }
+        return py::reinterpret_borrow<py::object>(out);
+      }
+      into = py::reinterpret_borrow<py::object>(out);
+    }
+    if (!into) return into;
+    if (py::detail::npy_api::get().PyArray_CopyInto_(into.ptr(), x.ptr()) < 0) {
+      PyErr_Clear();  // (the general path meets the error and says it)
+      return py::object();
+    }
+    return into;
   }
 
   // Exactly numpy.ndarray (no subclass: a masked array has its own rules), C-contiguous.

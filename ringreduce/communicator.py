@@ -1594,15 +1594,25 @@ class Communicator:
             out = self._results.empty(x.shape, native)
         else:
             t.check_out(out, x.shape, native, context)
-        # A copy, also where x overlaps out other than as the same buffer: the ring
-        # would read its own writes.
-        copy = not t.readable(x) or (x is not out and np.may_share_memory(x, out)
-                                     and not t.same_buffer(x, out))
+        # A strided (or byte-swapped) x is copied into out, which the ring then reduces
+        # in place: no second array of x's size (the copy is x's values as they are
+        # when the call runs, as a separate copy's would be). Else a copy of x: where x
+        # overlaps out other than as the same buffer, as the ring would read its own
+        # writes (and numpy 2.4's assignment copies wrong between some overlapping
+        # strided arrays).
+        overlapping = x is not out and np.may_share_memory(x, out) \
+            and not t.same_buffer(x, out)
+        into_out = not t.readable(x) and not overlapping
+        copy = not into_out and (overlapping or not t.readable(x))
         chunk = self._chunk_bytes
         core = self._core
 
         def run():
-            source = input_copy(core, x, "allreduce", chunk) if copy else x
+            if into_out:
+                out[...] = x
+                source = out
+            else:
+                source = input_copy(core, x, "allreduce", chunk) if copy else x
             core.allreduce(source, out, dtype, op, chunk, check)
             return out
 

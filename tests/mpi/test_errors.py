@@ -800,12 +800,18 @@ def test_a_memory_error_while_preparing_a_call_does_not_hang_the_others(call, fa
 
     def run(x):
         if call == "allreduce_async":
-            return comm.allreduce_async(x).wait()
+            return comm.allreduce_async(x, out=out).wait()
+        if call == "allreduce":
+            return comm.allreduce(x, out=out)
         return getattr(comm, call)(x)
 
     x = np.ones((8, 8))[:, ::2]  # not contiguous: the call copies it first
-    if call == "allreduce":  # (the FastPath copies a strided x of a validated dtype itself)
-        x = x.astype(x.dtype.newbyteorder())
+    out = None
+    if call.startswith("allreduce"):
+        # allreduce copies a strided x straight into its result, unless out= overlaps x;
+        # and the FastPath copies a strided x of a validated dtype itself.
+        buf = np.ones(33)
+        x, out = buf.view(buf.dtype.newbyteorder())[:32:2], buf[1:17]
     if RANK == 1:
         fail(communicator, monkeypatch)
         with pytest.raises(MemoryError, match="test"):
