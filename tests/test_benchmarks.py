@@ -4,6 +4,7 @@ measured by running the benchmarks on purpose, never asserted in a test."""
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -479,3 +480,16 @@ run 300 240 0
         "limit 55", "failed",
         "limit 55", "ok", ""], done.stdout
     assert (tmp_path / "tests.txt").read_text() == 2 * (incomplete + "\n")
+
+
+def test_bench_memory_measures_a_call_on_two_ranks():
+    done = subprocess.run(
+        [mpiexec(), "-n", "2", sys.executable, "-m", "mpi4py", "benchmarks/bench_memory.py",
+         "allreduce", "float32", "4"], capture_output=True, text=True, timeout=300, cwd=ROOT,
+        env=job_env())
+    assert done.returncode == 0, done.stderr
+    rows = [json.loads(s) for s in re.findall(r"\{[^{}]*\}", done.stdout)]
+    assert sorted(r["rank"] for r in rows) == [0, 1]
+    for r in rows:  # a new 4 MiB result, counted by numpy's allocations and the peak RSS
+        assert r["N"] == r["result"] == 4 << 20
+        assert r["first_traced"] >= r["N"] and r["first"] >= r["N"] // 2
