@@ -823,6 +823,42 @@ def test_a_memory_error_while_preparing_a_call_does_not_hang_the_others(call, fa
     still_works(comm)
 
 
+class _NoRoomToCopyInto(np.ndarray):
+    """An out= whose filling fails for want of memory, as numpy's temporary does where
+    out is x's own bytes in another layout (out=a, x=a.T; out=a, x=a.view('>f8'))."""
+
+    def __setitem__(self, key, value):
+        raise MemoryError("test: no room for the copy into out")
+
+
+@needs_two
+@pytest.mark.parametrize("call", ["allreduce", "allreduce_async"])
+def test_a_memory_error_copying_a_strided_x_into_out_does_not_hang_the_others(call):
+    # allreduce copies a strided x straight into out= as the call runs; a rank that
+    # fails to (out of memory) says so in the header exchange, as for a copy of x, instead
+    # of leaving the others to wait out their timeout.
+    with rr.Communicator(timeout=20) as ring:
+        x = np.arange(16.0)[::2]
+        out = np.zeros(8)
+        if RANK == 1:
+            out = out.view(_NoRoomToCopyInto)  # (not the FastPath's: a subclass)
+
+        def run():
+            if call == "allreduce_async":
+                return ring.allreduce_async(x, out=out).wait()
+            return ring.allreduce(x, out=out)
+
+        started = time.monotonic()
+        if RANK == 1:
+            with pytest.raises(MemoryError, match="no room for the copy into out"):
+                run()
+        else:
+            with pytest.raises(rr.MismatchError, match="rank 1 failed to prepare"):
+                run()
+        assert time.monotonic() - started < 10
+        still_works(ring)
+
+
 @needs_two
 def test_allgather_out_with_the_wrong_rows_raises_on_every_rank(comm):
     x = np.ones((2, 3))
