@@ -101,6 +101,20 @@ def input_copy(core, x, name: str, chunk: int) -> np.ndarray:
         raise t.named(error, t.where(core.rank, core.size, name)) from None
 
 
+def copy_into(core, out, x, name: str, chunk: int) -> np.ndarray:
+    """x copied into out as a call runs (as input_copy, after the calls queued before
+    it). A rank without the memory for it (numpy takes a temporary of x's size where out
+    is x's own bytes in another layout: out=a, x=a.T) takes part in the call's header
+    exchange before raising, as input_copy's does: else its next call would pair with
+    the others' pending one."""
+    try:
+        out[...] = x
+    except MemoryError as error:
+        core.announce_invalid(_COLLECTIVES[name], chunk, failed=True)
+        raise t.named(error, t.where(core.rank, core.size, name)) from None
+    return out
+
+
 def gather_rows(core, source, rows, row_shape, dtype, chunk, out, results):
     """allgather of a contiguous host array: every rank's row count first (with the
     rows themselves when they are small enough to ride along), then the result (out, or
@@ -1609,8 +1623,7 @@ class Communicator:
 
         def run():
             if into_out:
-                out[...] = x
-                source = out
+                source = copy_into(core, out, x, "allreduce", chunk)
             else:
                 source = input_copy(core, x, "allreduce", chunk) if copy else x
             core.allreduce(source, out, dtype, op, chunk, check)
