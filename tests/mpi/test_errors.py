@@ -241,6 +241,32 @@ def test_ranks_that_disagree_all_raise_mismatch(what, call, comm):
 
 
 @needs_two
+@pytest.mark.parametrize("path", ["fast", "general"])
+@pytest.mark.parametrize("call", ["allreduce", "allreduce_async"])
+def test_what_out_holds_after_a_mismatch(call, path):
+    # docs/api.md: a call that fails before any data moves leaves out= as it was, but for
+    # an allreduce of a strided (or byte-swapped) x, which is copied straight into out=
+    # first: out= then holds that copy of x, not the result.
+    with rr.Communicator() as ring:
+        if path == "general":
+            ring._fast = None
+        ring.allreduce(np.ones(4))  # (validates float64 and "sum" for the FastPath)
+        n = 8 + RANK
+        for what, x in (("contiguous", np.arange(n, dtype=np.float64)),
+                        ("strided", np.arange(2.0 * n)[::2]),
+                        ("byte-swapped", np.arange(n, dtype=np.float64).astype(">f8"))):
+            out = np.full(n, -1.0)
+            with pytest.raises(rr.MismatchError, match="count"):
+                if call == "allreduce":
+                    ring.allreduce(x, out=out)
+                else:
+                    ring.allreduce_async(x, out=out).wait()
+            want = np.full(n, -1.0) if what == "contiguous" else x.astype(np.float64)
+            assert np.array_equal(out, want), (what, out)
+        still_works(ring)
+
+
+@needs_two
 def test_an_async_error_keeps_the_exception_the_caller_was_handling(comm):
     # wait() puts allreduce_async in the core's error's place; a wait() made while the
     # caller handles an exception of its own must still chain to it, as any raise does
