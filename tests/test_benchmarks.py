@@ -482,14 +482,35 @@ run 300 240 0
     assert (tmp_path / "tests.txt").read_text() == 2 * (incomplete + "\n")
 
 
-def test_bench_memory_measures_a_call_on_two_ranks():
+def memory_rows(case, dtype="float32", mib="4", extra=None):
+    """bench_memory.py's JSON rows on 2 ranks (their lines may interleave)."""
     done = subprocess.run(
         [mpiexec(), "-n", "2", sys.executable, "-m", "mpi4py", "benchmarks/bench_memory.py",
-         "allreduce", "float32", "4"], capture_output=True, text=True, timeout=300, cwd=ROOT,
-        env=job_env())
+         case, dtype, mib], capture_output=True, text=True, timeout=300, cwd=ROOT,
+        env=job_env(extra))
     assert done.returncode == 0, done.stderr
-    rows = [json.loads(s) for s in re.findall(r"\{[^{}]*\}", done.stdout)]
-    assert sorted(r["rank"] for r in rows) == [0, 1]
-    for r in rows:  # a new 4 MiB result, counted by numpy's allocations and the peak RSS
+    decoder, rows, at = json.JSONDecoder(), [], 0
+    while (at := done.stdout.find('{"case"', at)) >= 0:
+        row, at = decoder.raw_decode(done.stdout, at)
+        rows.append(row)
+    assert sorted(r["rank"] for r in rows) == [0, 1], done.stdout
+    return rows
+
+
+def test_bench_memory_measures_a_call_on_two_ranks():
+    for r in memory_rows("allreduce"):
+        # a new 4 MiB result, counted by numpy's allocations and the peak RSS
         assert r["N"] == r["result"] == 4 << 20
         assert r["first_traced"] >= r["N"] and r["first"] >= r["N"] // 2
+        assert isinstance(r["env"], dict)
+
+
+def test_bench_memory_a_strided_allreduce_costs_its_result_only():
+    # docs/api.md's row for allreduce(x[::2]), with RINGREDUCE_SHM=0 as it says: the
+    # result, and no copy of x beside it (the rows measured before 9cbbec3 showed 2 N),
+    # and the run's RINGREDUCE_ variables recorded with the numbers (16 MiB: the ring's
+    # own buffers, some 3.5 MiB, are small beside it).
+    for r in memory_rows("allreduce-noncontig", "float16", "16", {"RINGREDUCE_SHM": "0"}):
+        assert r["transport"] == "MPI" and r["env"].get("RINGREDUCE_SHM") == "0"
+        assert r["N"] <= r["first_traced"] < 1.5 * r["N"], r
+        assert r["first"] < 1.5 * r["N"], r
