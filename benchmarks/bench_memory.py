@@ -9,7 +9,8 @@ before each call by writing 5 to /proc/self/clear_refs, so it counts everything 
 touches, the C++ core's and MPI's buffers too. tracemalloc's peak counts only what
 numpy and Python allocate (numpy reports its data buffers to tracemalloc). Each case
 is run twice: the first call (which may make buffers the Communicator keeps) and a
-second, like it, after the first result was dropped. Prints one JSON line per rank.
+second, like it, after the first result was dropped. Prints one JSON line per rank, with
+the RINGREDUCE_* variables it ran under (env: RINGREDUCE_SHM=0, say).
 
 CASE: a name from CASES below. DTYPE: float32 (default), float16, int64. MIB: the
 input's size (256 by default).
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import sys
 import tracemalloc
 
@@ -162,7 +164,9 @@ def main():
     print(json.dumps({"case": name, "dtype": dtype.name, "ranks": comm.size,
                       "rank": comm.rank, "transport": comm.transport, "N": nbytes,
                       "result": result_bytes, "first": first, "first_traced": first_traced,
-                      "second": second, "second_traced": second_traced}), flush=True)
+                      "second": second, "second_traced": second_traced,
+                      "env": {k: v for k, v in sorted(os.environ.items())
+                              if k.startswith("RINGREDUCE_")}}), flush=True)
     del keep
     comm.close()
 
