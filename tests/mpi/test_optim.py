@@ -4284,3 +4284,139 @@ def test_a_torch_tensor_of_a_subclass_outside_torch_gets_the_torch_remedy_and_ot
             SGD([np.zeros(3)], lr=0.1).step([_not_torch(3, module)])
     assert not _types._of_torch(np.zeros(3))
     assert not _types._of_torch(np.ma.masked_array(np.ones(2)))  # (a numpy subclass)
+
+
+# -- the short ways of SGD's and Adam's steps (plain numpy arrays of 32 bits or more) --
+
+def _model_of(dtype, seed):
+    """Parameters of every shape a step meets (0-d, empty, 1-D, 2-D), in dtype."""
+    rng = np.random.default_rng(seed)
+    shapes = [(), (0,), (1,), (7,), (3, 5), (257,)]
+    return [rng.standard_normal(shape).astype(dtype) for shape in shapes]
+
+
+def _gradients_of(params, rng):
+    return [rng.standard_normal(p.shape).astype(p.dtype) for p in params]
+
+
+def _reference_step(kind, settings, params, state, grads, t):
+    """The step as SGD.step and Adam.step computed it for a plain numpy parameter of 32
+    bits or more before their short ways (2026-12-07), written out: the bits the short
+    ways must keep. state: SGD's momentum buffers, or Adam's (m, v)."""
+    if kind == "sgd":
+        lr, momentum, weight_decay = (float(settings[k]) for k in
+                                      ("lr", "momentum", "weight_decay"))
+        for i, (p, g) in enumerate(zip(params, grads)):
+            g = g.astype(p.dtype, copy=False)
+            if weight_decay:
+                g = (g + weight_decay * p).astype(p.dtype, copy=False)
+            if momentum:
+                if state[i] is None:
+                    state[i] = g.copy() if g.ndim else np.array(g, copy=True)
+                else:
+                    state[i] *= momentum
+                    state[i] += g
+                g = state[i]
+            p -= lr * g
+        return
+    lr, eps, weight_decay = (float(settings[k]) for k in ("lr", "eps", "weight_decay"))
+    b1, b2 = (float(b) for b in settings["betas"])
+    correction1, correction2 = 1 - optim._power(b1, t), 1 - optim._power(b2, t)
+    for p, g, m, v in zip(params, grads, *state):
+        if weight_decay:
+            g = g + weight_decay * p
+        m *= b1
+        m += (1 - b1) * g
+        v *= b2
+        v += (1 - b2) * g * g
+        p -= lr * (m / correction1) / (np.sqrt(v / correction2) + eps)
+
+
+_SHORT_WAY_SETTINGS = {
+    "sgd": [{"lr": 0.0123, "momentum": 0.0, "weight_decay": 0.0},
+            {"lr": 0.0123, "momentum": 0.9, "weight_decay": 0.0},
+            {"lr": 0.1, "momentum": 0.0, "weight_decay": 3e-4},
+            {"lr": 0.0123, "momentum": 0.87, "weight_decay": 3e-4}],
+    "adam": [{"lr": 1.3e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0},
+             {"lr": 3e-3, "betas": (0.85, 0.9993), "eps": 1e-7, "weight_decay": 1e-2}]}
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("kind, settings", [(kind, s) for kind, settings in
+                                            _SHORT_WAY_SETTINGS.items() for s in settings])
+def test_sgd_and_adams_short_way_keeps_every_bit_of_the_step(kind, settings, dtype,
+                                                             monkeypatch):
+    # SGD.step and Adam.step take a short way where every parameter is a plain numpy
+    # array of 32 bits or more and each gradient has its dtype and shape, without a
+    # `with` block, astype and dtype tests for each (2026-12-07). It must compute the
+    # very bits the general way computed: 40 steps of random gradients (an lr that
+    # float32 rounds, 0-d and empty parameters too), beside the formula written out and
+    # beside the general way, which read-only gradients (no numpy_layout()) still take.
+    make = SGD if kind == "sgd" else Adam
+    short, general, reference = (_model_of(dtype, 5) for _ in range(3))
+    short_opt, general_opt = make(short, **settings), make(general, **settings)
+    state = [None] * len(reference) if kind == "sgd" else (
+        [np.zeros_like(p) for p in reference], [np.zeros_like(p) for p in reference])
+    gpus_looked_up = []
+    looked_up = optim.on_gpu_of
+    monkeypatch.setattr(optim, "on_gpu_of",
+                        lambda a: gpus_looked_up.append(a) or looked_up(a))
+    rng = np.random.default_rng(11)
+    for t in range(1, 41):
+        grads = _gradients_of(reference, rng)
+        frozen = [g.copy() for g in grads]
+        for g in frozen:
+            g.flags.writeable = False
+        assert optim._checked_grads_and_layout(frozen, general, "test")[1] is None
+        looked = len(gpus_looked_up)
+        short_opt.step([g.copy() for g in grads])
+        assert len(gpus_looked_up) == looked  # (the short way looks up no GPU)
+        general_opt.step(frozen)
+        _reference_step(kind, settings, reference, state, grads, t)
+        for a, b, c in zip(short, general, reference):
+            assert a.dtype == dtype and a.tobytes() == b.tobytes() == c.tobytes()
+    if kind == "sgd":
+        assert short_opt._wide_layout is not None  # (the short way was taken)
+        for a, b, c in zip(short_opt.momentum_buffers, general_opt.momentum_buffers, state):
+            assert (a is None) == (b is None) == (c is None)
+            assert a is None or a.tobytes() == b.tobytes() == c.tobytes()
+    else:
+        assert gpus_looked_up  # (Adam's general way looks one up for each parameter)
+        for a, b, c in zip(short_opt.m + short_opt.v, general_opt.m + general_opt.v,
+                           state[0] + state[1]):
+            assert a.tobytes() == b.tobytes() == c.tobytes()
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adam"])
+def test_a_distributed_step_without_before_update_keeps_every_bit(kind):
+    # step() hands ringreduce's SGD and Adam its buckets' targets as the averaged
+    # gradients where no before_update sees them, and fresh views of them otherwise
+    # (2026-12-07): the same bits either way, and the formula's on the averages, over
+    # steps of step(grads) and of grad_ready(); several buckets and a float64 one.
+    settings = _SHORT_WAY_SETTINGS[kind][-1]
+    make = SGD if kind == "sgd" else Adam
+    model = _model_of(np.float32, 8) + _model_of(np.float64, 9)
+    handed, viewed, reference = ([p.copy() for p in model] for _ in range(3))
+    seen = []
+    direct = DistributedOptimizer(make(handed, **settings), bucket_mb=0.001)
+    checked = DistributedOptimizer(make(viewed, **settings), bucket_mb=0.001,
+                                   before_update=lambda avg: seen.append(
+                                       [a.copy() for a in avg]))
+    assert len(direct._buckets) > 2
+    state = [None] * len(model) if kind == "sgd" else (
+        [np.zeros_like(p) for p in model], [np.zeros_like(p) for p in model])
+    rng = np.random.default_rng(17)
+    for t in range(1, 13):
+        # Multiples of 1/64 times the rank's number: every sum, and average, exact.
+        grads = [(rng.integers(-64, 65, p.shape) / 64 * (RANK + 1)).astype(p.dtype)
+                 for p in model]
+        for opt in (direct, checked):
+            if t % 3:
+                opt.step([g.copy() for g in grads])
+            else:
+                for i in reversed(range(len(grads))):
+                    opt.grad_ready(i, grads[i].copy())
+                opt.step()
+        _reference_step(kind, settings, reference, state, seen[-1], t)
+        for a, b, c in zip(handed, viewed, reference):
+            assert a.tobytes() == b.tobytes() == c.tobytes()
