@@ -958,9 +958,12 @@ def _on_its_gpu(method):
     """A DistributedOptimizer's method, run with its parameters' GPU current: cupy makes
     new arrays (buckets, sums, copies, PowerSGD's matrices) and runs kernels on the
     current GPU, and a model made under `with cupy.cuda.Device(1)` is stepped outside
-    it. (Also around the wrapped optimizer's step(), which may allocate.)"""
+    it. (Also around the wrapped optimizer's step(), which may allocate.) Parameters on
+    the host need no GPU: no `with` then (grad_ready() is called for every gradient)."""
     @functools.wraps(method)
     def on_its_gpu(self, *args, **kwargs):
+        if self._gpu is None:
+            return method(self, *args, **kwargs)
         with on_gpu(self._gpu):
             return method(self, *args, **kwargs)
 
@@ -1316,13 +1319,16 @@ class DistributedOptimizer:
 
     def _report(self, index: int, grad, checked: bool = False) -> None:
         who = self._grad_ready_where
-        if isinstance(index, bool) or not isinstance(index, (int, np.integer)) or not (
+        if type(index) is not int and (  # (a Python int, the usual case, at once)
+                isinstance(index, bool) or not isinstance(index, (int, np.integer))) or not (
                 0 <= index < len(self.params)):
             raise ValueError(f"{who}: index {index!r} is not a parameter index "
                              f"(0..{len(self.params) - 1})")
         if not checked:  # (step(grads) checked them all, with _check_grads)
             grad = _check_grad(index, grad, self.params[index], who)
-        if index in self._low_rank:
+        bucket = self._bucket_of.get(index)  # (None: a matrix PowerSGD compresses)
+        complete = True  # (whether its unit's gradients are all in: see below)
+        if bucket is None:
             if index in self._low_rank_reported:
                 raise self._reported_twice(who, index)
             earlier = self._low_rank_sums.get(index) if self._accumulated else None
@@ -1335,20 +1341,25 @@ class DistributedOptimizer:
                 self._low_rank_sums[index] = grad.copy()
             self._low_rank_reported.add(index)
         else:
-            bucket = self._bucket_of[index]
             if index in bucket.reported:
                 raise self._reported_twice(who, index)
-            # (A copy of the sums it adds to, to put back if the micro-batch fails: the
-            # gradient, subtracted again, would take an inf or a huge value with it, or
-            # may have been changed by then.)
-            earlier = self._sums_in(bucket)[bucket.slices[index]].copy() \
-                if self._accumulating and self._accumulated else None
-            self._add_to_bucket(bucket, index, grad)
+            if self._accumulating or self._accumulated:
+                # (A copy of the sums it adds to, to put back if the micro-batch fails:
+                # the gradient, subtracted again, would take an inf or a huge value with
+                # it, or may have been changed by then.)
+                earlier = self._sums_in(bucket)[bucket.slices[index]].copy() \
+                    if self._accumulating and self._accumulated else None
+                self._add_to_bucket(bucket, index, grad)
+            else:  # (_add_to_bucket's case outside no_sync(), with no sums kept)
+                bucket.targets[index][...] = grad
             bucket.reported.add(index)
+            complete = len(bucket.reported) == len(bucket.indices)
         if self._accumulating:
             self._micro_batch.append((index, earlier))
-        else:
-            self._start_complete_units()  # (an fp16 bucket's agreement on its scale, say)
+        elif complete:
+            # (An fp16 bucket's agreement on its scale, say.) Only where this gradient
+            # completed its unit: only then can the next all-reduce in order be ready.
+            self._start_complete_units()
 
     @_on_its_gpu
     def step(self, grads=None) -> None:
