@@ -17,7 +17,9 @@ import contextlib
 import decimal
 import functools
 import heapq
+import itertools
 import math
+import operator
 import time
 import zlib
 
@@ -522,13 +524,12 @@ class SGD:
             # astype and dtype tests took some 0.45 us a parameter (200 of 1 KiB: a
             # third of the update).
             buffers = self.momentum_buffers
-            if momentum and not weight_decay and len(buffers) == len(grads):
-                for i, (p, g, buf) in enumerate(zip(self.params, grads, buffers)):
-                    if buf is None:  # (an array, even for a numpy scalar: see below)
-                        buf = buffers[i] = g.copy() if g.ndim else np.array(g, copy=True)
-                    else:
-                        buf *= momentum
-                        buf += g
+            if momentum and not weight_decay and len(buffers) == len(grads) and \
+                    all(map(operator.is_not, buffers, itertools.repeat(None))):
+                # (Every momentum buffer made: after the first step with momentum.)
+                for p, g, buf in zip(self.params, grads, buffers):
+                    buf *= momentum
+                    buf += g
                     p -= lr * buf
                 return
             for i, (p, g) in enumerate(zip(self.params, grads)):
@@ -1303,16 +1304,17 @@ class DistributedOptimizer:
         _start_complete_units() starts them in their one order, holding the last for
         step(). Anything else (inside no_sync(), a gradient that is no plain contiguous
         array) goes through _report() as before."""
-        packed = set()
+        packed = []  # (the buckets packed)
         if not self._accumulating and not self._accumulated:
             for bucket in self._buckets:
                 if isinstance(bucket.buffer, np.ndarray) and \
                         pack_gradients(grads, bucket.indices, bucket.buffer):
                     bucket.reported.update(bucket.indices)
-                    packed.update(bucket.indices)
-        if len(packed) < len(grads):
+                    packed.append(bucket)
+        if len(packed) < len(self._buckets) or self._low_rank:
+            done = {i for bucket in packed for i in bucket.indices}
             for i, g in enumerate(grads):
-                if i not in packed:
+                if i not in done:
                     self._report(i, g, checked=True)
         if packed:  # (as _report() would have, outside no_sync())
             self._start_complete_units()
