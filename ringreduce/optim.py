@@ -1279,7 +1279,8 @@ class DistributedOptimizer:
         only this micro-batch's gradients are dropped, and the sums accumulated before
         stay. Give none of that step's gradients after the error: the next one given
         begins the next step."""
-        self._check_calling_thread("grad_ready")
+        if not self.comm._executor.threaded:  # (_check_calling_thread, written out here)
+            self.comm._check_calling_thread(self._where("grad_ready"))
         self._abandoned_by_error = False  # (a gradient given, even one refused, begins one)
         try:
             self._report(index, grad)
@@ -1327,7 +1328,10 @@ class DistributedOptimizer:
             raise ValueError(f"{who}: index {index!r} is not a parameter index "
                              f"(0..{len(self.params) - 1})")
         if not checked:  # (step(grads) checked them all, with _check_grads)
-            grad = _check_grad(index, grad, self.params[index], who)
+            p = self.params[index]
+            # (_check_grad's first test, here: a plain numpy array of p's shape and dtype)
+            if type(grad) is not np.ndarray or grad.shape != p.shape or grad.dtype != p.dtype:
+                grad = _check_grad(index, grad, p, who)
         bucket = self._bucket_of.get(index)  # (None: a matrix PowerSGD compresses)
         complete = True  # (whether its unit's gradients are all in: see below)
         if bucket is None:
