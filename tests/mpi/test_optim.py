@@ -4420,3 +4420,18 @@ def test_a_distributed_step_without_before_update_keeps_every_bit(kind):
         _reference_step(kind, settings, reference, state, seen[-1], t)
         for a, b, c in zip(handed, viewed, reference):
             assert a.tobytes() == b.tobytes() == c.tobytes()
+
+
+@pytest.mark.parametrize("index", [True, False, 1.0, "0", -1, 2, np.int64(5), None])
+def test_grad_ready_refuses_what_is_no_parameter_index(index):
+    # grad_ready() takes a Python int at once (2026-12-07); anything else is looked at
+    # as before: bools, floats and strings are no index, nor one out of range.
+    opt = DistributedOptimizer(SGD([np.zeros(2), np.zeros(3)], lr=0.1))
+    with pytest.raises(ValueError, match=rf"index {re.escape(repr(index))} is not a "
+                                         r"parameter index \(0\.\.1\)"):
+        opt.grad_ready(index, np.zeros(2))
+    opt.grad_ready(np.int64(1), np.ones(3))  # (a numpy integer is one)
+    opt.grad_ready(0, np.ones(2))
+    opt.step()
+    assert opt.params[1].tolist() == [-0.1] * 3
+
