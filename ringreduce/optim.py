@@ -929,8 +929,9 @@ class _Bucket:
         self.buffer = xp.zeros(offset, params[indices[0]].dtype)
         # Each parameter's place in the buffer, shaped like it, where its gradient is
         # copied (DistributedOptimizer._add_to_bucket): made once, not a slice and a
-        # reshape at every gradient. Never handed out: the averages given to the
-        # optimizer are fresh views (see _finish).
+        # reshape at every gradient. Handed out as the averages only to ringreduce's
+        # SGD and Adam, without a before_update: anything else gets fresh views or
+        # copies (see DistributedOptimizer._finish).
         self.targets = {i: self.buffer[self.slices[i]].reshape(params[i].shape)
                         for i in indices}
         # float16 travels scaled and divided before the sum (see _send_16_bit) even
