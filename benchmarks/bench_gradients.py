@@ -58,6 +58,20 @@ def models_argument(parser, text: str) -> list[tuple[int, int]]:
     return models
 
 
+def models_table(models, rows: list[dict], count_key: str, names: list[str],
+                 ratios: list[str], ratio_key: str, head: list[str]) -> str:
+    """One line per model: its count x size and total, each of `names`' median time,
+    then each of `ratios`' row[ratio_key]; `head`: the first column's name and the
+    ratio columns' (rows: as written to --json, count_key naming the model's count)."""
+    table = []
+    for count, nbytes in models:
+        mine = {r["implementation"]: r for r in rows
+                if (r[count_key], r["bytes_each"]) == (count, nbytes)}
+        table.append([f"{count} x {human_bytes(nbytes)}", human_bytes(count * nbytes)]
+                     + [human_time(mine[n]["time_s"]) for n in names]
+                     + [f"{mine[n][ratio_key]:.2f}x" for n in ratios])
+    return markdown_table([head[0], "in all"] + names + head[1:], table)
+
 def candidates(comm, count: int, nbytes: int, gloo) -> tuple[dict, dict]:
     """({name: one call}, {name: the arrays it averages}), each set of arrays its own."""
     elements = nbytes // 4
@@ -168,15 +182,8 @@ def main() -> None:
     others = [n for n in names if n != "ringreduce"]
     print(f"# {size} ranks, float32, averaged in place; median time per call; "
           "ringreduce's speedup = the other's time / ringreduce's")
-    table = []
-    for count, nbytes in models:
-        mine = {r["implementation"]: r for r in rows
-                if (r["arrays"], r["bytes_each"]) == (count, nbytes)}
-        table.append([f"{count} x {human_bytes(nbytes)}", human_bytes(count * nbytes)]
-                     + [human_time(mine[n]["time_s"]) for n in names]
-                     + [f"{mine[n]['speedup']:.2f}x" for n in others])
-    print(markdown_table(["gradients", "in all"] + names + [f"speedup vs {n}" for n in others],
-                         table))
+    print(models_table(models, rows, "arrays", names, others, "speedup",
+                       ["gradients"] + [f"speedup vs {n}" for n in others]))
     if args.json:
         write_json(args.json, ranks=size, dtype="float32", repeats=args.repeats,
                    torch=None if gloo is None else gloo[0].__version__, results=rows)

@@ -45,8 +45,8 @@ from mpi4py import MPI
 import ringreduce as rr
 from ringreduce.optim import SGD, Adam, DistributedOptimizer
 from bench_allreduce import progress
-from bench_gradients import models_argument
-from timing import at_least, human_bytes, human_time, markdown_table, output_file, \
+from bench_gradients import models_argument, models_table
+from timing import at_least, human_bytes, output_file, \
     time_alternating, write_json
 
 world = MPI.COMM_WORLD
@@ -262,15 +262,8 @@ def main() -> None:
     settings = ", ".join(f"{k} {v}" for k, v in SETTINGS[args.optimizer].items())
     print(f"# {size} ranks, float32, {args.optimizer} ({settings}); median time per step; "
           f"speedup = {PEER}'s time / the other's")
-    table = []
-    for count, nbytes in models:
-        mine = {r["implementation"]: r for r in rows
-                if (r["parameters"], r["bytes_each"]) == (count, nbytes)}
-        table.append([f"{count} x {human_bytes(nbytes)}", human_bytes(count * nbytes)]
-                     + [human_time(mine[n]["time_s"]) for n in names]
-                     + [f"{mine[n]['speedup_vs_mpi']:.2f}x" for n in faster])
-    print(markdown_table(["parameters", "in all"] + names
-                         + [f"{n} vs {PEER}" for n in faster], table))
+    print(models_table(models, rows, "parameters", names, faster, "speedup_vs_mpi",
+                       ["parameters"] + [f"{n} vs {PEER}" for n in faster]))
     if args.json:
         write_json(args.json, ranks=size, dtype="float32", optimizer=args.optimizer,
                    settings=SETTINGS[args.optimizer], repeats=args.repeats, results=rows)
