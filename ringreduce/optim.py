@@ -524,7 +524,9 @@ class SGD:
             # astype and dtype tests took some 0.45 us a parameter (200 of 1 KiB: a
             # third of the update).
             buffers = self.momentum_buffers
-            if momentum and not weight_decay and len(buffers) == len(grads) and \
+            big = self._big  # (None where no parameter is updated in blocks)
+            if momentum and not weight_decay and big is None and \
+                    len(buffers) == len(grads) and \
                     all(map(operator.is_not, buffers, itertools.repeat(None))):
                 # (Every momentum buffer made: after the first step with momentum.)
                 for p, g, buf in zip(self.params, grads, buffers):
@@ -533,6 +535,9 @@ class SGD:
                     p -= lr * buf
                 return
             for i, (p, g) in enumerate(zip(self.params, grads)):
+                if big is not None and big[i] and _sgd_in_blocks(
+                        p, g, buffers, i, p.dtype, lr, momentum, weight_decay):
+                    continue
                 if weight_decay:
                     g = (g + weight_decay * p).astype(p.dtype, copy=False)
                 if momentum:
@@ -550,6 +555,10 @@ class SGD:
             # current and is computed in its own dtype: said here at once, as finding
             # it out for each (on_gpu_of, _kept_dtype) took some 0.25 us a parameter.
             host = isinstance(p, np.ndarray) and p.dtype.itemsize >= 4
+            if isinstance(p, np.ndarray) and p.nbytes >= _SGD_BLOCKS_FROM and _sgd_in_blocks(
+                    p, g, self.momentum_buffers, i, p.dtype if host else _kept_dtype(p),
+                    lr, momentum, weight_decay):
+                continue  # (a big host parameter, updated a block at a time)
             with _NOWHERE if host else on_gpu_of(p):  # (cupy computes on the current GPU)
                 dtype = p.dtype if host else _kept_dtype(p)
                 wide = p if dtype == p.dtype else p.astype(dtype)  # (16-bit p: float32)
@@ -582,6 +591,7 @@ class SGD:
             return True
         if all(p.dtype.itemsize >= 4 for p in self.params):
             self._wide_layout = layout
+            self._big = _big_ones(self.params, _SGD_BLOCKS_FROM)
             return True
         return False
 
@@ -638,6 +648,149 @@ def _zeros_beside(p):
         return array_module(p).zeros(p.shape, _kept_dtype(p))
 
 
+# Big parameters on the host (SGD's of _SGD_BLOCKS_FROM bytes or more, Adam's of
+# _ADAM_BLOCKS_FROM) are updated _BLOCK elements at a time: each temporary of the update
+# (SGD's lr * g, Adam's three, a 16-bit parameter's float32 copy) is then one block, not
+# one parameter, and a block's operands stay in the cache from one operation of the
+# update to the next. Every operation is elementwise, and the same one on the same
+# dtypes as for the whole array, so every element gets the same bits. Measured
+# (2026-12-07, docs/performance-log.md): blocks of 128K elements were as fast as any;
+# SGD's whole-array update was faster up to 2 MiB (fewer calls, its arrays in the
+# cache anyway), Adam's from 512 KiB already slower than its blocks.
+_BLOCK = 1 << 17
+_SGD_BLOCKS_FROM = 4 << 20
+_ADAM_BLOCKS_FROM = 1 << 20
+
+
+def _blocked_views(p, g, *state):
+    """p, g and each of state (SGD's momentum buffer, Adam's moments: None where there
+    is none yet) as flat views, where p (a host parameter) may be updated a block at a
+    time: every array a C-contiguous numpy array (a strided one is updated whole, as
+    before), and the gradient sharing no memory with what the update writes (whole,
+    the update read all of it before writing any). Else None."""
+    if not (isinstance(p, np.ndarray) and isinstance(g, np.ndarray) and
+            p.flags.c_contiguous and g.flags.c_contiguous):
+        return None
+    for a in (p,) + state:
+        if a is not None and (not isinstance(a, np.ndarray) or not a.flags.c_contiguous
+                              or np.may_share_memory(a, g)):
+            return None
+    return (p.reshape(-1), g.reshape(-1)) + tuple(None if a is None else a.reshape(-1)
+                                                   for a in state)
+
+
+def _big_ones(params, blocks_from: int) -> tuple | None:
+    """For each parameter, whether it is big enough to be updated in blocks where it
+    may be (blocks_from bytes or more); None where none is."""
+    big = tuple(p.nbytes >= blocks_from for p in params)
+    return big if any(big) else None
+
+
+def _scratch(n: int, dtype, *wanted: bool) -> list:
+    """An array of n elements of dtype for each of wanted that is true (made once for
+    all of a parameter's blocks), else None."""
+    return [np.empty(n, dtype) if want else None for want in wanted]
+
+
+def _sgd_in_blocks(p, g, buffers, i, dtype, lr, momentum, weight_decay) -> bool:
+    """SGD's update of p (with g, and buffers[i] with momentum: made here at the first
+    step) computed in dtype, as SGD.step computes it for the whole array, a block at a
+    time (see _BLOCK); False, with nothing done, where it may not be (_blocked_views)."""
+    buf = buffers[i] if momentum else None
+    views = _blocked_views(p, g, buf)
+    if views is None:
+        return False
+    flat_p, flat_g, flat_buf = views
+    first = bool(momentum) and buf is None
+    if first:  # (state: its first step makes it, as g.copy() did)
+        buf = np.empty(p.shape, dtype)
+        flat_buf = buf.reshape(-1)
+    size = flat_p.size
+    n = min(_BLOCK, size)
+    # s: lr * g (and g + weight_decay * p); a 16-bit p's block and gradient are widened
+    # into wide and wide_g (as astype would: exactly), and p's block rounded from wide.
+    s, wide, wide_g = _scratch(n, dtype, True, dtype != p.dtype, dtype != g.dtype)
+    multiply, add = np.multiply, np.add
+    for start in range(0, size, n):
+        stop = start + n
+        if stop > size:  # (the last block, shorter)
+            s, wide, wide_g = (None if a is None else a[:size - start]
+                               for a in (s, wide, wide_g))
+        block, gb = flat_p[start:stop], flat_g[start:stop]
+        if wide is not None:
+            wide[...] = block
+        if wide_g is not None:
+            wide_g[...] = gb
+            gb = wide_g
+        if momentum:
+            bb = flat_buf[start:stop]
+        if weight_decay:  # g + weight_decay * p, into the buffer at the first step
+            into = bb if first else s
+            gb = add(gb, multiply(weight_decay, block if wide is None else wide, into),
+                     into)
+        if momentum:
+            if first:
+                if not weight_decay:
+                    bb[...] = gb
+            else:
+                bb *= momentum
+                bb += gb
+            gb = bb
+        multiply(lr, gb, s)
+        if wide is None:
+            block -= s
+        else:
+            wide -= s
+            block[...] = wide
+    if first:
+        buffers[i] = buf
+    return True
+
+
+def _adam_in_blocks(p, g, m, v, lr, b1, b2, eps, weight_decay, correction1,
+                    correction2) -> bool:
+    """Adam's update of p, m and v with g, computed in m's dtype, as Adam.step computes
+    it for the whole array, a block at a time (see _BLOCK); False, with nothing done,
+    where it may not be (_blocked_views)."""
+    views = _blocked_views(p, g, m, v)
+    if views is None:
+        return False
+    flat_p, flat_g, flat_m, flat_v = views
+    dtype = m.dtype
+    one_b1, one_b2 = 1 - b1, 1 - b2
+    size = flat_p.size
+    n = min(_BLOCK, size)
+    # s and u: the update's temporaries; wide and wide_g: as in _sgd_in_blocks.
+    s, u, wide, wide_g = _scratch(n, dtype, True, True, dtype != p.dtype, dtype != g.dtype)
+    sqrt, multiply, divide, add = np.sqrt, np.multiply, np.divide, np.add
+    for start in range(0, size, n):
+        stop = start + n
+        if stop > size:  # (the last block, shorter)
+            s, u, wide, wide_g = (None if a is None else a[:size - start]
+                                  for a in (s, u, wide, wide_g))
+        block, gb = flat_p[start:stop], flat_g[start:stop]
+        if wide is not None:
+            wide[...] = block
+        if wide_g is not None:
+            wide_g[...] = gb
+            gb = wide_g
+        if weight_decay:  # g + weight_decay * p
+            gb = add(gb, multiply(weight_decay, block if wide is None else wide, s), s)
+        mb, vb = flat_m[start:stop], flat_v[start:stop]
+        mb *= b1
+        mb += multiply(one_b1, gb, u)  # (1 - b1) * g
+        vb *= b2
+        vb += multiply(multiply(one_b2, gb, u), gb, u)  # (1 - b2) * g * g, left to right
+        # lr * (m / correction1) / (sqrt(v / correction2) + eps)
+        multiply(lr, divide(mb, correction1, s), s)
+        divide(s, add(sqrt(divide(vb, correction2, u), u), eps, u), s)
+        if wide is None:
+            block -= s
+        else:
+            wide -= s
+            block[...] = wide
+    return True
+
 def _kept_dtype(p) -> np.dtype:
     """The dtype SGD keeps p's momentum buffer in, Adam its moments, and
     DistributedOptimizer its sums over no_sync()'s micro-batches, each step computed
@@ -689,6 +842,12 @@ class Adam:
             # tests for each parameter.
             one_b1, one_b2 = 1 - b1, 1 - b2
             sqrt = np.sqrt
+            if layout != getattr(self, "_big_layout", None):
+                self._big, self._big_layout = _big_ones(self.params, _ADAM_BLOCKS_FROM), layout
+            if self._big is not None:  # (some updated a block at a time: _BLOCK)
+                self._step_with_blocks(grads, lr, b1, b2, eps, weight_decay, correction1,
+                                       correction2)
+                return
             for p, g, m, v in zip(self.params, grads, self.m, self.v):
                 if weight_decay:
                     g = g + weight_decay * p
@@ -699,6 +858,10 @@ class Adam:
                 p -= lr * (m / correction1) / (sqrt(v / correction2) + eps)
             return
         for p, g, m, v in zip(self.params, grads, self.m, self.v):
+            if isinstance(p, np.ndarray) and p.nbytes >= _ADAM_BLOCKS_FROM and \
+                    _adam_in_blocks(p, g, m, v, lr, b1, b2, eps, weight_decay,
+                                    correction1, correction2):
+                continue  # (a big host parameter, updated a block at a time)
             with on_gpu_of(p):
                 xp = array_module(p)
                 wide = p if m.dtype == p.dtype else p.astype(m.dtype)  # (16-bit p: float32)
@@ -712,6 +875,23 @@ class Adam:
                 wide -= lr * (m / correction1) / (xp.sqrt(v / correction2) + eps)
                 if wide is not p:
                     p[...] = wide
+
+    def _step_with_blocks(self, grads, lr, b1, b2, eps, weight_decay, correction1,
+                          correction2) -> None:
+        """The short way's loop where some parameters are big (self._big): those a
+        block at a time, the others as the short way updates them."""
+        one_b1, one_b2 = 1 - b1, 1 - b2
+        for p, g, m, v, big in zip(self.params, grads, self.m, self.v, self._big):
+            if big and _adam_in_blocks(p, g, m, v, lr, b1, b2, eps, weight_decay,
+                                       correction1, correction2):
+                continue
+            if weight_decay:
+                g = g + weight_decay * p
+            m *= b1
+            m += one_b1 * g
+            v *= b2
+            v += one_b2 * g * g
+            p -= lr * (m / correction1) / (np.sqrt(v / correction2) + eps)
 
     def state_dict(self) -> dict:
         return {"lr": self.lr, "betas": self.betas, "eps": self.eps,

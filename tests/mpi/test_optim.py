@@ -4422,6 +4422,197 @@ def test_a_distributed_step_without_before_update_keeps_every_bit(kind):
             assert a.tobytes() == b.tobytes() == c.tobytes()
 
 
+# -- big parameters, updated a block at a time (optim._BLOCK elements) --
+
+def _big_model_of(dtype, seed, kind):
+    """Parameters over and under the bytes from which `kind`'s step updates them a block
+    (optim._BLOCK elements) at a time, in dtype: one that is no multiple of a block, one
+    that is, a 2-D one, a strided view of a matrix (updated whole), and small ones
+    (_model_of's)."""
+    rng = np.random.default_rng(seed)
+    block = optim._BLOCK
+    start = (optim._SGD_BLOCKS_FROM if kind == "sgd" else
+             optim._ADAM_BLOCKS_FROM) // np.dtype(dtype).itemsize
+    shapes = [(start + block // 3 + 7,), (start // block * block + block,),
+              (start // 97 + 1, 97)]
+    big = [rng.standard_normal(shape).astype(dtype) for shape in shapes]
+    matrix = rng.standard_normal((start // 50 + 1, 64)).astype(dtype)
+    return big + [matrix[:, :50]] + _model_of(dtype, seed)
+
+
+@pytest.fixture(params=["as made", "small blocks"])
+def blocks(request, monkeypatch):
+    """optim's blocks and the bytes they start from as made, or small (many blocks, the
+    last short)."""
+    if request.param == "small blocks":
+        monkeypatch.setattr(optim, "_BLOCK", 1000)
+        monkeypatch.setattr(optim, "_SGD_BLOCKS_FROM", 10_000)
+        monkeypatch.setattr(optim, "_ADAM_BLOCKS_FROM", 10_000)
+    return request.param
+
+
+def _counting_blocks(monkeypatch) -> list:
+    """Spies on the updates a block at a time: each parameter's size, where it was."""
+    counted = []
+    for name in ("_sgd_in_blocks", "_adam_in_blocks"):
+        def counting(p, *args, _real=getattr(optim, name)):
+            done = _real(p, *args)
+            if done:
+                counted.append(p.size)
+            return done
+        monkeypatch.setattr(optim, name, counting)
+    return counted
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("kind, settings", [(kind, s) for kind, settings in
+                                            _SHORT_WAY_SETTINGS.items() for s in settings])
+def test_big_parameters_updated_in_blocks_keep_every_bit(kind, settings, dtype, blocks,
+                                                        monkeypatch):
+    # Parameters of optim._SGD_BLOCKS_FROM bytes or more (Adam's: _ADAM_BLOCKS_FROM)
+    # are updated a block at a time, their temporaries a block's (2026-12-07): the
+    # very bits of the formula written out, on the short way and the general way
+    # (read-only gradients), with and without momentum and weight decay; a strided
+    # parameter is updated whole.
+    make = SGD if kind == "sgd" else Adam
+    short, general, reference = (_big_model_of(dtype, 5, kind) for _ in range(3))
+    short_opt, general_opt = make(short, **settings), make(general, **settings)
+    state = [None] * len(reference) if kind == "sgd" else (
+        [np.zeros_like(p) for p in reference], [np.zeros_like(p) for p in reference])
+    counted = _counting_blocks(monkeypatch)
+    rng = np.random.default_rng(13)
+    for t in range(1, 7):
+        grads = _gradients_of(reference, rng)
+        frozen = [g.copy() for g in grads]
+        for g in frozen:
+            g.flags.writeable = False
+        short_opt.step([g.copy() for g in grads])
+        general_opt.step(frozen)
+        _reference_step(kind, settings, reference, state, grads, t)
+        for a, b, c in zip(short, general, reference):
+            assert a.dtype == dtype and a.tobytes() == b.tobytes() == c.tobytes()
+    # The three contiguous big ones, in blocks, at each step, each way; not the strided.
+    assert sorted(counted) == sorted([p.size for p in short[:3]] * 12)
+    if kind == "sgd":
+        for a, b, c in zip(short_opt.momentum_buffers, general_opt.momentum_buffers, state):
+            assert (a is None) == (b is None) == (c is None)
+            assert a is None or a.tobytes() == b.tobytes() == c.tobytes()
+    else:
+        for a, b, c in zip(short_opt.m + short_opt.v, general_opt.m + general_opt.v,
+                           state[0] + state[1]):
+            assert a.tobytes() == b.tobytes() == c.tobytes()
+
+
+def _reference_step_16_bits(kind, settings, params, state, grads, t):
+    """The step as SGD.step and Adam.step computed it for a 16-bit numpy parameter
+    before big ones were updated in blocks (2026-12-07), written out: in float32,
+    rounded into p once. state: float32 momentum buffers, or (m, v) in float32."""
+    if kind == "sgd":
+        lr, momentum, weight_decay = (float(settings[k]) for k in
+                                      ("lr", "momentum", "weight_decay"))
+        for i, (p, g) in enumerate(zip(params, grads)):
+            wide = p.astype(np.float32)
+            g = g.astype(np.float32, copy=False)
+            if weight_decay:
+                g = (g + weight_decay * wide).astype(np.float32, copy=False)
+            if momentum:
+                if state[i] is None:
+                    state[i] = g.copy() if g.ndim else np.array(g, copy=True)
+                else:
+                    state[i] *= momentum
+                    state[i] += g
+                g = state[i]
+            wide -= lr * g
+            p[...] = wide
+        return
+    lr, eps, weight_decay = (float(settings[k]) for k in ("lr", "eps", "weight_decay"))
+    b1, b2 = (float(b) for b in settings["betas"])
+    correction1, correction2 = 1 - optim._power(b1, t), 1 - optim._power(b2, t)
+    for p, g, m, v in zip(params, grads, *state):
+        wide = p.astype(np.float32)
+        g = g.astype(np.float32, copy=False)
+        if weight_decay:
+            g = g + weight_decay * wide
+        m *= b1
+        m += (1 - b1) * g
+        v *= b2
+        v += (1 - b2) * g * g
+        wide -= lr * (m / correction1) / (np.sqrt(v / correction2) + eps)
+        p[...] = wide
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("kind, settings", [(kind, s) for kind, settings in
+                                            _SHORT_WAY_SETTINGS.items() for s in settings])
+def test_big_16_bit_parameters_updated_in_blocks_keep_every_bit(kind, settings, dtype,
+                                                               blocks, monkeypatch):
+    # 16-bit parameters are computed in float32: a big one a block at a time, each
+    # block widened, updated and rounded back (2026-12-07), not the whole parameter
+    # widened into a float32 copy: the very bits of the formula written out.
+    if dtype == "bfloat16":
+        dtype = pytest.importorskip("ml_dtypes").bfloat16
+    make = SGD if kind == "sgd" else Adam
+    mine, reference = (_big_model_of(dtype, 6, kind) for _ in range(2))
+    opt = make(mine, **settings)
+    state = [None] * len(reference) if kind == "sgd" else (
+        [np.zeros(p.shape, np.float32) for p in reference],
+        [np.zeros(p.shape, np.float32) for p in reference])
+    counted = _counting_blocks(monkeypatch)
+    rng = np.random.default_rng(19)
+    for t in range(1, 6):
+        grads = _gradients_of(reference, rng)
+        opt.step([g.copy() for g in grads])
+        _reference_step_16_bits(kind, settings, reference, state, grads, t)
+        for a, c in zip(mine, reference):
+            assert a.dtype == dtype and a.tobytes() == c.tobytes()
+    assert sorted(counted) == sorted([p.size for p in mine[:3]] * 5)
+    kept = opt.momentum_buffers if kind == "sgd" else opt.m + opt.v
+    for a, c in zip(kept, state if kind == "sgd" else state[0] + state[1]):
+        assert (a is None) == (c is None)
+        assert a is None or (a.dtype == np.float32 and a.tobytes() == c.tobytes())
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adam"])
+def test_a_gradient_sharing_memory_with_its_parameter_is_used_whole(kind, monkeypatch):
+    # Updated a block at a time, a gradient that overlaps its parameter one element
+    # along would be read after the blocks before had been written: such a parameter
+    # is updated whole, as before (the formula's bits).
+    settings = _SHORT_WAY_SETTINGS[kind][-1]
+    make = SGD if kind == "sgd" else Adam
+    counted = _counting_blocks(monkeypatch)
+    rng = np.random.default_rng(23)
+    start = rng.standard_normal(optim._SGD_BLOCKS_FROM // 4 + 1001).astype(np.float32)
+    mine, reference = start.copy(), start.copy()
+    opt = make([mine[:-1]], **settings)
+    state = [None] if kind == "sgd" else ([np.zeros(start.size - 1, np.float32)],
+                                          [np.zeros(start.size - 1, np.float32)])
+    for t in range(1, 4):
+        opt.step([mine[1:]])
+        _reference_step(kind, settings, [reference[:-1]], state, [reference[1:]], t)
+        assert mine.tobytes() == reference.tobytes()
+    assert counted == []
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("kind", ["sgd", "adam"])
+def test_a_big_parameters_step_takes_temporaries_of_a_block(kind, dtype):
+    # What a step allocates beyond its state (SGD's momentum buffer at the first step,
+    # Adam's moments made with it): a block's temporaries, not a parameter's (SGD's
+    # lr * g, Adam's three; a 16-bit parameter's float32 copy and its gradient's).
+    import tracemalloc
+    p = np.ones(4 * optim._SGD_BLOCKS_FROM // np.dtype(dtype).itemsize, dtype)
+    g = np.full(p.shape, 0.5, dtype)
+    opt = SGD([p], lr=0.01, momentum=0.9) if kind == "sgd" else Adam([p])
+    opt.step([g])  # (the first: SGD's buffer made)
+    tracemalloc.start()
+    try:
+        opt.step([g])
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 * optim._BLOCK * 4 + 64 * 1024 < p.nbytes / 4
+
+
 @pytest.mark.parametrize("index", [True, False, 1.0, "0", -1, 2, np.int64(5), None])
 def test_grad_ready_refuses_what_is_no_parameter_index(index):
     # grad_ready() takes a Python int at once (2026-12-07); anything else is looked at
