@@ -692,6 +692,26 @@ def _scratch(n: int, dtype, *wanted: bool) -> list:
     return [np.empty(n, dtype) if want else None for want in wanted]
 
 
+def _blocks(flat_p, flat_g, n: int, wide, wide_g, *scratch):
+    """For each block of flat_p, n elements (the last shorter): (start, stop, p's block,
+    g's block, wide, scratch), wide and each scratch array (of n) cut to the block. A
+    16-bit p's block is widened into wide, and its gradient's into wide_g, which is
+    then g's block (as astype would: exactly; each None where p or g is of the
+    computing dtype already)."""
+    size = flat_p.size
+    for start in range(0, size, n):
+        stop = min(start + n, size)
+        if stop - start < n:  # (the last block, shorter)
+            wide, wide_g, *scratch = (None if a is None else a[:stop - start]
+                                      for a in (wide, wide_g, *scratch))
+        block, gb = flat_p[start:stop], flat_g[start:stop]
+        if wide is not None:
+            wide[...] = block
+        if wide_g is not None:
+            wide_g[...] = gb
+            gb = wide_g
+        yield start, stop, block, gb, wide, scratch
+
 def _sgd_in_blocks(p, g, buffers, i, dtype, lr, momentum, weight_decay) -> bool:
     """SGD's update of p (with g, and buffers[i] with momentum: made here at the first
     step) computed in dtype, as SGD.step computes it for the whole array, a block at a
@@ -705,23 +725,12 @@ def _sgd_in_blocks(p, g, buffers, i, dtype, lr, momentum, weight_decay) -> bool:
     if first:  # (state: its first step makes it, as g.copy() did)
         buf = np.empty(p.shape, dtype)
         flat_buf = buf.reshape(-1)
-    size = flat_p.size
-    n = min(_BLOCK, size)
-    # s: lr * g (and g + weight_decay * p); a 16-bit p's block and gradient are widened
-    # into wide and wide_g (as astype would: exactly), and p's block rounded from wide.
+    n = min(_BLOCK, flat_p.size)
+    # s: lr * g (and g + weight_decay * p); wide and wide_g: a 16-bit p's block and
+    # gradient, widened (see _blocks), p's block rounded from wide.
     s, wide, wide_g = _scratch(n, dtype, True, dtype != p.dtype, dtype != g.dtype)
     multiply, add = np.multiply, np.add
-    for start in range(0, size, n):
-        stop = start + n
-        if stop > size:  # (the last block, shorter)
-            s, wide, wide_g = (None if a is None else a[:size - start]
-                               for a in (s, wide, wide_g))
-        block, gb = flat_p[start:stop], flat_g[start:stop]
-        if wide is not None:
-            wide[...] = block
-        if wide_g is not None:
-            wide_g[...] = gb
-            gb = wide_g
+    for start, stop, block, gb, wide, (s,) in _blocks(flat_p, flat_g, n, wide, wide_g, s):
         if momentum:
             bb = flat_buf[start:stop]
         if weight_decay:  # g + weight_decay * p, into the buffer at the first step
@@ -758,22 +767,12 @@ def _adam_in_blocks(p, g, m, v, lr, b1, b2, eps, weight_decay, correction1,
     flat_p, flat_g, flat_m, flat_v = views
     dtype = m.dtype
     one_b1, one_b2 = 1 - b1, 1 - b2
-    size = flat_p.size
-    n = min(_BLOCK, size)
+    n = min(_BLOCK, flat_p.size)
     # s and u: the update's temporaries; wide and wide_g: as in _sgd_in_blocks.
     s, u, wide, wide_g = _scratch(n, dtype, True, True, dtype != p.dtype, dtype != g.dtype)
     sqrt, multiply, divide, add = np.sqrt, np.multiply, np.divide, np.add
-    for start in range(0, size, n):
-        stop = start + n
-        if stop > size:  # (the last block, shorter)
-            s, u, wide, wide_g = (None if a is None else a[:size - start]
-                                  for a in (s, u, wide, wide_g))
-        block, gb = flat_p[start:stop], flat_g[start:stop]
-        if wide is not None:
-            wide[...] = block
-        if wide_g is not None:
-            wide_g[...] = gb
-            gb = wide_g
+    for start, stop, block, gb, wide, (s, u) in _blocks(flat_p, flat_g, n, wide, wide_g,
+                                                         s, u):
         if weight_decay:  # g + weight_decay * p
             gb = add(gb, multiply(weight_decay, block if wide is None else wide, s), s)
         mb, vb = flat_m[start:stop], flat_v[start:stop]
@@ -790,6 +789,7 @@ def _adam_in_blocks(p, g, m, v, lr, b1, b2, eps, weight_decay, correction1,
             wide -= s
             block[...] = wide
     return True
+
 
 def _kept_dtype(p) -> np.dtype:
     """The dtype SGD keeps p's momentum buffer in, Adam its moments, and

@@ -4300,16 +4300,19 @@ def _gradients_of(params, rng):
 
 
 def _reference_step(kind, settings, params, state, grads, t):
-    """The step as SGD.step and Adam.step computed it for a plain numpy parameter of 32
-    bits or more before their short ways (2026-12-07), written out: the bits the short
-    ways must keep. state: SGD's momentum buffers, or Adam's (m, v)."""
+    """The step as SGD.step and Adam.step computed it for a numpy parameter before their
+    short ways and blocks (2026-12-07), written out: the bits those must keep. Computed
+    in _kept_dtype(p) (p's own, float32 for a 16-bit p), rounded into p once (for p of
+    that dtype, the bits of p -= ...). state: SGD's momentum buffers, or Adam's (m, v)."""
     if kind == "sgd":
         lr, momentum, weight_decay = (float(settings[k]) for k in
                                       ("lr", "momentum", "weight_decay"))
         for i, (p, g) in enumerate(zip(params, grads)):
-            g = g.astype(p.dtype, copy=False)
+            dtype = optim._kept_dtype(p)
+            wide = p.astype(dtype)
+            g = g.astype(dtype, copy=False)
             if weight_decay:
-                g = (g + weight_decay * p).astype(p.dtype, copy=False)
+                g = (g + weight_decay * wide).astype(dtype, copy=False)
             if momentum:
                 if state[i] is None:
                     state[i] = g.copy() if g.ndim else np.array(g, copy=True)
@@ -4317,19 +4320,23 @@ def _reference_step(kind, settings, params, state, grads, t):
                     state[i] *= momentum
                     state[i] += g
                 g = state[i]
-            p -= lr * g
+            wide -= lr * g
+            p[...] = wide
         return
     lr, eps, weight_decay = (float(settings[k]) for k in ("lr", "eps", "weight_decay"))
     b1, b2 = (float(b) for b in settings["betas"])
     correction1, correction2 = 1 - optim._power(b1, t), 1 - optim._power(b2, t)
     for p, g, m, v in zip(params, grads, *state):
+        wide = p.astype(m.dtype)
+        g = g.astype(m.dtype, copy=False)
         if weight_decay:
-            g = g + weight_decay * p
+            g = g + weight_decay * wide
         m *= b1
         m += (1 - b1) * g
         v *= b2
         v += (1 - b2) * g * g
-        p -= lr * (m / correction1) / (np.sqrt(v / correction2) + eps)
+        wide -= lr * (m / correction1) / (np.sqrt(v / correction2) + eps)
+        p[...] = wide
 
 
 _SHORT_WAY_SETTINGS = {
@@ -4503,44 +4510,6 @@ def test_big_parameters_updated_in_blocks_keep_every_bit(kind, settings, dtype, 
             assert a.tobytes() == b.tobytes() == c.tobytes()
 
 
-def _reference_step_16_bits(kind, settings, params, state, grads, t):
-    """The step as SGD.step and Adam.step computed it for a 16-bit numpy parameter
-    before big ones were updated in blocks (2026-12-07), written out: in float32,
-    rounded into p once. state: float32 momentum buffers, or (m, v) in float32."""
-    if kind == "sgd":
-        lr, momentum, weight_decay = (float(settings[k]) for k in
-                                      ("lr", "momentum", "weight_decay"))
-        for i, (p, g) in enumerate(zip(params, grads)):
-            wide = p.astype(np.float32)
-            g = g.astype(np.float32, copy=False)
-            if weight_decay:
-                g = (g + weight_decay * wide).astype(np.float32, copy=False)
-            if momentum:
-                if state[i] is None:
-                    state[i] = g.copy() if g.ndim else np.array(g, copy=True)
-                else:
-                    state[i] *= momentum
-                    state[i] += g
-                g = state[i]
-            wide -= lr * g
-            p[...] = wide
-        return
-    lr, eps, weight_decay = (float(settings[k]) for k in ("lr", "eps", "weight_decay"))
-    b1, b2 = (float(b) for b in settings["betas"])
-    correction1, correction2 = 1 - optim._power(b1, t), 1 - optim._power(b2, t)
-    for p, g, m, v in zip(params, grads, *state):
-        wide = p.astype(np.float32)
-        g = g.astype(np.float32, copy=False)
-        if weight_decay:
-            g = g + weight_decay * wide
-        m *= b1
-        m += (1 - b1) * g
-        v *= b2
-        v += (1 - b2) * g * g
-        wide -= lr * (m / correction1) / (np.sqrt(v / correction2) + eps)
-        p[...] = wide
-
-
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("kind, settings", [(kind, s) for kind, settings in
                                             _SHORT_WAY_SETTINGS.items() for s in settings])
@@ -4562,7 +4531,7 @@ def test_big_16_bit_parameters_updated_in_blocks_keep_every_bit(kind, settings, 
     for t in range(1, 6):
         grads = _gradients_of(reference, rng)
         opt.step([g.copy() for g in grads])
-        _reference_step_16_bits(kind, settings, reference, state, grads, t)
+        _reference_step(kind, settings, reference, state, grads, t)
         for a, c in zip(mine, reference):
             assert a.dtype == dtype and a.tobytes() == c.tobytes()
     assert sorted(counted) == sorted([p.size for p in mine[:3]] * 5)
