@@ -844,11 +844,12 @@ class Adam:
             sqrt = np.sqrt
             if layout != getattr(self, "_big_layout", None):
                 self._big, self._big_layout = _big_ones(self.params, _ADAM_BLOCKS_FROM), layout
-            if self._big is not None:  # (some updated a block at a time: _BLOCK)
-                self._step_with_blocks(grads, lr, b1, b2, eps, weight_decay, correction1,
-                                       correction2)
-                return
-            for p, g, m, v in zip(self.params, grads, self.m, self.v):
+            # (Those of self._big updated a block at a time: see _BLOCK.)
+            big = itertools.repeat(False) if self._big is None else self._big
+            for p, g, m, v, blocked in zip(self.params, grads, self.m, self.v, big):
+                if blocked and _adam_in_blocks(p, g, m, v, lr, b1, b2, eps, weight_decay,
+                                               correction1, correction2):
+                    continue
                 if weight_decay:
                     g = g + weight_decay * p
                 m *= b1
@@ -875,23 +876,6 @@ class Adam:
                 wide -= lr * (m / correction1) / (xp.sqrt(v / correction2) + eps)
                 if wide is not p:
                     p[...] = wide
-
-    def _step_with_blocks(self, grads, lr, b1, b2, eps, weight_decay, correction1,
-                          correction2) -> None:
-        """The short way's loop where some parameters are big (self._big): those a
-        block at a time, the others as the short way updates them."""
-        one_b1, one_b2 = 1 - b1, 1 - b2
-        for p, g, m, v, big in zip(self.params, grads, self.m, self.v, self._big):
-            if big and _adam_in_blocks(p, g, m, v, lr, b1, b2, eps, weight_decay,
-                                       correction1, correction2):
-                continue
-            if weight_decay:
-                g = g + weight_decay * p
-            m *= b1
-            m += one_b1 * g
-            v *= b2
-            v += one_b2 * g * g
-            p -= lr * (m / correction1) / (np.sqrt(v / correction2) + eps)
 
     def state_dict(self) -> dict:
         return {"lr": self.lr, "betas": self.betas, "eps": self.eps,
