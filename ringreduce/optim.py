@@ -679,6 +679,15 @@ def _blocked_views(p, g, *state):
                                                    for a in state)
 
 
+def _block_slices(a) -> list:
+    """Slices that cut a flat array into blocks of _BLOCK elements, where it is a big
+    numpy array (a 16-bit bucket's float32 copy, sent or received, then takes a block's
+    memory, not the bucket's: the same elementwise operations, the same bits); else
+    one slice of all of it (cupy: one kernel each)."""
+    if not isinstance(a, np.ndarray) or a.size <= _BLOCK:
+        return [slice(None)]
+    return [slice(start, start + _BLOCK) for start in range(0, a.size, _BLOCK)]
+
 def _big_ones(params, blocks_from: int) -> tuple | None:
     """For each parameter, whether it is big enough to be updated in blocks where it
     may be (blocks_from bytes or more); None where none is."""
@@ -952,7 +961,10 @@ def _fp16_clamped(exponent: int) -> float:
 def _fp16_sums(wire) -> tuple[int, bool]:
     """The largest float16 exponent field in wire (31 if it holds an inf or NaN;
     otherwise its largest magnitude is below 2 ** (field - 14)), and whether all are 0."""
-    top = int((wire.view(np.uint16) & 0x7C00).max()) >> 10 if wire.size else 0
+    if not wire.size:
+        return 0, True
+    bits = wire.view(np.uint16)  # (& takes a copy: of a block at a time, _block_slices)
+    top = max(int((bits[part] & 0x7C00).max()) for part in _block_slices(wire)) >> 10
     return top, top == 0 and not wire.any()
 
 
@@ -2315,11 +2327,13 @@ class DistributedOptimizer:
         # In the buffer's dtype, so that numpy and cupy round the product alike; but
         # at least float32: a 16-bit factor of 1/3 is itself rounded (bfloat16: 0.334),
         # which made every gradient arrive that much too large.
-        buffer = self._sums_in(bucket).astype(
-            _compression._computing_dtype(bucket.buffer.dtype), copy=False)
-        factor = buffer.dtype.type(bucket.sent_scale / self.comm.size)
+        sums = self._sums_in(bucket)
+        dtype = _compression._computing_dtype(bucket.buffer.dtype)
+        factor = dtype.type(bucket.sent_scale / self.comm.size)
         with np.errstate(over="ignore", invalid="ignore"):  # an inf is dealt with after
-            bucket.wire[...] = buffer * factor  # the assignment rounds to 16 bits
+            for part in _block_slices(sums):
+                # (The assignment rounds to 16 bits.)
+                bucket.wire[part] = sums[part].astype(dtype, copy=False) * factor
         wire = bucket.wire
         # After the ranks found all gradients 0, sums of 0 are trusted without asking;
         # but gradients far smaller than the scale can hold sum to 0 too. The count of
@@ -2365,9 +2379,12 @@ class DistributedOptimizer:
         # (Only now: agreeing reads this rank's gradients from the buffer.)
         # In float32 at least: a float16 buffer would take the factor as a float16
         # (numpy 2), which is 0 below 2 ** -24, and a scale goes up to 2 ** 80.
-        wide = bucket.wire.astype(_compression._computing_dtype(bucket.buffer.dtype))
-        wide *= wide.dtype.type(1.0 / bucket.sent_scale)  # (a power of two: exact)
-        bucket.buffer[...] = wide
+        dtype = _compression._computing_dtype(bucket.buffer.dtype)
+        factor = dtype.type(1.0 / bucket.sent_scale)  # (a power of two: exact)
+        for part in _block_slices(bucket.wire):
+            wide = bucket.wire[part].astype(dtype)
+            wide *= factor
+            bucket.buffer[part] = wide
 
     def _finish(self, bucket, averaged):
         """Waits for the bucket's all-reduce and puts its averages in its buffer; and
@@ -2381,7 +2398,8 @@ class DistributedOptimizer:
         if bucket.scale is not None:
             self._unscale_fp16(bucket)
         elif bucket.wire is not None:
-            bucket.buffer[...] = bucket.wire.astype(bucket.buffer.dtype)
+            for part in _block_slices(bucket.wire):
+                bucket.buffer[part] = bucket.wire[part].astype(bucket.buffer.dtype)
         if averaged is None:
             return
         for i in bucket.indices:

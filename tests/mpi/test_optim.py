@@ -4582,6 +4582,32 @@ def test_a_big_parameters_step_takes_temporaries_of_a_block(kind, dtype):
     assert peak < 4 * optim._BLOCK * 4 + 64 * 1024 < p.nbytes / 4
 
 
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("compression", ["fp16", None])
+def test_a_16_bit_buckets_float32_copies_take_a_blocks_memory(dtype, compression):
+    # A bucket that travels as float16 is scaled into its wire, and back, in float32:
+    # a block at a time (2026-12-07), not as a float32 copy of the whole bucket (for
+    # float16 parameters without compression: both ways; float32 ones with fp16: N).
+    import tracemalloc
+    # (Big enough for SGD's own update to go a block at a time too.)
+    p = np.ones(optim._SGD_BLOCKS_FROM // np.dtype(dtype).itemsize + 5, dtype)
+    opt = DistributedOptimizer(SGD([p], lr=1e-3), compression=compression)
+    g = np.full(p.shape, RANK + 1.0, dtype)
+    opt.step([g])  # (the first: the bucket made)
+    tracemalloc.start()
+    try:
+        opt.step([g])
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    # (At most three float32 blocks at once: a 16-bit parameter's update widens its
+    # block and its gradient's, beside lr * g.)
+    assert peak < 3 * optim._BLOCK * 4 + 64 * 1024 < p.size * 4 / 2
+    # ((p + 1) / 2 averaged, twice, from 1; float16 rounds it to 3 digits)
+    expected = 1.0 - 2e-3 * (MPI.COMM_WORLD.Get_size() + 1) / 2
+    assert np.allclose(p.astype(np.float64), expected, rtol=2e-3), (p[:3], expected)
+
 @pytest.mark.parametrize("index", [True, False, 1.0, "0", -1, 2, np.int64(5), None])
 def test_grad_ready_refuses_what_is_no_parameter_index(index):
     # grad_ready() takes a Python int at once (2026-12-07); anything else is looked at
