@@ -1617,7 +1617,7 @@ class Communicator:
         overlapping = x is not out and np.may_share_memory(x, out) \
             and not t.same_buffer(x, out)
         into_out = not t.readable(x) and not overlapping
-        copy = not into_out and (overlapping or not t.readable(x))
+        copy = overlapping  # (strided or not)
         chunk = self._chunk_bytes
         core = self._core
 
