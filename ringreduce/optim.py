@@ -26,8 +26,8 @@ import zlib
 import numpy as np
 
 from . import _types, compression as _compression
-from ._arrays import (_NOWHERE, array_module, as_list_of_arrays, copy_where_it_is, gpu_of,
-                      on_gpu, on_gpu_of, plain, the_one_gpu)
+from ._arrays import (array_module, as_list_of_arrays, copy_where_it_is, gpu_of, on_gpu,
+                      on_gpu_of, plain, the_one_gpu)
 from ._core import CollectiveTimeoutError, MismatchError, numpy_layout, pack_gradients
 from .gradients import agree_or_raise, check_bucket_mb, pack_plan, span_of
 
@@ -551,16 +551,11 @@ class SGD:
                 p -= lr * g
             return
         for i, (p, g) in enumerate(zip(self.params, grads)):
-            # A numpy parameter of 32 bits or more, the usual case, has no GPU to make
-            # current and is computed in its own dtype: said here at once, as finding
-            # it out for each (on_gpu_of, _kept_dtype) took some 0.25 us a parameter.
-            host = isinstance(p, np.ndarray) and p.dtype.itemsize >= 4
+            dtype = _kept_dtype(p)
             if isinstance(p, np.ndarray) and p.nbytes >= _SGD_BLOCKS_FROM and _sgd_in_blocks(
-                    p, g, self.momentum_buffers, i, p.dtype if host else _kept_dtype(p),
-                    lr, momentum, weight_decay):
+                    p, g, self.momentum_buffers, i, dtype, lr, momentum, weight_decay):
                 continue  # (a big host parameter, updated a block at a time)
-            with _NOWHERE if host else on_gpu_of(p):  # (cupy computes on the current GPU)
-                dtype = p.dtype if host else _kept_dtype(p)
+            with on_gpu_of(p):  # (cupy computes on the current GPU)
                 wide = p if dtype == p.dtype else p.astype(dtype)  # (16-bit p: float32)
                 g = g.astype(dtype, copy=False)
                 if weight_decay:
@@ -681,12 +676,14 @@ def _blocked_views(p, g, *state):
 
 def _block_slices(a) -> list:
     """Slices that cut a flat array into blocks of _BLOCK elements, where it is a big
-    numpy array (a 16-bit bucket's float32 copy, sent or received, then takes a block's
-    memory, not the bucket's: the same elementwise operations, the same bits); else
-    one slice of all of it (cupy: one kernel each)."""
+    numpy array (a big parameter's update, a 16-bit bucket's float32 copy sent or
+    received: each then takes a block's temporaries, not the array's; the same
+    elementwise operations, the same bits); else one slice of all of it (cupy: one
+    kernel each)."""
     if not isinstance(a, np.ndarray) or a.size <= _BLOCK:
         return [slice(None)]
     return [slice(start, start + _BLOCK) for start in range(0, a.size, _BLOCK)]
+
 
 def _big_ones(params, blocks_from: int) -> tuple | None:
     """For each parameter, whether it is big enough to be updated in blocks where it
@@ -701,25 +698,24 @@ def _scratch(n: int, dtype, *wanted: bool) -> list:
     return [np.empty(n, dtype) if want else None for want in wanted]
 
 
-def _blocks(flat_p, flat_g, n: int, wide, wide_g, *scratch):
-    """For each block of flat_p, n elements (the last shorter): (start, stop, p's block,
-    g's block, wide, scratch), wide and each scratch array (of n) cut to the block. A
-    16-bit p's block is widened into wide, and its gradient's into wide_g, which is
-    then g's block (as astype would: exactly; each None where p or g is of the
-    computing dtype already)."""
-    size = flat_p.size
-    for start in range(0, size, n):
-        stop = min(start + n, size)
-        if stop - start < n:  # (the last block, shorter)
-            wide, wide_g, *scratch = (None if a is None else a[:stop - start]
+def _blocks(flat_p, flat_g, wide, wide_g, *scratch):
+    """For each of flat_p's blocks (_block_slices): (its slice, p's block, g's block,
+    wide, scratch), wide and each scratch array (of a block's size, or all of a smaller
+    p) cut to the block. A 16-bit p's block is widened into wide, and its gradient's
+    into wide_g, which is then g's block (as astype would: exactly; each None where p or
+    g is of the computing dtype already)."""
+    for part in _block_slices(flat_p):
+        block, gb = flat_p[part], flat_g[part]
+        if block.size < scratch[0].size:  # (the last block, shorter)
+            wide, wide_g, *scratch = (None if a is None else a[:block.size]
                                       for a in (wide, wide_g, *scratch))
-        block, gb = flat_p[start:stop], flat_g[start:stop]
         if wide is not None:
             wide[...] = block
         if wide_g is not None:
             wide_g[...] = gb
             gb = wide_g
-        yield start, stop, block, gb, wide, scratch
+        yield part, block, gb, wide, scratch
+
 
 def _sgd_in_blocks(p, g, buffers, i, dtype, lr, momentum, weight_decay) -> bool:
     """SGD's update of p (with g, and buffers[i] with momentum: made here at the first
@@ -739,9 +735,9 @@ def _sgd_in_blocks(p, g, buffers, i, dtype, lr, momentum, weight_decay) -> bool:
     # gradient, widened (see _blocks), p's block rounded from wide.
     s, wide, wide_g = _scratch(n, dtype, True, dtype != p.dtype, dtype != g.dtype)
     multiply, add = np.multiply, np.add
-    for start, stop, block, gb, wide, (s,) in _blocks(flat_p, flat_g, n, wide, wide_g, s):
+    for part, block, gb, wide, (s,) in _blocks(flat_p, flat_g, wide, wide_g, s):
         if momentum:
-            bb = flat_buf[start:stop]
+            bb = flat_buf[part]
         if weight_decay:  # g + weight_decay * p, into the buffer at the first step
             into = bb if first else s
             gb = add(gb, multiply(weight_decay, block if wide is None else wide, into),
@@ -780,11 +776,10 @@ def _adam_in_blocks(p, g, m, v, lr, b1, b2, eps, weight_decay, correction1,
     # s and u: the update's temporaries; wide and wide_g: as in _sgd_in_blocks.
     s, u, wide, wide_g = _scratch(n, dtype, True, True, dtype != p.dtype, dtype != g.dtype)
     sqrt, multiply, divide, add = np.sqrt, np.multiply, np.divide, np.add
-    for start, stop, block, gb, wide, (s, u) in _blocks(flat_p, flat_g, n, wide, wide_g,
-                                                         s, u):
+    for part, block, gb, wide, (s, u) in _blocks(flat_p, flat_g, wide, wide_g, s, u):
         if weight_decay:  # g + weight_decay * p
             gb = add(gb, multiply(weight_decay, block if wide is None else wide, s), s)
-        mb, vb = flat_m[start:stop], flat_v[start:stop]
+        mb, vb = flat_m[part], flat_v[part]
         mb *= b1
         mb += multiply(one_b1, gb, u)  # (1 - b1) * g
         vb *= b2
