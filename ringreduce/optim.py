@@ -551,6 +551,7 @@ class SGD:
                 p -= lr * g
             return
         for i, (p, g) in enumerate(zip(self.params, grads)):
+            p = plain(p)  # (see _computed_as_plain)
             dtype = _kept_dtype(p)
             if isinstance(p, np.ndarray) and p.nbytes >= _SGD_BLOCKS_FROM and _sgd_in_blocks(
                     p, g, self.momentum_buffers, i, dtype, lr, momentum, weight_decay):
@@ -660,14 +661,16 @@ _ADAM_BLOCKS_FROM = 1 << 20
 def _blocked_views(p, g, *state):
     """p, g and each of state (SGD's momentum buffer, Adam's moments: None where there
     is none yet) as flat views, where p (a host parameter) may be updated a block at a
-    time: every array a C-contiguous numpy array (a strided one is updated whole, as
-    before), and the gradient sharing no memory with what the update writes (whole,
-    the update read all of it before writing any). Else None."""
-    if not (isinstance(p, np.ndarray) and isinstance(g, np.ndarray) and
+    time: every array a plain C-contiguous numpy array (a strided one is updated whole,
+    as before; a subclass's, which keeps its own rules through reshape and slicing, is
+    not taken: see _computed_as_plain), and the gradient sharing no memory with what
+    the update writes (whole, the update read all of it before writing any). Else
+    None."""
+    if not (type(p) is np.ndarray and type(g) is np.ndarray and
             p.flags.c_contiguous and g.flags.c_contiguous):
         return None
     for a in (p,) + state:
-        if a is not None and (not isinstance(a, np.ndarray) or not a.flags.c_contiguous
+        if a is not None and (type(a) is not np.ndarray or not a.flags.c_contiguous
                               or np.may_share_memory(a, g)):
             return None
     return (p.reshape(-1), g.reshape(-1)) + tuple(None if a is None else a.reshape(-1)
@@ -795,6 +798,16 @@ def _adam_in_blocks(p, g, m, v, lr, b1, b2, eps, weight_decay, correction1,
     return True
 
 
+# _computed_as_plain: SGD's and Adam's general ways update a parameter that is a numpy
+# subclass through a plain view of its data (plain()), as they take such a gradient
+# (_check_grad): kept as given, np.matrix's * is a matrix product, so Adam's
+# (1 - b2) * g * g of a matrix parameter with weight decay raised, or was g @ g for
+# a square one, and SGD's weight_decay * p was a float64 np.dot that its momentum
+# buffer kept as a matrix; and its flat view is a 1 x n matrix, whose first block is
+# all of it, so a big one's blocks raised (helper 211). The short ways take plain
+# arrays only (numpy_layout).
+
+
 def _kept_dtype(p) -> np.dtype:
     """The dtype SGD keeps p's momentum buffer in, Adam its moments, and
     DistributedOptimizer its sums over no_sync()'s micro-batches, each step computed
@@ -863,6 +876,7 @@ class Adam:
                 p -= lr * (m / correction1) / (sqrt(v / correction2) + eps)
             return
         for p, g, m, v in zip(self.params, grads, self.m, self.v):
+            p = plain(p)  # (see _computed_as_plain)
             if isinstance(p, np.ndarray) and p.nbytes >= _ADAM_BLOCKS_FROM and \
                     _adam_in_blocks(p, g, m, v, lr, b1, b2, eps, weight_decay,
                                     correction1, correction2):

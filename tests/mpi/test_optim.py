@@ -4562,6 +4562,51 @@ def test_a_gradient_sharing_memory_with_its_parameter_is_used_whole(kind, monkey
     assert counted == []
 
 
+class _NamedParameter(np.ndarray):
+    """An ndarray subclass of a user's own, as a model may name its parameters."""
+
+
+@pytest.mark.filterwarnings("ignore::PendingDeprecationWarning")  # (np.matrix's own)
+@pytest.mark.parametrize("dtype", [np.float32, "float16"])
+@pytest.mark.parametrize("form", ["matrix", "named"])
+@pytest.mark.parametrize("kind, settings", [(kind, s) for kind, settings in
+                                            _SHORT_WAY_SETTINGS.items() for s in settings])
+def test_a_parameter_of_a_numpy_subclass_is_stepped_as_its_plain_data(
+        kind, settings, form, dtype, blocks, monkeypatch):
+    # A subclass keeps its own rules: np.matrix's * is a matrix product (Adam with
+    # weight decay raised, or squared a square gradient as g @ g; SGD's weight decay
+    # was a float64 np.dot), and its flat view is a 1 x n matrix, whose first block is
+    # all of it: a big one's step raised ValueError (operands could not be broadcast),
+    # Adam's moments of the first block moved already (helper 211). A parameter is
+    # stepped as its plain data, as a gradient is: the formula's very bits, in blocks
+    # where it is big; the parameter itself stays what it was.
+    make = SGD if kind == "sgd" else Adam
+    start = (optim._SGD_BLOCKS_FROM if kind == "sgd" else
+             optim._ADAM_BLOCKS_FROM) // np.dtype(dtype).itemsize
+    rng = np.random.default_rng(29)
+    reference = [rng.standard_normal((2, start // 2 + optim._BLOCK // 3 + 7)).astype(dtype),
+                 rng.standard_normal((3, 3)).astype(dtype)]
+    as_form = np.asmatrix if form == "matrix" else (lambda a: a.view(_NamedParameter))
+    mine = [as_form(p.copy()) for p in reference]
+    assert type(mine[0]) is not np.ndarray and mine[0].nbytes >= start
+    opt = make(mine, **settings)
+    state = [None] * 2 if kind == "sgd" else (
+        [np.zeros(p.shape, optim._kept_dtype(p)) for p in reference],
+        [np.zeros(p.shape, optim._kept_dtype(p)) for p in reference])
+    counted = _counting_blocks(monkeypatch)
+    for t in range(1, 4):
+        grads = _gradients_of(reference, rng)
+        opt.step([g.copy() for g in grads])
+        _reference_step(kind, settings, reference, state, grads, t)
+        for a, c in zip(mine, reference):
+            assert type(a) is not np.ndarray and a.tobytes() == c.tobytes()
+    assert counted == [mine[0].size] * 3
+    kept = opt.momentum_buffers if kind == "sgd" else opt.m + opt.v
+    for a, c in zip(kept, state if kind == "sgd" else state[0] + state[1]):
+        assert (a is None) == (c is None)
+        assert a is None or (type(a) is np.ndarray and a.tobytes() == c.tobytes())
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 @pytest.mark.parametrize("kind", ["sgd", "adam"])
 def test_a_big_parameters_step_takes_temporaries_of_a_block(kind, dtype):
