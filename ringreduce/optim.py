@@ -1286,8 +1286,10 @@ class DistributedOptimizer:
         # overwrites. ringreduce's SGD and Adam keep none of them; another optimizer
         # may (a momentum buffer that starts as the first gradient, say), and would then
         # see it change under it: it gets copies, as it would get fresh arrays without
-        # DistributedOptimizer.
-        self._hand_copies = type(optimizer).step not in (SGD.step, Adam.step)
+        # DistributedOptimizer. (A step set on the instance, sgd.step = mine, is another
+        # optimizer's too, though its class's is ours.)
+        self._hand_copies = (type(optimizer).step not in (SGD.step, Adam.step)
+                             or "step" in getattr(optimizer, "__dict__", ()))
         for i, p in enumerate(self.params):
             if not p.dtype.isnative:  # (the ring's buffers are native, and so its results)
                 raise ValueError(f"{self._where()}: params[{i}] has dtype {p.dtype.str}, "

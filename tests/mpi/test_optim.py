@@ -1943,6 +1943,29 @@ def test_settings_that_are_no_numbers_or_nan_compare_alike_on_every_rank():
 
 
 @pytest.mark.parametrize("mode", ["step-grads", "grad-ready"])
+def test_a_step_set_on_an_sgd_instance_gets_gradients_of_its_own(mode):
+    # (From a review.) Whether the wrapped optimizer gets the buckets' own arrays was
+    # decided from its class alone: an SGD whose step was replaced on the instance was
+    # handed them, kept them, and saw the first step's gradient become the second's.
+    kept = []
+    sgd = SGD([np.zeros(6, np.float32), np.zeros(4, np.float32)], lr=0.1)
+    sgd.step = kept.append
+    opt = DistributedOptimizer(sgd)
+    for step in range(2):
+        grads = [np.full(6, RANK + step, np.float32), np.full(4, 2 * (RANK + step), np.float32)]
+        if mode == "step-grads":
+            opt.step(grads)
+        else:
+            for i in reversed(range(2)):
+                opt.grad_ready(i, grads[i])
+            opt.step()
+    mean = (SIZE - 1) / 2
+    for step, handed in enumerate(kept):
+        np.testing.assert_array_equal(handed[0], np.full(6, mean + step, np.float32))
+        np.testing.assert_array_equal(handed[1], np.full(4, 2 * (mean + step), np.float32))
+
+
+@pytest.mark.parametrize("mode", ["step-grads", "grad-ready"])
 def test_an_optimizer_of_ones_own_trains_as_alone_and_saves_its_state(mode):
     # (From a review.) The averaged gradients handed to the wrapped optimizer were views
     # of the buckets, which the next step overwrites: an optimizer that kept one (this
