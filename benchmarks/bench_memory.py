@@ -85,6 +85,24 @@ def case_setup(name, dtype, nbytes, comm):
     if name == "reduce_scatter-out":
         y = filled(np.array_split(np.empty(n, np.uint8), p)[comm.rank].size, dtype)
         return [x, y], lambda: comm.reduce_scatter(x, op, out=y), 0
+    if name == "reduce_scatter-noncontig":
+        base = filled(2 * n, dtype)
+        v = base[::2]
+        return [base], lambda: comm.reduce_scatter(v, op), nbytes // p
+    if name == "reduce_scatter-noncontig-out":
+        base = filled(2 * n, dtype)
+        v = base[::2]
+        y = filled(np.array_split(np.empty(n, np.uint8), p)[comm.rank].size, dtype)
+        return [base, y], lambda: comm.reduce_scatter(v, op, out=y), 0
+    if name == "allgather-noncontig":
+        base = filled(2 * (n // p), dtype)
+        v = base[::2]
+        return [base], lambda: comm.allgather(v), (n // p) * p * v.itemsize
+    if name == "allgather-noncontig-out":
+        base = filled(2 * (n // p), dtype)
+        v = base[::2]
+        y = filled((n // p) * p, dtype)
+        return [base, y], lambda: comm.allgather(v, out=y), 0
     if name == "allgather":  # each rank's x is N/p: the result is N
         x = filled(n // p, dtype)
         return [x], lambda: comm.allgather(x), (n // p) * p * x.itemsize
@@ -129,7 +147,9 @@ def case_setup(name, dtype, nbytes, comm):
 CASES = ["allreduce", "allreduce-avg", "allreduce-max", "allreduce-inplace",
          "allreduce-inplace-avg", "allreduce-out", "allreduce-out-avg", "allreduce-noncontig",
          "allreduce-noncontig-out", "allreduce_async", "allreduce_async-inplace",
-         "reduce_scatter", "reduce_scatter-out", "allgather", "allgather-out", "broadcast",
+         "reduce_scatter", "reduce_scatter-out", "reduce_scatter-noncontig",
+         "reduce_scatter-noncontig-out", "allgather", "allgather-out", "allgather-noncontig",
+         "allgather-noncontig-out", "broadcast",
          "broadcast-noncontig", "mpi4py-inplace", "mpi4py-out", "gradients",
          "optimizer-sgd", "optimizer-sgd-momentum", "optimizer-adam",
          "optimizer-sgd-nosync"]

@@ -116,28 +116,44 @@ def copy_into(core, out, x, name: str, chunk: int) -> np.ndarray:
 
 
 def gather_rows(core, source, rows, row_shape, dtype, chunk, out, results):
-    """allgather of a contiguous host array: every rank's row count first (with the
-    rows themselves when they are small enough to ride along), then the result (out, or
-    a new array from results, a _Results), then the ring. (The core's FastPath, which
-    guesses the result's size before the exchange, saves a step more: GuessedGather.)"""
+    """allgather of a host array: every rank's row count first (with the rows
+    themselves when they are small enough to ride along), then the result (out, or a
+    new array from results, a _Results), then the ring. (The core's FastPath, which
+    guesses the result's size before the exchange, saves a step more: GuessedGather.)
+
+    source is contiguous and native, or a strided (or byte-swapped) array that shares
+    no memory with out: that one is copied straight into its rows of the result, which
+    the ring then gathers in place, rather than into an array of its own first."""
     row_elems, tag = row_layout(row_shape)
     out_rows = -1 if out is None else out.shape[0]
+    readable = t.readable(source)
     # The result's size is known only once every rank has said its row count (and the
     # core has checked out= against them, on every rank). Positional arguments only:
-    # keywords cost pybind11 almost a microsecond, as much as the exchange itself.
-    counts = core.allgather_counts(rows, row_elems, tag, dtype, chunk, out_rows, False, source)
+    # keywords cost pybind11 almost a microsecond, as much as the exchange itself. A
+    # strided source does not ride along (the core takes only contiguous rows).
+    counts = core.allgather_counts(rows, row_elems, tag, dtype, chunk, out_rows, False,
+                                   source if readable else None)
     total = sum(counts)
+    native = t.native(source.dtype)
+    start = sum(counts[:core.rank])  # (this rank's first row in the result)
 
     def allocate():
         if out is not None:
-            return out
-        try:
-            return results.empty((total,) + row_shape, source.dtype)
-        except ValueError as error:  # (numpy's: only rows of no bytes can add up so far)
-            raise ValueError(f"{t.where(core.rank, core.size, 'allgather')}: the ranks' rows "
-                             f"add up to {total}, more than an array can have ({error})") from None
+            result = out
+        else:
+            try:
+                result = results.empty((total,) + row_shape, native)
+            except ValueError as error:  # (numpy's: only rows of no bytes can add up so far)
+                raise ValueError(f"{t.where(core.rank, core.size, 'allgather')}: the ranks' "
+                                 f"rows add up to {total}, more than an array can have "
+                                 f"({error})") from None
+        if not readable:  # here, so that a failure is confirmed as the result's own
+            result[start:start + rows] = source
+        return result
 
-    result = gather_output(core, allocate, total * row_elems * source.itemsize)
+    result = gather_output(core, allocate, total * row_elems * native.itemsize)
+    if not readable:
+        source = result[start:start + rows]
     core.allgather(source, result, counts, row_elems, dtype)
     return result
 
@@ -1656,8 +1672,17 @@ class Communicator:
         direct = copy or not np.may_share_memory(out, x) or t.same_buffer(
             out, x.reshape(-1)[offset:offset + count])
 
+        # A strided (or byte-swapped) x is copied into the workspace, which the ring
+        # then reduces in place (as allreduce's first phase does its out): no array of
+        # x's size at every call, the kept workspace touched in full instead of
+        # (p - 2)/p of it. One rank has no ring to use a workspace: a copy of x there.
+        into_work = copy and self.size > 1
+
         def run():
-            source = input_copy(core, x, "reduce_scatter", chunk) if copy else x
+            if into_work:
+                source = copy_into(core, work.reshape(x.shape), x, "reduce_scatter", chunk)
+            else:
+                source = input_copy(core, x, "reduce_scatter", chunk) if copy else x
             if direct:
                 core.reduce_scatter(source, work, dtype, op, chunk, out)
             else:
@@ -1681,6 +1706,13 @@ class Communicator:
         chunk = self._chunk_bytes
         core = self._core
         results = self._results
+
+        # A strided (or byte-swapped) x goes straight into its rows of the result
+        # (gather_rows), unless it is small enough to ride along with the row counts
+        # (then a copy of it does) or shares memory with out, whose other rows the ring
+        # overwrites while x would still be read.
+        copy = copy and (x.nbytes <= core.inline_capacity
+                         or out is not None and np.may_share_memory(x, out))
 
         def run():
             source = input_copy(core, x, "allgather", chunk) if copy else x
