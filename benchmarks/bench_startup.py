@@ -110,13 +110,6 @@ PHASES = [("import_s", "import ringreduce"), ("make_s", "make the communicator")
 KINDS = ("ringreduce", "mpi4py")
 
 
-def mpiexec_beside_python() -> str | None:
-    import shutil
-
-    beside = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    return beside if os.path.exists(beside) else shutil.which("mpiexec")
-
-
 def launch(mpiexec: str, ranks: int, kind: str, timeout: float) -> dict:
     """One job of `kind`: per phase, the slowest rank's seconds, and what rank 0 saw."""
     import subprocess
@@ -160,6 +153,8 @@ def main() -> None:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from timing import at_least, human_time, markdown_table, output_file, write_json
 
+    from ringreduce._mpi_check import mpiexec_beside_python
+
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Prints one table. The default takes about 10 s on 2 ranks of the "
@@ -172,7 +167,7 @@ def main() -> None:
                         "python, else PATH's)")
     parser.add_argument("--json", type=output_file(), help="write every job's phases here")
     args = parser.parse_args()
-    mpiexec = args.mpiexec or mpiexec_beside_python()
+    mpiexec = args.mpiexec or mpiexec_beside_python(or_on_path=True)
     if not mpiexec:
         parser.error("no mpiexec beside this python or on PATH: name one with --mpiexec")
     for kind in KINDS:  # (not counted: files into the page cache, bytecode written)

@@ -10,6 +10,7 @@ which the core reports without calling MPI, decide first.
 from __future__ import annotations
 
 import os
+import sys
 
 
 _maps_before_core: str | None = None  # (see note_mpi4pys_library)
@@ -100,6 +101,21 @@ def mpiexec_of_loaded_mpi(loaded_version: str, maps: str | None = None) -> str |
     name = os.path.basename(mpicc)
     launcher = os.path.join(os.path.dirname(mpicc), "mpiexec" + name[len("mpicc"):])
     return launcher if os.access(launcher, os.X_OK) else None
+
+
+def mpiexec_beside_python(or_on_path: bool = False) -> str | None:
+    """The mpiexec in this Python's own folder (a virtual environment's bin/: the mpich
+    wheel's, or the script that scripts/bootstrap.sh puts there to start a system MPI's),
+    where an executable one is there; else, with or_on_path, the one a shell finds on
+    PATH; else None. (Beside Python first: PATH's may be another MPI's, whose jobs run
+    every process alone, as rank 0 of 1.)"""
+    beside = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    if os.access(beside, os.X_OK):
+        return beside
+    if not or_on_path:
+        return None
+    import shutil  # (here, as in mpicc_of: not in every rank's import)
+    return shutil.which("mpiexec")
 
 
 def rebuild_hint(loaded_version: str, maps: str | None = None) -> str:

@@ -26,7 +26,8 @@ import numpy as np
 from mpi4py import MPI
 
 from . import __version__, _core, _types, reference
-from ._mpi_check import first_line, loaded_family, mpiexec_of_loaded_mpi, warn_if_alone_by_mistake
+from ._mpi_check import first_line, loaded_family, mpiexec_beside_python, mpiexec_of_loaded_mpi, \
+    warn_if_alone_by_mistake
 
 _SETTINGS = ("RINGREDUCE_TIMEOUT", "RINGREDUCE_SHM", "RINGREDUCE_RING", "RINGREDUCE_CUDA_AWARE")
 
@@ -67,13 +68,14 @@ def launcher_family(path: str, timeout: float = 10.0) -> str:
 
 
 def _launchers() -> list[tuple[str, str]]:
-    """(where, path) of the mpiexec beside this Python and the one on PATH."""
+    """(where, path) of the mpiexec beside this Python and the one on PATH, each where
+    there is one (PATH's only where it is another file)."""
     found = []
-    beside = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    if os.access(beside, os.X_OK):
+    beside = mpiexec_beside_python()
+    if beside:
         found.append(("beside this Python", beside))
     on_path = shutil.which("mpiexec")
-    if on_path and (not found or os.path.realpath(on_path) != os.path.realpath(beside)):
+    if on_path and (not beside or os.path.realpath(on_path) != os.path.realpath(beside)):
         found.append(("on PATH", on_path))
     return found
 

@@ -32,8 +32,11 @@ def mpiexec() -> str:
         if not found:
             raise RuntimeError(f"RINGREDUCE_MPIEXEC={named!r}: no such executable")
         return found
-    beside_python = Path(sys.executable).parent / "mpiexec"
-    found = str(beside_python) if beside_python.exists() else shutil.which("mpiexec")
+    # (Imported here: conftest.py imports this module in every test process, and
+    # importing ringreduce initialises MPI.)
+    from ringreduce._mpi_check import mpiexec_beside_python
+
+    found = mpiexec_beside_python(or_on_path=True)
     if not found:
         raise RuntimeError("mpiexec not found: install the mpich wheel or a system MPI")
     return found

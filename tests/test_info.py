@@ -1,5 +1,6 @@
 """python -m ringreduce info: in this process, and under mpiexec (the ring, and ranks
 whose installation differs)."""
+import os
 import re
 import subprocess
 import sys
@@ -41,6 +42,34 @@ def test_a_launcher_that_hangs_or_is_missing_is_unknown_not_a_hang(tmp_path):
     slow = fake_launcher(tmp_path, "slow", "sleep 30")
     assert info.launcher_family(slow, timeout=0.5) == "unknown (TimeoutExpired)"
     assert info.launcher_family(str(tmp_path / "missing")).startswith("unknown (")
+
+
+def test_the_mpiexec_beside_python_comes_before_paths(tmp_path, monkeypatch):
+    # _mpi_check.mpiexec_beside_python finds it for `python -m ringreduce info`,
+    # tests/launch.py and benchmarks/bench_startup.py: an executable file named mpiexec
+    # in sys.executable's folder, else (where asked) PATH's. info lists PATH's as well,
+    # where it is another file.
+    venv, system = tmp_path / "venv" / "bin", tmp_path / "usr" / "bin"
+    venv.mkdir(parents=True)
+    system.mkdir(parents=True)
+    monkeypatch.setattr(sys, "executable", str(venv / "python"))
+    monkeypatch.setenv("PATH", str(system))
+    monkeypatch.delenv("RINGREDUCE_MPIEXEC", raising=False)
+    assert _mpi_check.mpiexec_beside_python(or_on_path=True) is None
+    assert info._launchers() == []
+    with pytest.raises(RuntimeError, match="mpiexec not found"):
+        mpiexec()
+    on_path = fake_launcher(system, "mpiexec", "true")
+    assert _mpi_check.mpiexec_beside_python() is None
+    assert _mpi_check.mpiexec_beside_python(or_on_path=True) == on_path == mpiexec()
+    (venv / "mpiexec").write_text("not a program")  # (not executable: passed over)
+    assert _mpi_check.mpiexec_beside_python(or_on_path=True) == on_path
+    assert info._launchers() == [("on PATH", on_path)]
+    beside = fake_launcher(venv, "mpiexec", "true")
+    assert _mpi_check.mpiexec_beside_python() == beside == mpiexec()
+    assert info._launchers() == [("beside this Python", beside), ("on PATH", on_path)]
+    monkeypatch.setenv("PATH", f"{venv}{os.pathsep}{system}")  # (an activated venv)
+    assert info._launchers() == [("beside this Python", beside)]
 
 
 def test_the_tests_own_mpiexec_is_mpi4pys_mpi():
