@@ -2,7 +2,7 @@
 held before the call (its inputs, out=, the Communicator), measured in a fresh process
 per case.
 
-    mpiexec -n 2 python -m mpi4py benchmarks/bench_memory.py CASE [DTYPE] [MIB]
+    mpiexec -n 2 python -m mpi4py benchmarks/bench_memory.py CASE [DTYPE] [MIB] [--json out.json]
 
 Linux only: the peak is VmHWM from /proc/self/status, reset to the current resident set
 before each call by writing 5 to /proc/self/clear_refs, so it counts everything the call
@@ -11,16 +11,13 @@ numpy and Python allocate (numpy reports its data buffers to tracemalloc). Each 
 is run twice: the first call (which may make buffers the Communicator keeps) and a
 second, like it, after the first result was dropped. Prints one JSON line per rank, with
 the RINGREDUCE_* variables it ran under (env: RINGREDUCE_SHM=0, say).
-
-CASE: a name from CASES below. DTYPE: float32 (default), float16, int64. MIB: the
-input's size (256 by default).
 """
 from __future__ import annotations
 
+import argparse
 import gc
 import json
 import os
-import sys
 import tracemalloc
 
 import numpy as np
@@ -28,6 +25,7 @@ from mpi4py import MPI
 
 import ringreduce as rr
 from ringreduce.optim import SGD, Adam, DistributedOptimizer
+from timing import at_least, output_file, write_json
 
 
 def status_kib(key: str) -> int:
@@ -171,22 +169,53 @@ def measure(call):
     return (peak - before) * 1024, traced
 
 
+def numpy_dtype(text: str) -> np.dtype:
+    """An argparse type: a dtype numpy knows by this name."""
+    try:
+        return np.dtype(text)
+    except TypeError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a numpy dtype (float32, float16, "
+                                         "int64, ...)") from None
+
+
+def arguments() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="One case a job: a fresh process per case keeps one case's buffers out of\n"
+               "another's peak. docs/api.md's \"Memory a call takes\" is made of these rows.")
+    parser.add_argument("case", metavar="CASE", choices=CASES,
+                        help="the call to measure: " + ", ".join(CASES))
+    parser.add_argument("dtype", metavar="DTYPE", nargs="?", type=numpy_dtype,
+                        default="float32", help="the arrays' dtype (default: float32)")
+    parser.add_argument("mib", metavar="MIB", nargs="?", type=at_least(0, float),
+                        default=256.0,
+                        help="N, the input's size in MiB (default: 256); allgather's x is N/p "
+                             "on each rank, the gradients' and the parameters' N in all")
+    parser.add_argument("--json", type=output_file(),
+                        help="also write every rank's row here (rank 0 writes it, with the "
+                             "machine and the MPI)")
+    return parser.parse_args()
+
+
 def main():
-    name = sys.argv[1]
-    dtype = np.dtype(sys.argv[2] if len(sys.argv) > 2 else "float32")
-    mib = float(sys.argv[3]) if len(sys.argv) > 3 else 256
-    nbytes = int(mib * (1 << 20))
+    args = arguments()
+    name, dtype = args.case, args.dtype
+    nbytes = int(args.mib * (1 << 20))
     comm = rr.Communicator()
     comm.allreduce(np.ones(1024, dtype))  # (the Communicator's own set-up, not counted)
     keep, call, result_bytes = case_setup(name, dtype, nbytes, comm)
     first, first_traced = measure(call)
     second, second_traced = measure(call)
-    print(json.dumps({"case": name, "dtype": dtype.name, "ranks": comm.size,
-                      "rank": comm.rank, "transport": comm.transport, "N": nbytes,
-                      "result": result_bytes, "first": first, "first_traced": first_traced,
-                      "second": second, "second_traced": second_traced,
-                      "env": {k: v for k, v in sorted(os.environ.items())
-                              if k.startswith("RINGREDUCE_")}}), flush=True)
+    row = {"case": name, "dtype": dtype.name, "ranks": comm.size, "rank": comm.rank,
+           "transport": comm.transport, "N": nbytes, "result": result_bytes, "first": first,
+           "first_traced": first_traced, "second": second, "second_traced": second_traced,
+           "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("RINGREDUCE_")}}
+    print(json.dumps(row), flush=True)
+    if args.json:
+        rows = MPI.COMM_WORLD.gather(row, root=0)
+        if comm.rank == 0:
+            write_json(args.json, case=name, dtype=dtype.name, ranks=comm.size, N=nbytes,
+                       results=rows)
     del keep
     comm.close()
 

@@ -386,6 +386,11 @@ def test_bench_startup_runs_jobs_of_both_kinds_and_writes_every_phase(tmp_path):
     ("benchmarks/bench_optimizer.py", ["--optimizer", "lamb"], "invalid choice: 'lamb'"),
     ("benchmarks/bench_optimizer.py", ["--repeats", "0"], "--repeats: must be at least 1"),
     ("benchmarks/bench_optimizer.py", ["--json", "/nonexistent-folder/o.json"], "no folder"),
+    ("benchmarks/bench_memory.py", ["allreduce-sideways"], "invalid choice: 'allreduce-side"),
+    ("benchmarks/bench_memory.py", ["allreduce", "float99"], "'float99' is not a numpy dtype"),
+    ("benchmarks/bench_memory.py", ["allreduce", "float32", "0"], "MIB: must be above 0"),
+    ("benchmarks/bench_memory.py", ["allreduce", "--json", "/nonexistent-folder/m.json"],
+     "no folder"),
     ("benchmarks/bench_gpu.py", ["--max-bytes", "2x"], "'2x' is not a size"),
     ("benchmarks/bench_gpu.py", ["--min-bytes", "6"], "not a whole number of 4-byte"),
     ("benchmarks/bench_gpu.py", ["--min-bytes", "1M", "--max-bytes", "64K"],
@@ -482,11 +487,11 @@ run 300 240 0
     assert (tmp_path / "tests.txt").read_text() == 2 * (incomplete + "\n")
 
 
-def memory_rows(case, dtype="float32", mib="4", extra=None):
+def memory_rows(case, dtype="float32", mib="4", extra=None, options=()):
     """bench_memory.py's JSON rows on 2 ranks (their lines may interleave)."""
     done = subprocess.run(
         [mpiexec(), "-n", "2", sys.executable, "-m", "mpi4py", "benchmarks/bench_memory.py",
-         case, dtype, mib], capture_output=True, text=True, timeout=300, cwd=ROOT,
+         case, dtype, mib, *options], capture_output=True, text=True, timeout=300, cwd=ROOT,
         env=job_env(extra))
     assert done.returncode == 0, done.stderr
     decoder, rows, at = json.JSONDecoder(), [], 0
@@ -497,12 +502,17 @@ def memory_rows(case, dtype="float32", mib="4", extra=None):
     return rows
 
 
-def test_bench_memory_measures_a_call_on_two_ranks():
-    for r in memory_rows("allreduce"):
+def test_bench_memory_measures_a_call_on_two_ranks(tmp_path):
+    rows = memory_rows("allreduce", options=["--json", str(tmp_path / "memory.json")])
+    for r in rows:
         # a new 4 MiB result, counted by numpy's allocations and the peak RSS
         assert r["N"] == r["result"] == 4 << 20
         assert r["first_traced"] >= r["N"] and r["first"] >= r["N"] // 2
         assert isinstance(r["env"], dict)
+    # --json: the rows every rank printed, gathered into one file by rank 0
+    written = json.loads((tmp_path / "memory.json").read_text())
+    assert written["case"] == "allreduce" and written["ranks"] == 2
+    assert written["results"] == sorted(rows, key=lambda r: r["rank"])
 
 
 def test_bench_memory_a_strided_allreduce_costs_its_result_only():
