@@ -4371,6 +4371,33 @@ _SHORT_WAY_SETTINGS = {
              {"lr": 3e-3, "betas": (0.85, 0.9993), "eps": 1e-7, "weight_decay": 1e-2}]}
 
 
+def _short_general_and_reference(kind, settings, model_of):
+    """For a test that steps one model on the short way, on the general way (read-only
+    gradients) and by the formula written out (_reference_step), and compares their
+    bits: three alike models (model_of() each), `kind`'s optimizer with `settings` on
+    the first two, and the formula's state (SGD's momentum buffers, none yet; Adam's
+    moments, zero)."""
+    make = SGD if kind == "sgd" else Adam
+    short, general, reference = (model_of() for _ in range(3))
+    state = [None] * len(reference) if kind == "sgd" else (
+        [np.zeros_like(p) for p in reference], [np.zeros_like(p) for p in reference])
+    return (short, general, reference), (make(short, **settings), make(general, **settings)), \
+        state
+
+
+def _assert_same_state(kind, short_opt, general_opt, state):
+    """Both ways' optimizer state is the formula's, to the bit: SGD's momentum buffers
+    (None on all three where no step made one), Adam's moments."""
+    if kind == "sgd":
+        for a, b, c in zip(short_opt.momentum_buffers, general_opt.momentum_buffers, state):
+            assert (a is None) == (b is None) == (c is None)
+            assert a is None or a.tobytes() == b.tobytes() == c.tobytes()
+    else:
+        for a, b, c in zip(short_opt.m + short_opt.v, general_opt.m + general_opt.v,
+                           state[0] + state[1]):
+            assert a.tobytes() == b.tobytes() == c.tobytes()
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("kind, settings", [(kind, s) for kind, settings in
                                             _SHORT_WAY_SETTINGS.items() for s in settings])
@@ -4382,11 +4409,8 @@ def test_sgd_and_adams_short_way_keeps_every_bit_of_the_step(kind, settings, dty
     # very bits the general way computed: 40 steps of random gradients (an lr that
     # float32 rounds, 0-d and empty parameters too), beside the formula written out and
     # beside the general way, which read-only gradients (no numpy_layout()) still take.
-    make = SGD if kind == "sgd" else Adam
-    short, general, reference = (_model_of(dtype, 5) for _ in range(3))
-    short_opt, general_opt = make(short, **settings), make(general, **settings)
-    state = [None] * len(reference) if kind == "sgd" else (
-        [np.zeros_like(p) for p in reference], [np.zeros_like(p) for p in reference])
+    (short, general, reference), (short_opt, general_opt), state = \
+        _short_general_and_reference(kind, settings, lambda: _model_of(dtype, 5))
     gpus_looked_up = []
     looked_up = optim.on_gpu_of
     monkeypatch.setattr(optim, "on_gpu_of",
@@ -4407,14 +4431,9 @@ def test_sgd_and_adams_short_way_keeps_every_bit_of_the_step(kind, settings, dty
             assert a.dtype == dtype and a.tobytes() == b.tobytes() == c.tobytes()
     if kind == "sgd":
         assert short_opt._wide_layout is not None  # (the short way was taken)
-        for a, b, c in zip(short_opt.momentum_buffers, general_opt.momentum_buffers, state):
-            assert (a is None) == (b is None) == (c is None)
-            assert a is None or a.tobytes() == b.tobytes() == c.tobytes()
     else:
         assert gpus_looked_up  # (Adam's general way looks one up for each parameter)
-        for a, b, c in zip(short_opt.m + short_opt.v, general_opt.m + general_opt.v,
-                           state[0] + state[1]):
-            assert a.tobytes() == b.tobytes() == c.tobytes()
+    _assert_same_state(kind, short_opt, general_opt, state)
 
 
 @pytest.mark.parametrize("kind", ["sgd", "adam"])
@@ -4504,11 +4523,8 @@ def test_big_parameters_updated_in_blocks_keep_every_bit(kind, settings, dtype, 
     # very bits of the formula written out, on the short way and the general way
     # (read-only gradients), with and without momentum and weight decay; a strided
     # parameter is updated whole.
-    make = SGD if kind == "sgd" else Adam
-    short, general, reference = (_big_model_of(dtype, 5, kind) for _ in range(3))
-    short_opt, general_opt = make(short, **settings), make(general, **settings)
-    state = [None] * len(reference) if kind == "sgd" else (
-        [np.zeros_like(p) for p in reference], [np.zeros_like(p) for p in reference])
+    (short, general, reference), (short_opt, general_opt), state = \
+        _short_general_and_reference(kind, settings, lambda: _big_model_of(dtype, 5, kind))
     counted = _counting_blocks(monkeypatch)
     rng = np.random.default_rng(13)
     for t in range(1, 7):
@@ -4523,14 +4539,7 @@ def test_big_parameters_updated_in_blocks_keep_every_bit(kind, settings, dtype, 
             assert a.dtype == dtype and a.tobytes() == b.tobytes() == c.tobytes()
     # The three contiguous big ones, in blocks, at each step, each way; not the strided.
     assert sorted(counted) == sorted([p.size for p in short[:3]] * 12)
-    if kind == "sgd":
-        for a, b, c in zip(short_opt.momentum_buffers, general_opt.momentum_buffers, state):
-            assert (a is None) == (b is None) == (c is None)
-            assert a is None or a.tobytes() == b.tobytes() == c.tobytes()
-    else:
-        for a, b, c in zip(short_opt.m + short_opt.v, general_opt.m + general_opt.v,
-                           state[0] + state[1]):
-            assert a.tobytes() == b.tobytes() == c.tobytes()
+    _assert_same_state(kind, short_opt, general_opt, state)
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
