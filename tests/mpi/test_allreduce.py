@@ -269,6 +269,23 @@ def test_nan_propagates(op, small_chunks, world):
     assert not np.isnan(np.delete(y, [0, 17, 49])).any()
 
 
+@pytest.mark.parametrize("n", [12, 3000])  # (in the header exchange; by the ring)
+@pytest.mark.parametrize("op", ["min", "max"])
+def test_min_and_max_pass_on_a_nan_from_any_rank(op, n, small_chunks, world):
+    # MPICH's MPI_MAX and MPI_MIN keep a NaN only from some ranks (on 2 ranks: from
+    # rank 1, not rank 0); the docs promise np.maximum's NaN from whichever rank holds it.
+    # Element k has a NaN on rank k % SIZE only, among infinities that must not win.
+    x = rank_data(np.dtype(np.float32), n)
+    x[1::2] = np.inf if op == "max" else -np.inf
+    nan_here = np.arange(n) % 4 == RANK
+    x[nan_here] = np.nan
+    y = small_chunks.allreduce(x, op=op)
+    held = np.arange(n) % 4 < SIZE  # (elements whose NaN rank exists)
+    assert np.isnan(y[held]).all()
+    assert not np.isnan(y[~held]).any()
+    assert same_on_every_rank(y)
+
+
 def test_one_rank_returns_x_itself_bit_for_bit(comm, world):
     # On one rank every reduction of x is x, avg too (x / 1): a strided x (the general
     # path, through the core), a contiguous one (the short path, a copy in Python) and
