@@ -30,12 +30,14 @@ class PowerSGD:
     """
 
     def __init__(self, rank: int = 4, seed: int = 0):
-        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+        # (A numpy integer too, as for seed: a rank read from a config with numpy, or
+        # swept with np.arange, was refused as "not a positive int".)
+        if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or rank < 1:
             raise ValueError(f"PowerSGD: rank must be a positive int, got {rank!r}")
         # (Each parameter's first Q comes from default_rng(seed + its index).)
         if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
             raise ValueError(f"PowerSGD: seed must be an int >= 0, got {seed!r}")
-        self.rank = rank
+        self.rank = int(rank)  # (a plain int in repr(), which the ranks compare)
         self.seed = int(seed)
         self._q: dict[int, object] = {}      # parameter index -> Q (m x r), warm start
         self._error: dict[int, object] = {}  # parameter index -> what was not sent yet
@@ -177,7 +179,9 @@ class PowerSGD:
     def _load(self, state: dict, convert=lambda i, a: a) -> None:
         """Loads a state already checked (DistributedOptimizer.load_state_dict's way),
         each array of Q and of the error as convert(parameter index, array) gives it."""
-        self.rank, self.seed = state["rank"], int(state["seed"])
+        # (Plain ints: a state's np.int64(2), or 2.0, equals the optimizer's rank 2 and
+        # passes its check, but would show in repr() and reach the shapes of a Q drawn.)
+        self.rank, self.seed = int(state["rank"]), int(state["seed"])
         self._q, self._error = ({i: convert(i, a) for i, a in dict(state[key]).items()}
                                 for key in ("q", "error"))
 

@@ -4698,3 +4698,29 @@ def test_grad_ready_refuses_what_is_no_parameter_index(index):
     opt.step()
     assert opt.params[1].tolist() == [-0.1] * 3
 
+
+
+@pytest.mark.parametrize("rank", [np.int64(2), np.int32(2), np.uint8(2)], ids=repr)
+def test_powersgd_takes_a_numpy_integer_rank_as_it_takes_a_seed(rank):
+    # (From a review.) PowerSGD(rank=np.int64(2)), a rank read with numpy or swept with
+    # np.arange, raised "rank must be a positive int, got np.int64(2)", where a numpy
+    # seed was taken. It is the plain int 2: the same repr (which the ranks compare),
+    # and the same steps as PowerSGD(rank=2); a state's numpy rank loads as one too.
+    taken = PowerSGD(rank=rank, seed=np.int64(3))
+    assert type(taken.rank) is int and repr(taken) == "PowerSGD(rank=2, seed=3)"
+    grad = np.random.default_rng([RANK, 5]).standard_normal((20, 30))
+    results = []
+    for compression in (taken, PowerSGD(rank=2, seed=3)):
+        params = [np.zeros((20, 30))]
+        opt = DistributedOptimizer(SGD(params, lr=1.0), compression=compression)
+        opt.step([grad])
+        opt.step([grad])
+        results.append(params[0].tobytes())
+    assert results[0] == results[1]
+    state = opt.state_dict()
+    state["powersgd"]["rank"] = rank
+    opt.load_state_dict(state)
+    assert type(opt.powersgd.rank) is int and repr(opt.powersgd) == "PowerSGD(rank=2, seed=3)"
+    for bad in (0, -1, 1.5, True, np.float64(2.0), np.int64(0)):
+        with pytest.raises(ValueError, match="PowerSGD: rank must be a positive int"):
+            PowerSGD(rank=bad)
