@@ -1307,7 +1307,7 @@ class DistributedOptimizer:
         cast = None if self.powersgd else compression  # PowerSGD sends the rest as is
         # Matrices PowerSGD compresses skip the buckets; everything else is bucketed.
         self._low_rank = [i for i, p in enumerate(self.params)
-                          if self.powersgd is not None and self.powersgd.compresses(p.shape)]
+                          if self.powersgd is not None and self.powersgd.compresses(p.shape, p.dtype)]
         if self.powersgd is not None:
             # One with state already (loaded, or a copy of one that ran): its arrays are
             # keyed by parameter index, and must fit this model, as a loaded state must,

@@ -4724,3 +4724,35 @@ def test_powersgd_takes_a_numpy_integer_rank_as_it_takes_a_seed(rank):
     for bad in (0, -1, 1.5, True, np.float64(2.0), np.int64(0)):
         with pytest.raises(ValueError, match="PowerSGD: rank must be a positive int"):
             PowerSGD(rank=bad)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_powersgd_leaves_a_16_bit_matrix_whose_factors_would_be_bigger_uncompressed(dtype):
+    # (From a review.) P and Q of 16-bit gradients travel as float32, twice the bytes a
+    # number; counted in numbers, a float16 (16, 12) at rank 4 was compressed (192 >
+    # 112 numbers) and sent 448 bytes a step where uncompressed it sends 384, and came
+    # back approximated. It goes uncompressed now, as the average; a float32 one of that
+    # shape, and a 16-bit one where float32 factors are still smaller, are compressed.
+    if dtype == "bfloat16":
+        dtype = pytest.importorskip("ml_dtypes").bfloat16
+    dtype = np.dtype(dtype)
+    shapes = [(16, 12), (40, 30)]  # 192 <= 2 * 28 * 4; 1200 > 2 * 70 * 4
+    grads = [np.random.default_rng([RANK, i]).integers(-8, 9, s).astype(dtype)
+             for i, s in enumerate(shapes)]
+    average = np.mean(MPI.COMM_WORLD.allgather(grads[0].astype(np.float64)), axis=0)
+    sent = {}
+    for compression in (None, PowerSGD(rank=4)):
+        params = [np.zeros(s, dtype) for s in shapes]
+        opt = DistributedOptimizer(SGD(params, lr=1.0), compression=compression)
+        opt.step(grads)
+        before = opt.bytes_sent
+        opt.step(grads)
+        sent[compression is None] = opt.bytes_sent - before
+    assert opt._low_rank == [1]
+    # (Small integers averaged over p ranks: within float16's rounding of the average.)
+    np.testing.assert_allclose(-params[0].astype(np.float64) / 2, average,
+                               rtol=2.0 ** -7, atol=2.0 ** -7)
+    assert sent[False] < sent[True]  # PowerSGD sends less than the plain run
+    assert not PowerSGD(4).compresses((16, 12), dtype) and PowerSGD(4).compresses((16, 12))
+    assert PowerSGD(4).compresses((16, 12), np.float32) and PowerSGD(4).compresses((16, 12),
+                                                                                  np.float64)
