@@ -4756,3 +4756,26 @@ def test_powersgd_leaves_a_16_bit_matrix_whose_factors_would_be_bigger_uncompres
     assert not PowerSGD(4).compresses((16, 12), dtype) and PowerSGD(4).compresses((16, 12))
     assert PowerSGD(4).compresses((16, 12), np.float32) and PowerSGD(4).compresses((16, 12),
                                                                                   np.float64)
+
+
+def test_fp16_wire_gradients_past_float16s_top_at_the_smallest_scale_arrive_as_inf():
+    # (From a review.) docs/api.md said a finite gradient beyond about 5e33 "is passed
+    # on as it is": it travels at the smallest scale, 2^-100, and arrives with its
+    # digits up to 65504 * 2^100 (8.3e34), past that as an inf of its sign; the next
+    # step's ordinary gradients arrive as before.
+    class Kept:
+        params = [np.zeros(64, np.float32)]
+        handed = []
+
+        def step(self, grads):
+            self.handed.append(grads[0].astype(np.float64))
+
+    opt = DistributedOptimizer(Kept(), compression="fp16")
+    signs = np.where(np.arange(64) % 2, 1.0, -1.0)
+    for size, arrives in [(6e34, True), (2e35, False), (1.0, True)]:
+        opt.step([(size * signs).astype(np.float32)])
+        got = Kept.handed[-1]
+        if arrives:
+            np.testing.assert_allclose(got, size * signs, rtol=2.0 ** -10, err_msg=str(size))
+        else:
+            assert np.array_equal(got, np.inf * signs), got[:4]
