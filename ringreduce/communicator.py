@@ -248,6 +248,11 @@ class Handle:
         return (f"<ringreduce.Handle: {self._context}, "
                 f"{'done' if self._work.done() else 'in flight'}>")
 
+    def __reduce_ex__(self, protocol):
+        # (copy.copy, copy.deepcopy and pickle: a deep copy would copy the Communicator.)
+        raise TypeError(f"{self._context}: a Handle cannot be copied or pickled: share it, "
+                        "or copy the result of its wait()")
+
     def done(self) -> bool:
         """True once the collective has finished (successfully or not)."""
         return self._work.done()
@@ -1188,6 +1193,21 @@ class Communicator:
     def __repr__(self):
         state = "closed" if self._closed else f"chunk_bytes={self._chunk_bytes}"
         return f"<ringreduce.Communicator rank {self.rank} of {self.size}, {state}>"
+
+    def __reduce_ex__(self, protocol):
+        # copy.copy, copy.deepcopy and pickle all come here. A shallow copy shared this
+        # one's core and worker thread, so dropping the copy closed them under the
+        # original (on that rank alone: the others then met a close in their next
+        # call, or waited out their timeout); a deep copy or a pickle cannot carry a
+        # rank's place in a ring of live processes.
+        raise TypeError(
+            f"{t.where(self.rank, self.size, 'Communicator')}: a Communicator cannot be "
+            "copied or pickled (it is this rank's duplicate of an MPI communicator, its "
+            "shared memory and its worker thread): share the object itself (for "
+            "copy.deepcopy() of an object that holds it, pass "
+            "memo={id(comm): comm}), or make another on every rank with "
+            "rr.Communicator(comm.mpi_comm). A process made by multiprocessing cannot "
+            "use it: MPI gives a rank to one process")
 
     # -- collectives ----------------------------------------------------------------
 
