@@ -29,7 +29,7 @@ MODULES = {  # module -> timeout in seconds at 4 oversubscribed ranks on 2 cores
     "test_fast_vs_general.py": 180,  # the core's FastPath against the general path, fuzzed
     "test_many_ranks.py": 300,  # a short pass over every call, for 16 and 32 ranks below
     "test_subgroups.py": 180,  # row and column Communicators of a grid, alive at once
-    "test_lifecycle.py": 180,  # unusual communicators; copies refused; 2100 made and closed (2 ranks)
+    "test_lifecycle.py": 180,  # unusual communicators; copies refused; 2100 made (2 ranks)
 }
 
 
