@@ -623,6 +623,8 @@ class AsyncCall : public CallQueue::Call {
       empty_ = nullptr;
       call_ = nullptr;
     }
+  }
+  void announce() override {  // (the running lock let go)
     {
       std::lock_guard<std::mutex> lock(mutex_);
       done_.store(true, std::memory_order_release);

@@ -75,14 +75,20 @@ class CallQueue {
     // On the worker thread (or a waiting caller's: run_here()), holding running(). It
     // throws nothing: an error is the call's own, for whoever waits for it.
     virtual void run() = 0;
+    // After run(), once the running lock is let go: tells whoever waits for it that it
+    // is over. Where the waiter shares a core with the worker, it usually runs as soon
+    // as it is woken; woken while the worker still held the lock, a blocking call it
+    // then made (the loss after the gradients) slept until the worker let go: two
+    // context switches more.
+    virtual void announce() {}
     // Whether a caller waiting for it may run it in its own thread (run_here()): it
     // needs nothing of the worker's (a call that takes the GIL keeps the worker's
     // Python thread state, so it does not).
     virtual bool runs_anywhere() const { return false; }
     // Whether its run() takes Python's GIL (a call the Python layer queued).
     virtual bool takes_the_gil() const { return false; }
-    // Whether its run() is over (thread-safe): a caller that waited for it may go on
-    // before the worker has taken it off the queue (see unfinished()).
+    // Whether its run() is over and announced (thread-safe): a caller that waited for
+    // it may go on before the worker has taken it off the queue (see unfinished()).
     virtual bool finished() const { return false; }
   };
 

@@ -405,6 +405,27 @@ def test_a_call_waited_for_with_a_timeout_is_not_in_flight_once_its_wait_returns
           f"{still_queued} of 300")
 
 
+def test_a_wait_with_a_timeout_returns_once_the_worker_has_let_go(comm):
+    # A call's waiters are told it is over only once the worker has let go of the
+    # running lock: woken while the worker still held it (which, sharing a core with the
+    # worker, the waiter usually was), a blocking call made next (the loss after the
+    # gradients) slept until the worker let go, two context switches more. Counted: how
+    # often the worker held it still, which must be never.
+    needs_a_worker(comm)
+    x = rank_data(np.dtype(np.float32), 2)
+    expected = comm.allreduce(x)
+    running = comm._executor.running
+    held = 0
+    for attempt in range(300):
+        handle = comm.allreduce_async(x)
+        assert bitwise_equal(handle.wait(timeout=60), expected), attempt
+        if running.acquire(blocking=False):
+            running.release()
+        else:
+            held += 1
+    assert held == 0, f"the worker still held the running lock after {held} of 300 waits"
+
+
 def test_a_call_queued_without_waking_the_worker_still_runs_unwaited(comm):
     # A worker kept out by a caller that runs calls waits out its turn (200 us) without
     # being woken by the calls queued meanwhile that a caller may run: the caller that
