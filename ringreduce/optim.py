@@ -28,7 +28,8 @@ import numpy as np
 from . import _types, compression as _compression
 from ._arrays import (array_module, as_list_of_arrays, copy_where_it_is, gpu_of, on_gpu,
                       on_gpu_of, plain, the_one_gpu)
-from ._core import CollectiveTimeoutError, MismatchError, numpy_layout, pack_gradients
+from ._core import CollectiveTimeoutError, MismatchError, copy_gradient, numpy_layout, \
+    pack_gradients
 from .gradients import agree_or_raise, check_bucket_mb, pack_plan, span_of
 
 
@@ -1336,6 +1337,9 @@ class DistributedOptimizer:
                                 f"{', '.join(n for n in reduced if 'float' in n)}); give "
                                 "the optimizer float64 parameters, or compression='fp16'")
         self._bucket_of = {i: b for b in self._buckets for i in b.indices}
+        # The buckets grad_ready()'s short way fills: all of them where the parameters
+        # are on the host (there are then no GPU to make current), else none.
+        self._host_bucket_of = self._bucket_of if self._gpu is None else {}
         # Each bucketed parameter's place in its bucket (its target), by index: what
         # step() hands ringreduce's SGD and Adam as the averaged gradients where no
         # before_update sees them (see _finish).
@@ -1456,7 +1460,6 @@ class DistributedOptimizer:
         finally:
             self._accumulating = outer
 
-    @_on_its_gpu
     def grad_ready(self, index: int, grad) -> None:
         """The gradient of params[index] is final. Once every gradient of its bucket is
         in, the bucket's all-reduce starts (outside no_sync), while you keep computing;
@@ -1468,12 +1471,32 @@ class DistributedOptimizer:
         stay. Give none of that step's gradients after the error: the next one given
         begins the next step."""
         if not self.comm._executor.threaded:  # (_check_calling_thread, written out here)
-            self.comm._check_calling_thread(self._where("grad_ready"))
+            self.comm._check_calling_thread(self._grad_ready_where)
         self._abandoned_by_error = False  # (a gradient given, even one refused, begins one)
+        # The usual case at once (through _report, some 0.7 us a gradient, half of it
+        # Python's calls and tests): outside no_sync(), a plain numpy gradient of a host
+        # parameter's bucket, not given yet this step, is only copied into it: by
+        # copy_gradient, which tests the index, the array, its shape and its dtype as
+        # _report does, and copies nothing where any differs. Anything else, and every
+        # error, goes through _report, which says what is wrong.
         try:
-            self._report(index, grad)
+            bucket = self._host_bucket_of.get(index) if type(index) is int else None
+            if bucket is not None and index not in bucket.reported and not (
+                    self._accumulating or self._accumulated) and \
+                    copy_gradient(self.params, self._targets, index, grad):
+                reported = bucket.reported
+                reported.add(index)
+                if len(reported) == len(bucket.indices):  # (as _report, outside no_sync())
+                    self._start_complete_units()
+                return
+            if self._gpu is None:  # (no `with` for the host: see _on_its_gpu)
+                self._report(index, grad)
+            else:
+                with on_gpu(self._gpu):
+                    self._report(index, grad)
         except BaseException:
-            self._abandon_at_error()
+            with on_gpu(self._gpu):  # (as _on_its_gpu would, around all of grad_ready)
+                self._abandon_at_error()
             raise
 
     def _reported_twice(self, who: str, index: int) -> ValueError:

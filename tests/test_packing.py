@@ -1,6 +1,7 @@
 """allreduce_gradients' helpers in the core, one process: pack_gradients() and
 unpack_gradients() (memcpy of the common case, False for anything else, with nothing
-copied) and numpy_layout() (the key to its cache of plans)."""
+copied) and numpy_layout() (the key to its cache of plans); and grad_ready()'s
+copy_gradient() (the same for one gradient and its place in a bucket)."""
 import ctypes
 import pickle
 
@@ -115,6 +116,117 @@ def test_unpack_copies_nothing_where_one_array_is_read_only():
     flat[:] = 9
     assert _core.unpack_gradients(flat, grads, [0, 1, 2, 3]) is False
     assert (grads[0] != 9).all()
+
+
+def places(*shapes, dtype=np.float64):
+    """Parameters of these shapes, and each one's place (its target) in one flat
+    buffer, as DistributedOptimizer's buckets make them; and the buffer."""
+    params = [np.zeros(shape, dtype) for shape in shapes]
+    flat = np.full(sum(p.size for p in params), -1, dtype)
+    targets, offset = [], 0
+    for p in params:
+        targets.append(flat[offset:offset + p.size].reshape(p.shape))
+        offset += p.size
+    return params, targets, flat
+
+
+@pytest.mark.parametrize("nbytes", [0, 8, 1000, 64 << 10, (1 << 20) + 8])
+def test_copy_gradient_copies_a_gradient_into_its_place_alone(nbytes):
+    # (From 64 KiB the copy runs without the GIL.)
+    params, targets, flat = places(5, nbytes // 8, (2, 3))
+    grad = np.random.default_rng(1).standard_normal(nbytes // 8)
+    assert _core.copy_gradient(params, targets, 1, grad) is True
+    np.testing.assert_array_equal(targets[1], grad)
+    assert (targets[0] == -1).all() and (targets[2] == -1).all()
+    matrix = np.arange(6.0).reshape(2, 3)
+    assert _core.copy_gradient(params, targets, 2, matrix) is True
+    np.testing.assert_array_equal(flat[-6:], np.arange(6.0))
+
+
+def test_copy_gradient_copies_an_overlapping_gradient_as_numpy_assigns_it():
+    # (A gradient that is a view of the bucket itself: the averages of a step before.)
+    params, targets, flat = places(4, 4)
+    flat[:] = np.arange(8.0)
+    expected = flat.copy()
+    expected[4:] = expected[2:6]  # (numpy copies as if through a temporary)
+    assert _core.copy_gradient(params, targets, 1, flat[2:6]) is True
+    np.testing.assert_array_equal(flat, expected)
+    assert _core.copy_gradient(params, targets, 1, targets[1]) is True  # (itself)
+    np.testing.assert_array_equal(flat, expected)
+
+
+def test_copy_gradient_takes_a_read_only_gradient_and_equal_dtypes_spelt_differently():
+    params, targets, _ = places(3, dtype=np.int64)
+    grad = np.array([1, 2, 3], dtype="q" if np.dtype("q") == np.int64 else "l")
+    grad.flags.writeable = False
+    assert _core.copy_gradient(params, targets, 0, grad) is True
+    assert targets[0].tolist() == [1, 2, 3]
+
+
+@pytest.mark.filterwarnings("ignore::PendingDeprecationWarning")  # (np.matrix's own)
+@pytest.mark.parametrize("case", [
+    "strided", "fortran", "other dtype", "byte-swapped", "other shape", "same size, other shape",
+    "a subclass", "a masked array", "not an array", "a bool index", "a numpy index",
+    "a float index", "negative index", "index past the end", "huge index", "no target",
+    "target of another shape", "read-only target", "strided target", "target a subclass",
+    "object", "params a tuple", "targets a tuple", "param reshaped since"])
+def test_copy_gradient_copies_nothing_but_the_common_case(case):
+    params, targets, flat = places((2, 2), (2, 2))
+    index, grad = 1, np.arange(4.0).reshape(2, 2)
+    if case == "strided":
+        grad = np.arange(8.0).reshape(2, 4)[:, ::2]
+    elif case == "fortran":
+        grad = np.asfortranarray(grad)
+    elif case == "other dtype":
+        grad = grad.astype(np.float32)
+    elif case == "byte-swapped":
+        grad = grad.astype(">f8" if np.little_endian else "<f8")
+    elif case == "other shape":
+        grad = np.arange(6.0).reshape(2, 3)
+    elif case == "same size, other shape":
+        grad = grad.reshape(4, 1)
+    elif case == "a subclass":
+        grad = np.matrix(grad)
+    elif case == "a masked array":
+        grad = np.ma.masked_array(grad, mask=[[1, 0], [0, 0]])
+    elif case == "not an array":
+        grad = grad.tolist()
+    elif case == "a bool index":
+        index = True
+    elif case == "a numpy index":
+        index = np.int64(1)
+    elif case == "a float index":
+        index = 1.0
+    elif case == "negative index":
+        index = -1
+    elif case == "index past the end":
+        index = 2
+    elif case == "huge index":
+        index = 1 << 80
+    elif case == "no target":
+        targets[1] = None
+    elif case == "target of another shape":
+        targets[1] = targets[1].reshape(4)
+    elif case == "read-only target":
+        targets[1].flags.writeable = False
+    elif case == "strided target":
+        targets[1] = np.full((2, 4), -1.0)[:, ::2]
+    elif case == "target a subclass":
+        targets[1] = np.matrix(targets[1])
+    elif case == "object":
+        params = [p.astype(object) for p in params]
+        targets = [t.astype(object) for t in targets]
+        grad = grad.astype(object)
+    elif case == "params a tuple":
+        params = tuple(params)
+    elif case == "targets a tuple":
+        targets = tuple(targets)
+    elif case == "param reshaped since":
+        params[1].shape = (4,)
+    before = [None if t is None else np.array(t, copy=True) for t in targets]
+    assert _core.copy_gradient(params, targets, index, grad) is False
+    for t, b in zip(targets, before):
+        np.testing.assert_array_equal(t, b)
 
 
 @pytest.mark.filterwarnings("ignore::PendingDeprecationWarning")  # (np.matrix's own)

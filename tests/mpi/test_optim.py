@@ -4700,6 +4700,64 @@ def test_grad_ready_refuses_what_is_no_parameter_index(index):
 
 
 
+def test_grad_ready_copies_a_plain_gradient_at_once_and_checks_anything_else(monkeypatch):
+    # grad_ready() copies a plain C-contiguous numpy gradient of its parameter's shape and
+    # dtype into its bucket without _report (2026-12-07: 0.7 us a gradient became 0.2);
+    # anything else goes through _report, whose checks say what is wrong, with the same
+    # result where nothing is.
+    reported = []
+    report = DistributedOptimizer._report
+    monkeypatch.setattr(DistributedOptimizer, "_report", lambda self, index, grad, *rest:
+                        reported.append(index) or report(self, index, grad, *rest))
+    params = [np.zeros((2, 2), np.float32), np.zeros(3, np.float32), np.zeros(5, np.float32)]
+    opt = DistributedOptimizer(SGD(params, lr=1.0), bucket_mb=28 / 2**20)
+    assert [b.indices for b in opt._buckets] == [[2], [1, 0]]
+    grads = [np.arange(4, dtype=np.float32).reshape(2, 2) * (RANK + 1),
+             np.full(3, RANK + 1.0, np.float32), np.arange(5, dtype=np.float32) * (RANK + 1)]
+    read_only = grads[1].copy()
+    read_only.flags.writeable = False
+    mean = (SIZE + 1) / 2
+
+    def step_and_check(given, micro_batches=1):
+        before = [p.copy() for p in params]
+        for i in (2, 1, 0):
+            opt.grad_ready(i, given[i])
+        opt.step()
+        for p, b, g in zip(params, before, grads):
+            np.testing.assert_array_equal(p, b - micro_batches * g / (RANK + 1) * mean)
+
+    step_and_check(grads)
+    step_and_check([grads[0].T.T, read_only, grads[2]])  # (a C-contiguous view; read-only)
+    assert reported == []
+    # Each of these goes through _report, which takes it or refuses it with its reason.
+    for index, grad in ((np.int64(2), grads[2]), (2, np.zeros(10, np.float32)[::2]),
+                        (0, np.asfortranarray(grads[0])), (1, grads[1].astype(np.float64)),
+                        (1, grads[1][:2]), (1, np.ma.masked_array(grads[1])), (3, grads[1])):
+        reported.clear()
+        try:
+            opt.grad_ready(index, grad)
+        except (ValueError, TypeError):
+            pass  # (the error abandoned the step)
+        else:
+            opt.abandon_step()
+        assert reported == [index]
+    reported.clear()
+    opt.grad_ready(1, grads[1])
+    with pytest.raises(ValueError, match=r"params\[1\] was reported twice"):
+        opt.grad_ready(1, grads[1] + 1)
+    assert reported == [1]
+    reported.clear()
+    with opt.no_sync():
+        step_and_check(grads, micro_batches=0)
+    assert reported == [2, 1, 0]
+    reported.clear()
+    step_and_check(grads, micro_batches=2)  # (adding to the sums: through _report too)
+    assert reported == [2, 1, 0]
+    reported.clear()
+    step_and_check(grads)
+    assert reported == []
+
+
 @pytest.mark.parametrize("rank", [np.int64(2), np.int32(2), np.uint8(2)], ids=repr)
 def test_powersgd_takes_a_numpy_integer_rank_as_it_takes_a_seed(rank):
     # (From a review.) PowerSGD(rank=np.int64(2)), a rank read with numpy or swept with
