@@ -169,7 +169,9 @@ def test_copy_gradient_takes_a_read_only_gradient_and_equal_dtypes_spelt_differe
     "a subclass", "a masked array", "not an array", "a bool index", "a numpy index",
     "a float index", "negative index", "index past the end", "huge index", "no target",
     "target of another shape", "read-only target", "strided target", "target a subclass",
-    "object", "params a tuple", "targets a tuple", "param reshaped since"])
+    "object", "params a tuple", "targets a tuple", "param reshaped since",
+    "fewer dimensions", "param of as many dimensions, other shape",
+    "target of as many dimensions, other shape", "targets shorter than params"])
 def test_copy_gradient_copies_nothing_but_the_common_case(case):
     params, targets, flat = places((2, 2), (2, 2))
     index, grad = 1, np.arange(4.0).reshape(2, 2)
@@ -223,10 +225,25 @@ def test_copy_gradient_copies_nothing_but_the_common_case(case):
         targets = tuple(targets)
     elif case == "param reshaped since":
         params[1].shape = (4,)
+    # (Each dimension is compared, not the count or the size alone: a (2,) gradient's one
+    # dimension is the (2, 2) parameter's first.)
+    elif case == "fewer dimensions":
+        grad = np.arange(2.0)
+    elif case == "param of as many dimensions, other shape":
+        params[1].shape = (1, 4)
+    elif case == "target of as many dimensions, other shape":
+        targets[1] = targets[1].reshape(1, 4)
+    elif case == "targets shorter than params":
+        # (CPython keeps the popped item's pointer past the list's end, where 4 appends
+        # made room for 4: read there, it is a live target of the right shape.)
+        params, targets, flat = places((2, 2), (2, 2), (2, 2), (2, 2))
+        index, popped = 3, targets.pop()  # (popped, a view of flat, checked below)
     before = [None if t is None else np.array(t, copy=True) for t in targets]
+    flat_before = flat.copy()
     assert _core.copy_gradient(params, targets, index, grad) is False
     for t, b in zip(targets, before):
         np.testing.assert_array_equal(t, b)
+    np.testing.assert_array_equal(flat, flat_before)
 
 
 @pytest.mark.filterwarnings("ignore::PendingDeprecationWarning")  # (np.matrix's own)
