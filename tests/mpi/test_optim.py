@@ -4685,10 +4685,12 @@ def test_a_16_bit_buckets_float32_copies_take_a_blocks_memory(dtype, compression
     expected = 1.0 - 2e-3 * (MPI.COMM_WORLD.Get_size() + 1) / 2
     assert np.allclose(p.astype(np.float64), expected, rtol=2e-3), (p[:3], expected)
 
-@pytest.mark.parametrize("index", [True, False, 1.0, "0", -1, 2, np.int64(5), None])
+@pytest.mark.parametrize("index", [True, False, 1.0, "0", -1, 2, np.int64(5), None, [1],
+                                   np.array(1)], ids=repr)
 def test_grad_ready_refuses_what_is_no_parameter_index(index):
     # grad_ready() takes a Python int at once (2026-12-07); anything else is looked at
-    # as before: bools, floats and strings are no index, nor one out of range.
+    # as before: bools, floats and strings are no index, nor one out of range; nor an
+    # unhashable one (a list, a 0-d array), which the short way must not look up.
     opt = DistributedOptimizer(SGD([np.zeros(2), np.zeros(3)], lr=0.1))
     with pytest.raises(ValueError, match=rf"index {re.escape(repr(index))} is not a "
                                          r"parameter index \(0\.\.1\)"):
