@@ -1735,8 +1735,10 @@ class Communicator:
 
         # A strided (or byte-swapped) x goes straight into its rows of the result
         # (gather_rows), unless it is small enough to ride along with the row counts
-        # (then a copy of it does) or shares memory with out, whose other rows the ring
-        # overwrites while x would still be read.
+        # (then a copy of it does) or shares memory with out: copied into out's rows
+        # before the ring, it would be read in full before the ring writes, but numpy
+        # 2.4's assignment copies wrong between some overlapping strided arrays (see
+        # allreduce), so a separate copy of it first.
         copy = copy and (x.nbytes <= core.inline_capacity
                          or out is not None and np.may_share_memory(x, out))
 
