@@ -240,31 +240,15 @@ def test_ctrl_c_to_mpiexec_while_ranks_set_up_a_distributed_optimizer(tmp_path, 
 
 
 @pytest.mark.parametrize("shm", ["1", "0"], ids=["shared memory", "MPI"])
-def test_ctrl_c_on_one_rank_in_broadcast_parameters_tells_the_other(tmp_path, shm):
-    # Rank 0 waits in broadcast_parameters() for rank 1 (asleep 6 s): Ctrl-C on rank 0.
-    # Rank 1, when it comes, raises CollectiveTimeoutError at once, naming rank 0.
-    job = Job(tmp_path, "optimizer.py", OPTIMIZER, args=("broadcast", "6"),
-              env={"RINGREDUCE_SHM": shm})
-    pids = job.wait_until_ready()
-    time.sleep(1.0)
-    os.kill(pids[0], signal.SIGINT)
-    out, err = job.end(within=60)
-    caught = what_each_rank_caught(out)
-    # (stopped where it waited, at about 1 s: not once rank 1 came, at 6 s)
-    assert caught[0][1] == "KeyboardInterrupt" and caught[0][0] < 4, out + err
-    seconds, kind, text = caught[1]
-    assert kind == "CollectiveTimeoutError" and seconds < 15, out + err
-    assert "rank 0 has left this communicator" in text, text
-
-
-@pytest.mark.parametrize("shm", ["1", "0"], ids=["shared memory", "MPI"])
-def test_ctrl_c_on_one_rank_making_a_distributed_optimizer(tmp_path, shm):
-    # Rank 0 waits in DistributedOptimizer(...) for rank 1 (asleep 6 s): Ctrl-C on
-    # rank 0, which raises KeyboardInterrupt there and leaves the communicator. Its part
-    # of the agreement was on its way already, so rank 1 makes its optimizer (a call of
-    # small rows completes where every rank's rows came); its first step then raises at
-    # once, naming rank 0, instead of waiting out the timeout.
-    job = Job(tmp_path, "optimizer.py", OPTIMIZER, args=("make", "6"),
+@pytest.mark.parametrize("case", ["broadcast", "make"])
+def test_ctrl_c_on_one_rank_in_an_optimizers_agreement_tells_the_other(tmp_path, case, shm):
+    # Rank 0 waits for rank 1 (asleep 6 s) in broadcast_parameters() or in
+    # DistributedOptimizer(...): Ctrl-C on rank 0, which raises KeyboardInterrupt there
+    # and leaves the communicator. Rank 1, when it comes, raises CollectiveTimeoutError
+    # at once, naming rank 0: in broadcast_parameters(), or (making it) at its first
+    # step, as rank 0's part of the agreement was on its way already, so rank 1 makes
+    # its optimizer (a call of small rows completes where every rank's rows came).
+    job = Job(tmp_path, "optimizer.py", OPTIMIZER, args=(case, "6"),
               env={"RINGREDUCE_SHM": shm})
     pids = job.wait_until_ready()
     time.sleep(1.0)

@@ -123,6 +123,19 @@ def same_on_every_rank(array, comm=MPI.COMM_WORLD):
     return all(b == blobs[0] for b in blobs)
 
 
+def result_and_peak_allocated(call):
+    """call()'s result, and the most that Python and numpy held allocated at once while
+    it ran (tracemalloc's peak, beyond what was held before: numpy reports its data
+    buffers to it, the core's own buffers are not numpy's)."""
+    import tracemalloc  # (here: only the memory tests trace)
+    tracemalloc.start()
+    try:
+        result = call()
+        return result, tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
 def bitwise_equal(a, b):
     return a.shape == b.shape and a.dtype == b.dtype and a.tobytes() == b.tobytes()
 

@@ -10,7 +10,7 @@ from ringreduce import reference
 
 from helpers import (BFLOAT16, COMBOS, DTYPES, around_inline_limit, bitwise_equal,
                      check_against_float64, combo_id, exact_integer_reduce, on_one_machine,
-                     pretended_machines, rank_data,
+                     pretended_machines, rank_data, result_and_peak_allocated,
                      same_on_every_rank, supported)
 
 SIZE = MPI.COMM_WORLD.Get_size()
@@ -801,16 +801,10 @@ def test_a_strided_input_costs_no_copy_beside_the_result(comm, world):
              ("async new", lambda: comm.allreduce_async(x).wait(), nbytes),
              ("general path", lambda: comm._call("allreduce", comm._prepare_allreduce, x,
                                                  "sum", y, wait=True), 0)]
-    import tracemalloc
     for what, call, result_bytes in calls:
         y = np.zeros(n)
         before = base.copy()
-        tracemalloc.start()
-        try:
-            got = call()
-            peak = tracemalloc.get_traced_memory()[1]
-        finally:
-            tracemalloc.stop()
+        got, peak = result_and_peak_allocated(call)
         assert peak < result_bytes + nbytes // 4, (what, peak)
         np.testing.assert_allclose(got, expected, rtol=1e-12, atol=1e-12, err_msg=what)
         assert bitwise_equal(base, before), what

@@ -11,7 +11,7 @@ from ringreduce import communicator, reference
 
 from helpers import (BFLOAT16, COMBOS, around_inline_limit, bitwise_equal,
                      check_against_float64, combo_id, exact_integer_reduce, rank_data,
-                     same_on_every_rank)
+                     result_and_peak_allocated, same_on_every_rank)
 
 SIZE = MPI.COMM_WORLD.Get_size()
 RANK = MPI.COMM_WORLD.Get_rank()
@@ -718,7 +718,6 @@ def test_a_strided_x_costs_no_copy_of_its_own_in_reduce_scatter_or_allgather(com
     # which sees numpy's allocations (the core's own buffers, a few chunks, are not
     # numpy's). 8 MiB: not a kept result. (One rank has no ring: reduce_scatter copies
     # x there, and keeps no workspace.)
-    import tracemalloc
     n = 1 << 20
     base = rank_data(np.dtype(np.float64), 2 * n, salt=24)
     x = base[::2]
@@ -735,12 +734,7 @@ def test_a_strided_x_costs_no_copy_of_its_own_in_reduce_scatter_or_allgather(com
              ("allgather out=", lambda: comm.allgather(x, out=gathered), 0, want_all),
              ("allgather new", lambda: comm.allgather(x), want_all.nbytes, want_all)]
     for what, call, result_bytes, want in calls[2 * (SIZE == 1):]:
-        tracemalloc.start()
-        try:
-            got = call()
-            peak = tracemalloc.get_traced_memory()[1]
-        finally:
-            tracemalloc.stop()
+        got, peak = result_and_peak_allocated(call)
         assert peak < result_bytes + nbytes // 4, (what, peak)
         assert bitwise_equal(got, want), what
         del got

@@ -23,6 +23,7 @@ from ringreduce.optim import SGD, Adam, DistributedOptimizer
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
 from mlp import init_params, loss_and_grads  # noqa: E402
 from helpers import TorchTensor as Tensor  # noqa: E402
+from helpers import result_and_peak_allocated  # noqa: E402
 
 SIZE = MPI.COMM_WORLD.Get_size()
 RANK = MPI.COMM_WORLD.Get_rank()
@@ -4645,17 +4646,11 @@ def test_a_big_parameters_step_takes_temporaries_of_a_block(kind, dtype):
     # What a step allocates beyond its state (SGD's momentum buffer at the first step,
     # Adam's moments made with it): a block's temporaries, not a parameter's (SGD's
     # lr * g, Adam's three; a 16-bit parameter's float32 copy and its gradient's).
-    import tracemalloc
     p = np.ones(4 * optim._SGD_BLOCKS_FROM // np.dtype(dtype).itemsize, dtype)
     g = np.full(p.shape, 0.5, dtype)
     opt = SGD([p], lr=0.01, momentum=0.9) if kind == "sgd" else Adam([p])
     opt.step([g])  # (the first: SGD's buffer made)
-    tracemalloc.start()
-    try:
-        opt.step([g])
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
+    peak = result_and_peak_allocated(lambda: opt.step([g]))[1]
     assert peak < 4 * optim._BLOCK * 4 + 64 * 1024 < p.nbytes / 4
 
 
@@ -4666,18 +4661,12 @@ def test_a_16_bit_buckets_float32_copies_take_a_blocks_memory(dtype, compression
     # A bucket that travels as float16 is scaled into its wire, and back, in float32:
     # a block at a time (2026-12-07), not as a float32 copy of the whole bucket (for
     # float16 parameters without compression: both ways; float32 ones with fp16: N).
-    import tracemalloc
     # (Big enough for SGD's own update to go a block at a time too.)
     p = np.ones(optim._SGD_BLOCKS_FROM // np.dtype(dtype).itemsize + 5, dtype)
     opt = DistributedOptimizer(SGD([p], lr=1e-3), compression=compression)
     g = np.full(p.shape, RANK + 1.0, dtype)
     opt.step([g])  # (the first: the bucket made)
-    tracemalloc.start()
-    try:
-        opt.step([g])
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
+    peak = result_and_peak_allocated(lambda: opt.step([g]))[1]
     # (At most three float32 blocks at once: a 16-bit parameter's update widens its
     # block and its gradient's, beside lr * g.)
     assert peak < 3 * optim._BLOCK * 4 + 64 * 1024 < p.size * 4 / 2
