@@ -14,6 +14,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -66,6 +67,21 @@ def run_script(tmp_path, name, text, env=None, timeout=60, args=(), abort_on_exc
     except subprocess.TimeoutExpired:
         subprocess.run(["pkill", "-f", str(script)])
         raise AssertionError("the job hung instead of ending") from None
+
+
+def start_script(tmp_path, name, text, args=(), ranks=2, env=None, timeout=120):
+    """The job (on 2 ranks unless told) running, its output piped, for a test to act on
+    as it goes; killed after `timeout` seconds whatever happens (a test reading its
+    output would otherwise wait for good on a job that hangs before it says anything)."""
+    script = tmp_path / name
+    script.write_text(text)
+    job = subprocess.Popen([mpiexec(), "-n", str(ranks), sys.executable, str(script), *args],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           env=job_env(env))
+    watchdog = threading.Timer(timeout, job.kill)
+    watchdog.daemon = True
+    watchdog.start()
+    return job
 
 
 def failures_reported(report_dir: Path) -> str:

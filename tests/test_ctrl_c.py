@@ -8,13 +8,11 @@ import os
 import re
 import signal
 import subprocess
-import sys
-import threading
 import time
 
 import pytest
 
-from launch import job_env, mpiexec
+from launch import mpiexec, start_script
 
 # Every rank says "rank R pid P ready" just before the point where the SIGINT is to find
 # it, and, where it catches one, "rank R SECONDS KIND: message" (one write: whole lines).
@@ -105,15 +103,9 @@ class Job:
 
     def __init__(self, tmp_path, name, text, args=(), ranks=2, env=None, limit=120):
         self.script = tmp_path / name
-        self.script.write_text(text)
         self.ranks = ranks
-        self.process = subprocess.Popen(
-            [mpiexec(), "-n", str(ranks), sys.executable, str(self.script), *args],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            env=job_env({"RINGREDUCE_TIMEOUT": "120", **(env or {})}))
-        self.watchdog = threading.Timer(limit, self.process.kill)
-        self.watchdog.daemon = True
-        self.watchdog.start()
+        self.process = start_script(tmp_path, name, text, args, ranks,
+                                    {"RINGREDUCE_TIMEOUT": "120", **(env or {})}, limit)
         self.said = ""
 
     def wait_until_ready(self) -> dict:
@@ -134,8 +126,6 @@ class Job:
             self.kill()
             out, err = self.process.communicate()
             raise AssertionError(f"the job went on after Ctrl-C:\n{self.said}{out}{err}") from None
-        finally:
-            self.watchdog.cancel()
         return self.said + out, err
 
     def kill(self):

@@ -14,12 +14,11 @@ import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
 
-from launch import job_env, mpiexec, run_script
+from launch import job_env, mpiexec, run_script, start_script
 
 LEAVE_WITH_BLOCK = """
 import numpy as np
@@ -31,21 +30,6 @@ with rr.Communicator() as ring:
         raise KeyError("only on rank 1")
     ring.allreduce(np.ones(10))  # rank 0 waits here for rank 1
 """
-
-
-def start_script(tmp_path, name, text, timeout=120):
-    """The job running on 2 ranks, its output piped, for a test to act on as it goes;
-    killed after `timeout` seconds whatever happens (a test reading its output would
-    otherwise wait for good on a job that hangs before it says anything)."""
-    script = tmp_path / name
-    script.write_text(text)
-    job = subprocess.Popen([mpiexec(), "-n", "2", sys.executable, str(script)],
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                           env=job_env())
-    watchdog = threading.Timer(timeout, job.kill)
-    watchdog.daemon = True
-    watchdog.start()
-    return job
 
 
 def test_an_exception_leaving_a_with_block_on_one_rank_ends_the_job(tmp_path):
