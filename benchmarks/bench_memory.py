@@ -48,6 +48,12 @@ def filled(n, dtype):
     return a
 
 
+def every_other(n, dtype):
+    """(an array of 2n elements, filled; its strided view of every other one, n)"""
+    base = filled(2 * n, dtype)
+    return base, base[::2]
+
+
 def case_setup(name, dtype, nbytes, comm):
     """(inputs to keep alive, the call to measure, bytes of a result the call makes)"""
     n = nbytes // np.dtype(dtype).itemsize
@@ -58,6 +64,7 @@ def case_setup(name, dtype, nbytes, comm):
         op = name.rsplit("-", 1)[1]
         name = name.rsplit("-", 1)[0]
     x = filled(n, dtype)
+    own_part = n // p + (comm.rank < n % p)  # (reduce_scatter's block: as array_split cuts)
     if name == "allreduce":
         return [x], lambda: comm.allreduce(x, op), nbytes
     if name == "allreduce-inplace":
@@ -66,12 +73,10 @@ def case_setup(name, dtype, nbytes, comm):
         y = filled(n, dtype)
         return [x, y], lambda: comm.allreduce(x, op, out=y), 0
     if name == "allreduce-noncontig":
-        base = filled(2 * n, dtype)
-        v = base[::2]
+        base, v = every_other(n, dtype)
         return [base], lambda: comm.allreduce(v, op), nbytes
     if name == "allreduce-noncontig-out":
-        base = filled(2 * n, dtype)
-        v = base[::2]
+        base, v = every_other(n, dtype)
         y = filled(n, dtype)
         return [base, y], lambda: comm.allreduce(v, op, out=y), 0
     if name == "allreduce_async":
@@ -81,24 +86,20 @@ def case_setup(name, dtype, nbytes, comm):
     if name == "reduce_scatter":
         return [x], lambda: comm.reduce_scatter(x, op), nbytes // p
     if name == "reduce_scatter-out":
-        y = filled(np.array_split(np.empty(n, np.uint8), p)[comm.rank].size, dtype)
+        y = filled(own_part, dtype)
         return [x, y], lambda: comm.reduce_scatter(x, op, out=y), 0
     if name == "reduce_scatter-noncontig":
-        base = filled(2 * n, dtype)
-        v = base[::2]
+        base, v = every_other(n, dtype)
         return [base], lambda: comm.reduce_scatter(v, op), nbytes // p
     if name == "reduce_scatter-noncontig-out":
-        base = filled(2 * n, dtype)
-        v = base[::2]
-        y = filled(np.array_split(np.empty(n, np.uint8), p)[comm.rank].size, dtype)
+        base, v = every_other(n, dtype)
+        y = filled(own_part, dtype)
         return [base, y], lambda: comm.reduce_scatter(v, op, out=y), 0
     if name == "allgather-noncontig":
-        base = filled(2 * (n // p), dtype)
-        v = base[::2]
+        base, v = every_other(n // p, dtype)
         return [base], lambda: comm.allgather(v), (n // p) * p * v.itemsize
     if name == "allgather-noncontig-out":
-        base = filled(2 * (n // p), dtype)
-        v = base[::2]
+        base, v = every_other(n // p, dtype)
         y = filled((n // p) * p, dtype)
         return [base, y], lambda: comm.allgather(v, out=y), 0
     if name == "allgather":  # each rank's x is N/p: the result is N
@@ -111,8 +112,7 @@ def case_setup(name, dtype, nbytes, comm):
     if name == "broadcast":
         return [x], lambda: comm.broadcast(x, root=0), 0
     if name == "broadcast-noncontig":
-        base = filled(2 * n, dtype)
-        v = base[::2]
+        base, v = every_other(n, dtype)
         return [base], lambda: comm.broadcast(v, root=0), 0
     if name == "mpi4py-inplace":
         return [x], lambda: world.Allreduce(MPI.IN_PLACE, x, op=MPI.SUM), 0
