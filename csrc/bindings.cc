@@ -1624,8 +1624,9 @@ bool copy_gradient(py::handle params, py::handle targets, py::handle index, py::
   }
   for (PyObject* other : {param->descr, to->descr})
     if (g->descr != other && !api.PyArray_EquivTypes_(g->descr, other)) return false;
-  if (py::reinterpret_borrow<py::dtype>(to->descr).flags() & kHasObject) return false;
-  const size_t bytes = elements * static_cast<size_t>(py::reinterpret_borrow<py::dtype>(to->descr).itemsize());
+  const auto target_dtype = py::reinterpret_borrow<py::dtype>(to->descr);
+  if (target_dtype.flags() & kHasObject) return false;
+  const size_t bytes = elements * static_cast<size_t>(target_dtype.itemsize());
   if (bytes >= kWithoutGilBytes) {
     WithoutGil nogil;
     copy_bytes(to->data, g->data, bytes);
