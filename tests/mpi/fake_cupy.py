@@ -1,7 +1,7 @@
 """Just enough of cupy's surface, over host memory, for ringreduce/_device.py to run on
 machines without a GPU: arrays that present __cuda_array_interface__, streams and
-events that do nothing (though streams are current per thread, as cupy's are), and GPUs
-that arrays live on (below).
+events that do nothing (though streams are current per thread and GPU, as cupy's are),
+flags as cupy's (no `writeable`), and GPUs that arrays live on (below).
 Paired with the core's host emulation of the GPU (ringreduce._device._EMULATE), the
 Python half of the GPU path (argument checks, out=, in place, strides, the async
 worker, allgather's allocation) runs under MPI in CI.
@@ -133,7 +133,7 @@ class ndarray:
     size = property(lambda self: self.host.size)
     ndim = property(lambda self: self.host.ndim)
     nbytes = property(lambda self: self.host.nbytes)
-    flags = property(lambda self: self.host.flags)
+    flags = property(lambda self: _Flags(self.host.flags))
     strides = property(lambda self: self.host.strides)
     data = property(lambda self: _Pointer(self.host, self._device))
     device = property(lambda self: Device(self._device))
@@ -215,6 +215,21 @@ class ndarray:
     T = property(lambda self: ndarray(self.host.T, self._device))
     real = property(lambda self: ndarray(self.host.real, self._device))
     imag = property(lambda self: ndarray(self.host.imag, self._device))
+
+
+class _Flags:
+    """cupy's ndarray.flags: C_CONTIGUOUS, F_CONTIGUOUS and OWNDATA only (numpy's
+    writeable, aligned and the rest are not there: code that asks a cupy array for them
+    raises AttributeError, as it does on a GPU)."""
+
+    def __init__(self, flags):
+        self.c_contiguous = flags.c_contiguous
+        self.f_contiguous = flags.f_contiguous
+        self.owndata = flags.owndata
+
+    def __getitem__(self, key):
+        return {"C_CONTIGUOUS": self.c_contiguous, "F_CONTIGUOUS": self.f_contiguous,
+                "OWNDATA": self.owndata}[key]
 
 
 def _fancy(key) -> bool:
@@ -403,12 +418,16 @@ class _Nothing:
 
 
 class Stream(_Nothing):
-    """Does nothing, but is current per thread as cupy's streams are (`with stream:`
-    nests), and has cupy's two built-in handles: `null` (ptr 0, the legacy default
-    stream) and `ptds` (ptr 2, which names each thread's own per-thread stream)."""
+    """Does nothing, but is current as cupy's streams are: per thread and per GPU
+    (`with stream:` nests, on the GPU the stream was made on, and raises cupy's
+    RuntimeError where another GPU is current; get_current_stream() gives the current
+    GPU's), and has cupy's two built-in handles, of no GPU in particular: `null` (ptr
+    0, the legacy default stream) and `ptds` (ptr 2, which names each thread's own
+    per-thread stream)."""
 
-    def __init__(self, *args, ptr=1 << 20, **kwargs):
-        self.ptr = ptr
+    def __init__(self, *args, ptr=None, device_id=None, **kwargs):
+        self.ptr = id(self) if ptr is None else ptr  # (each stream a handle of its own)
+        self.device_id = _current() if device_id is None else device_id
         self.capturing = False  # (set by tests, for is_capturing(): cupy's begin_capture())
 
     def begin_capture(self):
@@ -420,8 +439,15 @@ class Stream(_Nothing):
     def is_capturing(self):
         return self.capturing
 
+    def synchronize(self):
+        pass
+
     def __enter__(self):
-        _threads.__dict__.setdefault("streams", []).append(self)
+        current = _current()
+        if self.device_id not in (-1, current):  # (cupy's check_stream_device_match)
+            raise RuntimeError(f"The device that the stream is created on ({self.device_id}) "
+                               f"does not match with the current device ({current})")
+        _threads.__dict__.setdefault("streams", []).append((current, self))
         return self
 
     def __exit__(self, *exc):
@@ -429,13 +455,15 @@ class Stream(_Nothing):
         return False
 
 
-Stream.null = Stream(ptr=0)
-Stream.ptds = Stream(ptr=2)
+Stream.null = Stream(ptr=0, device_id=-1)
+Stream.ptds = Stream(ptr=2, device_id=-1)
 
 
-def get_current_stream():
-    streams = getattr(_threads, "streams", None)
-    return streams[-1] if streams else Stream.null
+def get_current_stream(device_id=-1):
+    """The stream entered last on GPU device_id (-1: the current GPU) in this thread."""
+    device = _current() if device_id == -1 else device_id
+    entered = [s for d, s in getattr(_threads, "streams", ()) if d == device]
+    return entered[-1] if entered else Stream.null
 
 
 # (thread, GPU) of each runtime.setDevice() call (not Device's own), for tests to read

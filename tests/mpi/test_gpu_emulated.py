@@ -187,6 +187,32 @@ def test_the_stand_in_has_two_gpus_and_refuses_kernels_across_them(on_gpu_0):
     assert cp.cuda.Device().id == 0
 
 
+def test_the_stand_ins_streams_and_flags_are_as_strict_as_cupys(on_gpu_0):
+    # cupy's current stream is per thread and per GPU: a stream is entered on the GPU
+    # it was made on (another one current: RuntimeError), and is current there only.
+    # Its arrays' flags have no `writeable` or `aligned`, which numpy's have.
+    cp = fake_cupy
+    with cp.cuda.Device(1):
+        made_on_1 = cp.cuda.Stream(non_blocking=True)
+    with pytest.raises(RuntimeError, match=r"stream is created on \(1\) does not match "
+                                           r"with the current device \(0\)"):
+        made_on_1.__enter__()
+    with cp.cuda.Device(1), made_on_1:
+        assert cp.cuda.get_current_stream() is made_on_1
+        assert cp.cuda.get_current_stream(0) is cp.cuda.Stream.null
+        with cp.cuda.Device(0):
+            assert cp.cuda.get_current_stream() is cp.cuda.Stream.null
+            with cp.cuda.Stream.ptds:  # (cupy's built-in streams: on any GPU)
+                assert cp.cuda.get_current_stream().ptr == 2
+        assert cp.cuda.get_current_stream() is made_on_1
+    assert cp.cuda.get_current_stream() is cp.cuda.Stream.null
+    assert made_on_1.ptr not in (0, 1, 2) and made_on_1.ptr != cp.cuda.Stream().ptr
+    flags = cp.zeros(4)[::2].flags
+    assert (flags.c_contiguous, flags.f_contiguous, flags["OWNDATA"]) == (False, False, False)
+    for numpy_only in ("writeable", "aligned", "writebackifcopy"):
+        assert not hasattr(flags, numpy_only)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 @pytest.mark.parametrize("make", [lambda p: SGD(p, lr=0.1, momentum=0.9, weight_decay=0.01),
                                   lambda p: Adam(p, lr=0.01, weight_decay=0.01)],
