@@ -270,7 +270,11 @@ void RingCommunicator::grow_device_scratch(Collective collective, size_t es, int
 }
 
 void RingCommunicator::reserve_staging(const DeviceCall& call, int64_t bytes) {
-  device(call.emulate, call.ordinal);  // makes host_mirror_ too
+  Device& dev = device(call.emulate, call.ordinal);  // makes host_mirror_ too
+  // Outside a call (no begin()), maybe on a thread whose current GPU is another, with
+  // no CUDA context there: cudaHostAlloc (and the cudaFreeHost of a smaller buffer)
+  // would make one on that GPU.
+  const CurrentDevice ours(dev);
   if (!call.direct && size() > 1) host_mirror_->get(bytes);
 }
 
