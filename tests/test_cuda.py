@@ -189,6 +189,28 @@ def check_against_the_cpu(name, op, a, b):
                              "bytes in", nan_bits=False)
 
 
+def test_the_cpu_half_of_the_comparison_reads_misaligned_views():
+    # check_against_the_cpu hands the CPU kernels views `shift` bytes into their
+    # buffers, which only the GPU tests do: here, without a GPU, that they take them,
+    # and give what they give for aligned copies of the same elements.
+    rng = np.random.default_rng(4)
+    for name in _core.DTYPES:
+        a, b = (rng.integers(0, 256, 16 * 101, dtype=np.uint8).view(storage(name))
+                for _ in "ab")
+        shift = a.itemsize % 16 or 8
+        code = _core.DTYPES.index(name)
+        for op in _core.OPS:
+            op_code = _core.OPS.index(op)
+            if not _core.op_supported(code, op_code):
+                continue
+            views = misaligned(a, shift), misaligned(b, shift)
+            got = cpu_kernels(*views, code, op_code)
+            copies = cpu_kernels(*(v.copy() for v in views), code, op_code)
+            for g, c in zip(got, copies):
+                if c is not None:
+                    assert g.tobytes() == c.tobytes(), f"{name} {op}, {shift} bytes in"
+
+
 def special_operands(name):
     """(a, b): every pair of the awkward values, in both orders (for complex numbers,
     every pair of (re, im) pairs of the part's awkward values)."""
