@@ -102,7 +102,6 @@ class PowerSGD:
             matrix = matrix + self._error[index]
         q = self._q.get(index)
         if q is not None:
-            q = _columns_near_1(q, xp)
             # A column of 0s (Q = M^T P of a step of 0s) stays 0 in P = M Q, whose
             # orthonormal columns QR then makes the first unit vectors: Q held only M's
             # first rows from then on, and gradients elsewhere were never sent again.
@@ -113,7 +112,7 @@ class PowerSGD:
                 q = xp.where(empty, _first_q(self.seed + index, m, r, xp, q.dtype), q)
         if q is None:
             q = _first_q(self.seed + index, m, r, xp, matrix.dtype)
-        p = matrix @ q
+        p = matrix @ _columns_at_most(q, m * comm.size, xp)
         return _LowRankCall(index, grad, matrix, p,
                             comm._allreduce_checked(p, op, check, wait=False),
                             grad.dtype if dtype is None else np.dtype(dtype))
@@ -123,8 +122,17 @@ class PowerSGD:
         asynchronously."""
         call.handle.wait()
         with on_gpu_of(call.p):
-            call.p = _orthonormal_columns(call.p, array_module(call.p))
-            call.q = call.matrix.T @ call.p
+            xp = array_module(call.p)
+            call.p = _orthonormal_columns(call.p, xp)
+            # P's columns are unit vectors, whose entries add up to sqrt(n) at most: P
+            # divided by 2^shift >= sqrt(n) p keeps each rank's M^T P below M's
+            # largest / p, and so the ring's sum of them below M's largest, where
+            # Q = M^T P was up to sqrt(n) p times that (float32 gradients of 1e36 made
+            # an inf). _finish multiplies it back, exactly.
+            n = call.p.shape[0]
+            call.shift = (n - 1).bit_length() // 2 + 1 + (comm.size - 1).bit_length()
+            call.q = call.matrix.T @ xp.ldexp(call.p, -call.shift).astype(call.p.dtype,
+                                                                         copy=False)
         call.handle = comm._allreduce_checked(call.q, op, check, wait=False)
 
     def finish(self, call: "_LowRankCall") -> tuple[object, int]:
@@ -135,7 +143,10 @@ class PowerSGD:
 
     def _finish(self, call: "_LowRankCall") -> tuple[object, int]:
         xp = array_module(call.q)
-        approximation = _low_rank_product(call.p, call.q, xp)
+        # (P times 2^shift against Q divided by it: every product as P Q^T's, exactly,
+        # and P is only n x r.)
+        approximation = _low_rank_product(
+            xp.ldexp(call.p, call.shift).astype(call.p.dtype, copy=False), call.q, xp)
         finite = bool(xp.isfinite(call.q).all())
         if finite and approximation.dtype != call.dtype:
             # Into the 16-bit dtype's range: an approximation overshoots the gradient
@@ -197,11 +208,12 @@ class PowerSGD:
 class _LowRankCall:
     """One gradient's PowerSGD all-reduces in flight (see PowerSGD.start)."""
 
-    __slots__ = ("index", "grad", "matrix", "p", "q", "handle", "dtype")
+    __slots__ = ("index", "grad", "matrix", "p", "q", "handle", "dtype", "shift")
 
     def __init__(self, index, grad, matrix, p, handle, dtype):
         self.index, self.grad, self.matrix, self.p, self.handle = index, grad, matrix, p, handle
         self.q = None
+        self.shift = 0  # (Q travels divided by 2^shift: see PowerSGD.project)
         self.dtype = dtype  # the approximation's
 
 
@@ -218,16 +230,20 @@ def _first_q(seed: int, m: int, r: int, xp, dtype):
     return xp.asarray(np.random.default_rng(seed).standard_normal((m, r))).astype(dtype)
 
 
-def _columns_near_1(q, xp):
+def _columns_at_most(q, total: int, xp):
     """q with each column multiplied by the power of two that brings its largest
-    magnitude into [0.5, 1). The Q kept for the warm start (M^T P, P orthonormal) is
-    as large as the gradient M, and P = M Q was as large as its square: float32
-    gradients of 1e18 overflowed it (NaN updates), and of 1e-30 underflowed it to 0.
-    Only P's direction counts (its columns are made orthonormal next), and a power of
-    two scales exactly: in between, P's columns come out bit for bit as before."""
+    magnitude into [0.5, 1) / 2^c, 2^c >= total (m p: Q's rows times the ranks). Each
+    rank's P = M Q is then below M's largest / p, and the ring's sum of the ranks' below
+    M's largest. The Q kept for the warm start (M^T P, P orthonormal) is as large as the
+    gradient M, and P = M Q was as large as its square: float32 gradients of 1e18
+    overflowed it (NaN updates), and of 1e-30 underflowed it to 0; scaled to 1 only, a
+    warm Q still summed m of M's largest in each element of P (the ranks' too), and
+    float32 gradients of 1e36 overflowed it on 3 ranks. Only P's direction counts (its
+    columns are made orthonormal next), and a power of two scales exactly: in between,
+    P's columns come out bit for bit as before."""
     top = xp.abs(q).max(axis=0) if q.size else xp.zeros(q.shape[1:], q.dtype)
     exponent = xp.frexp(top)[1]  # (0 for a column of 0s, which stays as it is)
-    return xp.ldexp(q, -exponent).astype(q.dtype, copy=False)
+    return xp.ldexp(q, -exponent - (total - 1).bit_length()).astype(q.dtype, copy=False)
 
 
 # Each rank applies P Q^T to its own replica, and keeps its own error feedback and Q, all

@@ -906,23 +906,26 @@ def test_powersgd_recovers_after_an_inf_or_nan_on_one_rank():
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("size", [2.0 ** 60, 2.0 ** -100], ids=["1e18", "1e-30"])
+@pytest.mark.parametrize("size", [2.0 ** 60, 2.0 ** -100, 2.0 ** 120],
+                         ids=["1e18", "1e-30", "1e36"])
 def test_powersgd_keeps_gradients_far_from_float32s_limits(dtype, size):
     # The Q kept for the warm start is M^T P, as large as the gradient M, and the next
     # step's P = M Q was as large as its square: float32 (and bfloat16, computed in
     # float32) gradients of 1e18 made P overflow, and every second step's update was
     # NaN on every rank; gradients of 1e-30 made P underflow to 0, and 90% of the
-    # update came back as 0. Both are 8 or more orders from float32's limits.
+    # update came back as 0. Both are 8 or more orders from float32's limits. With Q
+    # scaled to 1, P = M Q still summed 300 of M's largest (2e37 here, 14x below
+    # float32's top) in each element, and every second step was NaN again.
     if dtype == "bfloat16":
         dtype = pytest.importorskip("ml_dtypes").bfloat16
     dtype = np.dtype(dtype)
     # Rank-2 gradients, which rank 2 carries whole: each step's update is the average.
     # (Small integers times a power of two: exact in bfloat16 too.)
     rows = np.random.default_rng(3).integers(0, 4, (20, 2))
-    columns = np.random.default_rng([RANK, 4]).integers(0, 4, (2, 30))
+    columns = np.random.default_rng([RANK, 4]).integers(0, 4, (2, 300))
     grad = (rows @ columns * size).astype(dtype)
     average = np.mean(MPI.COMM_WORLD.allgather(grad.astype(np.float64)), axis=0)
-    params = [np.zeros((20, 30), dtype)]
+    params = [np.zeros((20, 300), dtype)]
     opt = DistributedOptimizer(SGD(params, lr=1.0), compression=PowerSGD(rank=2))
     for step in range(1, 5):
         params[0][...] = 0
