@@ -1725,6 +1725,13 @@ class DistributedOptimizer:
         error = None
         try:
             mine = UPDATE if _update_by(self._before_update(averaged), self._where) else SKIP
+            if mine == UPDATE and not self._hand_copies:
+                # What SGD's and Adam's step() would refuse (an item replaced by one of
+                # another dtype or shape), refused here, where it counts as
+                # before_update's error on every rank: refused after the agreement, it
+                # left this rank behind while the others updated.
+                _check_grads(averaged, self.params,
+                             f"{self._where('step')}: the gradients before_update left")
             settings = _step_fingerprint(self._identity, self._index, self.optimizer)
         except BaseException as raised:  # (Ctrl-C too: the others wait for this rank)
             error, mine, settings = raised, RAISED, 0

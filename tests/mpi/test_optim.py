@@ -2393,6 +2393,12 @@ BEFORE_UPDATE_GONE_WRONG = {
     "sets lr": (rr.MismatchError, r"after before_update, so this step is dropped on every "
                 r"rank, without an update: the ranks' optimizer settings differ, at least: lr on "
                 rf"rank {BAD} differs from rank 0's \(this rank's: lr=", None),
+    # (SGD.step refused it, after the ranks had agreed to update: the others updated,
+    # and this rank's TypeError named neither the rank nor before_update.)
+    "replaces a gradient badly": (TypeError, r"^ringreduce.DistributedOptimizer.step \(rank "
+                                  r"\d+ of \d+\): the gradients before_update left: grads\[0\] "
+                                  r"has dtype float32, but params\[0\] has dtype float64",
+                                  rf"before_update raised on rank \[{BAD}\]"),
 }
 
 
@@ -2464,6 +2470,9 @@ def test_a_before_update_that_differs_on_one_rank_drops_the_step_on_every_rank(h
                 return 0.5
             if how == "sets lr":
                 opt.optimizer.lr = 0.5  # (a warm-up counted on this rank alone, say)
+                return None
+            if how == "replaces a gradient badly":
+                grads[0] = grads[0].astype(np.float32)  # (a copy cast for a norm, say)
                 return None
             return False
 
