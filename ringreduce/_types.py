@@ -127,9 +127,10 @@ def _mpi_op_key(op):
     return None
 
 
-# mpi4py's predefined ops, the ones ringreduce accepts first.
+# mpi4py's predefined ops, the ones ringreduce accepts first; and OP_NULL, which is no
+# op at all (a user-defined Op once freed is one), not a user-defined one.
 _MPI_OP_NAMES = ("SUM", "PROD", "MIN", "MAX", "LAND", "BAND", "LOR", "BOR", "LXOR", "BXOR",
-                 "MAXLOC", "MINLOC", "REPLACE", "NO_OP")
+                 "MAXLOC", "MINLOC", "REPLACE", "NO_OP", "OP_NULL")
 
 
 def _is_mpi_op(op) -> bool:

@@ -63,6 +63,11 @@ def test_user_defined_mpi_ops_and_minloc_are_refused_by_name(comm):
                     comm.allreduce(x, op=op)
     finally:
         mine.Free()
+    # MPI.OP_NULL (what a freed Op becomes) is no op at all, not a user-defined one.
+    for op in (MPI.OP_NULL, mine):
+        with pytest.raises(ValueError, match=rf"^ringreduce\.allreduce \(rank {RANK} of "
+                                             rf"{SIZE}\): op MPI\.OP_NULL is not one of"):
+            comm.allreduce(np.ones(3), op=op)
     still_works(comm)
 
 
