@@ -189,12 +189,19 @@ def _ring_allgather(work: np.ndarray, bounds: list[tuple[int, int]], comm, ring=
                       recvbuf=_raw(work[slice(*bounds[recv_seg])]), source=left)
 
 
-def _checked(x, op, where: str) -> tuple[np.ndarray, str]:
-    """x as an array, and op's name ("sum" for MPI.SUM too, "max" for MPI.LOR on bools),
-    if the core takes x's dtype with op (else the core's own error: no integer
-    averages, say)."""
+def _native(x) -> np.ndarray:
+    """x as an array in this machine's byte order, as the core computes and returns it:
+    the ring passes raw bytes, and ranks may differ in the byte order of their x."""
     x = np.asarray(x)
-    _, code = reduction_codes(native(x.dtype), op, f"ringreduce.reference.{where}")
+    return x.astype(native(x.dtype), copy=False)
+
+
+def _checked(x, op, where: str) -> tuple[np.ndarray, str]:
+    """x as an array (_native), and op's name ("sum" for MPI.SUM too, "max" for MPI.LOR
+    on bools), if the core takes x's dtype with op (else the core's own error: no
+    integer averages, say)."""
+    x = _native(x)
+    _, code = reduction_codes(x.dtype, op, f"ringreduce.reference.{where}")
     return x, OPS[code]
 
 
@@ -221,7 +228,7 @@ def reduce_scatter(x, op: str = "sum", comm=MPI.COMM_WORLD, ring=None) -> np.nda
 
 def allgather(x, comm=MPI.COMM_WORLD, ring=None) -> np.ndarray:
     """Every rank's x concatenated along axis 0 (ranks may differ in len(x))."""
-    x = np.atleast_1d(np.asarray(x))
+    x = np.atleast_1d(_native(x))
     rows = comm.allgather(x.shape[0])
     row_size = int(np.prod(x.shape[1:], dtype=np.int64))
     starts = np.concatenate([[0], np.cumsum(rows)]) * row_size

@@ -405,6 +405,23 @@ def test_small_calls_on_non_native_byte_order(comm, world):
     assert bitwise_equal(comm.allreduce(x), reference.allreduce(native, "sum", world))
 
 
+def test_ranks_may_differ_in_byte_order_in_the_reference_as_in_the_core(comm, world):
+    # Every rank's x is read in its own byte order, and the results come in the
+    # machine's: the reference's ring passes raw bytes, and once read a big-endian rank's
+    # bytes as the others' little-endian numbers (and returned big-endian results).
+    for n in sorted({10, comm._core.inline_capacity // 8 + 1}):  # (the header; the ring)
+        plain = rank_data(np.dtype(np.float64), n, salt=13)
+        x = plain.astype(">f8" if RANK % 2 == 0 else "<f8")  # (one rank: big-endian too)
+        for call, ref in ((comm.allreduce, reference.allreduce),
+                          (comm.reduce_scatter, reference.reduce_scatter)):
+            want = ref(plain, "max", world)
+            assert bitwise_equal(ref(x, "max", world), want), (n, call.__name__)
+            assert bitwise_equal(call(x, op="max"), want), (n, call.__name__)
+        gathered = np.concatenate(world.allgather(plain))
+        assert bitwise_equal(reference.allgather(x, world), gathered), n
+        assert bitwise_equal(comm.allgather(x), gathered), n
+
+
 WIRES = (rr._core.WIRE_SHM, rr._core.WIRE_MPI, rr._core.WIRE_SHM_STREAMING)
 
 
