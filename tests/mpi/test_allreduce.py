@@ -177,6 +177,83 @@ def test_the_wire_and_the_header_exchange_do_not_change_the_bits(dtype, comm, mo
             wires[setting].close()
 
 
+@pytest.fixture(scope="module")
+def odd_chunks():
+    """Chunks of a byte count that no element size divides."""
+    with rr.Communicator(chunk_bytes=12345) as ring:
+        yield ring
+
+
+def order_telling_data(dtype, n, op):
+    """Rank-dependent data whose reduction's bits depend on the order of its operands:
+    for min and max, ties of +0 and -0 and NaNs of either sign (the first of two equal
+    values is kept); for sums, magnitudes far apart (each order rounds otherwise)."""
+    if dtype.kind in "iub" or op == "prod":
+        return rank_data(dtype, n, op, salt=7)
+    rng = np.random.default_rng([RANK, n, 7])
+    if op in ("min", "max"):
+        with np.errstate(invalid="ignore"):
+            return rng.choice([0.0, -0.0, 1.0, -1.0, np.inf, np.nan, -np.nan], n).astype(dtype)
+    top = 3 if dtype == np.float16 else 6  # (float16 sums stay below its 65504)
+
+    def part():
+        return rng.standard_normal(n) * 10.0 ** rng.integers(-top, top + 1, n)
+
+    return (part() + 1j * part() if dtype.kind == "c" else part()).astype(dtype)
+
+
+# Every op on some dtype, every float dtype with an op whose bits tell the order.
+EVERY_WAY_COMBOS = [(np.dtype(d) if d != "bfloat16" else BFLOAT16, op) for d, op in [
+    ("float16", "avg"), ("bfloat16", "sum"), ("bfloat16", "min"), ("float32", "min"),
+    ("float32", "prod"), ("float64", "max"), ("float64", "avg"), ("complex64", "prod"),
+    ("complex128", "avg"), ("int8", "prod"), ("bool", "min")]
+    if d != "bfloat16" or BFLOAT16 is not None]
+
+
+@pytest.mark.parametrize("combo", EVERY_WAY_COMBOS, ids=combo_id)
+def test_every_way_of_calling_gives_the_reference_bits(combo, comm, odd_chunks, world):
+    # api.md: the bits do not depend "on chunk_bytes ..., nor on the wire ..., nor on
+    # whether the call rode in the header exchange, nor on out=, in place or _async: it
+    # is reference.allreduce's, bit for bit". The tests above hold plain calls to it in
+    # chunks of 64 bytes; these, every way of making a call, in the default chunks (a
+    # segment of more than one 64 KiB shared-memory slot), and plain calls in chunks of
+    # a byte count no element size divides. Sums and products show the order of
+    # summing, min and max the order of each step's two operands (of +0 and -0 the first
+    # is kept): reduced the other way round anywhere, into out= say, the bits differ.
+    dtype, op = combo
+    slot = rr._core.SHM_SLOT_BYTES
+    for n in sorted({max(comm._core.inline_capacity // dtype.itemsize, 1),
+                     (slot // dtype.itemsize + 3) * SIZE + 1}):
+        x = order_telling_data(dtype, n, op)
+        want = reference.allreduce(x, op, world)
+        offset, count = rr._core.segment_of(RANK, SIZE, n)
+        want_block = want[offset:offset + count]  # (reference.reduce_scatter's: one ring)
+        spread = np.zeros(2 * n, dtype)
+        strided = spread[::2]
+        strided[...] = x
+        out, in_place, block_in_place = np.empty_like(x), x.copy(), x.copy()
+        block = np.empty(count, dtype)
+        ways = {"new": comm.allreduce(x, op=op),
+                "out=": comm.allreduce(x, op=op, out=out),
+                "in place": comm.allreduce(in_place, op=op, out=in_place),
+                "async": comm.allreduce_async(x, op=op).wait(),
+                "strided": comm.allreduce(strided, op=op),
+                "odd chunks": odd_chunks.allreduce(x, op=op)}
+        blocks = {"new": comm.reduce_scatter(x, op=op),
+                  "out=": comm.reduce_scatter(x, op=op, out=block),
+                  "in place": comm.reduce_scatter(
+                      block_in_place, op=op, out=block_in_place[offset:offset + count]),
+                  "async": comm.reduce_scatter_async(x, op=op).wait(),
+                  "strided": comm.reduce_scatter(strided, op=op),
+                  "odd chunks": odd_chunks.reduce_scatter(x, op=op)}
+        for way, got in ways.items():
+            assert bitwise_equal(got, want), (n, "allreduce", way)
+        for way, got in blocks.items():
+            assert bitwise_equal(got, want_block), (n, "reduce_scatter", way)
+        assert bitwise_equal(x, order_telling_data(dtype, n, op)), "x was modified"
+        assert bitwise_equal(strided, x), "the strided x was modified"
+
+
 def test_a_few_mib_default_and_small_chunks(comm, world):
     x = rank_data(np.dtype(np.float32), 3 * 1024 * 1024 // 4 + 3)  # 3 MiB and change
     y = comm.allreduce(x)
