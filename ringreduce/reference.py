@@ -30,10 +30,14 @@ is still rank s's block, and still ends on rank s. The core puts each machine's 
 side by side on the ring, so that few chunks travel between machines.
 
 Cost: each step moves one segment (N/p bytes) per rank, for 2(p-1) steps: every rank
-sends and receives 2(p-1)/p * N bytes, which is optimal. The C++ core adds one thing
-this file leaves out: it cuts each segment into chunks, so that a chunk can be sent on
-while the next one is still arriving. docs/ring.md walks through the same steps (and
-`python -m ringreduce explain` prints them); csrc/ring_schedule.h is this schedule in C++.
+sends and receives 2(p-1)/p * N bytes, which is optimal. The C++ core adds two things
+this file leaves out, neither of which changes a bit of the result: it cuts each segment
+into chunks, so that a chunk can be sent on while the next one is still arriving; and a
+small call skips the steps altogether: its data rides in the header that every call's
+ranks first exchange, and each rank reduces the segments it needs itself, each in the
+order the ring would (docs/inside.md, "Small calls"). docs/ring.md walks through the
+same steps (and `python -m ringreduce explain` prints them); csrc/ring_schedule.h is
+this schedule in C++.
 
 Bit for bit, but for the sign of a NaN: where one step makes a NaN (inf - inf) and a
 later one meets another, x86 keeps the sign of whichever operand the compiled loop put
