@@ -327,6 +327,24 @@ def device_reduce_scatter(comm, x, op, chunk, direct):
 
 
 @pytest.mark.parametrize("mode", MODES)
+def test_min_and_max_keep_the_first_of_tied_values_as_the_reference(mode, device_comm):
+    # Of +0 and -0, or of two NaNs, min and max keep the first operand: a rank's own
+    # data, then what came around (gpu.md: the host ring's bits). Random data never
+    # ties, so the tests above would pass a device ring that reduced the other way round.
+    for n in (SIZE, 5003):
+        rng = np.random.default_rng([RANK, n, 5])
+        with np.errstate(invalid="ignore"):
+            x = rng.choice([0.0, -0.0, 1.0, np.nan, -np.nan], n).astype(np.float32)
+        for op in ("min", "max"):
+            want, want_block = reference.allreduce(x, op), reference.reduce_scatter(x, op)
+            for chunk in (64, 4096):
+                got = device_allreduce(device_comm, x, op, chunk, MODES[mode])
+                assert bitwise_equal(got, want), (n, op, chunk)
+                got = device_reduce_scatter(device_comm, x, op, chunk, MODES[mode])
+                assert bitwise_equal(got, want_block), (n, op, chunk)
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_reduce_scatter_and_broadcast_through_the_host_up_to_the_limit(mode, device_comm):
     # As allreduce: at or below the limit one trip through the host, above it the
     # device ring; the same bits either way (device_comm runs the device ring).
