@@ -439,9 +439,6 @@ class Stream(_Nothing):
     def is_capturing(self):
         return self.capturing
 
-    def synchronize(self):
-        pass
-
     def __enter__(self):
         current = _current()
         if self.device_id not in (-1, current):  # (cupy's check_stream_device_match)

@@ -80,6 +80,16 @@ def rank_data(dtype, n, op="sum", salt=0, comm=MPI.COMM_WORLD):
     return real.astype(dtype)
 
 
+def tied_values(dtype, n, seed):
+    """n values, from np.random.default_rng(seed), among +0 and -0, NaNs of either sign,
+    1, -1 and inf: equal values (+0 and -0, two NaNs) of whose two operands min and max
+    keep the first, so that the bits of a reduction of them tell the order of its
+    operands, which random data, never tied, does not."""
+    rng = np.random.default_rng(seed)
+    with np.errstate(invalid="ignore"):
+        return rng.choice([0.0, -0.0, 1.0, -1.0, np.inf, np.nan, -np.nan], n).astype(dtype)
+
+
 def wide(a):
     """float64/complex128 copy of a float array (bfloat16 included)."""
     return a.astype(np.complex128 if a.dtype.kind == "c" else np.float64)

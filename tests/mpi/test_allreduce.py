@@ -11,7 +11,7 @@ from ringreduce import reference
 from helpers import (BFLOAT16, COMBOS, DTYPES, around_inline_limit, bitwise_equal,
                      check_against_float64, combo_id, exact_integer_reduce, on_one_machine,
                      pretended_machines, rank_data, result_and_peak_allocated,
-                     same_on_every_rank, supported)
+                     same_on_every_rank, supported, tied_values)
 
 SIZE = MPI.COMM_WORLD.Get_size()
 RANK = MPI.COMM_WORLD.Get_rank()
@@ -85,9 +85,7 @@ def test_min_and_max_break_ties_as_the_reference_on_every_rank(dtype, op, small_
     # reference's rule (the first operand), so every byte matches it and every rank's.
     # numpy's own np.minimum takes one or the other by dtype (and CPU).
     for n in around_inline_limit(small_chunks, dtype.itemsize, SIZES):
-        rng = np.random.default_rng([RANK, n])
-        with np.errstate(invalid="ignore"):
-            x = rng.choice([0.0, -0.0, 1.0, -1.0, np.inf, np.nan, -np.nan], n).astype(dtype)
+        x = tied_values(dtype, n, [RANK, n])
         for call, ref in ((small_chunks.allreduce, reference.allreduce),
                           (small_chunks.reduce_scatter, reference.reduce_scatter)):
             y = call(x, op=op)
@@ -190,10 +188,9 @@ def order_telling_data(dtype, n, op):
     values is kept); for sums, magnitudes far apart (each order rounds otherwise)."""
     if dtype.kind in "iub" or op == "prod":
         return rank_data(dtype, n, op, salt=7)
-    rng = np.random.default_rng([RANK, n, 7])
     if op in ("min", "max"):
-        with np.errstate(invalid="ignore"):
-            return rng.choice([0.0, -0.0, 1.0, -1.0, np.inf, np.nan, -np.nan], n).astype(dtype)
+        return tied_values(dtype, n, [RANK, n, 7])
+    rng = np.random.default_rng([RANK, n, 7])
     top = 3 if dtype == np.float16 else 6  # (float16 sums stay below its 65504)
 
     def part():

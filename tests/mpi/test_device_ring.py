@@ -11,7 +11,7 @@ from mpi4py import MPI
 import ringreduce as rr
 from ringreduce import _core, reference
 
-from helpers import COMBOS, bitwise_equal, combo_id, rank_data
+from helpers import COMBOS, bitwise_equal, combo_id, rank_data, tied_values
 
 SIZE = MPI.COMM_WORLD.Get_size()
 RANK = MPI.COMM_WORLD.Get_rank()
@@ -332,9 +332,7 @@ def test_min_and_max_keep_the_first_of_tied_values_as_the_reference(mode, device
     # data, then what came around (gpu.md: the host ring's bits). Random data never
     # ties, so the tests above would pass a device ring that reduced the other way round.
     for n in (SIZE, 5003):
-        rng = np.random.default_rng([RANK, n, 5])
-        with np.errstate(invalid="ignore"):
-            x = rng.choice([0.0, -0.0, 1.0, np.nan, -np.nan], n).astype(np.float32)
+        x = tied_values(np.float32, n, [RANK, n, 5])
         for op in ("min", "max"):
             want, want_block = reference.allreduce(x, op), reference.reduce_scatter(x, op)
             for chunk in (64, 4096):
