@@ -1492,17 +1492,8 @@ class Communicator:
         dropped = _core.dropped_errors_pending()
         handle_context = context or self._async_context
         context = context or self._contexts[name]
-        if self._closed:
-            if MPI.Is_finalized():  # (which finished every Communicator: see _finish_all)
-                raise _core.MPIError(f"{context}: MPI has been finalised (MPI.Finalize()): "
-                                     "no call can follow")
-            if os.getpid() != self._pid:
-                raise ValueError(f"{context}: this Communicator belongs to process "
-                                 f"{self._pid}, of which this one is a child made by fork(); "
-                                 "MPI does not let a child use it")
-            raise self._closed_error(context)
-        if self._closing:
-            raise self._closed_error(context)
+        if self._closed or self._closing:
+            self._refuse_as_closed(context)
         self._check_calling_thread(context)
         try:
             run = prepare(context, *args)
@@ -1549,6 +1540,19 @@ class Communicator:
         THREAD_SERIALIZED, does not let this thread call it."""
         if not self._executor.threaded:
             _check_thread(context, self._thread_level)
+
+    def _refuse_as_closed(self, context: str) -> None:
+        """Raises (errors beginning with context) where this Communicator is closed or
+        being closed: why no call can be made on it."""
+        if self._closed:
+            if MPI.Is_finalized():  # (which finished every Communicator: see _finish_all)
+                raise _core.MPIError(f"{context}: MPI has been finalised (MPI.Finalize()): "
+                                     "no call can follow")
+            if os.getpid() != self._pid:
+                raise ValueError(f"{context}: this Communicator belongs to process "
+                                 f"{self._pid}, of which this one is a child made by fork(); "
+                                 "MPI does not let a child use it")
+        raise self._closed_error(context)
 
     def _closed_error(self, context: str) -> Exception:
         """The error of a call made once close() has begun (in another thread, or done)."""

@@ -1249,6 +1249,13 @@ class DistributedOptimizer:
         if not self.comm._executor.threaded:
             self.comm._check_calling_thread(self._where(method))
 
+    def _check_open(self, method: str) -> None:
+        """Where the Communicator is closed (or being closed), the refusal names this
+        method, not the collective it would make, before the step changes."""
+        comm = self.comm
+        if comm._closed or comm._closing:
+            comm._refuse_as_closed(self._where(method))
+
     def _renew_step_check(self) -> None:
         """What a step's all-reduces carry (_step_check): which optimizer (as
         _call_check) and its settings now, so that ranks where a schedule set another lr
@@ -1384,6 +1391,7 @@ class DistributedOptimizer:
         hand, that their constructor refuses: the ranks learn it in one small
         all-reduce first."""
         self._check_calling_thread("broadcast_parameters")
+        self._check_open("broadcast_parameters")
         partway = self._partway_error("broadcast_parameters", "the parameters broadcast "
                                       "now would be updated with gradients of the ones "
                                       "before")
@@ -1587,6 +1595,7 @@ class DistributedOptimizer:
         An error abandons the step, as in grad_ready().
         """
         self._check_calling_thread("step")
+        self._check_open("step")
         if grads is not None:
             self._abandoned_by_error = False  # (as in grad_ready)
         try:
@@ -1828,6 +1837,7 @@ class DistributedOptimizer:
         micro-batches. Refused, on every rank, where any rank is partway through a step
         (see state_dict)."""
         self._check_calling_thread("load_state_dict")
+        self._check_open("load_state_dict")
         partway = self._partway_error("load_state_dict", "a state loaded now would be "
                                       "mixed with them")
         try:
@@ -2166,6 +2176,8 @@ class DistributedOptimizer:
                 self._holding_last = True
                 return
             self._holding_last = False
+            # (step() checked this at its start: only grad_ready() meets it here.)
+            self._check_open("grad_ready")
             if isinstance(unit, _Bucket):
                 self._start(unit)
             else:  # a matrix PowerSGD compresses: its first all-reduce (of P)

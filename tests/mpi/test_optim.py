@@ -4151,6 +4151,45 @@ def test_a_before_update_that_outlasts_the_timeout_drops_the_step_on_every_rank(
     MPI.COMM_WORLD.Barrier()  # (as above)
 
 
+@pytest.mark.parametrize("bucket_mb", [25.0, 1e-5])  # one bucket; one per parameter
+def test_an_optimizer_over_a_closed_communicator_names_its_own_method(bucket_mb):
+    # Its error named the all-reduce it would have made ("ringreduce.allreduce"), which
+    # the script never called: it names the optimizer's method, on every rank, and the
+    # parameters stay as they were.
+    ring = rr.Communicator(MPI.COMM_WORLD)
+    params = [np.zeros(10), np.zeros(5)]
+    opt = DistributedOptimizer(SGD(params, lr=0.1), comm=ring, bucket_mb=bucket_mb)
+    opt.step([np.ones(10), np.ones(5)])
+    ring.close()
+    grads = [np.ones(10), np.ones(5)]
+
+    def refused(method):
+        return pytest.raises(ValueError, match=re.escape(
+            f"ringreduce.DistributedOptimizer.{method} (rank {RANK} of {SIZE}): this "
+            "Communicator has been closed"))
+
+    with refused("step"):
+        opt.step(grads)
+    with refused("broadcast_parameters"):
+        opt.broadcast_parameters()
+    with refused("load_state_dict"):
+        opt.load_state_dict(opt.state_dict())  # (state_dict() makes no call: it works)
+    # grad_ready() raises at the first all-reduce it would start (the last bucket's
+    # waits for step()), or else step() does.
+    if bucket_mb < 1:
+        opt.grad_ready(0, grads[0])  # (the last parameter's bucket starts first)
+        with refused("grad_ready"):
+            opt.grad_ready(1, grads[1])
+    else:
+        opt.grad_ready(0, grads[0])
+        opt.grad_ready(1, grads[1])
+        with refused("step"):
+            opt.step()
+    for p in params:
+        np.testing.assert_array_equal(p, -0.1)  # the first step's update only
+    opt.abandon_step()  # (makes no call: nothing to drop that a closed one could send)
+
+
 def test_a_state_of_another_optimizer_is_refused_naming_what_it_holds():
     # (From a researcher's port.) Adam's state loaded into SGD said only that it had no
     # 'momentum_buffers'; what it holds instead ('m', 'v') says whose it is.
