@@ -7,6 +7,7 @@ import threading
 
 from mpi4py import MPI
 
+from . import _types
 from .communicator import Communicator, checked_mpi_comm, mpi_unusable_here
 
 # The Communicator made for an MPI communicator hangs on the communicator itself, as an
@@ -51,6 +52,8 @@ def _drop_freed() -> None:
 def _communicator(comm, caller: str) -> Communicator:
     global _keyval
     if isinstance(comm, Communicator):
+        if comm._closed or comm._closing:  # (named here: not the call it would make)
+            comm._refuse_as_closed(_types.where(comm.rank, comm.size, caller))
         return comm
     if _freed:
         _drop_freed()

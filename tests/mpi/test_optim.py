@@ -4188,6 +4188,16 @@ def test_an_optimizer_over_a_closed_communicator_names_its_own_method(bucket_mb)
     for p in params:
         np.testing.assert_array_equal(p, -0.1)  # the first step's update only
     opt.abandon_step()  # (makes no call: nothing to drop that a closed one could send)
+    # So do the other two that take a Communicator.
+    with pytest.raises(ValueError, match=re.escape(
+            f"ringreduce.DistributedOptimizer (rank {RANK} of {SIZE}): this Communicator "
+            "has been closed")):
+        DistributedOptimizer(SGD(params, lr=0.1), comm=ring)
+    with pytest.raises(ValueError, match=re.escape(
+            f"ringreduce.allreduce_gradients (rank {RANK} of {SIZE}): this Communicator "
+            "has been closed")):
+        rr.allreduce_gradients(grads, comm=ring)
+    np.testing.assert_array_equal(grads[0], 1)
 
 
 def test_a_state_of_another_optimizer_is_refused_naming_what_it_holds():
