@@ -90,6 +90,15 @@ def tied_values(dtype, n, seed):
         return rng.choice([0.0, -0.0, 1.0, -1.0, np.inf, np.nan, -np.nan], n).astype(dtype)
 
 
+def random_bits(dtype, n, seed):
+    """n elements of dtype made of random bytes, from np.random.default_rng(seed): every
+    bit pattern, so NaNs of either sign with any payload (signalling ones too),
+    subnormals, -0 and bools of any nonzero byte. Only arithmetic changes such bits: a
+    collective that only copies (allgather, broadcast) must hand them on as they are."""
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, 256, n * dtype.itemsize, dtype=np.uint8).view(dtype)
+
+
 def wide(a):
     """float64/complex128 copy of a float array (bfloat16 included)."""
     return a.astype(np.complex128 if a.dtype.kind == "c" else np.float64)

@@ -9,9 +9,9 @@ from mpi4py import MPI
 import ringreduce as rr
 from ringreduce import communicator, reference
 
-from helpers import (BFLOAT16, COMBOS, around_inline_limit, bitwise_equal,
-                     check_against_float64, combo_id, exact_integer_reduce, rank_data,
-                     result_and_peak_allocated, same_on_every_rank)
+from helpers import (BFLOAT16, COMBOS, DTYPES, around_inline_limit, bitwise_equal,
+                     check_against_float64, combo_id, exact_integer_reduce, random_bits,
+                     rank_data, result_and_peak_allocated, same_on_every_rank)
 
 SIZE = MPI.COMM_WORLD.Get_size()
 RANK = MPI.COMM_WORLD.Get_rank()
@@ -76,6 +76,36 @@ def test_allgather_ranks_may_differ_in_rows(small_chunks, world):
     assert same_on_every_rank(g)
     with rr.Communicator(chunk_bytes=1 << 20) as ring:  # one chunk per segment
         assert bitwise_equal(ring.allgather(x), g)
+
+
+def uneven_shapes(edge):
+    """This rank's x shape for a series of allgathers whose ranks differ in rows: totals
+    that the ranks do not divide, fewer elements in all than ranks, ranks with none,
+    and rows on either side of `edge`, the most elements that ride in the header
+    exchange (rank 0's alone past it: the ring for all; the last rank's alone, and the
+    ring passes empty segments), and rows of 3 elements."""
+    counts = [RANK % 2, int(RANK == SIZE - 1), 2 * RANK + 1, SIZE - 1 - RANK,
+              edge - RANK, edge + 1 - RANK, edge + 3 * RANK + 1,
+              (edge + 1) * (RANK == SIZE - 1)]
+    return [(max(c, 0),) for c in counts] + [(2 * RANK + 1, 3), (edge // 3 + 1 - RANK % 2, 3)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_allgather_of_every_dtype_and_uneven_rows_gives_the_reference_bits(dtype, small_chunks,
+                                                                           world):
+    # (The test above holds four dtypes to the reference, with as many rows on every
+    # rank.) Every dtype, ranks that differ in rows, in the header exchange and in
+    # chunks of 64 bytes (a few elements: complex128's 4) around the ring. Random bytes:
+    # the result is a copy, so every bit of every element (a NaN's payload, a bool's
+    # byte) must come through as the reference's ring passes it, and as mpi4py's
+    # allgather does (which holds the reference to the same).
+    edge = around_inline_limit(small_chunks, dtype.itemsize)[0]
+    for shape in uneven_shapes(edge):
+        x = random_bits(dtype, int(np.prod(shape)), [RANK, *shape, 31]).reshape(shape)
+        got = small_chunks.allgather(x)
+        want = reference.allgather(x, world)
+        assert bitwise_equal(got, want), shape
+        assert bitwise_equal(want, np.concatenate(world.allgather(x))), shape
 
 
 def test_allgather_of_rows_of_no_bytes_as_many_as_an_array_can_have(comm):
@@ -276,6 +306,22 @@ def test_broadcast_from_every_root(root, small_chunks, world):
         if SIZE > 1 and RANK == root:  # the header exchange up to the limit, the ring past it
             inline = n * 8 <= core.broadcast_inline_capacity
             assert (core.ring_bytes_sent == sent) == inline, n
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_broadcast_of_every_dtype_hands_on_the_roots_bits(dtype, small_chunks, world):
+    # (The reference has no broadcast: the root's bytes are its result, which mpi4py's
+    # bcast hands round.) Every dtype, of random bytes (NaN payloads, bools of any
+    # byte: nothing may be computed on the way), from a root that changes with the
+    # count, at the sizes of the test above: in the header exchange, in the root's
+    # board, and in chunks of 64 bytes down the ring.
+    own = max(small_chunks._core.broadcast_inline_capacity // dtype.itemsize, 1)
+    for n in around_inline_limit(small_chunks, dtype.itemsize, SIZES) + [own, own + 1]:
+        root = n % SIZE
+        x = random_bits(dtype, n, [RANK, n, 32])
+        roots_data = world.bcast(x.copy(), root=root)
+        assert small_chunks.broadcast(x, root=root) is x
+        assert bitwise_equal(x, roots_data), (n, root)
 
 
 def test_broadcast_non_contiguous_and_shapes(comm, world):
