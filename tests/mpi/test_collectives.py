@@ -349,6 +349,45 @@ def test_broadcast_many_chunks_large(world):
     assert bitwise_equal(x, expected)
 
 
+# The collectives past SHM_MAX_BYTES (8 MiB), where every call goes by MPI messages
+# whatever rank 0's tuner says: until now held to the reference only inside random
+# sequences (test_random_sequences.py), which reach there now and then. One call of
+# each, 1 MiB past the limit and an odd number of elements more: the ranks' segments
+# differ in length, and no segment is a whole number of the default 256 KiB chunks
+# (copy-only phases send chunks 64 times larger over MPI: one a segment). float32 sums (whose bits tell the order of summing, on 3 ranks and more) and an
+# integer product (which wraps: the exact answer, in any order).
+BIG_COUNT_BYTES = rr._core.SHM_MAX_BYTES + (1 << 20)
+
+
+@pytest.mark.parametrize("combo", [(np.dtype(np.float32), "sum"), (np.dtype(np.int16), "prod")],
+                         ids=combo_id)
+@pytest.mark.parametrize("collective", ["allreduce", "reduce_scatter", "allgather", "broadcast"])
+def test_one_call_past_the_shared_memory_limit_gives_the_reference_bits(collective, combo, comm,
+                                                                        world):
+    dtype, op = combo
+    n = BIG_COUNT_BYTES // dtype.itemsize + 2 * SIZE + 1
+    core = comm._core
+    shm_before, ring_before = core.shm_bytes_sent, core.ring_bytes_sent
+    if collective == "allgather":  # (ranks differ in rows; the result is past the limit)
+        x = rank_data(dtype, n // SIZE + RANK, op, salt=33)
+        got, want = comm.allgather(x), reference.allgather(x, world)
+    elif collective == "broadcast":
+        x = rank_data(dtype, n, op, salt=33)
+        want = x.copy()
+        world.Bcast(want, root=SIZE // 2)  # (the root's bytes are the result)
+        got = comm.broadcast(x, root=SIZE // 2)
+    else:
+        x = rank_data(dtype, n, op, salt=33)
+        got = getattr(comm, collective)(x, op=op)
+        want = getattr(reference, collective)(x, op, world)
+    assert got.nbytes >= BIG_COUNT_BYTES // (SIZE if collective == "reduce_scatter" else 1)
+    assert bitwise_equal(got, want), (collective, n)
+    # Past the limit indeed: the ring ran (on some rank: the one left of a broadcast's
+    # root passes nothing on), and not through shared memory.
+    assert core.shm_bytes_sent == shm_before
+    assert SIZE == 1 or sum(world.allgather(core.ring_bytes_sent - ring_before)) > 0
+
+
 def test_allgather_into_out_and_in_place(comm, world):
     rows = [(r % 3) + 1 for r in range(SIZE)]
     offset = sum(rows[:RANK])
