@@ -251,6 +251,34 @@ def test_every_way_of_calling_gives_the_reference_bits(combo, comm, odd_chunks, 
         assert bitwise_equal(strided, x), "the strided x was modified"
 
 
+# test_result_does_not_depend_on_chunk_size compares chunk_bytes=1 with other chunk
+# sizes only. A chunk_bytes below one element's size makes chunks of one element
+# (RingCommunicator::chunk_elems), here 1 and 3 bytes against 8- and 16-byte elements:
+# held to the reference's bits, and for every collective. The data tell the order of
+# summing (magnitudes far apart) and of each step's operands (ties of +0 and -0, NaNs
+# of either sign, which max keeps the first of), so a chunk reduced out of turn shows.
+@pytest.mark.parametrize("chunk_bytes", [1, 3])
+@pytest.mark.parametrize("combo", [(np.dtype(np.float64), "sum"), (np.dtype(np.float64), "max"),
+                                   (np.dtype(np.complex128), "prod"),
+                                   (np.dtype(np.complex128), "avg")], ids=combo_id)
+def test_chunks_smaller_than_one_element_give_the_reference_bits(combo, chunk_bytes, world):
+    dtype, op = combo
+    with rr.Communicator(chunk_bytes=chunk_bytes) as ring:
+        own = max(ring._core.broadcast_inline_capacity // dtype.itemsize, 1)
+        for n in around_inline_limit(ring, dtype.itemsize, [1, max(SIZE - 1, 1), 3 * SIZE + 1,
+                                                            own + 1]):
+            x = order_telling_data(dtype, n, op)
+            # The reference's bits as raw bytes: NaNs of either sign must match too
+            # (bitwise_equal compares bytes; assert_array_equal would take any NaN).
+            assert bitwise_equal(ring.allreduce(x, op=op), reference.allreduce(x, op, world)), n
+            assert bitwise_equal(ring.reduce_scatter(x, op=op),
+                                 reference.reduce_scatter(x, op, world)), n
+            rows = x[:n - RANK % 2]  # (ranks differ in rows)
+            assert bitwise_equal(ring.allgather(rows), reference.allgather(rows, world)), n
+            roots_data = world.bcast(x, root=n % SIZE)
+            assert bitwise_equal(ring.broadcast(x.copy(), root=n % SIZE), roots_data), n
+
+
 def test_a_few_mib_default_and_small_chunks(comm, world):
     x = rank_data(np.dtype(np.float32), 3 * 1024 * 1024 // 4 + 3)  # 3 MiB and change
     y = comm.allreduce(x)
