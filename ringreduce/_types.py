@@ -239,6 +239,9 @@ def as_input_array(x, argument: str, context: str) -> np.ndarray:
     readable() and native())."""
     if type(x) is np.ndarray:  # the common case, kept cheap
         return x
+    if x is None:  # (np.asarray makes an array of one object of it: "dtype object")
+        raise TypeError(f"{context}: {argument} is None: give an array (numpy, a GPU "
+                        "array, or what np.asarray takes)")
     reject_masked(x, argument, context)
     if hasattr(x, "__cuda_array_interface__") and not isinstance(x, np.ndarray):
         # The collectives send GPU arrays to ringreduce._device first; this is for

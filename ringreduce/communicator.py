@@ -914,8 +914,9 @@ def checked_mpi_comm(comm, caller: str, pid: int | None = None):
     if isinstance(comm, Communicator):
         comm = comm.mpi_comm
     if not isinstance(comm, MPI.Comm):
-        raise TypeError(f"ringreduce.{caller}: comm must be an mpi4py communicator, "
-                        f"got {type(comm).__name__}")
+        raise TypeError(f"ringreduce.{caller}: comm must be an mpi4py communicator (such "
+                        "as MPI.COMM_WORLD) or a ringreduce Communicator, got "
+                        f"{type(comm).__name__}")
     if comm == MPI.COMM_NULL:
         raise ValueError(f"ringreduce.{caller}: comm is MPI.COMM_NULL: a communicator "
                          "already Free()d, or what Split() or Create_group() gives a rank "

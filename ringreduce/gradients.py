@@ -12,7 +12,7 @@ import numpy as np
 
 from . import _types
 from ._arrays import array_module, as_list_of_arrays, on_gpu_of, the_one_gpu
-from ._core import CheckedCallsMismatch, MismatchError, numpy_layout, pack_gradients, \
+from ._core import CheckedCallsMismatch, CollectiveTimeoutError, MismatchError, numpy_layout, pack_gradients, \
     unpack_gradients
 from ._shortcuts import _communicator
 from ._types import OPS, native, op_code, reduction_codes, reject_masked
@@ -313,6 +313,16 @@ def _unpack(grads, indices, places, flat) -> None:
                 flat[start:stop].reshape(shape)
 
 
+def _not_completed(error: CollectiveTimeoutError, where: str) -> CollectiveTimeoutError:
+    """A timeout of one of allreduce_gradients' all-reduces, as its own error: the
+    script called allreduce_gradients, not the ringreduce.allreduce that the core's
+    error names (which stays as the cause, with what kind of timeout it was)."""
+    return CollectiveTimeoutError(
+        f"{where}: its all-reduces did not complete, and the gradients may be partly "
+        "reduced (it is collective: every rank must call it, with the same list of "
+        f"shapes and dtypes, op and bucket_mb): {error}")
+
+
 def allreduce_gradients(grads, op: str = "avg", comm=None, bucket_mb: float = 25.0):
     """Reduce every array in ``grads`` across ranks, in place; returns ``grads``.
 
@@ -367,6 +377,8 @@ def allreduce_gradients(grads, op: str = "avg", comm=None, bucket_mb: float = 25
             ring._allreduce_checked(flats[0][0], op, check)
         else:
             ring._allreduce_checked(np.empty(0, np.int64), "sum", check)
+    except CollectiveTimeoutError as error:
+        raise _not_completed(error, where) from error
     except CheckedCallsMismatch:
         texts = None if rejected is not None else [_signature(grads), OPS[code], repr(plan)]
         agree_or_raise(ring, where, _WHAT_MUST_AGREE, texts, rejected, outcome, (0, "grads"))
@@ -395,7 +407,7 @@ def allreduce_gradients(grads, op: str = "avg", comm=None, bucket_mb: float = 25
                 made = None
                 raise
             made += 1
-    except BaseException:
+    except BaseException as error:
         # Raised between calls (Ctrl-C): the other ranks make the calls still to come,
         # and would pair them with this rank's next ones (they carry the same check),
         # so this rank makes them too.
@@ -405,6 +417,8 @@ def allreduce_gradients(grads, op: str = "avg", comm=None, bucket_mb: float = 25
                     ring._allreduce_checked(flat, op, check)
                 except Exception:
                     break
+        if isinstance(error, CollectiveTimeoutError):
+            raise _not_completed(error, where) from error
         raise
     for indices, where_they_go, (flat, copied) in zip(plan, places, flats):
         if copied:

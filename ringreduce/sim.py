@@ -616,7 +616,9 @@ def main(argv=None) -> int:
             chunks.append(parse_bytes(text))
         except ValueError as error:
             parser.error(f"--chunk: {error}")
-        if chunks[-1] < 4 or chunks[-1] % 4:
+        if chunks[-1] < 4:
+            parser.error(f"--chunk: {text!r} is less than one float32 element (4 bytes)")
+        if chunks[-1] % 4:
             parser.error(f"--chunk: {text!r} is not a whole number of float32 elements (4 bytes)")
         if chunks[-1] // 4 > MAX_CHUNK_ELEMS:
             parser.error(f"--chunk: {text!r} is more than 2**62 - 1 float32 elements")

@@ -258,6 +258,7 @@ def test_pipeline_reports_each_step_of_both_phases():
     (["explain", "--svg", "/nonexistent-folder/ring.svg"], "does not exist"),
     (["explain", "--svg", "ring.xyz"], "does not end in .svg, .png or .pdf"),
     (["sim", "--chunk", "6"], "--chunk: '6' is not a whole number of float32 elements"),
+    (["sim", "--chunk", "0"], "--chunk: '0' is less than one float32 element"),
     (["sim", "--chunk", "1X"], "--chunk: '1X' is not a size"),
     (["sim", "--ranks", "64", "--bytes", "1G", "--chunk", "4K"], "more than 1,000,000 pieces"),
     (["sim", "--ranks", "700", "--bytes", "4M", "--chunk", "4M"], "more than 1,000,000 pieces"),

@@ -474,7 +474,9 @@ def test_bad_communicators_and_settings():
                         "DistributedOptimizer")]:
         with pytest.raises(ValueError, match=rf"^ringreduce\.{name}: comm is MPI\.COMM_NULL"):
             call(MPI.COMM_NULL)
-        with pytest.raises(TypeError, match=rf"^ringreduce\.{name}: comm must be an mpi4py "):
+        with pytest.raises(TypeError, match=rf"^ringreduce\.{name}: comm must be an mpi4py "
+                           r"communicator \(such as MPI\.COMM_WORLD\) or a ringreduce "
+                           r"Communicator, got str"):
             call("world")
     # A setting's error names where it was given and the rank (every rank prints it).
     made = rf"ringreduce\.Communicator \(rank {RANK} of {SIZE}\): chunk_bytes must be"
@@ -487,6 +489,18 @@ def test_bad_communicators_and_settings():
             with pytest.raises(error, match=rf"ringreduce\.Communicator\.chunk_bytes "
                                             rf"\(rank {RANK} of {SIZE}\): chunk_bytes must"):
                 ring.chunk_bytes = bad
+
+
+def test_x_none_is_named_as_none():
+    # (From a review.) np.asarray(None) is an array of one object: the error said "x has
+    # dtype object", where the script had passed None (a gradient never computed, say).
+    with rr.Communicator() as ring:
+        for name in ("allreduce", "allreduce_async", "reduce_scatter", "reduce_scatter_async",
+                     "allgather", "allgather_async"):
+            with pytest.raises(TypeError, match=rf"^ringreduce\.{name} \(rank {RANK} of "
+                               rf"{SIZE}\): x is None: give an array"):
+                getattr(ring, name)(None)
+        np.testing.assert_array_equal(ring.allreduce(np.ones(2)), SIZE)  # still usable
 
 
 # What one rank gets wrong in making a Communicator: the argument, the error it raises

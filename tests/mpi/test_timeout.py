@@ -304,6 +304,34 @@ def test_optimizers_stepped_in_another_order_elsewhere_are_told_that_order_matte
 
 
 @needs_two
+def test_allreduce_gradients_that_times_out_names_itself(world):
+    # (From a review.) Its error named the "ringreduce.allreduce" the script never
+    # called: it names allreduce_gradients, and that it is collective, with the core's
+    # error (what kind of timeout, on whom) after it and as its cause.
+    ring = rr.Communicator(timeout=30)
+    ring.timeout = TIMEOUT
+    if RANK == 0:
+        grads = [np.ones(10), np.ones(20_000)]  # (a bucket, and one reduced in place)
+        message = waited_for(r"its all-reduces did not complete", lambda:
+                             rr.allreduce_gradients(grads, comm=ring))
+        assert message.startswith(f"ringreduce.allreduce_gradients (rank 0 of {SIZE}): its "
+                                  "all-reduces did not complete"), message
+        assert "every rank must call it" in message
+        assert f": ringreduce.allreduce (rank 0 of {SIZE}): " in message, message
+        # Its next call: this Communicator gave up earlier, named the same way, with
+        # the core's error as the cause (which says what kind of timeout: _kind).
+        with pytest.raises(rr.CollectiveTimeoutError, match=(
+                rf"^ringreduce\.allreduce_gradients \(rank 0 of {SIZE}\): its all-reduces "
+                r"did not complete.*gave up earlier")) as again:
+            rr.allreduce_gradients(grads, comm=ring)
+        assert again.value.__cause__._kind == "in call", again.value.__cause__
+        np.testing.assert_array_equal(grads[1], 1)  # nothing reduced
+    world.Barrier()
+    ring._abandon()
+    relayed_waits_checked(world)
+
+
+@needs_two
 def test_a_rank_that_stops_inside_a_broadcast_makes_the_root_raise(world, monkeypatch):
     # 256 KiB: past the root's board, and few enough chunks that the root puts them all
     # in its slots at once; it then waits for its right neighbour (rank 1) to take them,
