@@ -1532,7 +1532,9 @@ class Communicator:
             work = _Work(self._core, fail, self._pid, watched)
             work.execute(catching=Exception)
             done = Handle(work, handle_context)
-        if dropped:
+        # A blocking call waited for the calls queued before it: one of them whose Handle
+        # was dropped may have failed meanwhile, and is warned of now, not a call later.
+        if dropped or wait:
             _warn_of_dropped_errors()
         return done
 

@@ -1218,6 +1218,25 @@ def test_an_error_lost_with_a_dropped_handle_is_warned_of_at_the_next_call(colle
     world.Barrier()
 
 
+def test_a_dropped_call_still_in_flight_is_warned_of_after_the_next_blocking_call(world):
+    # (From a review.) The next call waits for the one dropped (queued before it), which
+    # fails meanwhile: the warning came only after the call after that.
+    _needs_ranks_whose_calls_can_differ()
+    with rr.Communicator(timeout=60) as comm:
+        if RANK == 1:
+            time.sleep(0.5)  # (rank 0's call is still waiting for this rank's)
+        handle = comm.allreduce_async(_mismatched(False))
+        del handle
+        y = np.arange(8.0)
+        with pytest.warns(rr.DroppedErrorWarning, match="The error: MismatchError: "):
+            result = comm.allreduce(y)
+        assert bitwise_equal(result, SIZE * y)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # said once
+            assert bitwise_equal(comm.allreduce(y), SIZE * y)
+    world.Barrier()
+
+
 def test_no_warning_for_an_error_raised_by_wait_or_for_the_librarys_own_calls(world):
     _needs_ranks_whose_calls_can_differ()
     with rr.Communicator(timeout=60) as comm:
