@@ -1106,8 +1106,8 @@ class Communicator:
             _launch_checked = True
             warn_if_alone_by_mistake(MPI.COMM_WORLD.Get_size(), os.environ,
                                      lambda text: warnings.warn(text, RuntimeWarning, 4))
-        self.rank: int = self._core.rank
-        self.size: int = self._core.size
+        self._rank: int = self._core.rank
+        self._size: int = self._core.size
         self._ring = tuple(self._core.ring_order)
         self._executor = _Executor(threaded)
         self._closed = False
@@ -1123,6 +1123,28 @@ class Communicator:
         _live.add(self)
 
     # -- properties ---------------------------------------------------------------
+
+    def __setattr__(self, name: str, value) -> None:
+        # A setting misspelt (comm.timout = 5, comm.chunk_size = ...) would otherwise be
+        # a new attribute that no call reads, the real setting left as it was, without a
+        # word. (Only here: a Communicator sets its own attributes when it is made and
+        # closed, not in its calls. A subclass may add attributes of its own.)
+        if name[0] != "_" and type(self) is Communicator and not isinstance(
+                getattr(Communicator, name, None), property):
+            raise AttributeError(f"{t.where(self.rank, self.size, 'Communicator')}: "
+                                 f"Communicator has no setting {name!r} (its settings are "
+                                 "timeout and chunk_bytes)")
+        object.__setattr__(self, name, value)
+
+    @property
+    def rank(self) -> int:
+        """This rank's number in the communicator (mpi_comm.Get_rank())."""
+        return self._rank
+
+    @property
+    def size(self) -> int:
+        """The number of ranks (mpi_comm.Get_size())."""
+        return self._size
 
     @property
     def mpi_comm(self):

@@ -503,6 +503,33 @@ def test_x_none_is_named_as_none():
         np.testing.assert_array_equal(ring.allreduce(np.ones(2)), SIZE)  # still usable
 
 
+def test_a_misspelt_setting_is_refused_not_kept():
+    # (From a review.) comm.timout = 5 made a new attribute that no call reads: the
+    # timeout stayed as it was, without a word. rank and size, plain attributes, could
+    # be overwritten, and repr() and every error then named the wrong rank.
+    with rr.Communicator(timeout=30) as ring:
+        for name in ("timout", "chunk_size", "transport_reason_", "name"):
+            with pytest.raises(AttributeError, match=rf"^ringreduce\.Communicator \(rank "
+                               rf"{RANK} of {SIZE}\): Communicator has no setting "
+                               rf"'{name}' \(its settings are timeout and chunk_bytes\)"):
+                setattr(ring, name, 5)
+        for name in ("rank", "size", "ring", "transport", "closed"):
+            with pytest.raises(AttributeError, match="has no setter"):
+                setattr(ring, name, 1)
+        assert (ring.rank, ring.size, ring.timeout) == (RANK, SIZE, 30)
+        ring.timeout, ring.chunk_bytes = 20, 4096  # (the settings themselves)
+        assert (ring.timeout, ring.chunk_bytes) == (20, 4096)
+        np.testing.assert_array_equal(ring.allreduce(np.ones(2)), SIZE)
+
+    class Named(rr.Communicator):  # a subclass keeps what it adds
+        def __init__(self):
+            super().__init__()
+            self.name = "mine"
+
+    with Named() as named:
+        assert named.name == "mine" and named.rank == RANK
+
+
 # What one rank gets wrong in making a Communicator: the argument, the error it raises
 # there, and how that error begins.
 BAD_MAKINGS = {
