@@ -486,6 +486,17 @@ def _optimizer_repr(optimizer) -> str:
             f"{elements:,} element{'s' * (elements != 1)})")
 
 
+def _refuse_a_new_name(obj, name: str) -> None:
+    """Raises where `name` is no attribute obj's class may be given: a setting misspelt
+    (opt.learning_rate = 0.01) would be a new attribute that no step reads, the real one
+    left as it was, and training would go on at the old rate without a word. Names of
+    the class's own (a step() patched on the instance) and private ones are let through;
+    so is anything on a subclass, which may keep attributes of its own."""
+    if name[0] != "_" and type(obj) in _GUARDED and not hasattr(type(obj), name) and \
+            name not in type(obj)._ATTRIBUTES:
+        raise AttributeError(obj._no_such_setting(name))
+
+
 class SGD:
     """Stochastic gradient descent with momentum and L2 weight decay, as torch.optim.SGD:
     g += weight_decay * p; buf = momentum * buf + g (buf = g at first); p -= lr * buf.
@@ -496,6 +507,16 @@ class SGD:
     # and DistributedOptimizer.broadcast_parameters() sends).
     _SETTINGS = ("lr", "momentum", "weight_decay")
     _check_settings = staticmethod(_check_sgd_settings)
+    _ATTRIBUTES = frozenset(("params", "momentum_buffers") + _SETTINGS)  # (its own: see
+    # _refuse_a_new_name; two a step, at most, set through it)
+
+    def __setattr__(self, name: str, value) -> None:
+        _refuse_a_new_name(self, name)
+        object.__setattr__(self, name, value)
+
+    def _no_such_setting(self, name: str) -> str:  # (_refuse_a_new_name's error)
+        return (f"ringreduce.SGD: SGD has no setting {name!r} (its settings are "
+                f"{', '.join(self._SETTINGS)})")
 
     def __init__(self, params, lr: float, momentum: float = 0.0, weight_decay: float = 0.0):
         self.params = _check_params(params, "SGD")
@@ -832,6 +853,15 @@ class Adam:
 
     _SETTINGS = ("lr", "betas", "eps", "weight_decay")  # (as SGD's)
     _check_settings = staticmethod(_check_adam_settings)
+    _ATTRIBUTES = frozenset(("params", "t", "m", "v") + _SETTINGS)  # (as SGD's)
+
+    def __setattr__(self, name: str, value) -> None:
+        _refuse_a_new_name(self, name)
+        object.__setattr__(self, name, value)
+
+    def _no_such_setting(self, name: str) -> str:  # (_refuse_a_new_name's error)
+        return (f"ringreduce.Adam: Adam has no setting {name!r} (its settings are "
+                f"{', '.join(self._SETTINGS)})")
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0):
@@ -1196,6 +1226,27 @@ class DistributedOptimizer:
     # attribute of the wrapper that no step read).
     lr, momentum, betas = _forwarded("lr"), _forwarded("momentum"), _forwarded("betas")
     eps, weight_decay = _forwarded("eps"), _forwarded("weight_decay")
+    _ATTRIBUTES = frozenset(("comm", "optimizer", "params", "compression", "powersgd",
+                             "bytes_sent", "comm_seconds"))  # (see _refuse_a_new_name)
+
+    def __setattr__(self, name: str, value) -> None:
+        # (Some 0.2 us a name set: a step of 200 gradients in one bucket set 11, some
+        # 2 us of its 300-500 us; grad_ready(), called per gradient, sets none where
+        # nothing changes.)
+        if name[0] != "_":
+            _refuse_a_new_name(self, name)
+        object.__setattr__(self, name, value)
+
+    def _no_such_setting(self, name: str) -> str:  # (_refuse_a_new_name's error)
+        wrapped = self.optimizer
+        settings = getattr(type(wrapped), "_SETTINGS", None)
+        if isinstance(wrapped, (SGD, Adam)):
+            return (f"{self._where()}: DistributedOptimizer has no setting {name!r} (the "
+                    f"wrapped {type(wrapped).__name__}'s settings, which it sets, are "
+                    f"{', '.join(settings)})")
+        return (f"{self._where()}: DistributedOptimizer has no setting {name!r}: "
+                f"a setting of the wrapped {type(wrapped).__name__} is set on it "
+                f"(opt.optimizer.{name} = ...), where it has one")
 
     def __init__(self, optimizer, comm=None, bucket_mb: float = 25.0, compression=None,
                  before_update=None):
@@ -1480,7 +1531,8 @@ class DistributedOptimizer:
         begins the next step."""
         if not self.comm._executor.threaded:  # (_check_calling_thread, written out here)
             self.comm._check_calling_thread(self._grad_ready_where)
-        self._abandoned_by_error = False  # (a gradient given, even one refused, begins one)
+        if self._abandoned_by_error:  # (a gradient given, even one refused, begins one;
+            self._abandoned_by_error = False  # set only then: see __setattr__)
         # The usual case at once (through _report, some 0.7 us a gradient, half of it
         # Python's calls and tests): outside no_sync(), a plain numpy gradient of a host
         # parameter's bucket, not given yet this step, is only copied into it: by
@@ -2480,3 +2532,7 @@ class DistributedOptimizer:
                        None if rejected is not None else
                        ["DistributedOptimizer()"] + self._model_texts, rejected,
                        "no rank made its DistributedOptimizer", (1, "params"))
+
+
+# The classes whose names _refuse_a_new_name guards (not their subclasses).
+_GUARDED = (SGD, Adam, DistributedOptimizer)

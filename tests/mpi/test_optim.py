@@ -4200,6 +4200,42 @@ def test_an_optimizer_over_a_closed_communicator_names_its_own_method(bucket_mb)
     np.testing.assert_array_equal(grads[0], 1)
 
 
+def test_a_misspelt_setting_is_refused_not_kept():
+    # (From a review.) opt.learning_rate = 0.01 made a new attribute that no step reads:
+    # a schedule written so trained at the first rate, without a word.
+    sgd, adam = SGD([np.zeros(3)], lr=0.1), Adam([np.zeros(3)])
+    with pytest.raises(AttributeError, match=r"^ringreduce\.SGD: SGD has no setting "
+                       r"'learning_rate' \(its settings are lr, momentum, weight_decay\)"):
+        sgd.learning_rate = 0.01
+    with pytest.raises(AttributeError, match=r"^ringreduce\.Adam: Adam has no setting "
+                       r"'beta1' \(its settings are lr, betas, eps, weight_decay\)"):
+        adam.beta1 = 0.8
+    ring = rr.Communicator()
+    opt = DistributedOptimizer(SGD([np.zeros(3)], lr=0.1), comm=ring)
+    with pytest.raises(AttributeError, match=re.escape(
+            f"ringreduce.DistributedOptimizer (rank {RANK} of {SIZE}): DistributedOptimizer "
+            "has no setting 'learning_rate' (the wrapped SGD's settings, which it sets, are "
+            "lr, momentum, weight_decay)")):
+        opt.learning_rate = 0.01
+    assert not hasattr(opt, "learning_rate") and not hasattr(sgd, "learning_rate")
+    opt.lr, sgd.lr, adam.betas = 0.5, 0.5, (0.8, 0.9)  # the settings themselves
+    opt.bytes_sent = 0  # (what train_digits.py sets, resuming)
+    assert (opt.optimizer.lr, sgd.lr, adam.betas) == (0.5, 0.5, (0.8, 0.9))
+    opt.step([np.ones(3)])
+    np.testing.assert_array_equal(opt.params[0], -0.5)
+
+    class Counted(SGD):  # a subclass keeps what it adds; so does a patched step()
+        def __init__(self, params):
+            super().__init__(params, lr=0.1)
+            self.steps = 0
+
+    counted = Counted([np.zeros(3)])
+    counted.steps += 1
+    sgd.step = lambda grads: None
+    assert counted.steps == 1 and sgd.step([np.ones(3)]) is None
+    ring.close()
+
+
 def test_a_state_of_another_optimizer_is_refused_naming_what_it_holds():
     # (From a researcher's port.) Adam's state loaded into SGD said only that it had no
     # 'momentum_buffers'; what it holds instead ('m', 'v') says whose it is.
