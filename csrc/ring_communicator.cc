@@ -8,6 +8,7 @@
 #include <cstring>
 #include <functional>
 #include <map>
+#include <thread>
 
 #include "copy.h"
 #include "errors.h"
@@ -121,6 +122,22 @@ std::string row_shape_text(const CallHeader& h) {
 }
 
 std::atomic<bool> process_ending{false};  // see note_process_ending()
+
+// How long agree(), meeting headers that disagree, looks for news that a rank gave up
+// on this exchange before it raises MismatchError (departure_behind_mismatch()).
+// Nothing makes that news come before the header the rank had posted: on shared memory
+// it writes its departure word a few microseconds after it last looked at the others'
+// posts (a rank that posts in between reads its header first), and over MPI messages
+// its notice is a point-to-point message sent after it gave up, while its header left
+// with the exchange begun before (a collective, which MPI does not order with
+// point-to-point messages, and whose bytes may come through a third rank). A late rank
+// usually comes long after, and finds the news at the first look; only one that comes
+// just as the other gives up can miss it, for microseconds on one machine or a
+// network's latency between machines: 20 ms also covers a rank on an oversubscribed
+// core that loses it for a scheduler's time slice. Past that, MismatchError, and the
+// next call says who left. Every rank that meets a mismatch pays it alike, on an error
+// path (some 20 ms a MismatchError), and no agreeing call does.
+constexpr std::chrono::milliseconds kMismatchNoticeGrace{20};
 
 }  // namespace
 
@@ -492,6 +509,21 @@ DepartureNote RingCommunicator::first_departure(int64_t exchange) {
   return first;
 }
 
+DepartureNote RingCommunicator::departure_behind_mismatch() {
+  // Only departures that hold up this exchange: a rank that saw it through and left
+  // later (a close() that met this rank's call, say) did disagree, and said so itself.
+  // A completed exchange never waited, so never looked: a notice that came long ago is
+  // found at the first look.
+  const auto until = std::chrono::steady_clock::now() + kMismatchNoticeGrace;
+  for (;;) {
+    const DepartureNote gone = first_departure(exchanges_);  // (MPI's look drives MPI)
+    if (gone.rank >= 0 || std::chrono::steady_clock::now() >= until) return gone;
+    // (Not spinning: with more ranks than cores, the rank whose news it waits for may
+    // need this core.)
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
+  }
+}
+
 RingCommunicator::~RingCommunicator() {
   if (getpid() != maker_pid_) {
     // A copy in a child made by fork(): the MPI communicator, the shared memory (not
@@ -661,6 +693,14 @@ int64_t RingCommunicator::agree(const CallHeader& mine, std::vector<CallHeader>*
       }));
   }
   if (!problems.empty()) {
+    // A rank that gave up on this call (a timeout, or an error, while it waited for this
+    // rank) left its header posted, and this rank, coming late, met it here: the ranks
+    // do not disagree, that rank is gone, and the Communicator with it. Say so, as the
+    // next call would (a MismatchError promises a usable Communicator).
+    if (p > 1) {
+      const DepartureNote gone = departure_behind_mismatch();
+      if (gone.rank >= 0) give_up(collective, gone.timeout());
+    }
     std::string text = std::string("ringreduce.") + collective +
                        ": ranks disagree (raised on rank " + std::to_string(rank()) + " of " +
                        std::to_string(p) + "): ";

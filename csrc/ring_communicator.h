@@ -8,7 +8,8 @@
 // is finished locally: one exchange, no ring. Ranks whose calls don't fit together all
 // throw MismatchError after that exchange and nothing else is sent, so a mistake on
 // one rank can neither hang the job nor leave stray messages behind; a rank that
-// never comes makes the others throw TimeoutError (set_timeout()). Not
+// never comes makes the others throw TimeoutError (set_timeout()), as does one that gave
+// up on the call before they came, whose header they meet there. Not
 // thread-safe: one call at a time per communicator (the Python layer serialises).
 #pragma once
 
@@ -341,8 +342,10 @@ class RingCommunicator {
  private:
   // Exchanges headers, each followed by `payload_bytes` of payload (at most
   // inline_capacity_; a broadcast root's, broadcast_inline_capacity_); throws
-  // MismatchError on every rank if they don't fit. Returns rank 0's chunk size, which
-  // every rank then uses (0 where `mine` is invalid: the caller raises its own error).
+  // MismatchError on every rank if they don't fit (TimeoutError where a rank gave up on
+  // this exchange before this one came: departure_behind_mismatch()). Returns rank 0's
+  // chunk size, which every rank then uses (0 where `mine` is invalid: the caller raises
+  // its own error).
   int64_t agree(const CallHeader& mine, std::vector<CallHeader>* all = nullptr,
                 const void* payload = nullptr, int64_t payload_bytes = 0);
   const char* inline_payload(int r) const {
@@ -404,6 +407,11 @@ class RingCommunicator {
   // Of the departures seen so far that hold up `exchange` (kAnyExchange: all), the one
   // that tells best where things went wrong (DepartureNote::prefer); rank -1 if none.
   DepartureNote first_departure(int64_t exchange = kAnyExchange);
+  // After a header exchange whose headers disagree: a rank that gave up (or left) while
+  // it waited in this exchange, whose header, posted before it did, was what this rank
+  // found there; rank -1 if none. Looks again for a moment (kMismatchNoticeGrace) while
+  // none is known: its notice may be on its way.
+  DepartureNote departure_behind_mismatch();
   void check_root(int root) const;  // std::invalid_argument unless a rank
   int64_t chunk_elems(int64_t chunk_bytes, size_t elem_size) const;
 

@@ -163,6 +163,46 @@ def test_a_rank_that_never_joins_a_call_makes_the_others_raise(wire, call, world
 
 
 @needs_two
+@pytest.mark.parametrize("late_call", ["allreduce", "close"])
+@pytest.mark.parametrize("giver", ["rank 0", "the last rank"])
+@pytest.mark.parametrize("wire", ["shared memory", "MPI"])
+def test_a_late_call_unlike_the_one_a_rank_gave_up_says_that_it_gave_up(wire, giver, late_call,
+                                                                        world, monkeypatch):
+    # As above, but the late ranks make another call than the one the rank that gave up
+    # had posted: their header exchange completes with its header, which differs from
+    # theirs. That is no mismatch to report (MismatchError promises a usable
+    # Communicator): that rank has left, and they must say so at once. From a review:
+    # their first call raised "ranks disagree: count (x.size): 1000 on rank 0; 3 on
+    # ranks 1, 2", and only the next one said that rank 0 had given up. The last rank
+    # gives up too, so that rank 0 is among the late ones. A late close() returns, as
+    # it does after any departure, rather than raise MismatchError.
+    ring = a_ring_over(wire, monkeypatch)
+    gives_up = 0 if giver == "rank 0" else SIZE - 1
+    world.Barrier()
+    if RANK == gives_up:
+        waited_for("not joined this call|for every rank to join this call",
+                   lambda: ring.allreduce(np.ones(1000)))
+        ring.close()
+        world.Barrier()
+    else:
+        world.Barrier()  # that rank has given up by now; this rank comes late
+        if late_call == "allreduce":
+            gone = rf"rank {gives_up} has given up on this communicator \(a timeout there"
+            start = time.monotonic()
+            with pytest.raises(rr.CollectiveTimeoutError) as info:
+                ring.allreduce(np.ones(3))
+            assert time.monotonic() - start < TIMEOUT  # learnt, not waited out
+            message = str(info.value)
+            assert message.startswith(f"ringreduce.allreduce (rank {RANK} of {SIZE}): "), message
+            assert re.search(gone, message) and "disagree" not in message, message
+            assert "can no longer be used" in message
+            with pytest.raises(rr.CollectiveTimeoutError, match=gone):
+                ring.allreduce(np.ones(3))
+        closes_at_once(ring)  # frees nothing that would wait for that rank
+    world.Barrier()
+
+
+@needs_two
 def test_a_rank_that_makes_its_communicator_too_late_makes_every_rank_raise(world):
     # Making a Communicator is collective, and timed too: the ranks that came give up
     # instead of waiting forever. The late rank's duplicate of the world communicator
