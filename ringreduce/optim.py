@@ -1302,7 +1302,7 @@ class DistributedOptimizer:
 
     def _check_open(self, method: str) -> None:
         """Where the Communicator is closed (or being closed), the refusal names this
-        method, not the collective it would make, before the step changes."""
+        method, not the collective it would make, before any parameter changes."""
         comm = self.comm
         if comm._closed or comm._closing:
             comm._refuse_as_closed(self._where(method))
@@ -1647,10 +1647,12 @@ class DistributedOptimizer:
         An error abandons the step, as in grad_ready().
         """
         self._check_calling_thread("step")
-        self._check_open("step")
         if grads is not None:
             self._abandoned_by_error = False  # (as in grad_ready)
         try:
+            # (Inside the try: refused, the step is dropped as at any error here, so that
+            # state_dict() still saves what the optimizer holds.)
+            self._check_open("step")
             if grads is not None:
                 grads = _check_grads(grads, self.params, self._where("step"))
                 if any(b.reported for b in self._buckets) or self._low_rank_reported:

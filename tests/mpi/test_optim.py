@@ -4185,6 +4185,9 @@ def test_an_optimizer_over_a_closed_communicator_names_its_own_method(bucket_mb)
         opt.grad_ready(1, grads[1])
         with refused("step"):
             opt.step()
+    # Refused, the step was dropped, as at any error of grad_ready() or step(): nothing
+    # is partway, and state_dict() saves what the optimizer holds.
+    assert opt.state_dict()["optimizer"]["lr"] == 0.1
     for p in params:
         np.testing.assert_array_equal(p, -0.1)  # the first step's update only
     opt.abandon_step()  # (makes no call: nothing to drop that a closed one could send)
