@@ -1128,9 +1128,10 @@ class Communicator:
         # A setting misspelt (comm.timout = 5, comm.chunk_size = ...) would otherwise be
         # a new attribute that no call reads, the real setting left as it was, without a
         # word. (Only here: a Communicator sets its own attributes when it is made and
-        # closed, not in its calls. A subclass may add attributes of its own.)
-        if name[0] != "_" and type(self) is Communicator and not isinstance(
-                getattr(Communicator, name, None), property):
+        # closed, not in its calls. A subclass may add attributes of its own; a name of
+        # the class goes through, as on SGD: a method patched on the instance, as
+        # mock.patch.object does, and a property, which refuses itself where read-only.)
+        if name[0] != "_" and type(self) is Communicator and not hasattr(Communicator, name):
             raise AttributeError(f"{t.where(self.rank, self.size, 'Communicator')}: "
                                  f"Communicator has no setting {name!r} (its settings are "
                                  "timeout and chunk_bytes)")

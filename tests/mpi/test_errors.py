@@ -4,6 +4,7 @@ import gc
 import re
 import time
 import warnings
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -519,6 +520,10 @@ def test_a_misspelt_setting_is_refused_not_kept():
         assert (ring.rank, ring.size, ring.timeout) == (RANK, SIZE, 30)
         ring.timeout, ring.chunk_bytes = 20, 4096  # (the settings themselves)
         assert (ring.timeout, ring.chunk_bytes) == (20, 4096)
+        # A method patched on the instance (a test's mock.patch.object) goes through.
+        with mock.patch.object(ring, "allreduce_async", side_effect=RuntimeError("mocked")):
+            with pytest.raises(RuntimeError, match="mocked"):
+                ring.allreduce_async(np.ones(2))
         np.testing.assert_array_equal(ring.allreduce(np.ones(2)), SIZE)
 
     class Named(rr.Communicator):  # a subclass keeps what it adds
