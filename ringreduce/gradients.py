@@ -12,8 +12,8 @@ import numpy as np
 
 from . import _types
 from ._arrays import array_module, as_list_of_arrays, on_gpu_of, the_one_gpu
-from ._core import CheckedCallsMismatch, CollectiveTimeoutError, MismatchError, numpy_layout, pack_gradients, \
-    unpack_gradients
+from ._core import CheckedCallsMismatch, CollectiveTimeoutError, MismatchError, numpy_layout, \
+    pack_gradients, unpack_gradients
 from ._shortcuts import _communicator
 from ._types import OPS, native, op_code, reduction_codes, reject_masked
 from .communicator import Communicator

@@ -354,8 +354,9 @@ def test_broadcast_many_chunks_large(world):
 # sequences (test_random_sequences.py), which reach there now and then. One call of
 # each, 1 MiB past the limit and an odd number of elements more: the ranks' segments
 # differ in length, and no segment is a whole number of the default 256 KiB chunks
-# (copy-only phases send chunks 64 times larger over MPI: one a segment). float32 sums (whose bits tell the order of summing, on 3 ranks and more) and an
-# integer product (which wraps: the exact answer, in any order).
+# (copy-only phases send chunks 64 times larger over MPI: one a segment). float32 sums
+# (whose bits tell the order of summing, on 3 ranks and more) and an integer product
+# (which wraps: the exact answer, in any order).
 BIG_COUNT_BYTES = rr._core.SHM_MAX_BYTES + (1 << 20)
 
 
