@@ -1224,7 +1224,11 @@ def test_a_dropped_call_still_in_flight_is_warned_of_after_the_next_blocking_cal
     _needs_ranks_whose_calls_can_differ()
     with rr.Communicator(timeout=60) as comm:
         if RANK == 1:
-            time.sleep(0.5)  # (rank 0's call is still waiting for this rank's)
+            # Rank 0's call is still waiting for this rank's when its next call begins.
+            # (Were rank 0 held up longer, its call would have failed before that one
+            # began, which then warned under the old code too: the test would pass
+            # without testing this, never fail for it.)
+            time.sleep(0.5)
         handle = comm.allreduce_async(_mismatched(False))
         del handle
         y = np.arange(8.0)
