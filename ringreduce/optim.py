@@ -1239,11 +1239,12 @@ class DistributedOptimizer:
 
     def _no_such_setting(self, name: str) -> str:  # (_refuse_a_new_name's error)
         wrapped = self.optimizer
-        settings = getattr(type(wrapped), "_SETTINGS", None)
-        if isinstance(wrapped, (SGD, Adam)):
+        # (Not where the wrapped one has it: a subclass's setting of its own, which the
+        # wrapper does not forward, is set on it, as another optimizer's is.)
+        if isinstance(wrapped, (SGD, Adam)) and not hasattr(wrapped, name):
             return (f"{self._where()}: DistributedOptimizer has no setting {name!r} (the "
                     f"wrapped {type(wrapped).__name__}'s settings, which it sets, are "
-                    f"{', '.join(settings)})")
+                    f"{', '.join(wrapped._SETTINGS)})")
         return (f"{self._where()}: DistributedOptimizer has no setting {name!r}: "
                 f"a setting of the wrapped {type(wrapped).__name__} is set on it "
                 f"(opt.optimizer.{name} = ...), where it has one")

@@ -4236,6 +4236,15 @@ def test_a_misspelt_setting_is_refused_not_kept():
     counted.steps += 1
     sgd.step = lambda grads: None
     assert counted.steps == 1 and sgd.step([np.ones(3)]) is None
+    # Wrapped, a subclass's own setting is refused on the wrapper (which does not
+    # forward it), with where to set it rather than SGD's list, which lacks it.
+    wrapping = DistributedOptimizer(counted, comm=ring)
+    with pytest.raises(AttributeError, match=re.escape(
+            f"ringreduce.DistributedOptimizer (rank {RANK} of {SIZE}): DistributedOptimizer "
+            "has no setting 'steps': a setting of the wrapped Counted is set on it "
+            "(opt.optimizer.steps = ...)")):
+        wrapping.steps = 0
+    assert counted.steps == 1
     ring.close()
 
 
