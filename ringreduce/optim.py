@@ -497,7 +497,24 @@ def _refuse_a_new_name(obj, name: str) -> None:
         raise AttributeError(obj._no_such_setting(name))
 
 
-class SGD:
+class _NamedSettings:
+    """SGD's, Adam's and DistributedOptimizer's guard: a name no step reads is refused
+    (_refuse_a_new_name) as it is set."""
+
+    def __setattr__(self, name: str, value) -> None:
+        # (Some 0.2 us a name set: a DistributedOptimizer's step of 200 gradients in one
+        # bucket set 11, some 2 us of its 300-500 us; grad_ready(), called per gradient,
+        # sets none where nothing changes; SGD's and Adam's steps, two at most.)
+        if name[0] != "_":
+            _refuse_a_new_name(self, name)
+        object.__setattr__(self, name, value)
+
+    def _no_such_setting(self, name: str) -> str:  # (_refuse_a_new_name's error)
+        return (f"ringreduce.{type(self).__name__}: {type(self).__name__} has no setting "
+                f"{name!r} (its settings are {', '.join(self._SETTINGS)})")
+
+
+class SGD(_NamedSettings):
     """Stochastic gradient descent with momentum and L2 weight decay, as torch.optim.SGD:
     g += weight_decay * p; buf = momentum * buf + g (buf = g at first); p -= lr * buf.
     Unlike torch's, for float16 and bfloat16 parameters buf is float32 and each step is
@@ -508,15 +525,7 @@ class SGD:
     _SETTINGS = ("lr", "momentum", "weight_decay")
     _check_settings = staticmethod(_check_sgd_settings)
     _ATTRIBUTES = frozenset(("params", "momentum_buffers") + _SETTINGS)  # (its own: see
-    # _refuse_a_new_name; two a step, at most, set through it)
-
-    def __setattr__(self, name: str, value) -> None:
-        _refuse_a_new_name(self, name)
-        object.__setattr__(self, name, value)
-
-    def _no_such_setting(self, name: str) -> str:  # (_refuse_a_new_name's error)
-        return (f"ringreduce.SGD: SGD has no setting {name!r} (its settings are "
-                f"{', '.join(self._SETTINGS)})")
+    # _refuse_a_new_name)
 
     def __init__(self, params, lr: float, momentum: float = 0.0, weight_decay: float = 0.0):
         self.params = _check_params(params, "SGD")
@@ -843,7 +852,7 @@ def _kept_dtype(p) -> np.dtype:
     return _compression._computing_dtype(p.dtype)
 
 
-class Adam:
+class Adam(_NamedSettings):
     """Adam (Kingma & Ba) with bias correction and L2 weight decay, as torch.optim.Adam:
     g += weight_decay * p; t += 1; m = b1 * m + (1 - b1) * g; v = b2 * v + (1 - b2) * g * g;
     p -= lr * (m / (1 - b1 ** t)) / (sqrt(v / (1 - b2 ** t)) + eps), with (b1, b2) = betas
@@ -854,14 +863,6 @@ class Adam:
     _SETTINGS = ("lr", "betas", "eps", "weight_decay")  # (as SGD's)
     _check_settings = staticmethod(_check_adam_settings)
     _ATTRIBUTES = frozenset(("params", "t", "m", "v") + _SETTINGS)  # (as SGD's)
-
-    def __setattr__(self, name: str, value) -> None:
-        _refuse_a_new_name(self, name)
-        object.__setattr__(self, name, value)
-
-    def _no_such_setting(self, name: str) -> str:  # (_refuse_a_new_name's error)
-        return (f"ringreduce.Adam: Adam has no setting {name!r} (its settings are "
-                f"{', '.join(self._SETTINGS)})")
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0):
@@ -1201,7 +1202,7 @@ def _forwarded(name: str) -> property:
     return property(get, set, doc=f"The wrapped optimizer's {name} (the one its steps use).")
 
 
-class DistributedOptimizer:
+class DistributedOptimizer(_NamedSettings):
     """Wraps an optimizer (SGD, Adam, or anything with ``params`` and ``step(grads)``) so
     that every step uses the gradients averaged over all ranks. Another optimizer gets
     arrays of its own, which it may keep; state_dict() and load_state_dict() need its
@@ -1228,14 +1229,6 @@ class DistributedOptimizer:
     eps, weight_decay = _forwarded("eps"), _forwarded("weight_decay")
     _ATTRIBUTES = frozenset(("comm", "optimizer", "params", "compression", "powersgd",
                              "bytes_sent", "comm_seconds"))  # (see _refuse_a_new_name)
-
-    def __setattr__(self, name: str, value) -> None:
-        # (Some 0.2 us a name set: a step of 200 gradients in one bucket set 11, some
-        # 2 us of its 300-500 us; grad_ready(), called per gradient, sets none where
-        # nothing changes.)
-        if name[0] != "_":
-            _refuse_a_new_name(self, name)
-        object.__setattr__(self, name, value)
 
     def _no_such_setting(self, name: str) -> str:  # (_refuse_a_new_name's error)
         wrapped = self.optimizer
@@ -1533,7 +1526,7 @@ class DistributedOptimizer:
         if not self.comm._executor.threaded:  # (_check_calling_thread, written out here)
             self.comm._check_calling_thread(self._grad_ready_where)
         if self._abandoned_by_error:  # (a gradient given, even one refused, begins one;
-            self._abandoned_by_error = False  # set only then: see __setattr__)
+            self._abandoned_by_error = False  # set only then: see _NamedSettings)
         # The usual case at once (through _report, some 0.7 us a gradient, half of it
         # Python's calls and tests): outside no_sync(), a plain numpy gradient of a host
         # parameter's bucket, not given yet this step, is only copied into it: by
