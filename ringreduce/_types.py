@@ -49,6 +49,32 @@ def where(rank: int, size: int, call: str) -> str:
     return f"ringreduce.{call} (rank {rank} of {size})"
 
 
+class NamedSettings:
+    """Refuses a public name that its class does not know, as it is set: a setting
+    misspelt (comm.timout = 5, opt.learning_rate = 0.01) would be a new attribute that
+    nothing reads, the real one left as it was, without a word. A class guarded lists
+    _ATTRIBUTES itself: the public names its instances hold that are no names of the
+    class (its properties, methods: a step() patched on the instance, as
+    mock.patch.object does, goes through; a read-only property refuses itself).
+    Private names go through, and so does anything on a subclass, which may keep
+    attributes of its own. (Some 0.2 us a name set.)"""
+
+    _SETTINGS: tuple = ()
+
+    def __setattr__(self, name: str, value) -> None:
+        if name[0] != "_":
+            cls = type(self)
+            if "_ATTRIBUTES" in cls.__dict__ and name not in cls._ATTRIBUTES and \
+                    not hasattr(cls, name):
+                raise AttributeError(self._no_such_setting(name))
+        object.__setattr__(self, name, value)
+
+    def _no_such_setting(self, name: str) -> str:
+        cls = type(self).__name__
+        return (f"ringreduce.{cls}: {cls} has no setting {name!r} (its settings are "
+                f"{', '.join(self._SETTINGS)})")
+
+
 def op_code(op, context: str, dtype_name: str | None = None) -> int:
     """op's code, for arrays of dtype_name (where mpi4py's logical and bitwise ops are
     taken: bool only; None where the dtype is not known, as for a list of arrays)."""

@@ -1048,7 +1048,7 @@ def _check_environment(context: str) -> None:
         raise ValueError(f"{context}: {refused[0]}")
 
 
-class Communicator:
+class Communicator(t.NamedSettings):
     """Ring collectives over the ranks of an mpi4py intracommunicator.
 
     ``Communicator()`` uses ``MPI.COMM_WORLD``. Creating one is collective: every
@@ -1124,18 +1124,13 @@ class Communicator:
 
     # -- properties ---------------------------------------------------------------
 
-    def __setattr__(self, name: str, value) -> None:
-        # A setting misspelt (comm.timout = 5, comm.chunk_size = ...) would otherwise be
-        # a new attribute that no call reads, the real setting left as it was, without a
-        # word. (Only here: a Communicator sets its own attributes when it is made and
-        # closed, not in its calls. A subclass may add attributes of its own; a name of
-        # the class goes through, as on SGD: a method patched on the instance, as
-        # mock.patch.object does, and a property, which refuses itself where read-only.)
-        if name[0] != "_" and type(self) is Communicator and not hasattr(Communicator, name):
-            raise AttributeError(f"{t.where(self.rank, self.size, 'Communicator')}: "
-                                 f"Communicator has no setting {name!r} (its settings are "
-                                 "timeout and chunk_bytes)")
-        object.__setattr__(self, name, value)
+    # Its settings are properties: no other public name is set (t.NamedSettings, which
+    # costs nothing in calls: a Communicator sets its attributes when made and closed).
+    _ATTRIBUTES = frozenset()
+
+    def _no_such_setting(self, name: str) -> str:  # (NamedSettings's error)
+        return (f"{t.where(self.rank, self.size, 'Communicator')}: Communicator has no "
+                f"setting {name!r} (its settings are timeout and chunk_bytes)")
 
     @property
     def rank(self) -> int:

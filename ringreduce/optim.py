@@ -486,35 +486,7 @@ def _optimizer_repr(optimizer) -> str:
             f"{elements:,} element{'s' * (elements != 1)})")
 
 
-def _refuse_a_new_name(obj, name: str) -> None:
-    """Raises where `name` is no attribute obj's class may be given: a setting misspelt
-    (opt.learning_rate = 0.01) would be a new attribute that no step reads, the real one
-    left as it was, and training would go on at the old rate without a word. Names of
-    the class's own (a step() patched on the instance) and private ones are let through;
-    so is anything on a subclass, which may keep attributes of its own."""
-    if name[0] != "_" and type(obj) in _GUARDED and not hasattr(type(obj), name) and \
-            name not in type(obj)._ATTRIBUTES:
-        raise AttributeError(obj._no_such_setting(name))
-
-
-class _NamedSettings:
-    """SGD's, Adam's and DistributedOptimizer's guard: a name no step reads is refused
-    (_refuse_a_new_name) as it is set."""
-
-    def __setattr__(self, name: str, value) -> None:
-        # (Some 0.2 us a name set: a DistributedOptimizer's step of 200 gradients in one
-        # bucket set 11, some 2 us of its 300-500 us; grad_ready(), called per gradient,
-        # sets none where nothing changes; SGD's and Adam's steps, two at most.)
-        if name[0] != "_":
-            _refuse_a_new_name(self, name)
-        object.__setattr__(self, name, value)
-
-    def _no_such_setting(self, name: str) -> str:  # (_refuse_a_new_name's error)
-        return (f"ringreduce.{type(self).__name__}: {type(self).__name__} has no setting "
-                f"{name!r} (its settings are {', '.join(self._SETTINGS)})")
-
-
-class SGD(_NamedSettings):
+class SGD(_types.NamedSettings):
     """Stochastic gradient descent with momentum and L2 weight decay, as torch.optim.SGD:
     g += weight_decay * p; buf = momentum * buf + g (buf = g at first); p -= lr * buf.
     Unlike torch's, for float16 and bfloat16 parameters buf is float32 and each step is
@@ -524,8 +496,8 @@ class SGD(_NamedSettings):
     # and DistributedOptimizer.broadcast_parameters() sends).
     _SETTINGS = ("lr", "momentum", "weight_decay")
     _check_settings = staticmethod(_check_sgd_settings)
-    _ATTRIBUTES = frozenset(("params", "momentum_buffers") + _SETTINGS)  # (its own: see
-    # _refuse_a_new_name)
+    # Its public names (see NamedSettings, through which a step sets two at most).
+    _ATTRIBUTES = frozenset(("params", "momentum_buffers") + _SETTINGS)
 
     def __init__(self, params, lr: float, momentum: float = 0.0, weight_decay: float = 0.0):
         self.params = _check_params(params, "SGD")
@@ -852,7 +824,7 @@ def _kept_dtype(p) -> np.dtype:
     return _compression._computing_dtype(p.dtype)
 
 
-class Adam(_NamedSettings):
+class Adam(_types.NamedSettings):
     """Adam (Kingma & Ba) with bias correction and L2 weight decay, as torch.optim.Adam:
     g += weight_decay * p; t += 1; m = b1 * m + (1 - b1) * g; v = b2 * v + (1 - b2) * g * g;
     p -= lr * (m / (1 - b1 ** t)) / (sqrt(v / (1 - b2 ** t)) + eps), with (b1, b2) = betas
@@ -1202,7 +1174,7 @@ def _forwarded(name: str) -> property:
     return property(get, set, doc=f"The wrapped optimizer's {name} (the one its steps use).")
 
 
-class DistributedOptimizer(_NamedSettings):
+class DistributedOptimizer(_types.NamedSettings):
     """Wraps an optimizer (SGD, Adam, or anything with ``params`` and ``step(grads)``) so
     that every step uses the gradients averaged over all ranks. Another optimizer gets
     arrays of its own, which it may keep; state_dict() and load_state_dict() need its
@@ -1227,10 +1199,12 @@ class DistributedOptimizer(_NamedSettings):
     # attribute of the wrapper that no step read).
     lr, momentum, betas = _forwarded("lr"), _forwarded("momentum"), _forwarded("betas")
     eps, weight_decay = _forwarded("eps"), _forwarded("weight_decay")
+    # Its public names (see NamedSettings: a step of 200 gradients in one bucket sets 11
+    # names through it, some 2 us of its 300-500 us; grad_ready() none, unless changed).
     _ATTRIBUTES = frozenset(("comm", "optimizer", "params", "compression", "powersgd",
-                             "bytes_sent", "comm_seconds"))  # (see _refuse_a_new_name)
+                             "bytes_sent", "comm_seconds"))
 
-    def _no_such_setting(self, name: str) -> str:  # (_refuse_a_new_name's error)
+    def _no_such_setting(self, name: str) -> str:  # (NamedSettings's error)
         wrapped = self.optimizer
         # (Not where the wrapped one has it: a subclass's setting of its own, which the
         # wrapper does not forward, is set on it, as another optimizer's is.)
@@ -1526,7 +1500,7 @@ class DistributedOptimizer(_NamedSettings):
         if not self.comm._executor.threaded:  # (_check_calling_thread, written out here)
             self.comm._check_calling_thread(self._grad_ready_where)
         if self._abandoned_by_error:  # (a gradient given, even one refused, begins one;
-            self._abandoned_by_error = False  # set only then: see _NamedSettings)
+            self._abandoned_by_error = False  # set only then: see NamedSettings)
         # The usual case at once (through _report, some 0.7 us a gradient, half of it
         # Python's calls and tests): outside no_sync(), a plain numpy gradient of a host
         # parameter's bucket, not given yet this step, is only copied into it: by
@@ -2528,7 +2502,3 @@ class DistributedOptimizer(_NamedSettings):
                        None if rejected is not None else
                        ["DistributedOptimizer()"] + self._model_texts, rejected,
                        "no rank made its DistributedOptimizer", (1, "params"))
-
-
-# The classes whose names _refuse_a_new_name guards (not their subclasses).
-_GUARDED = (SGD, Adam, DistributedOptimizer)
