@@ -62,7 +62,7 @@ class NamedSettings:
     _SETTINGS: tuple = ()
 
     def __setattr__(self, name: str, value) -> None:
-        if name[0] != "_":
+        if not name.startswith("_"):
             cls = type(self)
             if "_ATTRIBUTES" in cls.__dict__ and name not in cls._ATTRIBUTES and \
                     not hasattr(cls, name):

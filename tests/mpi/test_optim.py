@@ -4213,6 +4213,8 @@ def test_a_misspelt_setting_is_refused_not_kept():
     with pytest.raises(AttributeError, match=r"^ringreduce\.Adam: Adam has no setting "
                        r"'beta1' \(its settings are lr, betas, eps, weight_decay\)"):
         adam.beta1 = 0.8
+    with pytest.raises(AttributeError, match=r"^ringreduce\.SGD: SGD has no setting ''"):
+        setattr(sgd, "", 0.01)  # (an IndexError, once: name[0] of an empty name)
     ring = rr.Communicator()
     opt = DistributedOptimizer(SGD([np.zeros(3)], lr=0.1), comm=ring)
     with pytest.raises(AttributeError, match=re.escape(
