@@ -332,6 +332,16 @@ def named(error: MemoryError, context: str) -> MemoryError:
     return MemoryError(f"{context}: {error}").with_traceback(error.__traceback__)
 
 
+def told_in_vain(own: Exception, timeout: Exception) -> Exception:
+    """own: this rank's error (it rejected its arguments, or failed to prepare a
+    call), raised once it has told the other ranks so, where telling them timed out
+    (they did not come to that exchange): still what this rank can mend, rather than
+    the timeout, which it notes (after it, the Communicator can no longer be used)."""
+    if hasattr(own, "add_note"):  # (Python 3.11)
+        own.add_note(f"(Then telling the other ranks so timed out: {timeout})")
+    return own
+
+
 def renamed(error: Exception, ran: str | None, called: str) -> Exception:
     """error, whose message begins with `ran` ("ringreduce.allreduce", the collective
     the core ran), as an error of the same kind (and attributes) that begins with

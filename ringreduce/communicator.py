@@ -97,8 +97,8 @@ def input_copy(core, x, name: str, chunk: int) -> np.ndarray:
     try:
         return t.readable_copy(x)
     except MemoryError as error:
-        core.announce_invalid(_COLLECTIVES[name], chunk, failed=True)
-        raise t.named(error, t.where(core.rank, core.size, name)) from None
+        raise _told(core, name, chunk, t.named(error, t.where(core.rank, core.size, name))
+                    ) from None
 
 
 def copy_into(core, out, x, name: str, chunk: int) -> np.ndarray:
@@ -110,9 +110,19 @@ def copy_into(core, out, x, name: str, chunk: int) -> np.ndarray:
     try:
         out[...] = x
     except MemoryError as error:
-        core.announce_invalid(_COLLECTIVES[name], chunk, failed=True)
-        raise t.named(error, t.where(core.rank, core.size, name)) from None
+        raise _told(core, name, chunk, t.named(error, t.where(core.rank, core.size, name))
+                    ) from None
     return out
+
+
+def _told(core, name: str, chunk: int, error: MemoryError) -> MemoryError:
+    """error, once the other ranks have been told in the call's header exchange that
+    this rank failed to prepare collective `name` (see t.told_in_vain)."""
+    try:
+        core.announce_invalid(_COLLECTIVES[name], chunk, failed=True)
+    except _core.CollectiveTimeoutError as timeout:
+        return t.told_in_vain(error, timeout)
+    return error
 
 
 def gather_rows(core, source, rows, row_shape, dtype, chunk, out, results):
@@ -1517,9 +1527,13 @@ class Communicator(t.NamedSettings):
         try:
             run = prepare(context, *args)
         except Exception as error:  # TypeError, ValueError, a MemoryError copying x, ...
-            self._join_as_rejected(name, failed=isinstance(error, MemoryError))
-            if isinstance(error, MemoryError):
-                raise t.named(error, context) from None
+            own = t.named(error, context) if isinstance(error, MemoryError) else error
+            try:
+                self._join_as_rejected(name, failed=isinstance(error, MemoryError))
+            except _core.CollectiveTimeoutError as timeout:
+                raise t.told_in_vain(own, timeout) from None
+            if own is not error:
+                raise own from None
             raise
         # One rank waits for no one, so an asynchronous call on host arrays is done at
         # once, in this thread: handing it to the worker thread costs more than the call

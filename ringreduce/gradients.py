@@ -378,6 +378,8 @@ def allreduce_gradients(grads, op: str = "avg", comm=None, bucket_mb: float = 25
         else:
             ring._allreduce_checked(np.empty(0, np.int64), "sum", check)
     except CollectiveTimeoutError as error:
+        if rejected is not None:  # (nothing was reduced: its own error says what to mend)
+            raise _types.told_in_vain(rejected, error) from None
         raise _not_completed(error, where) from error
     except CheckedCallsMismatch:
         texts = None if rejected is not None else [_signature(grads), OPS[code], repr(plan)]

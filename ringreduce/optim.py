@@ -1230,6 +1230,8 @@ class DistributedOptimizer(_types.NamedSettings):
             # wait out their timeout, or to pair it with this rank's next call.
             try:
                 self._check_same_model_everywhere(rejected=error)
+            except CollectiveTimeoutError as timeout:
+                _types.told_in_vain(error, timeout)
             except Exception:  # (telling them failed: this rank's own error says more)
                 pass
             raise
@@ -1426,9 +1428,15 @@ class DistributedOptimizer(_types.NamedSettings):
                 rejected = error
         # (A bad root or ranks of different roots: every rank raises, naming this call,
         # before any broadcast, not at the first parameter's, naming that.)
-        self._agree_between_steps(where, "broadcast_parameters", ["broadcast from different "
-                                  "roots"], [repr(int(root)) if rejected is None else None],
-                                  rejected, "no rank broadcast anything")
+        try:
+            self._agree_between_steps(where, "broadcast_parameters", ["broadcast from "
+                                      "different roots"], [repr(int(root)) if rejected is
+                                                           None else None],
+                                      rejected, "no rank broadcast anything")
+        except CollectiveTimeoutError as timeout:
+            if rejected is None or partway is not None:
+                raise
+            raise _types.told_in_vain(rejected, timeout) from None
         if partway is not None:
             raise self._partway_outcome(partway, "Nothing was broadcast")
         if rejected is not None:
@@ -1877,6 +1885,8 @@ class DistributedOptimizer(_types.NamedSettings):
             # The others wait in the agreement below: tell them (as construction does).
             try:
                 self._agree_on_loading(None, rejected=error)
+            except CollectiveTimeoutError as timeout:
+                _types.told_in_vain(error, timeout)
             except Exception:  # (telling them failed: this rank's own error says more)
                 pass
             if error is partway:

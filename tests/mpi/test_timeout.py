@@ -20,6 +20,7 @@ from mpi4py import MPI
 
 import ringreduce as rr
 from ringreduce import _core, communicator
+from ringreduce.optim import SGD, DistributedOptimizer
 
 from helpers import on_one_machine, on_the_worker_without_python, worker_held
 
@@ -369,6 +370,46 @@ def test_allreduce_gradients_that_times_out_names_itself(world):
     world.Barrier()
     ring._abandon()
     relayed_waits_checked(world)
+
+
+@needs_two
+@pytest.mark.parametrize("call", ["allreduce", "allreduce_gradients", "DistributedOptimizer",
+                                  "broadcast_parameters", "load_state_dict"])
+def test_a_rank_that_rejected_its_arguments_raises_its_own_error_though_no_one_came(
+        call, world):
+    # (From a review.) A rank that rejects its arguments tells the others in the call's
+    # header exchange; where they never come, that times out, and the timeout was all it
+    # raised (allreduce_gradients and broadcast_parameters dropped its own error): its
+    # own error is what it can mend; the timeout is noted on it.
+    ring = rr.Communicator(timeout=30)
+    opt = DistributedOptimizer(SGD([np.zeros(3)], lr=0.1), comm=ring)
+    ring.timeout = TIMEOUT
+    calls = {
+        "allreduce": (lambda: ring.allreduce(np.ones(3), op="bogus"), ValueError,
+                      r"^ringreduce\.allreduce \(rank 0 of \d+\): op 'bogus' is not one"),
+        "allreduce_gradients": (lambda: rr.allreduce_gradients([np.ones(3)], op="bogus",
+                                                               comm=ring), ValueError,
+                                r"^ringreduce\.allreduce_gradients .*op 'bogus' is not one"),
+        "DistributedOptimizer": (lambda: DistributedOptimizer(
+            SGD([np.zeros(3)], lr=0.1), comm=ring, bucket_mb=-1), ValueError,
+            r"bucket_mb must be a number of MiB > 0"),
+        "broadcast_parameters": (lambda: opt.broadcast_parameters(root=SIZE), ValueError,
+                                 r"root"),
+        "load_state_dict": (lambda: opt.load_state_dict({"no": "state"}), KeyError,
+                            r"load_state_dict"),
+    }
+    if RANK == 0:
+        run, kind, pattern = calls[call]
+        start = time.monotonic()
+        with pytest.raises(kind, match=pattern) as info:
+            run()
+        assert time.monotonic() - start >= TIMEOUT  # (it waited for the others to come)
+        notes = "\n".join(getattr(info.value, "__notes__", []))
+        if hasattr(info.value, "add_note"):
+            assert re.search(r"^\(Then telling the other ranks so timed out: ringreduce\.\S+ "
+                             r"\(rank 0 of \d+\): .*(has|have) not joined", notes), notes
+    world.Barrier()
+    ring._abandon()
 
 
 @needs_two
