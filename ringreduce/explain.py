@@ -15,6 +15,7 @@ docs/ring.md walks through the output.
 from __future__ import annotations
 
 import argparse
+import decimal
 import math
 import os
 import sys
@@ -195,6 +196,20 @@ def _receive(buffers, before, sender, r, k, send_of, reduces) -> None:
         buffers[r, first:first + n] = mine + arrived if reduces else arrived
 
 
+def _average(total: int, ranks: int) -> str:
+    """total / ranks as a reader holds it against the counts beside it: whole where it is
+    (193750, not 1.94e+05), else to two decimals (1501.5: 3 significant digits made it
+    1.5e+03, as if the ranks' 1501 and 1502 were more than the formula gives)."""
+    whole, rest = divmod(total, ranks)
+    if not rest:
+        return str(whole)
+    # (In decimal arithmetic: a float has no room for two decimals past 2**53.)
+    with decimal.localcontext() as context:
+        context.prec = 60
+        return str((decimal.Decimal(total) / ranks).quantize(decimal.Decimal("0.01"))
+                   ).rstrip("0")
+
+
 def _spread(counts) -> str:
     """'9' where every rank's count is 9, else '9 to 10'."""
     low, high = min(counts), max(counts)
@@ -366,7 +381,6 @@ def format_text(e: Explanation) -> str:
         if values:
             lines.append("  afterwards, the numbers each rank holds:")
             lines += _value_rows(e, [(f"rank {r}", row) for r, row in enumerate(step.values)])
-    per_rank = 2 * (e.ranks - 1) * e.count / e.ranks
     sent, received = [0] * e.ranks, [0] * e.ranks
     for step in e.steps:
         for t in step.transfers:
@@ -377,7 +391,8 @@ def format_text(e: Explanation) -> str:
     lines += textwrap.wrap(
         f"Each rank sent {_spread(sent)} element{'s' * (max(sent) != 1)} and received "
         f"{_spread(received)}: "
-        f"2(p-1)/p x N = {per_rank:.3g} on average, for N = {e.count} "
+        f"2(p-1)/p x N = {_average(2 * (e.ranks - 1) * e.count, e.ranks)} on average, "
+        f"for N = {e.count} "
         f"element{'s' * (e.count != 1)}, in 2(p-1) = "
         f"{2 * (e.ranks - 1)} steps" + (" (p does not divide N: segments differ by one "
                                          "element)" if e.count % e.ranks else "") +

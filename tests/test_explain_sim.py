@@ -968,3 +968,16 @@ def test_explain_says_what_each_rank_sent_and_infers_ranks_from_the_ring():
     # A chunk larger than a segment is one chunk per segment, and says so.
     assert "chunks of at most 3 elements" in run("--ranks", "3", "--count", "9", "--chunk", "100")
     assert "copies it over its own" in uneven
+
+
+@pytest.mark.parametrize("ranks, count, average", [
+    (4, 1001, "1501.5"),  # the ranks send 1501 and 1502; 3 digits made it 1.5e+03
+    (32, 100000, "193750"),  # whole: as the counts beside it, not 1.94e+05
+    (3, 7, "9.33"), (5, 3, "4.8"), (4, 12, "18"),
+    (3, (1 << 62) - 1, "6148914691236517204"),  # past a float's 53 bits, exactly
+    (3, (1 << 62) - 2, "6148914691236517202.67"),
+])
+def test_explain_gives_the_average_it_holds_against_the_counts_sent_in_full(ranks, count,
+                                                                             average):
+    text = " ".join(format_text(explain(ranks, count)).split())
+    assert f"2(p-1)/p x N = {average} on average, for N = {count} element" in text
