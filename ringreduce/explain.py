@@ -515,7 +515,7 @@ def main(argv=None) -> int:
             parser.error(f"--ring: {args.ring!r} is not a list of ranks such as 0,2,1,3")
     if args.ranks is None:
         args.ranks = len(ring) if ring is not None else 4
-    if args.svg:  # (checked before the text is printed)
+    if args.svg is not None:  # (checked before the text is printed; "" too, not skipped)
         name = os.path.basename(args.svg)
         if os.path.splitext(name)[1].lower() not in (".svg", ".png", ".pdf"):
             if name.lower() in (".svg", ".png", ".pdf"):
@@ -536,7 +536,7 @@ def main(argv=None) -> int:
     except ValueError as error:
         parser.error(str(error))
     print(format_text(e))
-    if args.svg:
+    if args.svg is not None:
         if len(e.steps) > 8:  # (some 3 s a panel)
             print(f"\ndrawing {len(e.steps)} panels into {args.svg} ...", file=sys.stderr,
                   flush=True)

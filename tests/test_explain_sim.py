@@ -297,6 +297,13 @@ def test_pipeline_reports_each_step_of_both_phases():
     (["explain", "--ring", "0;1"], "--ring: '0;1' is not a list of ranks such as 0,2,1,3"),
     (["sim", "--net-beta", "1e-9", "--placement", "block"],
      "--placement and --net-beta model ranks on several machines: give --machines too"),
+    # An empty name (an unset shell variable) asks for a figure too: it drew none, said
+    # nothing and exited 0.
+    (["explain", "--svg", ""], "--svg: '' does not end in .svg"),
+    (["sim", "--ranks", "3", "--chunk", "1M", "--timeline", ""],
+     "--timeline: '' does not end in .svg"),
+    (["sim", "--timeline", ""], "--timeline needs --chunk"),
+    (["sim", "--machines", "2", "--timeline", ""], "not with --chunk or --timeline"),
 ])
 def test_command_lines_refuse_what_they_cannot_do(argv, message):
     # A usage error, at once: not a traceback, a negative time, or minutes of work
