@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import decimal
 import math
+import numbers
 import os
 import sys
 import textwrap
@@ -125,8 +126,11 @@ def explain(ranks: int = 4, count: int = 12, chunk_elems: int | None = None,
     if ranks > MAX_RANKS:  # (before anything the size of `ranks` is made)
         raise ValueError(f"ranks must be at most {MAX_RANKS} here, got {ranks}: the steps are for "
                          "reading (for bytes and times at any scale: python -m ringreduce sim)")
-    ring = list(range(ranks)) if ring is None else list(ring)
-    if sorted(ring) != list(range(ranks)) or not all(isinstance(r, int) for r in ring):
+    # (Numpy's integers too, as Python's: an order from np.argsort is a ring.)
+    ring = list(range(ranks)) if ring is None else \
+        [int(r) if isinstance(r, numbers.Integral) and not isinstance(r, bool) else r
+         for r in ring]
+    if sorted(ring) != list(range(ranks)) or not all(type(r) is int for r in ring):
         raise ValueError(f"the ring must list each of the {ranks} ranks once, got "
                          f"{','.join(map(str, ring))}")
     if values:

@@ -122,7 +122,7 @@ def ring(ranks: int, count: int, elem_size: int = 4, alpha=ALPHA, beta=BETA,
         raise ValueError(f"machines: need one per rank ({ranks}), got {len(machines)}")
     if count == 0:
         return _nothing("ring", ranks)
-    order = list(ring_order or [])
+    order = [] if ring_order is None else list(ring_order)  # (a numpy array has no truth)
     schedules = [_core.RingSchedule(r, ranks, count, max(1, count), order) for r in range(ranks)]
     if machines is not None:  # (as numbers from 0, whatever names they had)
         machine_of = np.unique(np.array(machines, dtype=object).astype(str),

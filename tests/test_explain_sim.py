@@ -988,3 +988,16 @@ def test_explain_gives_the_average_it_holds_against_the_counts_sent_in_full(rank
                                                                              average):
     text = " ".join(format_text(explain(ranks, count)).split())
     assert f"2(p-1)/p x N = {average} on average, for N = {count} element" in text
+
+
+def test_a_ring_given_as_a_numpy_array_is_the_same_ring():
+    # sim.ring raised numpy's "truth value of an array is ambiguous", and explain said
+    # that the ring did not list each rank once, of an order such as np.argsort gives.
+    order = np.array([0, 2, 1, 3])
+    assert sim.ring(4, 9, ring_order=order).bytes_received == \
+        sim.ring(4, 9, ring_order=[0, 2, 1, 3]).bytes_received != sim.ring(4, 9).bytes_received
+    e = explain(4, 9, ring=order)
+    assert e.ring == [0, 2, 1, 3] and all(type(r) is int for r in e.ring)
+    assert format_text(e) == format_text(explain(4, 9, ring=[0, 2, 1, 3]))
+    with pytest.raises(ValueError, match="must list each of the 2 ranks once"):
+        explain(2, 4, ring=[True, False])  # (not ranks, though they compare equal to 1, 0)
