@@ -211,7 +211,7 @@ def _average(total: int, ranks: int) -> str:
     with decimal.localcontext() as context:
         context.prec = 60
         return str((decimal.Decimal(total) / ranks).quantize(decimal.Decimal("0.01"))
-                   ).rstrip("0")
+                   ).rstrip("0").rstrip(".")
 
 
 def _spread(counts) -> str:
