@@ -1641,6 +1641,17 @@ class DistributedOptimizer(_types.NamedSettings):
                     len(self._low_rank_reported) < len(self._low_rank):
                 missing = [i for b in self._buckets for i in b.indices if i not in b.reported]
                 missing += [i for i in self._low_rank if i not in self._low_rank_reported]
+            if missing and grads is None and self._accumulated and \
+                    len(missing) == len(self.params):
+                # Every micro-batch given inside no_sync(), then step() outside to send
+                # them: "no gradient reported" named none of the gradients given, nor
+                # that the sums went with the step (the error abandons it, below).
+                raise ValueError(
+                    f"{self._where('step')}: no gradient given since the micro-batches "
+                    "accumulated in no_sync(): the step's last micro-batch is given "
+                    "outside no_sync() (step(grads), or grad_ready() for each parameter; "
+                    "zeros where this rank has no more), which adds it to their sums and "
+                    "sends them. This step is dropped, with the sums of its micro-batches")
             if missing:
                 raise ValueError(f"{self._where('step')}: no gradient reported for params "
                                  f"{sorted(missing)} (call grad_ready for each, or step(grads)"

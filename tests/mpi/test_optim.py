@@ -223,6 +223,34 @@ def test_no_sync_with_grad_ready_accumulates_too():
         np.testing.assert_allclose(p, q, rtol=1e-12, atol=1e-14)
 
 
+@pytest.mark.parametrize("how", ["step", "grad_ready"])
+def test_a_step_after_every_micro_batch_went_inside_no_sync_says_where_the_last_goes(how):
+    # (helper 234) Every micro-batch given inside no_sync(), then step() outside to send
+    # their sums: it said "no gradient reported for params [0, 1]", of a rank that had
+    # given them all, and not that the step and its sums were dropped.
+    params = [np.zeros(3), np.zeros(2)]
+    opt = DistributedOptimizer(SGD(params, lr=1.0), bucket_mb=0.00001)
+    for _ in range(2):
+        with opt.no_sync():
+            if how == "step":
+                opt.step([np.ones(3), np.ones(2)])
+            else:
+                opt.grad_ready(1, np.ones(2))
+                opt.grad_ready(0, np.ones(3))
+                opt.step()
+    assert "accumulated" in opt.state_dict()
+    with pytest.raises(ValueError, match=rf"\(rank {RANK} of {SIZE}\): no gradient given since "
+                       r"the micro-batches accumulated in no_sync\(\): the step's last "
+                       r"micro-batch is given outside no_sync\(\).*This step is dropped, "
+                       "with the sums of its micro-batches"):
+        opt.step()
+    np.testing.assert_array_equal(params[0], 0.0)
+    assert "accumulated" not in opt.state_dict()  # (as the error says)
+    opt.step([np.full(3, 1.0 + RANK), np.full(2, 1.0 + RANK)])  # the next pairs up alone
+    np.testing.assert_array_equal(params[0], -(SIZE + 1) / 2)
+    np.testing.assert_array_equal(params[1], -(SIZE + 1) / 2)
+
+
 def test_a_step_inside_no_sync_after_grad_ready_outside_it_raises_and_drops_it():
     # grad_ready() outside no_sync() starts the all-reduces, which overwrite the local
     # sums with averages: a step() inside no_sync() then has nothing left to accumulate
