@@ -323,6 +323,13 @@ def _not_completed(error: CollectiveTimeoutError, where: str) -> CollectiveTimeo
         f"shapes and dtypes, op and bucket_mb): {error}")
 
 
+def _as_ours(error: MismatchError) -> MismatchError:
+    """The core's error of one of allreduce_gradients' all-reduces, named for the call
+    the script made (it began "ringreduce.allreduce: ranks disagree", where a rank
+    stepped a DistributedOptimizer, say, and the caller had made no allreduce)."""
+    return _types.renamed(error, "ringreduce.allreduce", "ringreduce.allreduce_gradients")
+
+
 def allreduce_gradients(grads, op: str = "avg", comm=None, bucket_mb: float = 25.0):
     """Reduce every array in ``grads`` across ranks, in place; returns ``grads``.
 
@@ -381,18 +388,19 @@ def allreduce_gradients(grads, op: str = "avg", comm=None, bucket_mb: float = 25
         if rejected is not None:  # (nothing was reduced: its own error says what to mend)
             raise _types.told_in_vain(rejected, error) from None
         raise _not_completed(error, where) from error
-    except CheckedCallsMismatch:
+    except CheckedCallsMismatch as error:
         texts = None if rejected is not None else [_signature(grads), OPS[code], repr(plan)]
         agree_or_raise(ring, where, _WHAT_MUST_AGREE, texts, rejected, outcome, (0, "grads"))
         if rejected is None:
-            raise  # (what the core says, where the crc32s agree after all)
-    except MismatchError:
+            # (what the core says, where the crc32s agree after all)
+            raise _as_ours(error) from None
+    except MismatchError as error:
         # Some rank made another call, or rejected its arguments to this one in the
         # call itself (a plain MismatchError on every rank: none goes on to agree):
         # a rank that rejected its own says so itself, as the docs promise.
         if rejected is not None:
             raise rejected from None
-        raise
+        raise _as_ours(error) from None
     if rejected is not None:
         raise rejected
     # The others one after another, each once the one before is done: a call on the
@@ -421,6 +429,8 @@ def allreduce_gradients(grads, op: str = "avg", comm=None, bucket_mb: float = 25
                     break
         if isinstance(error, CollectiveTimeoutError):
             raise _not_completed(error, where) from error
+        if isinstance(error, MismatchError):
+            raise _as_ours(error) from None
         raise
     for indices, where_they_go, (flat, copied) in zip(plan, places, flats):
         if copied:

@@ -3184,6 +3184,8 @@ def test_allreduce_gradients_against_an_optimizer_step_elsewhere_keeps_the_ranks
     # (From a review.) Both calls carry a check, but of different kinds: a plain
     # MismatchError on both ranks, so allreduce_gradients does not go on to find out
     # what differs, with calls the other rank never makes.
+    # Its error names allreduce_gradients, the call the script made (helper 234: it
+    # began "ringreduce.allreduce: ranks disagree", a call the script never made).
     params = [np.zeros(3)]
     opt = DistributedOptimizer(SGD(params, lr=1.0))
     with pytest.raises(rr.MismatchError) as raised:
@@ -3192,6 +3194,10 @@ def test_allreduce_gradients_against_an_optimizer_step_elsewhere_keeps_the_ranks
         else:
             rr.allreduce_gradients([np.ones(3)])
     assert not isinstance(raised.value, rr._core.CheckedCallsMismatch)
+    if RANK != BAD:
+        assert str(raised.value).startswith(
+            f"ringreduce.allreduce_gradients: ranks disagree (raised on rank {RANK} of {SIZE})")
+        assert "a DistributedOptimizer's step (check" in str(raised.value)
     np.testing.assert_array_equal(rr.allreduce(np.ones(2)), np.full(2, float(SIZE)))
 
 
