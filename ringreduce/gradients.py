@@ -91,7 +91,13 @@ def agree_or_raise(ring, where: str, checks: list[str], texts: list, rejected,
         row = [value for crc in crcs
                for value in ((_NONE_TO_COMPARE,) * 2 if crc is None else (crc, -crc))]
         row += [ring.size, 1]
-    agreed = ring.allreduce(np.array(row, np.int64), op="min").tolist()
+    try:
+        agreed = ring.allreduce(np.array(row, np.int64), op="min").tolist()
+    except MismatchError as error:
+        # It met another call on some rank (a step of an optimizer there): named for
+        # the call made here, not the "ringreduce.allreduce" the script never made.
+        raise _types.renamed(error, "ringreduce.allreduce", where.split(" (rank ")[0]) \
+            from None
     first, last = agreed[-2], -agreed[-1]
     reason = _reason_from(ring, first, rejected) if first < ring.size else ""
     if rejected is not None:

@@ -3848,6 +3848,32 @@ def test_ranks_at_different_agreements_are_told_so(other):
     assert all(mine == everyone[0] for mine in everyone)
 
 
+@needs_two
+@pytest.mark.parametrize("call", ["load_state_dict", "broadcast_parameters"])
+def test_an_agreement_that_meets_a_step_elsewhere_names_the_call_made(call):
+    # (helper 234) Where the others stepped instead (twice: the agreement is made again
+    # once, to line up past a step's call in flight), its error began
+    # "ringreduce.allreduce: ranks disagree", a call the script never made.
+    with rr.Communicator(MPI.COMM_WORLD) as comm:
+        params = [np.zeros(3)]
+        opt = DistributedOptimizer(SGD(params, lr=1.0), comm=comm)
+        saved = opt.state_dict()
+        if RANK == BAD:
+            for _ in range(2):
+                with pytest.raises(rr.MismatchError, match="did not pair up"):
+                    opt.step([np.ones(3)])
+        else:
+            with pytest.raises(rr.MismatchError) as raised:
+                opt.load_state_dict(saved) if call == "load_state_dict" else \
+                    opt.broadcast_parameters()
+            assert str(raised.value).startswith(
+                f"ringreduce.DistributedOptimizer.{call}: ranks disagree (raised on rank "
+                f"{RANK} of {SIZE})"), str(raised.value)
+            assert "a DistributedOptimizer's step (check" in str(raised.value)
+        opt.step([np.full(3, RANK + 1.0)])  # (the ranks' calls pair up again)
+        np.testing.assert_array_equal(params[0], -(SIZE + 1) / 2)
+
+
 @each_optimizer
 @pytest.mark.parametrize("compression", [None, "fp16", "powersgd"])
 @pytest.mark.parametrize("when", ["after a micro-batch", "after an error in the next one"])
