@@ -1733,7 +1733,10 @@ class DistributedOptimizer(_types.NamedSettings):
             self._abandoned_by_error = True
             # (_kind: the core's TimeoutError::Kind; absent from one raised in Python)
             if getattr(error, "_kind", None) not in ("not joined", "another gave up"):
-                raise  # (a rank left, or stopped in the ring, or this call never began)
+                # (A rank left, or stopped in the ring, or this call never began: as it
+                # is, but named for the call the script made, not the all-reduce.)
+                raise _types.renamed(error, "ringreduce.allreduce", self._where("step")
+                                     .split(" (rank ")[0]) from None
             # A step's last all-reduce starts here, not in backward (so that a rank can
             # still abandon the step): ranks that step several optimizers must do so in
             # one order, which the error of the call alone does not say.

@@ -584,6 +584,34 @@ def test_an_error_leaving_a_with_block_tells_the_others(wire, world, monkeypatch
 
 
 @needs_two
+@pytest.mark.parametrize("compression", [None, "fp16"])
+def test_a_rank_that_leaves_during_backward_is_named_by_the_others_step(compression, world,
+                                                                        monkeypatch):
+    # (helper 234) The last rank's backward fails, and the exception leaves its `with`
+    # block; the others, in step(), raised at once, as they should, but named
+    # "ringreduce.allreduce", a call the script never made.
+    from ringreduce.optim import SGD, DistributedOptimizer
+    ring = a_ring_over("shared memory", monkeypatch)
+    ring.timeout = 60
+    params = [np.zeros((30, 20), np.float32), np.zeros(20, np.float32)]
+    opt = DistributedOptimizer(SGD(params, lr=1.0), comm=ring, bucket_mb=0.001,
+                               compression=compression)
+    opt.step([np.ones((30, 20), np.float32), np.ones(20, np.float32)])  # (fp16: agreed)
+    if RANK == SIZE - 1:
+        with pytest.raises(KeyError):
+            with ring:
+                opt.grad_ready(1, np.ones(20, np.float32))
+                raise KeyError("only on this rank, halfway through backward")
+    else:
+        opt.grad_ready(1, np.ones(20, np.float32))
+        opt.grad_ready(0, np.ones((30, 20), np.float32))
+        raised_within(10, rf"^ringreduce\.DistributedOptimizer\.step \(rank {RANK} of {SIZE}\):"
+                          rf" rank {SIZE - 1} has left this communicator", opt.step)
+        closes_at_once(ring)
+    world.Barrier()
+
+
+@needs_two
 @pytest.mark.parametrize("wire", ["shared memory", "MPI"])
 def test_a_rank_that_drops_its_communicator_unclosed_is_reported_at_once(
         wire, world, monkeypatch):
