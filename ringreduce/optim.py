@@ -299,6 +299,21 @@ def _check_adam_settings(lr, betas, eps, weight_decay, who: str) -> None:
 _SETTING_NAMES = ("lr", "momentum", "betas", "eps", "weight_decay")
 
 
+class _CheckedSettings(_types.NamedSettings):
+    """SGD's and Adam's: a setting set by hand (a schedule's opt.lr = ...) is checked as
+    it is set, as the constructor checks it, so that a negative, NaN or infinite one
+    raises on that line, not at the next step (whose all-reduces had run by then, under
+    a DistributedOptimizer), nor, where one rank alone set it, as the ranks' settings
+    differing."""
+
+    def __setattr__(self, name: str, value) -> None:
+        # (Not while the constructor sets them, one at a time: it checked them first.)
+        if name in self._SETTINGS and all(n in self.__dict__ for n in self._SETTINGS):
+            settings = [value if n == name else getattr(self, n) for n in self._SETTINGS]
+            self._check_settings(*settings, f"{type(self).__name__}: setting {name}")
+        super().__setattr__(name, value)
+
+
 def _setting(value):
     """A setting as ranks compare it: a float (a tuple of floats for betas), None where
     the optimizer has none, "?" where it is no number (a schedule object, say: not
@@ -486,7 +501,7 @@ def _optimizer_repr(optimizer) -> str:
             f"{elements:,} element{'s' * (elements != 1)})")
 
 
-class SGD(_types.NamedSettings):
+class SGD(_CheckedSettings):
     """Stochastic gradient descent with momentum and L2 weight decay, as torch.optim.SGD:
     g += weight_decay * p; buf = momentum * buf + g (buf = g at first); p -= lr * buf.
     Unlike torch's, for float16 and bfloat16 parameters buf is float32 and each step is
@@ -824,7 +839,7 @@ def _kept_dtype(p) -> np.dtype:
     return _compression._computing_dtype(p.dtype)
 
 
-class Adam(_types.NamedSettings):
+class Adam(_CheckedSettings):
     """Adam (Kingma & Ba) with bias correction and L2 weight decay, as torch.optim.Adam:
     g += weight_decay * p; t += 1; m = b1 * m + (1 - b1) * g; v = b2 * v + (1 - b2) * g * g;
     p -= lr * (m / (1 - b1 ** t)) / (sqrt(v / (1 - b2 ** t)) + eps), with (b1, b2) = betas

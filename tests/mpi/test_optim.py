@@ -1652,10 +1652,21 @@ def test_an_lr_of_0_is_a_setting_like_any_other_and_a_bad_one_stops_the_step(mak
     assert again.lr == 0
     name = type(opt.optimizer).__name__
     for bad in (-0.1, float("nan"), float("inf")):
-        opt.lr = bad  # (the same on every rank: each refuses the step, none updates)
-        with pytest.raises(ValueError, match=rf"^{name}\.step: need lr >= 0, .*got lr={bad}"):
-            opt.step([np.ones((4, 3))])
-        np.testing.assert_array_equal(params[0], np.ones((4, 3)))
+        # Refused on the line that sets it, through the wrapper too, and left as it was
+        # (it was refused at the next step, once, after the step's all-reduces).
+        with pytest.raises(ValueError, match=rf"^{name}: setting lr: need lr >= 0, .*got "
+                                             rf"lr={bad}"):
+            opt.lr = bad
+        assert opt.lr == 0.0
+    setting, bad = ("eps", 0.0) if name == "Adam" else ("momentum", -1.0)
+    with pytest.raises(ValueError, match=rf"^{name}: setting {setting}: need lr >= 0, "):
+        setattr(opt.optimizer, setting, bad)
+    assert getattr(opt.optimizer, setting) != bad
+    # The step's own check stands behind it, for a setting put past the setter.
+    opt.optimizer.__dict__["lr"] = -0.1  # (the same on every rank: each refuses the step)
+    with pytest.raises(ValueError, match=rf"^{name}\.step: need lr >= 0, .*got lr=-0.1"):
+        opt.step([np.ones((4, 3))])
+    np.testing.assert_array_equal(params[0], np.ones((4, 3)))
     opt.lr = 0.5
     opt.step([np.ones((4, 3))])
     assert (params[0] < 1).all()
@@ -1835,7 +1846,9 @@ def test_broadcast_parameters_refuses_settings_set_by_hand_that_cannot_be_sent(m
     opt = DistributedOptimizer(make(params))
     good = opt.optimizer.lr
     if RANK == SIZE - 1:
-        opt.optimizer.lr = lr
+        with pytest.raises(ValueError, match=r"setting lr: need lr >= 0"):
+            opt.optimizer.lr = lr  # (refused as it is set, now)
+        opt.optimizer.__dict__["lr"] = lr  # past that: the broadcast's own check stands
     if RANK == SIZE - 1:
         error, match = ValueError, r"broadcast_parameters.*settings: need lr >= 0"
     else:
@@ -2543,7 +2556,7 @@ def test_ranks_that_wrap_different_optimizers_are_told(differ):
 
 CHANGED_SETTINGS = {"lr": 0.05, "momentum": 0.9, "betas": (0.8, 0.99), "eps": 1e-6,
                     "weight_decay": np.float32(0.01), "betas as an array": np.array([0.8, 0.99]),
-                    "t": None, "lr, negative": -1.0}
+                    "t": None, "lr, one hash": 2.0 ** 61}
 
 
 @needs_two
@@ -2558,7 +2571,7 @@ def test_a_setting_changed_on_one_rank_drops_the_step_on_every_rank(setting, com
                  else SGD(params, lr=0.1, momentum=0.5))
     # (t: Adam's step count, which differs where rank 0 alone loaded a state and
     # broadcast_parameters() was forgotten.)
-    name = {"betas as an array": "betas", "lr, negative": "lr"}.get(setting, setting)
+    name = {"betas as an array": "betas", "lr, one hash": "lr"}.get(setting, setting)
     value = CHANGED_SETTINGS[setting]
     opt = DistributedOptimizer(optimizer, bucket_mb=0.001, compression=(
         PowerSGD(rank=1) if compression == "powersgd" else compression))
@@ -2571,8 +2584,8 @@ def test_a_setting_changed_on_one_rank_drops_the_step_on_every_rank(setting, com
         setattr(optimizer, name, value)
     elif setting == "betas as an array":  # (every rank's an array: once not compared)
         optimizer.betas = np.array(optimizer.betas)
-    elif setting == "lr, negative":  # (-1.0 and -2.0: one float hash; from a review)
-        optimizer.lr = -2.0
+    elif setting == "lr, one hash":  # (2.0 ** 61 and 1.0: one float hash, as -1.0 and
+        optimizer.lr = 1.0            # -2.0 are, once compared by it; from a review)
     # Every rank names the setting (its 4 bits of the check differ: these values' do),
     # and its own value of it, which the user compares.
     said = "Adam's step count t" if name == "t" else name
@@ -2584,10 +2597,7 @@ def test_a_setting_changed_on_one_rank_drops_the_step_on_every_rank(setting, com
         opt.step(grads)
     for p, b in zip(params, before):
         np.testing.assert_array_equal(p, b)  # no update anywhere
-    if setting == "lr, negative":  # (the same on every rank: each refuses the step)
-        optimizer.lr = value
-        with pytest.raises(ValueError, match=r"SGD\.step: need lr >= 0"):
-            opt.step(grads)
+    if setting == "lr, one hash":
         value = 0.05
     setattr(optimizer, name, value)  # a schedule that all ranks run
     opt.step(grads)
