@@ -30,6 +30,7 @@ from ._arrays import (array_module, as_list_of_arrays, copy_where_it_is, gpu_of,
                       on_gpu_of, plain, the_one_gpu)
 from ._core import CollectiveTimeoutError, MismatchError, copy_gradient, numpy_layout, \
     pack_gradients
+from .communicator import Communicator
 from .gradients import agree_or_raise, check_bucket_mb, pack_plan, span_of
 
 
@@ -393,7 +394,19 @@ def _fingerprints_apart(fingerprints: list[int], optimizer) -> str:
     lr=0.1); set ..."); "" where they agree, or where some rank's is none (a call it
     started in backward)."""
     values = [f & ((1 << 56) - 1) for f in fingerprints]
-    if len(set(values)) <= 1 or not all(v & _STEP_BIT for v in values):
+    if len(set(values)) <= 1:
+        return ""
+    if not any(v & _STEP_BIT for v in values) and \
+            all(f >> 56 == Communicator.CHECK_OPTIMIZER for f in fingerprints):
+        # Every rank's call started in backward (grad_ready), and carries which optimizer
+        # only (_call_check): ranks whose calls differ met another optimizer's.
+        ranks = [r for r, v in enumerate(values) if v != values[0]]
+        return (f"rank{'s' * (len(ranks) > 1)} {', '.join(map(str, ranks))} started an "
+                "all-reduce of another DistributedOptimizer than rank 0 at this point, in "
+                "backward: where several share a communicator, every rank gives their "
+                "gradients (grad_ready) in one order, as it steps them in one order (a "
+                "bucket's all-reduce starts as its last gradient is given)")
+    if not all(v & _STEP_BIT for v in values):
         return ""
     apart = {}  # field -> the ranks whose 4 bits differ from rank 0's
     for i, field in enumerate(_STEP_FIELDS):

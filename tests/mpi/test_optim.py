@@ -3011,6 +3011,37 @@ def test_a_rank_stepping_another_optimizer_is_named_so_whatever_their_settings()
 
 
 @needs_two
+def test_two_optimizers_given_gradients_in_another_order_on_one_rank_are_named_so():
+    # (From a review.) A bucket's all-reduce starts in backward, as its last gradient
+    # is given: a rank that gave two optimizers' gradients in another order met the
+    # other optimizer's call, and both steps said only "another rank abandoned the
+    # step, stepped another DistributedOptimizer, ... or made other calls".
+    a, b = [np.zeros(4), np.zeros(4)], [np.zeros(5), np.zeros(5)]
+    first = DistributedOptimizer(SGD(a, lr=0.1), bucket_mb=1e-6)  # (a bucket each)
+    second = DistributedOptimizer(SGD(b, lr=0.1), bucket_mb=1e-6)
+    if RANK == BAD:
+        second.grad_ready(1, np.ones(5))
+        first.grad_ready(1, np.ones(4))
+    else:
+        first.grad_ready(1, np.ones(4))
+        second.grad_ready(1, np.ones(5))
+    first.grad_ready(0, np.ones(4))
+    second.grad_ready(0, np.ones(5))
+    for opt in (first, second):
+        with pytest.raises(rr.MismatchError, match=(
+                r"this step is dropped here, without an update \(the next starts clean\): "
+                rf"rank {BAD} started an all-reduce of another DistributedOptimizer than "
+                r"rank 0 at this point, in backward: where several share a communicator, "
+                r"every rank gives their gradients \(grad_ready\) in one order")):
+            opt.step()
+    assert not any(p.any() for p in a + b)  # no update
+    first.step([np.ones(4)] * 2)  # in step again
+    second.step([np.ones(5)] * 2)
+    for p in a + b:
+        np.testing.assert_allclose(p, -0.1)
+
+
+@needs_two
 @pytest.mark.parametrize("compression", [None, "powersgd"])
 def test_ranks_that_step_different_optimizers_raise_instead_of_mixing_them(compression):
     # Each all-reduce of a step carries which optimizer it belongs to. Without that, a
