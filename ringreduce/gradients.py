@@ -65,8 +65,29 @@ def _reason_from(ring, first: int, error) -> str:
 _NONE_TO_COMPARE = np.iinfo(np.int64).max
 
 
+# The collectives an agreement makes (agree_or_raise), whose errors it names for the
+# call the script made.
+_AGREEMENT_CALLS = ("ringreduce.allreduce", "ringreduce.broadcast", "ringreduce.allgather")
+
+
 def agree_or_raise(ring, where: str, checks: list[str], texts: list, rejected,
                    outcome: str, lists: tuple[int, str] | None = None) -> None:
+    """_agree_or_raise, whose collectives' errors (a rank left, or never came; or it
+    met another call) are named for the call the script made (`where`: load_state_dict,
+    say), not the "ringreduce.allreduce" (broadcast, allgather) it never made."""
+    try:
+        _agree_or_raise(ring, where, checks, texts, rejected, outcome, lists)
+    except (CollectiveTimeoutError, MismatchError) as error:
+        called = where.split(" (rank ")[0]
+        for ran in _AGREEMENT_CALLS:
+            ours = _types.renamed(error, ran, called)
+            if ours is not error:
+                raise ours from None
+        raise  # (its own: named so already)
+
+
+def _agree_or_raise(ring, where: str, checks: list[str], texts: list, rejected,
+                    outcome: str, lists: tuple[int, str] | None = None) -> None:
     """Collective: every rank learns whether every rank accepted its arguments and
     whether they agree, before any rank makes a call that the others might not make
     (one that would pair with some other call of theirs, or wait out their timeout).
@@ -91,13 +112,9 @@ def agree_or_raise(ring, where: str, checks: list[str], texts: list, rejected,
         row = [value for crc in crcs
                for value in ((_NONE_TO_COMPARE,) * 2 if crc is None else (crc, -crc))]
         row += [ring.size, 1]
-    try:
-        agreed = ring.allreduce(np.array(row, np.int64), op="min").tolist()
-    except MismatchError as error:
-        # It met another call on some rank (a step of an optimizer there): named for
-        # the call made here, not the "ringreduce.allreduce" the script never made.
-        raise _types.renamed(error, "ringreduce.allreduce", where.split(" (rank ")[0]) \
-            from None
+    # (Where it meets another call on some rank, a step of an optimizer there, it raises
+    # MismatchError: agree_or_raise names it for the call made.)
+    agreed = ring.allreduce(np.array(row, np.int64), op="min").tolist()
     first, last = agreed[-2], -agreed[-1]
     reason = _reason_from(ring, first, rejected) if first < ring.size else ""
     if rejected is not None:

@@ -612,6 +612,55 @@ def test_a_rank_that_leaves_during_backward_is_named_by_the_others_step(compress
 
 
 @needs_two
+@pytest.mark.parametrize("at", ["all-reduce", "broadcast", "allgather"])
+@pytest.mark.parametrize("call", ["DistributedOptimizer", "load_state_dict",
+                                  "broadcast_parameters", "allreduce_gradients"])
+def test_a_rank_that_leaves_an_agreement_is_named_by_the_others_call(call, at, world,
+                                                                     monkeypatch):
+    # (helper 237) These calls begin with an agreement (gradients.agree_or_raise; for
+    # allreduce_gradients, where its first call's checks differ): where the last rank
+    # left during it (before its all-reduce; before the broadcast of why it rejected its
+    # arguments; before the allgather that names the ranks whose arguments differ), the
+    # others' error began "ringreduce.allreduce" ("broadcast", "allgather"), calls the
+    # script never made.
+    ring = rr.Communicator(timeout=60)
+    opt = DistributedOptimizer(SGD([np.zeros(3)], lr=0.1), comm=ring)
+    saved = opt.state_dict()
+    last = RANK == SIZE - 1
+    rejects = last and at == "broadcast"
+    # (allreduce_gradients agrees only where its first call's checks differ)
+    differs = last and (at == "allgather" or call == "allreduce_gradients" and not rejects)
+    runs = {
+        "DistributedOptimizer": lambda: DistributedOptimizer(
+            SGD([np.zeros(4 if differs else 3)], lr=0.1), comm=ring,
+            bucket_mb=-1 if rejects else 25),
+        "load_state_dict": lambda: opt.load_state_dict(
+            {"no": "state"} if rejects else
+            dict(saved, optimizer=dict(saved["optimizer"], lr=0.2)) if differs else saved),
+        "broadcast_parameters": lambda: opt.broadcast_parameters(
+            root=SIZE if rejects else SIZE - 1 if differs else 0),
+        "allreduce_gradients": lambda: rr.allreduce_gradients(
+            [np.ones(4 if differs else 3)], op="bogus" if rejects else "avg", comm=ring),
+    }
+    if last:
+        def leave(*args, **kwargs):
+            with ring:
+                raise KeyError("only on this rank, in the agreement")
+
+        monkeypatch.setattr(rr.Communicator, at.replace("-", ""), leave)
+        with pytest.raises(Exception):  # (its own error, or the KeyError)
+            runs[call]()
+        assert ring.closed
+    else:
+        prefix = call if call in ("DistributedOptimizer", "allreduce_gradients") else \
+            f"DistributedOptimizer.{call}"
+        raised_within(10, rf"^ringreduce\.{re.escape(prefix)} \(rank {RANK} of {SIZE}\): "
+                          rf"rank {SIZE - 1} has left this communicator", runs[call])
+        closes_at_once(ring)
+    world.Barrier()
+
+
+@needs_two
 @pytest.mark.parametrize("wire", ["shared memory", "MPI"])
 def test_a_rank_that_drops_its_communicator_unclosed_is_reported_at_once(
         wire, world, monkeypatch):
