@@ -1558,9 +1558,14 @@ class DistributedOptimizer(_types.NamedSettings):
             else:
                 with on_gpu(self._gpu):
                     self._report(index, grad)
-        except BaseException:
+        except BaseException as error:
             with on_gpu(self._gpu):  # (as _on_its_gpu would, around all of grad_ready)
                 self._abandon_at_error()
+            if isinstance(error, CollectiveTimeoutError):
+                # (An fp16 bucket's blocking agreement on its scale, where a rank left
+                # or never came: as it is, but named for the call the script made.)
+                raise _types.renamed(error, "ringreduce.allreduce",
+                                     self._grad_ready_where.split(" (rank ")[0]) from None
             raise
 
     def _reported_twice(self, who: str, index: int) -> ValueError:

@@ -612,6 +612,37 @@ def test_a_rank_that_leaves_during_backward_is_named_by_the_others_step(compress
 
 
 @needs_two
+@pytest.mark.parametrize("how", ["leaves", "never comes"])
+def test_a_rank_away_from_an_fp16_scale_agreement_is_named_by_the_others_grad_ready(how,
+                                                                                   world):
+    # (helper 237) With "fp16", a bucket's first all-reduce waits in grad_ready() for the
+    # ranks' agreement on its scale (a blocking all-reduce): where the last rank had left
+    # (an exception left its `with` block) or never came, the others' grad_ready() raised
+    # "ringreduce.allreduce (rank 0 of 3): ...", a call the script never made.
+    ring = rr.Communicator(timeout=30)
+    params = [np.zeros((30, 20), np.float32), np.zeros(20, np.float32)]
+    opt = DistributedOptimizer(SGD(params, lr=1.0), comm=ring, bucket_mb=0.001,
+                               compression="fp16")  # (params[1]'s bucket starts first)
+    ring.timeout = 60 if how == "leaves" else TIMEOUT
+    named = rf"^ringreduce\.DistributedOptimizer\.grad_ready \(rank {RANK} of {SIZE}\): "
+    if RANK == SIZE - 1:
+        if how == "leaves":
+            with pytest.raises(KeyError):
+                with ring:
+                    raise KeyError("only on this rank, before its backward")
+    elif how == "leaves":
+        raised_within(10, named + rf"rank {SIZE - 1} has left this communicator",
+                      lambda: opt.grad_ready(1, np.ones(20, np.float32)))
+        closes_at_once(ring)
+    else:
+        waited_for(named + rf"(rank {SIZE - 1} has not joined this call|rank \d+ has given up)",
+                   lambda: opt.grad_ready(1, np.ones(20, np.float32)))
+    world.Barrier()
+    ring._abandon()
+    relayed_waits_checked(world)
+
+
+@needs_two
 @pytest.mark.parametrize("at", ["all-reduce", "broadcast", "allgather"])
 @pytest.mark.parametrize("call", ["DistributedOptimizer", "load_state_dict",
                                   "broadcast_parameters", "allreduce_gradients"])
