@@ -1469,11 +1469,16 @@ class DistributedOptimizer(_types.NamedSettings):
             raise self._partway_outcome(partway, "Nothing was broadcast")
         if rejected is not None:
             raise rejected
-        for p in self.params:
-            self.comm.broadcast(p, root=root)
-        self._broadcast_optimizer_state(root)
-        # (The same everywhere already, unless a rank loaded a state_dict() alone.)
-        self._broadcast_fp16_scales(root)
+        try:
+            for p in self.params:
+                self.comm.broadcast(p, root=root)
+            self._broadcast_optimizer_state(root)
+            # (The same everywhere already, unless a rank loaded a state_dict() alone.)
+            self._broadcast_fp16_scales(root)
+        except (CollectiveTimeoutError, MismatchError) as error:
+            # (A rank left halfway, say: named for the call made, not the broadcast.)
+            raise _types.renamed(error, "ringreduce.broadcast", where.split(" (rank ")[0]) \
+                from None
 
     def _check_settings_to_send(self, where: str) -> None:
         optimizer = self.optimizer

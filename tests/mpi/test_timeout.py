@@ -692,6 +692,36 @@ def test_a_rank_that_leaves_an_agreement_is_named_by_the_others_call(call, at, w
 
 
 @needs_two
+@pytest.mark.parametrize("at", ["the parameters", "the optimizer's state"])
+def test_a_rank_that_leaves_broadcast_parameters_halfway_is_named_by_the_others(at, world,
+                                                                                monkeypatch):
+    # (helper 237) Past its agreement: where the last rank left during the broadcasts
+    # themselves, the others' error began "ringreduce.broadcast (rank 0 of 3): ...".
+    ring = rr.Communicator(timeout=60)
+    opt = DistributedOptimizer(SGD([np.zeros(3), np.zeros(4)], lr=0.1), comm=ring)
+    if RANK == SIZE - 1:
+        real, made = rr.Communicator.broadcast, []
+
+        def broadcast(self, x, root=0):
+            if len(made) == (0 if at == "the parameters" else 2):  # (two parameters)
+                with ring:
+                    raise KeyError("only on this rank, in broadcast_parameters")
+            made.append(x)
+            return real(self, x, root=root)
+
+        monkeypatch.setattr(rr.Communicator, "broadcast", broadcast)
+        with pytest.raises(KeyError):
+            opt.broadcast_parameters()
+        assert ring.closed
+    else:
+        raised_within(10, rf"^ringreduce\.DistributedOptimizer\.broadcast_parameters \(rank "
+                          rf"{RANK} of {SIZE}\): rank {SIZE - 1} has left this communicator",
+                      opt.broadcast_parameters)
+        closes_at_once(ring)
+    world.Barrier()
+
+
+@needs_two
 @pytest.mark.parametrize("wire", ["shared memory", "MPI"])
 def test_a_rank_that_drops_its_communicator_unclosed_is_reported_at_once(
         wire, world, monkeypatch):
