@@ -30,9 +30,14 @@ const char* collective_name(Collective c) {
 namespace {
 
 // A call header's check as words: 0 for a plain call; else the kind of caller its top
-// byte names (the Python layer's Communicator.CHECK_*), and the hash below it.
+// byte names (the Python layer's Communicator.CHECK_*), and the hash below it. A plain
+// call is the script's own, or the all-reduce of an agreement that the Python layer
+// begins a call with (gradients.agree_or_raise): said so, as a script in
+// load_state_dict() there (met by the others' step, say) made no plain call itself.
 std::string describe_check(int64_t check) {
-  if (check == 0) return "a plain call";
+  if (check == 0)
+    return "a plain call (the script's own, or the agreement that a DistributedOptimizer's "
+           "construction, load_state_dict() or broadcast_parameters() begins with)";
   const uint64_t bits = static_cast<uint64_t>(check);
   const uint64_t kind = bits >> 56, hash = bits & ((uint64_t{1} << 56) - 1);
   const std::string number = " (check " + std::to_string(hash) + ")";
