@@ -1763,15 +1763,19 @@ PYBIND11_MODULE(_core, m) {
   // (After MismatchError's: the translator registered last is tried first.)
   static PyObject* checked_calls_mismatch =
       py::register_exception<CheckedCallsMismatch>(m, "CheckedCallsMismatch", mismatch).ptr();
-  // The same type, with every rank's check as its `checks` (a list, by rank).
+  static PyObject* mismatch_error = mismatch.ptr();
+  // The same types, with every rank's check as their `checks` (a list, by rank), where
+  // the ranks' headers met (see MismatchError in errors.h).
   py::register_exception_translator([](std::exception_ptr error) {
     try {
       if (error) std::rethrow_exception(error);
-    } catch (const CheckedCallsMismatch& mismatched) {
-      py::object raised = py::reinterpret_borrow<py::object>(checked_calls_mismatch)(
-          mismatched.what());
+    } catch (const MismatchError& mismatched) {
+      if (mismatched.checks.empty()) throw;  // (to register_exception's translator)
+      PyObject* type = dynamic_cast<const CheckedCallsMismatch*>(&mismatched)
+                           ? checked_calls_mismatch : mismatch_error;
+      py::object raised = py::reinterpret_borrow<py::object>(type)(mismatched.what());
       raised.attr("checks") = py::cast(mismatched.checks);
-      PyErr_SetObject(checked_calls_mismatch, raised.ptr());
+      PyErr_SetObject(type, raised.ptr());
     }
   });
   py::register_exception<MpiError>(m, "MPIError", PyExc_RuntimeError);

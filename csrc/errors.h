@@ -13,9 +13,15 @@
 
 namespace ringreduce {
 
-// Ranks called the same collective with arguments that do not fit together.
+// Ranks called the same collective with arguments that do not fit together. checks:
+// where the ranks' call headers met and disagreed, every rank's check, by rank (0: a
+// plain call; Python: the error's `checks`), else empty. A caller that lines its calls
+// up past the others' reads what call it met there (DistributedOptimizer's agreements:
+// whether another rank is in step(), see _LiningUp in optim.py).
 struct MismatchError : std::runtime_error {
-  using std::runtime_error::runtime_error;
+  explicit MismatchError(const std::string& what, std::vector<int64_t> checks = {})
+      : std::runtime_error(what), checks(std::move(checks)) {}
+  std::vector<int64_t> checks;
 };
 
 // A MismatchError where every rank made an allreduce with a check of one kind (none 0,
@@ -26,8 +32,7 @@ struct MismatchError : std::runtime_error {
 // (DistributedOptimizer: which of its settings differ).
 struct CheckedCallsMismatch : MismatchError {
   CheckedCallsMismatch(const std::string& what, std::vector<int64_t> checks)
-      : MismatchError(what), checks(std::move(checks)) {}
-  std::vector<int64_t> checks;
+      : MismatchError(what, std::move(checks)) {}
 };
 
 // An MPI call failed; the message carries MPI's own error string.

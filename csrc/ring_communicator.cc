@@ -718,7 +718,7 @@ int64_t RingCommunicator::agree(const CallHeader& mine, std::vector<CallHeader>*
       checks.push_back(h.check);
     }
     if (all_checked) throw CheckedCallsMismatch(text + world_ranks_note_, std::move(checks));
-    throw MismatchError(text + world_ranks_note_);
+    throw MismatchError(text + world_ranks_note_, std::move(checks));
   }
   return headers_[0].chunk_bytes;
 }

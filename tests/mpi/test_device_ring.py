@@ -482,6 +482,9 @@ def test_a_check_that_differs_raises_on_every_rank_before_data_moves(through, de
         with pytest.raises(rr.MismatchError, match=r"a plain call \(.*\) on") as caught:
             call(0 if RANK == SIZE - 1 else 5)
         assert type(caught.value) is rr.MismatchError
+        # (Every rank's check, there too: DistributedOptimizer's agreements read from it
+        # whether they met a step.)
+        assert caught.value.checks == [5] * (SIZE - 1) + [0]
         assert not out.any()  # nothing moved
         call(5)
         assert bitwise_equal(out, reference.allreduce(x, "sum"))
