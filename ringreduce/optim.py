@@ -480,7 +480,15 @@ class _LiningUp:
     the others never make: its first all-reduce meets one of those instead (each
     rank raises MismatchError: another dtype and op), and is made again, up to
     `calls_ahead` more times, until every rank's meets every other's. `repeated`
-    says how often it was."""
+    says how often it was.
+
+    Not past a call that step() itself started (its check carries _STEP_BIT: the
+    step's last all-reduce, which backward never starts): that rank is in step(), not
+    on its way to this agreement, and its step's calls end there (a MismatchError
+    drops the step, making no more). Made again, the agreement met that rank's next
+    call instead, its next step's, and every step after paired with the one before
+    elsewhere, up to a timeout at the end; stopped there, both sides' next calls pair
+    up."""
 
     def __init__(self, comm, calls_ahead: int):
         self.comm, self.calls_ahead, self.repeated = comm, calls_ahead, 0
@@ -490,8 +498,8 @@ class _LiningUp:
         while True:
             try:
                 result = self.comm.allreduce(x, op=op)
-            except MismatchError:
-                if self.repeated >= self.calls_ahead:
+            except MismatchError as error:
+                if self.repeated >= self.calls_ahead or _met_a_step(error):
                     raise
                 self.repeated += 1
                 continue
@@ -503,6 +511,13 @@ class _LiningUp:
 
     def broadcast(self, x, root):
         return self.comm.broadcast(x, root=root)
+
+
+def _met_a_step(error: MismatchError) -> bool:
+    """Whether some rank's call, where `error` was raised, was one that a
+    DistributedOptimizer's step() started (see _LiningUp)."""
+    return any(check >> 56 == Communicator.CHECK_OPTIMIZER and check & _STEP_BIT
+               for check in getattr(error, "checks", ()))
 
 
 def _optimizer_repr(optimizer) -> str:
