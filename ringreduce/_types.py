@@ -49,6 +49,12 @@ def where(rank: int, size: int, call: str) -> str:
     return f"ringreduce.{call} (rank {rank} of {size})"
 
 
+def call_of(where_: str) -> str:
+    """where()'s call, as its errors begin ("ringreduce.allreduce_gradients"), without the
+    rank: what renamed() puts in front of an error that already names a rank."""
+    return where_.split(" (rank ")[0]
+
+
 class NamedSettings:
     """Refuses a public name that its class does not know, as it is set: a setting
     misspelt (comm.timout = 5, opt.learning_rate = 0.01) would be a new attribute that

@@ -324,7 +324,7 @@ class Handle:
             # (Raised by the wait of a later call, which ran this one: not twice.)
             raised = frames = None
         except Exception as error:  # (the core's error is made anew each time)
-            raised = t.renamed(error, self._ran, self._context.split(" (rank ")[0])
+            raised = t.renamed(error, self._ran, t.call_of(self._context))
             # Its traceback begins with this wait() and outcome(), and each raise puts
             # the raising wait() first: without them the caller reads each frame once.
             frames = raised.__traceback__

@@ -78,7 +78,7 @@ def agree_or_raise(ring, where: str, checks: list[str], texts: list, rejected,
     try:
         _agree_or_raise(ring, where, checks, texts, rejected, outcome, lists)
     except (CollectiveTimeoutError, MismatchError) as error:
-        called = where.split(" (rank ")[0]
+        called = _types.call_of(where)
         for ran in _AGREEMENT_CALLS:
             ours = _types.renamed(error, ran, called)
             if ours is not error:

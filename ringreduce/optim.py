@@ -1492,8 +1492,7 @@ class DistributedOptimizer(_types.NamedSettings):
             self._broadcast_fp16_scales(root)
         except (CollectiveTimeoutError, MismatchError) as error:
             # (A rank left halfway, say: named for the call made, not the broadcast.)
-            raise _types.renamed(error, "ringreduce.broadcast", where.split(" (rank ")[0]) \
-                from None
+            raise _types.renamed(error, "ringreduce.broadcast", _types.call_of(where)) from None
 
     def _check_settings_to_send(self, where: str) -> None:
         optimizer = self.optimizer
@@ -1585,7 +1584,7 @@ class DistributedOptimizer(_types.NamedSettings):
                 # (An fp16 bucket's blocking agreement on its scale, where a rank left
                 # or never came: as it is, but named for the call the script made.)
                 raise _types.renamed(error, "ringreduce.allreduce",
-                                     self._grad_ready_where.split(" (rank ")[0]) from None
+                                     _types.call_of(self._grad_ready_where)) from None
             raise
 
     def _reported_twice(self, who: str, index: int) -> ValueError:
@@ -1788,8 +1787,8 @@ class DistributedOptimizer(_types.NamedSettings):
             if getattr(error, "_kind", None) not in ("not joined", "another gave up"):
                 # (A rank left, or stopped in the ring, or this call never began: as it
                 # is, but named for the call the script made, not the all-reduce.)
-                raise _types.renamed(error, "ringreduce.allreduce", self._where("step")
-                                     .split(" (rank ")[0]) from None
+                raise _types.renamed(error, "ringreduce.allreduce",
+                                     _types.call_of(self._where("step"))) from None
             # A step's last all-reduce starts here, not in backward (so that a rank can
             # still abandon the step): ranks that step several optimizers must do so in
             # one order, which the error of the call alone does not say.
