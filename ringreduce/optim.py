@@ -1617,7 +1617,7 @@ class DistributedOptimizer(_types.NamedSettings):
                 if i not in done:
                     self._report(i, g, checked=True)
         if packed:  # (as _report() would have, outside no_sync())
-            self._start_complete_units()
+            self._start_complete_units(method="step")
 
     def _report(self, index: int, grad, checked: bool = False) -> None:
         who = self._grad_ready_where
@@ -1664,7 +1664,8 @@ class DistributedOptimizer(_types.NamedSettings):
         elif complete:
             # (An fp16 bucket's agreement on its scale, say.) Only where this gradient
             # completed its unit: only then can the next all-reduce in order be ready.
-            self._start_complete_units()
+            # (checked: step(grads) gave it.)
+            self._start_complete_units(method="step" if checked else "grad_ready")
 
     @_on_its_gpu
     def step(self, grads=None) -> None:
@@ -1740,7 +1741,7 @@ class DistributedOptimizer(_types.NamedSettings):
             if self._before_update is not None and self.powersgd is not None else None
         try:
             self._renew_step_check()  # the settings it updates with
-            self._start_complete_units(last_too=True)  # all are complete now
+            self._start_complete_units(last_too=True, method="step")  # all are complete
             # Every all-reduce of the step completes before what only ranks that step
             # do (an fp16 bucket's agreement on its scale): where another rank abandoned
             # the step, its calls raise MismatchError here, on every rank (see
@@ -1760,8 +1761,11 @@ class DistributedOptimizer(_types.NamedSettings):
             for i in self._low_rank:
                 averaged[i] = self.powersgd.finish(self._low_rank_calls[i])[0]
         except MismatchError as error:
+            met_another_call = self._met_another_call  # (abandon_step() clears it)
             self.abandon_step()
             self._abandoned_by_error = True
+            if met_another_call:  # (_start's error says what happened, named for step)
+                raise
             apart = _fingerprints_apart(getattr(error, "checks", []), self.optimizer)
             if apart:
                 raise MismatchError(
@@ -2256,7 +2260,7 @@ class DistributedOptimizer(_types.NamedSettings):
                                      f"{tuple(param.shape)} {param.dtype} it is {shape} "
                                      f"{dtype} (a state of another model?)")
 
-    def _start_complete_units(self, last_too: bool = False):
+    def _start_complete_units(self, last_too: bool = False, method: str = "grad_ready"):
         # Strictly in _units order: ranks may finish gradients in different orders, but
         # their all-reduces must pair up one by one. The last one waits for step()
         # (last_too): once every all-reduce of a step has started, the other ranks' step()
@@ -2277,7 +2281,7 @@ class DistributedOptimizer(_types.NamedSettings):
             # (step() checked this at its start: only grad_ready() meets it here.)
             self._check_open("grad_ready")
             if isinstance(unit, _Bucket):
-                self._start(unit)
+                self._start(unit, method)
             else:  # a matrix PowerSGD compresses: its first all-reduce (of P)
                 call = self.powersgd.start(unit, self._low_rank_sums[unit], self.comm,
                                            check=self._step_check,
@@ -2445,7 +2449,8 @@ class DistributedOptimizer(_types.NamedSettings):
         else:
             bucket.buffer[bucket.slices[index]] = total
 
-    def _start(self, bucket):
+    def _start(self, bucket, method: str = "abandon_step"):
+        # (method: the call the script made, which an fp16 agreement's error names)
         if bucket.wire is None:
             op = _ABANDONED_OP if self._abandoning else "avg"
             bucket.handle = self.comm._allreduce_checked(bucket.buffer, op, self._step_check,
@@ -2464,7 +2469,7 @@ class DistributedOptimizer(_types.NamedSettings):
                     # this rank's calls: see _LiningUp): abandoning must make no more.
                     self._met_another_call = True
                     raise MismatchError(
-                        f"{self._where()}: "
+                        f"{self._where(method)}: "
                         f"the ranks' agreement on the fp16 scale of params {bucket.indices} "
                         "met another call on some rank (load_state_dict() or "
                         "broadcast_parameters() there, say), so this step is dropped here, "

@@ -3833,22 +3833,31 @@ def test_one_rank_partway_through_a_step_is_refused_on_every_rank_without_a_hang
 @needs_two
 @pytest.mark.parametrize("method", ["load_state_dict", "broadcast_parameters"])
 @pytest.mark.parametrize("at_it", ["one rank", "all but rank 0"])
-def test_one_rank_at_an_fp16_scale_agreement_meets_the_others_collective_call(method, at_it):
+@pytest.mark.parametrize("given_by", ["grad_ready", "step"])
+def test_one_rank_at_an_fp16_scale_agreement_meets_the_others_collective_call(
+        method, at_it, given_by):
     # At an fp16 step's first bucket, grad_ready() agrees on the scale in a blocking
     # all-reduce. On one rank alone it met the others' load_state_dict() or
     # broadcast_parameters() agreement and raised; its abandon then made an agreement
     # more for each bucket, one more than the others' lining up repeats, and every
     # rank's calls were out of step for good (a bare MismatchError there, a timeout
     # later). It makes none now: its step is dropped, and the call goes through on
-    # every rank, where the steps after pair up.
+    # every rank, where the steps after pair up. The error names the call the script
+    # made (it named a bare "DistributedOptimizer"; step() wrapped it in its message
+    # for a step's all-reduces that did not pair up, which says nothing of this).
     params, opt, given = _made_for_partway("fp16")
     saved = opt.state_dict()  # (before any step: no scale agreed yet)
     grad = np.full((20, 30), RANK + 1.0)
     if RANK == BAD or at_it == "all but rank 0" and RANK > 0:
-        with pytest.raises(rr.MismatchError, match=r"agreement on the fp16 scale of params "
-                                                   r"\[3, 2\] met another call"):
+        with pytest.raises(rr.MismatchError) as raised:
+            if given_by == "step":
+                opt.step([grad] * 4)
             for i in given["one"]:
                 opt.grad_ready(i, grad)
+        assert re.match(rf"ringreduce\.DistributedOptimizer\.{given_by} \(rank {RANK} of "
+                        rf"{SIZE}\): the ranks' agreement on the fp16 scale of params "
+                        r"\[3, 2\] met another call on some rank", str(raised.value)), \
+            str(raised.value)
         assert not opt._given_this_step()
     getattr(opt, method)(*((saved,) if method == "load_state_dict" else ()))
     opt.step([grad] * 4)
