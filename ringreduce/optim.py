@@ -513,6 +513,21 @@ class _LiningUp:
         return self.comm.broadcast(x, root=root)
 
 
+def _scale_unagreed(bucket) -> bool:
+    """Whether a bucket's all-reduce begins with the ranks' agreement on its fp16 scale
+    (never agreed, or lost to a gradient that was not finite)."""
+    scale = bucket.scale
+    return scale is not None and scale.value is None and not scale.zero_confirmed
+
+
+def _all_steps(error: MismatchError) -> bool:
+    """Whether every rank's call, where `error` was raised, was one that a
+    DistributedOptimizer's step() started (and so its settings' fingerprint)."""
+    checks = getattr(error, "checks", ())
+    return bool(checks) and all(check >> 56 == Communicator.CHECK_OPTIMIZER and
+                                check & _STEP_BIT for check in checks)
+
+
 def _met_a_step(error: MismatchError) -> bool:
     """Whether some rank's call, where `error` was raised, was one that a
     DistributedOptimizer's step() started (see _LiningUp)."""
@@ -1427,7 +1442,7 @@ class DistributedOptimizer(_types.NamedSettings):
         self._next_to_start = 0      # the first unit of _units not started yet
         # The last unit is complete, and waits for step() to start it (see
         # _start_complete_units): until then the step can still be abandoned.
-        self._holding_last = False
+        self._holding_for_step = False
         self._accumulating = False   # inside no_sync()
         self._accumulated = False    # the buckets hold gradients from no_sync() steps
         # Inside no_sync(): (index, its sum before) of each gradient given in this
@@ -1581,8 +1596,9 @@ class DistributedOptimizer(_types.NamedSettings):
             with on_gpu(self._gpu):  # (as _on_its_gpu would, around all of grad_ready)
                 self._abandon_at_error()
             if isinstance(error, CollectiveTimeoutError):
-                # (An fp16 bucket's blocking agreement on its scale, where a rank left
-                # or never came: as it is, but named for the call the script made.)
+                # (A call it started that raised at once: as it is, but named for the
+                # call the script made. Its one blocking call, an fp16 bucket's first
+                # agreement on its scale, is step()'s now: see _start_complete_units.)
                 raise _types.renamed(error, "ringreduce.allreduce",
                                      _types.call_of(self._grad_ready_where)) from None
             raise
@@ -1617,7 +1633,7 @@ class DistributedOptimizer(_types.NamedSettings):
                 if i not in done:
                     self._report(i, g, checked=True)
         if packed:  # (as _report() would have, outside no_sync())
-            self._start_complete_units(method="step")
+            self._start_complete_units()
 
     def _report(self, index: int, grad, checked: bool = False) -> None:
         who = self._grad_ready_where
@@ -1662,10 +1678,9 @@ class DistributedOptimizer(_types.NamedSettings):
         if self._accumulating:
             self._micro_batch.append((index, earlier))
         elif complete:
-            # (An fp16 bucket's agreement on its scale, say.) Only where this gradient
-            # completed its unit: only then can the next all-reduce in order be ready.
-            # (checked: step(grads) gave it.)
-            self._start_complete_units(method="step" if checked else "grad_ready")
+            # Only where this gradient completed its unit: only then can the next
+            # all-reduce in order be ready.
+            self._start_complete_units()
 
     @_on_its_gpu
     def step(self, grads=None) -> None:
@@ -1741,7 +1756,7 @@ class DistributedOptimizer(_types.NamedSettings):
             if self._before_update is not None and self.powersgd is not None else None
         try:
             self._renew_step_check()  # the settings it updates with
-            self._start_complete_units(last_too=True, method="step")  # all are complete
+            self._start_complete_units(last_too=True)  # all are complete now
             # Every all-reduce of the step completes before what only ranks that step
             # do (an fp16 bucket's agreement on its scale): where another rank abandoned
             # the step, its calls raise MismatchError here, on every rank (see
@@ -2260,7 +2275,7 @@ class DistributedOptimizer(_types.NamedSettings):
                                      f"{tuple(param.shape)} {param.dtype} it is {shape} "
                                      f"{dtype} (a state of another model?)")
 
-    def _start_complete_units(self, last_too: bool = False, method: str = "grad_ready"):
+    def _start_complete_units(self, last_too: bool = False):
         # Strictly in _units order: ranks may finish gradients in different orders, but
         # their all-reduces must pair up one by one. The last one waits for step()
         # (last_too): once every all-reduce of a step has started, the other ranks' step()
@@ -2268,20 +2283,26 @@ class DistributedOptimizer(_types.NamedSettings):
         # backward, a gradient given twice) could no longer tell them, and would drop
         # the update that they make: its replica would fall behind, silently. A call
         # held back can still go with _ABANDONED_OP, which their step() raises at.
+        # So does an fp16 bucket whose scale was never agreed (the first step's, say),
+        # and the units after it: its first call is the ranks' blocking agreement on
+        # the scale, which a rank makes in step() alone, and which carries the step's
+        # check (_start), so that another rank's load_state_dict() agreement, lined up
+        # past a partway rank's calls, stops there (_LiningUp) instead of passing it.
         while self._next_to_start < len(self._units):
             unit = self._units[self._next_to_start]
             complete = len(unit.reported) == len(unit.indices) if isinstance(unit, _Bucket) \
                 else unit in self._low_rank_reported
             if not complete:
                 return
-            if self._next_to_start == len(self._units) - 1 and not last_too:
-                self._holding_last = True
+            if not last_too and (self._next_to_start == len(self._units) - 1 or
+                                 isinstance(unit, _Bucket) and _scale_unagreed(unit)):
+                self._holding_for_step = True
                 return
-            self._holding_last = False
+            self._holding_for_step = False
             # (step() checked this at its start: only grad_ready() meets it here.)
             self._check_open("grad_ready")
             if isinstance(unit, _Bucket):
-                self._start(unit, method)
+                self._start(unit)
             else:  # a matrix PowerSGD compresses: its first all-reduce (of P)
                 call = self.powersgd.start(unit, self._low_rank_sums[unit], self.comm,
                                            check=self._step_check,
@@ -2319,6 +2340,9 @@ class DistributedOptimizer(_types.NamedSettings):
             self._abandoned_by_error = False
             return
         if (not self._accumulating or self._started_any()) and not self._met_another_call:
+            # (As step() would: an fp16 bucket's first agreement on its scale, held back
+            # for step(), carries the step's check, which the others' step() compares.)
+            self._renew_step_check()
             self._abandoning = True
             try:
                 self._make_the_rest_of_the_calls()
@@ -2366,8 +2390,8 @@ class DistributedOptimizer(_types.NamedSettings):
 
     def _started_any(self) -> bool:
         """Whether, outside no_sync(), the step's gradients completed any all-reduce
-        (started, or the last, held back for step()): its calls are a step's."""
-        return self._next_to_start > 0 or self._holding_last
+        (started, or held back for step(): the last, say): its calls are a step's."""
+        return self._next_to_start > 0 or self._holding_for_step
 
     def _untouched(self) -> bool:
         return (self._next_to_start == 0 and not self._low_rank_reported
@@ -2389,7 +2413,7 @@ class DistributedOptimizer(_types.NamedSettings):
                 if call is not None:
                     self._low_rank_calls[unit] = call
         self._next_to_start = len(self._units)
-        self._holding_last = False
+        self._holding_for_step = False
         for unit in self._units:  # PowerSGD's second all-reduces, as step() makes them
             call = self._low_rank_calls.get(unit) if not isinstance(unit, _Bucket) else None
             if call is not None and call.q is None:
@@ -2403,7 +2427,7 @@ class DistributedOptimizer(_types.NamedSettings):
             b.handle = None
             b.reported.clear()
         self._next_to_start = 0
-        self._holding_last = False
+        self._holding_for_step = False
         self._low_rank_sums.clear()
         self._low_rank_reported.clear()
         self._low_rank_calls.clear()
@@ -2449,8 +2473,7 @@ class DistributedOptimizer(_types.NamedSettings):
         else:
             bucket.buffer[bucket.slices[index]] = total
 
-    def _start(self, bucket, method: str = "abandon_step"):
-        # (method: the call the script made, which an fp16 agreement's error names)
+    def _start(self, bucket):
         if bucket.wire is None:
             op = _ABANDONED_OP if self._abandoning else "avg"
             bucket.handle = self.comm._allreduce_checked(bucket.buffer, op, self._step_check,
@@ -2458,18 +2481,20 @@ class DistributedOptimizer(_types.NamedSettings):
             self.bytes_sent += bucket.buffer.nbytes
         else:
             scale = bucket.scale
-            if scale is not None and scale.value is None and not scale.zero_confirmed:
+            if _scale_unagreed(bucket):
                 try:
-                    agreed = self._agreed_fp16_scale(bucket)
+                    # (In step(), or abandoning: the step's check, which tells a rank
+                    # lining up an agreement that this one is in step(): see _LiningUp.)
+                    agreed = self._agreed_fp16_scale(bucket, self._step_check)
                 except MismatchError as error:
-                    if self._abandoning:
-                        raise
+                    if self._abandoning or _all_steps(error):
+                        raise  # (every rank was stepping: step() says what differs)
                     # Blocking, it met a call that is no step's elsewhere (another
-                    # rank's load_state_dict() agreement, say, which is lined up past
-                    # this rank's calls: see _LiningUp): abandoning must make no more.
+                    # rank's load_state_dict() agreement, say, which stops here: see
+                    # _LiningUp): abandoning must make no more.
                     self._met_another_call = True
                     raise MismatchError(
-                        f"{self._where(method)}: "
+                        f"{self._where('step')}: "
                         f"the ranks' agreement on the fp16 scale of params {bucket.indices} "
                         "met another call on some rank (load_state_dict() or "
                         "broadcast_parameters() there, say), so this step is dropped here, "
@@ -2502,9 +2527,10 @@ class DistributedOptimizer(_types.NamedSettings):
         bucket.handle = self.comm._allreduce_checked(wire, op, self._step_check, wait=False)
         self.bytes_sent += wire.nbytes
 
-    def _agreed_fp16_scale(self, bucket) -> tuple[float | None, float]:
+    def _agreed_fp16_scale(self, bucket, check=None) -> tuple[float | None, float]:
         """The largest scale with which no partial sum passes 2 ** 12 (None if all
-        gradients are 0 or one is not finite), and the largest gradient of all ranks."""
+        gradients are 0 or one is not finite), and the largest gradient of all ranks.
+        check: what the all-reduce carries (_call_check if None)."""
         # (Each rank sends its gradients divided by p, so every partial sum of the ring
         # is at most the largest of them.)
         xp = array_module(bucket.buffer)
@@ -2513,7 +2539,8 @@ class DistributedOptimizer(_types.NamedSettings):
         # Checked (which optimizer; the settings are the step's data all-reduces' to
         # check, which name them): a user's own max of one float (a loss, say) made at
         # this point on another rank would pair with it, unnoticed.
-        self.comm._allreduce_checked(peak, "max", self._call_check)
+        self.comm._allreduce_checked(peak, "max",
+                                     self._call_check if check is None else check)
         return _fp16_scale_below(peak[0]), float(peak[0])
 
     def _unscale_fp16(self, bucket):

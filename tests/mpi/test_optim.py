@@ -453,7 +453,8 @@ def test_fp16_scale_settles_without_resending_every_step():
     assert len(opt._buckets) == 2
     agreements = []
     agree = opt._agreed_fp16_scale
-    opt._agreed_fp16_scale = lambda bucket: agreements.append(bucket) or agree(bucket)
+    opt._agreed_fp16_scale = lambda bucket, *check: agreements.append(bucket) or agree(
+        bucket, *check)
     rng = np.random.default_rng(RANK)
     resent, steps = 0, 200
     with np.errstate(all="raise"), warnings.catch_warnings():
@@ -3833,34 +3834,39 @@ def test_one_rank_partway_through_a_step_is_refused_on_every_rank_without_a_hang
 @needs_two
 @pytest.mark.parametrize("method", ["load_state_dict", "broadcast_parameters"])
 @pytest.mark.parametrize("at_it", ["one rank", "all but rank 0"])
-@pytest.mark.parametrize("given_by", ["grad_ready", "step"])
-def test_one_rank_at_an_fp16_scale_agreement_meets_the_others_collective_call(
-        method, at_it, given_by):
-    # At an fp16 step's first bucket, grad_ready() agrees on the scale in a blocking
+def test_an_fp16_bucket_agrees_on_its_first_scale_in_step_alone(method, at_it):
+    # At an fp16 step's first bucket, grad_ready() agreed on the scale in a blocking
     # all-reduce. On one rank alone it met the others' load_state_dict() or
-    # broadcast_parameters() agreement and raised; its abandon then made an agreement
-    # more for each bucket, one more than the others' lining up repeats, and every
-    # rank's calls were out of step for good (a bare MismatchError there, a timeout
-    # later). It makes none now: its step is dropped, and the call goes through on
-    # every rank, where the steps after pair up. The error names the call the script
-    # made (it named a bare "DistributedOptimizer"; step() wrapped it in its message
-    # for a step's all-reduces that did not pair up, which says nothing of this).
+    # broadcast_parameters() agreement and raised (naming a bare DistributedOptimizer),
+    # and dropped the step; and where the others were in step() instead (a rank that
+    # stepped beside an agreement), that agreement took it for a rank partway, made
+    # itself again, and met the stepping rank's next step: the ranks' calls were one
+    # apart from then on. Such a bucket, and those after it, wait for step() now, as
+    # the last one does: a rank in backward has made no call, and is partway with none
+    # started, so its call is refused there (its ValueError; the others' MismatchError
+    # quotes it) and its step stands.
     params, opt, given = _made_for_partway("fp16")
     saved = opt.state_dict()  # (before any step: no scale agreed yet)
     grad = np.full((20, 30), RANK + 1.0)
-    if RANK == BAD or at_it == "all but rank 0" and RANK > 0:
-        with pytest.raises(rr.MismatchError) as raised:
-            if given_by == "step":
-                opt.step([grad] * 4)
-            for i in given["one"]:
-                opt.grad_ready(i, grad)
-        assert re.match(rf"ringreduce\.DistributedOptimizer\.{given_by} \(rank {RANK} of "
-                        rf"{SIZE}\): the ranks' agreement on the fp16 scale of params "
-                        r"\[3, 2\] met another call on some rank", str(raised.value)), \
-            str(raised.value)
-        assert not opt._given_this_step()
-    getattr(opt, method)(*((saved,) if method == "load_state_dict" else ()))
-    opt.step([grad] * 4)
+    partway = RANK == BAD or at_it == "all but rank 0" and RANK > 0
+    if partway:
+        for i in given["all"]:  # (every gradient: not even the first bucket starts)
+            opt.grad_ready(i, grad)
+        assert opt._next_to_start == 0 and opt._started_any()
+    refused = r"called partway through a step: the gradients of params \[0, 1, 2, 3\] " \
+              r"were given since the last step\(\); "
+    with pytest.raises(ValueError if partway else rr.MismatchError) as raised:
+        getattr(opt, method)(*((saved,) if method == "load_state_dict" else ()))
+    if partway:
+        assert re.match(rf"ringreduce\.DistributedOptimizer\.{method} \(rank {RANK} of "
+                        rf"{SIZE}\): {refused}.*This rank's step stands", str(raised.value),
+                        re.S), str(raised.value)
+        opt.step()
+    else:
+        first = BAD if at_it == "one rank" else 1
+        assert re.search(rf"rank {first}.* rejected its arguments \(ValueError: "
+                         rf".*{refused}", str(raised.value)), str(raised.value)
+        opt.step([grad] * 4)
     opt.step([grad] * 4)
     everyone = MPI.COMM_WORLD.allgather([p.tobytes() for p in params])
     assert all(mine == everyone[0] for mine in everyone)
@@ -3932,7 +3938,8 @@ def test_an_agreement_that_meets_a_step_elsewhere_names_the_call_made(call):
 
 
 @needs_two
-@pytest.mark.parametrize("compression", [None, "fp16", "powersgd"])
+@pytest.mark.parametrize("compression", [None, "fp16", "fp16 before its first scale",
+                                         "powersgd"])
 @pytest.mark.parametrize("call", ["load_state_dict", "broadcast_parameters"])
 @pytest.mark.parametrize("alone", ["one rank calls it", "one rank steps"])
 def test_ranks_that_step_beside_an_agreement_pair_up_at_the_next_step(alone, call,
@@ -3945,14 +3952,18 @@ def test_ranks_that_step_beside_an_agreement_pair_up_at_the_next_step(alone, cal
     # gradients), up to a timeout at the end. Every rank raises once; the next steps
     # pair up. (Several buckets, or PowerSGD's all-reduce a matrix: the agreement
     # lines up past the calls started before step()'s own, as for a rank partway.)
+    # With fp16 before a bucket's scale was first agreed, a stepping rank's first call
+    # was the blocking agreement on it, made in backward: it looked like a rank partway,
+    # and the same happened. Those agreements wait for step() now.
+    first = compression == "fp16 before its first scale"
     with rr.Communicator(MPI.COMM_WORLD) as comm:
         params = [np.zeros((20, 30)) for _ in range(4)]
         opt = DistributedOptimizer(SGD(params, lr=1.0, momentum=0.9), comm=comm,
                                    bucket_mb=0.01, compression=PowerSGD(rank=1)
-                                   if compression == "powersgd" else compression)
+                                   if compression == "powersgd" else compression and compression[:4])
         assert len(opt._units) == (4 if compression == "powersgd" else 2)
-        # (fp16: its scales agreed at the first step, as they are from then on)
-        opt.step([np.full((20, 30), 1.0)] * 4)
+        if not first:  # (fp16: its scales agreed at the first step, as from then on)
+            opt.step([np.full((20, 30), 1.0)] * 4)
         saved = opt.state_dict()
         agreeing = (RANK == BAD) == (alone == "one rank calls it")
         with pytest.raises(rr.MismatchError):
@@ -3968,9 +3979,12 @@ def test_ranks_that_step_beside_an_agreement_pair_up_at_the_next_step(alone, cal
         everyone = MPI.COMM_WORLD.allgather([p.tobytes() for p in params])
         assert all(mine == everyone[0] for mine in everyone)
         average = [(SIZE + 1) / 2 * k for k in (1, 2)]
-        moved = (0.9 + average[0]) + (0.81 + 0.9 * average[0] + average[1])
-        for p in params:  # (lr 1, momentum 0.9: three steps)
-            np.testing.assert_allclose(p, -1 - moved, rtol=1e-2)
+        if first:  # (lr 1, momentum 0.9: two steps)
+            moved = average[0] + 0.9 * average[0] + average[1]
+        else:  # (three)
+            moved = 1 + (0.9 + average[0]) + (0.81 + 0.9 * average[0] + average[1])
+        for p in params:
+            np.testing.assert_allclose(p, -moved, rtol=1e-2)
 
 
 @each_optimizer

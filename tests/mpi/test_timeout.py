@@ -615,18 +615,19 @@ def test_a_rank_that_leaves_during_backward_is_named_by_the_others_step(compress
 
 @needs_two
 @pytest.mark.parametrize("how", ["leaves", "never comes"])
-def test_a_rank_away_from_an_fp16_scale_agreement_is_named_by_the_others_grad_ready(how,
-                                                                                   world):
-    # (helper 237) With "fp16", a bucket's first all-reduce waits in grad_ready() for the
-    # ranks' agreement on its scale (a blocking all-reduce): where the last rank had left
-    # (an exception left its `with` block) or never came, the others' grad_ready() raised
+def test_a_rank_away_from_an_fp16_scale_agreement_is_named_by_the_others_step(how, world):
+    # (helper 237) With "fp16", a bucket's first all-reduce waits for the ranks'
+    # agreement on its scale (a blocking all-reduce, in step(): see
+    # test_an_fp16_bucket_agrees_on_its_first_scale_in_step_alone): where the last rank
+    # had left (an exception left its `with` block) or never came, the others raised
     # "ringreduce.allreduce (rank 0 of 3): ...", a call the script never made.
     ring = rr.Communicator(timeout=30)
     params = [np.zeros((30, 20), np.float32), np.zeros(20, np.float32)]
     opt = DistributedOptimizer(SGD(params, lr=1.0), comm=ring, bucket_mb=0.001,
                                compression="fp16")  # (params[1]'s bucket starts first)
     ring.timeout = 60 if how == "leaves" else TIMEOUT
-    named = rf"^ringreduce\.DistributedOptimizer\.grad_ready \(rank {RANK} of {SIZE}\): "
+    named = rf"^ringreduce\.DistributedOptimizer\.step \(rank {RANK} of {SIZE}\): "
+    grads = [np.ones((30, 20), np.float32), np.ones(20, np.float32)]
     if RANK == SIZE - 1:
         if how == "leaves":
             with pytest.raises(KeyError):
@@ -634,13 +635,14 @@ def test_a_rank_away_from_an_fp16_scale_agreement_is_named_by_the_others_grad_re
                     raise KeyError("only on this rank, before its backward")
     elif how == "leaves":
         raised_within(10, named + rf"rank {SIZE - 1} has left this communicator",
-                      lambda: opt.grad_ready(1, np.ones(20, np.float32)))
+                      lambda: opt.step(grads))
         closes_at_once(ring)
     else:
         # (Over MPI between machines: "waited ... for every rank to join this call".)
-        waited_for(named + rf"(rank {SIZE - 1} has not joined this call|rank \d+ has given up"
+        waited_for(named + r"this step's all-reduces did not complete.*"
+                   rf"(rank {SIZE - 1} has not joined this call|rank \d+ has given up"
                    r"|waited \S+ s \(the timeout\) for every rank to join this call)",
-                   lambda: opt.grad_ready(1, np.ones(20, np.float32)))
+                   lambda: opt.step(grads))
     world.Barrier()
     ring._abandon()
     relayed_waits_checked(world)
