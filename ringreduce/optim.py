@@ -215,8 +215,8 @@ def _checked_state_arrays(state, key: str, params, who: str, optional=False,
     and converted."""
     where = where or f"{who}.load_state_dict"
     if not isinstance(state, dict) or key not in state:
-        raise KeyError(f"{where}: the state has no {key!r} ({_what_it_holds(state)}is it a "
-                       f"{who} state_dict()?)")
+        raise KeyError(f"{where}: the state has no {key!r} ({_what_it_holds(state)}is it "
+                       f"{_a(who)} state_dict()?)")
     if not isinstance(state[key], (list, tuple, np.ndarray)):
         raise ValueError(f"{where}: {named}[{key!r}] is a {type(state[key]).__name__}, not a "
                          "list of one array per parameter (is it a state_dict() of this "
@@ -259,9 +259,14 @@ def _state_values(state, keys, who: str, where: str | None = None) -> list:
     missing = [key for key in keys if key not in state]
     if missing:
         raise KeyError(f"{where or f'{who}.load_state_dict'}: the state has no "
-                       f"{', '.join(map(repr, missing))} ({_what_it_holds(state)}is it a "
-                       f"{who} state_dict()?)")
+                       f"{', '.join(map(repr, missing))} ({_what_it_holds(state)}is it "
+                       f"{_a(who)} state_dict()?)")
     return [state[key] for key in keys]
+
+
+def _a(name: str) -> str:
+    """'an Adam', 'a SGD' (as said: "a S-G-D")"""
+    return f"{'an' if name[:1] in 'AEIOU' else 'a'} {name}"
 
 
 def _what_it_holds(state) -> str:

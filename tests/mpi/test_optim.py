@@ -4436,6 +4436,11 @@ def test_a_state_of_another_optimizer_is_refused_naming_what_it_holds():
         SGD([np.zeros(3)], lr=0.1, momentum=0.9).load_state_dict({})
     with pytest.raises(KeyError, match=r"\(it is a list: is it a"):
         SGD([np.zeros(3)], lr=0.1).load_state_dict([])
+    sgd = SGD([np.zeros(3)], lr=0.1, momentum=0.9)
+    sgd.step([np.ones(3)])
+    with pytest.raises(KeyError, match=r"Adam\.load_state_dict: the state has no 'm' \(it "
+                                       r"holds .*'momentum_buffers'.*: is it an Adam "):
+        Adam([np.zeros(3)]).load_state_dict(sgd.state_dict())
 
 
 def test_a_state_in_another_precision_for_16_bit_parameters_says_to_convert_to_float32():
