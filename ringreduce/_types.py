@@ -81,6 +81,11 @@ class NamedSettings:
                 f"{', '.join(self._SETTINGS)})")
 
 
+# The reductions whose result may go into out= (as their errors begin).
+_CALLS_WITH_OUT = {f"ringreduce.{name}{form}" for name in ("allreduce", "reduce_scatter")
+                   for form in ("", "_async")}
+
+
 def op_code(op, context: str, dtype_name: str | None = None) -> int:
     """op's code, for arrays of dtype_name (where mpi4py's logical and bitwise ops are
     taken: bool only; None where the dtype is not known, as for a list of arrays)."""
@@ -89,8 +94,13 @@ def op_code(op, context: str, dtype_name: str | None = None) -> int:
         if getattr(op, "ndim", 0) > 0 and (hasattr(op, "__array_interface__")
                                            or hasattr(op, "__cuda_array_interface__")):
             # mpi4py's Allreduce(sendbuf, recvbuf, op), by habit
+            call = call_of(context)
+            if call not in _CALLS_WITH_OUT:  # (allreduce_gradients, the reference's)
+                raise TypeError(f"{context}: op is an array: the second argument is op "
+                                f"({call} takes no out=)")
             raise TypeError(f"{context}: op is an array: the second argument is op; pass "
-                            "the result's buffer as out=... (comm.allreduce(x, out=buf))")
+                            f"the result's buffer as out=... "
+                            f"(comm.{call.rpartition('.')[2]}(x, out=buf))")
         name = _mpi_predefined_name(op)
         only = ""
         if name in _MPI_BOOL_OPS:
@@ -314,9 +324,7 @@ def reject_mpi_buffer_forms(x, argument: str, context: str) -> None:
     if x is MPI.IN_PLACE or x is MPI.BOTTOM:
         name = "MPI.IN_PLACE" if x is MPI.IN_PLACE else "MPI.BOTTOM"
         raise TypeError(f"{context}: {argument} is {name}, which ringreduce does not take: "
-                        "for a call in place pass the buffer as both x and out "
-                        "(comm.allreduce(buf, out=buf)); for allgather, out's own block of "
-                        "rows as x")
+                        f"for a call in place {_in_place(call_of(context))}")
     # (A spec is [buf, type], [buf, count, type] or [buf, (count, displ), type], its type
     # last: MPI.FLOAT or a typecode; a list of numbers is not scanned.)
     if (isinstance(x, (list, tuple)) and 2 <= len(x) <= 4
@@ -324,6 +332,21 @@ def reject_mpi_buffer_forms(x, argument: str, context: str) -> None:
         raise TypeError(f"{context}: {argument} is an mpi4py buffer spec ([buf, MPI.FLOAT], "
                         "say), which ringreduce does not take: pass the array itself (or "
                         "buf[:count]); its dtype says what the elements are")
+
+
+def _in_place(call: str) -> str:
+    """How `call` ("ringreduce.reduce_scatter_async") is made in place: each collective
+    has its own way (told allreduce's, reduce_scatter(buf, out=buf) raised again, out
+    being the block's shape)."""
+    name = call.rpartition(".")[2]
+    if name.startswith("reduce_scatter"):
+        return ("pass the buffer as x and this rank's block of it as out "
+                f"(comm.{name}(buf, out=buf[lo:hi]), lo, hi = "
+                "ringreduce.reference.segment_bounds(buf.size, comm.size)[comm.rank])")
+    if name.startswith("allgather"):
+        return (f"pass out's own block of rows as x (comm.{name}(buf[lo:hi], out=buf), "
+                "lo, hi: the rows of this rank, after the ranks before it)")
+    return f"pass the buffer as both x and out (comm.{name}(buf, out=buf))"
 
 
 def named(error: MemoryError, context: str) -> MemoryError:

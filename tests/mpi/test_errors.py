@@ -11,6 +11,8 @@ import pytest
 from mpi4py import MPI
 
 import ringreduce as rr
+from ringreduce import reference
+from ringreduce.reference import segment_bounds
 from ringreduce.optim import SGD, DistributedOptimizer
 
 from helpers import NumpyWithoutMemory, TorchTensor as Tensor
@@ -78,13 +80,11 @@ def test_what_a_program_ported_from_mpi4py_passes_is_refused_saying_what_to_pass
     # the op check's words, which did not say what to write instead.
     x = np.arange(4.0)
     in_place = "is MPI.IN_PLACE, which ringreduce does not take: for a call in place pass the " \
-               r"buffer as both x and out \(comm.allreduce\(buf, out=buf\)\)"
+               r"buffer as both x and out \(comm.allreduce(_async)?\(buf, out=buf\)\)"
     for call, said in [
             (lambda: comm.allreduce(MPI.IN_PLACE), "x " + in_place),
             (lambda: rr.allreduce(MPI.IN_PLACE), "x " + in_place),
             (lambda: comm.allreduce_async(MPI.IN_PLACE), "x " + in_place),
-            (lambda: comm.reduce_scatter(MPI.IN_PLACE), "x " + in_place),
-            (lambda: comm.allgather(MPI.IN_PLACE, out=x), "x " + in_place),
             (lambda: comm.allreduce(MPI.BOTTOM), "x is MPI.BOTTOM"),
             (lambda: comm.allreduce(x, out=MPI.IN_PLACE), "out " + in_place),
             (lambda: comm.allreduce([x, MPI.DOUBLE]), r"x is an mpi4py buffer spec \(\[buf, "
@@ -97,6 +97,51 @@ def test_what_a_program_ported_from_mpi4py_passes_is_refused_saying_what_to_pass
         with pytest.raises(TypeError, match=r"^ringreduce\.\w+ \(rank \d+ of \d+\): " + said):
             call()
     assert comm.allreduce(x)[1] == SIZE  # (every rank raised: the next call pairs up)
+
+
+def test_what_is_said_instead_of_in_place_or_of_out_as_op_is_the_calls_own_way(comm):
+    # (Helper 239.) Both hints gave allreduce's way whatever the call: reduce_scatter(buf,
+    # out=buf), as told, raised again (out is the block's shape), and allreduce_gradients
+    # and the reference, told to pass out=..., take none.
+    x = np.arange(4.0 * SIZE) + RANK
+    lo, hi = segment_bounds(x.size, SIZE)[RANK]
+    rows = r"\(comm\.allgather{}\(buf\[lo:hi\], out=buf\), lo, hi: the rows"
+    for call, kind, said in [
+            (lambda: comm.reduce_scatter(MPI.IN_PLACE), TypeError,
+             r"x is MPI\.IN_PLACE, which ringreduce does not take: for a call in place pass "
+             r"the buffer as x and this rank's block of it as out \(comm\.reduce_scatter\("
+             r"buf, out=buf\[lo:hi\]\), lo, hi = ringreduce\.reference\.segment_bounds\("
+             r"buf\.size, comm\.size\)\[comm\.rank\]\)"),
+            (lambda: comm.reduce_scatter_async(x, out=MPI.IN_PLACE), TypeError,
+             r"out is MPI\.IN_PLACE, .* \(comm\.reduce_scatter_async\(buf, out=buf\[lo:hi\]\)"),
+            (lambda: comm.allgather(MPI.IN_PLACE, out=x), TypeError,
+             r"x is MPI\.IN_PLACE, which ringreduce does not take: for a call in place pass "
+             r"out's own block of rows as x " + rows.format("")),
+            (lambda: comm.allgather_async(MPI.IN_PLACE), TypeError, rows.format("_async")),
+            (lambda: comm.allreduce_async(MPI.IN_PLACE), TypeError,
+             r"pass the buffer as both x and out \(comm\.allreduce_async\(buf, out=buf\)\)"),
+            (lambda: comm.reduce_scatter(x, np.empty(hi - lo)), TypeError,
+             r"op is an array: the second argument is op; pass the result's buffer as "
+             r"out=\.\.\. \(comm\.reduce_scatter\(x, out=buf\)\)"),
+            (lambda: comm.reduce_scatter_async(x, np.empty(hi - lo)), TypeError,
+             r"\(comm\.reduce_scatter_async\(x, out=buf\)\)"),
+            (lambda: rr.allreduce_gradients([x.copy()], np.empty(1), comm=comm), TypeError,
+             r"op is an array: the second argument is op \(ringreduce\.allreduce_gradients "
+             r"takes no out=\)$"),
+            (lambda: reference.allreduce(x, np.empty(1)), TypeError,
+             r"op is an array: the second argument is op \(ringreduce\.reference\.allreduce "
+             r"takes no out=\)$")]:
+        with pytest.raises(kind, match=r"^ringreduce\.[\w.]+( \(rank \d+ of \d+\))?: .*" + said):
+            call()
+    # What they say works.
+    buf = x.copy()
+    assert comm.reduce_scatter(buf, out=buf[lo:hi]) is not None
+    np.testing.assert_array_equal(buf[lo:hi], reference.reduce_scatter(x))
+    rows_before = 2 * RANK
+    buf = np.zeros(2 * SIZE)
+    buf[rows_before:rows_before + 2] = RANK
+    comm.allgather(buf[rows_before:rows_before + 2], out=buf)
+    np.testing.assert_array_equal(buf, np.repeat(np.arange(float(SIZE)), 2))
 
 
 def test_an_out_of_mpi4pys_layouts_is_refused_saying_what_takes_it(comm):
