@@ -998,7 +998,8 @@ def _checked_timeout(value, context: str) -> float:
     """The core's form of a timeout: seconds, or 0 for none."""
     if value is None:
         return 0.0
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+    # (Any real number, as Handle.wait takes: a Fraction too.)
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{context}: timeout must be a number of seconds or None, "
                         f"got {type(value).__name__}")
     try:

@@ -6,6 +6,7 @@ unusable, and waits for every rank (world.Barrier) before the next test starts."
 import contextlib
 import gc
 import inspect
+from fractions import Fraction
 import os
 import re
 import signal
@@ -1136,6 +1137,10 @@ def test_timeout_values(monkeypatch):
     for value in (None, float("inf"), 10 ** 400):  # (an int past float's range too)
         with rr.Communicator(timeout=value) as ring:
             assert ring.timeout is None
+    # Any real number, as Handle.wait(timeout) takes (a Fraction was refused here).
+    for value, seconds in ((Fraction(5, 2), 2.5), (np.float32(1.5), 1.5), (np.int8(3), 3.0)):
+        with rr.Communicator(timeout=value) as ring:
+            assert ring.timeout == seconds and type(ring.timeout) is float
     for bad, error in ((0, ValueError), (-1.0, ValueError), (float("nan"), ValueError),
                        (-10 ** 400, ValueError),
                        ("5", TypeError), (True, TypeError)):
