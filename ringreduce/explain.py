@@ -122,7 +122,8 @@ def explain(ranks: int = 4, count: int = 12, chunk_elems: int | None = None,
     """The whole ring all-reduce of `count` elements on `ranks` ranks, step by step; with
     `values`, also carried out on value_inputs(ranks, count). ring: the ranks in the
     order they go round (Communicator.ring; None: rank order)."""
-    sim._check(ranks, count)  # (the simulator's rules for a ring: one set of them)
+    # (The simulator's rules for a ring: one set of them; numpy's integers taken too.)
+    ranks, count, _ = sim._check(ranks, count)
     if ranks > MAX_RANKS:  # (before anything the size of `ranks` is made)
         raise ValueError(f"ranks must be at most {MAX_RANKS} here, got {ranks}: the steps are for "
                          "reading (for bytes and times at any scale: python -m ringreduce sim)")

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import operator
 import os
 import sys
 import time
@@ -67,13 +68,30 @@ class Result:
         return max(self.bytes_sent)
 
 
-def _check(ranks, count, elem_size=4) -> None:
-    if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
+def _whole(value):
+    """value as a Python int where it is an integer (numpy's too: sizes worked out with
+    numpy are np.int64), else None; never a bool, a float or a string."""
+    if isinstance(value, (bool, np.bool_)):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
+def _check(ranks, count, elem_size=4) -> tuple:
+    """(ranks, count, elem_size) as Python ints, or ValueError naming the one that is not
+    what a ring takes."""
+    whole = _whole(ranks)
+    if whole is None or whole < 1:
         raise ValueError(f"ranks must be a positive int, got {ranks!r}")
-    if isinstance(count, bool) or not isinstance(count, int) or not 0 <= count < 1 << 62:
+    ranks, whole = whole, _whole(count)
+    if whole is None or not 0 <= whole < 1 << 62:
         raise ValueError(f"count must be an int from 0 to 2**62 - 1, got {count!r}")
-    if isinstance(elem_size, bool) or not isinstance(elem_size, int) or elem_size < 1:
+    count, whole = whole, _whole(elem_size)
+    if whole is None or whole < 1:
         raise ValueError(f"elem_size must be a positive int (bytes), got {elem_size!r}")
+    return ranks, count, whole
 
 
 def _nothing(algorithm: str, ranks: int) -> Result:
@@ -117,7 +135,7 @@ def ring(ranks: int, count: int, elem_size: int = 4, alpha=ALPHA, beta=BETA,
     beta) times the number of the ring's links that share that network link at once,
     on either machine: the cost of a ring that crosses between machines more often than
     it must."""
-    _check(ranks, count, elem_size)
+    ranks, count, elem_size = _check(ranks, count, elem_size)
     if machines is not None and len(machines) != ranks:
         raise ValueError(f"machines: need one per rank ({ranks}), got {len(machines)}")
     if count == 0:
@@ -173,7 +191,7 @@ def _step_across_machines(links, machine_of, alpha, beta, gamma, net_beta) -> fl
 def naive(ranks: int, count: int, elem_size: int = 4, alpha=ALPHA, beta=BETA,
           gamma=GAMMA) -> Result:
     """Reduce to rank 0, then send the result to every rank, one message at a time."""
-    _check(ranks, count, elem_size)
+    ranks, count, elem_size = _check(ranks, count, elem_size)
     if count == 0:
         return _nothing("naive", ranks)
     n = count * elem_size
@@ -189,7 +207,7 @@ def naive(ranks: int, count: int, elem_size: int = 4, alpha=ALPHA, beta=BETA,
 
 def recursive_doubling(ranks: int, count: int, elem_size: int = 4, alpha=ALPHA, beta=BETA,
                        gamma=GAMMA) -> Result:
-    _check(ranks, count, elem_size)
+    ranks, count, elem_size = _check(ranks, count, elem_size)
     if count == 0:
         return _nothing("recursive doubling", ranks)
     n = count * elem_size
@@ -215,7 +233,7 @@ def rabenseifner(ranks: int, count: int, elem_size: int = 4, alpha=ALPHA, beta=B
     largest power of two of ranks; the others fold in first and get the result last.
     Followed element by element: where halves are uneven, a step lasts as long as its
     largest half."""
-    _check(ranks, count, elem_size)
+    ranks, count, elem_size = _check(ranks, count, elem_size)
     if count == 0:
         return _nothing("Rabenseifner", ranks)
     n = count * elem_size
@@ -320,13 +338,15 @@ def timeline_entries(ranks: int, count: int, chunk_elems: int,
                                         chunks_per_segment(ranks, count, gather))
 
 
-def _check_chunk_elems(value, name: str = "chunk_elems") -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_CHUNK_ELEMS:
+def _check_chunk_elems(value, name: str = "chunk_elems") -> int:
+    whole = _whole(value)
+    if whole is None or not 1 <= whole <= MAX_CHUNK_ELEMS:
         raise ValueError(f"{name} must be an int from 1 to 2**62 - 1, got {value!r}")
+    return whole
 
 
 def _chunk_elems(value, name: str, count: int, ranks: int) -> int:
-    _check_chunk_elems(value, name)
+    value = _check_chunk_elems(value, name)
     return min(value, max(1, -(-count // ranks)))  # (larger is one chunk per segment)
 
 
@@ -352,7 +372,7 @@ def pipeline(ranks: int, count: int, chunk_elems: int, elem_size: int = 4, alpha
     memory costs a rank that sends and adds at once.
     progress, if given, is called as progress(steps done, steps in all) after each step.
     """
-    _check(ranks, count, elem_size)
+    ranks, count, elem_size = _check(ranks, count, elem_size)
     chunk_elems = _chunk_elems(chunk_elems, "chunk_elems", count, ranks)
     gather_elems = _chunk_elems(chunk_elems if allgather_chunk_elems is None
                                 else allgather_chunk_elems, "allgather_chunk_elems", count, ranks)

@@ -1001,3 +1001,23 @@ def test_a_ring_given_as_a_numpy_array_is_the_same_ring():
     assert format_text(e) == format_text(explain(4, 9, ring=[0, 2, 1, 3]))
     with pytest.raises(ValueError, match="must list each of the 2 ranks once"):
         explain(2, 4, ring=[True, False])  # (not ranks, though they compare equal to 1, 0)
+
+
+def test_sizes_worked_out_with_numpy_are_taken_as_ints():
+    # np.int64(4) was refused ("ranks must be a positive int, got np.int64(4)"), as
+    # sizes a learner works out with numpy are: every model, and explain, take any
+    # integer (operator.index), and give what Python's ints give.
+    ranks, count, size = np.int64(4), np.int64(12), np.dtype(np.float32).itemsize
+    for model in sim.ALGORITHMS.values():
+        assert model(ranks, count, np.int32(size)) == model(4, 12, 4)
+        assert all(type(n) is int for n in model(ranks, count).bytes_sent)
+    assert sim.pipeline(ranks, count, np.uint8(2), np.int16(4), allgather_chunk_elems=np.int64(3)) \
+        == sim.pipeline(4, 12, 2, 4, allgather_chunk_elems=3)
+    assert format_text(explain(ranks, count, np.int64(2), values=True)) == \
+        format_text(explain(4, 12, 2, values=True))
+    # Still not a bool, a float (whole or not) or a string, numpy's or Python's.
+    for bad in (np.True_, np.float64(4.0), 4.0, "4", True):
+        with pytest.raises(ValueError, match="ranks must be a positive int"):
+            sim.ring(bad, 12)
+        with pytest.raises(ValueError, match="chunk_elems must be an int"):
+            sim.pipeline(4, 12, bad)
