@@ -44,6 +44,9 @@ from . import _core
 # The ring is simulated rank by rank and step by step: p * 2(p-1) segments, some 10 s
 # for 2048 ranks. The formulas of docs/cost-model.md take any p.
 MAX_RANKS = 4096
+# The other models are worked out for all ranks at once, but still give a count per rank
+# (Result.bytes_sent): Rabenseifner's takes a few seconds at this many ranks.
+MAX_MODEL_RANKS = 1 << 20
 
 # Defaults: MPI messages between two processes of one machine (alpha and beta fitted
 # with mpi4py's Sendrecv, gamma with the core's float32 sum, on the development
@@ -94,6 +97,17 @@ def _check(ranks, count, elem_size=4) -> tuple:
     return ranks, count, whole
 
 
+def _at_most(ranks: int, most: int, model: str, why: str) -> None:
+    if ranks > most:
+        raise ValueError(f"sim.{model}: ranks must be at most {most:,} here, got {ranks:,}: "
+                         f"{why}; for more ranks, the formulas in docs/cost-model.md")
+
+
+def _per_rank(ranks: int, model: str) -> None:
+    _at_most(ranks, MAX_MODEL_RANKS, model, "it gives every rank's bytes, a list as long as "
+             "the ranks")
+
+
 def _nothing(algorithm: str, ranks: int) -> Result:
     """No elements: no algorithm moves anything (the core makes no ring steps)."""
     return Result(algorithm, ranks, 0, 0, [0] * ranks, [0] * ranks, 0.0)
@@ -136,6 +150,10 @@ def ring(ranks: int, count: int, elem_size: int = 4, alpha=ALPHA, beta=BETA,
     on either machine: the cost of a ring that crosses between machines more often than
     it must."""
     ranks, count, elem_size = _check(ranks, count, elem_size)
+    if count and ranks > 1:  # (nothing, or one rank: no steps to simulate)
+        _at_most(ranks, MAX_RANKS, "ring", "the ring is simulated rank by rank, step by step, "
+                 "p * 2(p-1) segments (some 10 s for 2048 ranks, 40 s for 4096)")
+    _per_rank(ranks, "ring")
     if machines is not None and len(machines) != ranks:
         raise ValueError(f"machines: need one per rank ({ranks}), got {len(machines)}")
     if count == 0:
@@ -192,6 +210,7 @@ def naive(ranks: int, count: int, elem_size: int = 4, alpha=ALPHA, beta=BETA,
           gamma=GAMMA) -> Result:
     """Reduce to rank 0, then send the result to every rank, one message at a time."""
     ranks, count, elem_size = _check(ranks, count, elem_size)
+    _per_rank(ranks, "naive")
     if count == 0:
         return _nothing("naive", ranks)
     n = count * elem_size
@@ -208,6 +227,7 @@ def naive(ranks: int, count: int, elem_size: int = 4, alpha=ALPHA, beta=BETA,
 def recursive_doubling(ranks: int, count: int, elem_size: int = 4, alpha=ALPHA, beta=BETA,
                        gamma=GAMMA) -> Result:
     ranks, count, elem_size = _check(ranks, count, elem_size)
+    _per_rank(ranks, "recursive_doubling")
     if count == 0:
         return _nothing("recursive doubling", ranks)
     n = count * elem_size
@@ -215,12 +235,9 @@ def recursive_doubling(ranks: int, count: int, elem_size: int = 4, alpha=ALPHA, 
     extra = ranks - power  # these fold into a partner first and get the result last
     rounds = int(math.log2(power))
     steps = rounds + (2 if extra else 0)
-    sent = [rounds * n] * ranks
-    received = [rounds * n] * ranks
-    for r in range(extra):  # rank power + r pairs with rank r
-        sent[power + r], received[power + r] = n, n
-        sent[r] += n
-        received[r] += n
+    # Rank power + r pairs with rank r (lists made whole: a loop took seconds at 10**7).
+    sent = [(rounds + 1) * n] * extra + [rounds * n] * (power - extra) + [n] * extra
+    received = list(sent)
     seconds = rounds * (alpha + n * beta + n * gamma)
     if extra:
         seconds += 2 * (alpha + n * beta) + n * gamma
@@ -234,54 +251,49 @@ def rabenseifner(ranks: int, count: int, elem_size: int = 4, alpha=ALPHA, beta=B
     Followed element by element: where halves are uneven, a step lasts as long as its
     largest half."""
     ranks, count, elem_size = _check(ranks, count, elem_size)
+    _per_rank(ranks, "rabenseifner")
     if count == 0:
         return _nothing("Rabenseifner", ranks)
     n = count * elem_size
     power = 1 << (ranks.bit_length() - 1)
     extra = ranks - power  # rank power + r folds into rank r, as in recursive_doubling
     rounds = power.bit_length() - 1
-    sent = [0] * ranks
-    received = [0] * ranks
     seconds = 0.0
     if extra:  # the whole buffer to the partner, which adds it
         seconds += alpha + n * beta + n * gamma
-        for r in range(extra):
-            sent[power + r] += n
-            received[r] += n
+    # Every rank of the power of two at once, as numpy arrays (a round's partners are
+    # r XOR distance): a million ranks in a second or two. Elements, not bytes, in int64: a
+    # rank sends at most its buffer in each of the two halves (2 * count < 2**63).
+    rank = np.arange(power)
+    size = np.full(power, count, dtype=np.int64)  # the elements each is still reducing
+    sent = np.zeros(power, dtype=np.int64)
+    received = np.zeros(power, dtype=np.int64)
     # Halving: at round k the partner is r XOR (power >> k+1); the lower of the two keeps
     # the lower half of the block both hold, and each sends the other its other half.
-    block = [(0, count)] * power  # (first element, elements) each rank is still reducing
-    gave = []  # per round, each rank's block before it (the doubling sends it back whole)
     for k in range(rounds):
         distance = power >> (k + 1)
-        gave.append(list(block))
-        slowest = 0
-        for r in range(power):
-            first, size = block[r]
-            low = size // 2
-            keep, give = ((first, low), size - low) if r & distance == 0 else \
-                ((first + low, size - low), low)
-            block[r] = keep
-            sent[r] += give * elem_size
-            received[r ^ distance] += give * elem_size
-            slowest = max(slowest, give * elem_size)
-        seconds += alpha + slowest * (beta + gamma)
-    # Doubling: the same rounds backwards; each sends its partner all it now holds.
+        low = size // 2
+        upper = (rank & distance) != 0
+        give = np.where(upper, low, size - low)
+        size = np.where(upper, size - low, low)
+        sent += give
+        received += give[rank ^ distance]
+        seconds += alpha + int(give.max()) * elem_size * (beta + gamma)
+    # Doubling: the same rounds backwards; each sends its partner all it now holds, and
+    # then holds the block the two shared before that round of the halving.
     for k in reversed(range(rounds)):
         distance = power >> (k + 1)
-        slowest = 0
-        for r in range(power):
-            out = block[r][1] * elem_size
-            sent[r] += out
-            received[r ^ distance] += out
-            slowest = max(slowest, out)
-        block = gave[k]
-        seconds += alpha + slowest * beta
+        sent += size
+        received += size[rank ^ distance]
+        seconds += alpha + int(size.max()) * elem_size * beta
+        size = size + size[rank ^ distance]
+    # In bytes, as Python's ints; a rank that folded in sent its buffer and got the
+    # result back, and its partner the other way round.
+    sent = [e * elem_size + n * (r < extra) for r, e in enumerate(sent.tolist())] + [n] * extra
+    received = [e * elem_size + n * (r < extra) for r, e in enumerate(received.tolist())] + \
+        [n] * extra
     if extra:  # the result back to the ranks that folded in
         seconds += alpha + n * beta
-        for r in range(extra):
-            sent[r] += n
-            received[power + r] += n
     return Result("Rabenseifner", ranks, n, 2 * rounds + (2 if extra else 0), sent,
                   received, seconds)
 
@@ -376,6 +388,8 @@ def pipeline(ranks: int, count: int, chunk_elems: int, elem_size: int = 4, alpha
     chunk_elems = _chunk_elems(chunk_elems, "chunk_elems", count, ranks)
     gather_elems = _chunk_elems(chunk_elems if allgather_chunk_elems is None
                                 else allgather_chunk_elems, "allgather_chunk_elems", count, ranks)
+    if count == 0:  # (nothing moves: no steps, at any number of ranks)
+        return Timeline(ranks, count, elem_size, chunk_elems, gather_elems, 0.0, [])
     if timeline_entries(ranks, count, chunk_elems, gather_elems) > MAX_TIMELINE_ENTRIES:
         raise ValueError(f"{ranks} ranks with {count} elements in chunks of {chunk_elems} make "
                          f"more than {MAX_TIMELINE_ENTRIES:,} pieces of work to follow: use "

@@ -1021,3 +1021,34 @@ def test_sizes_worked_out_with_numpy_are_taken_as_ints():
             sim.ring(bad, 12)
         with pytest.raises(ValueError, match="chunk_elems must be an int"):
             sim.pipeline(4, 12, bad)
+
+
+def test_the_models_refuse_at_once_what_would_take_minutes_and_do_what_is_cheap():
+    # sim.ring(10**9, ...) set out to make a billion schedules, and the other models
+    # lists of a billion counts (the command line stops at 4096 ranks; the Python API
+    # stopped nowhere).
+    def not_a_step(done, total):
+        raise AssertionError("simulated a step instead of refusing")
+
+    with pytest.raises(ValueError, match=r"sim\.ring: ranks must be at most 4,096 here, got "
+                                         r"4,097: the ring is simulated rank by rank"):
+        sim.ring(sim.MAX_RANKS + 1, 1, progress=not_a_step)
+    with pytest.raises(ValueError, match="at most 4,096 here, got 1,000,000,000"):
+        sim.ring(10 ** 9, 10 ** 6)
+    most = sim.MAX_MODEL_RANKS
+    for name, model in sim.ALGORITHMS.items():
+        with pytest.raises(ValueError, match=f"at most {most:,} here, got {most + 1:,}: .*"
+                                             "the formulas in docs/cost-model.md"):
+            model(most + 1, 0)
+    # Cheap work is done: nothing on many ranks, and the models that need no
+    # step-by-step ring, at their limit (Rabenseifner's round by round for all ranks at
+    # once: element by element, it took some 20 s for a million ranks).
+    assert sim.ring(most, 0).max_bytes_sent == 0 and sim.ring(1, 10 ** 9).steps == 0
+    assert sim.pipeline(10 ** 9, 0, 1).busy == []  # (was refused: "1,000,000 pieces of work")
+    for model in (sim.naive, sim.recursive_doubling, sim.rabenseifner):
+        r = model(most - 1, 1000)
+        assert len(r.bytes_sent) == most - 1 and r.seconds > 0
+    # 2**19 - 1 ranks fold into as many others, which send them the result at the end.
+    r, within = sim.rabenseifner(most - 1, 1000), sim.rabenseifner(most // 2, 1000)
+    assert r.bytes_sent[0] == within.bytes_sent[0] + 4000 and r.bytes_sent[-1] == 4000
+    assert r.bytes_sent[most // 2 - 1] == within.bytes_sent[most // 2 - 1]  # (no partner)
