@@ -352,7 +352,8 @@ def format_text(e: Explanation) -> str:
             "larger, as it only copies. Steps are shown whole, one after another; the core "
             "sends each chunk on as soon as it has it, so that the steps overlap.)", width=90)
         if e.ranks <= sim.MAX_TIMELINE_RANKS and \
-                max(e.chunks_per_segment) <= sim.MAX_TIMELINE_CHUNKS:
+                max(e.chunks_per_segment) <= sim.MAX_TIMELINE_CHUNKS and \
+                4 * e.chunk_elems <= _core.MAX_CHUNK_BYTES:  # (the largest sim --chunk)
             lines += ["The overlap, drawn for float32 elements:",
                       f"  python -m ringreduce sim --ranks {e.ranks} --bytes {4 * e.count} "
                       f"--chunk {4 * e.chunk_elems} --allgather-factor 1 --timeline pipeline.svg"]

@@ -379,6 +379,9 @@ def pipeline(ranks: int, count: int, chunk_elems: int, elem_size: int = 4, alpha
     allgather_chunk_elems: the all-gather's chunks (default: chunk_elems, as through
     shared memory; over MPI messages the core takes _core.COPY_CHUNK_FACTOR times larger
     ones, since copying has no work to overlap and each chunk costs alpha).
+    As in the core, no chunk is larger than a segment, nor than _core.MAX_CHUNK_BYTES
+    (1 GiB, the largest message): Timeline.chunk_elems and allgather_chunk_elems say
+    what was used.
     With one chunk per segment nothing overlaps: the time is that of ring() (count > 0).
     Left out: the receive window (a few chunks ahead), and what sharing a machine's
     memory costs a rank that sends and adds at once.
@@ -388,6 +391,10 @@ def pipeline(ranks: int, count: int, chunk_elems: int, elem_size: int = 4, alpha
     chunk_elems = _chunk_elems(chunk_elems, "chunk_elems", count, ranks)
     gather_elems = _chunk_elems(chunk_elems if allgather_chunk_elems is None
                                 else allgather_chunk_elems, "allgather_chunk_elems", count, ranks)
+    # The core cuts no chunk larger than a message may be (RingCommunicator::chunk_elems,
+    # and copy_chunk_elems for the all-gather's 64 times larger ones).
+    most = max(1, _core.MAX_CHUNK_BYTES // elem_size)
+    chunk_elems, gather_elems = min(chunk_elems, most), min(gather_elems, most)
     if count == 0:  # (nothing moves: no steps, at any number of ranks)
         return Timeline(ranks, count, elem_size, chunk_elems, gather_elems, 0.0, [])
     if timeline_entries(ranks, count, chunk_elems, gather_elems) > MAX_TIMELINE_ENTRIES:
@@ -591,12 +598,14 @@ def main(argv=None) -> int:
     parser.add_argument("--gamma", type=float, default=GAMMA, help="seconds per byte reduced")
     parser.add_argument("--chunk", nargs="+", action="extend", default=argparse.SUPPRESS,
                         metavar="SIZE",
-                        help="also model the ring pipelined in chunks of each SIZE, chunk by "
-                             "chunk (the plain ring row has one chunk per segment)")
+                        help="also model the ring pipelined in chunks of each SIZE (at most "
+                             "1G, as the core's chunk_bytes), chunk by chunk (the plain ring row "
+                             "has one chunk per segment)")
     parser.add_argument("--allgather-factor", type=int, default=_core.COPY_CHUNK_FACTOR,
                         metavar="N",
-                        help="with --chunk: all-gather's chunks are N times reduce-scatter's "
-                             "(as the core's over MPI messages; 1: as through shared memory)")
+                        help="with --chunk: all-gather's chunks are N times reduce-scatter's, "
+                             "up to 1 GiB (as the core's over MPI messages; 1: as through "
+                             "shared memory)")
     parser.add_argument("--timeline", metavar="FILE", default=argparse.SUPPRESS,
                         help="draw the pipeline: a panel with one chunk per segment, then one "
                              "per --chunk SIZE (needs --chunk and one --ranks value from 2 to "
@@ -656,14 +665,18 @@ def main(argv=None) -> int:
             parser.error(f"--chunk: {text!r} is not a whole number of float32 elements (4 bytes)")
         if chunks[-1] // 4 > MAX_CHUNK_ELEMS:
             parser.error(f"--chunk: {text!r} is more than 2**62 - 1 float32 elements")
+        if chunks[-1] > _core.MAX_CHUNK_BYTES:  # (as Communicator(chunk_bytes=...))
+            parser.error(f"--chunk: {text!r} is more than the core's largest chunk, "
+                         f"{_size(_core.MAX_CHUNK_BYTES)} (a message's bytes must fit MPI's "
+                         "int: chunk_bytes is from 1 B to 1 GiB)")
     if not 1 <= args.allgather_factor <= 1 << 20:
         parser.error("--allgather-factor must be from 1 to 2**20")
     if args.allgather_factor != _core.COPY_CHUNK_FACTOR and not chunks:
         parser.error("--allgather-factor sets the all-gather's chunks: give --chunk too")
     count = nbytes // 4
 
-    def gather_elems(chunk_bytes):
-        return min(chunk_bytes // 4 * args.allgather_factor, MAX_CHUNK_ELEMS)
+    def gather_elems(chunk_bytes):  # (capped as the core caps them, and pipeline() does)
+        return min(chunk_bytes * args.allgather_factor, _core.MAX_CHUNK_BYTES) // 4
 
     if args.timeline is not None:  # ("" too: a figure asked for, and refused, not skipped)
         if not chunks:
@@ -702,8 +715,11 @@ def main(argv=None) -> int:
     print(f"all-reduce of {nbytes} bytes (float32) per rank; alpha={args.alpha:g} s, "
           f"beta={args.beta:g} s/B, gamma={args.gamma:g} s/B")
     if chunks:
+        capped = any(c * args.allgather_factor > _core.MAX_CHUNK_BYTES for c in chunks)
         print("(ring in chunks: all-gather in the same chunks)" if args.allgather_factor == 1
-              else f"(ring in chunks: all-gather in chunks {args.allgather_factor} times larger)")
+              else f"(ring in chunks: all-gather in chunks {args.allgather_factor} times larger"
+              + (f", at most {_size(_core.MAX_CHUNK_BYTES)}, the core's largest message)"
+                 if capped else ")"))
     if args.machines > 1:
         return _print_machines(args, count)
     print("| ranks | algorithm | steps | most bytes sent by one rank | modelled time |")

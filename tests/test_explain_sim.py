@@ -1052,3 +1052,40 @@ def test_the_models_refuse_at_once_what_would_take_minutes_and_do_what_is_cheap(
     r, within = sim.rabenseifner(most - 1, 1000), sim.rabenseifner(most // 2, 1000)
     assert r.bytes_sent[0] == within.bytes_sent[0] + 4000 and r.bytes_sent[-1] == 4000
     assert r.bytes_sent[most // 2 - 1] == within.bytes_sent[most // 2 - 1]  # (no partner)
+
+
+def test_pipeline_cuts_no_chunk_larger_than_the_cores_largest_message():
+    # The core cuts chunks of at most 1 GiB (RingCommunicator::chunk_elems), the
+    # all-gather's 64 times larger ones too (copy_chunk_elems); the model took 4 GiB
+    # segments whole, in one chunk, and so did the all-gather of `sim --chunk 64M`.
+    most = _core.MAX_CHUNK_BYTES
+    assert most == 1 << 30
+    t = sim.pipeline(2, 1 << 31, 1 << 30, allgather_chunk_elems=1 << 36)  # 4 GiB segments
+    assert (t.chunk_elems, t.allgather_chunk_elems) == (most // 4, most // 4)
+    # Each rank sends and adds 4 chunks in reduce-scatter and sends 4 in all-gather.
+    assert len(t.busy) == 2 * (4 + 4 + 4)
+    assert [b.end - b.start for b in t.busy if b.resource == "cpu"] == \
+        pytest.approx([most * sim.GAMMA] * 8)
+    bytes_wide = sim.pipeline(2, 1 << 31, 1 << 30, elem_size=1)
+    assert (bytes_wide.chunk_elems, bytes_wide.allgather_chunk_elems) == (most, most)
+    assert sim.pipeline(2, 1 << 31, 1 << 26, allgather_chunk_elems=1 << 32) == \
+        sim.pipeline(2, 1 << 31, 1 << 26, allgather_chunk_elems=most // 4)
+    # The command line: no --chunk the core would refuse, and the all-gather's chunks
+    # capped, as its heading says.
+    done = subprocess.run([sys.executable, "-m", "ringreduce", "sim", "--ranks", "2",
+                           "--bytes", "8G", "--chunk", "2G"], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 2 and "--chunk: '2G' is more than the core's largest chunk, " \
+        "1 GiB" in done.stderr
+    done = subprocess.run([sys.executable, "-m", "ringreduce", "sim", "--ranks", "2",
+                           "--bytes", "8G", "--chunk", "64M"], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "all-gather in chunks 64 times larger, at most 1 GiB" in done.stdout
+    capped = sim.pipeline(2, 1 << 31, 1 << 24, allgather_chunk_elems=most // 4)
+    assert f"| 2 | ring in chunks of 64 MiB | 2 | 8,589,934,592 | " \
+           f"{capped.seconds * 1e3:.3f} ms |" in done.stdout
+    assert sum(b.phase == "all-gather" for b in capped.busy) == 2 * 4  # (not 2 * 1)
+    # Explain names no sim command the simulator would refuse.
+    assert "ringreduce sim" in format_text(explain(2, 1 << 29, 1 << 27))
+    assert "ringreduce sim" not in format_text(explain(2, 1 << 31, 1 << 29))
