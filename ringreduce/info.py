@@ -195,8 +195,13 @@ def _ring_lines(everyone, ring) -> list[str]:
         order, transport, reason, chunk, timeout = ring
         lines.append("ring: " + _ring_text(order))
         lines.append(f"wire: {transport}" + (f" ({reason})" if reason else ""))
-        lines.append(f"chunk: {chunk} bytes; timeout: "
-                     + ("none" if timeout is None else f"{timeout:g} s"))
+        # Through shared memory a chunk is at most a slot: 256 KiB chunks alone read as
+        # if every call's chunks were that large.
+        slot = transport == "shared memory" and chunk > _core.SHM_SLOT_BYTES
+        lines.append(f"chunk: {chunk} bytes"
+                     + (f" ({_core.SHM_SLOT_BYTES} through shared memory, a slot, which calls "
+                        f"of up to {_core.SHM_MAX_BYTES} bytes may take)" if slot else "")
+                     + "; timeout: " + ("none" if timeout is None else f"{timeout:g} s"))
     # Grouped by what differs and how: on a cluster, whole machines do.
     first, differ = everyone[0][0], []
     for key in first:

@@ -133,6 +133,12 @@ info.main([])
     assert "3 ranks on 1 machine: " in out
     assert "ring: 0 -> 1 -> 2 -> 0" in out
     assert "wire: " in out and "chunk: " in out
+    # Through shared memory the chunk is at most a slot (it said "chunk: 262144 bytes"
+    # alone, the chunk of none of the calls that go through shared memory).
+    if "wire: shared memory" in out:
+        assert (f"chunk: {_core.DEFAULT_CHUNK_BYTES} bytes ({_core.SHM_SLOT_BYTES} through "
+                f"shared memory, a slot, which calls of up to {_core.SHM_MAX_BYTES} bytes may "
+                "take); timeout: ") in out, out
     assert "  settings RINGREDUCE_CUDA_AWARE=0 on rank 2 (" in out, out
     assert "; rank 0: none set (the defaults)" in out
     assert "rank 1" not in out
@@ -169,6 +175,20 @@ def test_settings_a_communicator_would_refuse_are_warned_about_on_one_process(mo
     assert "warning: a Communicator refuses this setting: RINGREDUCE_SHM must be" in text, text
 
 
+def test_the_chunk_through_shared_memory_is_said_to_be_a_slot_at_most():
+    # (The job above shows it where shared memory can be made; here whatever the wire.)
+    everyone = [({}, "vm/boot")] * 2
+    for transport, chunk, said in (
+            ("shared memory", 262144, f"chunk: 262144 bytes ({_core.SHM_SLOT_BYTES} through "
+                                      "shared memory, a slot, which calls of up to "
+                                      f"{_core.SHM_MAX_BYTES} bytes may take); timeout: 60 s"),
+            ("shared memory", _core.SHM_SLOT_BYTES,
+             f"chunk: {_core.SHM_SLOT_BYTES} bytes; timeout: 60 s"),
+            ("MPI", 262144, "chunk: 262144 bytes; timeout: 60 s")):
+        lines = info._ring_lines(everyone, ((0, 1), transport, "", chunk, 60.0))
+        assert lines[3] == said
+
+
 def test_many_ranks_are_shown_short_and_grouped():
     assert info._ranges([0, 1, 2, 5, 7, 8]) == "0-2, 5, 7-8"
     assert info._ring_text(tuple(range(64))) == "0 -> 1 -> ... -> 63 -> 0 (rank order)"
@@ -183,7 +203,7 @@ def test_many_ranks_are_shown_short_and_grouped():
     everyone[11][0]["mpi4py"] = "3.1.6"
     lines = info._ring_lines(everyone, (tuple(range(12)), "MPI", "why", 262144, None))
     assert lines[0] == "12 ranks on 3 machines: node1 (4), node2 (4), node3 (4)"
-    assert "timeout: none" in lines[3]
+    assert lines[3] == "chunk: 262144 bytes; timeout: none"
     assert lines[-3:] == ["ranks whose installation differs from rank 0's:",
                           "  numpy 1.26.4 on ranks 4-7 (node2); rank 0: 2.4.6",
                           "  mpi4py 3.1.6 on rank 11 (node3); rank 0: 4.1.2"]
