@@ -532,8 +532,11 @@ def main(argv=None) -> int:
         if args.ranks > MAX_DRAWN_RANKS:
             parser.error(f"--svg draws at most {MAX_DRAWN_RANKS} ranks (a panel per step, "
                          f"2(p-1) of them), not {args.ranks}; the text shows up to {MAX_RANKS}")
-        if not os.path.isdir(os.path.dirname(os.path.abspath(args.svg))):
+        folder = os.path.dirname(os.path.abspath(args.svg))
+        if not os.path.isdir(folder):
             parser.error(f"--svg: the folder of {args.svg!r} does not exist")
+        if not os.access(folder, os.W_OK):  # (as sim --timeline: not after all the text)
+            parser.error(f"--svg: cannot write into the folder of {args.svg!r}")
         sim.need_matplotlib(parser, "--svg")
     if args.chunk is not None and not 1 <= args.chunk < 1 << 62:
         parser.error(f"--chunk must be from 1 to 2**62 - 1 elements, got {args.chunk}")

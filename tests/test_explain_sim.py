@@ -1,4 +1,5 @@
 """The explainer and the simulator, in one process (their MPI check is in tests/mpi)."""
+import os
 import re
 import shlex
 import subprocess
@@ -1089,3 +1090,19 @@ def test_pipeline_cuts_no_chunk_larger_than_the_cores_largest_message():
     # Explain names no sim command the simulator would refuse.
     assert "ringreduce sim" in format_text(explain(2, 1 << 29, 1 << 27))
     assert "ringreduce sim" not in format_text(explain(2, 1 << 31, 1 << 29))
+
+
+def test_explain_refuses_a_figure_it_cannot_write_before_printing_the_steps(monkeypatch, capsys,
+                                                                             tmp_path):
+    # It printed every step, then "--svg: cannot write" and exit status 2, where sim
+    # --timeline refuses such a folder first.
+    from ringreduce import explain as explain_module
+
+    real = os.access
+    monkeypatch.setattr(explain_module.os, "access", lambda path, mode, **kw: False
+                        if mode == os.W_OK and str(path) == str(tmp_path) else real(path, mode))
+    with pytest.raises(SystemExit) as stopped:
+        explain_module.main(["--ranks", "3", "--count", "6", "--svg", str(tmp_path / "r.svg")])
+    assert stopped.value.code == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "--svg: cannot write into the folder of" in err
