@@ -342,10 +342,12 @@ def chunks_per_segment(ranks: int, count: int, chunk_elems: int) -> int:
 
 
 def timeline_entries(ranks: int, count: int, chunk_elems: int,
-                     allgather_chunk_elems: int | None = None) -> int:
+                     allgather_chunk_elems: int | None = None, elem_size: int = 4) -> int:
     """How many pieces of work pipeline() would work out (to refuse a huge one first):
     every rank sends and adds each reduce-scatter chunk, and sends each all-gather one."""
     gather = chunk_elems if allgather_chunk_elems is None else allgather_chunk_elems
+    most = max(1, _core.MAX_CHUNK_BYTES // elem_size)  # (as pipeline() cuts them)
+    chunk_elems, gather = min(chunk_elems, most), min(gather, most)
     return ranks * max(0, ranks - 1) * (2 * chunks_per_segment(ranks, count, chunk_elems) +
                                         chunks_per_segment(ranks, count, gather))
 
@@ -397,7 +399,8 @@ def pipeline(ranks: int, count: int, chunk_elems: int, elem_size: int = 4, alpha
     chunk_elems, gather_elems = min(chunk_elems, most), min(gather_elems, most)
     if count == 0:  # (nothing moves: no steps, at any number of ranks)
         return Timeline(ranks, count, elem_size, chunk_elems, gather_elems, 0.0, [])
-    if timeline_entries(ranks, count, chunk_elems, gather_elems) > MAX_TIMELINE_ENTRIES:
+    if timeline_entries(ranks, count, chunk_elems, gather_elems, elem_size) > \
+            MAX_TIMELINE_ENTRIES:
         raise ValueError(f"{ranks} ranks with {count} elements in chunks of {chunk_elems} make "
                          f"more than {MAX_TIMELINE_ENTRIES:,} pieces of work to follow: use "
                          "larger chunks or fewer ranks")

@@ -1064,7 +1064,7 @@ def test_pipeline_cuts_no_chunk_larger_than_the_cores_largest_message():
     t = sim.pipeline(2, 1 << 31, 1 << 30, allgather_chunk_elems=1 << 36)  # 4 GiB segments
     assert (t.chunk_elems, t.allgather_chunk_elems) == (most // 4, most // 4)
     # Each rank sends and adds 4 chunks in reduce-scatter and sends 4 in all-gather.
-    assert len(t.busy) == 2 * (4 + 4 + 4)
+    assert len(t.busy) == 2 * (4 + 4 + 4) == sim.timeline_entries(2, 1 << 31, 1 << 30, 1 << 36)
     assert [b.end - b.start for b in t.busy if b.resource == "cpu"] == \
         pytest.approx([most * sim.GAMMA] * 8)
     bytes_wide = sim.pipeline(2, 1 << 31, 1 << 30, elem_size=1)
