@@ -2307,7 +2307,15 @@ class DistributedOptimizer(_types.NamedSettings):
             # (step() checked this at its start: only grad_ready() meets it here.)
             self._check_open("grad_ready")
             if isinstance(unit, _Bucket):
-                self._start(unit)
+                try:
+                    self._start(unit)
+                except MismatchError:
+                    # (Raised by its fp16 agreement, a blocking call: the call is made,
+                    # with no send after it, as where abandon_step()'s raises. Made again
+                    # by the step's abandon, it was one call more than a rank abandoning
+                    # beside this one makes: the ranks' calls stayed one apart.)
+                    self._next_to_start += 1
+                    raise
             else:  # a matrix PowerSGD compresses: its first all-reduce (of P)
                 call = self.powersgd.start(unit, self._low_rank_sums[unit], self.comm,
                                            check=self._step_check,

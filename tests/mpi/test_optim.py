@@ -3876,6 +3876,34 @@ def test_an_fp16_bucket_agrees_on_its_first_scale_in_step_alone(method, at_it):
 
 
 @needs_two
+@pytest.mark.parametrize("given", ["none", "all"])
+def test_a_rank_with_other_settings_that_abandons_beside_a_first_fp16_step_pairs_up_after(
+        given):
+    # (helper 241) A bucket's first fp16 agreement, made in step(), carries the step's
+    # settings, and so does abandon_step()'s: where they differ (lr on BAD, which
+    # abandons alone), the agreement raises on every rank. The stepping ranks' abandon
+    # made it again, a call more than BAD's abandon (which goes on to the next bucket's):
+    # from then on every step raised MismatchError on every rank, up to a timeout.
+    params, opt, gradients = _made_for_partway("fp16")  # (no scale agreed yet)
+    grad = np.full((20, 30), 1.0)
+    if RANK == BAD:
+        opt.optimizer.lr = 0.5
+        for i in gradients[given]:
+            opt.grad_ready(i, grad)
+        opt.abandon_step()
+    else:
+        with pytest.raises(rr.MismatchError, match=r"lr on rank"):
+            opt.step([grad] * 4)
+    opt.optimizer.lr = 1.0
+    opt.step([grad * 2] * 4)
+    opt.step([grad * 3] * 4)
+    everyone = MPI.COMM_WORLD.allgather([p.tobytes() for p in params])
+    assert all(mine == everyone[0] for mine in everyone)
+    for p in params:  # (lr 1, momentum 0.9: two steps)
+        np.testing.assert_allclose(p, -2 - (0.9 * 2 + 3), rtol=1e-3)
+
+
+@needs_two
 @pytest.mark.parametrize("other", ["a new optimizer", "another optimizer's load",
                                    "broadcast_parameters"])
 def test_ranks_at_different_agreements_are_told_so(other):
