@@ -533,6 +533,12 @@ def _all_steps(error: MismatchError) -> bool:
                                 check & _STEP_BIT for check in checks)
 
 
+def _steps_of_others(error: MismatchError) -> bool:
+    """Whether, where `error` was raised, ranks were in step() of different
+    DistributedOptimizers (their fingerprints' index fields differ: _step_fingerprint)."""
+    return len({check & 0xF for check in getattr(error, "checks", ())}) > 1
+
+
 def _met_a_step(error: MismatchError) -> bool:
     """Whether some rank's call, where `error` was raised, was one that a
     DistributedOptimizer's step() started (see _LiningUp)."""
@@ -1784,8 +1790,8 @@ class DistributedOptimizer(_types.NamedSettings):
             met_another_call = self._met_another_call  # (abandon_step() clears it)
             self.abandon_step()
             self._abandoned_by_error = True
-            if met_another_call:  # (_start's error says what happened, named for step)
-                raise
+            if met_another_call and not _all_steps(error):
+                raise  # (_start's error says what happened, named for step)
             apart = _fingerprints_apart(getattr(error, "checks", []), self.optimizer)
             if apart:
                 raise MismatchError(
@@ -2500,8 +2506,17 @@ class DistributedOptimizer(_types.NamedSettings):
                     # lining up an agreement that this one is in step(): see _LiningUp.)
                     agreed = self._agreed_fp16_scale(bucket, self._step_check)
                 except MismatchError as error:
-                    if self._abandoning or _all_steps(error):
-                        raise  # (every rank was stepping: step() says what differs)
+                    if self._abandoning:
+                        raise
+                    if _all_steps(error):
+                        # (Every rank was stepping: step() says what differs.) Where
+                        # some stepped another optimizer, they make none of this one's
+                        # calls: this step makes no more, as theirs make none of this
+                        # one's. Its abandon made the other buckets' agreements, which
+                        # met their next calls (of a model with as many fewer buckets):
+                        # the ranks' calls were apart from then on.
+                        self._met_another_call = _steps_of_others(error)
+                        raise
                     # Blocking, it met a call that is no step's elsewhere (another
                     # rank's load_state_dict() agreement, say, which stops here: see
                     # _LiningUp): abandoning must make no more.

@@ -3904,6 +3904,32 @@ def test_a_rank_with_other_settings_that_abandons_beside_a_first_fp16_step_pairs
 
 
 @needs_two
+def test_fp16_optimizers_of_other_layouts_first_stepped_in_other_orders_pair_up_after():
+    # (helper 241) Two fp16 DistributedOptimizers on one communicator, of two buckets and
+    # of one (a GAN's two models, say), stepped in another order on BAD at their first
+    # step: each step()'s agreement on its first scale met the other optimizer's, and its
+    # abandon made its other buckets' agreements, which met BAD's next calls. Every step
+    # of the two-bucket optimizer after it raised MismatchError, on every rank.
+    with rr.Communicator(MPI.COMM_WORLD) as comm:
+        models = [[np.zeros((20, 30)) for _ in range(4)] for _ in range(2)]
+        two, one = (DistributedOptimizer(SGD(params, lr=1.0, momentum=0.9), comm=comm,
+                                         bucket_mb=mb, compression="fp16")
+                    for params, mb in zip(models, (0.01, 1)))
+        assert (len(two._units), len(one._units)) == (2, 1)
+        grad = np.full((20, 30), 1.0)
+        for opt in (two, one) if RANK != BAD else (one, two):
+            with pytest.raises(rr.MismatchError, match="stepped another DistributedOptimizer"):
+                opt.step([grad] * 4)
+        for k in (2, 3):
+            two.step([grad * k] * 4)
+            one.step([grad * k] * 4)
+        everyone = MPI.COMM_WORLD.allgather([p.tobytes() for ps in models for p in ps])
+        assert all(mine == everyone[0] for mine in everyone)
+        for p in models[0] + models[1]:  # (lr 1, momentum 0.9: two steps)
+            np.testing.assert_allclose(p, -2 - (0.9 * 2 + 3), rtol=1e-3)
+
+
+@needs_two
 @pytest.mark.parametrize("other", ["a new optimizer", "another optimizer's load",
                                    "broadcast_parameters"])
 def test_ranks_at_different_agreements_are_told_so(other):
