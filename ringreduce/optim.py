@@ -403,14 +403,16 @@ def _fingerprints_apart(fingerprints: list[int], optimizer) -> str:
         return ""
     if not any(v & _STEP_BIT for v in values) and \
             all(f >> 56 == Communicator.CHECK_OPTIMIZER for f in fingerprints):
-        # Every rank's call started in backward (grad_ready), and carries which optimizer
-        # only (_call_check): ranks whose calls differ met another optimizer's.
+        # Every rank's call started in backward (grad_ready), or as there, in step(grads)
+        # before its last (_report_all), and carries which optimizer only (_call_check):
+        # ranks whose calls differ met another optimizer's.
         ranks = [r for r, v in enumerate(values) if v != values[0]]
         return (f"rank{'s' * (len(ranks) > 1)} {', '.join(map(str, ranks))} started an "
                 "all-reduce of another DistributedOptimizer than rank 0 at this point, in "
-                "backward: where several share a communicator, every rank gives their "
-                "gradients (grad_ready) in one order, as it steps them in one order (a "
-                "bucket's all-reduce starts as its last gradient is given)")
+                "backward (grad_ready) or step(grads): where several share a "
+                "communicator, every rank gives them their gradients in one order, as it "
+                "steps them in one order (a bucket's all-reduce starts as its last "
+                "gradient is given)")
     if not all(v & _STEP_BIT for v in values):
         return ""
     apart = {}  # field -> the ranks whose 4 bits differ from rank 0's

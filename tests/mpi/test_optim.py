@@ -3013,29 +3013,39 @@ def test_a_rank_stepping_another_optimizer_is_named_so_whatever_their_settings()
 
 
 @needs_two
-def test_two_optimizers_given_gradients_in_another_order_on_one_rank_are_named_so():
+@pytest.mark.parametrize("given_by", ["grad_ready", "step(grads)"])
+def test_two_optimizers_given_gradients_in_another_order_on_one_rank_are_named_so(given_by):
     # (From a review.) A bucket's all-reduce starts in backward, as its last gradient
     # is given: a rank that gave two optimizers' gradients in another order met the
     # other optimizer's call, and both steps said only "another rank abandoned the
-    # step, stepped another DistributedOptimizer, ... or made other calls".
+    # step, stepped another DistributedOptimizer, ... or made other calls". (step(grads)
+    # starts all but the last as backward would: helper 241 found it named backward
+    # alone, and grad_ready, which that script never called.)
     a, b = [np.zeros(4), np.zeros(4)], [np.zeros(5), np.zeros(5)]
     first = DistributedOptimizer(SGD(a, lr=0.1), bucket_mb=1e-6)  # (a bucket each)
     second = DistributedOptimizer(SGD(b, lr=0.1), bucket_mb=1e-6)
-    if RANK == BAD:
-        second.grad_ready(1, np.ones(5))
-        first.grad_ready(1, np.ones(4))
+    said = (r"this step is dropped here, without an update \(the next starts clean\): "
+            rf"rank {BAD} started an all-reduce of another DistributedOptimizer than "
+            r"rank 0 at this point, in backward \(grad_ready\) or step\(grads\): where "
+            r"several share a communicator, every rank gives them their gradients in one "
+            r"order")
+    if given_by == "step(grads)":
+        for opt, size in ((second, 5), (first, 4)) if RANK == BAD else ((first, 4),
+                                                                        (second, 5)):
+            with pytest.raises(rr.MismatchError, match=said):
+                opt.step([np.ones(size)] * 2)
     else:
-        first.grad_ready(1, np.ones(4))
-        second.grad_ready(1, np.ones(5))
-    first.grad_ready(0, np.ones(4))
-    second.grad_ready(0, np.ones(5))
-    for opt in (first, second):
-        with pytest.raises(rr.MismatchError, match=(
-                r"this step is dropped here, without an update \(the next starts clean\): "
-                rf"rank {BAD} started an all-reduce of another DistributedOptimizer than "
-                r"rank 0 at this point, in backward: where several share a communicator, "
-                r"every rank gives their gradients \(grad_ready\) in one order")):
-            opt.step()
+        if RANK == BAD:
+            second.grad_ready(1, np.ones(5))
+            first.grad_ready(1, np.ones(4))
+        else:
+            first.grad_ready(1, np.ones(4))
+            second.grad_ready(1, np.ones(5))
+        first.grad_ready(0, np.ones(4))
+        second.grad_ready(0, np.ones(5))
+        for opt in (first, second):
+            with pytest.raises(rr.MismatchError, match=said):
+                opt.step()
     assert not any(p.any() for p in a + b)  # no update
     first.step([np.ones(4)] * 2)  # in step again
     second.step([np.ones(5)] * 2)
