@@ -132,6 +132,11 @@ def crossings(ring, machines) -> int:
 def placed(ranks: int, machines: int, placement: str) -> list:
     """The machine of each rank, as mpiexec places them: "block" (machine by machine,
     as many ranks on each) or "round-robin" (rank r on machine r mod machines)."""
+    ranks, whole = _check(ranks, 0)[0], _whole(machines)
+    if whole is None or not 1 <= whole <= ranks:  # (as --machines: one rank each at most)
+        raise ValueError(f"machines must be an int from 1 to ranks ({ranks}), got "
+                         f"{machines!r}")
+    machines = whole
     if placement == "round-robin":
         return [r % machines for r in range(ranks)]
     if placement == "block":

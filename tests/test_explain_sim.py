@@ -477,6 +477,13 @@ def test_a_ring_across_machines_is_modelled_link_by_link():
         sim.ring(p, count, machines=[0, 1])
     with pytest.raises(ValueError, match="placement must be"):
         sim.placed(p, 2, "cyclic")
+    # (0 machines: a ZeroDivisionError round-robin, every rank on one machine in blocks.)
+    for bad in (0, p + 1, 1.5, True):
+        for placement in ("round-robin", "block"):
+            with pytest.raises(ValueError, match=rf"machines must be an int from 1 to ranks "
+                                                 rf"\({p}\), got {bad!r}"):
+                sim.placed(p, bad, placement)
+    assert sim.placed(np.int64(4), np.int64(2), "block") == [0, 0, 1, 1]
 
 
 @pytest.mark.parametrize("ranks", [2, 3, 4, 5])
