@@ -97,6 +97,16 @@ def _check(ranks, count, elem_size=4) -> tuple:
     return ranks, count, whole
 
 
+def _check_costs(**costs) -> None:
+    """ValueError naming the first cost (alpha, beta, ...) that is not a finite number of
+    seconds >= 0 (as the command line's: a negative one made negative times)."""
+    for name, value in costs.items():
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer,
+                                                                      np.floating)) \
+                or not 0 <= value < math.inf:  # (NaN too)
+            raise ValueError(f"{name} must be a finite number of seconds >= 0, got {value!r}")
+
+
 def _at_most(ranks: int, most: int, model: str, why: str) -> None:
     if ranks > most:
         raise ValueError(f"sim.{model}: ranks must be at most {most:,} here, got {ranks:,}: "
@@ -155,6 +165,7 @@ def ring(ranks: int, count: int, elem_size: int = 4, alpha=ALPHA, beta=BETA,
     on either machine: the cost of a ring that crosses between machines more often than
     it must."""
     ranks, count, elem_size = _check(ranks, count, elem_size)
+    _check_costs(alpha=alpha, beta=beta, gamma=gamma, net_beta=net_beta)
     if count and ranks > 1:  # (nothing, or one rank: no steps to simulate)
         _at_most(ranks, MAX_RANKS, "ring", "the ring is simulated rank by rank, step by step, "
                  "p * 2(p-1) segments (some 10 s for 2048 ranks, 40 s for 4096)")
@@ -215,6 +226,7 @@ def naive(ranks: int, count: int, elem_size: int = 4, alpha=ALPHA, beta=BETA,
           gamma=GAMMA) -> Result:
     """Reduce to rank 0, then send the result to every rank, one message at a time."""
     ranks, count, elem_size = _check(ranks, count, elem_size)
+    _check_costs(alpha=alpha, beta=beta, gamma=gamma)
     _per_rank(ranks, "naive")
     if count == 0:
         return _nothing("naive", ranks)
@@ -232,6 +244,7 @@ def naive(ranks: int, count: int, elem_size: int = 4, alpha=ALPHA, beta=BETA,
 def recursive_doubling(ranks: int, count: int, elem_size: int = 4, alpha=ALPHA, beta=BETA,
                        gamma=GAMMA) -> Result:
     ranks, count, elem_size = _check(ranks, count, elem_size)
+    _check_costs(alpha=alpha, beta=beta, gamma=gamma)
     _per_rank(ranks, "recursive_doubling")
     if count == 0:
         return _nothing("recursive doubling", ranks)
@@ -256,6 +269,7 @@ def rabenseifner(ranks: int, count: int, elem_size: int = 4, alpha=ALPHA, beta=B
     Followed element by element: where halves are uneven, a step lasts as long as its
     largest half."""
     ranks, count, elem_size = _check(ranks, count, elem_size)
+    _check_costs(alpha=alpha, beta=beta, gamma=gamma)
     _per_rank(ranks, "rabenseifner")
     if count == 0:
         return _nothing("Rabenseifner", ranks)
@@ -395,6 +409,7 @@ def pipeline(ranks: int, count: int, chunk_elems: int, elem_size: int = 4, alpha
     progress, if given, is called as progress(steps done, steps in all) after each step.
     """
     ranks, count, elem_size = _check(ranks, count, elem_size)
+    _check_costs(alpha=alpha, beta=beta, gamma=gamma)
     chunk_elems = _chunk_elems(chunk_elems, "chunk_elems", count, ranks)
     gather_elems = _chunk_elems(chunk_elems if allgather_chunk_elems is None
                                 else allgather_chunk_elems, "allgather_chunk_elems", count, ranks)

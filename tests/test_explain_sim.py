@@ -486,6 +486,20 @@ def test_a_ring_across_machines_is_modelled_link_by_link():
     assert sim.placed(np.int64(4), np.int64(2), "block") == [0, 0, 1, 1]
 
 
+@pytest.mark.parametrize("model", ["ring", "naive", "recursive_doubling", "rabenseifner",
+                                   "pipeline"])
+def test_the_models_refuse_costs_the_command_line_refuses(model):
+    # sim --alpha -1 is refused; sim.ring(..., alpha=-1) gave negative times.
+    run = getattr(sim, model)
+    args = (4, 1000, 100) if model == "pipeline" else (4, 1000)
+    for name in ("alpha", "beta", "gamma") + (("net_beta",) if model == "ring" else ()):
+        for bad in (-1e-6, float("nan"), float("inf"), "1e-6", True):
+            with pytest.raises(ValueError, match=rf"^{name} must be a finite number of "
+                                                 rf"seconds >= 0, got {re.escape(repr(bad))}"):
+                run(*args, **{name: bad})
+    assert run(*args, alpha=0, beta=np.float32(1e-10), gamma=0).seconds > 0
+
+
 @pytest.mark.parametrize("ranks", [2, 3, 4, 5])
 def test_a_ring_across_machines_with_empty_segments_is_modelled(ranks):
     # Fewer elements than ranks: some links carry nothing at a step (the core sends no
