@@ -800,7 +800,8 @@ class Executor {
 };
 
 // The common case of every collective, checked and run here without Python: a
-// contiguous numpy array of a dtype (and op) the Python layer has validated before, an
+// contiguous numpy array of a dtype (and op) the Python layer has validated before (for
+// a blocking allreduce also a strided one or a scalar, copied into one first), an
 // out= that needs no checks beyond a few fields, no asynchronous call in flight. The
 // same checks in Python cost a small call as much as the exchange itself (1.5-2.6 us
 // against 2.5-2.8 us on 2 ranks). It decides nothing the Python layer has not: its
