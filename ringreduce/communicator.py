@@ -323,6 +323,10 @@ class Handle:
                 raise
             # (Raised by the wait of a later call, which ran this one: not twice.)
             raised = frames = None
+        except _NeverRan as error:
+            # One error for every call that the cancel found queued: each wait raises
+            # one of its own, which names its call, as every call's error does.
+            raised, frames = ValueError(f"{self._context}: {error}"), None
         except Exception as error:  # (the core's error is made anew each time)
             raised = t.renamed(error, self._ran, t.call_of(self._context))
             # Its traceback begins with this wait() and outcome(), and each raise puts
@@ -337,6 +341,11 @@ class Handle:
         # replaced) is not chained, and without `from None`, which would hide the
         # exception the caller may be handling around wait().
         raise self._error.with_traceback(self._frames)
+
+
+class _NeverRan(ValueError):
+    """Why the calls still queued never start (see _Executor.cancel): each Handle's
+    wait() raises it as a ValueError of its own that begins with its call and rank."""
 
 
 class _Work:
@@ -552,8 +561,9 @@ class _Executor:
     def drain(self) -> None:
         self.calls.drain()
 
-    def cancel(self, error: Exception) -> None:
-        """Queued work that has not started yet will not: its wait() raises error."""
+    def cancel(self, error: "_NeverRan") -> None:
+        """Queued work that has not started yet will not: its wait() raises error (as a
+        ValueError naming its call)."""
         self.calls.cancel(error)
 
     def finish(self) -> None:
@@ -718,7 +728,7 @@ def _finish_all(why: str = "the process is ending", let_calls_finish: bool = Fal
             closing.append((core, _dropped_looking))
 
     def leave_dropped_busy(core, executor):
-        executor.cancel(ValueError(f"ringreduce: a collective never ran: {why}"))
+        executor.cancel(_NeverRan(f"never ran: {why}"))
         core.stop_soon(why)  # (a call its worker thread runs: then it leaves)
         with executor.running:
             core.leave()
@@ -1401,8 +1411,8 @@ class Communicator(t.NamedSettings):
             self._refuse_calls()
             executor = self._executor
             if why is not None:
-                executor.cancel(ValueError(f"ringreduce: a collective of {self!r} never ran: "
-                                           f"{why}, and this rank left the communicator"))
+                executor.cancel(_NeverRan(f"never ran: {why}, and this rank left the "
+                                          "communicator"))
                 self._core.stop_soon(why)
             executor.finish()
             # (A call a daemon thread began since, at exit.)
@@ -1515,12 +1525,14 @@ class Communicator(t.NamedSettings):
 
     def _call(self, name, prepare, *args, wait, context=None, watched=False):
         """context: what errors call it (else the collective's name), a Handle's too
-        (else allreduce_async's). watched: a call the user made as *_async (see _Work)."""
+        (else allreduce_async's, or a blocking call's own). watched: a call the user made as *_async (see _Work)."""
         # (While any is pending, the FastPath sends calls here.) Warned once this rank has
         # taken its part in the call: a warning raised as an error (-W error) must not
         # make it skip the call, which the others' next call would then pair with.
         dropped = _core.dropped_errors_pending()
-        handle_context = context or self._async_context
+        # (A blocking call queued behind asynchronous ones waits on a Handle too, whose
+        # errors then name it: one that never ran, say.)
+        handle_context = context or (self._contexts[name] if wait else self._async_context)
         context = context or self._contexts[name]
         if self._closed or self._closing:
             self._refuse_as_closed(context)

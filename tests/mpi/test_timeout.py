@@ -813,6 +813,69 @@ def test_an_error_leaving_a_with_block_stops_its_calls_in_flight(path, wire, wor
     world.Barrier()
 
 
+
+@needs_two
+@pytest.mark.parametrize("wire", ["shared memory", "MPI"])
+def test_each_call_that_never_ran_after_a_with_block_was_left_names_itself(wire, world,
+                                                                         monkeypatch):
+    # As above, with calls of every kind queued behind the running one, a blocking one
+    # among them (another thread's): each that never ran raises a ValueError of its own
+    # that begins, as every call's error does, with the call and the rank (before, all
+    # raised one and the same error, "ringreduce: a collective of <Communicator ...>
+    # never ran", which named none of them).
+    ring = a_ring_over(wire, monkeypatch)
+    if not ring._executor.threaded:
+        pytest.skip("MPI without MPI_THREAD_MULTIPLE: asynchronous calls run inline")
+    ring.timeout = 60
+    x = async_input("FastPath")
+    if RANK == SIZE - 1:
+        blocking = []
+
+        def a_blocking_allgather():
+            try:
+                ring.allgather(x)
+            except ValueError as error:
+                blocking.append(error)
+
+        thread = threading.Thread(target=a_blocking_allgather)
+        with pytest.raises(KeyError):
+            with ring:
+                running = ring.allreduce_async(x)
+                queued = {"allreduce_async": ring.allreduce_async(x),
+                          "reduce_scatter_async": ring.reduce_scatter_async(x),
+                          "allgather_async": ring.allgather_async(x),
+                          "broadcast_async": ring.broadcast_async(x.copy())}
+                thread.start()
+                deadline = time.monotonic() + 10
+                while ring._executor.calls.pending() < 6:  # the blocking call queued too
+                    assert time.monotonic() < deadline
+                    time.sleep(0.001)
+                raise KeyError("only on this rank")
+        thread.join(10)
+        assert not thread.is_alive()
+        with pytest.raises(RuntimeError, match="stopped on this rank"):
+            running.wait(0)
+        raised = []
+        for name, handle in queued.items():
+            with pytest.raises(ValueError, match=rf"^ringreduce\.{name} \(rank {RANK} of {SIZE}\): "
+                               r"never ran: an exception left the Communicator's `with` block "
+                               "first, and this rank left the communicator$") as error:
+                handle.wait(0)
+            raised.append(error.value)
+            with pytest.raises(ValueError) as again:  # (the same error at every wait)
+                handle.wait()
+            assert again.value is error.value
+        assert len(blocking) == 1
+        assert re.match(rf"ringreduce\.allgather \(rank {RANK} of {SIZE}\): never ran: an "
+                        "exception left", str(blocking[0])), blocking[0]
+        assert len({id(error) for error in raised + blocking}) == len(queued) + 1
+        world.Barrier()
+    else:
+        world.Barrier()
+        raised_within(10, f"rank {SIZE - 1} has left", lambda: ring.allreduce(x))
+        closes_at_once(ring)
+    world.Barrier()
+
 @contextlib.contextmanager
 def ctrl_c_soon():
     """A SIGINT to this process 0.3 s in, as Ctrl-C would send; the block must be over
