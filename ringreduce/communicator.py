@@ -698,6 +698,7 @@ def _finish_all(why: str = "the process is ending", let_calls_finish: bool = Fal
                 core.leave()
             closing = []
     for comm in comms:
+        comm._ended = why  # (what a daemon thread's call meets from now on)
         comm._refuse_calls()
         if comm._executor.running.held_by_a_caller() and not let_calls_finish:
             # A daemon thread (the only kind left at exit) is inside a blocking call.
@@ -1133,6 +1134,7 @@ class Communicator(t.NamedSettings):
         self._executor = _Executor(threaded)
         self._closed = False
         self._closing = False  # close() has begun: no more calls
+        self._ended = None  # why ringreduce finished it before MPI_Finalize (the exit)
         self._direct = None  # see _cuda_direct()
         self._scratch = _Scratch()
         self._results = _Results()  # results without out=: big ones reuse kept buffers
@@ -1607,6 +1609,10 @@ class Communicator(t.NamedSettings):
         if _finalizing is not None:  # (as after it: see _call)
             return _core.MPIError(f"{context}: MPI is being finalised ({_finalizing}): no "
                                   "call can follow")
+        if self._ended is not None:  # (no close() of the program's: a daemon's call)
+            return ValueError(f"{context}: {self._ended}: ringreduce has finished this "
+                              "Communicator, as it does every one before MPI is finalised; "
+                              "no call can follow")
         if self._closed:
             return ValueError(f"{context}: this Communicator has been closed")
         return ValueError(f"{context}: this Communicator is being closed (by another thread)")

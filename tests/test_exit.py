@@ -610,6 +610,50 @@ def test_a_daemon_thread_inside_a_call_at_exit_ends_with_the_process(tmp_path, s
     assert time.monotonic() - start < 60
 
 
+
+DAEMON_CALLING_AFTER_THE_EXIT = """
+import atexit
+import threading
+import numpy as np
+
+exiting, told = threading.Event(), threading.Event()
+atexit.register(lambda: (exiting.set(), told.wait(20)))  # (runs after ringreduce's)
+import ringreduce as rr
+
+ring = rr.Communicator(timeout=120)
+ring.allreduce(np.ones(3))
+
+def call_once_the_exit_has_begun():
+    exiting.wait()
+    for call in (lambda: ring.allreduce(np.ones(3)), lambda: ring.allreduce_async(np.ones(3)),
+                 lambda: ring.broadcast_async(np.ones(3))):
+        try:
+            call()
+            print(f"rank {ring.rank}: no error\\n", end="", flush=True)
+        except Exception as error:
+            print(f"rank {ring.rank}: {type(error).__name__}: {error}\\n", end="", flush=True)
+    told.set()
+
+threading.Thread(target=call_once_the_exit_has_begun, daemon=True).start()
+"""
+
+
+@pytest.mark.parametrize("shm", ["1", "0"], ids=["shared memory", "MPI"])
+def test_a_call_a_daemon_thread_makes_once_the_exit_has_begun_says_so(tmp_path, shm):
+    # ringreduce finishes every Communicator at exit; a daemon thread's call after that
+    # raised "this Communicator has been closed" (or "is being closed (by another
+    # thread)"), which no thread had done: it now says that the process is ending.
+    done = run_script(tmp_path, "after_exit.py", DAEMON_CALLING_AFTER_THE_EXIT,
+                      env={"RINGREDUCE_SHM": shm}, abort_on_exception=False)
+    assert done.returncode == 0, done.stderr
+    for rank in range(2):
+        for call in ("allreduce", "allreduce_async", "broadcast_async"):
+            assert re.search(rf"^rank {rank}: ValueError: ringreduce\.{call} \(rank {rank} of 2\): "
+                             r"the process is ending: ringreduce has finished this "
+                             "Communicator, as it does every one before MPI is finalised; no "
+                             "call can follow$",
+                             done.stdout, re.M), done.stdout
+
 DAEMON_MAKING_ONE = """
 import atexit
 import threading
