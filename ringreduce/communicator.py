@@ -547,7 +547,10 @@ class _Executor:
             with self.running:
                 if self.calls.refusing():
                     return False
-                work.execute()
+                # Run here and now, as a blocking call: its error is raised by wait(),
+                # but Ctrl-C (KeyboardInterrupt) from the call, which it stopped (kept
+                # in the Handle, the program went on as if nothing had been pressed).
+                work.execute(catching=Exception)
             return True
         return self.calls.push(work, anywhere)
 

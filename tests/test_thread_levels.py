@@ -262,3 +262,58 @@ def test_a_close_that_comes_after_the_others_gave_up_on_it_frees_nothing(shm, tm
     assert done.returncode == 0, done.stdout + done.stderr
     assert "rank 0: closed" in done.stdout, done.stdout + done.stderr
     assert "rank 1: ringreduce.close (rank 1 of 2): " in done.stdout, done.stdout
+
+
+CTRL_C_IN_AN_ASYNC_CALL = """
+import os
+import signal
+import sys
+import threading
+import time
+import mpi4py
+mpi4py.rc.thread_level = sys.argv[1]
+from mpi4py import MPI
+import numpy as np
+import ringreduce as rr
+
+ring = rr.Communicator(timeout=60)
+x = np.ones(1 << 16, np.float32)
+if sys.argv[2] == "FastPath":
+    ring.allreduce(x)  # (float32 sums seen: the FastPath takes the next one, where it is)
+else:
+    x = np.ones(1 << 17, np.float32)[::2]  # (strided: the Python layer)
+if ring.rank == 0:
+    threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+    start = time.monotonic()
+    try:
+        handle = ring.allreduce_async(x)  # (blocks: rank 1 comes only in 3 s)
+        time.sleep(5)  # the program goes on, as after Ctrl-C it must not
+        print(f"rank 0: went on ({handle!r})", flush=True)
+    except KeyboardInterrupt:
+        print(f"rank 0: KeyboardInterrupt from the call after "
+              f"{time.monotonic() - start:.1f} s", flush=True)
+else:
+    time.sleep(3)
+    try:
+        ring.allreduce(x)
+    except rr.CollectiveTimeoutError as error:
+        print(f"rank 1: {error}", flush=True)
+MPI.COMM_WORLD.Barrier()
+"""
+
+
+@pytest.mark.parametrize("path", ["FastPath", "Python"])
+@pytest.mark.parametrize("level", ["serialized", "funneled"])
+def test_ctrl_c_in_an_async_call_that_runs_at_once_raises_from_the_call(level, path,
+                                                                         tmp_path):
+    # Below THREAD_MULTIPLE an asynchronous call runs in the calling thread, as the
+    # blocking call does. Ctrl-C stopped it, but the KeyboardInterrupt went into its
+    # Handle, and the program went on as if nothing had been pressed (until a wait(),
+    # if any: a Handle dropped lost it). It now comes from the call, as on one rank.
+    done = run_script(tmp_path, "ctrl_c_async.py", CTRL_C_IN_AN_ASYNC_CALL, timeout=120,
+                      args=(level, path), abort_on_exception=False)
+    assert done.returncode == 0, done.stderr
+    assert "rank 0: KeyboardInterrupt from the call after" in done.stdout, done.stdout
+    seconds = float(done.stdout.split("from the call after ")[1].split(" s")[0])
+    assert seconds < 3, done.stdout  # (at once, not when rank 1 comes)
+    assert "rank 1: ringreduce.allreduce (rank 1 of 2): rank 0 has left" in done.stdout, done
