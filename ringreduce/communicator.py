@@ -1354,7 +1354,7 @@ class Communicator(t.NamedSettings):
         """
         if self._closed:
             return
-        self._check_calling_thread("ringreduce.close")
+        self._check_calling_thread(t.where(self.rank, self.size, "close"))
         # No call starts here from now on (another thread's raises ValueError), so that
         # the calls in flight finish and the close takes its turn after them, even while
         # another thread would go on making calls.

@@ -78,6 +78,16 @@ for how in ("step", "grad_ready", "abandon_step"):
     if said[-1] != "done" and how != "abandon_step":
         opt.step([np.ones(3)])  # here, all is as before
 print(f"rank {a.rank}: w = {w.tolist()}", flush=True)
+def close_from_another_thread():
+    try:
+        b.close()
+        said.append("closed")
+    except ValueError as error:
+        said.append(f"ValueError: {error}")
+t = threading.Thread(target=close_from_another_thread)
+t.start()
+t.join()
+print(f"rank {a.rank}: close from another thread: {said[-1]}", flush=True)
 a.close()
 b.close()
 
@@ -120,6 +130,13 @@ def test_calls_keep_the_mpi_thread_level(level, tmp_path):
                         f"DistributedOptimizer.{how} (rank {rank} of 2): MPI was initialised "
                         f"with MPI_THREAD_{level.upper()}") in done.stdout, done.stdout
         assert f"rank {rank}: w = [-1.0, -1.0, -1.0]" in done.stdout, done.stdout
+        # (close() names the rank too, as every call's error does.)
+        if level == "serialized":
+            assert f"rank {rank}: close from another thread: closed" in done.stdout
+        else:
+            assert (f"rank {rank}: close from another thread: ValueError: ringreduce.close "
+                    f"(rank {rank} of 2): MPI was initialised with "
+                    f"MPI_THREAD_{level.upper()}") in done.stdout, done.stdout
         assert f"rank {rank}: left to MPI_Finalize: 1" in done.stdout, done.stdout
         assert f"rank {rank}: done" in done.stdout
 
