@@ -1530,7 +1530,8 @@ class Communicator(t.NamedSettings):
 
     def _call(self, name, prepare, *args, wait, context=None, watched=False):
         """context: what errors call it (else the collective's name), a Handle's too
-        (else allreduce_async's, or a blocking call's own). watched: a call the user made as *_async (see _Work)."""
+        (else allreduce_async's, or a blocking call's own). watched: a call the user made
+        as *_async (see _Work)."""
         # (While any is pending, the FastPath sends calls here.) Warned once this rank has
         # taken its part in the call: a warning raised as an error (-W error) must not
         # make it skip the call, which the others' next call would then pair with.
