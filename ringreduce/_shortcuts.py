@@ -8,7 +8,7 @@ import threading
 from mpi4py import MPI
 
 from . import _types
-from .communicator import Communicator, checked_mpi_comm, mpi_unusable_here
+from .communicator import Communicator, _check_thread, checked_mpi_comm, mpi_unusable_here
 
 # The Communicator made for an MPI communicator hangs on the communicator itself, as an
 # MPI attribute: every mpi4py object for the same communicator (a new one per call, as
@@ -68,6 +68,9 @@ def _communicator(comm, caller: str) -> Communicator:
     ring = comm.Get_attr(_keyval)
     if ring is not None and not ring.closed:
         return ring
+    # Refused here, where MPI lets only the main thread call it, named for the call the
+    # script made rather than for the Communicator it would make first.
+    _check_thread(_types.where(comm.Get_rank(), comm.Get_size(), caller), MPI.Query_thread())
     # One thread at a time makes the Communicator for a given MPI communicator: two
     # threads' first calls at once would make two, with one more MPI_Comm_idup on this
     # rank than on a rank where the second thread came once the first had made it.

@@ -1110,7 +1110,7 @@ class Communicator(t.NamedSettings):
         self._mpi_comm = comm
         self._thread_level = MPI.Query_thread()
         threaded = self._thread_level == MPI.THREAD_MULTIPLE
-        _check_thread("ringreduce.Communicator", self._thread_level)
+        _check_thread(context, self._thread_level)
         _finish_dropped_closes()  # (their MPI communicators, before this takes one more)
         with contextlib.nullcontext() if threaded else _SERIAL:
             _finished_at_mpi_finalize()

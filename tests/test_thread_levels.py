@@ -54,6 +54,15 @@ t = threading.Thread(target=from_another_thread)
 t.start()
 t.join()
 print(f"rank {a.rank}: from another thread: {said[0]}", flush=True)
+def module_level_from_another_thread():  # (its first: it would make a Communicator)
+    try:
+        said.append(f"worked: {(rr.allreduce(x) == 2 * x).all()}")
+    except ValueError as error:
+        said.append(f"ValueError: {error}")
+t = threading.Thread(target=module_level_from_another_thread)
+t.start()
+t.join()
+print(f"rank {a.rank}: rr.allreduce from another thread: {said[-1]}", flush=True)
 
 # The optimizer's own calls name it, and leave its step untouched where refused.
 w = np.zeros(3)
@@ -122,6 +131,14 @@ def test_calls_keep_the_mpi_thread_level(level, tmp_path):
             assert (f"rank {rank}: from another thread: ValueError: ringreduce.allreduce "
                     f"(rank {rank} of 2): MPI was initialised with MPI_THREAD_{level.upper()}, "
                     "which lets only the main thread call MPI") in done.stdout, done.stdout
+        # A module-level call names itself, not the Communicator it would make first.
+        if level == "serialized":
+            assert f"rank {rank}: rr.allreduce from another thread: worked: True" \
+                in done.stdout, done.stdout
+        else:
+            assert (f"rank {rank}: rr.allreduce from another thread: ValueError: "
+                    f"ringreduce.allreduce (rank {rank} of 2): MPI was initialised with "
+                    f"MPI_THREAD_{level.upper()}") in done.stdout, done.stdout
         for how in ("step", "grad_ready", "abandon_step"):
             if level == "serialized":
                 assert f"rank {rank}: {how} from another thread: done" in done.stdout
