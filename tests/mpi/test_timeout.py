@@ -847,9 +847,13 @@ def test_each_call_that_never_ran_after_a_with_block_was_left_names_itself(wire,
                           "broadcast_async": ring.broadcast_async(x.copy())}
                 thread.start()
                 deadline = time.monotonic() + 10
-                while ring._executor.calls.pending() < 6:  # the blocking call queued too
+                # Until the blocking call is queued too (6 in the queue, the first among
+                # them), and the worker has started the first (else, on a loaded
+                # machine, that one too never ran).
+                while ring._executor.calls.pending() < 6 or free_here(ring._executor.running):
                     assert time.monotonic() < deadline
                     time.sleep(0.001)
+                time.sleep(0.05)  # (and is waiting in its header exchange)
                 raise KeyError("only on this rank")
         thread.join(10)
         assert not thread.is_alive()
