@@ -214,6 +214,11 @@ class DroppedErrors {
     count_ = 0;
     return taken;
   }
+  // Held by the forking thread across fork() (communicator.py's register_at_fork): held
+  // by another thread then (the worker noting one), it stayed locked in the child, where
+  // no thread would release it, and the child's first take() waited forever.
+  void hold_for_fork() { mutex_.lock(); }
+  void release_after_fork() { mutex_.unlock(); }
 
  private:
   static constexpr size_t kKept = 3;
@@ -2042,6 +2047,11 @@ PYBIND11_MODULE(_core, m) {
   m.def("dropped_errors_pending", [] { return dropped_errors.pending(); });
   m.def("take_dropped_errors", [] { return dropped_errors.take(); },
         "(how many errors were lost with dropped Handles, the first few); forgets them");
+  m.def("hold_dropped_errors", [] { dropped_errors.hold_for_fork(); },
+        py::call_guard<py::gil_scoped_release>(),
+        "before fork(): holds the dropped errors' lock, which a thread may hold a moment");
+  m.def("release_dropped_errors", [] { dropped_errors.release_after_fork(); },
+        "after fork(), in parent and child: the lock hold_dropped_errors() took");
   m.def("stop_creations_on_other_threads", &stop_creations_on_other_threads, py::arg("why"),
         "stops the Communicators being made on other threads, now or later, at their next "
         "wait (RuntimeError there, giving why): at exit, for daemon threads, and at "

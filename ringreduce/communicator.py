@@ -650,15 +650,20 @@ def _after_fork_in_child():
     for comm in list(_live):
         comm._closed = True
         comm._fast = None
+    _core.release_dropped_errors()
     _core.take_dropped_errors()  # (the parent's to warn of)
 
 
 def _before_fork():
     global _MPI_BEFORE_FORK
     _MPI_BEFORE_FORK = MPI.Is_initialized()
+    # Taken by this thread, the one the child goes on in, so that no other holds it in
+    # the child (where it would never be released: see _core's hold_dropped_errors).
+    _core.hold_dropped_errors()
 
 
-os.register_at_fork(before=_before_fork, after_in_child=_after_fork_in_child)
+os.register_at_fork(before=_before_fork, after_in_child=_after_fork_in_child,
+                    after_in_parent=_core.release_dropped_errors)
 
 
 @atexit.register

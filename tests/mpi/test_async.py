@@ -1336,6 +1336,38 @@ def test_a_forked_child_neither_inherits_nor_notes_its_parents_dropped_errors(st
     world.Barrier()
 
 
+def test_a_child_forked_while_another_thread_notes_a_dropped_error_does_not_hang():
+    # (helper 243, from reading) The child forgets its parent's dropped errors, under
+    # their lock; where another thread (the worker, noting one) held that lock at the
+    # fork, it stayed held in the child, where no thread would release it: the child
+    # hung at fork. The forking thread holds it across the fork now. (The other thread
+    # holds it here half a second, as a worker would for a moment.)
+    holding, release = threading.Event(), threading.Event()
+
+    def note_slowly():
+        _core.hold_dropped_errors()
+        holding.set()
+        release.wait(10)
+        _core.release_dropped_errors()
+
+    noter = threading.Thread(target=note_slowly)
+    noter.start()
+    holding.wait(10)
+    threading.Timer(0.5, release.set).start()
+    child = os.fork()
+    if child == 0:
+        os._exit(0)  # (after the fork's handlers, in which it hung)
+    deadline = time.monotonic() + 10
+    while (done := os.waitpid(child, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    noter.join(10)
+    if done[0] == 0:
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)
+    assert done[0] == child, "the child hung at fork"
+    assert os.waitstatus_to_exitcode(done[1]) == 0
+
+
 @pytest.mark.parametrize("strided", [False, True], ids=["FastPath", "Python"])
 def test_a_dropped_allgather_that_ran_out_of_memory_is_warned_of(strided, world, monkeypatch):
     # Rank 1 cannot make its result (np.empty fails there); every rank's call raises
