@@ -129,6 +129,14 @@ def rebuild_hint(loaded_version: str, maps: str | None = None) -> str:
             "another MPI)")
 
 
+# The other way round, where ringreduce's MPI is the one meant (a system MPI, say, with
+# PyPI's mpi4py wheel, which loads the MPI it finds and not MPICC's).
+_OR_MPI4PY = ("\nOr, where ringreduce's MPI is the one you meant, rebuild mpi4py with its mpicc: "
+              "`MPICC=/path/to/that/mpicc pip install --force-reinstall --no-cache-dir "
+              "--no-binary=mpi4py mpi4py` (PyPI's mpi4py wheel loads the MPI it finds, not "
+              "MPICC's)")
+
+
 def first_line(library_version: str) -> str:
     """MPI_Get_library_version()'s first line, stripped (its name and version; "?" for
     none). Open MPI 4.1's text ends with its terminating NUL."""
@@ -167,12 +175,13 @@ def check_same_mpi(built_for, loaded_version: str, loaded_comm_bytes: int | None
             f"  ringreduce: {family} headers (an MPI_Comm of {comm_bytes} bytes)\n"
             f"  mpi4py:     {first_line(loaded_version)}"
             + (f" (an MPI_Comm of {loaded_comm_bytes} bytes)" if loaded_comm_bytes else "")
-            + "\n" + rebuild_hint(loaded_version))
+            + "\n" + rebuild_hint(loaded_version) + _OR_MPI4PY)
     if core_version is not None and core_version().strip() != loaded_version.strip():
         raise ImportError(
             "ringreduce._core was built against a different MPI than the one mpi4py loaded:\n"
             f"  ringreduce: {first_line(core_version())}\n"
-            f"  mpi4py:     {first_line(loaded_version)}\n" + rebuild_hint(loaded_version))
+            f"  mpi4py:     {first_line(loaded_version)}\n" + rebuild_hint(loaded_version)
+            + _OR_MPI4PY)
 
 
 # What launchers tell each process of the job's size: Hydra (MPICH's mpiexec) and

@@ -29,9 +29,14 @@ INTEL = "Intel(R) MPI Library 2021.10 for Linux* OS"  # (MPICH's ABI)
 def test_a_core_built_for_another_mpi_is_refused_before_any_mpi_call(built, loaded, comm_bytes):
     called = []
     with pytest.raises(ImportError, match=r"built for another MPI than the one mpi4py loaded"
-                                          r"(.|\n)*--force-reinstall"):
+                                          r"(.|\n)*--force-reinstall") as refused:
         check_same_mpi(built, loaded, comm_bytes, lambda: called.append(1) or loaded)
     assert not called  # (the core's own MPI call, on a library of another ABI, would crash)
+    # (helper 244) The other way too: a system MPI meant, and PyPI's mpi4py wheel loaded
+    # another; the hint said only to rebuild ringreduce for the MPI mpi4py found.
+    assert "\nOr, where ringreduce's MPI is the one you meant, rebuild mpi4py with its " \
+           "mpicc: `MPICC=/path/to/that/mpicc pip install --force-reinstall --no-cache-dir " \
+           "--no-binary=mpi4py mpi4py`" in str(refused.value)
 
 
 @pytest.mark.parametrize("built, loaded, comm_bytes", [
