@@ -45,24 +45,21 @@ else:
     a.allreduce(x)
 
 said = []
-def from_another_thread():
-    try:
-        said.append(f"worked: {(b.allreduce(x) == 2 * x).all()}")
-    except ValueError as error:
-        said.append(f"ValueError: {error}")
-t = threading.Thread(target=from_another_thread)
-t.start()
-t.join()
-print(f"rank {a.rank}: from another thread: {said[0]}", flush=True)
-def module_level_from_another_thread():  # (its first: it would make a Communicator)
-    try:
-        said.append(f"worked: {(rr.allreduce(x) == 2 * x).all()}")
-    except ValueError as error:
-        said.append(f"ValueError: {error}")
-t = threading.Thread(target=module_level_from_another_thread)
-t.start()
-t.join()
-print(f"rank {a.rank}: rr.allreduce from another thread: {said[-1]}", flush=True)
+def on_another_thread(call):
+    def run():
+        try:
+            said.append(f"worked: {(call() == 2 * x).all()}")
+        except ValueError as error:
+            said.append(f"ValueError: {error}")
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    return said[-1]
+print(f"rank {a.rank}: from another thread: {on_another_thread(lambda: b.allreduce(x))}",
+      flush=True)
+# (A module-level call's first: it would make a Communicator.)
+print(f"rank {a.rank}: rr.allreduce from another thread: "
+      f"{on_another_thread(lambda: rr.allreduce(x))}", flush=True)
 
 # The optimizer's own calls name it, and leave its step untouched where refused.
 w = np.zeros(3)
@@ -125,35 +122,21 @@ def test_calls_keep_the_mpi_thread_level(level, tmp_path):
     assert done.returncode == 0, done.stderr
     assert "rank 0: another Communicator was held" in done.stdout, done.stdout
     for rank in (0, 1):
-        if level == "serialized":
-            assert f"rank {rank}: from another thread: worked: True" in done.stdout
-        else:
-            assert (f"rank {rank}: from another thread: ValueError: ringreduce.allreduce "
-                    f"(rank {rank} of 2): MPI was initialised with MPI_THREAD_{level.upper()}, "
-                    "which lets only the main thread call MPI") in done.stdout, done.stdout
-        # A module-level call names itself, not the Communicator it would make first.
-        if level == "serialized":
-            assert f"rank {rank}: rr.allreduce from another thread: worked: True" \
+        def from_another_thread(what, worked, call):
+            # Done under SERIALIZED; refused, naming the call and the rank, below it.
+            said = worked if level == "serialized" else (
+                f"ValueError: ringreduce.{call} (rank {rank} of 2): MPI was initialised "
+                f"with MPI_THREAD_{level.upper()}, which lets only the main thread call MPI")
+            assert f"rank {rank}: {what}{' ' * bool(what)}from another thread: {said}" \
                 in done.stdout, done.stdout
-        else:
-            assert (f"rank {rank}: rr.allreduce from another thread: ValueError: "
-                    f"ringreduce.allreduce (rank {rank} of 2): MPI was initialised with "
-                    f"MPI_THREAD_{level.upper()}") in done.stdout, done.stdout
+
+        from_another_thread("", "worked: True", "allreduce")
+        # A module-level call names itself, not the Communicator it would make first.
+        from_another_thread("rr.allreduce", "worked: True", "allreduce")
         for how in ("step", "grad_ready", "abandon_step"):
-            if level == "serialized":
-                assert f"rank {rank}: {how} from another thread: done" in done.stdout
-            else:
-                assert (f"rank {rank}: {how} from another thread: ValueError: ringreduce."
-                        f"DistributedOptimizer.{how} (rank {rank} of 2): MPI was initialised "
-                        f"with MPI_THREAD_{level.upper()}") in done.stdout, done.stdout
+            from_another_thread(how, "done", f"DistributedOptimizer.{how}")
         assert f"rank {rank}: w = [-1.0, -1.0, -1.0]" in done.stdout, done.stdout
-        # (close() names the rank too, as every call's error does.)
-        if level == "serialized":
-            assert f"rank {rank}: close from another thread: closed" in done.stdout
-        else:
-            assert (f"rank {rank}: close from another thread: ValueError: ringreduce.close "
-                    f"(rank {rank} of 2): MPI was initialised with "
-                    f"MPI_THREAD_{level.upper()}") in done.stdout, done.stdout
+        from_another_thread("close", "closed", "close")  # (close() names the rank too)
         assert f"rank {rank}: left to MPI_Finalize: 1" in done.stdout, done.stdout
         assert f"rank {rank}: done" in done.stdout
 

@@ -807,11 +807,16 @@ def test_an_error_leaving_a_with_block_stops_its_calls_in_flight(path, wire, wor
         world.Barrier()
     else:
         world.Barrier()
-        # Its header is still posted, so this call gets as far as the ring.
-        raised_within(10, f"rank {SIZE - 1} has left", lambda: ring.allreduce(x))
-        closes_at_once(ring)
+        the_last_rank_is_found_gone(ring, x)
     world.Barrier()
 
+
+def the_last_rank_is_found_gone(ring, x):
+    """On the other ranks, once the last one left at an exception in its `with` block:
+    the next call says so at once, and so does closing."""
+    # Its header is still posted, so this call gets as far as the ring.
+    raised_within(10, f"rank {SIZE - 1} has left", lambda: ring.allreduce(x))
+    closes_at_once(ring)
 
 
 @needs_two
@@ -876,8 +881,7 @@ def test_each_call_that_never_ran_after_a_with_block_was_left_names_itself(wire,
         world.Barrier()
     else:
         world.Barrier()
-        raised_within(10, f"rank {SIZE - 1} has left", lambda: ring.allreduce(x))
-        closes_at_once(ring)
+        the_last_rank_is_found_gone(ring, x)
     world.Barrier()
 
 @contextlib.contextmanager
