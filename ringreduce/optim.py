@@ -1453,8 +1453,9 @@ class DistributedOptimizer(_types.NamedSettings):
         units = [(min(b.indices), b) for b in self._buckets] + [(i, i) for i in self._low_rank]
         self._units = [unit for _, unit in sorted(units, key=lambda u: -u[0])]
         self._next_to_start = 0      # the first unit of _units not started yet
-        # The last unit is complete, and waits for step() to start it (see
-        # _start_complete_units): until then the step can still be abandoned.
+        # A complete unit waits for step() to start it (the last; or an fp16 bucket
+        # whose scale was never agreed, and those after it: see _start_complete_units):
+        # until then the step can still be abandoned.
         self._holding_for_step = False
         self._accumulating = False   # inside no_sync()
         self._accumulated = False    # the buckets hold gradients from no_sync() steps
@@ -2566,9 +2567,9 @@ class DistributedOptimizer(_types.NamedSettings):
         xp = array_module(bucket.buffer)
         gradients = self._sums_in(bucket)  # (float32 sums of micro-batches: _accumulate)
         peak = np.array([float(xp.abs(gradients).max()) if gradients.size else 0.0])
-        # Checked (which optimizer; the settings are the step's data all-reduces' to
-        # check, which name them): a user's own max of one float (a loss, say) made at
-        # this point on another rank would pair with it, unnoticed.
+        # Checked (which optimizer; in step(), its settings too, as the step's data
+        # all-reduces are): a user's own max of one float (a loss, say) made at this
+        # point on another rank would pair with it, unnoticed.
         self.comm._allreduce_checked(peak, "max",
                                      self._call_check if check is None else check)
         return _fp16_scale_below(peak[0]), float(peak[0])
