@@ -308,9 +308,11 @@ def rabenseifner(ranks: int, count: int, elem_size: int = 4, alpha=ALPHA, beta=B
         size = size + size[rank ^ distance]
     # In bytes, as Python's ints; a rank that folded in sent its buffer and got the
     # result back, and its partner the other way round.
-    sent = [e * elem_size + n * (r < extra) for r, e in enumerate(sent.tolist())] + [n] * extra
-    received = [e * elem_size + n * (r < extra) for r, e in enumerate(received.tolist())] + \
-        [n] * extra
+    def in_bytes(elements):
+        return [e * elem_size + n * (r < extra)
+                for r, e in enumerate(elements.tolist())] + [n] * extra
+
+    sent, received = in_bytes(sent), in_bytes(received)
     if extra:  # the result back to the ranks that folded in
         seconds += alpha + n * beta
     return Result("Rabenseifner", ranks, n, 2 * rounds + (2 if extra else 0), sent,
@@ -365,10 +367,17 @@ def timeline_entries(ranks: int, count: int, chunk_elems: int,
     """How many pieces of work pipeline() would work out (to refuse a huge one first):
     every rank sends and adds each reduce-scatter chunk, and sends each all-gather one."""
     gather = chunk_elems if allgather_chunk_elems is None else allgather_chunk_elems
-    most = max(1, _core.MAX_CHUNK_BYTES // elem_size)  # (as pipeline() cuts them)
+    most = _largest_chunk_elems(elem_size)  # (as pipeline() cuts them)
     chunk_elems, gather = min(chunk_elems, most), min(gather, most)
     return ranks * max(0, ranks - 1) * (2 * chunks_per_segment(ranks, count, chunk_elems) +
                                         chunks_per_segment(ranks, count, gather))
+
+
+def _largest_chunk_elems(elem_size: int) -> int:
+    """The most elements the core puts in one chunk: a message is at most
+    _core.MAX_CHUNK_BYTES (RingCommunicator::chunk_elems, and copy_chunk_elems for the
+    all-gather's 64 times larger ones)."""
+    return max(1, _core.MAX_CHUNK_BYTES // elem_size)
 
 
 def _check_chunk_elems(value, name: str = "chunk_elems") -> int:
@@ -413,9 +422,8 @@ def pipeline(ranks: int, count: int, chunk_elems: int, elem_size: int = 4, alpha
     chunk_elems = _chunk_elems(chunk_elems, "chunk_elems", count, ranks)
     gather_elems = _chunk_elems(chunk_elems if allgather_chunk_elems is None
                                 else allgather_chunk_elems, "allgather_chunk_elems", count, ranks)
-    # The core cuts no chunk larger than a message may be (RingCommunicator::chunk_elems,
-    # and copy_chunk_elems for the all-gather's 64 times larger ones).
-    most = max(1, _core.MAX_CHUNK_BYTES // elem_size)
+    # The core cuts no chunk larger than a message may be.
+    most = _largest_chunk_elems(elem_size)
     chunk_elems, gather_elems = min(chunk_elems, most), min(gather_elems, most)
     if count == 0:  # (nothing moves: no steps, at any number of ranks)
         return Timeline(ranks, count, elem_size, chunk_elems, gather_elems, 0.0, [])
