@@ -610,7 +610,6 @@ def test_a_daemon_thread_inside_a_call_at_exit_ends_with_the_process(tmp_path, s
     assert time.monotonic() - start < 60
 
 
-
 DAEMON_CALLING_AFTER_THE_EXIT = """
 import atexit
 import threading
@@ -653,6 +652,7 @@ def test_a_call_a_daemon_thread_makes_once_the_exit_has_begun_says_so(tmp_path, 
                              "Communicator, as it does every one before MPI is finalised; no "
                              "call can follow$",
                              done.stdout, re.M), done.stdout
+
 
 DAEMON_MAKING_ONE = """
 import atexit

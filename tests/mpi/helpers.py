@@ -137,8 +137,10 @@ def check_against_float64(result, arrays, op):
 
 
 def same_on_every_rank(array, comm=MPI.COMM_WORLD):
-    """The bytes (and shape) of array are identical on every rank."""
-    blobs = comm.allgather((array.shape, array.tobytes()))
+    """The bytes (and shape) of array, or of each array of a list (a model's parameters:
+    replicas alike), are identical on every rank."""
+    arrays = array if isinstance(array, list) else [array]
+    blobs = comm.allgather([(a.shape, a.tobytes()) for a in arrays])
     return all(b == blobs[0] for b in blobs)
 
 

@@ -23,7 +23,7 @@ from ringreduce.optim import SGD, Adam, DistributedOptimizer
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
 from mlp import init_params, loss_and_grads  # noqa: E402
 from helpers import TorchTensor as Tensor  # noqa: E402
-from helpers import result_and_peak_allocated  # noqa: E402
+from helpers import result_and_peak_allocated, same_on_every_rank  # noqa: E402
 
 SIZE = MPI.COMM_WORLD.Get_size()
 RANK = MPI.COMM_WORLD.Get_rank()
@@ -286,8 +286,7 @@ def test_abandon_step_after_ranks_stopped_at_different_points(compression):
     opt.abandon_step()
     for _ in range(2):
         opt.step([np.full((20, 30), RANK + 1.0)] * 3)
-    everyone = MPI.COMM_WORLD.allgather([p.tobytes() for p in params])
-    assert all(mine == everyone[0] for mine in everyone)  # identical replicas
+    assert same_on_every_rank(params)  # identical replicas
     for p in params:
         np.testing.assert_allclose(p, -2 * (SIZE + 1) / 2, rtol=1e-3)
 
@@ -321,8 +320,7 @@ def test_a_step_one_rank_abandons_is_dropped_on_every_rank(compression):
             assert "Another rank abandoned the step" in str(error)
         else:
             assert step != 1, "a step another rank abandoned went through"
-    everyone = MPI.COMM_WORLD.allgather([p.tobytes() for p in params])
-    assert all(mine == everyone[0] for mine in everyone)  # identical replicas
+    assert same_on_every_rank(params)  # identical replicas
     applied = sum(step + (SIZE + 1) / 2 for step in (0, 2, 3))  # the average gradients
     for p in params:
         np.testing.assert_allclose(p, -applied, rtol=1e-3)
@@ -1671,8 +1669,7 @@ def test_an_lr_of_0_is_a_setting_like_any_other_and_a_bad_one_stops_the_step(mak
     opt.lr = 0.5
     opt.step([np.ones((4, 3))])
     assert (params[0] < 1).all()
-    everyone = MPI.COMM_WORLD.allgather(params[0].tobytes())
-    assert all(mine == everyone[0] for mine in everyone)
+    assert same_on_every_rank(params[0])
 
 
 @each_optimizer
@@ -2602,8 +2599,7 @@ def test_a_setting_changed_on_one_rank_drops_the_step_on_every_rank(setting, com
         value = 0.05
     setattr(optimizer, name, value)  # a schedule that all ranks run
     opt.step(grads)
-    everyone = MPI.COMM_WORLD.allgather([p.tobytes() for p in params])
-    assert all(mine == everyone[0] for mine in everyone)  # identical replicas
+    assert same_on_every_rank(params)  # identical replicas
     assert not all(np.array_equal(p, b) for p, b in zip(params, before))  # and a step
 
 
@@ -2712,8 +2708,7 @@ def test_an_error_after_every_gradient_was_given_drops_the_step_on_every_rank(er
     close = 1e-3 if compression == "fp16" else 1e-7  # (16 bits: (0+1+2+3+4)/5 is 1.999)
     np.testing.assert_allclose(params[0], -(SIZE - 1) / 2, rtol=close)
     np.testing.assert_allclose(params[1], -1.0, rtol=close)
-    everyone = MPI.COMM_WORLD.allgather([p.tobytes() for p in params])
-    assert all(mine == everyone[0] for mine in everyone)
+    assert same_on_every_rank(params)
 
 
 def test_a_handlers_abandon_step_after_a_failed_micro_batch_keeps_the_sums_before():
@@ -3664,8 +3659,7 @@ def test_broadcast_parameters_takes_away_momentum_buffers_the_root_has_not_made_
     opt.broadcast_parameters(root=0)
     assert [b is None for b in opt.optimizer.momentum_buffers] == [True, True]
     opt.step([np.full(4, 1.0 + RANK), np.full((2, 3), 2.0 - RANK)])
-    everyone = MPI.COMM_WORLD.allgather([p.tobytes() for p in params])
-    assert all(theirs == everyone[0] for theirs in everyone)
+    assert same_on_every_rank(params)
 
 
 def _state_arrays(optimizer):
@@ -3785,8 +3779,7 @@ def test_state_calls_partway_through_a_step_are_refused_and_the_step_stands(
     average = (SIZE + 1) / 2 * (3 if micro else 1)  # (three micro-batches)
     for p in params:
         np.testing.assert_allclose(p, -1.0 - (0.9 + average), rtol=1e-2)
-    everyone = MPI.COMM_WORLD.allgather([p.tobytes() for p in params])
-    assert all(mine == everyone[0] for mine in everyone)
+    assert same_on_every_rank(params)
     assert opt.state_dict()["optimizer"]["lr"] == 1.0  # (between steps again)
 
 
@@ -3819,8 +3812,7 @@ def test_one_rank_partway_through_a_step_is_refused_on_every_rank_without_a_hang
         opt.grad_ready(i, grad)
     opt.step()
     opt.step([grad] * 4)
-    everyone = MPI.COMM_WORLD.allgather([p.tobytes() for p in params])
-    assert all(mine == everyone[0] for mine in everyone)
+    assert same_on_every_rank(params)
     average = (SIZE + 1) / 2
     for p in params:  # (lr 1, momentum 0.9: three steps)
         np.testing.assert_allclose(p, -1 - (0.9 + average) - (0.81 + 0.9 * average + average),
@@ -3837,8 +3829,7 @@ def test_one_rank_partway_through_a_step_is_refused_on_every_rank_without_a_hang
     opt.broadcast_parameters()
     opt.abandon_step()  # (in the handler, as api.md says: here it makes no calls)
     opt.step([grad] * 4)
-    everyone = MPI.COMM_WORLD.allgather([p.tobytes() for p in params])
-    assert all(mine == everyone[0] for mine in everyone)
+    assert same_on_every_rank(params)
 
 
 @needs_two
@@ -3878,8 +3869,7 @@ def test_an_fp16_bucket_agrees_on_its_first_scale_in_step_alone(method, at_it):
                          rf".*{refused}", str(raised.value)), str(raised.value)
         opt.step([grad] * 4)
     opt.step([grad] * 4)
-    everyone = MPI.COMM_WORLD.allgather([p.tobytes() for p in params])
-    assert all(mine == everyone[0] for mine in everyone)
+    assert same_on_every_rank(params)
     average = (SIZE + 1) / 2
     for p in params:  # (lr 1, momentum 0.9: two steps)
         np.testing.assert_allclose(p, -average - 1.9 * average, rtol=1e-2)
@@ -3907,8 +3897,7 @@ def test_a_rank_with_other_settings_that_abandons_beside_a_first_fp16_step_pairs
     opt.optimizer.lr = 1.0
     opt.step([grad * 2] * 4)
     opt.step([grad * 3] * 4)
-    everyone = MPI.COMM_WORLD.allgather([p.tobytes() for p in params])
-    assert all(mine == everyone[0] for mine in everyone)
+    assert same_on_every_rank(params)
     for p in params:  # (lr 1, momentum 0.9: two steps)
         np.testing.assert_allclose(p, -2 - (0.9 * 2 + 3), rtol=1e-3)
 
@@ -3933,8 +3922,7 @@ def test_fp16_optimizers_of_other_layouts_first_stepped_in_other_orders_pair_up_
         for k in (2, 3):
             two.step([grad * k] * 4)
             one.step([grad * k] * 4)
-        everyone = MPI.COMM_WORLD.allgather([p.tobytes() for ps in models for p in ps])
-        assert all(mine == everyone[0] for mine in everyone)
+        assert same_on_every_rank(models[0] + models[1])
         for p in models[0] + models[1]:  # (lr 1, momentum 0.9: two steps)
             np.testing.assert_allclose(p, -2 - (0.9 * 2 + 3), rtol=1e-3)
 
@@ -3965,8 +3953,7 @@ def test_ranks_at_different_agreements_are_told_so(other):
         else:
             second.load_state_dict(saved)
     opt.step([np.full((4, 3), RANK + 1.0), np.full(5, 1.0)])  # (the ranks' calls pair up)
-    everyone = MPI.COMM_WORLD.allgather([p.tobytes() for p in params])
-    assert all(mine == everyone[0] for mine in everyone)
+    assert same_on_every_rank(params)
 
 
 @needs_two
@@ -4040,8 +4027,7 @@ def test_ranks_that_step_beside_an_agreement_pair_up_at_the_next_step(alone, cal
         grads = [(RANK + 1.0) * k for k in (1, 2)]
         for grad in grads:
             opt.step([np.full((20, 30), grad)] * 4)
-        everyone = MPI.COMM_WORLD.allgather([p.tobytes() for p in params])
-        assert all(mine == everyone[0] for mine in everyone)
+        assert same_on_every_rank(params)
         average = [(SIZE + 1) / 2 * k for k in (1, 2)]
         if first:  # (lr 1, momentum 0.9: two steps)
             moved = average[0] + 0.9 * average[0] + average[1]
